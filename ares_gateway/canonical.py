@@ -1,0 +1,245 @@
+"""The canonical form of an LLM request and of its completion.
+
+Every wire protocol (OpenAI chat completions, Anthropic messages, OpenAI
+responses) is converted to and from these models by the pure functions in
+:mod:`ares_gateway.protocols`. Messages follow the OpenAI chat style (role,
+content as a string or a list of parts, tool calls, tool results) because
+that is what trainers and chat templates consume.
+
+Anything a protocol carries that has no canonical field is kept in ``extra``
+(per message / part / tool) so that a round trip through the canonical form
+loses nothing the target protocol can express; the verbatim request body is
+always kept in :attr:`CanonicalRequest.raw`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class WireProtocol(StrEnum):
+    """The wire API an agent spoke; also the ``protocol`` field of a polled item."""
+
+    OPENAI_CHAT = "openai.chat"
+    ANTHROPIC_MESSAGES = "anthropic.messages"
+    OPENAI_RESPONSES = "openai.responses"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ContentPart(_Model):
+    """One part of a message's content.
+
+    ``type`` is ``"text"``, ``"image"``, ``"audio"``, ``"file"``, ``"thinking"``,
+    ``"redacted_thinking"`` or whatever the client sent (unknown types are kept).
+    ``extra`` holds protocol specifics: ``cache_control``, a thinking
+    ``signature``, an image ``source`` / ``detail``, the raw block of an unknown type.
+    """
+
+    type: str = "text"
+    text: str | None = None
+    #: For images / files: a URL or a ``data:`` URL.
+    url: str | None = None
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolCall(_Model):
+    """A call the model asks the client to run.
+
+    ``arguments`` is the JSON-encoded argument object for function tools (as
+    OpenAI sends it), or the free-form input for ``custom`` tools (Codex's
+    ``apply_patch``).
+    """
+
+    id: str
+    name: str
+    arguments: str = "{}"
+    type: Literal["function", "custom"] = "function"
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class Message(_Model):
+    """A chat message in OpenAI-chat style.
+
+    Roles: ``system``, ``developer``, ``user``, ``assistant``, ``tool``.
+    A tool result is a ``tool`` message with ``tool_call_id`` (and ``is_error``
+    when the client flagged it). ``reasoning`` is the model's visible
+    reasoning / thinking text for assistant messages.
+    """
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_call_id: str | None = None
+    is_error: bool | None = None
+    reasoning: str | None = None
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    def text(self) -> str:
+        """The message's text content, parts joined, non-text parts skipped."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content if p.type == "text")
+
+    def to_chat_dict(self) -> dict[str, Any]:
+        """The message as a plain dict (role, content, tool_calls, ...), omitting empty fields.
+
+        This is the form handed to the trajectory recorder and to chat templates.
+        """
+        out: dict[str, Any] = {"role": self.role}
+        if isinstance(self.content, list):
+            out["content"] = [_part_dict(p) for p in self.content]
+        else:
+            out["content"] = self.content
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": tc.id, "type": tc.type, "function": {"name": tc.name, "arguments": tc.arguments}}
+                for tc in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.is_error:
+            out["is_error"] = True
+        if self.reasoning:
+            out["reasoning"] = self.reasoning
+        return out
+
+
+def _part_dict(p: ContentPart) -> dict[str, Any]:
+    d: dict[str, Any] = {"type": p.type}
+    if p.text is not None:
+        d["text"] = p.text
+    if p.url is not None:
+        d["url"] = p.url
+    return d
+
+
+class Tool(_Model):
+    """A tool offered to the model.
+
+    ``type`` is ``"function"`` for JSON-schema tools; other types (``custom``,
+    ``namespace``, ``web_search``, ``tool_search``, Anthropic server tools) are
+    kept with their original definition in ``extra["raw"]``.
+    """
+
+    type: str = "function"
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplingParams(_Model):
+    """Generation parameters common to the three APIs; the rest stay in ``extra``."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: list[str] | None = None
+    seed: int | None = None
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class CanonicalRequest(_Model):
+    """One LLM request in canonical form, with the verbatim body beside it."""
+
+    protocol: WireProtocol
+    model: str | None = None
+    messages: list[Message] = Field(default_factory=list)
+    tools: list[Tool] = Field(default_factory=list)
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    stream: bool = False
+    #: OpenAI ``stream_options.include_usage``.
+    include_usage: bool = False
+    #: Protocol fields that have no canonical slot (thinking config, metadata, reasoning, ...).
+    extra: dict[str, Any] = Field(default_factory=dict)
+    #: The request body exactly as the agent sent it (parsed JSON).
+    raw: dict[str, Any] = Field(default_factory=dict, repr=False)
+
+
+class Usage(_Model):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_input_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+class TokenRecord(_Model):
+    """The generation as the inference engine saw it: the token-faithful record for training."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float] = Field(default_factory=list)
+    finish_reason: str | None = None
+
+    @field_validator("output_logprobs")
+    @classmethod
+    def _same_length(cls, v: list[float], info: Any) -> list[float]:
+        out = info.data.get("output_ids")
+        if v and out is not None and len(v) != len(out):
+            raise ValueError(
+                f"output_logprobs has {len(v)} entries but output_ids has {len(out)}; "
+                "give one logprob per output token or none"
+            )
+        return v
+
+
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
+
+
+class Completion(_Model):
+    """The policy's answer to one request, in canonical form.
+
+    ``tool_calls`` may hold several calls (parallel tool calls are preserved in
+    order). ``finish_reason`` uses OpenAI-chat vocabulary and is mapped to each
+    protocol's own (``end_turn`` / ``tool_use`` / ``max_tokens`` for Anthropic).
+    """
+
+    text: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    finish_reason: FinishReason = "stop"
+    usage: Usage | None = None
+    tokens: TokenRecord | None = None
+    model: str | None = None
+    #: Protocol specifics to carry back (e.g. a thinking ``signature``).
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    def to_message(self) -> Message:
+        """The assistant message this completion becomes in the conversation."""
+        return Message(
+            role="assistant",
+            content=self.text,
+            tool_calls=list(self.tool_calls),
+            reasoning=self.reasoning,
+        )
+
+
+class CompletionDelta(_Model):
+    """One increment of a streamed completion.
+
+    Exactly one kind per delta: ``text``, ``reasoning``, or a piece of tool call
+    number ``tool_index`` (its ``tool_call_id`` / ``tool_name`` on the first
+    piece, then ``arguments`` fragments).
+    """
+
+    text: str | None = None
+    reasoning: str | None = None
+    tool_index: int | None = None
+    tool_call_id: str | None = None
+    tool_name: str | None = None
+    tool_type: Literal["function", "custom"] = "function"
+    arguments: str | None = None

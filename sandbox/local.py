@@ -1,0 +1,336 @@
+"""``LocalSandbox``: the embedded default, needs no service.
+
+Each sandbox gets a private directory (``$ARES_SANDBOX_LOCAL_ROOT`` or ``/tmp/ares-sandboxes``, then
+the sandbox id) holding its workspace and its ``/tmp``.  Commands run in their own session and process
+group with an environment scrubbed to what the spec passes (plus ``PATH`` and ``HOME`` defaults and
+``ARES_SANDBOX_ID``, by which leftover processes are found and killed).
+
+When bubblewrap (``bwrap``) is installed and works, commands run inside it: the host filesystem
+read-only, the workspace bind-mounted read-write at the spec's ``workdir``, a private ``/tmp``, fresh
+``/dev`` and ``/proc`` and a private PID namespace (``network="none"`` also unshares the network).
+Without it there is NO isolation, only a private working directory, and :attr:`description` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import posixpath
+import pwd
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+from . import janitor
+from .errors import ExecError, FileTransferError, SandboxStartError
+from .protocol import BaseSandbox, ExecResult
+from .spec import SandboxSpec
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_ID_VAR = "ARES_SANDBOX_ID"
+_OWNER_FILE = "owner.json"
+
+
+def local_root() -> Path:
+    return Path(os.environ.get("ARES_SANDBOX_LOCAL_ROOT") or "/tmp/ares-sandboxes")
+
+
+@cache
+def bwrap_available() -> bool:
+    """Whether bubblewrap is installed *and* can create the namespaces it needs here."""
+    exe = shutil.which("bwrap")
+    if not exe:
+        return False
+    try:
+        probe = subprocess.run(
+            [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid",
+             "--die-with-parent", "true"],
+            capture_output=True,
+            timeout=20,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def _kill_tagged_processes(sandbox_id: str) -> int:
+    """SIGKILL every process whose environment carries ``ARES_SANDBOX_ID=<sandbox_id>``."""
+    needle = f"{_ID_VAR}={sandbox_id}".encode()
+    killed = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                environ = fh.read()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+    return killed
+
+
+class LocalSandbox(BaseSandbox):
+    backend = "local"
+
+    def __init__(self, spec: SandboxSpec | None = None, *, isolate: bool | None = None) -> None:
+        super().__init__(spec)
+        self.isolated = bwrap_available() if isolate is None else isolate
+        if self.isolated and not bwrap_available():
+            raise SandboxStartError("isolate=True needs bubblewrap: apt-get install bubblewrap (and user namespaces)")
+        self.root = local_root() / self.id
+        self._pgids: set[int] = set()
+
+    @property
+    def description(self) -> str:
+        if self.isolated:
+            return (
+                f"local sandbox {self.id} in {self.root} (bubblewrap: read-only host filesystem, private "
+                f"{self.spec.workdir} and /tmp, PID namespace, network={self.spec.network})"
+            )
+        return (
+            f"local sandbox {self.id} in {self.root} WITHOUT ISOLATION (bubblewrap not available): commands "
+            "run as host processes with a private working directory and a scrubbed environment only"
+        )
+
+    @property
+    def workdir(self) -> str:
+        return self.spec.workdir if self.isolated else str(self.root / "work")
+
+    # -- paths -------------------------------------------------------------------------------------
+    def _host_path(self, remote: str) -> Path:
+        """Where a path inside the sandbox lives on the host."""
+        remote = posixpath.normpath(remote)
+        work_roots = {self.spec.workdir, str(self.root / "work")}
+        for base in work_roots:
+            if remote == base or remote.startswith(base.rstrip("/") + "/"):
+                rel = posixpath.relpath(remote, base)
+                return (self.root / "work" / rel).resolve() if rel != "." else self.root / "work"
+        if self.isolated and (remote == "/tmp" or remote.startswith("/tmp/")):
+            return self.root / "tmp" / posixpath.relpath(remote, "/tmp")
+        return Path(remote)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def _start(self) -> None:
+        try:
+            (self.root / "work").mkdir(parents=True, exist_ok=False)
+            (self.root / "tmp").mkdir(mode=0o1777)
+            os.chmod(self.root / "tmp", 0o1777)
+            (self.root / _OWNER_FILE).write_text(json.dumps({"id": self.id, "labels": self.labels()}))
+        except OSError as exc:
+            raise SandboxStartError(
+                f"cannot create the local sandbox directory {self.root}: {exc}; set ARES_SANDBOX_LOCAL_ROOT "
+                "to a writable directory"
+            ) from exc
+        if self.spec.network not in ("host", "none"):
+            raise SandboxStartError(f"the local backend supports network 'host' or 'none', not {self.spec.network!r}")
+        if self.spec.network == "none" and not self.isolated:
+            raise SandboxStartError("network='none' needs bubblewrap for the local backend: apt-get install bubblewrap")
+
+    def _remove_sync(self) -> None:
+        for pgid in list(self._pgids):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        self._pgids.clear()
+        _kill_tagged_processes(self.id)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- exec ----------------------------------------------------------------------------------------
+    def _argv(self, command: str, cwd: str, user: str | None) -> list[str]:
+        inner = ["/bin/sh", "-c", command]
+        if not self.isolated:
+            return inner
+        argv = [
+            "bwrap", *_root_binds(self.spec.workdir), "--dev", "/dev", "--proc", "/proc",
+            "--bind", str(self.root / "tmp"), "/tmp",
+            "--bind", str(self.root / "work"), self.spec.workdir,
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session",
+        ]
+        if self.spec.network == "none":
+            argv.append("--unshare-net")
+        argv += ["--chdir", cwd]
+        if user is not None:
+            info = self._lookup_user(user)
+            argv += ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", "--init-groups"]
+        return argv + inner
+
+    def _lookup_user(self, user: str) -> pwd.struct_passwd:
+        try:
+            return pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+        except KeyError as exc:
+            raise ExecError(f"no user {user!r} on this host: the local backend runs commands as host users") from exc
+
+    async def _exec(
+        self, command: str, *, cwd: str, env: dict[str, str], user: str | None, timeout: float | None
+    ) -> ExecResult:
+        full_env = {"PATH": DEFAULT_PATH, "HOME": self.workdir, **env, _ID_VAR: self.id}
+        host_cwd = self._host_path(cwd)
+        if not host_cwd.is_dir():
+            raise ExecError(f"cwd {cwd!r} does not exist in sandbox {self.id}: create it first (mkdir -p)")
+        kwargs: dict[str, object] = {}
+        if user is not None:
+            info = self._lookup_user(user)
+            if not self.isolated:
+                if os.geteuid() != 0 and info.pw_uid != os.geteuid():
+                    raise ExecError(f"cannot run as {user!r}: the local backend needs root to switch users")
+                if info.pw_uid != os.geteuid():
+                    kwargs.update(user=info.pw_uid, group=info.pw_gid, extra_groups=[])
+            elif os.geteuid() != 0 and info.pw_uid != os.geteuid():
+                raise ExecError(f"cannot run as {user!r}: the local backend needs root to switch users")
+        argv = self._argv(command, cwd, user)
+        started = time.monotonic()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=str(host_cwd) if not self.isolated else str(self.root),
+                env=full_env,
+                start_new_session=True,
+                **kwargs,  # type: ignore[arg-type]
+            )
+        except OSError as exc:
+            raise ExecError(f"cannot start {argv[0]}: {exc}") from exc
+        self._pgids.add(proc.pid)
+        timed_out = False
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        except TimeoutError:
+            timed_out = True
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), 5)
+            except TimeoutError:  # a process that left the group still holds the pipes
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                out, err = b"", b""
+        except asyncio.CancelledError:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        finally:
+            # The shell may have left background jobs in its group; they live until stop().
+            if proc.returncode is not None and not _group_alive(proc.pid):
+                self._pgids.discard(proc.pid)
+        code = proc.returncode if proc.returncode is not None else -9
+        return ExecResult(
+            stdout=out.decode("utf-8", "replace"),
+            stderr=err.decode("utf-8", "replace"),
+            exit_code=-9 if timed_out else code,
+            timed_out=timed_out,
+            duration=time.monotonic() - started,
+        )
+
+    # -- files -----------------------------------------------------------------------------------
+    async def _upload_file(self, local_path: Path, remote_path: str) -> None:
+        dest = self._host_path(remote_path)
+
+        def copy() -> None:
+            if not local_path.is_file():
+                raise FileTransferError(f"{local_path} is not a file: pass an existing local file")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(local_path, dest)
+            shutil.copymode(local_path, dest)
+
+        await self._files(copy, remote_path)
+
+    async def _upload_dir(self, local_dir: Path, remote_dir: str) -> None:
+        dest = self._host_path(remote_dir)
+
+        def copy() -> None:
+            if not local_dir.is_dir():
+                raise FileTransferError(f"{local_dir} is not a directory: pass an existing local directory")
+            shutil.copytree(local_dir, dest, symlinks=True, dirs_exist_ok=True)
+
+        await self._files(copy, remote_dir)
+
+    async def _download_file(self, remote_path: str, local_path: Path) -> None:
+        src = self._host_path(remote_path)
+
+        def copy() -> None:
+            if not src.is_file():
+                raise FileTransferError(f"{remote_path} is not a file in sandbox {self.id}")
+            local_path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, local_path)
+
+        await self._files(copy, remote_path)
+
+    async def _download_dir(self, remote_dir: str, local_dir: Path) -> None:
+        src = self._host_path(remote_dir)
+
+        def copy() -> None:
+            if not src.is_dir():
+                raise FileTransferError(f"{remote_dir} is not a directory in sandbox {self.id}")
+            shutil.copytree(src, local_dir, symlinks=True, dirs_exist_ok=True)
+
+        await self._files(copy, remote_dir)
+
+    async def _files(self, fn: Callable[[], None], what: str) -> None:
+        try:
+            await asyncio.to_thread(fn)
+        except OSError as exc:
+            raise FileTransferError(f"file transfer for {what} in sandbox {self.id} failed: {exc}") from exc
+
+
+def _root_binds(workdir: str) -> list[str]:
+    """Read-only binds of the host's top-level directories onto bwrap's fresh root (a tmpfs), so
+    that the workdir can be created as a new mount point there."""
+    top = workdir.strip("/").split("/", 1)[0]
+    args: list[str] = []
+    for name in sorted(os.listdir("/")):
+        if name in ("proc", "dev", "tmp", top):
+            continue
+        path = "/" + name
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    return args
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- garbage collection hooks (see janitor.collect_garbage) -----------------------------------------
+
+
+def gc_candidates() -> list[tuple[str, dict[str, str]]]:
+    root = local_root()
+    found: list[tuple[str, dict[str, str]]] = []
+    if not root.is_dir():
+        return found
+    for entry in root.iterdir():
+        try:
+            info = json.loads((entry / _OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        labels = info.get("labels") or {}
+        if janitor.OWNER_LABEL in labels:
+            found.append((entry.name, labels))
+    return found
+
+
+def gc_remove(ref: str) -> None:
+    _kill_tagged_processes(ref)
+    shutil.rmtree(local_root() / ref, ignore_errors=True)

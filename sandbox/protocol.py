@@ -1,0 +1,343 @@
+"""The :class:`Sandbox` protocol, :class:`ExecResult`, and :class:`BaseSandbox`, which backends extend."""
+
+from __future__ import annotations
+
+import abc
+import io
+import os
+import posixpath
+import tarfile
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Protocol, Self, runtime_checkable
+
+from . import janitor
+from .errors import ExecError, FileTransferError, SandboxStateError
+from .spec import SandboxSpec
+
+# Spill an in-flight tar stream to disk beyond this size instead of holding it in memory.
+_SPOOL_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What one command did. ``exit_code`` is -9 (or the backend's kill status) when ``timed_out``."""
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    timed_out: bool
+    duration: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """One isolated place to run commands and move files. Every backend implements this."""
+
+    id: str
+    backend: str
+    spec: SandboxSpec
+
+    @property
+    def description(self) -> str: ...
+
+    @property
+    def state(self) -> str: ...
+
+    async def start(self) -> None: ...
+
+    async def exec(
+        self,
+        command: str | list[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+    ) -> ExecResult: ...
+
+    async def upload_file(self, local_path: str | os.PathLike[str], remote_path: str) -> None: ...
+
+    async def upload_dir(self, local_dir: str | os.PathLike[str], remote_dir: str) -> None: ...
+
+    async def download_file(self, remote_path: str, local_path: str | os.PathLike[str]) -> None: ...
+
+    async def download_dir(self, remote_dir: str, local_dir: str | os.PathLike[str]) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def stop_and_remove(self) -> None: ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+
+def command_to_shell(command: str | list[str]) -> str:
+    """A command as one ``sh -c`` string: a string is used as is, a list is quoted word by word."""
+    if isinstance(command, str):
+        return command
+    import shlex
+
+    return shlex.join(command)
+
+
+def tar_directory(local_dir: Path) -> IO[bytes]:
+    """The contents of ``local_dir`` as an uncompressed tar stream (spooled to disk when large)."""
+    if not local_dir.is_dir():
+        raise FileTransferError(f"{local_dir} is not a directory: pass an existing local directory")
+    spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES)
+    with tarfile.open(fileobj=spool, mode="w") as tar:
+        for entry in sorted(local_dir.iterdir()):
+            tar.add(entry, arcname=entry.name)
+    spool.seek(0)
+    return spool  # type: ignore[return-value]
+
+
+def tar_single_file(local_path: Path, arcname: str) -> IO[bytes]:
+    if not local_path.is_file():
+        raise FileTransferError(f"{local_path} is not a file: pass an existing local file")
+    spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES)
+    with tarfile.open(fileobj=spool, mode="w") as tar:
+        tar.add(local_path, arcname=arcname)
+    spool.seek(0)
+    return spool  # type: ignore[return-value]
+
+
+def extract_tar(stream: IO[bytes], dest: Path, *, strip_top: bool = False) -> None:
+    """Extract a tar stream into ``dest`` refusing anything that escapes it (the ``data`` filter)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=stream, mode="r|*") as tar:
+        for member in tar:
+            name = member.name
+            if strip_top:
+                parts = name.split("/", 1)
+                if len(parts) == 1 or not parts[1]:
+                    continue
+                member.name = parts[1]
+            tar.extract(member, dest, filter="data")
+
+
+def extract_single_file(stream: IO[bytes], local_path: Path) -> None:
+    """Write the first regular file of a tar stream to ``local_path``."""
+    with tarfile.open(fileobj=stream, mode="r|*") as tar:
+        for member in tar:
+            if member.isfile():
+                source = tar.extractfile(member)
+                if source is None:
+                    break
+                local_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(local_path, "wb") as out:
+                    while chunk := source.read(1024 * 1024):
+                        out.write(chunk)
+                return
+    raise FileTransferError(f"no regular file in the archive for {local_path}: is the remote path a file?")
+
+
+class IterStream(io.RawIOBase):
+    """A read-only file object over an iterator of byte chunks (for streaming tar extraction)."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._it = iter(chunks)
+        self._buf = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: bytearray) -> int:  # type: ignore[override]
+        while not self._buf:
+            try:
+                self._buf = next(self._it)
+            except StopIteration:
+                return 0
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+
+class BaseSandbox(abc.ABC):
+    """Shared lifecycle of every backend: state checks, janitor registration, ``async with``."""
+
+    backend: str = "base"
+
+    def __init__(self, spec: SandboxSpec | None = None) -> None:
+        self.spec = spec or SandboxSpec()
+        self.id = uuid.uuid4().hex[:12]
+        self._state = "created"
+        self._lock = threading.Lock()
+        self.created_at = time.time()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """``created``, ``running`` or ``stopped``."""
+        return self._state
+
+    @property
+    @abc.abstractmethod
+    def description(self) -> str:
+        """One line saying what this sandbox is and how isolated it is."""
+
+    def labels(self) -> dict[str, str]:
+        """The labels put on the sandbox: the spec's own plus owner, session and creation time."""
+        return {**self.spec.labels, **janitor.owner_labels(), janitor.CREATED_LABEL: str(int(self.created_at))}
+
+    async def start(self) -> None:
+        if self._state == "running":
+            return
+        if self._state == "stopped":
+            raise SandboxStateError(
+                f"sandbox {self.id} was stopped and cannot be started again: create a new one with sandbox.create()"
+            )
+        janitor.register(self)
+        try:
+            await self._start()
+        except BaseException:
+            try:
+                self._remove_sync()
+            finally:
+                janitor.unregister(self)
+                self._state = "stopped"
+            raise
+        self._state = "running"
+
+    async def stop(self) -> None:
+        """Stop and remove the sandbox. Safe to call twice."""
+        with self._lock:
+            if self._state == "stopped":
+                return
+            was_started = self._state == "running"
+            self._state = "stopped"
+        try:
+            if was_started:
+                await self._stop()
+        finally:
+            janitor.unregister(self)
+
+    def stop_and_remove(self) -> None:
+        """Synchronous, idempotent removal; safe from atexit and signal handlers."""
+        with self._lock:
+            if self._state == "stopped":
+                janitor.unregister(self)
+                return
+            self._state = "stopped"
+        try:
+            self._remove_sync()
+        finally:
+            janitor.unregister(self)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    @property
+    def workdir(self) -> str:
+        """The working directory inside the sandbox (relative remote paths are resolved against it)."""
+        return self.spec.workdir
+
+    def _require_running(self, what: str) -> None:
+        if self._state == "created":
+            raise SandboxStateError(f"cannot {what}: sandbox {self.id} is not started; call `await sb.start()` first")
+        if self._state == "stopped":
+            raise SandboxStateError(
+                f"cannot {what}: sandbox {self.id} ({self.backend}) has been stopped; create a new sandbox"
+            )
+
+    # -- operations --------------------------------------------------------------------------------
+    async def exec(
+        self,
+        command: str | list[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+    ) -> ExecResult:
+        """Run ``command`` with ``sh -c`` (a list is quoted), in ``cwd`` (default: the spec's workdir).
+
+        ``env`` is added to the spec's environment. ``timeout`` (seconds) kills the command's whole
+        process group inside the sandbox and returns with ``timed_out=True``; it is never re-run.
+        """
+        self._require_running("exec")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        merged = {**self.spec.env, **(env or {})}
+        for key in merged:
+            if not key or "=" in key:
+                raise ExecError(f"invalid environment variable name {key!r}")
+        return await self._exec(
+            command_to_shell(command),
+            cwd=cwd or self.workdir,
+            env=merged,
+            user=user or self.spec.user,
+            timeout=timeout,
+        )
+
+    async def upload_file(self, local_path: str | os.PathLike[str], remote_path: str) -> None:
+        self._require_running("upload a file")
+        await self._upload_file(Path(local_path), self._abs(remote_path))
+
+    async def upload_dir(self, local_dir: str | os.PathLike[str], remote_dir: str) -> None:
+        self._require_running("upload a directory")
+        await self._upload_dir(Path(local_dir), self._abs(remote_dir))
+
+    async def download_file(self, remote_path: str, local_path: str | os.PathLike[str]) -> None:
+        self._require_running("download a file")
+        await self._download_file(self._abs(remote_path), Path(local_path))
+
+    async def download_dir(self, remote_dir: str, local_dir: str | os.PathLike[str]) -> None:
+        self._require_running("download a directory")
+        await self._download_dir(self._abs(remote_dir), Path(local_dir))
+
+    def _abs(self, remote_path: str) -> str:
+        if remote_path.startswith("/"):
+            return posixpath.normpath(remote_path)
+        return posixpath.normpath(posixpath.join(self.workdir, remote_path))
+
+    # -- what backends implement -------------------------------------------------------------------
+    @abc.abstractmethod
+    async def _start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _exec(
+        self, command: str, *, cwd: str, env: dict[str, str], user: str | None, timeout: float | None
+    ) -> ExecResult: ...
+
+    @abc.abstractmethod
+    async def _upload_file(self, local_path: Path, remote_path: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _upload_dir(self, local_dir: Path, remote_dir: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _download_file(self, remote_path: str, local_path: Path) -> None: ...
+
+    @abc.abstractmethod
+    async def _download_dir(self, remote_dir: str, local_dir: Path) -> None: ...
+
+    async def _stop(self) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self._remove_sync)
+
+    @abc.abstractmethod
+    def _remove_sync(self) -> None:
+        """Remove everything this sandbox holds; must not raise if it is already gone."""

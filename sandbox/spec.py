@@ -1,0 +1,107 @@
+"""What a sandbox should look like: :class:`SandboxSpec` and :class:`Resources`."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def parse_size(value: int | str | None) -> int | None:
+    """Turn ``512m``, ``2g``, ``1.5GiB`` or a byte count into bytes (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    match = _SIZE_RE.match(value)
+    if not match:
+        raise ValueError(f"cannot read size {value!r}: write it as bytes or like '512m', '2g'")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[unit.lower()])
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Limits for one sandbox. ``None`` means the backend's default (no limit for local and Docker)."""
+
+    cpus: float | None = None
+    memory: int | str | None = None
+    disk: int | str | None = None
+    gpus: int | None = None
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return parse_size(self.memory)
+
+    @property
+    def disk_bytes(self) -> int | None:
+        return parse_size(self.disk)
+
+
+@dataclass
+class SandboxSpec:
+    """Describes a sandbox.
+
+    Exactly one of ``image`` (a tag) or ``dockerfile`` (a path to a Dockerfile, built with
+    ``build_context`` or the Dockerfile's own directory as context) should be given for the container
+    backends; the local backend ignores both.
+
+    ``network`` is ``"host"`` (the default: the sandbox reaches services on the host's 127.0.0.1),
+    ``"none"``, or a backend-specific network name.
+    """
+
+    image: str | None = None
+    dockerfile: str | Path | None = None
+    build_context: str | Path | None = None
+    workdir: str = "/workspace"
+    env: dict[str, str] = field(default_factory=dict)
+    resources: Resources = field(default_factory=Resources)
+    network: str = "host"
+    labels: dict[str, str] = field(default_factory=dict)
+    user: str | None = None
+    name: str | None = None
+    # Remote backends only (Daytona): minutes of inactivity before the sandbox is stopped, and minutes
+    # after stopping before it is deleted.  They are the safety net should every cleanup path fail.
+    auto_stop_minutes: int | None = 60
+    auto_delete_minutes: int | None = 0
+
+    def __post_init__(self) -> None:
+        if self.image and self.dockerfile:
+            raise ValueError("give either image= or dockerfile=, not both")
+        if not self.workdir.startswith("/"):
+            raise ValueError(f"workdir must be an absolute path inside the sandbox, got {self.workdir!r}")
+        for key in self.env:
+            if not key or "=" in key or "\0" in key:
+                raise ValueError(f"invalid environment variable name {key!r}")
+
+    def dockerfile_path(self) -> Path | None:
+        return Path(self.dockerfile).resolve() if self.dockerfile else None
+
+    def context_path(self) -> Path | None:
+        path = self.dockerfile_path()
+        if path is None:
+            return None
+        return Path(self.build_context).resolve() if self.build_context else path.parent
+
+    def dockerfile_hash(self) -> str:
+        """Content hash of the Dockerfile and every file of its build context (the image cache key)."""
+        path = self.dockerfile_path()
+        context = self.context_path()
+        if path is None or context is None:
+            raise ValueError("this spec has no dockerfile")
+        if not path.is_file():
+            raise FileNotFoundError(f"Dockerfile not found: {path}")
+        digest = hashlib.sha256()
+        digest.update(b"dockerfile\0" + path.read_bytes())
+        if context.is_dir():
+            for item in sorted(context.rglob("*")):
+                if item.is_file() and not item.is_symlink():
+                    rel = item.relative_to(context).as_posix()
+                    digest.update(b"\0file\0" + rel.encode() + b"\0" + item.read_bytes())
+        return digest.hexdigest()

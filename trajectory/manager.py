@@ -1,0 +1,152 @@
+"""TrajectoryManager: per-session message trees in, training samples out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .linearize import linearize
+from .normalize import MessageKey, NormalizerRegistry, default_registry, message_key
+from .tree import Tree
+from .types import Sample, TurnRecord
+
+logger = logging.getLogger(__name__)
+
+
+class _Session:
+    __slots__ = ("main", "side", "turns")
+
+    def __init__(self) -> None:
+        self.main: Tree | None = None
+        self.side: Tree | None = None
+        self.turns = 0
+
+
+class TrajectoryManager:
+    """Records every answered turn of every session and linearizes sessions into samples.
+
+    Args:
+        fork_threshold_tokens: responses shorter than this many tokens may be rewrite-merged
+            (a client's rewritten replay replaces the generated message instead of forking)
+            and, when their tokens drift, replaced and masked instead of starting a new
+            sample.  0 disables both.
+        normalizers: the client-normalizer registry to use (default: the module-wide one,
+            see :func:`trajectory.register_normalizer`).
+
+    Not thread-safe: call it from one thread (the gateway's event loop).
+    """
+
+    def __init__(
+        self, fork_threshold_tokens: int = 1024, *, normalizers: NormalizerRegistry | None = None
+    ) -> None:
+        if fork_threshold_tokens < 0:
+            raise ValueError("fork_threshold_tokens must be >= 0")
+        self.fork_threshold_tokens = int(fork_threshold_tokens)
+        self.normalizers = normalizers if normalizers is not None else default_registry
+        self._sessions: dict[str, _Session] = {}
+
+    # ------------------------------------------------------------------ write
+    def record_turn(
+        self,
+        session_id: str,
+        *,
+        prompt_messages: Sequence[Mapping[str, Any]],
+        response_message: Mapping[str, Any] | None,
+        turn: TurnRecord,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Record one answered turn.
+
+        Args:
+            session_id: the episode; sessions never share nodes.
+            prompt_messages: the whole request history, canonical chat dicts (fresh
+                objects per request are fine; they are not kept, except private copies of
+                messages new to the tree).
+            response_message: the generated message, or None for an empty generation
+                (no output, e.g. stopped at the context limit): recorded, yields no sample.
+            turn: the engine's token record for this generation.
+            metadata: ``{"side_call": True}`` routes the turn into the session's side-call
+                tree; ``{"client": name}`` selects that client's normalizers.
+
+        Empty ``prompt_messages`` is a no-op (logged).
+        """
+        if not isinstance(turn, TurnRecord):
+            raise TypeError(f"turn must be a TurnRecord, got {type(turn).__name__}")
+        if not prompt_messages:
+            logger.warning("trajectory: session %s: record_turn with no prompt messages ignored", session_id)
+            return
+        meta = metadata or {}
+        side = bool(meta.get("side_call"))
+        client = meta.get("client")
+        normalizers = self.normalizers.for_client(client if isinstance(client, str) else None)
+
+        def key_of(message: Any) -> MessageKey:
+            return message_key(message, normalizers)
+
+        if response_message is None and turn.output_ids.shape[0]:
+            logger.warning(
+                "trajectory: session %s: %d output tokens recorded without a response message; no sample",
+                session_id,
+                turn.output_ids.shape[0],
+            )
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = self._sessions[session_id] = _Session()
+        if side:
+            if session.side is None:
+                session.side = Tree(self.fork_threshold_tokens)
+            tree = session.side
+        else:
+            if session.main is None:
+                session.main = Tree(self.fork_threshold_tokens)
+            tree = session.main
+        session.turns += 1
+        tree.record(prompt_messages, response_message, turn, key_of, seq=session.turns)
+
+    # ------------------------------------------------------------------- read
+    def get_trajectory(
+        self, session_id: str, *, reward: float = 0.0, max_sample_tokens: int = 0
+    ) -> list[Sample]:
+        """Linearize the session into samples and drop it (drains; an unknown session gives []).
+
+        Main-line samples come first, then side-call samples (``metadata["side_call"]``).
+        ``max_sample_tokens > 0`` truncates each sample to that many tokens (flagged
+        ``metadata["truncated"]``).
+        """
+        if max_sample_tokens < 0:
+            raise ValueError("max_sample_tokens must be >= 0")
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return []
+        samples: list[Sample] = []
+        for tree, side in ((session.main, False), (session.side, True)):
+            if tree is not None:
+                samples.extend(
+                    linearize(
+                        tree,
+                        session_id=session_id,
+                        side_call=side,
+                        reward=reward,
+                        max_sample_tokens=max_sample_tokens,
+                        consume=True,
+                    )
+                )
+        return samples
+
+    def has_session(self, session_id: str) -> bool:
+        """Whether anything is recorded for the session."""
+        return session_id in self._sessions
+
+    def turn_count(self, session_id: str) -> int:
+        """Turns recorded for the session (main and side calls, empty generations included)."""
+        session = self._sessions.get(session_id)
+        return 0 if session is None else session.turns
+
+    def drop_session(self, session_id: str) -> bool:
+        """Forget a session without linearizing it; returns whether it existed."""
+        return self._sessions.pop(session_id, None) is not None
+
+    def session_ids(self) -> list[str]:
+        """Ids of the sessions currently held."""
+        return list(self._sessions)

@@ -1,0 +1,232 @@
+"""Small shared helpers for the protocol modules: SSE framing, ids, JSON, validation.
+
+Private to :mod:`ares_gateway.protocols`; everything here is pure and cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, NoReturn
+
+import orjson
+
+from ares_gateway.canonical import ContentPart, Message, ToolCall, Usage
+from ares_gateway.protocols.base import RequestError
+
+dumps = orjson.dumps
+
+
+def loads(data: str | bytes) -> Any:
+    return orjson.loads(data)
+
+
+def json_str(obj: Any) -> str:
+    """Compact JSON text of ``obj`` (used for tool-call ``arguments``)."""
+    return orjson.dumps(obj).decode()
+
+
+def new_id(prefix: str, nbytes: int = 12) -> str:
+    """A random id such as ``chatcmpl-…``, ``msg_…``, ``toolu_…``."""
+    return prefix + os.urandom(nbytes).hex()
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# --------------------------------------------------------------------------- SSE
+
+
+def sse_event(event: str, data: Any) -> bytes:
+    """``event: <type>\\ndata: <json>\\n\\n`` (Anthropic, OpenAI Responses)."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def sse_data(data: Any) -> bytes:
+    """``data: <json>\\n\\n`` (OpenAI chat completions)."""
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def fail(message: str, param: str | None = None) -> NoReturn:
+    raise RequestError(message, param=param)
+
+
+def require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        fail(f"request body must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    if isinstance(v, dict):
+        return "object"
+    return type(v).__name__
+
+
+def expect(value: Any, types: type | tuple[type, ...], param: str, what: str) -> Any:
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
+        fail(f"'{param}' must be {what}, got {_json_type(value)}", param)
+    return value
+
+
+def _as_tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
+    return t if isinstance(t, tuple) else (t,)
+
+
+def opt_str(d: dict[str, Any], key: str, param: str) -> str | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        fail(f"'{param}' must be a string, got {_json_type(v)}", param)
+    return v
+
+
+def opt_int(d: dict[str, Any], key: str, param: str) -> int | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        fail(f"'{param}' must be an integer, got {_json_type(v)}", param)
+    return int(v)
+
+
+def opt_num(d: dict[str, Any], key: str, param: str) -> float | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        fail(f"'{param}' must be a number, got {_json_type(v)}", param)
+    return v
+
+
+def opt_bool(d: dict[str, Any], key: str, param: str) -> bool | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        fail(f"'{param}' must be a boolean, got {_json_type(v)}", param)
+    return v
+
+
+def rest(d: dict[str, Any], known: frozenset[str]) -> dict[str, Any]:
+    """The keys of ``d`` not in ``known`` (kept verbatim in ``extra``)."""
+    return {k: v for k, v in d.items() if k not in known}
+
+
+# --------------------------------------------------------------------------- fast constructors
+# The protocol modules validate native input themselves, so they build the
+# canonical models with ``model_construct`` (no second validation pass).
+
+
+def part(type_: str = "text", text: str | None = None, url: str | None = None,
+         extra: dict[str, Any] | None = None) -> ContentPart:
+    return ContentPart.model_construct(type=type_, text=text, url=url, extra=extra if extra is not None else {})
+
+
+def tool_call(id_: str, name: str, arguments: str, type_: str = "function",
+              extra: dict[str, Any] | None = None) -> ToolCall:
+    return ToolCall.model_construct(
+        id=id_, name=name, arguments=arguments, type=type_, extra=extra if extra is not None else {}
+    )
+
+
+def message(role: str, content: str | list[ContentPart] | None = None, *, name: str | None = None,
+            tool_calls: list[ToolCall] | None = None, tool_call_id: str | None = None,
+            is_error: bool | None = None, reasoning: str | None = None,
+            extra: dict[str, Any] | None = None) -> Message:
+    return Message.model_construct(
+        role=role,
+        content=content,
+        name=name,
+        tool_calls=tool_calls if tool_calls is not None else [],
+        tool_call_id=tool_call_id,
+        is_error=is_error,
+        reasoning=reasoning,
+        extra=extra if extra is not None else {},
+    )
+
+
+def usage(input_tokens: int = 0, output_tokens: int = 0, cached: int = 0, reasoning: int = 0) -> Usage:
+    return Usage.model_construct(
+        input_tokens=input_tokens, output_tokens=output_tokens,
+        cached_input_tokens=cached, reasoning_tokens=reasoning,
+    )
+
+
+def int_or0(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+# --------------------------------------------------------------------------- data URLs
+
+
+def data_url(media_type: str, data: str) -> str:
+    return f"data:{media_type};base64,{data}"
+
+
+def split_data_url(url: str) -> tuple[str, str] | None:
+    """``data:<media>;base64,<data>`` -> (media, data); None for anything else."""
+    if not url.startswith("data:"):
+        return None
+    head, sep, data = url.partition(",")
+    if not sep or not head.endswith(";base64"):
+        return None
+    return head[5:-7], data
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def openai_error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 409:
+        return "conflict_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def openai_error_code(status: int) -> str | None:
+    if status == 401:
+        return "invalid_api_key"
+    if status == 429:
+        return "rate_limit_exceeded"
+    if status >= 500:
+        return "server_error"
+    return None
+
+
+def openai_error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": openai_error_type(status),
+            "param": param,
+            "code": openai_error_code(status),
+        }
+    }

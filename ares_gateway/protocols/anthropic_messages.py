@@ -80,7 +80,7 @@ _TOOL_KNOWN = frozenset({"name", "description", "input_schema"})
 _MSG_KNOWN = frozenset({"role", "content"})
 #: canonical ``extra`` keys of other protocols that must not leak into Anthropic blocks
 _FOREIGN_PART_KEYS = frozenset({"detail", "image_url_extra", "bare"})
-_FOREIGN_TOOL_KEYS = frozenset({"tool_extra", "legacy", "no_type", "strict"})
+_FOREIGN_TOOL_KEYS = frozenset({"tool_extra", "legacy", "no_type"})
 _MARKERS = frozenset({"same_turn", "in_messages", "no_content", "reasoning_key"})
 
 

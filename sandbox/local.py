@@ -92,6 +92,10 @@ class LocalSandbox(BaseSandbox):
             raise SandboxStartError("isolate=True needs bubblewrap: apt-get install bubblewrap (and user namespaces)")
         self.root = local_root() / self.id
         self._pgids: set[int] = set()
+        # With bubblewrap and root: one long-lived PID/mount namespace per sandbox (a "keeper"), which
+        # commands join with nsenter, so that processes a command leaves in the background survive it.
+        self._keeper: subprocess.Popen[bytes] | None = None
+        self._ns_pid: int | None = None
 
     @property
     def description(self) -> str:
@@ -138,8 +142,42 @@ class LocalSandbox(BaseSandbox):
             raise SandboxStartError(f"the local backend supports network 'host' or 'none', not {self.spec.network!r}")
         if self.spec.network == "none" and not self.isolated:
             raise SandboxStartError("network='none' needs bubblewrap for the local backend: apt-get install bubblewrap")
+        if self.isolated and os.geteuid() == 0 and shutil.which("nsenter"):
+            # Spawned from the loop's own thread: bwrap --die-with-parent ties the namespace to it.
+            self._start_keeper()
+
+    def _start_keeper(self) -> None:
+        argv = [*self._bwrap_prefix(), "--", "sleep", "infinity"]
+        self._keeper = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env={"PATH": DEFAULT_PATH, _ID_VAR: self.id}, start_new_session=True, cwd=str(self.root),
+        )
+        deadline = time.monotonic() + 10
+        children = Path(f"/proc/{self._keeper.pid}/task/{self._keeper.pid}/children")
+        while time.monotonic() < deadline:
+            if self._keeper.poll() is not None:
+                err = self._keeper.stderr.read().decode(errors="replace") if self._keeper.stderr else ""
+                raise SandboxStartError(f"bubblewrap failed to start the sandbox namespace: {err.strip()}")
+            try:
+                pids = children.read_text().split()
+            except OSError:
+                pids = []
+            if pids:  # the namespace's init; its child (sleep) has the sandbox's final root
+                inner = Path(f"/proc/{pids[0]}/task/{pids[0]}/children")
+                with contextlib.suppress(OSError):
+                    grandchildren = inner.read_text().split()
+                    if grandchildren:
+                        self._ns_pid = int(grandchildren[0])
+                        return
+            time.sleep(0.01)
+        raise SandboxStartError("bubblewrap did not start the sandbox namespace within 10 s")
 
     def _remove_sync(self) -> None:
+        if self._keeper is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._keeper.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                self._keeper.wait(5)
         for pgid in list(self._pgids):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
@@ -152,6 +190,20 @@ class LocalSandbox(BaseSandbox):
         inner = ["/bin/sh", "-c", command]
         if not self.isolated:
             return inner
+        switch: list[str] = []
+        if user is not None:
+            info = self._lookup_user(user)
+            switch = ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", "--init-groups"]
+        if self._ns_pid is not None:
+            # Join the sandbox's namespaces; cd inside (nsenter's --wd resolves outside the new root).
+            return [
+                "nsenter", "-t", str(self._ns_pid), "-m", "-p", "-i", "-u", "-r",
+                *(["-n"] if self.spec.network == "none" else []),
+                *switch, "sh", "-c", 'cd "$0" || exit 201; exec /bin/sh -c "$1"', cwd, command,
+            ]
+        return [*self._bwrap_prefix(), "--chdir", cwd, *switch, *inner]
+
+    def _bwrap_prefix(self) -> list[str]:
         argv = [
             "bwrap", *_root_binds(self.spec.workdir), "--dev", "/dev", "--proc", "/proc",
             "--bind", str(self.root / "tmp"), "/tmp",
@@ -160,11 +212,7 @@ class LocalSandbox(BaseSandbox):
         ]
         if self.spec.network == "none":
             argv.append("--unshare-net")
-        argv += ["--chdir", cwd]
-        if user is not None:
-            info = self._lookup_user(user)
-            argv += ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", "--init-groups"]
-        return argv + inner
+        return argv
 
     def _lookup_user(self, user: str) -> pwd.struct_passwd:
         try:

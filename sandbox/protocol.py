@@ -285,7 +285,7 @@ class BaseSandbox(abc.ABC):
                 raise ExecError(f"invalid environment variable name {key!r}")
         return await self._exec(
             command_to_shell(command),
-            cwd=cwd or self.workdir,
+            cwd=self._abs(cwd) if cwd else self.workdir,
             env=merged,
             user=user or self.spec.user,
             timeout=timeout,

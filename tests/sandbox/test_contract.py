@@ -1,0 +1,168 @@
+"""One contract, every backend: local, Docker (real engine) and Daytona (real SDK against the fake)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+import sandbox
+from sandbox import ExecError, FileTransferError, SandboxStateError
+
+from .conftest import SandboxFactory, backend_holds, user_for
+
+
+async def test_exit_code_stdout_stderr(make_sandbox: SandboxFactory) -> None:
+    sb = await make_sandbox()
+    result = await sb.exec("echo out; echo err >&2; exit 7")
+    assert result.stdout == "out\n"
+    assert result.stderr == "err\n"
+    assert result.exit_code == 7
+    assert not result.timed_out and not result.ok
+    assert result.duration > 0
+    ok = await sb.exec("true")
+    assert ok.ok and ok.exit_code == 0 and ok.stdout == "" and ok.stderr == ""
+
+
+async def test_list_command_is_quoted(make_sandbox: SandboxFactory) -> None:
+    sb = await make_sandbox()
+    result = await sb.exec(["printf", "%s|", "a b", "$HOME", "it's"])
+    assert result.stdout == "a b|$HOME|it's|"
+
+
+async def test_env_from_spec_and_call(make_sandbox: SandboxFactory) -> None:
+    sb = await make_sandbox(env={"SPEC_VAR": "from-spec", "BOTH": "spec"})
+    result = await sb.exec('echo "$SPEC_VAR $CALL_VAR $BOTH"', env={"CALL_VAR": "from call", "BOTH": "call"})
+    assert result.stdout == "from-spec from call call\n"
+    assert (await sb.exec('echo "${CALL_VAR:-unset}"')).stdout == "unset\n"
+
+
+async def test_cwd(make_sandbox: SandboxFactory) -> None:
+    sb = await make_sandbox()
+    assert (await sb.exec("pwd")).stdout.strip() == sb.workdir
+    assert (await sb.exec("mkdir -p sub/dir")).ok
+    assert (await sb.exec("pwd", cwd="sub/dir")).stdout.strip() == f"{sb.workdir}/sub/dir"
+    assert (await sb.exec("pwd", cwd=f"{sb.workdir}/sub")).stdout.strip() == f"{sb.workdir}/sub"
+    with pytest.raises(ExecError, match=r"does not exist|no such file"):
+        await sb.exec("pwd", cwd="/definitely/not/here")
+
+
+async def test_user(make_sandbox: SandboxFactory, backend: str) -> None:
+    sb = await make_sandbox()
+    user = user_for(backend)
+    result = await sb.exec("id -un; id -u", user=user)
+    name, uid = result.stdout.split()
+    assert name == user and uid != "0"
+    assert (await sb.exec("id -u")).stdout.strip() == "0"
+
+
+async def test_timeout_kills_the_process_group(make_sandbox: SandboxFactory) -> None:
+    sb = await make_sandbox()
+    result = await sb.exec("(sleep 2; echo late > late.txt) & echo $! > bg.pid; sleep 300", timeout=1)
+    assert result.timed_out and not result.ok
+    assert result.exit_code != 0
+    assert 0.9 < result.duration < 20
+    await asyncio.sleep(2.5)
+    # The background child would have written late.txt by now had it survived.
+    check = await sb.exec('test -e late.txt && echo survived || echo killed; kill -0 "$(cat bg.pid)" 2>/dev/null && echo alive || echo gone')
+    assert check.stdout.split() == ["killed", "gone"]
+    # The sandbox is still usable after a timeout, and a quick command is not marked timed out.
+    quick = await sb.exec("echo fine", timeout=30)
+    assert quick.ok and quick.stdout == "fine\n" and not quick.timed_out
+
+
+async def test_large_binary_file_round_trip(make_sandbox: SandboxFactory, tmp_path: Path) -> None:
+    sb = await make_sandbox()
+    data = os.urandom(6 * 1024 * 1024 + 17) + bytes(range(256)) + b"\0\r\n\xff"
+    src = tmp_path / "blob.bin"
+    src.write_bytes(data)
+    await sb.upload_file(src, "data/nested/blob.bin")
+    inside = await sb.exec("wc -c < data/nested/blob.bin; sha256sum data/nested/blob.bin")
+    size, digest = inside.stdout.split()[:2]
+    assert int(size) == len(data)
+    assert digest == hashlib.sha256(data).hexdigest()
+    back = tmp_path / "back" / "blob.bin"
+    await sb.download_file(f"{sb.workdir}/data/nested/blob.bin", back)
+    assert back.read_bytes() == data
+
+
+async def test_directory_round_trip(make_sandbox: SandboxFactory, tmp_path: Path) -> None:
+    sb = await make_sandbox()
+    src = tmp_path / "proj"
+    (src / "pkg" / "deep").mkdir(parents=True)
+    (src / "README.md").write_text("hello\n")
+    (src / "pkg" / "mod.py").write_text("print('hi')\n")
+    (src / "pkg" / "deep" / "blob.bin").write_bytes(os.urandom(300_000))
+    (src / "empty.txt").write_bytes(b"")
+    (src / "run.sh").write_text("#!/bin/sh\necho ran\n")
+    (src / "run.sh").chmod(0o755)
+    await sb.upload_dir(src, "proj")
+    assert (await sb.exec("./run.sh", cwd="proj")).stdout == "ran\n"
+    assert (await sb.exec("cat proj/pkg/mod.py")).stdout == "print('hi')\n"
+    assert (await sb.exec("echo made-inside > proj/pkg/new.txt")).ok
+    out = tmp_path / "out"
+    await sb.download_dir("proj", out)
+    for path in src.rglob("*"):
+        if path.is_file():
+            assert (out / path.relative_to(src)).read_bytes() == path.read_bytes(), path
+    assert (out / "pkg" / "new.txt").read_text() == "made-inside\n"
+    assert os.access(out / "run.sh", os.X_OK)
+
+
+async def test_missing_remote_file_is_a_clear_error(make_sandbox: SandboxFactory, tmp_path: Path) -> None:
+    sb = await make_sandbox()
+    with pytest.raises(FileTransferError):
+        await sb.download_file("no/such/file.txt", tmp_path / "x")
+    with pytest.raises(FileTransferError):
+        await sb.upload_file(tmp_path / "does-not-exist", "x")
+
+
+async def test_stop_double_stop_and_use_after_stop(
+    make_sandbox: SandboxFactory, tmp_path: Path, backend: str, request: pytest.FixtureRequest
+) -> None:
+    fake = request.getfixturevalue("daytona_fake") if backend == "daytona" else None
+    sb = await make_sandbox()
+    assert isinstance(sb, sandbox.Sandbox)
+    assert sb.state == "running" and sb.description
+    assert backend_holds(sb, fake)
+    await sb.stop()
+    assert not backend_holds(sb, fake)
+    await sb.stop()
+    sb.stop_and_remove()
+    assert sb.state == "stopped"
+    with pytest.raises(SandboxStateError, match="stopped"):
+        await sb.exec("true")
+    with pytest.raises(SandboxStateError, match="stopped"):
+        await sb.upload_file(tmp_path, "x")
+    with pytest.raises(SandboxStateError, match="cannot be started again"):
+        await sb.start()
+
+
+async def test_use_before_start(make_sandbox: SandboxFactory) -> None:
+    sb = await make_sandbox(start=False)
+    with pytest.raises(SandboxStateError, match="not started"):
+        await sb.exec("true")
+
+
+async def test_async_with_removes_on_exception(make_sandbox: SandboxFactory) -> None:
+    sb = await make_sandbox(start=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        async with sb:
+            assert (await sb.exec("echo in")).stdout == "in\n"
+            raise RuntimeError("boom")
+    assert sb.state == "stopped"
+    assert sb not in sandbox.janitor.live_sandboxes()
+
+
+async def test_background_process_outlives_its_exec_until_stop(make_sandbox: SandboxFactory) -> None:
+    """Harnesses launch agents detached: a background process must survive the command that started it."""
+    sb = await make_sandbox()
+    started = await sb.exec("nohup sh -c 'while :; do date +%s%N >> beat.txt; sleep 0.2; done' >/dev/null 2>&1 &")
+    assert started.ok, started
+    first = (await sb.exec("wc -l < beat.txt")).stdout.strip()
+    await asyncio.sleep(1.0)
+    second = (await sb.exec("wc -l < beat.txt")).stdout.strip()
+    assert int(second) > int(first), "the detached loop stopped when its exec returned"

@@ -1,5 +1,11 @@
-"""ares-gateway: intercept every LLM call of real coding agents and answer it with a policy."""
+"""ares-gateway: intercept every LLM call of real coding agents and answer it with a policy.
 
+The public API: :class:`Gateway` (HTTP server + in-process policy API),
+:class:`GatewayEnv` (dm_env-style, one step per LLM call), the canonical
+request / completion models, and the error classes.
+"""
+
+from ares_gateway.broker import ErrorAnswer, ParkedRequest, RecordedTurn
 from ares_gateway.canonical import (
     CanonicalRequest,
     Completion,
@@ -13,17 +19,45 @@ from ares_gateway.canonical import (
     Usage,
     WireProtocol,
 )
+from ares_gateway.env import GatewayEnv, StepType, TimeStep
+from ares_gateway.errors import (
+    AlreadyAnsweredError,
+    GatewayError,
+    InvalidAnswerError,
+    RequestGoneError,
+    SessionExistsError,
+    UnknownRequestError,
+    UnknownSessionError,
+)
+from ares_gateway.gateway import Gateway, GatewayConfig
+from ares_gateway.sessions import SessionInfo
 
 __all__ = [
+    "AlreadyAnsweredError",
     "CanonicalRequest",
     "Completion",
     "CompletionDelta",
     "ContentPart",
+    "ErrorAnswer",
+    "Gateway",
+    "GatewayConfig",
+    "GatewayEnv",
+    "GatewayError",
+    "InvalidAnswerError",
     "Message",
+    "ParkedRequest",
+    "RecordedTurn",
+    "RequestGoneError",
     "SamplingParams",
+    "SessionExistsError",
+    "SessionInfo",
+    "StepType",
+    "TimeStep",
     "TokenRecord",
     "Tool",
     "ToolCall",
+    "UnknownRequestError",
+    "UnknownSessionError",
     "Usage",
     "WireProtocol",
 ]

@@ -1,0 +1,444 @@
+"""The broker: every agent request is parked here until a policy answers it.
+
+A parked request is delivered to pollers under a lease: if it is not answered
+before the lease runs out it becomes available again (with ``attempt`` + 1), so
+a poller that dies loses nothing. Answering, timing out and the agent going
+away are mutually exclusive and decided synchronously on the event loop, so a
+successful ``respond`` means the agent's handler received the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterable, Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, TokenRecord, WireProtocol
+from ares_gateway.errors import (
+    AlreadyAnsweredError,
+    InvalidAnswerError,
+    RequestGoneError,
+    UnknownRequestError,
+)
+
+log = logging.getLogger(__name__)
+
+_TOMBSTONES = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorAnswer:
+    """Answer a request with an API error; the agent sees ``status`` in its protocol's error shape."""
+
+    status: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class NativeAnswer:
+    """A response body in the agent's own protocol, plus its canonical reading (for recording)."""
+
+    body: dict[str, Any]
+    completion: Completion
+
+
+class StreamAnswer:
+    """A streamed answer: deltas as they arrive, then the whole :class:`Completion`.
+
+    The source yields :class:`CompletionDelta` items and finally one
+    :class:`Completion` (which may repeat what the deltas said).
+    """
+
+    def __init__(self, source: AsyncIterable[CompletionDelta | Completion]) -> None:
+        self.source = source
+
+
+Answer = Completion | NativeAnswer | ErrorAnswer | StreamAnswer
+
+
+class _State(Enum):
+    ANSWERED = "answered"
+    GONE = "gone"
+
+
+class RequestClosed(Exception):
+    """Raised into the agent's handler when its request ends without an answer."""
+
+    def __init__(self, reason: str, status: int, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+        self.message = message
+
+
+@dataclass(eq=False, slots=True)
+class ParkedRequest:
+    """One agent request waiting for its answer."""
+
+    id: str
+    session_id: str
+    protocol: WireProtocol
+    endpoint: str
+    request: CanonicalRequest
+    timestamp: float
+    future: asyncio.Future[Answer]
+    side_call: bool = False
+    attempt: int = 0
+    _lease: asyncio.TimerHandle | None = field(default=None, repr=False)
+    _timeout: asyncio.TimerHandle | None = field(default=None, repr=False)
+    _item: dict[str, Any] | None = field(default=None, repr=False)
+
+    def poll_item(self) -> dict[str, Any]:
+        """The JSON-able item ``/poll`` returns (ares-proxy readers use id, request, timestamp)."""
+        item = self._item
+        if item is None:
+            item = self._item = {
+                "id": self.id,
+                "session_id": self.session_id,
+                "protocol": self.protocol.value,
+                "endpoint": self.endpoint,
+                "request": self.request.raw,
+                "canonical": self.request.model_dump(mode="json", exclude={"raw"}),
+                "timestamp": self.timestamp,
+                "side_call": self.side_call,
+            }
+        return {**item, "attempt": self.attempt}
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedTurn:
+    """One answered turn, as handed to the recorder."""
+
+    session_id: str
+    request_id: str
+    request: CanonicalRequest
+    completion: Completion
+    side_call: bool
+    timestamp: float
+    latency: float
+
+
+class _Waiter:
+    __slots__ = ("future", "session_id")
+
+    def __init__(self, session_id: str | None, future: asyncio.Future[None]) -> None:
+        self.session_id = session_id
+        self.future = future
+
+
+class Broker:
+    """Parks requests, leases them to pollers, and resolves them exactly once."""
+
+    def __init__(
+        self,
+        *,
+        request_timeout: float = 900.0,
+        lease_seconds: float = 120.0,
+        on_turn: Callable[[RecordedTurn], None] | None = None,
+        coerce_native: Callable[[ParkedRequest, dict[str, Any]], tuple[Completion, bool]] | None = None,
+        metrics: Any = None,
+    ) -> None:
+        self.request_timeout = request_timeout
+        self.lease_seconds = lease_seconds
+        self._on_turn = on_turn
+        self._coerce_native = coerce_native
+        self._metrics = metrics
+        self._pending: dict[str, ParkedRequest] = {}
+        self._available: dict[str, ParkedRequest] = {}
+        self._available_by_session: dict[str, dict[str, ParkedRequest]] = {}
+        self._waiters: deque[_Waiter] = deque()
+        self._done: OrderedDict[str, _State] = OrderedDict()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._prefix = f"req_{os.getpid():x}{int(time.time()) & 0xFFFFFF:x}_"
+
+    # ------------------------------------------------------------------ agent side
+
+    def park(
+        self,
+        session_id: str,
+        request: CanonicalRequest,
+        endpoint: str,
+        *,
+        side_call: bool = False,
+    ) -> ParkedRequest:
+        loop = asyncio.get_running_loop()
+        rid = f"{self._prefix}{next(self._ids)}"
+        parked = ParkedRequest(
+            id=rid,
+            session_id=session_id,
+            protocol=request.protocol,
+            endpoint=endpoint,
+            request=request,
+            timestamp=time.time(),
+            future=loop.create_future(),
+            side_call=side_call,
+        )
+        self._pending[rid] = parked
+        if self.request_timeout > 0:
+            parked._timeout = loop.call_later(self.request_timeout, self._expire, parked)
+        if self._metrics is not None:
+            self._metrics.parked()
+        self._make_available(parked)
+        return parked
+
+    async def wait(self, parked: ParkedRequest) -> Answer:
+        """Wait for the answer. If the waiting handler is cancelled (agent gone), withdraw."""
+        try:
+            return await asyncio.shield(parked.future)
+        except asyncio.CancelledError:
+            self.withdraw(parked, "agent disconnected")
+            raise
+
+    def withdraw(self, parked: ParkedRequest, reason: str) -> None:
+        """Forget a request the agent no longer waits for."""
+        if self._pending.get(parked.id) is not parked:
+            return
+        self._finish(parked, _State.GONE)
+        _fail(parked, RequestClosed(reason, 499, reason))
+        if self._metrics is not None:
+            self._metrics.withdrawn()
+        log.debug("withdrew %s: %s", parked.id, reason)
+
+    def _expire(self, parked: ParkedRequest) -> None:
+        if self._pending.get(parked.id) is not parked:
+            return
+        self._finish(parked, _State.GONE)
+        msg = (
+            f"the policy did not answer within {self.request_timeout:g} s; "
+            "the request timed out at the gateway"
+        )
+        _fail(parked, RequestClosed("timeout", 504, msg))
+        if self._metrics is not None:
+            self._metrics.timed_out()
+
+    def close_session(self, session_id: str, reason: str = "session closed") -> int:
+        """End every pending request of a session; their agents get an error. Returns how many."""
+        victims = [p for p in self._pending.values() if p.session_id == session_id]
+        for p in victims:
+            self._finish(p, _State.GONE)
+            _fail(p, RequestClosed("session closed", 503, reason))
+        return len(victims)
+
+    def pending_for(self, session_id: str) -> int:
+        return sum(1 for p in self._pending.values() if p.session_id == session_id)
+
+    # ------------------------------------------------------------------ policy side
+
+    def take(self, session_id: str | None = None, max_items: int = 1, lease: float | None = -1.0) -> list[ParkedRequest]:
+        """Lease up to ``max_items`` available requests without waiting.
+
+        ``lease`` -1 means the broker's default; ``None`` means no lease (never redelivered).
+        """
+        if session_id is None:
+            source = self._available
+        else:
+            found = self._available_by_session.get(session_id)
+            if not found:
+                return []
+            source = found
+        out: list[ParkedRequest] = []
+        while source and len(out) < max_items:
+            parked = next(iter(source.values()))
+            self._unavail(parked)
+            out.append(parked)
+        if out:
+            loop = asyncio.get_running_loop()
+            seconds = self.lease_seconds if lease == -1.0 else lease
+            for parked in out:
+                parked.attempt += 1
+                if seconds is not None and seconds > 0:
+                    parked._lease = loop.call_later(seconds, self._lease_expired, parked, parked.attempt)
+        return out
+
+    async def poll(
+        self,
+        session_id: str | None = None,
+        *,
+        max_items: int = 1,
+        wait: float = 0.0,
+        lease: float | None = -1.0,
+    ) -> list[ParkedRequest]:
+        """Long-poll: return as soon as at least one request is available, or ``[]`` after ``wait``."""
+        got = self.take(session_id, max_items, lease)
+        if got or wait <= 0:
+            return got
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self._closed:
+                return []
+            waiter = _Waiter(session_id, loop.create_future())
+            self._waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter.future, remaining)
+            except TimeoutError:
+                return self.take(session_id, max_items, lease)
+            finally:
+                if not waiter.future.done():
+                    waiter.future.cancel()
+                try:
+                    self._waiters.remove(waiter)
+                except ValueError:
+                    pass
+            got = self.take(session_id, max_items, lease)
+            if got:
+                return got
+
+    def respond(
+        self,
+        request_id: str,
+        answer: Answer | dict[str, Any] | AsyncIterable[CompletionDelta | Completion],
+        *,
+        tokens: TokenRecord | dict[str, Any] | None = None,
+    ) -> ParkedRequest:
+        """Answer a parked request. Raises the :mod:`ares_gateway.errors` outcome on failure."""
+        parked = self._pending.get(request_id)
+        if parked is None:
+            state = self._done.get(request_id)
+            if state is _State.ANSWERED:
+                raise AlreadyAnsweredError(f"request {request_id} was already answered")
+            if state is _State.GONE:
+                raise RequestGoneError(
+                    f"request {request_id} is gone: its agent disconnected, it timed out, or its session closed"
+                )
+            raise UnknownRequestError(f"no request {request_id}; answer ids exactly as /poll returned them")
+        resolved = self._coerce(parked, answer, tokens)
+        self._finish(parked, _State.ANSWERED)
+        parked.future.set_result(resolved)
+        latency = time.time() - parked.timestamp
+        if self._metrics is not None:
+            self._metrics.answered(latency)
+        if isinstance(resolved, Completion):
+            self.record(parked, resolved, latency)
+        elif isinstance(resolved, NativeAnswer):
+            self.record(parked, resolved.completion, latency)
+        return parked
+
+    def record(self, parked: ParkedRequest, completion: Completion, latency: float | None = None) -> None:
+        """Hand an answered turn to the recorder (stream answers call this when the stream ends)."""
+        if self._on_turn is None:
+            return
+        if latency is None:
+            latency = time.time() - parked.timestamp
+        turn = RecordedTurn(
+            session_id=parked.session_id,
+            request_id=parked.id,
+            request=parked.request,
+            completion=completion,
+            side_call=parked.side_call,
+            timestamp=parked.timestamp,
+            latency=latency,
+        )
+        try:
+            self._on_turn(turn)
+        except Exception:  # a recorder bug must not break the agent's turn
+            log.exception("recorder failed for %s", parked.id)
+
+    # ------------------------------------------------------------------ internals
+
+    def _coerce(
+        self,
+        parked: ParkedRequest,
+        answer: Answer | dict[str, Any] | AsyncIterable[CompletionDelta | Completion],
+        tokens: TokenRecord | dict[str, Any] | None
+    ) -> Answer:
+        token_record: TokenRecord | None
+        try:
+            token_record = TokenRecord.model_validate(tokens) if isinstance(tokens, dict) else tokens
+        except ValueError as exc:
+            raise InvalidAnswerError(f"invalid tokens: {exc}") from None
+        if isinstance(answer, Completion):
+            return answer.model_copy(update={"tokens": token_record}) if token_record else answer
+        if isinstance(answer, ErrorAnswer | StreamAnswer):
+            return answer
+        if isinstance(answer, NativeAnswer):
+            return answer
+        if isinstance(answer, AsyncIterable):
+            return StreamAnswer(answer)
+        if not isinstance(answer, dict):
+            raise InvalidAnswerError(
+                f"cannot answer with {type(answer).__name__}: give a Completion, a native response body, "
+                "an ErrorAnswer, or an async iterable of CompletionDelta"
+            )
+        if self._coerce_native is None:
+            raise InvalidAnswerError("native response bodies are not supported by this broker")
+        try:
+            completion, verbatim = self._coerce_native(parked, answer)
+        except InvalidAnswerError:
+            raise
+        except ValueError as exc:
+            raise InvalidAnswerError(f"response is not a valid {parked.protocol.value} body: {exc}") from None
+        if token_record is not None:
+            completion = completion.model_copy(update={"tokens": token_record})
+        return NativeAnswer(answer, completion) if verbatim else completion
+
+    def _make_available(self, parked: ParkedRequest) -> None:
+        self._available[parked.id] = parked
+        by = self._available_by_session.get(parked.session_id)
+        if by is None:
+            by = self._available_by_session[parked.session_id] = {}
+        by[parked.id] = parked
+        for waiter in self._waiters:
+            if not waiter.future.done() and (waiter.session_id is None or waiter.session_id == parked.session_id):
+                waiter.future.set_result(None)
+                break
+
+    def _unavail(self, parked: ParkedRequest) -> None:
+        if self._available.pop(parked.id, None) is None:
+            return
+        by = self._available_by_session.get(parked.session_id)
+        if by is not None:
+            by.pop(parked.id, None)
+            if not by:
+                del self._available_by_session[parked.session_id]
+
+    def _lease_expired(self, parked: ParkedRequest, attempt: int) -> None:
+        if self._pending.get(parked.id) is parked and parked.attempt == attempt:
+            parked._lease = None
+            log.info("lease on %s expired after attempt %d; delivering again", parked.id, attempt)
+            self._make_available(parked)
+
+    def _finish(self, parked: ParkedRequest, state: _State) -> None:
+        del self._pending[parked.id]
+        self._unavail(parked)
+        if parked._lease is not None:
+            parked._lease.cancel()
+        if parked._timeout is not None:
+            parked._timeout.cancel()
+        parked._lease = parked._timeout = None
+        self._done[parked.id] = state
+        if len(self._done) > _TOMBSTONES:
+            self._done.popitem(last=False)
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    def pending(self) -> list[ParkedRequest]:
+        return list(self._pending.values())
+
+    def close(self) -> None:
+        """Fail every pending request (gateway shutting down)."""
+        for parked in list(self._pending.values()):
+            self._finish(parked, _State.GONE)
+            _fail(parked, RequestClosed("shutdown", 503, "the gateway is shutting down"))
+        self._closed = True
+        for waiter in self._waiters:
+            if not waiter.future.done():
+                waiter.future.set_result(None)
+
+
+def _fail(parked: ParkedRequest, exc: RequestClosed) -> None:
+    if not parked.future.done():
+        parked.future.set_exception(exc)
+        # Mark the exception retrieved: the agent's handler may already be gone.
+        parked.future.exception()

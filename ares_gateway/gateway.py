@@ -1,0 +1,285 @@
+"""The in-process gateway: an HTTP server for agents plus a Python API for the policy.
+
+>>> async with Gateway() as gw:
+...     info = await gw.create_session()
+...     # point an agent at info.base_url with info.token, then:
+...     req = await gw.next_request(session=info.session_id, timeout=60)
+...     await gw.respond(req.id, Completion(text="hello"))
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from ares_gateway.broker import Broker, ErrorAnswer, ParkedRequest, RecordedTurn
+from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, TokenRecord, WireProtocol
+from ares_gateway.errors import InvalidAnswerError, UnknownSessionError
+from ares_gateway.metrics import GatewayMetrics
+from ares_gateway.protocols import RequestError, get_adapter
+from ares_gateway.recorder import Recorder, SessionRecorder
+from ares_gateway.sessions import Session, SessionInfo, SessionRegistry
+from ares_gateway.side_calls import SideCallDetector, default_side_call_detector
+from trajectory import Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    """Settings of one gateway; every field is also a ``serve`` flag."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    #: Guards /poll, /respond, /sessions and /metrics when set.
+    admin_token: str | None = None
+    #: Seconds a parked request waits for its answer before the agent gets a 504.
+    request_timeout: float = 900.0
+    #: Seconds a polled request stays leased to its poller before it is delivered again.
+    lease_seconds: float = 120.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    #: Create a session on first use of an unknown session id or token (local experiments only).
+    auto_sessions: bool = False
+    #: Model ids listed by GET /v1/models.
+    models: list[str] = field(default_factory=lambda: ["ares-gateway"])
+    #: The URL agents reach the gateway at (default: http://host:port).
+    public_url: str | None = None
+    access_log: bool = False
+    fork_threshold_tokens: int = 1024
+
+
+class Gateway:
+    """One gateway: sessions, the broker of parked requests, the HTTP server and the recorder.
+
+    Use as ``async with Gateway(...) as gw``. Agents talk HTTP to
+    ``gw.base_url``; the policy answers either over HTTP (``/poll`` +
+    ``/respond``) or through :meth:`next_request` / :meth:`respond`.
+    """
+
+    def __init__(
+        self,
+        config: GatewayConfig | None = None,
+        *,
+        recorder: Recorder | None = None,
+        side_call_detector: SideCallDetector | None = default_side_call_detector,
+        **overrides: Any,
+    ) -> None:
+        cfg = config or GatewayConfig()
+        for key, value in overrides.items():
+            if not hasattr(cfg, key):
+                raise TypeError(f"Gateway() got an unknown setting {key!r}")
+            setattr(cfg, key, value)
+        self.config = cfg
+        self.sessions = SessionRegistry()
+        self.metrics = GatewayMetrics()
+        self.recorder = SessionRecorder(fork_threshold_tokens=cfg.fork_threshold_tokens)
+        self._extra_recorder = recorder
+        self._side_call_detector = side_call_detector
+        self.broker = Broker(
+            request_timeout=cfg.request_timeout,
+            lease_seconds=cfg.lease_seconds,
+            on_turn=self._on_turn,
+            coerce_native=self._coerce_native,
+            metrics=self.metrics,
+        )
+        self._runner: web.AppRunner | None = None
+        self._port: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start serving HTTP (idempotent)."""
+        if self._runner is not None:
+            return
+        from ares_gateway.server import build_app
+
+        runner = web.AppRunner(
+            build_app(self),
+            handle_signals=False,
+            access_log=logging.getLogger("ares_gateway.access") if self.config.access_log else None,
+            # Cancel a parked handler when its agent disconnects, so the request is withdrawn.
+            handler_cancellation=True,
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, self.config.port, backlog=1024)
+        await site.start()
+        self._runner = runner
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self._port = sockets[0].getsockname()[1] if sockets else self.config.port
+        log.info("ares-gateway listening on %s", self.url)
+
+    async def close(self) -> None:
+        """Fail every parked request and stop serving."""
+        self.broker.close()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def __aenter__(self) -> Gateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("the gateway is not started; use `async with Gateway() as gw` or await gw.start()")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """The gateway's root URL as agents reach it."""
+        if self.config.public_url:
+            return self.config.public_url.rstrip("/")
+        host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    # ------------------------------------------------------------------ sessions
+
+    def create_session_sync(
+        self, session_id: str | None = None, *, metadata: dict[str, Any] | None = None, token: str | None = None
+    ) -> SessionInfo:
+        if metadata is not None and not isinstance(metadata, dict):
+            raise ValueError("metadata must be a JSON object")
+        if token is not None and (not isinstance(token, str) or len(token) < 16):
+            raise ValueError("token must be a string of at least 16 characters")
+        session = self.sessions.create(session_id, token=token, metadata=metadata)
+        return self._info(session)
+
+    async def create_session(
+        self, session_id: str | None = None, *, metadata: dict[str, Any] | None = None, token: str | None = None
+    ) -> SessionInfo:
+        """Create a session; give the agent ``base_url`` and ``token``."""
+        return self.create_session_sync(session_id, metadata=metadata, token=token)
+
+    def _info(self, session: Session) -> SessionInfo:
+        return SessionInfo(session.id, session.token, f"{self.url}/s/{session.id}")
+
+    def _auto_session(self, session_id: str | None, token: str) -> Session:
+        return self.sessions.create(session_id, token=token, metadata={"auto": True})
+
+    def session_summary(self, session_id: str) -> dict[str, Any]:
+        session = self.sessions.get(session_id)
+        return {**session.summary(), "pending": self.broker.pending_for(session_id)}
+
+    def end_session(self, session_id: str, *, reward: float | None = None, truncated: bool = False, **info: Any) -> None:
+        """Mark a session's episode as over: a waiting :class:`GatewayEnv` returns LAST.
+
+        Requests the agent still has parked stay answerable; new ones get a 409.
+        """
+        session = self.sessions.get(session_id)
+        session.ended = True
+        session.reward = reward
+        session.truncated = truncated
+        session.end_info = dict(info)
+        session.ended_event.set()
+
+    def delete_session_sync(self, session_id: str) -> int:
+        session = self.sessions.remove(session_id)
+        session.ended = True
+        session.ended_event.set()
+        self.recorder.drop(session_id)
+        return self.broker.close_session(session_id)
+
+    async def delete_session(self, session_id: str) -> int:
+        """Forget a session: its pending requests fail (the agent sees 503) and its records go."""
+        return self.delete_session_sync(session_id)
+
+    # ------------------------------------------------------------------ policy API
+
+    async def next_request(
+        self, session: str | None = None, *, timeout: float | None = None, lease: float | None = None
+    ) -> ParkedRequest | None:
+        """The next parked request (of one session, or any), or ``None`` after ``timeout`` seconds.
+
+        In process there is no lease by default (``lease=None``): the request stays
+        with the caller until answered. ``timeout=None`` waits indefinitely.
+        """
+        if session is not None and self.sessions.find(session) is None:
+            raise UnknownSessionError(f"no session {session!r}")
+        wait = 10**9 if timeout is None else timeout
+        got = await self.broker.poll(session, max_items=1, wait=wait, lease=lease)
+        return got[0] if got else None
+
+    async def respond(
+        self,
+        request_id: str,
+        answer: Completion | dict[str, Any] | ErrorAnswer | AsyncIterable[CompletionDelta | Completion] | str,
+        *,
+        tokens: TokenRecord | dict[str, Any] | None = None,
+    ) -> None:
+        """Answer a parked request.
+
+        ``answer`` is a :class:`Completion`, a native response body of the agent's
+        protocol (dict), an :class:`ErrorAnswer`, a plain string (a text reply),
+        or an async iterable of :class:`CompletionDelta` ending with a
+        :class:`Completion` (streamed to the agent as it arrives).
+        Raises :class:`~ares_gateway.errors.UnknownRequestError` (404),
+        :class:`~ares_gateway.errors.AlreadyAnsweredError` (409) or
+        :class:`~ares_gateway.errors.RequestGoneError` (410).
+        """
+        if isinstance(answer, str):
+            answer = Completion(text=answer)
+        self.broker.respond(request_id, answer, tokens=tokens)
+
+    def trajectory(
+        self, session_id: str, *, reward: float | None = None, max_sample_tokens: int = 0
+    ) -> list[Sample]:
+        """Training samples of a session (turns answered with token records)."""
+        session = self.sessions.get(session_id)
+        if reward is None:
+            reward = session.reward or 0.0
+        return self.recorder.samples(session_id, reward=reward, max_sample_tokens=max_sample_tokens)
+
+    def turn_log(self, session_id: str) -> list[dict[str, Any]]:
+        self.sessions.get(session_id)
+        return self.recorder.turn_log(session_id)
+
+    # ------------------------------------------------------------------ internals
+
+    def _admin_ok(self, headers: Mapping[str, str]) -> bool:
+        expected = self.config.admin_token
+        if not expected:
+            return True
+        auth = headers.get("authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-admin-token", "")
+        return hmac.compare_digest(given.encode(), expected.encode())
+
+    def is_side_call(self, session: Session, request: CanonicalRequest, headers: Mapping[str, str]) -> bool:
+        if headers.get("x-ares-side-call", "").lower() in ("1", "true", "yes"):
+            return True
+        detector = self._side_call_detector
+        return bool(detector and detector(request, headers))
+
+    def _on_turn(self, turn: RecordedTurn) -> None:
+        self.recorder(turn)
+        if self._extra_recorder is not None:
+            self._extra_recorder(turn)
+
+    @staticmethod
+    def _coerce_native(parked: ParkedRequest, body: dict[str, Any]) -> tuple[Completion, bool]:
+        """Read a native answer; the flag says whether the body can be sent to the agent verbatim."""
+        try:
+            return get_adapter(parked.protocol).parse_response(body, parked.request), True
+        except RequestError as first:
+            # ares-proxy pollers answer every request with a chat-completions body.
+            if "choices" in body and parked.protocol is not WireProtocol.OPENAI_CHAT:
+                try:
+                    return get_adapter(WireProtocol.OPENAI_CHAT).parse_response(body, parked.request), False
+                except RequestError:
+                    pass
+            raise InvalidAnswerError(
+                f"response is not a valid {parked.protocol.value} response body: {first.message}"
+            ) from None

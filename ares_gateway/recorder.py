@@ -1,0 +1,76 @@
+"""Recording answered turns and turning them into training samples.
+
+The gateway hands every answered turn to a :class:`Recorder`. The default,
+:class:`SessionRecorder`, keeps each session's turns (cheap: it holds references
+to the canonical request and completion) and builds the session's message tree
+in :mod:`trajectory` only when samples are asked for, so the request path does
+no conversion work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ares_gateway.broker import RecordedTurn
+from trajectory import Sample, TrajectoryManager, TurnRecord
+
+
+class Recorder(Protocol):
+    """Receives every answered turn, in answer order."""
+
+    def __call__(self, turn: RecordedTurn) -> None: ...
+
+
+class SessionRecorder:
+    """Keeps each session's answered turns; linearizes them on demand."""
+
+    def __init__(self, *, fork_threshold_tokens: int = 1024) -> None:
+        self.fork_threshold_tokens = fork_threshold_tokens
+        self._turns: dict[str, list[RecordedTurn]] = {}
+
+    def __call__(self, turn: RecordedTurn) -> None:
+        self._turns.setdefault(turn.session_id, []).append(turn)
+
+    def turns(self, session_id: str) -> list[RecordedTurn]:
+        return list(self._turns.get(session_id, ()))
+
+    def drop(self, session_id: str) -> None:
+        self._turns.pop(session_id, None)
+
+    def samples(self, session_id: str, *, reward: float = 0.0, max_sample_tokens: int = 0) -> list[Sample]:
+        """Training samples of a session's token-recorded turns (turns without token ids are skipped)."""
+        tm = TrajectoryManager(fork_threshold_tokens=self.fork_threshold_tokens)
+        for t in self._turns.get(session_id, ()):
+            tokens = t.completion.tokens
+            if tokens is None:
+                continue
+            tm.record_turn(
+                session_id,
+                prompt_messages=[m.to_chat_dict() for m in t.request.messages],
+                response_message=t.completion.to_message().to_chat_dict() if tokens.output_ids else None,
+                turn=TurnRecord(
+                    prompt_ids=tokens.prompt_ids,
+                    output_ids=tokens.output_ids,
+                    output_logprobs=tokens.output_logprobs,
+                    finish_reason=tokens.finish_reason or t.completion.finish_reason,
+                ),
+                metadata={"side_call": True, "request_id": t.request_id} if t.side_call else {"request_id": t.request_id},
+            )
+        if not tm.has_session(session_id):
+            return []
+        return tm.get_trajectory(session_id, reward=reward, max_sample_tokens=max_sample_tokens)
+
+    def turn_log(self, session_id: str) -> list[dict[str, Any]]:
+        """The raw turn log: native request, canonical completion, timing, side-call flag."""
+        return [
+            {
+                "request_id": t.request_id,
+                "protocol": t.request.protocol.value,
+                "side_call": t.side_call,
+                "timestamp": t.timestamp,
+                "latency": t.latency,
+                "request": t.request.raw,
+                "completion": t.completion.model_dump(mode="json", exclude_none=True),
+            }
+            for t in self._turns.get(session_id, ())
+        ]

@@ -1,0 +1,117 @@
+"""Sessions: one per agent run, each with its own secret token and base URL."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ares_gateway.errors import SessionExistsError, UnknownSessionError
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """What a trainer needs to point an agent at a session."""
+
+    session_id: str
+    token: str
+    base_url: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"session_id": self.session_id, "token": self.token, "base_url": self.base_url}
+
+
+@dataclass(eq=False, slots=True)
+class Session:
+    """Server-side state of one session. The token never leaves except at creation."""
+
+    id: str
+    token: str
+    created_at: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+    turns: int = 0
+    ended: bool = False
+    reward: float | None = None
+    truncated: bool = False
+    end_info: dict[str, Any] = field(default_factory=dict)
+    #: Set when the session ends, so waiters on "next request or end" wake up.
+    ended_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-able view without the token."""
+        return {
+            "session_id": self.id,
+            "created_at": self.created_at,
+            "turns": self.turns,
+            "ended": self.ended,
+            "reward": self.reward,
+            "truncated": self.truncated,
+            "metadata": self.metadata,
+        }
+
+
+class SessionRegistry:
+    """All live sessions, indexed by id and by token."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Session] = {}
+        self._by_token: dict[str, Session] = {}
+
+    def create(
+        self,
+        session_id: str | None = None,
+        *,
+        token: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Session:
+        sid = session_id or secrets.token_hex(8)
+        if sid in self._by_id:
+            raise SessionExistsError(f"session {sid!r} already exists")
+        _check_id(sid)
+        tok = token or f"ags-{secrets.token_urlsafe(24)}"
+        if tok in self._by_token:
+            raise SessionExistsError("that token is already in use by another session")
+        session = Session(id=sid, token=tok, created_at=time.time(), metadata=dict(metadata or {}))
+        self._by_id[sid] = session
+        self._by_token[tok] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        try:
+            return self._by_id[session_id]
+        except KeyError:
+            raise UnknownSessionError(f"no session {session_id!r}") from None
+
+    def find(self, session_id: str) -> Session | None:
+        return self._by_id.get(session_id)
+
+    def by_token(self, token: str) -> Session | None:
+        return self._by_token.get(token)
+
+    @staticmethod
+    def token_matches(session: Session, token: str | None) -> bool:
+        # Constant-time so a wrong token's timing says nothing about the right one.
+        return token is not None and hmac.compare_digest(session.token.encode(), token.encode())
+
+    def remove(self, session_id: str) -> Session:
+        session = self.get(session_id)
+        del self._by_id[session_id]
+        self._by_token.pop(session.token, None)
+        return session
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(self._by_id.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def _check_id(sid: str) -> None:
+    # Session ids appear in URL paths and container labels.
+    if not (0 < len(sid) <= 128) or not all(c.isalnum() or c in "-_." for c in sid):
+        raise ValueError(
+            f"invalid session id {sid!r}: use 1-128 characters from letters, digits, '-', '_' and '.'"
+        )

@@ -1,0 +1,273 @@
+"""Gateway throughput and latency under N concurrent simulated agents, over real loopback HTTP.
+
+Processes: the gateway (``ares-gateway``'s Gateway on uvloop), the load generator
+(this process: N agents doing turns), and for the HTTP path a separate responder
+process (one long-poll loop: ``GET /poll?max=`` then one batched ``POST /respond``),
+as a trainer in another process would be. The in-process path answers inside the
+gateway process through ``Gateway.next_request`` / ``respond``.
+
+    python3 bench/bench_gateway.py                      # the full table (takes a few minutes)
+    python3 bench/bench_gateway.py --agents 64 --mode http --body small --repeat 3
+
+Reports turns/s, per-turn latency p50/p99 (agent side), and memory per parked request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+ADMIN = "bench-admin-token-0123456789"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+# ---------------------------------------------------------------- child processes
+
+
+def _gateway_main(port: int, mode: str) -> None:
+    import uvloop
+
+    from ares_gateway import Completion, Gateway
+
+    async def main() -> None:
+        async with Gateway(port=port, admin_token=ADMIN, auto_sessions=True, request_timeout=600) as gw:
+            print("ready", flush=True)
+            if mode == "inproc":
+                answer = Completion(text="ok")
+                broker = gw.broker
+                while True:
+                    for req in await broker.poll(max_items=1024, wait=3600, lease=None):
+                        broker.respond(req.id, answer)
+            else:
+                await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+def _responder_main(url: str) -> None:
+    import aiohttp
+    import orjson
+    import uvloop
+
+    async def main() -> None:
+        async with aiohttp.ClientSession(headers={"authorization": f"Bearer {ADMIN}"}) as s:
+            print("ready", flush=True)
+            while True:
+                async with s.get(f"{url}/poll", params={"wait": "30", "max": "1024"}) as r:
+                    items = orjson.loads(await r.read())
+                if not items:
+                    continue
+                payload = [{"id": it["id"], "completion": {"text": "ok"}} for it in items]
+                async with s.post(f"{url}/respond", data=orjson.dumps(payload), headers={"content-type": "application/json"}) as r:
+                    await r.read()
+
+    uvloop.run(main())
+
+
+# ---------------------------------------------------------------- load generator
+
+
+def _bodies(kind: str) -> tuple[str, bytes, dict[str, str]]:
+    if kind == "small":
+        body = {"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]}
+        return "/v1/chat/completions", json.dumps(body).encode(), {}
+    # A Claude-Code-sized Anthropic body: system blocks, ~25 tools, a conversation with tool results (~100 KB).
+    tools = [
+        {
+            "name": f"Tool{i}",
+            "description": "Runs a thing. " * 60,
+            "input_schema": {"type": "object", "properties": {f"arg{j}": {"type": "string", "description": "x" * 40} for j in range(8)}},
+        }
+        for i in range(25)
+    ]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"}, {"type": "text", "text": "fix the bug"}]}]
+    for i in range(12):
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": f"step {i}"}, {"type": "tool_use", "id": f"toolu_{i}", "name": "Tool1", "input": {"arg0": "ls -la " * 5}}]})
+        messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": "file.txt\n" * 120}]})
+    body = {
+        "model": "claude-x",
+        "max_tokens": 32000,
+        "stream": False,
+        "system": [{"type": "text", "text": "You are Claude Code. " * 300, "cache_control": {"type": "ephemeral"}}],
+        "tools": tools,
+        "messages": messages,
+        "metadata": {"user_id": json.dumps({"device": "x"})},
+    }
+    return "/v1/messages", json.dumps(body).encode(), {"anthropic-version": "2023-06-01"}
+
+
+async def _load(url: str, agents: int, turns: int, body_kind: str) -> dict[str, float]:
+    import aiohttp
+
+    path, body, extra = _bodies(body_kind)
+    latencies: list[float] = []
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+
+    async def agent(i: int, session: aiohttp.ClientSession) -> None:
+        token = f"bench-agent-token-{i:06d}"
+        headers = {"authorization": f"Bearer {token}", "x-api-key": token, "content-type": "application/json", **extra}
+        target = f"{url}/s/agent{i}{path}"
+        for _ in range(turns):
+            t0 = time.perf_counter()
+            async with session.post(target, data=body, headers=headers) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"status {r.status}: {await r.text()}")
+            latencies.append(time.perf_counter() - t0)
+
+    async with aiohttp.ClientSession(connector=connector) as s:
+        # Warm-up: one turn each (sessions auto-created, connections opened).
+        await asyncio.gather(*(agent(i, s) for i in range(agents)))
+        latencies.clear()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(agent(i, s) for i in range(agents)))
+        elapsed = time.perf_counter() - t0
+    latencies.sort()
+    return {
+        "turns_per_s": len(latencies) / elapsed,
+        "p50_ms": latencies[len(latencies) // 2] * 1000,
+        "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000,
+    }
+
+
+async def _parked_memory(url: str, pid: int, count: int, body_kind: str) -> float:
+    """RSS growth of the gateway per parked (never answered) request, in KiB."""
+    import aiohttp
+
+    path, body, extra = _bodies(body_kind)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as s:
+
+        async def agent(i: int) -> None:
+            token = f"mem-agent-token-{i:06d}"
+            headers = {"authorization": f"Bearer {token}", "content-type": "application/json", **extra}
+            try:
+                async with s.post(f"{url}/s/mem{i}{path}", data=body, headers=headers) as r:
+                    await r.read()
+            except (aiohttp.ClientError, asyncio.CancelledError):
+                pass
+
+        # Warm the allocator with one round first, then measure a second, larger one.
+        before = _rss_kib(pid)
+        tasks = [asyncio.create_task(agent(i)) for i in range(count)]
+        async with aiohttp.ClientSession(headers={"authorization": f"Bearer {ADMIN}"}) as admin:
+            for _ in range(600):
+                async with admin.get(f"{url}/healthz") as r:
+                    if (await r.json())["parked"] >= count:
+                        break
+                await asyncio.sleep(0.05)
+        after = _rss_kib(pid)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return (after - before) / count
+
+
+def _spawn(args: list[str]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line.strip() != "ready":
+        proc.kill()
+        raise RuntimeError(f"child {args} failed to start")
+    return proc
+
+
+def run_case(mode: str, agents: int, turns: int, body: str, repeat: int) -> dict[str, Any]:
+    import uvloop
+
+    results = []
+    for _ in range(repeat):
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        gw = _spawn(["_gateway", str(port), mode])
+        responder = _spawn(["_responder", url]) if mode == "http" else None
+        try:
+            results.append(uvloop.run(_load(url, agents, turns, body)))
+        finally:
+            for p in (responder, gw):
+                if p is not None:
+                    p.kill()
+                    p.wait()
+    return {
+        "mode": mode,
+        "agents": agents,
+        "body": body,
+        "turns_per_s": statistics.median(r["turns_per_s"] for r in results),
+        "p50_ms": statistics.median(r["p50_ms"] for r in results),
+        "p99_ms": statistics.median(r["p99_ms"] for r in results),
+        "runs": len(results),
+    }
+
+
+def memory_case(count: int, body: str) -> float:
+    import uvloop
+
+    port = _free_port()
+    gw = _spawn(["_gateway", str(port), "http"])  # nobody answers: everything stays parked
+    try:
+        return uvloop.run(_parked_memory(f"http://127.0.0.1:{port}", gw.pid, count, body))
+    finally:
+        gw.kill()
+        gw.wait()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_gateway":
+        _gateway_main(int(sys.argv[2]), sys.argv[3])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_responder":
+        _responder_main(sys.argv[2])
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--agents", type=int, action="append", help="concurrent agents (default 1, 64, 512)")
+    ap.add_argument("--mode", action="append", choices=["inproc", "http"])
+    ap.add_argument("--body", action="append", choices=["small", "large"])
+    ap.add_argument("--turn-target", type=int, default=6000, help="about this many measured turns per case")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per case; medians are reported")
+    ap.add_argument("--memory", type=int, default=2000, help="parked requests for the memory probe (0 skips)")
+    args = ap.parse_args()
+    rows = []
+    for body in args.body or ["small", "large"]:
+        for mode in args.mode or ["inproc", "http"]:
+            for agents in args.agents or [1, 64, 512]:
+                target = args.turn_target if body == "small" else args.turn_target // 4
+                turns = max(5, target // agents) if agents > 1 else max(200, target // 10)
+                row = run_case(mode, agents, turns, body, args.repeat)
+                rows.append(row)
+                print(
+                    f"{row['body']:>5} {row['mode']:>6} agents={row['agents']:>4}  "
+                    f"{row['turns_per_s']:8.0f} turns/s  p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms",
+                    flush=True,
+                )
+    if args.memory:
+        for body in args.body or ["small", "large"]:
+            kib = memory_case(args.memory, body)
+            print(f"memory per parked request ({body} body, {args.memory} parked): {kib:.1f} KiB", flush=True)
+    print(json.dumps(rows), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    main()

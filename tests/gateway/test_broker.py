@@ -1,0 +1,114 @@
+"""The broker alone: leases, exactly-once answers, timeouts and withdrawal, without HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ares_gateway import (
+    AlreadyAnsweredError,
+    CanonicalRequest,
+    Completion,
+    RequestGoneError,
+    UnknownRequestError,
+    WireProtocol,
+)
+from ares_gateway.broker import Broker, ErrorAnswer, RecordedTurn, RequestClosed
+
+
+def _req(text: str = "x") -> CanonicalRequest:
+    return CanonicalRequest.model_validate(
+        {"protocol": WireProtocol.OPENAI_CHAT, "messages": [{"role": "user", "content": text}], "raw": {"m": text}}
+    )
+
+
+async def test_long_poll_wakes_on_park_and_returns_empty_after_wait() -> None:
+    b = Broker()
+    t0 = asyncio.get_running_loop().time()
+    assert await b.poll(wait=0.1) == []
+    assert asyncio.get_running_loop().time() - t0 >= 0.09
+    poller = asyncio.create_task(b.poll(wait=5))
+    await asyncio.sleep(0.01)
+    parked = b.park("s1", _req(), "/v1/chat/completions")
+    got = await asyncio.wait_for(poller, 1)
+    assert got == [parked] and parked.attempt == 1
+
+
+async def test_poll_filters_by_session_and_batches() -> None:
+    b = Broker()
+    a = [b.park("a", _req(str(i)), "/e") for i in range(3)]
+    c = b.park("c", _req(), "/e")
+    assert await b.poll("c", max_items=10) == [c]
+    assert await b.poll(max_items=2) == a[:2]
+    assert await b.poll(max_items=10) == a[2:]
+
+
+async def test_lease_expiry_redelivers_with_attempt_count() -> None:
+    b = Broker(lease_seconds=0.05)
+    p = b.park("s", _req(), "/e")
+    assert await b.poll() == [p]
+    assert await b.poll() == []
+    again = await b.poll(wait=1)
+    assert again == [p] and p.attempt == 2
+    # No lease: never redelivered.
+    b.respond(p.id, Completion(text="ok"))
+    q = b.park("s", _req(), "/e")
+    assert await b.poll(lease=None) == [q]
+    assert await b.poll(wait=0.15) == []
+
+
+async def test_exactly_once_and_outcome_errors() -> None:
+    turns: list[RecordedTurn] = []
+    b = Broker(on_turn=turns.append)
+    p = b.park("s", _req(), "/e")
+    b.respond(p.id, Completion(text="a"))
+    assert (await p.future).text == "a"  # type: ignore[union-attr]
+    with pytest.raises(AlreadyAnsweredError):
+        b.respond(p.id, Completion(text="b"))
+    with pytest.raises(UnknownRequestError):
+        b.respond("nope", Completion(text="b"))
+    assert [t.completion.text for t in turns] == ["a"]
+    # An error answer is delivered but not recorded as a turn.
+    q = b.park("s", _req(), "/e")
+    b.respond(q.id, ErrorAnswer(500, "boom"))
+    assert isinstance(await q.future, ErrorAnswer) and len(turns) == 1
+
+
+async def test_timeout_and_withdraw_are_final() -> None:
+    b = Broker(request_timeout=0.05)
+    p = b.park("s", _req(), "/e")
+    with pytest.raises(RequestClosed) as err:
+        await b.wait(p)
+    assert err.value.status == 504
+    with pytest.raises(RequestGoneError):
+        b.respond(p.id, Completion(text="late"))
+    q = b.park("s", _req(), "/e")
+    waiter = asyncio.create_task(b.wait(q))
+    await asyncio.sleep(0)
+    waiter.cancel()  # the agent's handler is cancelled when its client disconnects
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert b.pending_count == 0 and await b.poll() == []
+    with pytest.raises(RequestGoneError):
+        b.respond(q.id, Completion(text="late"))
+
+
+async def test_close_session_fails_only_that_session() -> None:
+    b = Broker()
+    a = b.park("a", _req(), "/e")
+    c = b.park("c", _req(), "/e")
+    assert b.close_session("a") == 1
+    with pytest.raises(RequestClosed):
+        await a.future
+    assert b.pending() == [c]
+
+
+async def test_many_parked_requests_all_answered_in_order() -> None:
+    b = Broker()
+    parked = [b.park(f"s{i % 7}", _req(str(i)), "/e") for i in range(500)]
+    got = await b.poll(max_items=1000)
+    assert got == parked
+    for p in got:
+        b.respond(p.id, Completion(text=p.request.raw["m"]))
+    assert [(await p.future).text for p in parked] == [str(i) for i in range(500)]  # type: ignore[union-attr]
+    assert b.pending_count == 0

@@ -1,0 +1,88 @@
+"""`ares-gateway serve` as a real process: serves, keeps secrets out of its output, stops on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError("gateway did not become healthy")
+
+
+def test_serve_process_round_trip_and_clean_shutdown() -> None:
+    port = _free_port()
+    admin = "cli-admin-secret-abcdef0123"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--admin-token", admin, "--access-log"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        req = urllib.request.Request(url + "/sessions", data=b"{}", method="POST", headers={"authorization": f"Bearer {admin}"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            info = json.load(r)
+        assert info["base_url"] == f"{url}/s/{info['session_id']}"
+        # An agent request with the session token (it will be cancelled at shutdown).
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        chat = urllib.request.Request(
+            info["base_url"] + "/v1/chat/completions", data=body, headers={"authorization": f"Bearer {info['token']}", "content-type": "application/json"}
+        )
+        import threading
+
+        outcome: dict[str, int] = {}
+
+        def agent() -> None:
+            try:
+                urllib.request.urlopen(chat, timeout=10)
+            except urllib.error.HTTPError as e:
+                outcome["status"] = e.code
+
+        t = threading.Thread(target=agent)
+        t.start()
+        poll = urllib.request.Request(url + "/poll?wait=5", headers={"authorization": f"Bearer {admin}"})
+        with urllib.request.urlopen(poll, timeout=10) as r:
+            items = json.load(r)
+        assert len(items) == 1 and items[0]["request"]["messages"][0]["content"] == "hi"
+        proc.send_signal(signal.SIGTERM)
+        t.join(10)
+        assert outcome.get("status") == 503  # failed cleanly at shutdown, not left hanging
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = proc.stdout.read().decode() if proc.stdout else ""
+    assert "listening on" in out
+    assert admin not in out and info["token"] not in out
+
+
+def test_serve_help_lists_flags() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ares_gateway.cli", "serve", "--help"], capture_output=True, text=True, check=True, env={**os.environ}
+    ).stdout
+    for flag in ("--host", "--port", "--admin-token", "--request-timeout", "--auto-sessions"):
+        assert flag in out

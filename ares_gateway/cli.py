@@ -3,8 +3,91 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
 import sys
 from typing import Any
+
+from ares_gateway.gateway import Gateway, GatewayConfig
+
+log = logging.getLogger("ares_gateway")
+
+
+def _run(main: Any) -> Any:
+    """Run a coroutine on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+async def _serve(cfg: GatewayConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with Gateway(cfg) as gw:
+        # The admin token is a secret: say whether one is set, never what it is.
+        print(
+            f"ares-gateway listening on {gw.url} (admin token {'required' if cfg.admin_token else 'not set'}; "
+            f"sessions {'auto-created' if cfg.auto_sessions else 'created with POST /sessions'})",
+            flush=True,
+        )
+        await stop.wait()
+        log.info("shutting down: failing %d parked request(s)", gw.broker.pending_count)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    admin = args.admin_token or os.environ.get("ARES_GATEWAY_ADMIN_TOKEN") or None
+    cfg = GatewayConfig(
+        host=args.host,
+        port=args.port,
+        admin_token=admin,
+        request_timeout=args.request_timeout,
+        lease_seconds=args.lease,
+        max_body_bytes=args.max_body_mb * 1024 * 1024,
+        auto_sessions=args.auto_sessions,
+        models=args.model or ["ares-gateway"],
+        public_url=args.public_url,
+        access_log=args.access_log,
+    )
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not admin:
+        print(
+            "warning: listening on a non-loopback address without --admin-token: anyone who can reach it "
+            "can create sessions and answer requests",
+            file=sys.stderr,
+        )
+    with contextlib.suppress(KeyboardInterrupt):
+        _run(_serve(cfg))
+    return 0
+
+
+def _add_serve_command(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the gateway (agents talk to it; a policy answers through /poll)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to bind; 0 picks a free one (default: 8080)")
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help="token guarding /poll, /respond, /sessions, /metrics (or env ARES_GATEWAY_ADMIN_TOKEN)",
+    )
+    p.add_argument("--request-timeout", type=float, default=900.0, help="seconds a request waits for its answer")
+    p.add_argument("--lease", type=float, default=120.0, help="seconds before an unanswered polled request is redelivered")
+    p.add_argument("--max-body-mb", type=int, default=32, help="largest request body accepted, in MiB")
+    p.add_argument(
+        "--auto-sessions",
+        action="store_true",
+        help="create a session on first use of an unknown session id or token (local experiments only)",
+    )
+    p.add_argument("--model", action="append", help="model id listed by /v1/models (repeatable)")
+    p.add_argument("--public-url", default=None, help="URL agents reach the gateway at, if not http://host:port")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request (paths only, never headers)")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(handler=_cmd_serve)
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
@@ -41,16 +124,18 @@ def _add_gc_command(sub: Any) -> None:
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ares-gateway", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_command(sub)
     _add_gc_command(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handler = getattr(args, "handler", None)
-    if handler is None:
-        return 2
-    return int(handler(args) or 0)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return int(args.handler(args) or 0)
 
 
 if __name__ == "__main__":

@@ -197,17 +197,22 @@ def _parse_message(m: Any, i: int) -> Message:
             tool_call("", fc["name"], args if isinstance(args, str) else json_str(args), "function",
                       {"legacy": True})
         )
+    # rendered as ``reasoning_content`` (vLLM / DeepSeek / litellm); ``reasoning`` (OpenRouter, newer vLLM) is marked
     reasoning = m.get("reasoning_content")
     if reasoning is not None:
-        extra["reasoning_key"] = "reasoning_content"
         if "reasoning" in m:
             extra["reasoning"] = m["reasoning"]
+        if not isinstance(reasoning, str):
+            extra["reasoning_content"] = reasoning
+            reasoning = None
     else:
         reasoning = m.get("reasoning")
-    if reasoning is not None and not isinstance(reasoning, str):
-        # some servers put structured reasoning here; keep it verbatim
-        extra[extra.pop("reasoning_key", "reasoning")] = reasoning
-        reasoning = None
+        if reasoning is not None:
+            if isinstance(reasoning, str):
+                extra["reasoning_key"] = "reasoning"
+            else:  # structured reasoning: kept verbatim
+                extra["reasoning"] = reasoning
+                reasoning = None
     is_error = m.get("is_error")
     return message(
         role,
@@ -313,7 +318,9 @@ def parse_request(body: Any) -> CanonicalRequest:
         iu = so.get("include_usage")
         if iu is True:
             include_usage = True
-            extra["stream_options"] = {k: v for k, v in so.items() if k != "include_usage"}
+            so_rest = {k: v for k, v in so.items() if k != "include_usage"}
+            if so_rest:
+                extra["stream_options"] = so_rest
         else:
             extra["stream_options"] = so
     return CanonicalRequest.model_construct(
@@ -516,7 +523,9 @@ def _int_list(v: Any) -> list[int] | None:
 
 
 def _parse_tokens(body: dict[str, Any], choice: dict[str, Any], finish: str | None) -> TokenRecord | None:
-    prompt_ids = _int_list(body.get("prompt_token_ids")) or _int_list(choice.get("prompt_token_ids"))
+    prompt_ids = _int_list(body.get("prompt_token_ids"))
+    if prompt_ids is None:
+        prompt_ids = _int_list(choice.get("prompt_token_ids"))
     output_ids = _int_list(choice.get("token_ids"))
     logprobs: list[float] = []
     lp = choice.get("logprobs")

@@ -10,8 +10,20 @@ import time
 from typing import Any, NoReturn
 
 import orjson
+from pydantic import BaseModel
 
-from ares_gateway.canonical import ContentPart, Message, ToolCall, Usage
+from ares_gateway.canonical import (
+    CanonicalRequest,
+    Completion,
+    ContentPart,
+    Message,
+    SamplingParams,
+    TokenRecord,
+    Tool,
+    ToolCall,
+    Usage,
+    WireProtocol,
+)
 from ares_gateway.protocols.base import RequestError
 
 dumps = orjson.dumps
@@ -133,42 +145,94 @@ def rest(d: dict[str, Any], known: frozenset[str]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- fast constructors
 # The protocol modules validate native input themselves, so they build the
-# canonical models with ``model_construct`` (no second validation pass).
+# canonical models without a second validation pass. ``model_construct`` is
+# itself slow (it walks every field's default), so these fill the instance
+# dict directly, exactly as ``model_construct`` does in the end: every field
+# present, in declaration order; no extras, no private attributes.
+
+_setattr = object.__setattr__
+_new = object.__new__
+# BaseModel's slot descriptors: setting through them skips BaseModel.__setattr__'s checks
+_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
+_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
+_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
+
+
+def _build(cls: Any, values: dict[str, Any]) -> Any:
+    m = _new(cls)
+    _setattr(m, "__dict__", values)
+    _set_fields_set(m, set(values))
+    _set_extra(m, None)
+    _set_private(m, None)
+    return m
 
 
 def part(type_: str = "text", text: str | None = None, url: str | None = None,
          extra: dict[str, Any] | None = None) -> ContentPart:
-    return ContentPart.model_construct(type=type_, text=text, url=url, extra=extra if extra is not None else {})
+    return _build(ContentPart, {"type": type_, "text": text, "url": url, "extra": {} if extra is None else extra})
 
 
 def tool_call(id_: str, name: str, arguments: str, type_: str = "function",
               extra: dict[str, Any] | None = None) -> ToolCall:
-    return ToolCall.model_construct(
-        id=id_, name=name, arguments=arguments, type=type_, extra=extra if extra is not None else {}
-    )
+    return _build(ToolCall, {"id": id_, "name": name, "arguments": arguments, "type": type_,
+                             "extra": {} if extra is None else extra})
 
 
 def message(role: str, content: str | list[ContentPart] | None = None, *, name: str | None = None,
             tool_calls: list[ToolCall] | None = None, tool_call_id: str | None = None,
             is_error: bool | None = None, reasoning: str | None = None,
             extra: dict[str, Any] | None = None) -> Message:
-    return Message.model_construct(
-        role=role,
-        content=content,
-        name=name,
-        tool_calls=tool_calls if tool_calls is not None else [],
-        tool_call_id=tool_call_id,
-        is_error=is_error,
-        reasoning=reasoning,
-        extra=extra if extra is not None else {},
-    )
+    return _build(Message, {
+        "role": role,
+        "content": content,
+        "name": name,
+        "tool_calls": [] if tool_calls is None else tool_calls,
+        "tool_call_id": tool_call_id,
+        "is_error": is_error,
+        "reasoning": reasoning,
+        "extra": {} if extra is None else extra,
+    })
+
+
+def mk_tool(*, type: str, name: str | None, description: str | None, parameters: dict[str, Any] | None,
+            extra: dict[str, Any]) -> Tool:
+    return _build(Tool, {"type": type, "name": name, "description": description, "parameters": parameters,
+                         "extra": extra})
+
+
+def mk_sampling(*, max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
+                stop: list[str] | None, seed: int | None, extra: dict[str, Any]) -> SamplingParams:
+    return _build(SamplingParams, {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                                   "top_k": top_k, "stop": stop, "seed": seed, "extra": extra})
+
+
+def mk_request(*, protocol: WireProtocol, model: str | None, messages: list[Message], tools: list[Tool],
+               tool_choice: Any, parallel_tool_calls: bool | None, sampling: SamplingParams, stream: bool,
+               include_usage: bool, extra: dict[str, Any], raw: dict[str, Any]) -> CanonicalRequest:
+    return _build(CanonicalRequest, {
+        "protocol": protocol, "model": model, "messages": messages, "tools": tools, "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel_tool_calls, "sampling": sampling, "stream": stream,
+        "include_usage": include_usage, "extra": extra, "raw": raw,
+    })
+
+
+def mk_completion(*, text: str | None, reasoning: str | None, tool_calls: list[ToolCall], finish_reason: str,
+                  usage: Usage | None, tokens: TokenRecord | None, model: str | None,
+                  extra: dict[str, Any]) -> Completion:
+    return _build(Completion, {"text": text, "reasoning": reasoning, "tool_calls": tool_calls,
+                               "finish_reason": finish_reason, "usage": usage, "tokens": tokens, "model": model,
+                               "extra": extra})
+
+
+def mk_tokens(*, prompt_ids: list[int], output_ids: list[int], output_logprobs: list[float],
+              finish_reason: str | None) -> TokenRecord:
+    return _build(TokenRecord, {"prompt_ids": prompt_ids, "output_ids": output_ids,
+                                "output_logprobs": output_logprobs, "finish_reason": finish_reason})
 
 
 def usage(input_tokens: int = 0, output_tokens: int = 0, cached: int = 0, reasoning: int = 0) -> Usage:
-    return Usage.model_construct(
-        input_tokens=input_tokens, output_tokens=output_tokens,
-        cached_input_tokens=cached, reasoning_tokens=reasoning,
-    )
+    return _build(Usage, {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                          "cached_input_tokens": cached, "reasoning_tokens": reasoning})
 
 
 def int_or0(v: Any) -> int:

@@ -39,7 +39,6 @@ from ares_gateway.canonical import (
     CompletionDelta,
     ContentPart,
     Message,
-    SamplingParams,
     Tool,
     ToolCall,
     Usage,
@@ -52,6 +51,10 @@ from ares_gateway.protocols._common import (
     int_or0,
     json_str,
     message,
+    mk_completion,
+    mk_request,
+    mk_sampling,
+    mk_tool,
     new_id,
     opt_int,
     opt_num,
@@ -214,12 +217,12 @@ def _parse_tool(t: Any, param: str) -> Tool:
         schema = t.get("input_schema")
         if schema is not None and not isinstance(schema, dict):
             fail(f"'{param}.input_schema' must be an object", f"{param}.input_schema")
-        return Tool.model_construct(
+        return mk_tool(
             type="function", name=name, description=opt_str(t, "description", f"{param}.description"),
             parameters=schema, extra=rest(t, _TOOL_KNOWN),
         )
     name = t.get("name")
-    return Tool.model_construct(
+    return mk_tool(
         type=typ if isinstance(typ, str) else "unknown", name=name if isinstance(name, str) else None,
         description=None, parameters=None, extra={"raw": t},
     )
@@ -282,14 +285,14 @@ def parse_request(body: Any, *, require_max_tokens: bool = True) -> CanonicalReq
     model = b.get("model")
     if model is not None and not isinstance(model, str):
         fail("'model' must be a string", "model")
-    return CanonicalRequest.model_construct(
+    return mk_request(
         protocol=PROTOCOL,
         model=model,
         messages=messages,
         tools=tools,
         tool_choice=b.get("tool_choice"),
         parallel_tool_calls=None,
-        sampling=SamplingParams.model_construct(
+        sampling=mk_sampling(
             max_tokens=max_tokens,
             temperature=opt_num(b, "temperature", "temperature"),
             top_p=opt_num(b, "top_p", "top_p"),
@@ -543,7 +546,7 @@ def parse_response(body: Any, request: CanonicalRequest | None = None) -> Comple
     if sr == "stop_sequence" and isinstance(b.get("stop_sequence"), str):
         extra["stop_sequence"] = b["stop_sequence"]
     model = b.get("model")
-    return Completion.model_construct(
+    return mk_completion(
         text="".join(texts) if texts else None,
         reasoning="\n\n".join(thinking) if thinking else None,
         tool_calls=calls,

@@ -25,7 +25,6 @@ from ares_gateway.canonical import (
     CompletionDelta,
     ContentPart,
     Message,
-    SamplingParams,
     TokenRecord,
     Tool,
     ToolCall,
@@ -39,6 +38,11 @@ from ares_gateway.protocols._common import (
     int_or0,
     json_str,
     message,
+    mk_completion,
+    mk_request,
+    mk_sampling,
+    mk_tokens,
+    mk_tool,
     new_id,
     now,
     openai_error_body,
@@ -242,7 +246,7 @@ def _parse_tool(t: Any, param: str) -> Tool:
         name = inner["name"]
     elif isinstance(t.get("name"), str):
         name = t["name"]
-    return Tool.model_construct(
+    return mk_tool(
         type=typ if isinstance(typ, str) else "unknown", name=name, description=None, parameters=None,
         extra={"raw": t},
     )
@@ -260,7 +264,7 @@ def _parse_function(fn: dict[str, Any], param: str, outer: dict[str, Any], no_ty
         extra["tool_extra"] = outer
     if no_type:
         extra["no_type"] = True
-    return Tool.model_construct(
+    return mk_tool(
         type="function", name=name, description=opt_str(fn, "description", f"{param}.description"),
         parameters=params, extra=extra,
     )
@@ -302,7 +306,7 @@ def parse_request(body: Any) -> CanonicalRequest:
             stop = [stop]
         elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             fail("'stop' must be a string or an array of strings", "stop")
-    sampling = SamplingParams.model_construct(
+    sampling = mk_sampling(
         max_tokens=max_tokens,
         temperature=opt_num(b, "temperature", "temperature"),
         top_p=opt_num(b, "top_p", "top_p"),
@@ -323,7 +327,7 @@ def parse_request(body: Any) -> CanonicalRequest:
                 extra["stream_options"] = so_rest
         else:
             extra["stream_options"] = so
-    return CanonicalRequest.model_construct(
+    return mk_request(
         protocol=PROTOCOL,
         model=opt_str(b, "model", "model"),
         messages=messages,
@@ -549,7 +553,7 @@ def _parse_tokens(body: dict[str, Any], choice: dict[str, Any], finish: str | No
         return None
     if len(logprobs) != len(output_ids):
         logprobs = []
-    return TokenRecord.model_construct(
+    return mk_tokens(
         prompt_ids=prompt_ids, output_ids=output_ids, output_logprobs=logprobs, finish_reason=finish
     )
 
@@ -598,7 +602,7 @@ def parse_response(body: Any, request: CanonicalRequest | None = None) -> Comple
     if isinstance(msg.get("refusal"), str):
         extra["refusal"] = msg["refusal"]
     model = b.get("model")
-    return Completion.model_construct(
+    return mk_completion(
         text=text,
         reasoning=reasoning,
         tool_calls=tool_calls,

@@ -38,7 +38,6 @@ from ares_gateway.canonical import (
     CompletionDelta,
     ContentPart,
     Message,
-    SamplingParams,
     Tool,
     ToolCall,
     Usage,
@@ -49,6 +48,10 @@ from ares_gateway.protocols._common import (
     fail,
     int_or0,
     message,
+    mk_completion,
+    mk_request,
+    mk_sampling,
+    mk_tool,
     new_id,
     now,
     openai_error_body,
@@ -258,12 +261,12 @@ def _parse_tool(t: Any, param: str) -> Tool:
         params = t.get("parameters")
         if params is not None and not isinstance(params, dict):
             fail(f"'{param}.parameters' must be an object", f"{param}.parameters")
-        return Tool.model_construct(
+        return mk_tool(
             type="function", name=name, description=opt_str(t, "description", f"{param}.description"),
             parameters=params, extra=rest(t, _FN_TOOL_KNOWN),
         )
     name, desc = t.get("name"), t.get("description")
-    return Tool.model_construct(
+    return mk_tool(
         type=typ, name=name if isinstance(name, str) else None,
         description=desc if isinstance(desc, str) else None, parameters=None, extra={"raw": t},
     )
@@ -292,14 +295,14 @@ def parse_request(body: Any) -> CanonicalRequest:
     model = b.get("model")
     if model is not None and not isinstance(model, str):
         fail("'model' must be a string", "model")
-    return CanonicalRequest.model_construct(
+    return mk_request(
         protocol=PROTOCOL,
         model=model,
         messages=messages,
         tools=tools,
         tool_choice=b.get("tool_choice"),
         parallel_tool_calls=opt_bool(b, "parallel_tool_calls", "parallel_tool_calls"),
-        sampling=SamplingParams.model_construct(
+        sampling=mk_sampling(
             max_tokens=opt_int(b, "max_output_tokens", "max_output_tokens"),
             temperature=opt_num(b, "temperature", "temperature"),
             top_p=opt_num(b, "top_p", "top_p"),
@@ -544,7 +547,7 @@ def parse_response(body: Any, request: CanonicalRequest | None = None) -> Comple
         reason = det.get("reason") if isinstance(det, dict) else None
         finish = "content_filter" if reason == "content_filter" else "length"
     model = b.get("model")
-    return Completion.model_construct(
+    return mk_completion(
         text="".join(texts) if texts else None,
         reasoning="\n\n".join(reasoning) if reasoning else None,
         tool_calls=calls,

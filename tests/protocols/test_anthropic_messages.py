@@ -113,7 +113,7 @@ def test_claude_code_body_canonical() -> None:
     for k in ("metadata", "thinking", "context_management", "output_config"):
         assert r.extra[k] == body[k]
     # the canonical form is a valid model and serializes
-    CanonicalRequest.model_validate(r.model_dump())
+    assert CanonicalRequest.model_validate(r.model_dump()) == r  # the fast-built models are valid models
 
 
 def test_claude_code_body_round_trip_exact() -> None:

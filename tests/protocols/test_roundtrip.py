@@ -451,3 +451,29 @@ def test_anthropic_stream_reassembles(case: tuple[Completion, list[Any]]) -> Non
 @given(stream_case("openai.responses"))
 def test_responses_stream_reassembles(case: tuple[Completion, list[Any]]) -> None:
     _check_stream("openai.responses", case)
+
+
+# =========================================================================== across protocols
+
+
+def test_cross_protocol_rendering_is_accepted() -> None:
+    """Any protocol's canonical request renders into a body every other protocol parses (forwarding upstream)."""
+    from .test_anthropic_messages import claude_code_body
+    from .test_openai_chat import mini_swe_agent_body
+    from .test_openai_responses import codex_body
+
+    protos = ["openai.chat", "anthropic.messages", "openai.responses"]
+    for src, body in zip(protos, [mini_swe_agent_body(), claude_code_body(), codex_body()], strict=True):
+        r = get_adapter(src).parse_request(body)
+        for dst in protos:
+            native = orjson.loads(orjson.dumps(get_adapter(dst).render_request(r)))
+            if dst == "anthropic.messages":
+                native.setdefault("max_tokens", 1024)
+            back = get_adapter(dst).parse_request(native)
+            # the conversation's text and tool calls survive the trip
+            assert [tc.name for m in back.messages for tc in m.tool_calls] == [
+                tc.name for m in r.messages for tc in m.tool_calls], (src, dst)
+            assert [m.tool_call_id for m in back.messages if m.role == "tool"] == [
+                m.tool_call_id for m in r.messages if m.role == "tool"], (src, dst)
+            assert "".join(m.text() for m in back.messages if m.role == "user") == "".join(
+                m.text() for m in r.messages if m.role == "user"), (src, dst)

@@ -22,6 +22,7 @@ from ares_gateway.canonical import (
 from ares_gateway.env import GatewayEnv, StepType, TimeStep
 from ares_gateway.errors import (
     AlreadyAnsweredError,
+    GatewayClosedError,
     GatewayError,
     InvalidAnswerError,
     RequestGoneError,
@@ -40,6 +41,7 @@ __all__ = [
     "ContentPart",
     "ErrorAnswer",
     "Gateway",
+    "GatewayClosedError",
     "GatewayConfig",
     "GatewayEnv",
     "GatewayError",

@@ -23,6 +23,7 @@ from typing import Any
 from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, TokenRecord, WireProtocol
 from ares_gateway.errors import (
     AlreadyAnsweredError,
+    GatewayClosedError,
     InvalidAnswerError,
     RequestGoneError,
     UnknownRequestError,
@@ -169,6 +170,8 @@ class Broker:
         *,
         side_call: bool = False,
     ) -> ParkedRequest:
+        if self._closed:
+            raise GatewayClosedError("the gateway is shutting down")
         loop = asyncio.get_running_loop()
         rid = f"{self._prefix}{next(self._ids)}"
         parked = ParkedRequest(
@@ -266,7 +269,13 @@ class Broker:
         wait: float = 0.0,
         lease: float | None = -1.0,
     ) -> list[ParkedRequest]:
-        """Long-poll: return as soon as at least one request is available, or ``[]`` after ``wait``."""
+        """Long-poll: return as soon as at least one request is available, or ``[]`` after ``wait``.
+
+        Raises :class:`GatewayClosedError` once the broker is closed, so a polling loop ends
+        instead of spinning.
+        """
+        if self._closed:
+            raise GatewayClosedError("the gateway is closed")
         got = self.take(session_id, max_items, lease)
         if got or wait <= 0:
             return got
@@ -274,12 +283,14 @@ class Broker:
         deadline = loop.time() + wait
         while True:
             remaining = deadline - loop.time()
-            if remaining <= 0 or self._closed:
+            if remaining <= 0:
                 return []
             waiter = _Waiter(session_id, loop.create_future())
             self._waiters.append(waiter)
             try:
-                await asyncio.wait_for(waiter.future, remaining)
+                # asyncio.timeout, not wait_for: wait_for can swallow a cancellation on 3.11.
+                async with asyncio.timeout(remaining):
+                    await waiter.future
             except TimeoutError:
                 return self.take(session_id, max_items, lease)
             finally:
@@ -289,6 +300,8 @@ class Broker:
                     self._waiters.remove(waiter)
                 except ValueError:
                     pass
+            if self._closed:
+                raise GatewayClosedError("the gateway is closed")
             got = self.take(session_id, max_items, lease)
             if got:
                 return got

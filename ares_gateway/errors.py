@@ -47,3 +47,9 @@ class InvalidAnswerError(GatewayError, ValueError):
     """The answer given to ``respond`` is not a completion, a native response body or an error."""
 
     status = 400
+
+
+class GatewayClosedError(GatewayError):
+    """The gateway is shut down; start a new one."""
+
+    status = 503

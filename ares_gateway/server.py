@@ -137,7 +137,10 @@ class _AgentAPI:
             if session.ended:
                 return self._error(adapter, 409, "this session has ended; start a new session")
             side_call = gw.is_side_call(session, canonical, request.headers)
-            parked = gw.broker.park(session.id, canonical, endpoint, side_call=side_call)
+            try:
+                parked = gw.broker.park(session.id, canonical, endpoint, side_call=side_call)
+            except GatewayError as exc:
+                return self._error(adapter, exc.status, str(exc))
             try:
                 answer = await gw.broker.wait(parked)
             except RequestClosed as closed:
@@ -294,7 +297,10 @@ class _ControlAPI:
         session = q.get("session") or None
         if session is not None and self.gw.sessions.find(session) is None:
             return _control_error(404, f"no session {session!r}")
-        items = await self.gw.broker.poll(session, max_items=max_items, wait=wait, lease=lease)
+        try:
+            items = await self.gw.broker.poll(session, max_items=max_items, wait=wait, lease=lease)
+        except GatewayError as exc:
+            return _control_error(exc.status, str(exc))
         return web.Response(body=orjson.dumps([p.poll_item() for p in items]), content_type=_JSON)
 
     async def respond(self, request: web.Request) -> web.Response:

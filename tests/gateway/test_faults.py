@@ -13,6 +13,7 @@ import pytest
 
 from ares_gateway import (
     AlreadyAnsweredError,
+    GatewayClosedError,
     Completion,
     Gateway,
     RequestGoneError,
@@ -336,9 +337,12 @@ async def test_no_leaked_tasks_after_close() -> None:
         agent = asyncio.create_task(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
         poller = asyncio.create_task(gw.broker.poll("other-session", wait=30))
         await asyncio.sleep(0.1)
-    # Closing the gateway fails the parked request and releases the long-poller.
+    # Closing the gateway fails the parked request and releases the long-poller with a clear error.
     with pytest.raises(openai.APIStatusError):
         await agent
-    assert await asyncio.wait_for(poller, 1) == []
+    with pytest.raises(GatewayClosedError):
+        await asyncio.wait_for(poller, 1)
+    with pytest.raises(GatewayClosedError):
+        await gw.next_request(timeout=1)
     await asyncio.sleep(0.05)
     assert len(asyncio.all_tasks()) <= before

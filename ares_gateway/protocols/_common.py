@@ -5,6 +5,7 @@ Private to :mod:`ares_gateway.protocols`; everything here is pure and cheap.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, NoReturn
@@ -35,7 +36,10 @@ def loads(data: str | bytes) -> Any:
 
 def json_str(obj: Any) -> str:
     """Compact JSON text of ``obj`` (used for tool-call ``arguments``)."""
-    return orjson.dumps(obj).decode()
+    try:
+        return orjson.dumps(obj).decode()
+    except TypeError:  # e.g. an integer beyond 64 bits from a non-orjson parser
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
 def new_id(prefix: str, nbytes: int = 12) -> str:

@@ -195,7 +195,7 @@ class Broker:
     async def wait(self, parked: ParkedRequest) -> Answer:
         """Wait for the answer. If the waiting handler is cancelled (agent gone), withdraw."""
         try:
-            return await asyncio.shield(parked.future)
+            return await parked.future
         except asyncio.CancelledError:
             self.withdraw(parked, "agent disconnected")
             raise

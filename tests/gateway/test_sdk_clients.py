@@ -357,4 +357,20 @@ async def test_multi_turn_tool_loop_recorded(mode: str, gateway: Gateway, sessio
     s = samples[0]
     assert list(s.tokens) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert list(s.loss_mask) == [1, 1, 0, 0, 1]
+    assert list(s.logprobs) == pytest.approx([-0.1, -0.2, 0.0, 0.0, -0.3])
     assert s.reward == 1.0
+    # The same samples over HTTP, for a trainer in another process.
+    import aiohttp
+
+    from .conftest import ADMIN
+
+    async with aiohttp.ClientSession(headers={"authorization": f"Bearer {ADMIN}"}) as http:
+        async with http.get(f"{gateway.url}/sessions/{session.session_id}/trajectory", params={"reward": "1.0"}) as r:
+            assert r.status == 200
+            over_http = await r.json()
+        async with http.get(f"{gateway.url}/sessions/{session.session_id}/turns") as r:
+            turns = await r.json()
+    assert len(over_http) == 1
+    assert over_http[0]["tokens"] == [1, 2, 3, 4, 5, 6, 7, 8] and over_http[0]["loss_mask"] == [1, 1, 0, 0, 1]
+    assert over_http[0]["reward"] == 1.0 and over_http[0]["response_length"] == 5
+    assert [t["completion"].get("text") for t in turns] == [None, "all done"]

@@ -138,10 +138,13 @@ def test_parallel_calls_and_unknown_items() -> None:
         {"type": "item_reference", "id": "msg_old"},
         {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}},
         {"type": "compaction", "encrypted_content": "zzz"},
+        # Codex "responses lite" dialect items
+        {"type": "additional_tools", "tools": [{"type": "function", "name": "exec_command", "parameters": {}}]},
+        {"type": "configuration_update", "model": "gpt-5.1-codex", "reasoning": {"effort": "high"}},
     ]}
     r = AD.parse_request(body)
     roles = [m.role for m in r.messages]
-    assert roles == ["user", "assistant", "tool", "tool", "user", "assistant", "user"]
+    assert roles == ["user", "assistant", "tool", "tool", "user", "assistant", "user", "user", "user"]
     a = r.messages[1]
     assert a.reasoning == "a\n\nb" and a.text() == "calling" and [t.id for t in a.tool_calls] == ["c1", "c2"]
     assert r.messages[4].extra == {"item": {"type": "item_reference", "id": "msg_old"}}
@@ -232,3 +235,13 @@ def test_error_body() -> None:
     assert AD.error_body(401, "bad key") == {"error": {"message": "bad key", "type": "authentication_error",
                                                        "param": None, "code": "invalid_api_key"}}
     assert AD.error_body(400, "x", param="input")["error"]["param"] == "input"
+
+
+def test_get_adapter() -> None:
+    from ares_gateway.protocols import ANTHROPIC_MESSAGES, OPENAI_CHAT, OPENAI_RESPONSES
+
+    for proto, ad in [(WireProtocol.OPENAI_CHAT, OPENAI_CHAT), (WireProtocol.ANTHROPIC_MESSAGES, ANTHROPIC_MESSAGES),
+                      (WireProtocol.OPENAI_RESPONSES, OPENAI_RESPONSES)]:
+        assert get_adapter(proto) is ad and get_adapter(proto.value) is ad and ad.protocol is proto
+        assert ad.parse_request(
+            {"messages": [], "max_tokens": 1} if proto is not WireProtocol.OPENAI_RESPONSES else {}).protocol is proto

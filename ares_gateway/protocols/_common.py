@@ -67,6 +67,12 @@ def sse_data(data: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+#: ``Message.extra`` keys that are round-trip markers of some protocol, never native fields
+#: (see the package docstring); every renderer drops the ones it does not consume.
+MARKERS = frozenset({"same_turn", "in_messages", "no_content", "reasoning_key", "bare", "input_string",
+                     "reasoning_item", "custom"})
+
+
 # --------------------------------------------------------------------------- validation
 
 

@@ -45,6 +45,7 @@ from ares_gateway.canonical import (
     WireProtocol,
 )
 from ares_gateway.protocols._common import (
+    MARKERS,
     data_url,
     expect,
     fail,
@@ -84,7 +85,6 @@ _MSG_KNOWN = frozenset({"role", "content"})
 #: canonical ``extra`` keys of other protocols that must not leak into Anthropic blocks
 _FOREIGN_PART_KEYS = frozenset({"detail", "image_url_extra", "bare"})
 _FOREIGN_TOOL_KEYS = frozenset({"tool_extra", "legacy", "no_type"})
-_MARKERS = frozenset({"same_turn", "in_messages", "no_content", "reasoning_key"})
 
 
 # =========================================================================== request
@@ -367,7 +367,7 @@ def _render_tool_use(tc: ToolCall) -> dict[str, Any]:
 
 
 def _msg_extra(m: Message) -> dict[str, Any]:
-    return {k: v for k, v in m.extra.items() if k not in _MARKERS}
+    return {k: v for k, v in m.extra.items() if k not in MARKERS}
 
 
 def _render_assistant(m: Message) -> dict[str, Any]:
@@ -395,7 +395,7 @@ def _tool_result(m: Message) -> dict[str, Any]:
     if m.is_error is not None:
         d["is_error"] = m.is_error
     for k, v in m.extra.items():
-        if k not in _MARKERS:
+        if k not in MARKERS:
             d[k] = v
     return d
 
@@ -410,6 +410,8 @@ def render_messages(messages: list[Message]) -> tuple[Any, list[dict[str, Any]]]
     out: list[dict[str, Any]] = []
     prev_role: str | None = None
     for m in messages[start:]:
+        if "item" in m.extra:  # a Responses item with no Anthropic form
+            continue
         role = m.role
         last = out[-1] if out else None
         can_join = last is not None and last["role"] == "user" and isinstance(last["content"], list)
@@ -426,7 +428,8 @@ def render_messages(messages: list[Message]) -> tuple[Any, list[dict[str, Any]]]
         else:
             if role == "developer":
                 role = "system"
-            out.append({"role": role, "content": _render_content(m.content), **_msg_extra(m)})
+            content = _render_content(m.content)
+            out.append({"role": role, "content": "" if content is None else content, **_msg_extra(m)})
         prev_role = m.role
     return system, out
 

@@ -32,6 +32,7 @@ from ares_gateway.canonical import (
     WireProtocol,
 )
 from ares_gateway.protocols._common import (
+    MARKERS,
     SSE_DONE,
     expect,
     fail,
@@ -414,7 +415,7 @@ def _render_message(m: Message) -> dict[str, Any]:
     if m.reasoning is not None:
         d[ex.get("reasoning_key", "reasoning_content")] = m.reasoning
     for k, v in ex.items():
-        if k not in ("no_content", "reasoning_key"):
+        if k not in MARKERS:
             d[k] = v
     return d
 
@@ -445,7 +446,7 @@ def render_request(request: CanonicalRequest) -> dict[str, Any]:
     body: dict[str, Any] = {}
     if request.model is not None:
         body["model"] = request.model
-    body["messages"] = [_render_message(m) for m in request.messages]
+    body["messages"] = [_render_message(m) for m in request.messages if "item" not in m.extra]
     if request.tools:
         tools: list[dict[str, Any]] = []
         functions: list[dict[str, Any]] = []

@@ -44,6 +44,7 @@ from ares_gateway.canonical import (
     WireProtocol,
 )
 from ares_gateway.protocols._common import (
+    MARKERS,
     expect,
     fail,
     int_or0,
@@ -82,8 +83,7 @@ _CTC_KNOWN = frozenset({"type", "call_id", "name", "input"})
 _OUT_KNOWN = frozenset({"type", "call_id", "output"})
 _REASONING_KNOWN = frozenset({"type", "summary"})
 _FN_TOOL_KNOWN = frozenset({"type", "name", "description", "parameters"})
-_MARKERS = frozenset({"bare", "input_string", "in_messages", "reasoning_item", "custom", "same_turn",
-                      "no_content", "reasoning_key"})
+_MARKERS = MARKERS
 _PART_MARKERS = frozenset({"part_type", "bare", "image_url_extra", "cache_control"})
 
 

@@ -16,7 +16,7 @@ from .test_anthropic_messages import claude_code_body
 from .test_openai_chat import ares_proxy_answer, mini_swe_agent_body
 from .test_openai_responses import codex_body, native_response
 
-FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 KEYS = ["model", "messages", "input", "system", "role", "content", "type", "text", "tool_calls", "tool_call_id",
         "function", "name", "arguments", "tools", "tool_use_id", "id", "call_id", "output", "summary", "source",

@@ -458,17 +458,23 @@ def test_responses_stream_reassembles(case: tuple[Completion, list[Any]]) -> Non
 
 def test_cross_protocol_rendering_is_accepted() -> None:
     """Any protocol's canonical request renders into a body every other protocol parses (forwarding upstream)."""
+    from ares_gateway.protocols._common import MARKERS
+
     from .test_anthropic_messages import claude_code_body
     from .test_openai_chat import mini_swe_agent_body
     from .test_openai_responses import codex_body
 
     protos = ["openai.chat", "anthropic.messages", "openai.responses"]
-    for src, body in zip(protos, [mini_swe_agent_body(), claude_code_body(), codex_body()], strict=True):
+    codex = codex_body()
+    codex["input"].append({"type": "item_reference", "id": "msg_1"})
+    for src, body in zip(protos, [mini_swe_agent_body(), claude_code_body(), codex], strict=True):
         r = get_adapter(src).parse_request(body)
         for dst in protos:
             native = orjson.loads(orjson.dumps(get_adapter(dst).render_request(r)))
             if dst == "anthropic.messages":
                 native.setdefault("max_tokens", 1024)
+            for m in native.get("messages") or native.get("input") or []:
+                assert not (set(m) & MARKERS), (src, dst, m)
             back = get_adapter(dst).parse_request(native)
             # the conversation's text and tool calls survive the trip
             assert [tc.name for m in back.messages for tc in m.tool_calls] == [

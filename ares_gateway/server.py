@@ -23,6 +23,7 @@ from ares_gateway.broker import (
 from ares_gateway.canonical import Completion, CompletionDelta, TokenRecord, WireProtocol
 from ares_gateway.errors import GatewayError, InvalidAnswerError
 from ares_gateway.protocols import ProtocolAdapter, RequestError, get_adapter
+from ares_gateway.protocols.anthropic_messages import parse_count_tokens_request
 from ares_gateway.sessions import Session
 from ares_gateway.streaming import DeltaAccumulator
 
@@ -238,8 +239,10 @@ class _AgentAPI:
         try:
             self._session(request)
             body = await self._body(request)
-            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-                raise _Reject(400, "messages: field required (a list of messages)", "messages")
+            try:
+                parse_count_tokens_request(body)
+            except RequestError as exc:
+                raise _Reject(exc.status, exc.message, exc.param) from None
         except _Reject as rej:
             return self._error(adapter, rej.status, rej.message, rej.param)
         # An estimate (about 4 characters a token): the gateway has no tokenizer for the policy's model.

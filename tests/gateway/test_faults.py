@@ -346,3 +346,13 @@ async def test_no_leaked_tasks_after_close() -> None:
         await gw.next_request(timeout=1)
     await asyncio.sleep(0.05)
     assert len(asyncio.all_tasks()) <= before
+
+
+async def test_count_tokens_validates_like_messages(gateway: Gateway, session: SessionInfo) -> None:
+    url = session.base_url + "/v1/messages/count_tokens"
+    code, out = await post(url, json.dumps({"model": "m", "messages": [{"role": "user", "content": 5}]}), session.token, anthropic_style=True)
+    assert code == 400 and is_anthropic_error(out)
+    code, out = await post(url, json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi " * 40}]}), session.token, anthropic_style=True)
+    assert code == 200 and out["input_tokens"] > 20
+    code, out = await post(url, json.dumps({"model": "m", "messages": []}), "nope-not-a-token", anthropic_style=True)
+    assert code == 401 and is_anthropic_error(out)

@@ -155,7 +155,7 @@ class _AgentAPI:
         self, request: web.Request, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer
     ) -> web.StreamResponse:
         canonical = parked.request
-        rid = _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.rsplit("_", 1)[-1] + parked.id[4:12]
+        rid = _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.removeprefix("req_")
         if isinstance(answer, ErrorAnswer):
             return self._error(adapter, answer.status, answer.message)
         if isinstance(answer, StreamAnswer):

@@ -1,0 +1,714 @@
+"""Tasks and datasets in Harbor's layout, and reading a task's reward.
+
+A task is a directory::
+
+    my-task/
+      instruction.md          the prompt given to the agent (required, not empty)
+      task.toml               timeouts, resources, workdir, metadata (required)
+      environment/Dockerfile  the image to build (optional; else ``[environment] docker_image`` or a default)
+      environment/workspace/  files copied into the workdir before the agent starts (optional, ares extension)
+      tests/test.sh           the verifier: writes reward.json or reward.txt (required)
+      solution/solve.sh       a reference solution (optional)
+
+``tests/test.sh`` runs after the agent, with the task's workdir as its current directory and
+``$ARES_VERIFIER_DIR`` (default ``/logs/verifier``) naming where it must write ``reward.json`` (a JSON
+object of named floats; the reward is their mean) or ``reward.txt`` (one float).
+
+A dataset is a directory of tasks (sorted by name) or a registry entry naming one
+(:func:`register_dataset`; the bundled ``examples`` are registered by default).
+
+The sandbox helpers (:func:`prepare_workdir`, :func:`run_solution`, :func:`run_tests`,
+:func:`read_reward`) work with any :class:`sandbox.Sandbox`; see :func:`task_paths` for where a
+task's files go in each backend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import posixpath
+import re
+import shlex
+import tomllib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, overload
+
+from sandbox import Sandbox, SandboxError, SandboxSpec
+from sandbox.spec import Resources
+
+#: Where Harbor tasks write their reward; ``tests/test.sh`` reads ``$ARES_VERIFIER_DIR`` with this default.
+DEFAULT_VERIFIER_DIR = "/logs/verifier"
+VERIFIER_DIR_ENV = "ARES_VERIFIER_DIR"
+#: The workdir of a task that names none (and whose Dockerfile has no WORKDIR).
+DEFAULT_WORKDIR = "/workspace"
+#: Harbor's defaults for the agent and verifier time budgets (seconds).
+DEFAULT_AGENT_TIMEOUT = 600.0
+DEFAULT_VERIFIER_TIMEOUT = 600.0
+DEFAULT_BUILD_TIMEOUT = 600.0
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+def _empty() -> Mapping[str, Any]:
+    return _EMPTY
+
+
+# ============================================================================ errors
+
+
+class TaskError(Exception):
+    """A task or dataset cannot be used; the message names the file and says what to fix."""
+
+    def __init__(self, message: str, *, path: Path | str | None = None) -> None:
+        super().__init__(message)
+        self.path = Path(path) if path is not None else None
+
+
+class TaskNotFoundError(TaskError):
+    """A task directory (or a dataset name / directory) does not exist."""
+
+
+class MissingTaskFileError(TaskError):
+    """A required file of a task (instruction.md, task.toml, tests/test.sh) is missing or empty."""
+
+
+class TaskConfigError(TaskError):
+    """``task.toml`` is not valid TOML, or a field has the wrong type or value."""
+
+
+class DatasetError(TaskError):
+    """A dataset is empty, unknown, or holds broken tasks."""
+
+
+class RewardError(TaskError):
+    """The verifier's reward file is missing or unreadable."""
+
+
+# ============================================================================ task.toml
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The parts of ``task.toml`` that ares-gateway uses; the whole file is kept in :attr:`raw`.
+
+    Harbor's fields are read where they are: ``[agent] timeout_sec``, ``[verifier] timeout_sec / env /
+    user``, ``[environment] build_timeout_sec / cpus / memory_mb (or memory = "4G") / storage_mb (or
+    storage) / gpus / allow_internet / docker_image``, ``[solution] env``, ``[metadata]``. ares-gateway
+    adds ``[environment] workdir`` (else the Dockerfile's last ``WORKDIR``, else ``/workspace``).
+    """
+
+    version: str = "1.0"
+    agent_timeout: float = DEFAULT_AGENT_TIMEOUT
+    agent_user: str | None = None
+    setup_timeout: float | None = None
+    verifier_timeout: float = DEFAULT_VERIFIER_TIMEOUT
+    verifier_user: str | None = None
+    verifier_env: Mapping[str, str] = field(default_factory=_empty, hash=False)
+    solution_env: Mapping[str, str] = field(default_factory=_empty, hash=False)
+    build_timeout: float = DEFAULT_BUILD_TIMEOUT
+    cpus: float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None
+    gpus: int | None = None
+    allow_internet: bool = True
+    docker_image: str | None = None
+    workdir: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=_empty, hash=False)
+    raw: Mapping[str, Any] = field(default_factory=_empty, hash=False, repr=False)
+
+    @property
+    def resources(self) -> Resources:
+        """The task's resources in :mod:`sandbox`'s terms."""
+        return Resources(
+            cpus=self.cpus,
+            memory=f"{self.memory_mb}m" if self.memory_mb is not None else None,
+            disk=f"{self.storage_mb}m" if self.storage_mb is not None else None,
+            gpus=self.gpus,
+        )
+
+
+class _Reader:
+    """Typed access to a parsed TOML table with errors naming the file and the key."""
+
+    def __init__(self, path: Path, data: Mapping[str, Any]) -> None:
+        self.path = path
+        self.data = data
+
+    def table(self, name: str) -> Mapping[str, Any]:
+        value = self.data.get(name, {})
+        if not isinstance(value, dict):
+            raise TaskConfigError(
+                f"{self.path}: [{name}] must be a table, got {type(value).__name__}; write it as a [{name}] section",
+                path=self.path,
+            )
+        return value
+
+    def _fail(self, key: str, want: str, got: Any) -> TaskConfigError:
+        return TaskConfigError(
+            f"{self.path}: {key} must be {want}, got {got!r}; fix that line of task.toml", path=self.path
+        )
+
+    def number(self, table: Mapping[str, Any], section: str, key: str, *, positive: bool = True) -> float | None:
+        if key not in table:
+            return None
+        v = table[key]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or (positive and v <= 0):
+            raise self._fail(f"[{section}] {key}", "a positive number" if positive else "a number", v)
+        return float(v)
+
+    def integer(self, table: Mapping[str, Any], section: str, key: str) -> int | None:
+        if key not in table:
+            return None
+        v = table[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise self._fail(f"[{section}] {key}", "a non-negative integer", v)
+        return v
+
+    def string(self, table: Mapping[str, Any], section: str, key: str) -> str | None:
+        if key not in table:
+            return None
+        v = table[key]
+        if not isinstance(v, str) or not v:
+            raise self._fail(f"[{section}] {key}", "a non-empty string", v)
+        return v
+
+    def boolean(self, table: Mapping[str, Any], section: str, key: str) -> bool | None:
+        if key not in table:
+            return None
+        v = table[key]
+        if not isinstance(v, bool):
+            raise self._fail(f"[{section}] {key}", "true or false", v)
+        return v
+
+    def env(self, table: Mapping[str, Any], section: str) -> Mapping[str, str]:
+        v = table.get("env", {})
+        if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()):
+            raise self._fail(f"[{section}] env", 'a table of strings (env = { NAME = "value" })', v)
+        return MappingProxyType(dict(v))
+
+    def size_mb(self, table: Mapping[str, Any], section: str, mb_key: str, size_key: str) -> int | None:
+        """``memory_mb = 2048`` (Harbor) or ``memory = "2G"`` (older Harbor / Terminal-Bench)."""
+        mb = self.integer(table, section, mb_key)
+        if mb is not None:
+            return mb
+        if size_key not in table:
+            return None
+        v = table[size_key]
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)i?[bB]?\s*", v) if isinstance(v, str) else None
+        if m is None:
+            raise self._fail(f"[{section}] {size_key}", 'a size like "512M" or "4G"', v)
+        factor = {"": 1 / (1024 * 1024), "k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}[m.group(2).lower()]
+        return max(1, round(float(m.group(1)) * factor))
+
+
+def parse_task_config(text: str, *, path: Path | str = "task.toml") -> TaskConfig:
+    """Parse the text of a ``task.toml``. Raises :class:`TaskConfigError` naming ``path`` and the key."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise TaskConfigError(f"{path} is not valid TOML: {exc}; fix the syntax at that line", path=path) from None
+    r = _Reader(path, data)
+    agent, verifier, env_t, solution = r.table("agent"), r.table("verifier"), r.table("environment"), r.table("solution")
+    metadata = r.table("metadata")
+    version = data.get("version", data.get("schema_version", "1.0"))
+    if not isinstance(version, str):
+        raise r._fail("version", 'a string such as "1.0"', version)
+    workdir = r.string(env_t, "environment", "workdir")
+    if workdir is not None and not workdir.startswith("/"):
+        raise r._fail("[environment] workdir", "an absolute path such as /workspace", workdir)
+    gpus = r.integer(env_t, "environment", "gpus")
+    return TaskConfig(
+        version=version,
+        agent_timeout=r.number(agent, "agent", "timeout_sec") or DEFAULT_AGENT_TIMEOUT,
+        agent_user=r.string(agent, "agent", "user"),
+        setup_timeout=r.number(agent, "agent", "setup_timeout_sec"),
+        verifier_timeout=r.number(verifier, "verifier", "timeout_sec") or DEFAULT_VERIFIER_TIMEOUT,
+        verifier_user=r.string(verifier, "verifier", "user"),
+        verifier_env=r.env(verifier, "verifier"),
+        solution_env=r.env(solution, "solution"),
+        build_timeout=r.number(env_t, "environment", "build_timeout_sec") or DEFAULT_BUILD_TIMEOUT,
+        cpus=r.number(env_t, "environment", "cpus"),
+        memory_mb=r.size_mb(env_t, "environment", "memory_mb", "memory"),
+        storage_mb=r.size_mb(env_t, "environment", "storage_mb", "storage"),
+        gpus=gpus or None,
+        allow_internet=r.boolean(env_t, "environment", "allow_internet") is not False,
+        docker_image=r.string(env_t, "environment", "docker_image"),
+        workdir=workdir,
+        metadata=MappingProxyType(dict(metadata)),
+        raw=MappingProxyType(data),
+    )
+
+
+def _dockerfile_workdir(dockerfile: Path) -> str | None:
+    """The last absolute ``WORKDIR`` of a Dockerfile (relative ones and variables are not resolved)."""
+    workdir = None
+    for line in dockerfile.read_text(errors="replace").splitlines():
+        parts = line.strip().split(None, 1)
+        if len(parts) == 2 and parts[0].upper() == "WORKDIR" and parts[1].startswith("/") and "$" not in parts[1]:
+            workdir = parts[1].strip().strip("\"'")
+    return workdir
+
+
+# ============================================================================ Task
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task, loaded from its directory by :meth:`Task.load`. Immutable; hashable by name and path."""
+
+    name: str
+    path: Path
+    instruction: str
+    config: TaskConfig
+    #: ``tests/``: uploaded to the sandbox after the agent finishes; ``test.sh`` is its entry point.
+    tests_dir: Path
+    #: ``solution/`` when ``solution/solve.sh`` exists.
+    solution_dir: Path | None = None
+    #: ``environment/Dockerfile`` when it exists.
+    dockerfile: Path | None = None
+    #: ``environment/workspace/`` when it exists: copied into the workdir before the agent starts.
+    workspace_dir: Path | None = None
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.path))
+
+    @property
+    def workdir(self) -> str:
+        """Where the agent works: ``[environment] workdir``, else the Dockerfile's WORKDIR, else /workspace."""
+        if self.config.workdir:
+            return self.config.workdir
+        if self.dockerfile is not None:
+            found = _dockerfile_workdir(self.dockerfile)
+            if found:
+                return found
+        return DEFAULT_WORKDIR
+
+    @property
+    def has_solution(self) -> bool:
+        return self.solution_dir is not None
+
+    @property
+    def needs_image(self) -> bool:
+        """Whether the task defines its own image (a Dockerfile or docker_image): the local sandbox cannot honour it."""
+        return self.dockerfile is not None or self.config.docker_image is not None
+
+    def sandbox_spec(
+        self,
+        *,
+        default_image: str | None = None,
+        env: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        user: str | None = None,
+        name: str | None = None,
+    ) -> SandboxSpec:
+        """A :class:`SandboxSpec` for this task: its Dockerfile or image (else ``default_image``),
+        workdir, resources, and ``network="none"`` when ``allow_internet = false``."""
+        dockerfile = self.dockerfile
+        return SandboxSpec(
+            image=None if dockerfile is not None else (self.config.docker_image or default_image),
+            dockerfile=dockerfile,
+            build_context=dockerfile.parent if dockerfile is not None else None,
+            workdir=self.workdir,
+            env=dict(env or {}),
+            resources=self.config.resources,
+            network="host" if self.config.allow_internet else "none",
+            labels={"ares-gateway.task": self.name, **(labels or {})},
+            user=user,
+            name=name,
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Task:
+        """Read a task directory. Raises :class:`TaskNotFoundError`, :class:`MissingTaskFileError` or
+        :class:`TaskConfigError`, each naming the file and saying what to fix."""
+        p = Path(path).expanduser()
+        if not p.is_dir():
+            raise TaskNotFoundError(
+                f"{p} is not a task directory: a task is a directory with instruction.md, task.toml and "
+                "tests/test.sh",
+                path=p,
+            )
+        p = p.resolve()
+        instruction_path = p / "instruction.md"
+        if not instruction_path.is_file():
+            raise MissingTaskFileError(
+                f"{instruction_path} is missing: write the task's prompt for the agent in it", path=instruction_path
+            )
+        instruction = instruction_path.read_text(encoding="utf-8")
+        if not instruction.strip():
+            raise MissingTaskFileError(
+                f"{instruction_path} is empty: write the task's prompt for the agent in it", path=instruction_path
+            )
+        toml_path = p / "task.toml"
+        if not toml_path.is_file():
+            raise MissingTaskFileError(
+                f"{toml_path} is missing: add one (at least `version = \"1.0\"`; see docs/rollouts.md for "
+                "timeouts, resources and workdir)",
+                path=toml_path,
+            )
+        config = parse_task_config(toml_path.read_text(encoding="utf-8"), path=toml_path)
+        test_sh = p / "tests" / "test.sh"
+        if not test_sh.is_file():
+            raise MissingTaskFileError(
+                f"{test_sh} is missing: the verifier must be tests/test.sh and write reward.json or reward.txt "
+                f"to ${VERIFIER_DIR_ENV} (default {DEFAULT_VERIFIER_DIR})",
+                path=test_sh,
+            )
+        solve_sh = p / "solution" / "solve.sh"
+        dockerfile = p / "environment" / "Dockerfile"
+        workspace = p / "environment" / "workspace"
+        return cls(
+            name=p.name,
+            path=p,
+            instruction=instruction,
+            config=config,
+            tests_dir=test_sh.parent,
+            solution_dir=solve_sh.parent if solve_sh.is_file() else None,
+            dockerfile=dockerfile if dockerfile.is_file() else None,
+            workspace_dir=workspace if workspace.is_dir() else None,
+        )
+
+
+def _looks_like_task(p: Path) -> bool:
+    return (p / "task.toml").is_file() or (p / "instruction.md").is_file() or (p / "tests").is_dir()
+
+
+# ============================================================================ Dataset
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """An ordered, immutable collection of tasks (sorted by name)."""
+
+    name: str
+    path: Path
+    tasks: tuple[Task, ...]
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __iter__(self) -> Iterator[Task]:
+        return iter(self.tasks)
+
+    @overload
+    def __getitem__(self, index: int) -> Task: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Task, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Task | tuple[Task, ...]:
+        return self.tasks[index]
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tasks]
+
+    def task(self, name: str) -> Task:
+        """The task called ``name``."""
+        for t in self.tasks:
+            if t.name == name:
+                return t
+        raise DatasetError(f"dataset {self.name!r} has no task {name!r}; it has: {', '.join(self.names)}")
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str], *, name: str | None = None) -> Dataset:
+        """Every task directory under ``path``, sorted by name; ``path`` may also be one task.
+
+        Hidden directories and directories with none of instruction.md / task.toml / tests/ are
+        skipped; a directory with some of them must be a complete task (else its :class:`TaskError`).
+        """
+        p = Path(path).expanduser()
+        if not p.is_dir():
+            raise TaskNotFoundError(f"dataset directory {p} does not exist: pass a directory of task directories", path=p)
+        p = p.resolve()
+        if (p / "task.toml").is_file():
+            task = Task.load(p)
+            return cls(name or task.name, p, (task,))
+        tasks = tuple(
+            Task.load(child)
+            for child in sorted(p.iterdir(), key=lambda c: c.name)
+            if child.is_dir() and not child.name.startswith((".", "_")) and _looks_like_task(child)
+        )
+        if not tasks:
+            raise DatasetError(
+                f"no tasks in {p}: each task is a subdirectory with instruction.md, task.toml and tests/test.sh",
+                path=p,
+            )
+        return cls(name or p.name, p, tasks)
+
+
+def examples_dir() -> Path:
+    """The bundled example tasks (``examples/tasks`` of the source tree)."""
+    return Path(__file__).resolve().parent.parent / "examples" / "tasks"
+
+
+_REGISTRY: dict[str, Path] = {"examples": examples_dir()}
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def register_dataset(name: str, path: str | os.PathLike[str], *, replace: bool = False) -> None:
+    """Register ``name`` for the dataset directory ``path`` (checked when the dataset is loaded)."""
+    if not _NAME_RE.fullmatch(name):
+        raise ValueError(f"dataset name {name!r} must be letters, digits, '.', '_' or '-', starting with a letter or digit")
+    if name in _REGISTRY and not replace and _REGISTRY[name] != Path(path):
+        raise ValueError(f"dataset {name!r} is already registered for {_REGISTRY[name]}; pass replace=True to change it")
+    _REGISTRY[name] = Path(path)
+
+
+def registered_datasets() -> dict[str, Path]:
+    """A copy of the registry: dataset name -> directory."""
+    return dict(_REGISTRY)
+
+
+def load_dataset(name_or_path: str | os.PathLike[str]) -> Dataset:
+    """A registered dataset by name, or a dataset directory by path."""
+    key = os.fspath(name_or_path)
+    if key in _REGISTRY:
+        return Dataset.from_dir(_REGISTRY[key], name=key)
+    p = Path(key).expanduser()
+    if p.is_dir():
+        return Dataset.from_dir(p)
+    raise DatasetError(
+        f"unknown dataset {key!r}: use a registered name ({', '.join(sorted(_REGISTRY))}) or a directory of tasks"
+    )
+
+
+# ============================================================================ rewards
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A verifier's verdict: ``value`` (the mean of ``parts`` for reward.json) and the named parts."""
+
+    value: float
+    parts: Mapping[str, float] = field(default_factory=_empty, hash=False)
+    #: "reward.json" or "reward.txt" (or "" when built by hand).
+    source: str = ""
+
+
+def _finite(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RewardError(f"{where} must be a number, got {value!r}: make tests/test.sh write numbers only")
+    f = float(value)
+    if not math.isfinite(f):
+        raise RewardError(f"{where} must be finite, got {value!r}: make tests/test.sh write a finite number")
+    return f
+
+
+def parse_reward(reward_json: str | bytes | None = None, reward_txt: str | bytes | None = None) -> Reward:
+    """The reward from the contents of ``reward.json`` and/or ``reward.txt`` (reward.json preferred).
+
+    reward.json is a JSON object of named numbers (the reward is their mean, the parts are kept) or a
+    bare number; reward.txt is one number. Raises :class:`RewardError` saying what is wrong.
+    """
+    if reward_json is not None:
+        text = reward_json.decode("utf-8", "replace") if isinstance(reward_json, bytes) else reward_json
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise RewardError(
+                f"reward.json is not JSON ({exc}): make tests/test.sh write an object such as {{\"tests\": 1.0}}"
+            ) from None
+        if isinstance(data, dict):
+            if not data:
+                raise RewardError("reward.json is an empty object: give at least one named number, e.g. {\"tests\": 1.0}")
+            parts = {str(k): _finite(v, f"reward.json[{k!r}]") for k, v in data.items()}
+            return Reward(sum(parts.values()) / len(parts), MappingProxyType(parts), "reward.json")
+        return Reward(_finite(data, "reward.json"), _EMPTY, "reward.json")
+    if reward_txt is not None:
+        text = reward_txt.decode("utf-8", "replace") if isinstance(reward_txt, bytes) else reward_txt
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise RewardError(
+                f"reward.txt must hold one number, got {text.strip()[:80]!r}: make tests/test.sh write e.g. 1 or 0.5"
+            ) from None
+        return Reward(_finite(value, "reward.txt"), _EMPTY, "reward.txt")
+    raise RewardError(
+        "the verifier wrote neither reward.json nor reward.txt: make tests/test.sh write one of them to "
+        f"${VERIFIER_DIR_ENV} (default {DEFAULT_VERIFIER_DIR})"
+    )
+
+
+_READ_MARK = "@@ares-reward@@"
+
+
+async def read_reward(sb: Sandbox, verifier_dir: str = DEFAULT_VERIFIER_DIR, *, timeout: float = 30.0) -> Reward:
+    """Read the reward a verifier left in ``verifier_dir`` of a sandbox (reward.json preferred).
+
+    One ``exec`` reads both files (they are tiny), so this costs one round trip on remote backends.
+    Raises :class:`RewardError` when neither file is there or it is unreadable.
+    """
+    d = shlex.quote(verifier_dir.rstrip("/") or "/")
+    # A marker line tells which file followed; the reward files themselves are never shell-parsed.
+    cmd = (
+        f"if [ -f {d}/reward.json ]; then echo json{_READ_MARK}; cat {d}/reward.json; "
+        f"elif [ -f {d}/reward.txt ]; then echo txt{_READ_MARK}; cat {d}/reward.txt; "
+        f"else echo none{_READ_MARK}; fi"
+    )
+    result = await sb.exec(cmd, cwd="/", timeout=timeout)
+    if not result.ok:
+        raise RewardError(
+            f"could not read the reward in {verifier_dir} (exit {result.exit_code}, timed out: {result.timed_out}): "
+            f"{result.stderr.strip()[-300:]}"
+        )
+    kind, _, body = result.stdout.partition(f"{_READ_MARK}\n")
+    if kind == "json":
+        return parse_reward(reward_json=body)
+    if kind == "txt":
+        return parse_reward(reward_txt=body)
+    return parse_reward()
+
+
+# ============================================================================ running a task's scripts
+
+
+@dataclass(frozen=True)
+class TaskPaths:
+    """Where a task's files live inside one sandbox."""
+
+    tests_dir: str
+    solution_dir: str
+    verifier_dir: str
+
+
+def task_paths(sb: Sandbox) -> TaskPaths:
+    """Harbor's ``/tests``, ``/solution`` and ``/logs/verifier`` in containers; per-sandbox directories
+    under ``/tmp`` in the local backend, whose host filesystem is read-only (bubblewrap) or shared
+    (no isolation), so fixed root paths would be unwritable or collide between sandboxes."""
+    if sb.backend == "local":
+        root = getattr(sb, "root", None)
+        if getattr(sb, "isolated", True) is False and root is not None:
+            # Without isolation sandbox paths are host paths: stay inside the sandbox's own directory,
+            # which stop() removes.
+            base = str(Path(root) / "task")
+        else:
+            base = f"/tmp/ares-task-{sb.id}"
+        return TaskPaths(f"{base}/tests", f"{base}/solution", f"{base}/logs/verifier")
+    return TaskPaths("/tests", "/solution", DEFAULT_VERIFIER_DIR)
+
+
+@dataclass(frozen=True)
+class ScriptResult:
+    """What running ``solve.sh`` or ``test.sh`` did (outputs cut to their last 4000 characters)."""
+
+    exit_code: int
+    timed_out: bool
+    duration: float
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass(frozen=True)
+class VerifierResult:
+    """The outcome of :func:`run_tests`: always a reward (0.0 on any failure, with ``error`` saying why)."""
+
+    reward: Reward
+    script: ScriptResult | None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+_TAIL = 4000
+
+
+def _script_result(r: Any) -> ScriptResult:
+    return ScriptResult(r.exit_code, r.timed_out, r.duration, r.stdout[-_TAIL:], r.stderr[-_TAIL:])
+
+
+def _run_script_cmd(script: str) -> str:
+    # Harbor runs its scripts with bash; POSIX sh is the fallback for minimal images.
+    s = shlex.quote(script)
+    return f"if command -v bash >/dev/null 2>&1; then exec bash {s}; else exec sh {s}; fi"
+
+
+async def prepare_workdir(sb: Sandbox, task: Task, *, user: str | None = None) -> None:
+    """Create the task's workdir in a started sandbox and copy ``environment/workspace/`` into it."""
+    wd = task.workdir
+    if wd != sb.spec.workdir:
+        # Every backend creates its spec's workdir when it starts; only another one needs creating (and a
+        # local sandbox without isolation would create it on the host, so give it the task's spec).
+        r = await sb.exec(f"mkdir -p {shlex.quote(wd)}", cwd="/", timeout=60)
+        if not r.ok:
+            raise SandboxError(f"cannot create the workdir {wd}: {r.stderr.strip()[-300:]}")
+    if task.workspace_dir is not None:
+        await sb.upload_dir(task.workspace_dir, wd)
+    if user is not None:
+        await sb.exec(f"chown -R {shlex.quote(user)} {shlex.quote(wd)}", cwd="/", timeout=120)
+
+
+async def run_solution(
+    sb: Sandbox, task: Task, *, paths: TaskPaths | None = None, timeout: float | None = None, user: str | None = None
+) -> ScriptResult:
+    """Upload ``solution/`` and run ``solve.sh`` in the workdir (the oracle, without an agent)."""
+    if task.solution_dir is None:
+        raise MissingTaskFileError(
+            f"{task.path / 'solution' / 'solve.sh'} is missing: task {task.name!r} has no reference solution",
+            path=task.path / "solution" / "solve.sh",
+        )
+    paths = paths or task_paths(sb)
+    await sb.upload_dir(task.solution_dir, paths.solution_dir)
+    r = await sb.exec(
+        _run_script_cmd(posixpath.join(paths.solution_dir, "solve.sh")),
+        cwd=task.workdir,
+        env=dict(task.config.solution_env),
+        user=user,
+        timeout=timeout if timeout is not None else task.config.agent_timeout,
+    )
+    return _script_result(r)
+
+
+async def run_tests(
+    sb: Sandbox,
+    task: Task,
+    *,
+    paths: TaskPaths | None = None,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> VerifierResult:
+    """Upload ``tests/``, run ``test.sh`` in the workdir with its own timeout, and read the reward.
+
+    Never raises for what the verifier or sandbox did: a timeout, a missing or bad reward file or a
+    sandbox error gives reward 0.0 with ``error`` set (a non-zero exit of test.sh with a reward file
+    is not an error: many verifiers exit 1 when tests fail). ``ARES_VERIFIER_DIR`` is set for the script.
+    """
+    paths = paths or task_paths(sb)
+    zero = Reward(0.0)
+    try:
+        prep = await sb.exec(
+            f"rm -rf {shlex.quote(paths.verifier_dir)} && mkdir -p {shlex.quote(paths.verifier_dir)}",
+            cwd="/",
+            timeout=60,
+        )
+        if not prep.ok:
+            return VerifierResult(zero, None, f"cannot create {paths.verifier_dir}: {prep.stderr.strip()[-300:]}")
+        await sb.upload_dir(task.tests_dir, paths.tests_dir)
+        r = await sb.exec(
+            _run_script_cmd(posixpath.join(paths.tests_dir, "test.sh")),
+            cwd=task.workdir,
+            env={**task.config.verifier_env, **(env or {}), VERIFIER_DIR_ENV: paths.verifier_dir},
+            user=task.config.verifier_user,
+            timeout=timeout if timeout is not None else task.config.verifier_timeout,
+        )
+        script = _script_result(r)
+        if r.timed_out:
+            return VerifierResult(zero, script, f"tests/test.sh timed out after {r.duration:.0f}s")
+        try:
+            reward = await read_reward(sb, paths.verifier_dir)
+        except RewardError as exc:
+            return VerifierResult(zero, script, f"{exc} (test.sh exit code {r.exit_code})")
+        return VerifierResult(reward, script)
+    except SandboxError as exc:
+        return VerifierResult(zero, None, f"sandbox failure while verifying: {exc}")

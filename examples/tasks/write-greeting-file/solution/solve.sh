@@ -1,0 +1,3 @@
+#!/bin/sh
+set -eu
+printf 'Hello from ARES!\n' > greeting.txt

@@ -1,0 +1,437 @@
+"""The harness template: install an agent CLI in a sandbox, point it at a gateway session, run it.
+
+A harness never knows about tasks or about the gateway's code: it gets a :class:`HarnessContext`
+(workdir, session id, session base URL, token, model label) and a prompt, and reports a
+:class:`HarnessResult`. ``run()`` is the template:
+
+1. ``prepare``: the non-root ``agent`` user (when the sandbox lets us create it) and the workdir;
+2. ``install``: reuse a preinstalled CLI of the pinned version (an image built from ``docker/agents``,
+   or a provisioned host prefix), else install it under ``/opt/ares-agents/<name>/<version>`` (or,
+   when that is read-only, under the agent's home);
+3. ``write_config``: the agent's own configuration files (e.g. Codex's ``config.toml``);
+4. ``launch_and_wait``: a detached process group (it survives a dropped exec connection) polled with a
+   time budget; on overrun the whole group (and session) is killed and the result says so.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import os
+import posixpath
+import re
+import shlex
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from sandbox import ExecResult, Sandbox
+
+#: Where CLIs are installed (and found preinstalled): ``<root>/<harness>/<version>``.
+INSTALL_ROOT = "/opt/ares-agents"
+#: Environment every agent gets: no telemetry, no update checks, no browser.
+QUIET_ENV: dict[str, str] = {
+    "DISABLE_AUTOUPDATER": "1",
+    "DISABLE_TELEMETRY": "1",
+    "DO_NOT_TRACK": "1",
+    "NO_UPDATE_NOTIFIER": "1",
+    "NPM_CONFIG_UPDATE_NOTIFIER": "false",
+    "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    "BROWSER": "/bin/false",
+    "TERM": "xterm-256color",
+    "LANG": "C.UTF-8",
+}
+_TAIL = 4000
+_CA_PATH = "/tmp/ares-harness-ca.pem"
+_ARTIFACT_LIMIT = 4 * 1024 * 1024
+
+
+class HarnessError(Exception):
+    """A harness could not do its job; the message names the harness and what failed."""
+
+    def __init__(self, harness: str, step: str, detail: str) -> None:
+        self.harness = harness
+        self.step = step
+        self.detail = detail
+        super().__init__(f"harness {harness!r}: {step} failed: {detail}")
+
+
+class HarnessInstallError(HarnessError):
+    """Installing the agent CLI failed at ``step``."""
+
+
+class HarnessLaunchError(HarnessError):
+    """Preparing or starting the agent failed."""
+
+
+@dataclass(frozen=True)
+class HarnessContext:
+    """What a harness needs to point an agent at one gateway session (nothing task-specific)."""
+
+    workdir: str
+    session_id: str
+    base_url: str  # http://HOST:PORT/s/{session_id}, no /v1
+    token: str
+    model: str = "ares-policy"
+
+    @property
+    def openai_base_url(self) -> str:
+        return self.base_url.rstrip("/") + "/v1"
+
+
+@dataclass
+class HarnessResult:
+    """How one agent run ended."""
+
+    harness: str
+    version: str
+    exit_code: int | None  # None when the process was killed before it reported one
+    timed_out: bool
+    stdout_tail: str
+    stderr_tail: str
+    duration: float  # seconds from launch to exit (or kill)
+    install_seconds: float = 0.0
+    install_reused: bool = False
+    user: str | None = None
+    #: Agent logs kept as artifacts (name -> text, each capped at 4 MiB).
+    artifacts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass
+class InstallInfo:
+    prefix: str
+    version: str
+    reused: bool
+    seconds: float
+
+
+@dataclass
+class Prepared:
+    """Per sandbox: who runs the agent, where its home and state are, where its CLI is."""
+
+    user: str | None
+    home: str
+    state_dir: str
+    install: InstallInfo | None = None
+
+
+class BaseHarness(abc.ABC):
+    """One agent CLI. Subclasses set ``name`` and ``default_version`` and fill in the hooks."""
+
+    name: ClassVar[str]
+    default_version: ClassVar[str]
+    #: Executable (relative to the install prefix) whose ``--version`` proves an install.
+    probe: ClassVar[str]
+
+    def __init__(
+        self,
+        *,
+        version: str | None = None,
+        user: str | None = "agent",
+        install_root: str = INSTALL_ROOT,
+        install_timeout: float = 900.0,
+        extra_env: Mapping[str, str] | None = None,
+        ca_bundle: str | None = None,
+    ) -> None:
+        self.version = version or self.default_version
+        self.user = user
+        self.install_root = install_root
+        self.install_timeout = install_timeout
+        self.extra_env = dict(extra_env or {})
+        #: A CA bundle (host path) uploaded for installs; default: the host's own, when it sets one.
+        self.ca_bundle = ca_bundle if ca_bundle is not None else _host_ca_bundle()
+        self._prepared: dict[str, Prepared] = {}
+
+    # ------------------------------------------------------------------ hooks
+
+    @abc.abstractmethod
+    def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
+        """``(step name, shell command)`` pairs that install the pinned version under ``prefix``."""
+
+    def version_command(self, prefix: str) -> str:
+        return f"{shlex.quote(posixpath.join(prefix, self.probe))} --version"
+
+    def parse_version(self, output: str) -> str | None:
+        match = re.search(r"\d+\.\d+\.\d+[\w.\-]*", output)
+        return match.group(0) if match else None
+
+    @abc.abstractmethod
+    def agent_env(self, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
+        """Environment variables that redirect the agent to the session and keep it quiet."""
+
+    @abc.abstractmethod
+    def agent_command(self, ctx: HarnessContext, prep: Prepared, prompt: str) -> str:
+        """The shell command that runs the agent in the foreground (stdin is /dev/null)."""
+
+    async def write_config(self, sandbox: Sandbox, ctx: HarnessContext) -> None:
+        """Write the agent's configuration files (default: none)."""
+        return None
+
+    def cleanup_command(self, prep: Prepared) -> str | None:
+        """A shell command that stops what the agent started outside its process group (e.g. tmux)."""
+        return None
+
+    def artifact_paths(self, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
+        """Files to keep as artifacts: name -> path or shell glob inside the sandbox."""
+        return {}
+
+    @staticmethod
+    def is_side_call(body: Mapping[str, object], headers: Mapping[str, str]) -> bool:
+        """Whether a raw request body (with its headers) is a side call rather than the main line."""
+        return False
+
+    # ------------------------------------------------------------------ template
+
+    async def run(
+        self, sandbox: Sandbox, ctx: HarnessContext, prompt: str, *, time_budget: float = 600.0
+    ) -> HarnessResult:
+        """Prepare the user and workdir, install (or reuse) the CLI, write config, launch and wait."""
+        await self.prepare(sandbox, ctx)
+        await self.install(sandbox)
+        await self.write_config(sandbox, ctx)
+        return await self.launch_and_wait(sandbox, ctx, prompt, time_budget)
+
+    async def prepare(self, sandbox: Sandbox, ctx: HarnessContext) -> Prepared:
+        """Ensure the run user (``agent`` when it can be created here, else the sandbox's) and the workdir."""
+        user = self.user
+        if sandbox.backend == "local" and not getattr(sandbox, "isolated", True):
+            user = None  # a non-isolated local sandbox is the host itself: never add users there
+        if user is not None and user != "root":
+            probe = await sandbox.exec(f"id -u {shlex.quote(user)}", user="root" if sandbox.backend != "local" else None,
+                                       timeout=30)
+            if not probe.ok:
+                created = await self._root_exec(
+                    sandbox,
+                    f"useradd --create-home --shell /bin/bash {shlex.quote(user)} 2>&1 || "
+                    f"adduser -D {shlex.quote(user)} 2>&1",
+                    timeout=60,
+                )
+                if not created.ok:
+                    user = None  # e.g. the local backend's read-only /etc: run as the sandbox's user
+        if user is not None:
+            # The user must be able to live here (a host user of the local backend may have no home).
+            home_ok = await sandbox.exec('mkdir -p "$HOME/.ares" && test -w "$HOME/.ares"', user=user, cwd="/", timeout=30)
+            if not home_ok.ok:
+                user = None
+        mk = await self._root_exec(
+            sandbox,
+            f"mkdir -p {shlex.quote(ctx.workdir)}"
+            + (f" && chown {shlex.quote(user)}: {shlex.quote(ctx.workdir)}" if user else ""),
+            timeout=60,
+        )
+        if not mk.ok:
+            raise HarnessLaunchError(self.name, f"creating the workdir {ctx.workdir}", _tail(mk.stderr or mk.stdout))
+        home_r = await sandbox.exec('printf %s "$HOME"', user=user, cwd=ctx.workdir, timeout=30)
+        home = home_r.stdout.strip() or ctx.workdir
+        state_dir = posixpath.join(home, ".ares", self.name, ctx.session_id)
+        r = await sandbox.exec(f"mkdir -p {shlex.quote(state_dir)}", user=user, cwd=ctx.workdir, timeout=30)
+        if not r.ok:
+            raise HarnessLaunchError(self.name, f"creating the state directory {state_dir}", _tail(r.stderr))
+        prep = self._prepared.get(sandbox.id)
+        install = prep.install if prep else None
+        prep = Prepared(user=user, home=home, state_dir=state_dir, install=install)
+        self._prepared[sandbox.id] = prep
+        return prep
+
+    async def install(self, sandbox: Sandbox) -> InstallInfo:
+        """Reuse a preinstalled CLI of the pinned version, else install it; raises HarnessInstallError."""
+        prep = self._prepared.get(sandbox.id)
+        if prep is None:
+            raise HarnessLaunchError(self.name, "install", "call prepare() (or run()) first")
+        if prep.install is not None:
+            return prep.install
+        started = time.monotonic()
+        shared = posixpath.join(self.install_root, self.name, self.version)
+        private = posixpath.join(prep.home, ".ares-agents", self.name, self.version)
+        for prefix in (shared, private):
+            if await self._installed_version(sandbox, prefix, prep) == self.version:
+                prep.install = InstallInfo(prefix, self.version, True, time.monotonic() - started)
+                return prep.install
+        # Install where we may write: the shared prefix as root, else the run user's home.
+        writable = await self._root_exec(
+            sandbox, f"mkdir -p {shlex.quote(shared)} && test -w {shlex.quote(shared)}", timeout=30
+        )
+        if writable.ok:
+            prefix, install_user = shared, None
+        else:
+            prefix, install_user = private, prep.user
+        await self._run_install_steps(sandbox, prefix, install_user, prep)
+        got = await self._installed_version(sandbox, prefix, prep, marker=False)
+        if got != self.version:
+            raise HarnessInstallError(
+                self.name, "checking the installed version",
+                f"{self.version_command(prefix)} reports {got!r}, expected {self.version!r}",
+            )
+        await sandbox.exec(f"chmod -R a+rX {shlex.quote(prefix)} 2>/dev/null; touch {shlex.quote(prefix)}/.ares-complete",
+                           user=install_user, timeout=120)
+        prep.install = InstallInfo(prefix, self.version, False, time.monotonic() - started)
+        return prep.install
+
+    async def _run_install_steps(self, sandbox: Sandbox, prefix: str, user: str | None, prep: Prepared) -> None:
+        env = {**QUIET_ENV, "HOME": prep.home if user or sandbox.backend == "local" else "/root"}
+        if self.ca_bundle:
+            # Registries reached through a TLS-inspecting proxy need its CA inside the sandbox too.
+            try:
+                await sandbox.upload_file(self.ca_bundle, _CA_PATH)
+            except Exception as exc:
+                raise HarnessInstallError(self.name, "uploading the CA bundle", f"{self.ca_bundle}: {exc}") from exc
+            await sandbox.exec(["chmod", "644", _CA_PATH], user=None if sandbox.backend == "local" else "root",
+                               cwd="/", timeout=30)
+            env.update({"NODE_EXTRA_CA_CERTS": _CA_PATH, "NPM_CONFIG_CAFILE": _CA_PATH, "PIP_CERT": _CA_PATH,
+                        "SSL_CERT_FILE": _CA_PATH, "REQUESTS_CA_BUNDLE": _CA_PATH})
+        deadline = time.monotonic() + self.install_timeout
+        for step, command in self.install_steps(prefix):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise HarnessInstallError(self.name, f"install step {step!r}", "install time budget exhausted")
+            r = await sandbox.exec(["sh", "-c", command], user=user, env=env, cwd="/", timeout=remaining)
+            if r.timed_out:
+                raise HarnessInstallError(self.name, f"install step {step!r}", f"timed out after {r.duration:.0f} s")
+            if r.exit_code != 0:
+                raise HarnessInstallError(
+                    self.name, f"install step {step!r}",
+                    f"exit {r.exit_code}: {_tail(r.stderr, 1500) or _tail(r.stdout, 1500)}",
+                )
+
+    async def _installed_version(
+        self, sandbox: Sandbox, prefix: str, prep: Prepared, *, marker: bool = True
+    ) -> str | None:
+        cmd = self.version_command(prefix)
+        if marker:  # an install that was interrupted has no marker and is redone
+            cmd = f"test -f {shlex.quote(prefix)}/.ares-complete && {cmd}"
+        r = await sandbox.exec(["sh", "-c", cmd], user=prep.user, env={**QUIET_ENV, "HOME": prep.home}, cwd="/",
+                               timeout=60)
+        return self.parse_version(r.stdout + "\n" + r.stderr) if r.ok else None
+
+    async def launch_and_wait(
+        self, sandbox: Sandbox, ctx: HarnessContext, prompt: str, time_budget: float
+    ) -> HarnessResult:
+        """Start the agent detached in its own session and process group; wait up to ``time_budget`` s."""
+        prep = self._prepared.get(sandbox.id)
+        if prep is None or prep.install is None:
+            raise HarnessLaunchError(self.name, "launch", "call prepare() and install() (or run()) first")
+        st = prep.state_dir
+        run_id = uuid.uuid4().hex[:8]
+        env = {**QUIET_ENV, **self.agent_env(ctx, prep), **self.extra_env, "HOME": prep.home}
+        bin_dir = posixpath.join(prep.install.prefix, posixpath.dirname(self.probe))
+        script = "\n".join(
+            [
+                "#!/bin/sh",
+                f"cd {shlex.quote(ctx.workdir)} || exit 97",
+                *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
+                f'export PATH={shlex.quote(bin_dir)}:"$PATH"',
+                f"{self.agent_command(ctx, prep, prompt)} >{st}/stdout.log 2>{st}/stderr.log </dev/null",
+                f"echo $? >{st}/exit_code.tmp && mv {st}/exit_code.tmp {st}/exit_code",
+                "",
+            ]
+        )
+        write = await sandbox.exec(
+            ["sh", "-c", f"rm -f {st}/exit_code {st}/pid && printf %s {shlex.quote(script)} >{st}/run.sh"
+                         f" && chmod 700 {st}/run.sh"],
+            user=prep.user, cwd=ctx.workdir, timeout=30,
+        )
+        if not write.ok:
+            raise HarnessLaunchError(self.name, "writing the launch script", _tail(write.stderr))
+        started = time.monotonic()
+        # setsid: a new session and process group whose id is the agent's pid, detached from this exec.
+        launch = await sandbox.exec(
+            ["sh", "-c", f"setsid sh {st}/run.sh >/dev/null 2>&1 </dev/null & echo $! >{st}/pid; echo {run_id}"],
+            user=prep.user, cwd=ctx.workdir, timeout=30,
+        )
+        if not launch.ok:
+            raise HarnessLaunchError(self.name, "launching the agent", _tail(launch.stderr))
+        exit_code: int | None = None
+        timed_out = False
+        while True:
+            remaining = time_budget - (time.monotonic() - started)
+            if remaining <= 0:
+                timed_out = True
+                break
+            chunk = min(remaining, 20.0)
+            # Wait inside the sandbox (cheap), in short chunks: a dropped exec costs at most one chunk.
+            waited = await sandbox.exec(
+                ["sh", "-c", f"i=0; while [ ! -f {st}/exit_code ] && [ $i -lt {int(chunk * 5)} ]; do "
+                             f"kill -0 $(cat {st}/pid) 2>/dev/null || {{ sleep 0.3; break; }}; sleep 0.2; i=$((i+1)); done; "
+                             f"cat {st}/exit_code 2>/dev/null || echo running"],
+                user=prep.user, cwd="/", timeout=chunk + 15,
+            )
+            out = waited.stdout.strip()
+            if out.lstrip("-").isdigit():
+                exit_code = int(out)
+                break
+            if out == "running" and waited.ok:
+                alive = await sandbox.exec(["sh", "-c", f"kill -0 $(cat {st}/pid) 2>/dev/null"], user=prep.user,
+                                           cwd="/", timeout=15)
+                if not alive.ok:  # the wrapper died without writing its exit code (killed from outside)
+                    again = await sandbox.exec(["sh", "-c", f"cat {st}/exit_code 2>/dev/null"], user=prep.user,
+                                               cwd="/", timeout=15)
+                    exit_code = int(again.stdout.strip()) if again.stdout.strip().lstrip("-").isdigit() else None
+                    break
+            elif not waited.ok and not waited.timed_out:
+                await asyncio.sleep(0.5)
+        duration = time.monotonic() - started
+        if timed_out:
+            await self.kill(sandbox, prep)
+        artifacts = await self._collect(sandbox, ctx, prep)
+        return HarnessResult(
+            harness=self.name,
+            version=prep.install.version,
+            exit_code=exit_code,
+            timed_out=timed_out,
+            stdout_tail=artifacts.pop("_stdout", ""),
+            stderr_tail=artifacts.pop("_stderr", ""),
+            duration=duration,
+            install_seconds=prep.install.seconds,
+            install_reused=prep.install.reused,
+            user=prep.user,
+            artifacts=artifacts,
+        )
+
+    async def kill(self, sandbox: Sandbox, prep: Prepared) -> None:
+        """Kill the agent's process group and session (and the harness's extra processes)."""
+        st = prep.state_dir
+        extra = self.cleanup_command(prep)
+        cmd = (
+            f"p=$(cat {st}/pid 2>/dev/null) || exit 0; kill -TERM -$p 2>/dev/null; sleep 1; "
+            f"kill -KILL -$p 2>/dev/null; pkill -KILL -s $p 2>/dev/null; {extra or 'true'}; true"
+        )
+        await sandbox.exec(["sh", "-c", cmd], user=prep.user, cwd="/", timeout=30)
+
+    async def _collect(self, sandbox: Sandbox, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
+        st = prep.state_dir
+        out: dict[str, str] = {}
+        wanted = {"_stdout": f"{st}/stdout.log", "_stderr": f"{st}/stderr.log", **self.artifact_paths(ctx, prep)}
+        for name, path in wanted.items():
+            limit = _TAIL if name.startswith("_") else _ARTIFACT_LIMIT
+            # A glob picks the newest match (Codex names its session log by date and id).
+            r = await sandbox.exec(
+                ["sh", "-c", f"f=$(ls -t {path} 2>/dev/null | head -n 1); [ -n \"$f\" ] && tail -c {limit} \"$f\""],
+                user=prep.user, cwd=ctx.workdir, timeout=60,
+            )
+            if r.ok:
+                out[name] = r.stdout
+        return out
+
+    async def _root_exec(self, sandbox: Sandbox, command: str, *, timeout: float) -> ExecResult:
+        # The local backend runs as the host user (root in CI); container backends take a user name.
+        return await sandbox.exec(["sh", "-c", command], user=None if sandbox.backend == "local" else "root",
+                                  cwd="/", timeout=timeout)
+
+
+def _host_ca_bundle() -> str | None:
+    for var in ("ARES_HARNESS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"):
+        path = os.environ.get(var)
+        if path and os.path.isfile(path):
+            return path
+    return None
+
+
+def _tail(text: str, n: int = 800) -> str:
+    text = text.strip()
+    return text if len(text) <= n else "..." + text[-n:]

@@ -1,0 +1,107 @@
+"""Claude Code (npm ``@anthropic-ai/claude-code``, a native binary inside the npm package).
+
+Redirect: ``ANTHROPIC_BASE_URL`` = the session base URL (the CLI appends ``/v1/messages``), the token
+as ``ANTHROPIC_AUTH_TOKEN`` (sent as ``Authorization: Bearer``), every model tier pinned to the
+model label. Run: ``claude -p PROMPT --output-format stream-json --verbose
+--dangerously-skip-permissions`` (allowed as a non-root user, or as root with ``IS_SANDBOX=1``,
+which is set too). The stream-json log (stdout) is kept as the ``stream.jsonl`` artifact.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .base import BaseHarness, HarnessContext, Prepared
+
+NPM_PACKAGE = "@anthropic-ai/claude-code"
+
+
+def _texts(content: Any) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    out: list[str] = []
+    if isinstance(content, list):
+        for block in content:
+            if isinstance(block, dict) and isinstance(block.get("text"), str):
+                out.append(block["text"])
+    return out
+
+
+def claude_code_is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool:
+    """Claude Code requests that are not the agent's main line.
+
+    * the title request: no tools and an ``output_config.format`` of type ``json_schema``;
+    * a conversation summary (``/compact`` or auto-compaction): the last user message asks to
+      "create a detailed summary of the conversation";
+    * a sub-agent (Task tool): its system prompt introduces "an agent for Claude Code" instead of
+      Claude Code itself.
+    """
+    tools = body.get("tools") or []
+    output_config = body.get("output_config")
+    if not tools and isinstance(output_config, dict):
+        fmt = output_config.get("format")
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            return True
+    messages = body.get("messages") or []
+    if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "user":
+        last = " ".join(_texts(messages[-1].get("content"))).lower()
+        if "detailed summary of the conversation" in last:
+            return True
+    system = " ".join(_texts(body.get("system")))
+    return "You are an agent for Claude Code" in system and "You are Claude Code," not in system
+
+
+class ClaudeCodeHarness(BaseHarness):
+    name = "claude-code"
+    default_version = "2.1.332"
+    probe = "bin/claude"
+
+    def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
+        q = shlex.quote(prefix)
+        return [
+            ("check node and npm", "command -v node >/dev/null && command -v npm >/dev/null || "
+                                   "{ echo 'node and npm are needed (apt-get install nodejs npm)' >&2; exit 127; }"),
+            (f"npm install {NPM_PACKAGE}@{self.version}",
+             f"mkdir -p {q} && npm install -g --no-audit --no-fund --loglevel=error --prefix {q} "
+             f"{NPM_PACKAGE}@{self.version}"),
+        ]
+
+    def agent_env(self, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
+        model = ctx.model
+        return {
+            "ANTHROPIC_BASE_URL": ctx.base_url.rstrip("/"),
+            "ANTHROPIC_AUTH_TOKEN": ctx.token,
+            "ANTHROPIC_API_KEY": "",
+            "ANTHROPIC_MODEL": model,
+            "ANTHROPIC_SMALL_FAST_MODEL": model,
+            "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
+            "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+            "CLAUDE_CODE_SUBAGENT_MODEL": model,
+            "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "CLAUDE_CODE_DISABLE_TERMINAL_TITLE": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_BUG_COMMAND": "1",
+            "IS_SANDBOX": "1",
+            "API_TIMEOUT_MS": "900000",
+            "CLAUDE_CONFIG_DIR": posixpath.join(prep.state_dir, "claude-config"),
+        }
+
+    def agent_command(self, ctx: HarnessContext, prep: Prepared, prompt: str) -> str:
+        return (
+            f"claude -p {shlex.quote(prompt)} --output-format stream-json --verbose "
+            f"--dangerously-skip-permissions --model {shlex.quote(ctx.model)}"
+        )
+
+    def artifact_paths(self, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
+        return {"stream.jsonl": f"{prep.state_dir}/stdout.log"}
+
+    @staticmethod
+    def is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool:
+        return claude_code_is_side_call(body, headers)

@@ -1,0 +1,71 @@
+"""mini-swe-agent (PyPI ``mini-swe-agent``, v2), in its own virtual environment in the sandbox.
+
+It calls models through litellm: ``mini -m openai/<label>`` with ``OPENAI_API_BASE`` = session URL +
+``/v1`` and ``OPENAI_API_KEY`` = the token sends non-streaming ``POST /v1/chat/completions`` (the
+``openai/`` prefix is stripped on the wire). ``MSWEA_COST_TRACKING=ignore_errors`` keeps it from
+failing on an unknown model's cost, ``LITELLM_LOCAL_MODEL_COST_MAP=True`` from fetching the cost map.
+Run: ``mini -m openai/<label> -t TASK -y --exit-immediately -o traj.json </dev/null``; the trajectory
+file is kept as ``trajectory.json``. Every request is main line (mini has no side calls).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .base import BaseHarness, HarnessContext, Prepared
+
+PYPI_PACKAGE = "mini-swe-agent"
+
+
+class MiniSweAgentHarness(BaseHarness):
+    name = "mini-swe-agent"
+    default_version = "2.4.6"
+    probe = "bin/mini"
+    #: The interpreter that builds the virtual environment (>= 3.10).
+    python = "python3"
+
+    def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
+        q = shlex.quote(prefix)
+        py = shlex.quote(self.python)
+        return [
+            ("check python", f"{py} -c 'import sys, venv; assert sys.version_info >= (3, 10), sys.version' || "
+                             "{ echo 'python >= 3.10 with venv is needed (apt-get install python3-venv)' >&2; exit 127; }"),
+            ("create the virtual environment", f"rm -rf {q} && {py} -m venv {q}"),
+            (f"pip install {PYPI_PACKAGE}=={self.version}",
+             f"{q}/bin/pip install --quiet --disable-pip-version-check {PYPI_PACKAGE}=={self.version}"),
+        ]
+
+    def version_command(self, prefix: str) -> str:
+        return (f"{shlex.quote(prefix)}/bin/python -c "
+                f"\"import importlib.metadata as m; print(m.version('{PYPI_PACKAGE}'))\"")
+
+    def agent_env(self, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
+        return {
+            "MSWEA_CONFIGURED": "true",
+            "MSWEA_COST_TRACKING": "ignore_errors",
+            "MSWEA_GLOBAL_CONFIG_DIR": posixpath.join(prep.state_dir, "mswea-config"),
+            "MSWEA_SILENT_STARTUP": "1",
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "LITELLM_TELEMETRY": "False",
+            "HF_HUB_OFFLINE": "1",
+            "OPENAI_API_KEY": ctx.token,
+            "OPENAI_API_BASE": ctx.openai_base_url,
+            "OPENAI_BASE_URL": ctx.openai_base_url,
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def agent_command(self, ctx: HarnessContext, prep: Prepared, prompt: str) -> str:
+        return (
+            f"mini -m {shlex.quote('openai/' + ctx.model)} -t {shlex.quote(prompt)} -y --exit-immediately "
+            f"-o {shlex.quote(prep.state_dir + '/trajectory.json')}"
+        )
+
+    def artifact_paths(self, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
+        return {"trajectory.json": f"{prep.state_dir}/trajectory.json"}
+
+    @staticmethod
+    def is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool:
+        return False

@@ -1,0 +1,198 @@
+"""A scripted policy for tests and demos: "run this shell command", then "finish", in each agent's format.
+
+It reads the raw request body (as the agent sent it) and answers with a canonical completion as a
+plain dict ``{"text", "tool_calls": [{"id", "name", "arguments"}], "finish_reason"}``, which the
+gateway accepts (``Completion.model_validate(d)``, or ``{"completion": d}`` on ``/respond``).
+
+=============== ===================================================== ==========================================
+agent           run a command                                         finish
+=============== ===================================================== ==========================================
+claude-code     ``Bash`` tool_use ``{"command", "description"}``      a final text
+codex           ``exec_command`` function call ``{"cmd"}``            a final text
+                (or ``shell`` ``{"command": ["bash", "-lc", cmd]}``)
+mini-swe-agent  ``bash`` tool call ``{"command"}`` (text mode: a      ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``
+                ``mswea_bash_command`` fenced block)
+terminus-2      JSON ``{"analysis", "plan", "commands": [{"keystrokes", ``task_complete: true`` (asked twice: the
+                "duration"}], "task_complete": false}``               finish step answers every later request)
+=============== ===================================================== ==========================================
+
+Side calls (detected with the harness's own ``is_side_call``, or the ``x-ares-side-call`` header) get
+a sensible answer without advancing the script: a title object for Claude Code's title request
+(filled from its JSON schema), a short summary otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MINI_SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+SideCallDetector = Callable[[Mapping[str, Any], Mapping[str, str]], bool]
+
+
+@dataclass(frozen=True)
+class RunCommand:
+    """Ask the agent to run ``command`` in its shell."""
+
+    command: str
+    duration: float = 1.0  # Terminus-2 waits this long before reading the screen
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Tell the agent the task is done."""
+
+    message: str = "Done."
+
+
+Step = RunCommand | Finish
+
+
+class ScriptedPolicy:
+    """Answers one agent's requests with a fixed script of steps, in that agent's own action format.
+
+    ``policy(body, headers)`` returns a canonical completion dict. ``main_turns`` counts the main-line
+    requests answered so far, ``side_turns`` the side calls.
+    """
+
+    AGENTS = ("claude-code", "codex", "mini-swe-agent", "terminus-2")
+
+    def __init__(
+        self,
+        agent: str,
+        script: Sequence[Step],
+        *,
+        side_call_detector: SideCallDetector | None = None,
+        title: str = "Scripted task",
+    ) -> None:
+        if agent not in self.AGENTS:
+            raise ValueError(f"no scripted action format for agent {agent!r}; known: {', '.join(self.AGENTS)}")
+        if not script:
+            raise ValueError("the script needs at least one step")
+        self.agent = agent
+        self.script = list(script)
+        self.title = title
+        if side_call_detector is None:
+            from . import registry
+
+            side_call_detector = registry.get_class(agent).is_side_call  # type: ignore[attr-defined]
+        self._is_side_call = side_call_detector
+        self.main_turns = 0
+        self.side_turns = 0
+
+    def is_side_call(self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> bool:
+        headers = headers or {}
+        if any(k.lower() == "x-ares-side-call" and v.lower() in ("1", "true", "yes") for k, v in headers.items()):
+            return True
+        return bool(self._is_side_call(body, headers))
+
+    def __call__(self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        if self.is_side_call(body, headers):
+            self.side_turns += 1
+            return self.side_answer(body)
+        step = self.script[min(self.main_turns, len(self.script) - 1)]
+        self.main_turns += 1
+        n = self.main_turns
+        if isinstance(step, RunCommand):
+            return self.run_command(body, step, n)
+        return self.finish(body, step, n)
+
+    # ------------------------------------------------------------------ formats
+
+    def run_command(self, body: Mapping[str, Any], step: RunCommand, n: int) -> dict[str, Any]:
+        cmd = step.command
+        if self.agent == "claude-code":
+            args = {"command": cmd, "description": "Run the scripted command"}
+            return _tool_call(f"toolu_ares_{n:04d}", "Bash", args)
+        if self.agent == "codex":
+            names = _tool_names(body)
+            if "exec_command" in names or not names:
+                return _tool_call(f"call_ares_{n:04d}", "exec_command", {"cmd": cmd})
+            if "shell_command" in names:
+                return _tool_call(f"call_ares_{n:04d}", "shell_command", {"command": cmd})
+            return _tool_call(f"call_ares_{n:04d}", "shell", {"command": ["bash", "-lc", cmd]})
+        if self.agent == "mini-swe-agent":
+            if not _tool_names(body):  # text-based config: one fenced block per reply
+                return _text(f"THOUGHT: run the scripted command.\n\n```mswea_bash_command\n{cmd}\n```")
+            return _tool_call(f"call_ares_{n:04d}", "bash", {"command": cmd})
+        keystrokes = cmd if cmd.endswith("\n") else cmd + "\n"
+        return _text(json.dumps({
+            "analysis": "Following the script.",
+            "plan": f"Run: {cmd}",
+            "commands": [{"keystrokes": keystrokes, "duration": step.duration}],
+            "task_complete": False,
+        }))
+
+    def finish(self, body: Mapping[str, Any], step: Finish, n: int) -> dict[str, Any]:
+        if self.agent == "mini-swe-agent":
+            if not _tool_names(body):
+                return _text(f"THOUGHT: done.\n\n```mswea_bash_command\necho {MINI_SUBMIT}\n```")
+            return _tool_call(f"call_ares_{n:04d}", "bash", {"command": f"echo {MINI_SUBMIT}"})
+        if self.agent == "terminus-2":
+            return _text(json.dumps({
+                "analysis": step.message,
+                "plan": "The task is complete.",
+                "commands": [],
+                "task_complete": True,
+            }))
+        return _text(step.message)
+
+    def side_answer(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        schema = _output_schema(body)
+        if schema is not None:
+            return _text(json.dumps(_fill_schema(schema, self.title)))
+        return _text(f"{self.title}: the scripted run so far executed its commands as asked.")
+
+
+def _text(text: str) -> dict[str, Any]:
+    return {"text": text, "tool_calls": [], "finish_reason": "stop"}
+
+
+def _tool_call(call_id: str, name: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "text": None,
+        "tool_calls": [{"id": call_id, "name": name, "arguments": json.dumps(dict(args))}],
+        "finish_reason": "tool_calls",
+    }
+
+
+def _tool_names(body: Mapping[str, Any]) -> set[str]:
+    names: set[str] = set()
+    for tool in body.get("tools") or []:
+        if not isinstance(tool, dict):
+            continue
+        fn = tool.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else tool.get("name")
+        if isinstance(name, str):
+            names.add(name)
+        for inner in tool.get("tools") or []:  # Responses "namespace" tools
+            if isinstance(inner, dict) and isinstance(inner.get("name"), str):
+                names.add(inner["name"])
+    return names
+
+
+def _output_schema(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    oc = body.get("output_config")
+    if isinstance(oc, dict) and isinstance(oc.get("format"), dict):
+        schema = oc["format"].get("schema")
+        if isinstance(schema, dict):
+            return schema
+    return None
+
+
+def _fill_schema(schema: Mapping[str, Any], title: str) -> Any:
+    kind = schema.get("type")
+    if kind == "object" or "properties" in schema:
+        props = schema.get("properties") or {}
+        return {k: _fill_schema(v if isinstance(v, dict) else {}, title) for k, v in props.items()}
+    if kind == "array":
+        return []
+    if kind in ("integer", "number"):
+        return 0
+    if kind == "boolean":
+        return False
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    return title

@@ -1,0 +1,81 @@
+"""Policies: who answers the agents' LLM requests.
+
+* :class:`UpstreamPolicy` (``upstream``): forward to an OpenAI-compatible server, token-faithful.
+* :class:`HttpPolicy` (``http``): leave requests parked for an external trainer on ``/poll``.
+* :class:`FunctionPolicy`: any async callable ``request -> completion``, in process.
+
+:class:`PolicyServer` serves a :class:`~ares_gateway.Gateway` with a policy under bounded concurrency.
+:func:`make_policy` builds one by name; :func:`register_policy` adds names (the ``scripted`` /
+``oracle`` policies of ``harnesses`` register there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ares_gateway.policies.base import (
+    Policy,
+    PolicyAnswer,
+    PolicyError,
+    PolicyRequest,
+    PolicyServer,
+    ServeStats,
+    call_policy,
+    canonical_of,
+    is_external,
+    serve,
+)
+from ares_gateway.policies.function import FunctionPolicy, as_policy
+from ares_gateway.policies.http import HttpPolicy
+from ares_gateway.policies.upstream import Prices, UpstreamConfig, UpstreamError, UpstreamPolicy, UsageTotals
+
+_FACTORIES: dict[str, Callable[..., Any]] = {
+    "upstream": UpstreamPolicy,
+    "http": lambda **options: HttpPolicy(**options),
+}
+
+
+def register_policy(name: str, factory: Callable[..., Any], *, replace: bool = False) -> None:
+    """Make ``make_policy(name, **options)`` call ``factory(**options)``."""
+    if name in _FACTORIES and not replace:
+        raise ValueError(f"policy {name!r} is already registered; pass replace=True to change it")
+    _FACTORIES[name] = factory
+
+
+def policy_names() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+def make_policy(name: str, **options: Any) -> Any:
+    """A policy by name (``upstream``, ``http``, or a registered one) built with ``options``."""
+    try:
+        factory = _FACTORIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}: use one of {', '.join(policy_names())}") from None
+    return factory(**options)
+
+
+__all__ = [
+    "FunctionPolicy",
+    "HttpPolicy",
+    "Policy",
+    "PolicyAnswer",
+    "PolicyError",
+    "PolicyRequest",
+    "PolicyServer",
+    "Prices",
+    "ServeStats",
+    "UpstreamConfig",
+    "UpstreamError",
+    "UpstreamPolicy",
+    "UsageTotals",
+    "as_policy",
+    "call_policy",
+    "canonical_of",
+    "is_external",
+    "make_policy",
+    "policy_names",
+    "register_policy",
+    "serve",
+]

@@ -66,8 +66,8 @@ def as_logprob_array(values: Any, n_tokens: int) -> LogprobArray | None:
     float32 is what inference engines compute logprobs in, so nothing is lost for
     engine-produced values while storage is halved.
     """
-    if values is None:
-        return None
+    if values is None or (type(values) in (tuple, list) and not values):
+        return None  # the common "no logprobs" case, without a numpy round trip
     arr = np.asarray(values, dtype=np.float32)
     if arr.ndim != 1:
         raise ValueError(f"output_logprobs must be one-dimensional, got shape {arr.shape}")
@@ -92,43 +92,46 @@ def owned_copy(arr: TokenArray) -> TokenArray:
 
 # First chunk small so a mismatch near the start (a volatile header) is found at once;
 # later chunks large so long equal runs cost one vectorized pass.
-_FIRST_CHUNK = 1 << 12
+_FIRST_CHUNK = 1 << 11
 _MAX_CHUNK = 1 << 17
+
+
+def _first_diff(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> int:
+    """Index of the first differing element of equal-length arrays, or -1."""
+    diff = a != b
+    # argmax on booleans stops at the first True (and is a direct C call, unlike .any()).
+    i = int(diff.argmax())
+    return i if diff[i] else -1
 
 
 def common_prefix_len(a: TokenArray, b: TokenArray) -> int:
     """Length of the longest common prefix of two int32 token arrays.
 
-    Compares pairs of tokens as int64 words in growing chunks, so equal prefixes cost
-    one vectorized pass over half as many elements, and a mismatch stops the scan at
-    the chunk that holds it.
+    Compares pairs of tokens as int64 words, so equal prefixes cost one vectorized pass
+    over half as many elements; a small first chunk catches early mismatches cheaply and
+    large later chunks stop the scan soon after the chunk that holds a mismatch.
     """
     n = min(a.shape[0], b.shape[0])
     if n == 0:
         return 0
     a = a[:n]
     b = b[:n]
+    if n <= 2 * _FIRST_CHUNK or a.strides[0] != 4 or b.strides[0] != 4:
+        i = _first_diff(a, b)
+        return n if i < 0 else i
     pairs = n // 2
-    if pairs and a.flags.c_contiguous and b.flags.c_contiguous:
-        a64 = a[: 2 * pairs].view(np.int64)
-        b64 = b[: 2 * pairs].view(np.int64)
-        start = 0
-        chunk = _FIRST_CHUNK
-        while start < pairs:
-            stop = min(pairs, start + chunk)
-            diff = a64[start:stop] != b64[start:stop]
-            if diff.any():
-                i = 2 * (start + int(diff.argmax()))
-                return i if a[i] != b[i] else i + 1
-            start = stop
-            chunk = min(chunk * 2, _MAX_CHUNK)
-        done = 2 * pairs
-    else:
-        done = 0
-        start = 0
-    # Odd tail token, or non-contiguous inputs (never produced here, handled anyway).
-    if done < n:
-        diff = a[done:] != b[done:]
-        if diff.any():
-            return done + int(diff.argmax())
+    a64 = a[: 2 * pairs].view(np.int64)
+    b64 = b[: 2 * pairs].view(np.int64)
+    start = 0
+    chunk = _FIRST_CHUNK
+    while start < pairs:
+        stop = min(pairs, start + chunk)
+        j = _first_diff(a64[start:stop], b64[start:stop])
+        if j >= 0:
+            i = 2 * (start + j)
+            return i if a[i] != b[i] else i + 1
+        start = stop
+        chunk = _MAX_CHUNK
+    if n > 2 * pairs and a[n - 1] != b[n - 1]:  # odd tail token
+        return n - 1
     return n

@@ -80,7 +80,7 @@ def linearize(
             for t in seg:
                 if t.seq in claimed or t.seq in masked:
                     continue
-                if t.output.shape[0] == 0 or t.prompt_len >= cut:
+                if t.output_len == 0 or t.prompt_len >= cut:
                     continue  # nothing of it would be trained here
                 trained.append(t)
                 claimed.add(t.seq)
@@ -96,8 +96,9 @@ def linearize(
         cut = total if max_sample_tokens <= 0 else min(total, max_sample_tokens)
         full = tree.load(last)
         if consume and k == len(plan) - 1:
-            # The last sample takes the buffer itself: no copy of a possibly huge sequence.
-            tokens = tree.take_buffer()[:cut]
+            # The tree is discarded after this: the last sample keeps a view of its storage
+            # instead of a copy of a possibly huge sequence.
+            tokens = full[:cut]
         else:
             tokens = full[:cut].copy()
         rlen = cut - start

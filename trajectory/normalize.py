@@ -146,6 +146,11 @@ def _content_key(content: Any) -> Hashable:
     parts: list[tuple[str, str]] = []
     only_text = True
     for block in content:
+        if type(block) is dict and block.get("type") in _TEXT_BLOCK_TYPES and type(block.get("text")) is str:
+            # Fast path for the common case: a plain text block.
+            texts.append(block["text"])
+            parts.append(("text", block["text"]))
+            continue
         if isinstance(block, str):
             texts.append(block)
             parts.append(("text", block))

@@ -3,12 +3,21 @@
 Each :class:`Node` is one message.  Prompt messages nobody generated here are *routing*
 nodes; every answered turn adds a *generated* leaf that carries a :class:`StoredTurn`.
 
-Token storage: a turn's prompt is stored as ``shared`` tokens borrowed from its *base*
-(the nearest generated ancestor, i.e. the previous turn on the same path) plus its own
-``suffix``.  A 200-turn session whose prompts share a 100k-token prefix therefore stores
-that prefix once.  ``shared`` is also exactly the common-prefix length the linearizer needs,
-so it is computed once, at record time, and the turn's link to its base (clean, replace,
-break) is fixed then.
+Token storage: a turn's prompt is stored as ``keep`` tokens borrowed from its *source*
+turn plus its own ``suffix``.  The source is its *base* (the nearest generated ancestor,
+i.e. the previous turn on the same path) or, for a turn without one, the latest turn of
+the main line.  A 200-turn session whose prompts share a 100k-token prefix therefore
+stores that prefix once, and so does a foreign history re-sent with every retry.  The
+common prefix with the base (``shared``) is exactly what the linearizer needs, so it is
+computed once, at record time, and the turn's link to its base (clean, replace, break)
+is fixed then.
+
+Suffixes and outputs live in append-only int32 arenas.  The *main* arena is laid out
+so that, along the latest clean line of turns, arena position == sequence position:
+``main[:tip.full_len]`` *is* the tip turn's whole sequence, so comparing the next
+prompt with it and linearizing a clean chain need no second copy of the tokens.  Turns
+off that line (forks, retries) go to a side arena, and a scratch buffer materializes
+their sequences on demand.
 
 Everything here is iterative: no recursion over the tree or the base chain.
 """
@@ -17,12 +26,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from itertools import compress, islice
+from itertools import compress
 from typing import Any
 
 import numpy as np
 
-from ._tokens import LogprobArray, TokenArray, common_prefix_len, owned_copy
+from ._tokens import LogprobArray, TokenArray, common_prefix_len
 from .normalize import MessageKey, tool_names
 from .types import TurnRecord
 
@@ -38,22 +47,58 @@ LINK_NAMES = {FIRST: "first", CLEAN: "clean", REPLACE: "replace", BREAK: "break"
 _INDEX_AT = 8
 
 
+class _Arena:
+    """Append-only growable int32 storage; turns keep (arena, offset), never views, so growth frees the old array."""
+
+    __slots__ = ("data", "size")
+
+    def __init__(self, capacity: int = 0) -> None:
+        self.data: TokenArray = np.empty(capacity, dtype=np.int32)
+        self.size = 0
+
+    def reserve(self, n: int) -> None:
+        if self.data.shape[0] < n:
+            # 1/8 slack: geometric growth (amortized O(1) per token) with little idle memory.
+            new = np.empty(n + (n >> 3) + 1024, dtype=np.int32)
+            new[: self.size] = self.data[: self.size]
+            self.data = new
+
+    def append(self, *parts: TokenArray) -> int:
+        """Append ``parts`` back to back; returns the offset of the first."""
+        off = self.size
+        end = off + sum(int(p.shape[0]) for p in parts)
+        self.reserve(end)
+        pos = off
+        for p in parts:
+            n = int(p.shape[0])
+            self.data[pos : pos + n] = p
+            pos += n
+        self.size = end
+        return off
+
+
 class StoredTurn:
-    """A recorded generation, delta-encoded against its base turn."""
+    """A recorded generation, delta-encoded against its base turn.
+
+    Its own tokens (prompt suffix, then output) are ``arena.data[off : off + own_len]``.
+    """
 
     __slots__ = (
+        "arena",
         "base",
         "depth",
         "finish_reason",
         "ill_formed",
+        "keep",
         "link",
         "logprobs",
         "node",
-        "output",
+        "off",
+        "output_len",
         "prompt_len",
         "seq",
         "shared",
-        "suffix",
+        "src",
         "tools",
     )
 
@@ -63,9 +108,10 @@ class StoredTurn:
         seq: int,
         base: StoredTurn | None,
         shared: int,
+        src: StoredTurn | None,
+        keep: int,
         prompt_len: int,
-        suffix: TokenArray,
-        output: TokenArray,
+        output_len: int,
         logprobs: LogprobArray | None,
         finish_reason: str,
         ill_formed: bool,
@@ -74,32 +120,38 @@ class StoredTurn:
     ) -> None:
         self.seq = seq
         self.base = base
-        self.depth: int = 0 if base is None else base.depth + 1
-        self.shared = shared
+        self.shared = shared  # common prefix with full(base): decides the link
+        self.src = src
+        self.keep = keep  # tokens taken from full(src): decides storage
+        self.depth: int = 0 if src is None else src.depth + 1  # along src links
         self.prompt_len = prompt_len
-        self.suffix = suffix
-        self.output = output
+        self.output_len = output_len
         self.logprobs = logprobs
         self.finish_reason = finish_reason
         self.ill_formed = ill_formed
         self.link = link
         self.tools = tools
         self.node: Node | None = None
-
-    @property
-    def output_len(self) -> int:
-        return int(self.output.shape[0])
+        self.arena: _Arena | None = None
+        self.off = 0
 
     @property
     def full_len(self) -> int:
         """Length of prompt + output."""
-        return self.prompt_len + int(self.output.shape[0])
+        return self.prompt_len + self.output_len
 
-    def nbytes(self) -> int:
-        """Bytes of token/logprob payload held by this turn."""
-        return int(
-            self.suffix.nbytes + self.output.nbytes + (0 if self.logprobs is None else self.logprobs.nbytes)
-        )
+    def own_tokens(self) -> TokenArray:
+        """Prompt suffix followed by output (a view into the arena)."""
+        assert self.arena is not None
+        return self.arena.data[self.off : self.off + self.full_len - self.keep]
+
+    @property
+    def suffix(self) -> TokenArray:
+        return self.own_tokens()[: self.prompt_len - self.keep]
+
+    @property
+    def output(self) -> TokenArray:
+        return self.own_tokens()[self.prompt_len - self.keep :]
 
 
 class Node:
@@ -167,22 +219,30 @@ class Node:
 
 def copy_message(message: Any) -> Any:
     """Private deep copy of a JSON-like message (dicts and lists; scalars shared), iteratively."""
-    if not isinstance(message, Mapping | list):
+    if type(message) is dict:
+        top: Any = message.copy()
+    elif isinstance(message, Mapping):
+        top = dict(message)
+    elif isinstance(message, list):
+        top = list(message)
+    else:
         return message
-    top: Any = dict(message) if isinstance(message, Mapping) else list(message)
     stack = [top]
     while stack:
         container = stack.pop()
-        items = container.items() if isinstance(container, dict) else enumerate(container)
+        items = container.items() if type(container) is dict else enumerate(container)
         for k, v in list(items):
-            if isinstance(v, Mapping):
+            tv = type(v)
+            if tv is str or tv is int or tv is float or tv is bool or v is None:
+                continue  # the common case first: immutable leaves are shared
+            if tv is dict or (tv is not list and isinstance(v, Mapping)):
                 v = dict(v)
-                container[k] = v
-                stack.append(v)
-            elif isinstance(v, list):
+            elif tv is list:
                 v = list(v)
-                container[k] = v
-                stack.append(v)
+            else:
+                continue
+            container[k] = v
+            stack.append(v)
     return top
 
 
@@ -190,7 +250,7 @@ def _common_valid(a: StoredTurn | None, b: StoredTurn) -> int:
     """Length of a prefix known to be equal in full(a) and full(b), from the base links alone.
 
     Walks both base chains up to their common ancestor; every step up keeps only the
-    ``shared`` tokens the lower turn has in common with its base.
+    ``keep`` tokens the lower turn has in common with its source.
     """
     if a is None:
         return 0
@@ -204,11 +264,11 @@ def _common_valid(a: StoredTurn | None, b: StoredTurn) -> int:
         if x is None or y is None:
             return 0
         if x.depth >= y.depth:
-            va = min(va, x.shared)
-            x = x.base
+            va = min(va, x.keep)
+            x = x.src
         else:
-            vb = min(vb, y.shared)
-            y = y.base
+            vb = min(vb, y.keep)
+            y = y.src
     return min(va, vb)
 
 
@@ -217,19 +277,14 @@ def _fill(buf: TokenArray, turn: StoredTurn, lo: int) -> None:
     hi = turn.full_len
     cur: StoredTurn | None = turn
     while hi > lo and cur is not None:
-        p = cur.prompt_len
-        if hi > p:
-            a = max(lo, p)
-            buf[a:hi] = cur.output[a - p : hi - p]
-            hi = a
-            if hi <= lo:
-                break
-        s = cur.shared
+        # full(cur) = full(cur.src)[:keep] + own tokens (suffix, output) at [keep, full_len).
+        s = cur.keep
         if hi > s:
             a = max(lo, s)
-            buf[a:hi] = cur.suffix[a - s : hi - s]
+            own = cur.own_tokens()
+            buf[a:hi] = own[a - s : hi - s]
             hi = a
-        cur = cur.base  # hi <= s now: the rest comes from the base
+        cur = cur.src  # hi <= s now: the rest comes from the source
 
 
 class Tree:
@@ -242,77 +297,123 @@ class Tree:
         self.generated_turns = 0
         # The most recently recorded root path and, per position, the last message object
         # seen there: the next request usually repeats it, and a C-level list comparison
-        # against it replaces a per-message Python walk.
+        # against it replaces a per-message Python walk.  These are the caller's objects:
+        # messages must not be mutated after being recorded (the gateway parses fresh
+        # dicts per request, so it never does).
         self._path_nodes: list[Node] = []
         self._path_raws: list[Any] = []
-        # full(buf_turn) materialized: the base of the next turn is almost always the last
-        # turn, so its common prefix is one vectorized compare against this buffer.
-        self._buf: TokenArray = np.zeros(0, dtype=np.int32)
-        self._buf_turn: StoredTurn | None = None
+        # Token arenas (see the module docstring): main[:tip.full_len] == full(tip).
+        self._main = _Arena()
+        self._side = _Arena()
+        self._tip: StoredTurn | None = None
+        # full(scratch_turn), materialized for turns off the main line.
+        self._scratch: TokenArray = np.zeros(0, dtype=np.int32)
+        self._scratch_turn: StoredTurn | None = None
 
     # ----------------------------------------------------------------- tokens
-    def _ensure_capacity(self, n: int, keep: int) -> None:
-        if self._buf.shape[0] < n:
-            # 1/8 slack keeps growth geometric (amortized O(1) per token) with little waste.
-            new = np.empty(n + (n >> 3) + 64, dtype=np.int32)
-            new[:keep] = self._buf[:keep]
-            self._buf = new
-
     def load(self, turn: StoredTurn) -> TokenArray:
-        """Make the buffer hold full(turn); returns a view of exactly those tokens."""
-        if self._buf_turn is not turn:
-            valid = _common_valid(self._buf_turn, turn)
-            self._ensure_capacity(turn.full_len, keep=valid)
-            _fill(self._buf, turn, valid)
-            self._buf_turn = turn
-        return self._buf[: turn.full_len]
-
-    def take_buffer(self) -> TokenArray:
-        """Hand the buffer over (the caller owns it now); the tree starts a new one when needed."""
-        buf = self._buf
-        self._buf = np.zeros(0, dtype=np.int32)
-        self._buf_turn = None
-        return buf
+        """full(turn) (prompt + output) as a read-only-by-convention view; valid until the next call."""
+        if turn is self._tip:
+            return self._main.data[: turn.full_len]
+        if self._scratch_turn is not turn:
+            n = turn.full_len
+            if self._scratch_turn is None and self._tip is not None:
+                # Start from the main line: usually only the tail after a fork differs.
+                lo = _common_valid(self._tip, turn)
+                src: TokenArray | None = self._main.data
+            else:
+                lo = _common_valid(self._scratch_turn, turn)
+                src = None
+            if self._scratch.shape[0] < n:
+                new = np.empty(n + (n >> 3) + 1024, dtype=np.int32)
+                keep = lo if src is None else 0
+                new[:keep] = self._scratch[:keep]
+                self._scratch = new
+            if src is not None:
+                self._scratch[:lo] = src[:lo]
+            _fill(self._scratch, turn, lo)
+            self._scratch_turn = turn
+        return self._scratch[: turn.full_len]
 
     def prompt_ids(self, turn: StoredTurn) -> TokenArray:
         """A fresh copy of a stored turn's whole prompt."""
         return self.load(turn)[: turn.prompt_len].copy()
 
+    def token_bytes(self) -> int:
+        """Bytes held for tokens and logprobs (arenas, scratch buffer, logprob arrays)."""
+        lp = sum(0 if t.logprobs is None else int(t.logprobs.nbytes) for t in self.iter_turns())
+        return (
+            int(self._main.data.nbytes + self._side.data.nbytes + self._scratch.nbytes)
+            + lp
+            + sum(int(a.data.nbytes) for a in self._old_arenas())
+        )
+
+    def _old_arenas(self) -> list[_Arena]:
+        seen = {id(self._main), id(self._side)}
+        out = []
+        for t in self.iter_turns():
+            a = t.arena
+            if a is not None and id(a) not in seen:
+                seen.add(id(a))
+                out.append(a)
+        return out
+
     def _store(
         self, record: TurnRecord, base: StoredTurn | None, seq: int, tools: tuple[str, ...]
     ) -> StoredTurn:
         prompt = record.prompt_ids
+        output = record.output_ids
         plen = int(prompt.shape[0])
         if base is None:
             shared, link = 0, FIRST
         else:
-            base_full = self.load(base)
-            shared = common_prefix_len(prompt, base_full)
+            shared = common_prefix_len(prompt, self.load(base))
             if shared == base.full_len:
                 link = CLEAN
             elif shared >= base.prompt_len and base.output_len < self.threshold:
                 link = REPLACE
             else:
                 link = BREAK
+        # Storage source: the base, or for a turn without one the main line's tip (a
+        # retried or re-sent foreign history then costs only its new tokens).
+        src, keep = base, shared
+        if base is None and self._tip is not None:
+            k = common_prefix_len(prompt, self.load(self._tip))
+            if k:
+                src, keep = self._tip, k
         turn = StoredTurn(
             seq=seq,
             base=base,
             shared=shared,
+            src=src,
+            keep=keep,
             prompt_len=plen,
-            suffix=owned_copy(prompt[shared:]),
-            output=owned_copy(record.output_ids),
+            output_len=int(output.shape[0]),
             logprobs=None if record.output_logprobs is None else record.output_logprobs.copy(),
             finish_reason=record.finish_reason,
             ill_formed=record.ill_formed,
             link=link,
             tools=tools,
         )
-        # Advance the buffer from full(base) (loaded above) to full(turn): only the new
-        # tokens are written.
-        self._ensure_capacity(turn.full_len, keep=shared)
-        self._buf[shared:plen] = turn.suffix
-        self._buf[plen : turn.full_len] = turn.output
-        self._buf_turn = turn
+        suffix = prompt[keep:]
+        own_len = turn.full_len - keep
+        main = self._main
+        if src is self._tip and keep == main.size:
+            # Extends the main line exactly (or starts it): arena position == sequence position.
+            turn.arena, turn.off = main, main.append(suffix, output)
+            self._tip = turn
+        elif (src is None or src is self._tip) and keep <= own_len:
+            # Drift (or a new root) on the main line with a short shared prefix: start a new
+            # main arena; copying the prefix costs no more than the new tokens themselves.
+            prefix = self.load(src)[:keep] if src is not None else prompt[:0]
+            arena = _Arena(turn.full_len + (turn.full_len >> 3) + 1024)
+            arena.append(prefix)
+            turn.arena, turn.off = arena, arena.append(suffix, output)
+            self._main = arena
+            self._tip = turn
+        else:
+            # Off the main line (a fork, a retry, a replaced response): side arena.
+            turn.arena, turn.off = self._side, self._side.append(suffix, output)
         return turn
 
     # --------------------------------------------------------------- messages
@@ -324,24 +425,38 @@ class Tree:
         """Match ``prompt`` from the root, mounting unmatched messages; returns the mount point."""
         nodes = self._path_nodes
         raws = self._path_raws
-        m = min(len(prompt), len(raws))
+        msgs = prompt if isinstance(prompt, list) else list(prompt)
+        n_old = len(raws)
+        m = min(len(msgs), n_old)
         if m:
-            # Fast path: one C-level comparison (identity short-cut, then dict equality).
-            same = (prompt[:m] if len(prompt) != m else prompt) == (raws if len(raws) == m else raws[:m])
+            if len(msgs) >= n_old:
+                # Compare without slicing the (long) history: pad the reference with the
+                # prompt's own new messages, so one C-level list comparison covers the prefix
+                # (identity short-cut for re-sent objects, dict equality for fresh ones).
+                raws.extend(msgs[n_old:])
+                same = raws == msgs
+                del raws[n_old:]
+            else:
+                same = raws[:m] == msgs
             if not same:
-                # Positions whose raw dict differs: normalize just those and compare keys.
-                differs = list(map(operator.ne, prompt, raws))
+                # Normalize only the positions whose dicts differ (a volatile system header,
+                # a re-serialized echo of a generated message) and compare their keys.
+                differs = list(map(operator.ne, msgs, raws))
                 for i in compress(range(m), differs):
-                    msg = prompt[i]
-                    if key_of(msg) == nodes[i].key:
-                        raws[i] = copy_message(msg)
-                    else:
+                    msg = msgs[i]
+                    if key_of(msg) != nodes[i].key:
                         m = i
                         break
+                    raws[i] = msg  # the newest form: the next request likely repeats it
+            # The echo of the last response (and the messages just before it) are where
+            # the caller's objects differ from the ones held; adopt the caller's, so the
+            # next comparison there is an identity check rather than a dict comparison.
+            for i in range(max(0, m - 4), m):
+                raws[i] = msgs[i]
         del nodes[m:]
         del raws[m:]
         cur = nodes[m - 1] if m else self.root
-        for msg in islice(prompt, m, None):
+        for msg in msgs[m:]:
             key = key_of(msg)
             khash = hash(key)
             child = cur.find_child(key, khash)
@@ -353,7 +468,7 @@ class Tree:
                 child = Node(key, copy_message(msg), cur)
                 cur.add_child(child)
             nodes.append(child)
-            raws.append(child.message)
+            raws.append(msg)
             cur = child
         return cur
 
@@ -411,7 +526,7 @@ class Tree:
         mount.add_child(node)
         self.generated_turns += 1
         self._path_nodes.append(node)
-        self._path_raws.append(node.message)
+        self._path_raws.append(response)
 
     # ------------------------------------------------------------------ views
     def leaves(self) -> list[Node]:
@@ -437,7 +552,3 @@ class Tree:
             if node.children:
                 stack.extend(reversed(node.children))
         return out
-
-    def token_bytes(self) -> int:
-        """Bytes of token payload stored in this tree (excluding the working buffer)."""
-        return sum(t.nbytes() for t in self.iter_turns())

@@ -5,10 +5,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
-from trajectory import TrajectoryManager
+from trajectory import TrajectoryManager, TurnRecord
 
 from .helpers import Episode, ast, render, show, sys, toks, tool, usr
 
@@ -503,3 +505,88 @@ def test_array_inputs_and_mixed_forms() -> None:
         == "<sys> S </sys> <usr> u </usr> <gen> | [r:ok] [</ast>] <usr> u2 </usr> <gen> [r:two] [</ast>]"
     )
     assert list(s.tokens) == toks(render([*P1, ast("r:ok"), usr("u2")]) + " r:two </ast>")
+
+
+def test_changed_message_at_same_position_is_not_matched_by_fast_path() -> None:
+    # Regression: the previous request's message objects are the fast-path reference; a
+    # different message at the same position must still fork.
+    ep = Episode()
+    ep.turn([sys("S1")], None)
+    ep.turn([sys("S2")], ast("r:b"))
+    ep.turn([sys("S1")], ast("r:c"))
+    assert ep.shown() == [
+        "<sys> S1 </sys> <gen> | [r:c] [</ast>]",
+        "<sys> S2 </sys> <gen> | [r:b] [</ast>]",
+    ]
+
+
+def test_turn_record_validation() -> None:
+    with pytest.raises(ValueError, match="output_logprobs has 1 values but output_ids has 2"):
+        TurnRecord([1, 2], [3, 4], [-0.5])
+    with pytest.raises(ValueError, match="int32"):
+        TurnRecord([1, 2**40], [3])
+    with pytest.raises(ValueError):
+        TurnRecord([1.5, 2], [3])
+    with pytest.raises(ValueError, match="integer dtype"):
+        TurnRecord(np.array([1.0, 2.0]), [3])
+    with pytest.raises(ValueError, match="out of int32 range"):
+        TurnRecord(np.array([1, 2**33], dtype=np.int64), [3])
+    rec = TurnRecord(np.array([1, 2], dtype=np.int64), np.array([3], dtype=np.uint16), np.array([-1.0]))
+    assert rec.prompt_ids.dtype == np.int32 and rec.output_ids.tolist() == [3]
+    assert rec.output_logprobs is not None and rec.output_logprobs.tolist() == [-1.0]
+    from array import array
+
+    assert TurnRecord(array("i", [5, 6]), array("l", [7])).prompt_ids.tolist() == [5, 6]
+
+
+def test_empty_prompt_is_a_noop(caplog: pytest.LogCaptureFixture) -> None:
+    tm = TrajectoryManager()
+    with caplog.at_level("WARNING"):
+        tm.record_turn("s", prompt_messages=[], response_message=ast("r:x"), turn=TurnRecord([], [1]))
+    assert not tm.has_session("s")
+    assert "no prompt messages" in caplog.text
+
+
+def test_recorded_arrays_are_copied() -> None:
+    prompt = np.array([1, 2, 3], dtype=np.int32)
+    out = np.array([4, 5], dtype=np.int32)
+    tm = TrajectoryManager()
+    tm.record_turn("s", prompt_messages=[usr("u")], response_message=ast("r:x"), turn=TurnRecord(prompt, out))
+    prompt[:] = 0
+    out[:] = 0
+    (s,) = tm.get_trajectory("s")
+    assert s.tokens.tolist() == [1, 2, 3, 4, 5]
+
+
+def test_custom_client_normalizer() -> None:
+    from trajectory import NormalizerRegistry
+
+    def drop_timestamp(msg: Any) -> Any:
+        if msg.get("role") == "user" and str(msg.get("content", "")).startswith("[ts="):
+            return {**msg, "content": msg["content"].split("] ", 1)[1]}
+        return msg
+
+    reg = NormalizerRegistry()
+    reg.register(drop_timestamp, client="my-cli")
+    tm = TrajectoryManager(normalizers=reg)
+    ep = Episode(tm)
+    a = ep.turn(
+        [usr("[ts=1] u")], ast("r:a"), prompt_tokens="<usr> u </usr> <gen>", metadata={"client": "my-cli"}
+    )
+    ep.turn(
+        [usr("[ts=2] u"), a, usr("u2")],
+        ast("r:b"),
+        prompt_tokens="<usr> u </usr> <gen> r:a </ast> <usr> u2 </usr> <gen>",
+        metadata={"client": "my-cli"},
+    )
+    samples = ep.samples()
+    assert len(samples) == 1 and samples[0].metadata["num_branches"] == 1
+    # Without the client tag the timestamps differ: a fork.
+    ep2 = Episode(TrajectoryManager(normalizers=reg))
+    a = ep2.turn([usr("[ts=1] u")], ast("r:a"), prompt_tokens="<usr> u </usr> <gen>")
+    ep2.turn(
+        [usr("[ts=2] u"), a, usr("u2")],
+        ast("r:b"),
+        prompt_tokens="<usr> u </usr> <gen> r:a </ast> <usr> u2 </usr> <gen>",
+    )
+    assert len(ep2.samples()) == 2

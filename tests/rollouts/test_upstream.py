@@ -214,3 +214,46 @@ async def test_anthropic_agent_is_forwarded_as_clean_chat(gateway: Gateway, llm:
     samples = gateway.trajectory(info.session_id, reward=0.5)
     assert samples[0].tokens.tolist() == llm.turns[0].prompt_ids + llm.turns[0].output_ids
     assert llm.turns[0].output_ids[-1] == END and llm.turns[0].output_ids[:-1] == tok(llm.turns[0].text)
+
+
+def test_stream_chunk_deltas_split_tool_call_pieces() -> None:
+    from ares_gateway.policies.upstream import _deltas
+
+    got = _deltas(
+        {
+            "reasoning_content": "think",
+            "content": "hi",
+            "tool_calls": [{"index": 1, "id": "call_1", "type": "function", "function": {"name": "bash", "arguments": "{\"c"}}],
+        }
+    )
+    assert [d.model_dump(exclude_defaults=True) for d in got] == [
+        {"reasoning": "think"},
+        {"text": "hi"},
+        {"tool_index": 1, "tool_call_id": "call_1", "tool_name": "bash"},
+        {"tool_index": 1, "arguments": "{\"c"},
+    ]
+    assert _deltas(None) == [] and _deltas({"content": ""}) == []
+
+
+def test_responses_request_body_is_clean_chat() -> None:
+    from ares_gateway.protocols import get_adapter
+
+    req = get_adapter("openai.responses").parse_request(
+        {
+            "model": "gpt-5-codex",
+            "instructions": "be",
+            "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+            "reasoning": {"effort": "high"},
+            "store": False,
+            "include": ["reasoning.encrypted_content"],
+            "stream": True,
+            "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}}, {"type": "web_search"}],
+        }
+    )
+    body = UpstreamPolicy(base_url="http://127.0.0.1:1/v1", token_ids=False).build_body(req, stream=False)
+    assert body == {
+        "model": "gpt-5-codex",
+        "messages": [{"role": "system", "content": "be"}, {"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "shell", "parameters": {"type": "object"}}}],
+        "stream": False,
+    }

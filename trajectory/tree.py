@@ -25,7 +25,7 @@ Everything here is iterative: no recursion over the tree or the base chain.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import compress
 from typing import Any
 
@@ -441,8 +441,14 @@ class Tree:
             if not same:
                 # Normalize only the positions whose dicts differ (a volatile system header,
                 # a re-serialized echo of a generated message) and compare their keys.
-                differs = list(map(operator.ne, msgs, raws))
-                for i in compress(range(m), differs):
+                # Usually those are the first message and the last few: check the middle
+                # with one C-level comparison before looking at positions one by one.
+                hi = m - 4
+                if hi > 1 and raws[1:hi] == msgs[1:hi]:
+                    differs: Iterable[int] = [i for i in (0, *range(hi, m)) if raws[i] != msgs[i]]
+                else:
+                    differs = compress(range(m), map(operator.ne, msgs, raws))
+                for i in differs:
                     msg = msgs[i]
                     if key_of(msg) != nodes[i].key:
                         m = i

@@ -590,3 +590,33 @@ def test_custom_client_normalizer() -> None:
         prompt_tokens="<usr> u </usr> <gen> r:a </ast> <usr> u2 </usr> <gen>",
     )
     assert len(ep2.samples()) == 2
+
+
+def _long_history(system: dict[str, Any]) -> list[dict[str, Any]]:
+    return [system, usr("u"), ast("r:a"), usr("u2"), ast("r:b"), usr("u3"), ast("r:c"), usr("u4")]
+
+
+def test_fast_path_long_history_with_volatile_first_message() -> None:
+    ep = Episode()
+    h1 = _long_history({"role": "system", "content": "x-anthropic-billing-header: cch=1;\nS"})
+    ep.turn(h1, ast("r:d"), prompt_tokens=render(_long_history(sys("S"))))
+    h2 = [
+        {"role": "system", "content": "x-anthropic-billing-header: cch=2;\nS"},
+        *h1[1:],
+        ast("r:d"),
+        usr("u5"),
+    ]
+    ep.turn(h2, ast("r:e"), prompt_tokens=render([*_long_history(sys("S")), ast("r:d"), usr("u5")]))
+    samples = ep.samples()
+    assert len(samples) == 1 and samples[0].metadata["trained_turn_ids"] == [1, 2]
+
+
+def test_fast_path_long_history_with_changed_first_message_forks() -> None:
+    ep = Episode()
+    h1 = _long_history(sys("S1"))
+    ep.turn(h1, ast("r:d"))
+    h2 = [sys("S2"), *h1[1:], ast("r:d"), usr("u5")]
+    ep.turn(h2, ast("r:e"))
+    samples = ep.samples()
+    assert [s.metadata["branch"] for s in samples] == [0, 1]
+    assert show(samples[1]).startswith("<sys> S2 </sys>")

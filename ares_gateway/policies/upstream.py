@@ -274,7 +274,7 @@ class UpstreamPolicy:
         canonical = canonical_of(request)
         started = time.monotonic()
         resp, attempts = await self._with_retries(lambda b: self._open_stream(b), canonical, stream=True)
-        return self._relay(request, resp, attempts, started)
+        return _Relay(self._relay(request, resp, attempts, started), resp)
 
     async def _relay(
         self, request: PolicyRequest, resp: aiohttp.ClientResponse, attempts: int, started: float
@@ -440,6 +440,28 @@ class UpstreamPolicy:
             resp.release()
             raise
         return resp
+
+
+class _Relay:
+    """The relayed stream. ``aclose()`` also releases the upstream connection when the stream was
+    never iterated (an async generator's ``finally`` does not run then), e.g. when the agent left
+    before the answer could be delivered."""
+
+    def __init__(self, gen: AsyncIterator[CompletionDelta | Completion], resp: aiohttp.ClientResponse) -> None:
+        self._gen = gen
+        self._resp = resp
+
+    def __aiter__(self) -> _Relay:
+        return self
+
+    async def __anext__(self) -> CompletionDelta | Completion:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._gen.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._resp.release()
 
 
 def _clean_foreign(body: dict[str, Any]) -> None:

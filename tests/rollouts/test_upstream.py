@@ -257,3 +257,19 @@ def test_responses_request_body_is_clean_chat() -> None:
         "tools": [{"type": "function", "function": {"name": "shell", "parameters": {"type": "object"}}}],
         "stream": False,
     }
+
+
+async def test_unconsumed_stream_releases_its_connection(llm: FakeLLM) -> None:
+    req = CanonicalRequest(protocol=WireProtocol.OPENAI_CHAT, messages=[Message(role="user", content="hi")])
+    llm.chunk_delay = 0.2  # the stream is still open when the relay is dropped
+    async with policy(llm, stream=True) as pol:
+        relay = await pol(req)
+        resp = relay._resp  # type: ignore[union-attr]
+        assert resp.connection is not None
+        await relay.aclose()  # type: ignore[union-attr]
+        assert resp.connection is None
+        llm.chunk_delay = 0.0
+        # A consumed stream ends with the whole completion and its token record.
+        items = [item async for item in await pol(req)]  # type: ignore[union-attr]
+    final = items[-1]
+    assert final.text == llm.turns[-1].text and final.tokens.output_ids == llm.turns[-1].output_ids

@@ -24,12 +24,13 @@ from .base import (
 from .claude_code import ClaudeCodeHarness, claude_code_is_side_call
 from .codex import CodexHarness, codex_is_side_call
 from .mini_swe_agent import MiniSweAgentHarness
-from .scripted import Finish, RunCommand, ScriptedPolicy
+from .scripted import CallTool, Finish, RunCommand, ScriptedPolicy
 from .terminus2 import Terminus2Harness, terminus2_is_side_call
 
 __all__ = [
     "INSTALL_ROOT",
     "BaseHarness",
+    "CallTool",
     "ClaudeCodeHarness",
     "CodexHarness",
     "Finish",

@@ -36,9 +36,11 @@ def claude_code_is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]
     * the title request: no tools and an ``output_config.format`` of type ``json_schema``;
     * a conversation summary (``/compact`` or auto-compaction): the last user message asks to
       "create a detailed summary of the conversation";
-    * a sub-agent (Task tool): its system prompt introduces "an agent for Claude Code" instead of
-      Claude Code itself.
+    * a sub-agent (the ``Agent``/``Task`` tool): its requests carry the ``x-claude-code-agent-id``
+      header and a system prompt that introduces "an agent for Claude Code" (seen with 2.1.332).
     """
+    if any(k.lower() == "x-claude-code-agent-id" and v for k, v in headers.items()):
+        return True
     tools = body.get("tools") or []
     output_config = body.get("output_config")
     if not tools and isinstance(output_config, dict):
@@ -51,7 +53,7 @@ def claude_code_is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]
         if "detailed summary of the conversation" in last:
             return True
     system = " ".join(_texts(body.get("system")))
-    return "You are an agent for Claude Code" in system and "You are Claude Code," not in system
+    return "You are an agent for Claude Code" in system
 
 
 class ClaudeCodeHarness(BaseHarness):

@@ -47,7 +47,15 @@ class Finish:
     message: str = "Done."
 
 
-Step = RunCommand | Finish
+@dataclass(frozen=True)
+class CallTool:
+    """Call one of the agent's own tools by name (e.g. Claude Code's ``Agent`` to start a sub-agent)."""
+
+    name: str
+    arguments: Mapping[str, Any]
+
+
+Step = RunCommand | Finish | CallTool
 
 
 class ScriptedPolicy:
@@ -97,6 +105,9 @@ class ScriptedPolicy:
         n = self.main_turns
         if isinstance(step, RunCommand):
             return self.run_command(body, step, n)
+        if isinstance(step, CallTool):
+            prefix = "toolu_ares" if self.agent == "claude-code" else "call_ares"
+            return _tool_call(f"{prefix}_{n:04d}", step.name, step.arguments)
         return self.finish(body, step, n)
 
     # ------------------------------------------------------------------ formats

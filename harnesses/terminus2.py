@@ -53,10 +53,19 @@ class Terminus2Harness(BaseHarness):
     default_version = "0.26.0"
     probe = "bin/python"
 
-    def __init__(self, *, python: str | None = None, max_turns: int | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        *,
+        python: str | None = None,
+        max_turns: int | None = None,
+        context_tokens: int | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__(**options)
         self.python = python
         self.max_turns = max_turns
+        #: The context window Terminus-2 assumes (it summarizes when fewer than 8000 tokens are free).
+        self.context_tokens = context_tokens
 
     def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
         q = shlex.quote(prefix)
@@ -83,15 +92,14 @@ class Terminus2Harness(BaseHarness):
 
     async def write_config(self, sandbox: Sandbox, ctx: HarnessContext) -> None:
         prep = self._prepared[sandbox.id]
-        with resources.as_file(resources.files("harnesses.data").joinpath(DRIVER)) as driver:
-            try:
-                await sandbox.upload_file(driver, f"{prep.state_dir}/{DRIVER}")
-            except Exception as exc:
-                raise HarnessLaunchError(self.name, "uploading the Terminus-2 driver", str(exc)) from exc
-        r = await sandbox.exec(["sh", "-c", f"mkdir -p {prep.state_dir}/logs && chmod a+r {prep.state_dir}/{DRIVER}"],
-                               user=prep.user, cwd="/", timeout=30)
+        source = resources.files("harnesses.data").joinpath(DRIVER).read_text()
+        # Written by the run user itself (an upload would belong to the container's root).
+        r = await sandbox.exec(
+            ["sh", "-c", f"mkdir -p {prep.state_dir}/logs && printf %s {shlex.quote(source)} >{prep.state_dir}/{DRIVER}"],
+            user=prep.user, cwd="/", timeout=30,
+        )
         if not r.ok:
-            raise HarnessLaunchError(self.name, "preparing the logs directory", r.stderr.strip()[-500:])
+            raise HarnessLaunchError(self.name, "writing the Terminus-2 driver", r.stderr.strip()[-500:])
 
     def agent_env(self, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
         return {
@@ -116,6 +124,8 @@ class Terminus2Harness(BaseHarness):
         ]
         if self.max_turns is not None:
             args += ["--max-turns", str(self.max_turns)]
+        if self.context_tokens is not None:
+            args += ["--context-tokens", str(self.context_tokens)]
         return f"printf %s {shlex.quote(prompt)} >{st}/instruction.txt && " + shlex.join(args)
 
     def cleanup_command(self, prep: Prepared) -> str | None:

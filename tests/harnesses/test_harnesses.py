@@ -18,7 +18,8 @@ import pytest
 import sandbox
 from ares_gateway import Completion, ErrorAnswer, Gateway, GatewayEnv, ParkedRequest
 from harnesses import HarnessContext, HarnessInstallError, HarnessResult, registry
-from harnesses.scripted import Finish, RunCommand, ScriptedPolicy
+from harnesses.scripted import CallTool, Finish, RunCommand, ScriptedPolicy, Step
+from harnesses.terminus2 import SUMMARY_MARKERS
 
 from .conftest import AGENTS_IMAGE, require_backend
 
@@ -44,6 +45,8 @@ async def drive(
     answer: Answer | None = None,
     harness_options: dict[str, Any] | None = None,
     check: Callable[[sandbox.BaseSandbox], Awaitable[None]] | None = None,
+    script: list[Step] | None = None,
+    prompt: str = PROMPT,
 ) -> tuple[HarnessResult, list[ParkedRequest], list[dict[str, Any]], ScriptedPolicy]:
     """Run harness ``name`` in a ``backend`` sandbox against a fresh gateway session.
 
@@ -51,7 +54,7 @@ async def drive(
     the scripted policy. Returns the result, the observed requests, the turn log and the policy.
     """
     harness = registry.create(name, **(harness_options or {}))
-    policy = ScriptedPolicy(name, [RunCommand(COMMAND), Finish("The marker is written.")])
+    policy = ScriptedPolicy(name, script or [RunCommand(COMMAND), Finish("The marker is written.")])
     seen: list[ParkedRequest] = []
     async with Gateway(port=0, request_timeout=300,
                        side_call_detector=lambda req, headers: harness.is_side_call(req.raw, headers)) as gw:
@@ -59,7 +62,7 @@ async def drive(
         async with sandbox.create(_spec(), backend=backend) as sb:
             ctx = HarnessContext(workdir=sb.workdir, session_id=info.session_id, base_url=info.base_url,
                                  token=info.token, model="ares-policy")
-            run = asyncio.create_task(harness.run(sb, ctx, PROMPT, time_budget=time_budget))
+            run = asyncio.create_task(harness.run(sb, ctx, prompt, time_budget=time_budget))
             run.add_done_callback(lambda _: gw.end_session(info.session_id))
             env = GatewayEnv(gw, session_id=info.session_id, time_limit=time_budget + 60)
             ts = await env.reset()
@@ -223,3 +226,44 @@ async def test_broken_install_names_harness_and_step(name: str) -> None:
     assert err.harness == name
     assert "0.0.0-no-such-release" in err.step and "install" in err.step
     assert name in str(err) and err.step in str(err)
+
+
+@pytest.mark.slow
+async def test_claude_code_subagent_is_a_tagged_side_call() -> None:
+    """Real traffic: Claude Code's Agent tool starts a sub-agent whose requests are side calls."""
+    require_backend("local", "claude-code")
+    script: list[Step] = [
+        CallTool("Agent", {"description": "List files", "prompt": "List the files in the current directory.",
+                           "subagent_type": "general-purpose", "run_in_background": False}),
+        Finish("The sub-agent listed the files."),
+    ]
+    result, seen, turns, policy = await drive("claude-code", "local", script=script,
+                                              prompt="Use a sub-agent to list the files here, then summarize.")
+    assert result.exit_code == 0, result.stderr_tail
+    side = [r for r in seen if r.side_call]
+    main = [r for r in seen if not r.side_call]
+    assert len(side) >= 1 and policy.side_turns == len(side)
+    assert len(main) == 2
+    assert [t["side_call"] for t in turns].count(True) == len(side)
+    assert_one_main_path(main)
+    # The sub-agent's answer (the policy's side-call text) comes back to the main line as the tool result.
+    tool_msgs = [m for m in main[1].request.messages if m.role == "tool"]
+    assert tool_msgs and "Scripted task" in _text_of(tool_msgs[-1].to_chat_dict())
+
+
+@pytest.mark.slow
+async def test_terminus2_summarization_subagents_are_tagged_side_calls() -> None:
+    """Real traffic: with a small context window Terminus-2 summarizes through three side calls."""
+    require_backend("local", "terminus-2")
+    result, seen, turns, policy = await drive("terminus-2", "local", harness_options={"context_tokens": 8500},
+                                              check=_check_file)
+    assert result.exit_code == 0, result.stderr_tail
+    side = [r for r in seen if r.side_call]
+    kinds = [next(k for k, m in enumerate(SUMMARY_MARKERS) if _text_of(r.request.messages[-1].to_chat_dict())
+                  .lstrip().startswith(m)) for r in side]
+    # Each summarization is three sub-agent calls: summary, questions, answers (it may run more than once).
+    assert kinds and kinds == [0, 1, 2] * (len(kinds) // 3), kinds
+    assert policy.side_turns == len(side)
+    assert [t["side_call"] for t in turns] == [r.side_call for r in seen]
+    # The main line still runs the script: the command, then task_complete confirmed.
+    assert policy.main_turns == MAIN_TURNS["terminus-2"]

@@ -41,14 +41,18 @@ def row(name: str, value: str, target: str, verdict: str) -> None:
     ROWS.append((name, value, target, verdict))
 
 
-def median_time(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None) -> float:
-    times = []
-    for _ in range(repeat):
-        arg = setup() if setup else None
-        gc.collect()
-        t0 = time.perf_counter()
-        fn() if setup is None else fn(arg)  # type: ignore[call-arg]
-        times.append(time.perf_counter() - t0)
+def median_time(fn: Callable[[], Any], repeat: int) -> float:
+    """Median wall time of ``fn()``, timeit-style: collector run once before, disabled during."""
+    gc.collect()
+    gc.disable()
+    try:
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
     return statistics.median(times)
 
 

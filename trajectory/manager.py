@@ -132,6 +132,7 @@ class TrajectoryManager:
                         consume=True,
                     )
                 )
+                tree.dispose()
         return samples
 
     def has_session(self, session_id: str) -> bool:
@@ -145,7 +146,13 @@ class TrajectoryManager:
 
     def drop_session(self, session_id: str) -> bool:
         """Forget a session without linearizing it; returns whether it existed."""
-        return self._sessions.pop(session_id, None) is not None
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        for tree in (session.main, session.side):
+            if tree is not None:
+                tree.dispose()
+        return True
 
     def session_ids(self) -> list[str]:
         """Ids of the sessions currently held."""

@@ -534,6 +534,27 @@ class Tree:
         self._path_nodes.append(node)
         self._path_raws.append(response)
 
+    def dispose(self) -> None:
+        """Break the tree's reference cycles (parent <-> children, node <-> turn), iteratively.
+
+        A dropped session's memory (its token arenas above all) is then freed at once by
+        reference counting instead of waiting for a cyclic garbage collection.
+        """
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children)
+            node.children = None
+            node._index = None
+            node.parent = None
+            if node.turn is not None:
+                node.turn.node = None
+        self._path_nodes.clear()
+        self._path_raws.clear()
+        self._scratch_turn = None
+        self._tip = None
+
     # ------------------------------------------------------------------ views
     def leaves(self) -> list[Node]:
         """Leaves in depth-first order, children in insertion order (iterative)."""

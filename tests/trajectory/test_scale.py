@@ -156,3 +156,30 @@ def test_shared_prefix_is_stored_once() -> None:
     assert tree.token_bytes() <= unique * 4 * 1.15 + 4096  # not 200 copies of the prefix
     (s,) = tm.get_trajectory("m")
     assert s.tokens.size == unique
+
+
+def test_drained_session_memory_is_freed_without_the_cyclic_collector() -> None:
+    import gc
+    import tracemalloc
+
+    tm = TrajectoryManager()
+    prompt = np.arange(1_000_000, dtype=np.int32)
+    gc.collect()
+    gc.disable()
+    try:
+        tracemalloc.start()
+        for sid in ("a", "b"):
+            tm.record_turn(
+                sid,
+                prompt_messages=[{"role": "user", "content": "u"}],
+                response_message={"role": "assistant", "content": "r"},
+                turn=TurnRecord(prompt, [1, 2]),
+            )
+        assert tm.drop_session("a")
+        samples = tm.get_trajectory("b")
+        del samples
+        current = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+    finally:
+        gc.enable()
+    assert current < 1_000_000, current  # both 4 MB arenas are gone

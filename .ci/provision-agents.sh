@@ -5,10 +5,16 @@
 #      relative) for Terminus-2, whose harbor package needs Python >= 3.12;
 #   3. every harness CLI at its pinned version under /opt/ares-agents (python3 -m harnesses.provision);
 #   4. the agents image ares-gateway/agents:latest (docker/agents/Dockerfile), rebuilt only when the
-#      tree or the recipe changed. Runs after provision-docker.sh (glob order), which starts dockerd.
+#      tree or the recipe changed. In glob order this script runs BEFORE provision-docker.sh, so it
+#      runs that one first (idempotent, about a second when done) for the engine and the base image.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="${ARES_AGENTS_ROOT:-/opt/ares-agents}"
+
+bash .ci/provision-docker.sh
+
+# harnesses.provision imports this repository's packages; .ci/run installs them only after provisioning.
+python3 -c 'import sandbox, harnesses' 2>/dev/null || python3 -m pip install -q -e '.[test]'
 
 need=()
 command -v tmux >/dev/null 2>&1 || need+=(tmux)

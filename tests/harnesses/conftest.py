@@ -20,10 +20,10 @@ AGENTS_IMAGE = os.environ.get("ARES_AGENTS_IMAGE", "ares-gateway/agents:latest")
 PROVISION = "bash .ci/provision-agents.sh"
 
 
-def require(ok: bool, reason: str) -> None:
+def require(ok: bool, reason: str, *, docker: bool = False) -> None:
     if ok:
         return
-    if os.environ.get("ARES_CI") == "1":
+    if os.environ.get("ARES_CI") == "1" or (docker and os.environ.get("ARES_REQUIRE_DOCKER") == "1"):
         pytest.fail(f"prerequisite missing in CI: {reason}")
     pytest.skip(reason)
 
@@ -55,5 +55,6 @@ def require_backend(backend: str, harness_name: str) -> None:
         if harness_name == "terminus-2":
             require(shutil.which("tmux") is not None, "tmux is not installed: apt-get install tmux")
     else:
-        require(_docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh")
-        require(_image_present(AGENTS_IMAGE), f"the agents image {AGENTS_IMAGE} is missing: run {PROVISION}")
+        require(_docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
+        require(_image_present(AGENTS_IMAGE), f"the agents image {AGENTS_IMAGE} is missing: run {PROVISION}",
+                docker=True)

@@ -113,7 +113,7 @@ async def _check_file(sb: sandbox.BaseSandbox) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["local", "docker"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.docker)])
 @pytest.mark.parametrize("name", HARNESSES)
 async def test_scripted_run_writes_file_and_finishes(name: str, backend: str) -> None:
     require_backend(backend, name)

@@ -1,0 +1,137 @@
+"""The scripted policy's action formats, the side-call detectors on recorded body shapes, the registry."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from ares_gateway import Completion
+from harnesses import (
+    BaseHarness,
+    CallTool,
+    Finish,
+    RunCommand,
+    ScriptedPolicy,
+    claude_code_is_side_call,
+    codex_is_side_call,
+    registry,
+    terminus2_is_side_call,
+)
+from harnesses.scripted import MINI_SUBMIT
+
+
+def _args(d: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(d["tool_calls"][0]["arguments"])
+
+
+CLAUDE_MAIN = {"system": [{"type": "text", "text": "You are a Claude agent"}], "tools": [{"name": "Bash"}],
+               "messages": [{"role": "user", "content": "do it"}]}
+CODEX_MAIN = {"tools": [{"type": "function", "name": "exec_command"}],
+              "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "do it"}]}]}
+MINI_MAIN = {"tools": [{"type": "function", "function": {"name": "bash"}}], "messages": [{"role": "user", "content": "x"}]}
+TERMINUS_MAIN = {"messages": [{"role": "user", "content": "You are an AI assistant tasked with ..."}]}
+
+
+@pytest.mark.parametrize(("agent", "body", "name", "key"), [
+    ("claude-code", CLAUDE_MAIN, "Bash", "command"),
+    ("codex", CODEX_MAIN, "exec_command", "cmd"),
+    ("mini-swe-agent", MINI_MAIN, "bash", "command"),
+])
+def test_run_command_and_finish_in_each_tool_format(agent: str, body: dict[str, Any], name: str, key: str) -> None:
+    policy = ScriptedPolicy(agent, [RunCommand("echo hi"), Finish("all done")])
+    first = policy(body)
+    assert first["finish_reason"] == "tool_calls"
+    assert first["tool_calls"][0]["name"] == name and _args(first)[key] == "echo hi"
+    Completion.model_validate(first)  # the gateway accepts it as is
+    second = policy(body)
+    if agent == "mini-swe-agent":
+        assert _args(second)["command"] == f"echo {MINI_SUBMIT}"
+    else:
+        assert second == {"text": "all done", "tool_calls": [], "finish_reason": "stop"}
+    assert policy.main_turns == 2 and policy.side_turns == 0
+
+
+def test_terminus_keystrokes_and_repeated_task_complete() -> None:
+    policy = ScriptedPolicy("terminus-2", [RunCommand("ls", duration=0.5), Finish()])
+    cmd = json.loads(policy(TERMINUS_MAIN)["text"])
+    assert cmd["commands"] == [{"keystrokes": "ls\n", "duration": 0.5}] and cmd["task_complete"] is False
+    for _ in range(2):  # asked twice: the finish step repeats
+        assert json.loads(policy(TERMINUS_MAIN)["text"])["task_complete"] is True
+
+
+def test_codex_falls_back_to_the_shell_tool_it_is_offered() -> None:
+    body = {"tools": [{"type": "function", "name": "shell"}], "input": []}
+    out = ScriptedPolicy("codex", [RunCommand("pwd")])(body)
+    assert out["tool_calls"][0]["name"] == "shell" and _args(out)["command"] == ["bash", "-lc", "pwd"]
+
+
+def test_mini_text_mode_uses_a_fenced_block() -> None:
+    out = ScriptedPolicy("mini-swe-agent", [RunCommand("pwd")])({"messages": []})
+    assert "```mswea_bash_command\npwd\n```" in out["text"]
+
+
+def test_call_tool_step() -> None:
+    out = ScriptedPolicy("claude-code", [CallTool("Agent", {"prompt": "p"})])(CLAUDE_MAIN)
+    assert out["tool_calls"][0]["name"] == "Agent" and _args(out) == {"prompt": "p"}
+
+
+def test_title_side_call_gets_a_schema_shaped_answer_and_does_not_advance() -> None:
+    title_body = {"tools": [], "messages": [{"role": "user", "content": "name it"}],
+                  "output_config": {"format": {"type": "json_schema", "schema": {
+                      "type": "object", "properties": {"title": {"type": "string"}}}}}}
+    assert claude_code_is_side_call(title_body, {})
+    policy = ScriptedPolicy("claude-code", [RunCommand("ls"), Finish()], title="My title")
+    assert json.loads(policy(title_body)["text"]) == {"title": "My title"}
+    assert policy.side_turns == 1 and policy.main_turns == 0
+    assert policy(CLAUDE_MAIN)["tool_calls"][0]["name"] == "Bash"
+    # The header marks a side call for any agent.
+    assert policy(CLAUDE_MAIN, {"X-Ares-Side-Call": "1"})["tool_calls"] == []
+
+
+def test_detectors_on_main_and_side_shapes() -> None:
+    assert not claude_code_is_side_call(CLAUDE_MAIN, {})
+    assert claude_code_is_side_call(CLAUDE_MAIN, {"x-claude-code-agent-id": "a1"})
+    sub = {**CLAUDE_MAIN, "system": [{"text": "You are an agent for Claude Code, Anthropic's official CLI"}]}
+    assert claude_code_is_side_call(sub, {})
+    compact = {**CLAUDE_MAIN, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Your task is to create a detailed summary of the conversation so far"}]}]}
+    assert claude_code_is_side_call(compact, {})
+    assert not codex_is_side_call(CODEX_MAIN, {})
+    assert codex_is_side_call(CODEX_MAIN, {"x-openai-subagent": "compact"})
+    assert not terminus2_is_side_call(TERMINUS_MAIN, {})
+    assert terminus2_is_side_call({"messages": [{"role": "user", "content":
+                                                 "You are about to hand off your work to another AI agent."}]}, {})
+
+
+def test_registry_builtins_custom_and_unknown() -> None:
+    assert set(registry.names()) >= {"claude-code", "codex", "mini-swe-agent", "terminus-2"}
+    h = registry.create("codex", version="1.2.3")
+    assert h.name == "codex" and h.version == "1.2.3"
+
+    class Mine(BaseHarness):
+        name = "mine"
+        default_version = "0.1.0"
+        probe = "bin/mine"
+
+        def install_steps(self, prefix: str) -> list[tuple[str, str]]:
+            return []
+
+        def agent_env(self, ctx: Any, prep: Any) -> dict[str, str]:
+            return {}
+
+        def agent_command(self, ctx: Any, prep: Any, prompt: str) -> str:
+            return "true"
+
+    registry.register("mine", Mine)
+    try:
+        assert isinstance(registry.create("mine"), Mine)
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register("mine", lambda **kw: Mine(**kw))
+    finally:
+        registry.unregister("mine")
+    with pytest.raises(KeyError, match="no harness named 'nope'"):
+        registry.create("nope")
+    with pytest.raises(ValueError, match="no scripted action format"):
+        ScriptedPolicy("nope", [Finish()])

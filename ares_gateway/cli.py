@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from ares_gateway.gateway import Gateway, GatewayConfig
+from ares_gateway.runtime import tune_gc
 
 log = logging.getLogger("ares_gateway")
 
@@ -61,6 +62,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "can create sessions and answer requests",
             file=sys.stderr,
         )
+    tune_gc()
     with contextlib.suppress(KeyboardInterrupt):
         _run(_serve(cfg))
     return 0

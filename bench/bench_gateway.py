@@ -34,6 +34,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (robust to a busy machine, unlike wall time)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -49,6 +56,9 @@ def _gateway_main(port: int, mode: str) -> None:
     import uvloop
 
     from ares_gateway import Completion, Gateway
+    from ares_gateway.runtime import tune_gc
+
+    tune_gc()  # as `ares-gateway serve` does
 
     async def main() -> None:
         async with Gateway(port=port, admin_token=ADMIN, auto_sessions=True, request_timeout=600) as gw:
@@ -117,7 +127,7 @@ def _bodies(kind: str) -> tuple[str, bytes, dict[str, str]]:
     return "/v1/messages", json.dumps(body).encode(), {"anthropic-version": "2023-06-01"}
 
 
-async def _load(url: str, agents: int, turns: int, body_kind: str) -> dict[str, float]:
+async def _load(url: str, agents: int, turns: int, body_kind: str, pids: tuple[int, ...] = ()) -> dict[str, float]:
     import aiohttp
 
     path, body, extra = _bodies(body_kind)
@@ -140,12 +150,17 @@ async def _load(url: str, agents: int, turns: int, body_kind: str) -> dict[str, 
         # Warm-up: one turn each (sessions auto-created, connections opened).
         await asyncio.gather(*(agent(i, s) for i in range(agents)))
         latencies.clear()
+        cpu0 = [_cpu_seconds(p) for p in pids]
         t0 = time.perf_counter()
         await asyncio.gather(*(agent(i, s) for i in range(agents)))
         elapsed = time.perf_counter() - t0
+        cpu = [_cpu_seconds(p) - c for p, c in zip(pids, cpu0, strict=True)]
     latencies.sort()
+    n = len(latencies)
     return {
-        "turns_per_s": len(latencies) / elapsed,
+        "gateway_cpu_us": cpu[0] / n * 1e6 if cpu else float("nan"),
+        "responder_cpu_us": cpu[1] / n * 1e6 if len(cpu) > 1 else 0.0,
+        "turns_per_s": n / elapsed,
         "p50_ms": latencies[len(latencies) // 2] * 1000,
         "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000,
     }
@@ -204,7 +219,8 @@ def run_case(mode: str, agents: int, turns: int, body: str, repeat: int) -> dict
         gw = _spawn(["_gateway", str(port), mode])
         responder = _spawn(["_responder", url]) if mode == "http" else None
         try:
-            results.append(uvloop.run(_load(url, agents, turns, body)))
+            pids = (gw.pid,) if responder is None else (gw.pid, responder.pid)
+            results.append(uvloop.run(_load(url, agents, turns, body, pids)))
         finally:
             for p in (responder, gw):
                 if p is not None:
@@ -217,6 +233,8 @@ def run_case(mode: str, agents: int, turns: int, body: str, repeat: int) -> dict
         "turns_per_s": statistics.median(r["turns_per_s"] for r in results),
         "p50_ms": statistics.median(r["p50_ms"] for r in results),
         "p99_ms": statistics.median(r["p99_ms"] for r in results),
+        "gateway_cpu_us": statistics.median(r["gateway_cpu_us"] for r in results),
+        "responder_cpu_us": statistics.median(r["responder_cpu_us"] for r in results),
         "runs": len(results),
     }
 
@@ -258,7 +276,8 @@ def main() -> None:
                 rows.append(row)
                 print(
                     f"{row['body']:>5} {row['mode']:>6} agents={row['agents']:>4}  "
-                    f"{row['turns_per_s']:8.0f} turns/s  p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms",
+                    f"{row['turns_per_s']:8.0f} turns/s  p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  "
+                    f"gateway CPU {row['gateway_cpu_us']:6.0f} us/turn  responder CPU {row['responder_cpu_us']:5.0f} us/turn",
                     flush=True,
                 )
     if args.memory:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Provision what the harness tests need (idempotent; seconds when already done):
-#   1. Debian's tmux and patchelf; Node.js/npm are on the machine image (else Debian's nodejs, npm);
+#   1. Debian's tmux, patchelf and strace; Node.js/npm are on the machine image (else Debian's nodejs, npm);
 #   2. a relocatable Python 3.12 at /opt/ares-agents/python/3.12 (copied from pyenv, RUNPATH made
 #      relative) for Terminus-2, whose harbor package needs Python >= 3.12;
 #   3. every harness CLI at its pinned version under /opt/ares-agents (python3 -m harnesses.provision);
@@ -19,6 +19,7 @@ python3 -c 'import sandbox, harnesses' 2>/dev/null || python3 -m pip install -q 
 need=()
 command -v tmux >/dev/null 2>&1 || need+=(tmux)
 command -v patchelf >/dev/null 2>&1 || need+=(patchelf)
+command -v strace >/dev/null 2>&1 || need+=(strace)  # the "agents contact only the gateway" test
 command -v node >/dev/null 2>&1 || need+=(nodejs)
 command -v npm >/dev/null 2>&1 || need+=(npm)
 python3 -c 'import venv, ensurepip' 2>/dev/null && /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)

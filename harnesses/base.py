@@ -138,6 +138,7 @@ class BaseHarness(abc.ABC):
         install_timeout: float = 900.0,
         extra_env: Mapping[str, str] | None = None,
         ca_bundle: str | None = None,
+        wrapper: str | None = None,
     ) -> None:
         self.version = version or self.default_version
         self.user = user
@@ -146,6 +147,8 @@ class BaseHarness(abc.ABC):
         self.extra_env = dict(extra_env or {})
         #: A CA bundle (host path) uploaded for installs; default: the host's own, when it sets one.
         self.ca_bundle = ca_bundle if ca_bundle is not None else _host_ca_bundle()
+        #: A command prefix the agent runs under (e.g. ``nice -n 5`` or ``strace -f -o FILE``).
+        self.wrapper = wrapper
         self._prepared: dict[str, Prepared] = {}
 
     # ------------------------------------------------------------------ hooks
@@ -326,7 +329,7 @@ class BaseHarness(abc.ABC):
                 f"cd {shlex.quote(ctx.workdir)} || exit 97",
                 *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
                 f'export PATH={shlex.quote(bin_dir)}:"$PATH"',
-                f"{self.agent_command(ctx, prep, prompt)} >{st}/stdout.log 2>{st}/stderr.log </dev/null",
+                f"{self._wrapped(self.agent_command(ctx, prep, prompt))} >{st}/stdout.log 2>{st}/stderr.log </dev/null",
                 f"echo $? >{st}/exit_code.tmp && mv {st}/exit_code.tmp {st}/exit_code",
                 "",
             ]
@@ -392,6 +395,11 @@ class BaseHarness(abc.ABC):
             user=prep.user,
             artifacts=artifacts,
         )
+
+    def _wrapped(self, command: str) -> str:
+        if not self.wrapper:
+            return command
+        return f"{self.wrapper} sh -c {shlex.quote(command)}"
 
     async def kill(self, sandbox: Sandbox, prep: Prepared) -> None:
         """Kill the agent's process group and session (and the harness's extra processes)."""

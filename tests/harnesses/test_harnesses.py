@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import shutil
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ from harnesses import HarnessContext, HarnessInstallError, HarnessResult, regist
 from harnesses.scripted import CallTool, Finish, RunCommand, ScriptedPolicy, Step
 from harnesses.terminus2 import SUMMARY_MARKERS
 
-from .conftest import AGENTS_IMAGE, require_backend
+from .conftest import AGENTS_IMAGE, require, require_backend
 
 MARK = "ares-harness-ok-4711"
 COMMAND = f"printf '%s\\n' {MARK} > out.txt && cat out.txt"
@@ -267,3 +268,26 @@ async def test_terminus2_summarization_subagents_are_tagged_side_calls() -> None
     assert [t["side_call"] for t in turns] == [r.side_call for r in seen]
     # The main line still runs the script: the command, then task_complete confirmed.
     assert policy.main_turns == MAIN_TURNS["terminus-2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HARNESSES)
+async def test_agents_contact_only_the_gateway(name: str) -> None:
+    """Every socket the agent (and its children) connects to is the gateway on 127.0.0.1."""
+    require_backend("local", name)
+    require(shutil.which("strace") is not None, "strace is not installed: apt-get install strace")
+    log = "/tmp/ares-net-trace.log"  # the local sandbox's private /tmp
+    trace: dict[str, str] = {}
+
+    async def read_trace(sb: sandbox.BaseSandbox) -> None:
+        trace["log"] = (await sb.exec(f"cat {log}", timeout=30)).stdout
+
+    result, _seen, _turns, _policy = await drive(
+        name, "local", harness_options={"wrapper": f"strace -f -qq -e trace=connect -o {log}"}, check=read_trace)
+    assert result.exit_code == 0, result.stderr_tail
+    connects = [line for line in trace["log"].splitlines() if "connect(" in line]
+    inet = [line for line in connects if "AF_INET" in line]
+    assert inet, "no connection to the gateway was traced"
+    for line in inet:
+        assert 'inet_addr("127.0.0.1")' in line or 'inet_pton(AF_INET6, "::1"' in line, line
+    assert not [line for line in connects if "htons(53)" in line], "DNS lookups were made"

@@ -5,20 +5,33 @@ with the canonical request in ``.request``); the action is the answer
 (anything :meth:`Gateway.respond` accepts). The episode ends (LAST) when the
 session ends: :meth:`Gateway.end_session` (or ``POST /sessions/{id}/end``), the
 step limit, or the time limit.
+
+Three ways to get an agent: attach to a session whose agent runs elsewhere
+(``session_id=``), start it yourself (``launch=``), or give a task and a harness
+(``task=``, ``harness=``, ``sandbox=``): then each :meth:`GatewayEnv.reset` starts a
+sandbox, installs and launches the real agent CLI in it, and at LAST runs the
+task's tests for the reward (see :mod:`ares_gateway.episode`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ares_gateway.broker import ParkedRequest
+from ares_gateway.errors import RequestGoneError, UnknownRequestError
 from ares_gateway.gateway import Gateway
 from ares_gateway.sessions import SessionInfo
+
+if TYPE_CHECKING:
+    from ares_gateway.episode import EpisodeOutcome, TaskEpisode
+    from ares_gateway.tasks import Task
+    from harnesses import BaseHarness
 
 
 class StepType(IntEnum):
@@ -56,29 +69,79 @@ class GatewayEnv:
     ``launch`` (optional) is awaited by :meth:`reset` with the new session's
     :class:`SessionInfo`; it starts the agent (or tells someone to). Without it,
     pass ``session_id`` to attach to a session whose agent is started elsewhere.
+
+    With ``task`` (a :class:`~ares_gateway.tasks.Task` or its directory) and ``harness``
+    (a registry name such as ``"mini-swe-agent"``, or a harness object), each episode
+    runs that agent on the task in a fresh ``sandbox`` (``auto`` | ``local`` | ``docker``
+    | ``daytona``; ``image`` for container backends): :meth:`reset` returns FIRST with the
+    agent's first request; LAST comes when the agent exits (the reward is the task's
+    tests'), at ``step_limit`` / ``time_limit`` (truncation: discount 1.0, the agent is
+    stopped, the tests still run), or on a failure (reward 0.0, ``info["error"]``; no
+    exception, no leaked sandbox). ``time_limit`` (default: the task's agent timeout)
+    counts from the agent's launch. The sandbox is removed at LAST; the session (and
+    :meth:`trajectory`) stays until the next :meth:`reset` or :meth:`close`.
+    ``gateway`` may be omitted in this mode: the env then runs its own, with the
+    harness's side-call detector.
     """
 
     def __init__(
         self,
-        gateway: Gateway,
+        gateway: Gateway | None = None,
         *,
         session_id: str | None = None,
         launch: Launcher | None = None,
         step_limit: int | None = None,
         time_limit: float | None = None,
         request_timeout: float | None = None,
+        task: Task | str | os.PathLike[str] | None = None,
+        harness: str | BaseHarness | None = None,
+        sandbox: str = "auto",
+        image: str | None = None,
+        model: str = "ares-policy",
     ) -> None:
+        self._task: Task | None = None
+        self._harness: str | BaseHarness | None = harness
+        if task is not None:
+            from ares_gateway.tasks import Task as _Task
+
+            self._task = task if isinstance(task, _Task) else _Task.load(task)
+            if harness is None:
+                raise ValueError("GatewayEnv(task=...) needs harness= (e.g. 'mini-swe-agent')")
+            if launch is not None or session_id is not None:
+                raise ValueError("GatewayEnv(task=...) launches the agent itself: pass no launch= or session_id=")
+            if time_limit is None:
+                time_limit = self._task.config.agent_timeout
+        elif harness is not None:
+            raise ValueError("GatewayEnv(harness=...) needs task=")
+        self._owns_gateway = gateway is None
+        if gateway is None:
+            if self._task is None:
+                raise ValueError("GatewayEnv needs a gateway (or task= and harness=, and it runs its own)")
+            from ares_gateway.episode import harness_side_call_detector
+
+            gateway = Gateway(port=0, request_timeout=max(900.0, time_limit or 0.0),
+                              side_call_detector=harness_side_call_detector(harness))  # type: ignore[arg-type]
         self.gateway = gateway
         self._attach_to = session_id
         self._launch = launch
         self.step_limit = step_limit
         self.time_limit = time_limit
         self.request_timeout = request_timeout
+        self.sandbox_backend = sandbox
+        self.image = image
+        self.model = model
         self.session: SessionInfo | None = None
+        #: The running task episode (task mode), and how the last one ended.
+        self.episode: TaskEpisode | None = None
+        self.outcome: EpisodeOutcome | None = None
         self._current: ParkedRequest | None = None
         self._steps = 0
         self._started = 0.0
         self._done = True
+
+    @property
+    def task(self) -> Task | None:
+        return self._task
 
     async def reset(self) -> TimeStep:
         """Start an episode and return FIRST with the agent's first request.
@@ -86,6 +149,8 @@ class GatewayEnv:
         If the session ends before the agent makes any request, returns LAST.
         """
         await self._end_episode()
+        if self._task is not None:
+            return await self._reset_task()
         gw = self.gateway
         if self._attach_to is not None:
             session = gw.sessions.get(self._attach_to)
@@ -107,21 +172,38 @@ class GatewayEnv:
         """Answer the pending request with ``action``; return the next request (MID) or LAST."""
         if self._done or self._current is None:
             raise RuntimeError("no episode in progress: call reset() first")
+        if self.episode is not None:
+            return await self._guard(self._step(action))
+        return await self._step(action)
+
+    async def _step(self, action: Any) -> TimeStep:
         current, self._current = self._current, None
-        await self.gateway.respond(current.id, action)
+        assert current is not None
+        try:
+            await self.gateway.respond(current.id, action)
+        except (RequestGoneError, UnknownRequestError):
+            if self.episode is None:
+                raise
+            # The agent is gone (it exited or was stopped); the episode ends below.
         self._steps += 1
         if self.step_limit is not None and self._steps >= self.step_limit:
             self._mark_truncated("step limit reached")
-            return self._last()
+            return await self._conclude()
         request = await self._next_request()
         if request is None:
-            return self._last()
+            return await self._conclude()
         self._current = request
         return TimeStep(StepType.MID, 0.0, 1.0, request)
 
     async def close(self) -> None:
-        """End the episode (if any); pending requests of an env-created session fail."""
+        """End the episode (if any); pending requests of an env-created session fail.
+
+        In task mode the agent is stopped and the sandbox removed; an env that runs its own
+        gateway closes it.
+        """
         await self._end_episode()
+        if self._owns_gateway:
+            await self.gateway.close()
 
     async def __aenter__(self) -> GatewayEnv:
         return self
@@ -153,7 +235,9 @@ class GatewayEnv:
         if session.ended:
             return None
         remaining = self._remaining()
-        poll = asyncio.ensure_future(gw.broker.poll(sid, max_items=1, wait=remaining or 10**9, lease=None))
+        poll = asyncio.ensure_future(
+            gw.broker.poll(sid, max_items=1, wait=10**9 if remaining is None else remaining, lease=None)
+        )
         ended = asyncio.ensure_future(session.ended_event.wait())
         try:
             await asyncio.wait({poll, ended}, return_when=asyncio.FIRST_COMPLETED)
@@ -184,7 +268,92 @@ class GatewayEnv:
         info = {**session.end_info, "steps": self._steps, "truncated": truncated}
         return TimeStep(StepType.LAST, session.reward or 0.0, 1.0 if truncated else 0.0, None, info)
 
+    async def _conclude(self) -> TimeStep:
+        """LAST: in task mode stop the agent, run the tests and remove the sandbox first."""
+        if self.episode is None:
+            return self._last()
+        assert self.session is not None
+        gw = self.gateway
+        sid = self.session.session_id
+        session = gw.sessions.find(sid)
+        truncation = None
+        if session is not None and session.truncated:
+            reason = str(session.end_info.get("reason", ""))
+            truncation = "step_limit" if reason.startswith("step") else "time_limit"
+        episode = self.episode
+        try:
+            outcome = await episode.finish(truncation=truncation)
+        finally:
+            await episode.close()
+        return self._finish_task(outcome)
+
+    def _finish_task(self, outcome: EpisodeOutcome) -> TimeStep:
+        assert self.session is not None
+        self.outcome = outcome
+        self._done = True
+        self._current = None
+        info = {**outcome.info(), "steps": self._steps}
+        sid = self.session.session_id
+        if self.gateway.sessions.find(sid) is not None:
+            # The final reward goes on the session, so trajectory() and GET /sessions/{id} carry it.
+            extra = {k: v for k, v in info.items() if k != "truncated"}
+            self.gateway.end_session(sid, reward=outcome.reward, truncated=outcome.truncated, **extra)
+        return TimeStep(StepType.LAST, outcome.reward, 1.0 if outcome.truncated else 0.0, None, info)
+
+    async def _guard(self, step: Awaitable[TimeStep]) -> TimeStep:
+        """Task mode: a cancellation (or an unexpected error) removes the sandbox before it propagates."""
+        try:
+            return await step
+        except BaseException:
+            await self._end_episode()
+            raise
+
+    async def _reset_task(self) -> TimeStep:
+        from ares_gateway.episode import EpisodeSetupError, TaskEpisode
+
+        assert self._task is not None and self._harness is not None
+        gw = self.gateway
+        if self._owns_gateway:
+            await gw.start()
+        task = self._task
+        harness_name = self._harness if isinstance(self._harness, str) else self._harness.name
+        self.session = await gw.create_session(metadata={"task": task.name, "harness": harness_name})
+        sid = self.session.session_id
+        self._steps = 0
+        self._done = False
+        self.outcome = None
+        episode = TaskEpisode(task, self._harness, sandbox=self.sandbox_backend, image=self.image, model=self.model)
+        self.episode = episode
+
+        async def start() -> TimeStep:
+            limit = self.time_limit if self.time_limit is not None else task.config.agent_timeout
+            try:
+                # The harness's own budget is a backstop a little past the env's limit.
+                await episode.start(self.session, time_budget=limit + 30.0)  # type: ignore[arg-type]
+            except EpisodeSetupError:
+                outcome = await episode.finish()
+                await episode.close()
+                return self._finish_task(outcome)
+            self._started = time.monotonic()  # the time limit counts from the agent's launch
+            assert episode.agent is not None
+            episode.agent.add_done_callback(lambda _t: self._agent_exited(sid))
+            request = await self._next_request()
+            if request is None:
+                return await self._conclude()
+            self._current = request
+            return TimeStep(StepType.FIRST, None, None, request)
+
+        return await self._guard(start())
+
+    def _agent_exited(self, sid: str) -> None:
+        session = self.gateway.sessions.find(sid)
+        if session is not None and not session.ended:
+            self.gateway.end_session(sid, reason="agent exited")
+
     async def _end_episode(self) -> None:
+        episode, self.episode = self.episode, None
+        if episode is not None:
+            await episode.close()
         if self.session is None:
             return
         sid = self.session.session_id
@@ -201,3 +370,9 @@ class GatewayEnv:
         if self.session is None:
             raise RuntimeError("no episode: call reset() first")
         return self.gateway.trajectory(self.session.session_id, max_sample_tokens=max_sample_tokens)
+
+    def turn_log(self) -> list[dict[str, Any]]:
+        """The raw turn log of the current (or just finished) episode."""
+        if self.session is None:
+            raise RuntimeError("no episode: call reset() first")
+        return self.gateway.turn_log(self.session.session_id)

@@ -5,8 +5,8 @@
 * :class:`FunctionPolicy`: any async callable ``request -> completion``, in process.
 
 :class:`PolicyServer` serves a :class:`~ares_gateway.Gateway` with a policy under bounded concurrency.
-:func:`make_policy` builds one by name; :func:`register_policy` adds names (the ``scripted`` /
-``oracle`` policies of ``harnesses`` register there).
+:func:`make_policy` builds one by name; :func:`register_policy` adds names. ``scripted`` / ``oracle``
+(:class:`SessionScriptedPolicy`) play fixed scripts or a task's solution in each agent's action format.
 """
 
 from __future__ import annotations
@@ -28,11 +28,14 @@ from ares_gateway.policies.base import (
 )
 from ares_gateway.policies.function import FunctionPolicy, as_policy
 from ares_gateway.policies.http import HttpPolicy
+from ares_gateway.policies.scripted import SessionScriptedPolicy, make_oracle, make_scripted
 from ares_gateway.policies.upstream import Prices, UpstreamConfig, UpstreamError, UpstreamPolicy, UsageTotals
 
 _FACTORIES: dict[str, Callable[..., Any]] = {
     "upstream": UpstreamPolicy,
     "http": lambda **options: HttpPolicy(**options),
+    "scripted": make_scripted,
+    "oracle": make_oracle,
 }
 
 
@@ -66,6 +69,7 @@ __all__ = [
     "PolicyServer",
     "Prices",
     "ServeStats",
+    "SessionScriptedPolicy",
     "UpstreamConfig",
     "UpstreamError",
     "UpstreamPolicy",

@@ -1,0 +1,362 @@
+"""One task episode over a real sandbox and a real agent harness (used by :class:`GatewayEnv`).
+
+:class:`TaskEpisode` does the infrastructure around one agent run and never raises for what the
+sandbox, the install or the agent did:
+
+1. :meth:`~TaskEpisode.start`: create and start the sandbox from the task's spec, prepare the agent
+   user and the workdir (the task's ``environment/workspace/``), install (or reuse) the agent CLI,
+   write its config, and launch it detached, as an asyncio task that ends when the agent exits.
+   A failure raises :class:`EpisodeSetupError` with an exit reason (``sandbox_error``,
+   ``install_error``, ``agent_error``).
+2. :meth:`~TaskEpisode.finish`: stop the agent when it is still running (a limit was hit), read its
+   logs, run the task's tests with their own timeout and read the reward (not after a setup failure
+   or an agent crash: reward 0.0 with the error), and return an :class:`EpisodeOutcome`.
+3. :meth:`~TaskEpisode.close`: stop the agent and remove the sandbox (idempotent, also after a
+   cancellation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import posixpath
+import shlex
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import sandbox as sandbox_mod
+from ares_gateway.canonical import CanonicalRequest
+from ares_gateway.sessions import SessionInfo
+from ares_gateway.side_calls import SideCallDetector, default_side_call_detector
+from ares_gateway.tasks import Task, VerifierResult, prepare_workdir, run_tests
+from harnesses import BaseHarness, HarnessContext, HarnessError, HarnessInstallError, HarnessResult, registry
+from harnesses.base import Prepared
+
+log = logging.getLogger(__name__)
+
+#: The image container backends use for tasks that bring none (the agents image has every CLI).
+DEFAULT_IMAGE = "ares-gateway/agents:latest"
+#: How an episode ended.
+EXIT_REASONS = (
+    "completed",  # the agent exited by itself (exit 0); the tests gave the reward
+    "step_limit",  # truncated: the step limit was hit, the agent stopped; the tests still ran
+    "time_limit",  # truncated: the wall-clock limit was hit, the agent stopped; the tests still ran
+    "agent_error",  # the agent crashed (non-zero exit) or could not be launched: reward 0.0
+    "install_error",  # the agent CLI could not be installed: reward 0.0
+    "sandbox_error",  # the sandbox could not be created, started or used: reward 0.0
+    "cancelled",  # the episode was cancelled (Ctrl-C): no reward
+)
+_LOG_LIMIT = 1024 * 1024
+_ARTIFACT_LIMIT = 4 * 1024 * 1024
+
+
+class EpisodeSetupError(Exception):
+    """Starting an episode failed; ``reason`` is one of :data:`EXIT_REASONS`."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass
+class EpisodeOutcome:
+    """How one task episode ended. :meth:`info` is the JSON-able summary put into ``TimeStep.info``."""
+
+    task: str
+    harness: str
+    reward: float = 0.0
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    reward_source: str = ""
+    exit_reason: str = "completed"
+    truncated: bool = False
+    error: str | None = None
+    verifier_error: str | None = None
+    agent_exit_code: int | None = None
+    setup_seconds: float = 0.0
+    agent_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    install_reused: bool | None = None
+    sandbox: str = ""
+    #: Harness and verifier logs: ``stdout.log``, ``stderr.log``, the harness's artifacts, ``verifier.log``.
+    logs: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def info(self) -> dict[str, Any]:
+        out = {
+            "task": self.task,
+            "harness": self.harness,
+            "exit_reason": self.exit_reason,
+            "truncated": self.truncated,
+            "reward_parts": dict(self.reward_parts),
+            "reward_source": self.reward_source,
+            "agent_exit_code": self.agent_exit_code,
+            "setup_seconds": round(self.setup_seconds, 3),
+            "agent_seconds": round(self.agent_seconds, 3),
+            "verify_seconds": round(self.verify_seconds, 3),
+            "install_reused": self.install_reused,
+            "sandbox": self.sandbox,
+        }
+        if self.error is not None:
+            out["error"] = self.error
+        if self.verifier_error is not None:
+            out["verifier_error"] = self.verifier_error
+        return out
+
+
+def harness_side_call_detector(*harnesses: str | BaseHarness | type[BaseHarness]) -> SideCallDetector:
+    """A gateway side-call detector: the default one, or any of the harnesses' ``is_side_call`` over the
+    raw body. Pass it as ``Gateway(side_call_detector=...)``."""
+    checks = []
+    for h in harnesses:
+        if isinstance(h, str):
+            h = registry.get_class(h)  # type: ignore[assignment]
+        checks.append(h.is_side_call)  # type: ignore[union-attr]
+
+    def detect(request: CanonicalRequest, headers: Mapping[str, str]) -> bool:
+        if default_side_call_detector(request, headers):
+            return True
+        return any(check(request.raw, headers) for check in checks)
+
+    return detect
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` -> ``docker`` when an engine answers, else ``local``; other names as they are."""
+    if backend == "auto":
+        from sandbox.docker import engine_available
+
+        return "docker" if engine_available() else "local"
+    if backend not in sandbox_mod.BACKENDS:
+        raise ValueError(f"unknown sandbox backend {backend!r}: use auto, {', '.join(sandbox_mod.BACKENDS)}")
+    return backend
+
+
+def _tail(text: str, n: int = 1500) -> str:
+    text = text.strip()
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+class TaskEpisode:
+    """The sandbox and agent of one episode of ``task`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        task: Task,
+        harness: str | BaseHarness,
+        *,
+        sandbox: str = "auto",
+        image: str | None = None,
+        model: str = "ares-policy",
+        labels: Mapping[str, str] | None = None,
+        sandbox_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.task = task
+        self.harness = registry.create(harness) if isinstance(harness, str) else harness
+        self.backend = resolve_backend(sandbox)
+        self.image = image if image is not None else (DEFAULT_IMAGE if self.backend == "docker" else None)
+        self.model = model
+        self.labels = dict(labels or {})
+        self.sandbox_options = dict(sandbox_options or {})
+        self.sandbox: sandbox_mod.BaseSandbox | None = None
+        self.ctx: HarnessContext | None = None
+        self.prep: Prepared | None = None
+        self.agent: asyncio.Task[HarnessResult] | None = None
+        self.setup_error: EpisodeSetupError | None = None
+        self.setup_seconds = 0.0
+        self._launched_at: float | None = None
+        self._agent_seconds = 0.0
+        self._install_reused: bool | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self, session: SessionInfo, *, time_budget: float) -> None:
+        """Start the sandbox, prepare the workdir, install and launch the agent; raises
+        :class:`EpisodeSetupError` (the caller still calls :meth:`finish` / :meth:`close`)."""
+        started = time.monotonic()
+        try:
+            await self._start(session, time_budget)
+        except EpisodeSetupError as exc:
+            self.setup_error = exc
+            raise
+        except Exception as exc:  # anything unforeseen is still an episode failure, not a crash
+            self.setup_error = EpisodeSetupError("sandbox_error", f"{type(exc).__name__}: {exc}")
+            raise self.setup_error from exc
+        finally:
+            self.setup_seconds = time.monotonic() - started
+
+    async def _start(self, session: SessionInfo, time_budget: float) -> None:
+        task, harness = self.task, self.harness
+        if self.backend == "local" and task.needs_image:
+            log.warning("task %s defines its own image; the local sandbox runs it on this host's tools", task.name)
+        spec = task.sandbox_spec(
+            default_image=self.image,
+            labels={"ares-gateway.session": session.session_id, "ares-gateway.harness": harness.name, **self.labels},
+        )
+        try:
+            sb = sandbox_mod.create(spec, backend=self.backend, **self.sandbox_options)
+            self.sandbox = sb
+            await sb.start()
+        except Exception as exc:
+            raise EpisodeSetupError("sandbox_error", f"starting the {self.backend} sandbox failed: {exc}") from exc
+        workdir = sb.workdir if task.workdir == sb.spec.workdir else task.workdir
+        ctx = HarnessContext(workdir=workdir, session_id=session.session_id, base_url=session.base_url,
+                             token=session.token, model=self.model)
+        self.ctx = ctx
+        try:
+            self.prep = await harness.prepare(sb, ctx)
+            await prepare_workdir(sb, task, user=self.prep.user)
+        except HarnessError as exc:
+            raise EpisodeSetupError("agent_error", str(exc)) from exc
+        except sandbox_mod.SandboxError as exc:
+            raise EpisodeSetupError("sandbox_error", f"preparing the workdir failed: {exc}") from exc
+        try:
+            info = await harness.install(sb)
+            self._install_reused = info.reused
+        except HarnessInstallError as exc:
+            raise EpisodeSetupError("install_error", str(exc)) from exc
+        except sandbox_mod.SandboxError as exc:
+            raise EpisodeSetupError("install_error", f"harness {harness.name!r}: install failed: {exc}") from exc
+        try:
+            await harness.write_config(sb, ctx)
+        except (HarnessError, sandbox_mod.SandboxError) as exc:
+            raise EpisodeSetupError("agent_error", f"writing the agent's config failed: {exc}") from exc
+        self._launched_at = time.monotonic()
+        self.agent = asyncio.create_task(
+            harness.launch_and_wait(sb, ctx, task.instruction, time_budget), name=f"ares-agent-{session.session_id}"
+        )
+
+    # ------------------------------------------------------------------ finish
+
+    async def stop_agent(self) -> None:
+        """Stop a running agent: cancel the wait, then kill its process group and session in the sandbox."""
+        agent = self.agent
+        if agent is None or agent.done():
+            return
+        agent.cancel()
+        await asyncio.gather(agent, return_exceptions=True)
+        if self._launched_at is not None:
+            self._agent_seconds = time.monotonic() - self._launched_at
+        if self.sandbox is not None and self.prep is not None and self.sandbox.state == "running":
+            try:
+                await self.harness.kill(self.sandbox, self.prep)
+            except Exception as exc:
+                log.warning("could not kill the agent in sandbox %s: %s", self.sandbox.id, exc)
+
+    async def finish(self, *, truncation: str | None = None) -> EpisodeOutcome:
+        """End the episode: stop the agent if it still runs, read the logs, verify, and say how it ended.
+
+        ``truncation`` (``step_limit`` / ``time_limit``) says that a limit ended it. Never raises
+        for what the agent, the sandbox or the tests did.
+        """
+        out = EpisodeOutcome(task=self.task.name, harness=self.harness.name, sandbox=self.backend,
+                             setup_seconds=self.setup_seconds, install_reused=self._install_reused)
+        if self.setup_error is not None:
+            out.exit_reason, out.error = self.setup_error.reason, self.setup_error.message
+            await self._read_logs(out)
+            return out
+        if self.agent is None:
+            out.exit_reason, out.error = "sandbox_error", "the episode was never started"
+            return out
+        result: HarnessResult | None = None
+        if truncation is not None:
+            await self.stop_agent()
+            out.exit_reason, out.truncated = truncation, True
+        else:
+            try:
+                result = await self.agent
+            except asyncio.CancelledError:
+                if not self.agent.cancelled():
+                    raise  # we are being cancelled ourselves
+                out.exit_reason, out.error = "cancelled", "the agent was stopped"
+            except HarnessError as exc:
+                out.exit_reason, out.error = "agent_error", str(exc)
+            except sandbox_mod.SandboxError as exc:
+                out.exit_reason, out.error = "sandbox_error", f"the sandbox failed while the agent ran: {exc}"
+            except Exception as exc:
+                out.exit_reason, out.error = "agent_error", f"{type(exc).__name__}: {exc}"
+            if self._launched_at is not None:
+                self._agent_seconds = time.monotonic() - self._launched_at
+        if result is not None:
+            out.agent_exit_code = result.exit_code
+            if result.timed_out:
+                out.exit_reason, out.truncated = "time_limit", True
+            elif result.exit_code != 0:
+                out.exit_reason = "agent_error"
+                out.error = (f"the agent exited with code {result.exit_code}: "
+                             f"{_tail(result.stderr_tail) or _tail(result.stdout_tail) or '(no output)'}")
+        out.agent_seconds = self._agent_seconds
+        await self._read_logs(out)
+        if out.exit_reason in ("completed", "step_limit", "time_limit"):
+            started = time.monotonic()
+            verdict = await self.verify()
+            out.verify_seconds = time.monotonic() - started
+            out.reward = verdict.reward.value
+            out.reward_parts = dict(verdict.reward.parts)
+            out.reward_source = verdict.reward.source
+            out.verifier_error = verdict.error
+            if verdict.script is not None:
+                out.logs["verifier.log"] = (
+                    f"exit code {verdict.script.exit_code} (timed out: {verdict.script.timed_out}, "
+                    f"{verdict.script.duration:.1f} s)\n--- stdout\n{verdict.script.stdout}\n"
+                    f"--- stderr\n{verdict.script.stderr}\n"
+                )
+            if verdict.error is not None:
+                out.logs.setdefault("verifier.log", "")
+                out.logs["verifier.log"] += f"error: {verdict.error}\n"
+        return out
+
+    async def verify(self) -> VerifierResult:
+        """Run the task's tests in the sandbox (their own timeout) and read the reward; never raises."""
+        if self.sandbox is None or self.sandbox.state != "running":
+            from ares_gateway.tasks import Reward
+
+            return VerifierResult(Reward(0.0), None, "the sandbox is not running")
+        return await run_tests(self.sandbox, self.task)
+
+    async def _read_logs(self, out: EpisodeOutcome) -> None:
+        """The agent's stdout/stderr and the harness's artifacts, read from the sandbox (best effort)."""
+        sb, prep, ctx = self.sandbox, self.prep, self.ctx
+        if sb is None or prep is None or ctx is None or sb.state != "running":
+            return
+        wanted = {
+            "stdout.log": (posixpath.join(prep.state_dir, "stdout.log"), _LOG_LIMIT),
+            "stderr.log": (posixpath.join(prep.state_dir, "stderr.log"), _LOG_LIMIT),
+        }
+        for name, path in self.harness.artifact_paths(ctx, prep).items():
+            wanted.setdefault(name, (path, _ARTIFACT_LIMIT))
+        for name, (path, limit) in wanted.items():
+            # A glob picks the newest match (some agents name their logs by date).
+            quoted = path if any(c in path for c in "*?[") else shlex.quote(path)
+            cmd = f'f=$(ls -t {quoted} 2>/dev/null | head -n 1); [ -n "$f" ] && tail -c {limit} "$f"'
+            try:
+                r = await sb.exec(["sh", "-c", cmd], user=prep.user, cwd="/", timeout=60)
+            except Exception as exc:
+                log.debug("could not read %s: %s", path, exc)
+                continue
+            if r.ok:
+                out.logs[name] = r.stdout
+
+    # ------------------------------------------------------------------ close
+
+    async def close(self) -> None:
+        """Stop the agent and remove the sandbox. Idempotent; safe after a cancellation."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.stop_agent()
+        except Exception as exc:
+            log.warning("stopping the agent failed: %s", exc)
+        finally:
+            sb = self.sandbox
+            if sb is not None:
+                try:
+                    await sb.stop()
+                except Exception as exc:
+                    log.warning("removing sandbox %s failed (%s); removing it synchronously", sb.id, exc)
+                    with contextlib.suppress(Exception):
+                        sb.stop_and_remove()

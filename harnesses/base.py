@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import os
 import posixpath
 import re
@@ -27,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from sandbox import ExecResult, Sandbox
+from sandbox import ExecResult, Sandbox, SandboxError, SandboxStateError
 
 #: Where CLIs are installed (and found preinstalled): ``<root>/<harness>/<version>``.
 INSTALL_ROOT = "/opt/ares-agents"
@@ -349,35 +350,13 @@ class BaseHarness(abc.ABC):
         )
         if not launch.ok:
             raise HarnessLaunchError(self.name, "launching the agent", _tail(launch.stderr))
-        exit_code: int | None = None
-        timed_out = False
-        while True:
-            remaining = time_budget - (time.monotonic() - started)
-            if remaining <= 0:
-                timed_out = True
-                break
-            chunk = min(remaining, 20.0)
-            # Wait inside the sandbox (cheap), in short chunks: a dropped exec costs at most one chunk.
-            waited = await sandbox.exec(
-                ["sh", "-c", f"i=0; while [ ! -f {st}/exit_code ] && [ $i -lt {int(chunk * 5)} ]; do "
-                             f"kill -0 $(cat {st}/pid) 2>/dev/null || {{ sleep 0.3; break; }}; sleep 0.2; i=$((i+1)); done; "
-                             f"cat {st}/exit_code 2>/dev/null || echo running"],
-                user=prep.user, cwd="/", timeout=chunk + 15,
-            )
-            out = waited.stdout.strip()
-            if out.lstrip("-").isdigit():
-                exit_code = int(out)
-                break
-            if out == "running" and waited.ok:
-                alive = await sandbox.exec(["sh", "-c", f"kill -0 $(cat {st}/pid) 2>/dev/null"], user=prep.user,
-                                           cwd="/", timeout=15)
-                if not alive.ok:  # the wrapper died without writing its exit code (killed from outside)
-                    again = await sandbox.exec(["sh", "-c", f"cat {st}/exit_code 2>/dev/null"], user=prep.user,
-                                               cwd="/", timeout=15)
-                    exit_code = int(again.stdout.strip()) if again.stdout.strip().lstrip("-").isdigit() else None
-                    break
-            elif not waited.ok and not waited.timed_out:
-                await asyncio.sleep(0.5)
+        try:
+            exit_code, timed_out = await self._wait(sandbox, prep, started, time_budget)
+        except BaseException:
+            # Cancelled (or the sandbox failed under us): never leave the agent running.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.kill(sandbox, prep))
+            raise
         duration = time.monotonic() - started
         if timed_out:
             await self.kill(sandbox, prep)
@@ -395,6 +374,41 @@ class BaseHarness(abc.ABC):
             user=prep.user,
             artifacts=artifacts,
         )
+
+    async def _wait(self, sandbox: Sandbox, prep: Prepared, started: float, time_budget: float) -> tuple[int | None, bool]:
+        """Poll for the exit-code file until the budget runs out: ``(exit_code, timed_out)``."""
+        st = prep.state_dir
+        while True:
+            remaining = time_budget - (time.monotonic() - started)
+            if remaining <= 0:
+                return None, True
+            chunk = min(remaining, 20.0)
+            # Wait inside the sandbox (cheap), in short chunks: a dropped exec costs at most one chunk.
+            try:
+                waited = await sandbox.exec(
+                    ["sh", "-c", f"i=0; while [ ! -f {st}/exit_code ] && [ $i -lt {int(chunk * 5)} ]; do "
+                                 f"kill -0 $(cat {st}/pid) 2>/dev/null || {{ sleep 0.3; break; }}; sleep 0.2; "
+                                 f"i=$((i+1)); done; cat {st}/exit_code 2>/dev/null || echo running"],
+                    user=prep.user, cwd="/", timeout=chunk + 15,
+                )
+                out = waited.stdout.strip()
+                if out.lstrip("-").isdigit():
+                    return int(out), False
+                if out == "running" and waited.ok:
+                    alive = await sandbox.exec(["sh", "-c", f"kill -0 $(cat {st}/pid) 2>/dev/null"],
+                                               user=prep.user, cwd="/", timeout=15)
+                    if not alive.ok:  # the wrapper died without writing its exit code (killed from outside)
+                        again = await sandbox.exec(["sh", "-c", f"cat {st}/exit_code 2>/dev/null"],
+                                                   user=prep.user, cwd="/", timeout=15)
+                        code = again.stdout.strip()
+                        return (int(code) if code.lstrip("-").isdigit() else None), False
+                elif not waited.ok and not waited.timed_out:
+                    await asyncio.sleep(0.5)
+            except SandboxStateError:
+                raise  # the sandbox is gone: nothing left to wait for
+            except SandboxError:
+                # A failed exec (a dropped connection, a busy daemon) is not the agent's end: poll again.
+                await asyncio.sleep(1.0)
 
     def _wrapped(self, command: str) -> str:
         if not self.wrapper:

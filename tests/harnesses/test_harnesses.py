@@ -291,3 +291,23 @@ async def test_agents_contact_only_the_gateway(name: str) -> None:
     for line in inet:
         assert 'inet_addr("127.0.0.1")' in line or 'inet_pton(AF_INET6, "::1"' in line, line
     assert not [line for line in connects if "htons(53)" in line], "DNS lookups were made"
+
+
+@pytest.mark.slow
+async def test_cancelled_run_kills_the_agent() -> None:
+    require_backend("local", "codex")
+    harness = registry.create("codex")
+    async with Gateway(port=0, request_timeout=120) as gw:
+        info = await gw.create_session()
+        async with sandbox.create(_spec(), backend="local") as sb:
+            ctx = HarnessContext(workdir=sb.workdir, session_id=info.session_id, base_url=info.base_url,
+                                 token=info.token)
+            run = asyncio.create_task(harness.run(sb, ctx, PROMPT, time_budget=300))
+            assert await gw.next_request(session=info.session_id, timeout=60) is not None
+            alive = await sb.exec("ps -eo comm= | grep -c '^codex' || true", timeout=30)
+            assert int(alive.stdout.strip() or 0) >= 1
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+            left = await sb.exec("ps -eo comm= | grep '^codex' || true", timeout=30)
+            assert left.stdout.strip() == "", left.stdout

@@ -123,11 +123,31 @@ def _add_gc_command(sub: Any) -> None:
     p.set_defaults(handler=_cmd_gc)
 
 
+def _add_run_command(sub: Any) -> None:
+    from ares_gateway import run_command
+
+    p = sub.add_parser("run", help="run agents on a dataset's tasks in sandboxes, answered by a policy; rewards and "
+                                   "trajectories to --out")
+    run_command.add_run_arguments(p)
+    p.set_defaults(handler=run_command.cmd_run)
+
+
+def _add_demo_command(sub: Any) -> None:
+    from ares_gateway import run_command
+
+    p = sub.add_parser("demo", help="the bundled examples with mini-swe-agent, local sandboxes and the oracle policy "
+                                    "(no API key, Docker or GPU needed)")
+    run_command.add_demo_arguments(p)
+    p.set_defaults(handler=run_command.cmd_demo)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ares-gateway", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_command(sub)
     _add_gc_command(sub)
+    _add_run_command(sub)
+    _add_demo_command(sub)
     return parser
 
 

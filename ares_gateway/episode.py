@@ -286,7 +286,9 @@ class TaskEpisode:
                 out.exit_reason, out.truncated = "time_limit", True
             elif result.exit_code != 0:
                 out.exit_reason = "agent_error"
-                out.error = (f"the agent exited with code {result.exit_code}: "
+                how = (f"exited with code {result.exit_code}" if result.exit_code is not None
+                       else "stopped without reporting an exit code (killed?)")
+                out.error = (f"the agent {how}: "
                              f"{_tail(result.stderr_tail) or _tail(result.stdout_tail) or '(no output)'}")
         out.agent_seconds = self._agent_seconds
         await self._read_logs(out)

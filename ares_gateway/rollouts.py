@@ -406,7 +406,9 @@ async def run_rollouts(
             assert env.session is not None
             sid = env.session.session_id
             if bind is not None and not ts.last():
-                bind(sid, agent=env.episode.harness.name if env.episode else harness, task=task)
+                h: Any = env.episode.harness if env.episode is not None else registry.get_class(harness)
+                # A harness may speak another agent's action format (tiny-agent: mini-swe-agent's).
+                bind(sid, agent=getattr(h, "scripted_format", None) or getattr(h, "name", harness), task=task)
             while not ts.last():
                 assert ts.observation is not None
                 ts = await env.step(await _answer(policy, ts.observation))

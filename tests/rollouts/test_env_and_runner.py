@@ -1,0 +1,317 @@
+"""GatewayEnv over real local sandboxes and the runner, with the tiny agent (a real process that speaks
+chat completions over HTTP, starting in milliseconds): rewards, outputs, limits, failures, cleanup,
+the oracle's command, the http policy through a real /poll poller, CLI argument errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+import sandbox
+from ares_gateway import Gateway, GatewayEnv
+from ares_gateway.cli import main as cli_main
+from ares_gateway.episode import harness_side_call_detector
+from ares_gateway.policies import HttpPolicy, PolicyError, call_policy, make_policy
+from ares_gateway.policies.scripted import SessionScriptedPolicy, oracle_command
+from ares_gateway.rollouts import pass_at_k, run_rollouts
+from ares_gateway.tasks import Task, load_dataset, prepare_workdir, run_tests
+from ares_gateway.tiny_agent import TinyAgentHarness
+
+from .e2e import require
+
+TASKS = load_dataset("examples").tasks
+BY_NAME = {t.name: t for t in TASKS}
+
+
+@pytest.fixture
+def sandbox_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private root for local sandboxes, so a test can see that none is left behind."""
+    root = tmp_path / "sandboxes"
+    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))
+    return root
+
+
+def left_behind(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+async def play(env: GatewayEnv, policy: SessionScriptedPolicy, task: Task) -> tuple[list[str], object]:
+    """Run one episode with a scripted policy; returns the step types seen and the last TimeStep."""
+    ts = await env.reset()
+    kinds = [ts.step_type.name]
+    if not ts.last():
+        assert env.session is not None
+        policy.bind(env.session.session_id, agent="mini-swe-agent", task=task)
+    while not ts.last():
+        assert ts.observation is not None
+        ts = await env.step(await call_policy(policy, ts.observation))
+        kinds.append(ts.step_type.name)
+    return kinds, ts
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def test_pass_at_k() -> None:
+    assert pass_at_k(4, 0, 1) == 0.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert pass_at_k(4, 3, 2) == 1.0
+    assert pass_at_k(4, 4, 4) == 1.0
+
+
+@pytest.mark.parametrize("task", TASKS, ids=[t.name for t in TASKS])
+async def test_oracle_command_solves_each_task_through_a_shell(task: Task, sandbox_root: Path) -> None:
+    """The one command the oracle sends reproduces solution/solve.sh when a shell runs it in the workdir."""
+    async with sandbox.LocalSandbox(task.sandbox_spec()) as sb:
+        await prepare_workdir(sb, task)
+        ran = await sb.exec(["sh", "-c", oracle_command(task)], timeout=60)
+        assert ran.ok and "solve.sh exited with status 0" in ran.stdout, (ran.stdout, ran.stderr)
+        verdict = await run_tests(sb, task)
+    assert verdict.reward.value == 1.0, verdict
+    assert left_behind(sandbox_root) == []
+
+
+def test_scripted_policies_by_name() -> None:
+    assert isinstance(make_policy("oracle"), SessionScriptedPolicy)
+    assert make_policy("scripted", commands=["true"]).mode == "scripted"
+    with pytest.raises(ValueError, match="solution"):
+        make_policy("oracle", commands=["true"])
+    no_solution = Task(name="x", path=Path("/nonexistent"), instruction="x", config=TASKS[0].config,
+                       tests_dir=Path("/nonexistent"))
+    with pytest.raises(PolicyError, match="no solution"):
+        make_policy("oracle").bind("s", agent="mini-swe-agent", task=no_solution)
+
+
+async def test_unbound_session_is_a_policy_error(gateway: Gateway) -> None:
+    from ares_gateway.broker import ParkedRequest
+    from ares_gateway.canonical import CanonicalRequest, Message, WireProtocol
+
+    req = CanonicalRequest(protocol=WireProtocol.OPENAI_CHAT, model="m", messages=[Message(role="user", content="hi")],
+                           raw={"messages": []})
+    parked = ParkedRequest("r1", "unbound", WireProtocol.OPENAI_CHAT, "/v1/chat/completions", req, time.time(),
+                           asyncio.get_running_loop().create_future())
+    with pytest.raises(PolicyError, match="not bound"):
+        await make_policy("oracle")(parked)
+
+
+# ---------------------------------------------------------------------------------------------- GatewayEnv
+
+
+async def test_env_oracle_and_failing_tests(sandbox_root: Path) -> None:
+    """The oracle reaches 1.0 (reward.json parts kept); an agent that does nothing gets 0.0; a partial
+    answer gets the mean of the parts. Every sandbox is gone at LAST; samples and turns stay readable."""
+    slug, csv, greet = BY_NAME["make-slug-tests-pass"], BY_NAME["summarize-sales-csv"], BY_NAME["write-greeting-file"]
+    cases = [
+        (slug, make_policy("oracle")),
+        (greet, make_policy("scripted")),  # finishes at once: the tests fail
+        (csv, make_policy("scripted", commands=["""printf '{"north": 12.5}' > summary.json"""])),
+    ]
+    envs = [GatewayEnv(task=t, harness=TinyAgentHarness(), sandbox="local") for t, _ in cases]
+    try:
+        results = await asyncio.gather(*(play(env, pol, t) for env, (t, pol) in zip(envs, cases, strict=True)))
+        (k1, oracle), (k2, nothing), (k3, partial) = results
+        assert k3 == ["FIRST", "MID", "LAST"], k3
+        assert k1 == ["FIRST", "MID", "LAST"] and k2 == ["FIRST", "LAST"], (k1, k2)
+        assert oracle.reward == 1.0 and oracle.discount == 0.0  # type: ignore[attr-defined]
+        assert oracle.info["reward_parts"] == {"visible_tests": 1.0, "hidden_tests": 1.0}  # type: ignore[attr-defined]
+        assert oracle.info["exit_reason"] == "completed" and oracle.info["agent_exit_code"] == 0  # type: ignore[attr-defined]
+        assert nothing.reward == 0.0 and nothing.info["exit_reason"] == "completed"  # type: ignore[attr-defined]
+        assert nothing.info["reward_source"] == "reward.txt"  # type: ignore[attr-defined]
+        assert partial.reward == pytest.approx(1 / 3)  # type: ignore[attr-defined]
+        assert partial.info["reward_parts"] == {"valid_json": 1.0, "regions": 0.0, "totals": 0.0}  # type: ignore[attr-defined]
+        assert left_behind(sandbox_root) == []
+        for env in envs:
+            assert env.outcome is not None and "stdout.log" in env.outcome.logs and "verifier.log" in env.outcome.logs
+            turns = env.turn_log()
+            assert turns and turns[0]["request"]["tools"][0]["function"]["name"] == "bash"
+            assert env.trajectory() == []  # scripted answers carry no token ids
+    finally:
+        for env in envs:
+            await env.close()
+
+
+class _BrokenInstall(TinyAgentHarness):
+    def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
+        return [("download the agent", "echo 'registry says no' >&2; exit 4")]
+
+
+class _Crashing(TinyAgentHarness):
+    def agent_command(self, ctx, prep, prompt):  # type: ignore[no-untyped-def]
+        return "sh -c \"echo 'agent blew up' >&2; exit 7\""
+
+
+async def test_env_install_failure_and_crash_end_with_zero(sandbox_root: Path, tmp_path: Path) -> None:
+    task = BY_NAME["write-greeting-file"]
+    broken = GatewayEnv(task=task, harness=_BrokenInstall(install_root=str(tmp_path / "agents")), sandbox="local")
+    crash = GatewayEnv(task=task, harness=_Crashing(), sandbox="local")
+    try:
+        ts1, ts2 = await asyncio.gather(broken.reset(), crash.reset())
+        assert ts1.last() and ts1.reward == 0.0 and ts1.discount == 0.0
+        assert ts1.info["exit_reason"] == "install_error"
+        assert "download the agent" in ts1.info["error"] and "registry says no" in ts1.info["error"]
+        assert ts2.last() and ts2.reward == 0.0 and ts2.info["exit_reason"] == "agent_error"
+        assert "code 7" in ts2.info["error"] and "agent blew up" in ts2.info["error"]
+        assert "verify_seconds" in ts2.info and ts2.info["verify_seconds"] == 0.0  # no tests after a crash
+        assert left_behind(sandbox_root) == []
+    finally:
+        await broken.close()
+        await crash.close()
+
+
+async def test_env_limits_truncate_and_stop_the_agent(sandbox_root: Path) -> None:
+    task = BY_NAME["write-greeting-file"]
+    timed = GatewayEnv(task=task, harness=TinyAgentHarness(), sandbox="local", time_limit=4)
+    stepped = GatewayEnv(task=task, harness=TinyAgentHarness(), sandbox="local", step_limit=1)
+    started = time.monotonic()
+    try:
+        (kinds_t, last_t), (kinds_s, last_s) = await asyncio.gather(
+            play(timed, make_policy("scripted", commands=["sleep 120"]), task),
+            play(stepped, make_policy("scripted", commands=["sleep 120"]), task),
+        )
+        assert time.monotonic() - started < 40
+        assert kinds_t == ["FIRST", "LAST"] and kinds_s == ["FIRST", "LAST"]
+        for last, reason in ((last_t, "time_limit"), (last_s, "step_limit")):
+            assert last.discount == 1.0 and last.info["truncated"] is True  # type: ignore[attr-defined]
+            assert last.info["exit_reason"] == reason  # type: ignore[attr-defined]
+            assert last.info["reward_source"] == "reward.txt" and last.reward == 0.0  # type: ignore[attr-defined]
+        assert 4 <= timed.outcome.agent_seconds < 20  # type: ignore[union-attr]
+        assert left_behind(sandbox_root) == []  # the sleeping agent went with its sandbox
+    finally:
+        await timed.close()
+        await stepped.close()
+
+
+async def test_env_reset_mid_episode_cleans_the_old_one(sandbox_root: Path) -> None:
+    task = BY_NAME["fix-median-bug"]
+    async with Gateway(port=0, side_call_detector=harness_side_call_detector("tiny-agent")) as gw:
+        env = GatewayEnv(gw, task=task, harness=TinyAgentHarness(), sandbox="local")
+        first = await env.reset()
+        assert first.first()
+        old_sb, old_sid = env.episode.sandbox, env.session.session_id  # type: ignore[union-attr]
+        assert old_sb is not None and old_sb.state == "running"
+        again = await env.reset()
+        assert again.first() and env.session.session_id != old_sid  # type: ignore[union-attr]
+        assert old_sb.state == "stopped" and gw.sessions.find(old_sid) is None
+        assert len(left_behind(sandbox_root)) == 1
+        await env.close()
+        assert left_behind(sandbox_root) == []
+
+
+# ---------------------------------------------------------------------------------------------- runner
+
+
+async def test_runner_outputs(tmp_path: Path, sandbox_root: Path) -> None:
+    out = tmp_path / "run"
+    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
+                                 concurrency=4, attempts=2, out=out, stats_period=0)
+    assert len(summary.episodes) == 2 * len(TASKS) and not summary.interrupted
+    assert all(e.reward == 1.0 and e.exit_reason == "completed" and e.turns == 2 for e in summary.episodes)
+    assert summary.pass_at_k == {"pass@1": 1.0, "pass@2": 1.0}
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["summary"]["mean_reward"] == 1.0 and len(doc["episodes"]) == 8
+    assert len((out / "episodes.jsonl").read_text().splitlines()) == 8
+    for t in TASKS:
+        for attempt in (0, 1):
+            key = f"{t.name}.{attempt}"
+            turns = [json.loads(line) for line in (out / "turns" / f"{key}.jsonl").read_text().splitlines()]
+            assert len(turns) == 2 and turns[0]["request"]["messages"][1]["content"] == t.instruction
+            assert (out / "trajectories" / f"{key}.jsonl").exists()
+            assert (out / "logs" / key / "stdout.log").exists()
+            assert "exit code 0" in (out / "logs" / key / "verifier.log").read_text()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    rewards = acc.Scalars("episode/reward")
+    assert len(rewards) == 8 and {r.value for r in rewards} == {1.0}
+    assert len(acc.Scalars("gateway/answer_latency_s")) == 8
+    assert left_behind(sandbox_root) == []
+
+
+async def test_runner_stop_cancels_and_keeps_what_finished(tmp_path: Path, sandbox_root: Path) -> None:
+    stop = asyncio.Event()
+    finished: list[str] = []
+
+    def on_episode(result: object) -> None:
+        finished.append(result.task)  # type: ignore[attr-defined]
+        stop.set()  # as Ctrl-C would, once the first episode is in
+
+    policy = make_policy("scripted", commands=["sleep 1"])
+    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local", concurrency=2,
+                                 attempts=2, out=tmp_path / "run", stop=stop, on_episode=on_episode)
+    assert summary.interrupted and len(summary.episodes) >= 1
+    assert len(summary.episodes) + len(summary.cancelled) == summary.planned
+    doc = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert doc["summary"]["interrupted"] is True and len(doc["episodes"]) == len(summary.episodes)
+    assert left_behind(sandbox_root) == []
+
+
+async def test_http_policy_leaves_requests_to_an_external_poller(tmp_path: Path, sandbox_root: Path) -> None:
+    """With the http policy the runner answers nothing: a trainer polls /poll and answers on /respond."""
+    task = BY_NAME["write-greeting-file"]
+    oracle = make_policy("oracle")
+    answered: list[str] = []
+
+    async def trainer(url: str) -> None:
+        async with aiohttp.ClientSession() as http:
+            while True:
+                async with http.get(f"{url}/poll", params={"wait": "1", "max": "4"}) as r:
+                    items = await r.json()
+                for item in items:
+                    sid = item["session_id"]
+                    if oracle.session_policy(sid) is None:
+                        oracle.bind(sid, agent="mini-swe-agent", task=task)
+                    answer = oracle.session_policy(sid)(item["request"], {})  # type: ignore[misc]
+                    async with http.post(f"{url}/respond", json={"id": item["id"], "completion": answer}) as r:
+                        assert r.status == 200, await r.text()
+                    answered.append(item["id"])
+
+    async with Gateway(port=0) as gw:
+        poller = asyncio.create_task(trainer(gw.url))
+        try:
+            summary = await run_rollouts([task], harness="tiny-agent", policy=HttpPolicy(), sandbox="local",
+                                         gateway=gw, out=tmp_path / "run", time_limit=60)
+        finally:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
+    assert [e.reward for e in summary.episodes] == [1.0] and len(answered) == 2
+    assert left_behind(sandbox_root) == []
+
+
+def test_run_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["run", "examples-mswea:9"]) == 2
+    assert "valid task indices are 0..3" in capsys.readouterr().err
+    assert cli_main(["run", "examples-mswea", "--policy", "upstream"]) == 2
+    assert "--base-url" in capsys.readouterr().err
+    assert cli_main(["run", "examples-mswea", "--policy", "upstream", "--base-url", "http://127.0.0.1:9/v1",
+                     "--api-key-env", "ARES_TEST_UNSET_KEY_VAR"]) == 2
+    assert "ARES_TEST_UNSET_KEY_VAR" in capsys.readouterr().err
+    assert cli_main(["run", "nosuch-mswea"]) == 2
+    assert "unknown dataset" in capsys.readouterr().err
+
+
+def test_docker_sandbox_failure_is_reported(sandbox_root: Path) -> None:
+    from .e2e import _docker_ok
+
+    require(_docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
+
+    async def go() -> None:
+        env = GatewayEnv(task=BY_NAME["write-greeting-file"], harness=TinyAgentHarness(), sandbox="docker",
+                         image="ares-gateway/no-such-image:never")
+        try:
+            ts = await env.reset()
+            assert ts.last() and ts.reward == 0.0 and ts.info["exit_reason"] == "sandbox_error", ts.info
+            assert "no-such-image" in ts.info["error"]
+        finally:
+            await env.close()
+
+    asyncio.run(go())
+    assert os.environ.get("ARES_SANDBOX_LOCAL_ROOT") == str(sandbox_root)

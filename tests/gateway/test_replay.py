@@ -160,3 +160,20 @@ async def test_mini_swe_agent_and_terminus_shapes(gateway: Gateway, session: Ses
     await gateway.respond(req.id, reply)
     status, _, raw = await agent
     assert json.loads(raw)["choices"][0]["message"]["content"] == reply
+
+
+async def test_claude_code_subagent_header_is_side_call(gateway: Gateway, session: SessionInfo) -> None:
+    body = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "search the repo"}],
+            "tools": [{"name": "Grep", "input_schema": {"type": "object"}}]}
+    headers = {"x-api-key": session.token, "x-claude-code-agent-id": "agent-123"}
+    agent = asyncio.create_task(_agent_post(f"{session.base_url}/v1/messages?beta=true", body, headers))
+    req = await gateway.next_request(timeout=5)
+    assert req is not None and req.side_call
+    await gateway.respond(req.id, "found it")
+    assert (await agent)[0] == 200
+    # The same body without the sub-agent header is main line.
+    agent = asyncio.create_task(_agent_post(f"{session.base_url}/v1/messages", body, {"x-api-key": session.token}))
+    req = await gateway.next_request(timeout=5)
+    assert req is not None and not req.side_call
+    await gateway.respond(req.id, "ok")
+    await agent

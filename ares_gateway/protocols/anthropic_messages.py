@@ -68,6 +68,7 @@ from ares_gateway.protocols._common import (
     tool_call,
     usage,
 )
+from ares_gateway.protocols.base import ProtocolAdapter
 
 PROTOCOL = WireProtocol.ANTHROPIC_MESSAGES
 
@@ -779,31 +780,14 @@ class AnthropicStreamEncoder:
         return sse_event("error", error_body(status, message))
 
 
-class AnthropicMessagesAdapter:
-    protocol = PROTOCOL
+ADAPTER = ProtocolAdapter(
+    protocol=PROTOCOL,
+    parse_request=parse_request,
+    render_request=render_request,
+    parse_response=parse_response,
+    render_response=render_response,
+    stream_encoder=AnthropicStreamEncoder,
+    error_body=error_body,
+)
 
-    def parse_request(self, body: Any) -> CanonicalRequest:
-        return parse_request(body)
-
-    def parse_count_tokens_request(self, body: Any) -> CanonicalRequest:
-        return parse_request(body, require_max_tokens=False)
-
-    def render_request(self, request: CanonicalRequest) -> dict[str, Any]:
-        return render_request(request)
-
-    def parse_response(self, body: Any, request: CanonicalRequest | None = None) -> Completion:
-        return parse_response(body, request)
-
-    def render_response(self, completion: Completion, request: CanonicalRequest, response_id: str) -> dict[str, Any]:
-        return render_response(completion, request, response_id)
-
-    def stream_encoder(self, request: CanonicalRequest, response_id: str) -> AnthropicStreamEncoder:
-        return AnthropicStreamEncoder(request, response_id)
-
-    def error_body(self, status: int, message: str, *, param: str | None = None) -> dict[str, Any]:
-        return error_body(status, message, param=param)
-
-
-ADAPTER = AnthropicMessagesAdapter()
-
-__all__ = ["ADAPTER", "AnthropicMessagesAdapter", "AnthropicStreamEncoder", "parse_count_tokens_request"]
+__all__ = ["ADAPTER", "AnthropicStreamEncoder", "parse_count_tokens_request"]

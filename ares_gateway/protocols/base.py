@@ -8,6 +8,8 @@ encodes a completion (whole or as deltas) as the protocol's real SSE stream.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, WireProtocol
@@ -47,33 +49,21 @@ class StreamEncoder(Protocol):
         ...
 
 
-class ProtocolAdapter(Protocol):
-    """What :mod:`ares_gateway.protocols` exposes for each :class:`WireProtocol`."""
+@dataclass(frozen=True, slots=True)
+class ProtocolAdapter:
+    """What each protocol module exposes as ``ADAPTER``: its pure functions, by role."""
 
     protocol: WireProtocol
-
-    def parse_request(self, body: Any) -> CanonicalRequest:
-        """Native request body (parsed JSON) -> canonical. Raises :class:`RequestError`."""
-        ...
-
-    def render_request(self, request: CanonicalRequest) -> dict[str, Any]:
-        """Canonical -> native request body (used to forward upstream and for round trips)."""
-        ...
-
-    def parse_response(self, body: Any, request: CanonicalRequest | None = None) -> Completion:
-        """Native (non-stream) response body -> canonical. Raises :class:`RequestError`."""
-        ...
-
-    def render_response(
-        self, completion: Completion, request: CanonicalRequest, response_id: str
-    ) -> dict[str, Any]:
-        """Canonical completion -> native non-stream response body."""
-        ...
-
-    def stream_encoder(self, request: CanonicalRequest, response_id: str) -> StreamEncoder:
-        """A fresh encoder for one streamed response."""
-        ...
-
-    def error_body(self, status: int, message: str, *, param: str | None = None) -> dict[str, Any]:
-        """An error body in the protocol's own shape for HTTP ``status``."""
-        ...
+    #: Native request body (parsed JSON) -> canonical. Raises :class:`RequestError`.
+    parse_request: Callable[[Any], CanonicalRequest]
+    #: Canonical -> native request body (to forward upstream, and for round trips).
+    render_request: Callable[[CanonicalRequest], dict[str, Any]]
+    #: ``parse_response(body, request=None)``: native non-stream response body -> canonical.
+    #: Raises :class:`RequestError`.
+    parse_response: Callable[..., Completion]
+    #: ``render_response(completion, request, response_id)`` -> native non-stream response body.
+    render_response: Callable[[Completion, CanonicalRequest, str], dict[str, Any]]
+    #: ``stream_encoder(request, response_id)``: a fresh encoder for one streamed response.
+    stream_encoder: Callable[[CanonicalRequest, str], StreamEncoder]
+    #: ``error_body(status, message, *, param=None)``: an error body in the protocol's own shape.
+    error_body: Callable[..., dict[str, Any]]

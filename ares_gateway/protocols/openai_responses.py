@@ -68,6 +68,7 @@ from ares_gateway.protocols._common import (
     tool_call,
     usage,
 )
+from ares_gateway.protocols.base import ProtocolAdapter
 
 PROTOCOL = WireProtocol.OPENAI_RESPONSES
 
@@ -852,28 +853,18 @@ class ResponsesStreamEncoder:
         return out
 
 
-class OpenAIResponsesAdapter:
-    protocol = PROTOCOL
-
-    def parse_request(self, body: Any) -> CanonicalRequest:
-        return parse_request(body)
-
-    def render_request(self, request: CanonicalRequest) -> dict[str, Any]:
-        return render_request(request)
-
-    def parse_response(self, body: Any, request: CanonicalRequest | None = None) -> Completion:
-        return parse_response(body, request)
-
-    def render_response(self, completion: Completion, request: CanonicalRequest, response_id: str) -> dict[str, Any]:
-        return render_response(completion, request, response_id)
-
-    def stream_encoder(self, request: CanonicalRequest, response_id: str) -> ResponsesStreamEncoder:
-        return ResponsesStreamEncoder(request, response_id)
-
-    def error_body(self, status: int, message: str, *, param: str | None = None) -> dict[str, Any]:
-        return openai_error_body(status, message, param)
+def error_body(status: int, message: str, *, param: str | None = None) -> dict[str, Any]:
+    return openai_error_body(status, message, param)
 
 
-ADAPTER = OpenAIResponsesAdapter()
+ADAPTER = ProtocolAdapter(
+    protocol=PROTOCOL,
+    parse_request=parse_request,
+    render_request=render_request,
+    parse_response=parse_response,
+    render_response=render_response,
+    stream_encoder=ResponsesStreamEncoder,
+    error_body=error_body,
+)
 
-__all__ = ["ADAPTER", "OpenAIResponsesAdapter", "ResponsesStreamEncoder"]
+__all__ = ["ADAPTER", "ResponsesStreamEncoder"]

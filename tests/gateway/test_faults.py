@@ -13,9 +13,9 @@ import pytest
 
 from ares_gateway import (
     AlreadyAnsweredError,
-    GatewayClosedError,
     Completion,
     Gateway,
+    GatewayClosedError,
     RequestGoneError,
     SessionInfo,
     UnknownRequestError,

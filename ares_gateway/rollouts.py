@@ -276,7 +276,7 @@ class _Progress:
 
     def line(self, text: str) -> None:
         if self.console is not None:
-            self.console.print(text, highlight=False)
+            self.console.print(text, highlight=False, soft_wrap=True)
 
     def stop(self) -> None:
         if self._bar is not None:

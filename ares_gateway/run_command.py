@@ -90,6 +90,12 @@ def _build_policy(args: argparse.Namespace) -> Any:
 def _install_signals(stop: asyncio.Event, console: Any) -> None:
     """First Ctrl-C (or SIGTERM): stop launching, cancel running episodes, write what finished.
     A second one removes every sandbox at once and exits."""
+    from sandbox import janitor
+
+    # The janitor hooks SIGINT/SIGTERM when the first sandbox starts and would remove every sandbox at
+    # once, under the running episodes. Hook it now (atexit stays), so that the loop's handlers below
+    # replace its signal handlers: the first signal cancels gracefully, a second one forces.
+    janitor.install()
     loop = asyncio.get_running_loop()
     hits = {"n": 0}
 
@@ -100,8 +106,6 @@ def _install_signals(stop: asyncio.Event, console: Any) -> None:
                           "running ones and removing their sandboxes (again to force)[/]")
             stop.set()
             return
-        from sandbox import janitor
-
         janitor.cleanup_all(reason="forced stop")
         os._exit(130)
 
@@ -152,9 +156,9 @@ def _report(summary: Any, console: Any, out: Path) -> None:
 
     console.print(results_table(summary))
     for line in summary_lines(summary):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, soft_wrap=True)
     console.print(f"results: {out / 'results.json'} (one line per episode as it finished: {out / 'episodes.jsonl'})",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)
 
 
 def _run_async(coro: Any) -> Any:
@@ -183,7 +187,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     console.print(
         f"[bold]ares-gateway run[/] {args.preset}: {len(resolved.tasks)} task(s) x {args.attempts} attempt(s), "
         f"harness {resolved.preset.harness}, policy {args.policy}, sandbox {backend}, concurrency {args.concurrency}",
-        highlight=False,
+        highlight=False, soft_wrap=True,
     )
     run_info = {"preset": args.preset, "policy": args.policy, "sandbox": backend, "model": args.model,
                 "base_url": args.base_url, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -191,7 +195,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                   backend=backend, args=args, out=out, console=console, run_info=run_info))
     _report(summary, console, out)
     if args.stats == "tensorboard":
-        console.print(f"TensorBoard: tensorboard --logdir {out / 'tb'}", highlight=False)
+        console.print(f"TensorBoard: tensorboard --logdir {out / 'tb'}", highlight=False, soft_wrap=True)
     return 130 if summary.interrupted else 0
 
 
@@ -207,7 +211,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "mini-swe-agent CLI in a local sandbox. Every LLM call it makes goes to the gateway, where the [bold]oracle"
         "[/] policy answers by playing the task's solution/solve.sh through the agent's own tool calls; the task's "
         "tests then give the reward. No API key, Docker or GPU needed.",
-        highlight=False,
+        highlight=False, soft_wrap=True,
     )
     args.attempts, args.time_limit, args.step_limit = 1, None, None
     run_info = {"preset": DEMO_PRESET, "policy": "oracle", "sandbox": "local", "demo": True,
@@ -224,7 +228,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"TensorBoard: tensorboard --logdir {out / 'tb'}\n\n"
         f"Point it at a real model (any OpenAI-compatible server; add --api-key-env VAR for a hosted API):\n"
         f"  {REAL_MODEL_HINT}",
-        highlight=False,
+        highlight=False, soft_wrap=True,
     )
     if summary.interrupted:
         return 130

@@ -315,3 +315,23 @@ def test_docker_sandbox_failure_is_reported(sandbox_root: Path) -> None:
 
     asyncio.run(go())
     assert os.environ.get("ARES_SANDBOX_LOCAL_ROOT") == str(sandbox_root)
+
+
+async def test_runner_with_upstream_policy_writes_token_faithful_samples(llm: object, tmp_path: Path,
+                                                                      sandbox_root: Path) -> None:
+    """run_rollouts + the upstream policy against a local vLLM-like server: the trajectory file holds
+    exactly the server's token ids and logprobs (the agent, a real process, gets a text reply and stops)."""
+    from ares_gateway.policies import UpstreamPolicy
+
+    task = BY_NAME["write-greeting-file"]
+    out = tmp_path / "run"
+    async with UpstreamPolicy(base_url=llm.url) as policy:  # type: ignore[attr-defined]
+        summary = await run_rollouts([task], harness="tiny-agent", policy=policy, sandbox="local", out=out)
+    [episode] = summary.episodes
+    assert episode.exit_reason == "completed" and episode.reward == 0.0 and episode.samples == 1
+    [turn] = llm.turns  # type: ignore[attr-defined]
+    [sample] = [json.loads(line) for line in (out / "trajectories" / f"{task.name}.0.jsonl").read_text().splitlines()]
+    assert sample["tokens"] == turn.prompt_ids + turn.output_ids
+    assert sample["response_length"] == len(turn.output_ids) and sample["loss_mask"] == [1] * len(turn.output_ids)
+    assert sample["logprobs"] == pytest.approx(turn.logprobs)
+    assert left_behind(sandbox_root) == []

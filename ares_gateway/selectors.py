@@ -29,7 +29,7 @@ from ares_gateway.tasks import Dataset, Task, load_dataset
 T = TypeVar("T")
 
 #: Canonical harness names, and the aliases presets may use for them.
-HARNESSES: tuple[str, ...] = ("mini-swe-agent", "claude-code", "codex", "terminus-2")
+HARNESSES: tuple[str, ...] = ("mini-swe-agent", "claude-code", "codex", "terminus-2", "tiny-agent")
 _ALIASES: dict[str, str] = {
     "mini-swe-agent": "mini-swe-agent",
     "mswea": "mini-swe-agent",
@@ -38,6 +38,8 @@ _ALIASES: dict[str, str] = {
     "codex": "codex",
     "terminus-2": "terminus-2",
     "terminus": "terminus-2",
+    "tiny-agent": "tiny-agent",
+    "tiny": "tiny-agent",
 }
 
 

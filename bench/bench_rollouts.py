@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aiohttp
 
-import ares_gateway.tiny_agent  # noqa: F401  (registers the harness)
 from ares_gateway import Completion, Gateway
 from ares_gateway.policies import make_policy
 from ares_gateway.rollouts import run_rollouts

@@ -112,10 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--iterations", type=int, default=1)
     ap.add_argument("--step-limit", type=int, default=20)
-    args = ap.parse_args(argv)
-    if args.harness == "tiny-agent":
-        import ares_gateway.tiny_agent  # noqa: F401  (registers the harness)
-    return args
+    return ap.parse_args(argv)
 
 
 if __name__ == "__main__":

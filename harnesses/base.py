@@ -330,7 +330,8 @@ class BaseHarness(abc.ABC):
                 f"cd {shlex.quote(ctx.workdir)} || exit 97",
                 *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
                 f'export PATH={shlex.quote(bin_dir)}:"$PATH"',
-                f"{self._wrapped(self.agent_command(ctx, prep, prompt))} >{st}/stdout.log 2>{st}/stderr.log </dev/null",
+                # A subshell, so an ``exit`` in the agent's command still reaches the exit-code line.
+                f"( {self._wrapped(self.agent_command(ctx, prep, prompt))} ) >{st}/stdout.log 2>{st}/stderr.log </dev/null",
                 f"echo $? >{st}/exit_code.tmp && mv {st}/exit_code.tmp {st}/exit_code",
                 "",
             ]

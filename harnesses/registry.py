@@ -50,8 +50,9 @@ def _register_builtins() -> None:
     from .codex import CodexHarness
     from .mini_swe_agent import MiniSweAgentHarness
     from .terminus2 import Terminus2Harness
+    from .tiny_agent import TinyAgentHarness
 
-    for cls in (ClaudeCodeHarness, CodexHarness, MiniSweAgentHarness, Terminus2Harness):
+    for cls in (ClaudeCodeHarness, CodexHarness, MiniSweAgentHarness, Terminus2Harness, TinyAgentHarness):
         register(cls.name, cls, replace=True)
 
 

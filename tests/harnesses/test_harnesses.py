@@ -311,3 +311,19 @@ async def test_cancelled_run_kills_the_agent() -> None:
                 await run
             left = await sb.exec("ps -eo comm= | grep '^codex' || true", timeout=30)
             assert left.stdout.strip() == "", left.stdout
+
+
+async def test_agent_command_that_exits_still_reports_its_exit_code() -> None:
+    """An ``exit`` inside the agent's command must not skip the launch script's exit-code line."""
+    from harnesses.tiny_agent import TinyAgentHarness
+
+    class ExitingAgent(TinyAgentHarness):
+        def agent_command(self, ctx: Any, prep: Any, prompt: str) -> str:
+            return "echo started; exit 3"
+
+    harness = ExitingAgent()
+    async with sandbox.create(_spec(), backend="local") as sb:
+        ctx = HarnessContext(workdir=sb.workdir, session_id="s", base_url="http://127.0.0.1:9/s/s", token="t" * 20)
+        result = await asyncio.wait_for(harness.run(sb, ctx, PROMPT, time_budget=30), 60)
+    assert result.exit_code == 3 and not result.timed_out and not result.ok
+    assert "started" in result.stdout_tail

@@ -22,7 +22,7 @@ from ares_gateway.policies import HttpPolicy, PolicyError, call_policy, make_pol
 from ares_gateway.policies.scripted import SessionScriptedPolicy, oracle_command
 from ares_gateway.rollouts import pass_at_k, run_rollouts
 from ares_gateway.tasks import Task, load_dataset, prepare_workdir, run_tests
-from ares_gateway.tiny_agent import TinyAgentHarness
+from harnesses.tiny_agent import TinyAgentHarness
 
 from .e2e import require
 

@@ -5,8 +5,8 @@ for ~10 s) would hide what is being measured: it starts in milliseconds, sends n
 ``POST {OPENAI_BASE_URL}/chat/completions`` with one ``bash`` tool, runs each tool call with the shell,
 and exits when the reply has no tool call or a command prints ``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``
 first (mini-swe-agent's convention, so the ``scripted`` / ``oracle`` policies drive it in
-mini-swe-agent's format). Importing this module registers it (``registry.create("tiny-agent")``,
-presets ``{dataset}-tiny-agent``).
+mini-swe-agent's format). Registered like the other harnesses (``registry.create("tiny-agent")``,
+presets ``{dataset}-tiny-agent`` or ``{dataset}-tiny``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from harnesses import BaseHarness, HarnessContext, Prepared, registry
+from .base import BaseHarness, HarnessContext, Prepared
 
 VERSION = "1.0.0"
 
@@ -73,14 +73,3 @@ class TinyAgentHarness(BaseHarness):
     @staticmethod
     def is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool:
         return False
-
-
-def register() -> None:
-    """Register ``tiny-agent`` with the harness registry and the preset parser (idempotent)."""
-    from ares_gateway.selectors import register_harness
-
-    registry.register(TinyAgentHarness.name, TinyAgentHarness, replace=True)
-    register_harness(TinyAgentHarness.name, "tiny")
-
-
-register()

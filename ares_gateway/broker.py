@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import orjson
+
 from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, TokenRecord, WireProtocol
 from ares_gateway.errors import (
     AlreadyAnsweredError,
@@ -92,25 +94,40 @@ class ParkedRequest:
     future: asyncio.Future[Answer]
     side_call: bool = False
     attempt: int = 0
+    #: The request body exactly as received, when it came over HTTP (sent to pollers verbatim).
+    raw_body: bytes | None = field(default=None, repr=False)
     _lease: asyncio.TimerHandle | None = field(default=None, repr=False)
     _timeout: asyncio.TimerHandle | None = field(default=None, repr=False)
-    _item: dict[str, Any] | None = field(default=None, repr=False)
+    _wire: dict[str, Any] | None = field(default=None, repr=False)
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "session_id": self.session_id,
+            "protocol": self.protocol.value,
+            "endpoint": self.endpoint,
+            "timestamp": self.timestamp,
+            "side_call": self.side_call,
+        }
 
     def poll_item(self) -> dict[str, Any]:
-        """The JSON-able item ``/poll`` returns (ares-proxy readers use id, request, timestamp)."""
-        item = self._item
-        if item is None:
-            item = self._item = {
-                "id": self.id,
-                "session_id": self.session_id,
-                "protocol": self.protocol.value,
-                "endpoint": self.endpoint,
-                "request": self.request.raw,
-                "canonical": self.request.model_dump(mode="json", exclude={"raw"}),
-                "timestamp": self.timestamp,
-                "side_call": self.side_call,
-            }
-        return {**item, "attempt": self.attempt}
+        """The item ``/poll`` returns, as plain JSON-able values (ares-proxy readers use id, request, timestamp)."""
+        return {
+            **self._fields(),
+            "request": self.request.raw,
+            "canonical": self.request.model_dump(mode="json", exclude={"raw"}),
+            "attempt": self.attempt,
+        }
+
+    def poll_json(self) -> bytes:
+        """:meth:`poll_item` encoded as JSON, cheaply: the agent's body bytes are copied, not
+        re-encoded, and the canonical form is serialized once however often it is delivered."""
+        wire = self._wire
+        if wire is None:
+            request = orjson.Fragment(self.raw_body) if self.raw_body is not None else self.request.raw
+            canonical = orjson.Fragment(self.request.model_dump_json(exclude={"raw"}))
+            wire = self._wire = {**self._fields(), "request": request, "canonical": canonical}
+        return orjson.dumps({**wire, "attempt": self.attempt})
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +186,7 @@ class Broker:
         endpoint: str,
         *,
         side_call: bool = False,
+        raw_body: bytes | None = None,
     ) -> ParkedRequest:
         if self._closed:
             raise GatewayClosedError("the gateway is shutting down")
@@ -183,6 +201,7 @@ class Broker:
             timestamp=time.time(),
             future=loop.create_future(),
             side_call=side_call,
+            raw_body=raw_body,
         )
         self._pending[rid] = parked
         if self.request_timeout > 0:

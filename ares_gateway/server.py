@@ -139,7 +139,9 @@ class _AgentAPI:
                 return self._error(adapter, 409, "this session has ended; start a new session")
             side_call = gw.is_side_call(session, canonical, request.headers)
             try:
-                parked = gw.broker.park(session.id, canonical, endpoint, side_call=side_call)
+                parked = gw.broker.park(
+                    session.id, canonical, endpoint, side_call=side_call, raw_body=await request.read()
+                )
             except GatewayError as exc:
                 return self._error(adapter, exc.status, str(exc))
             try:
@@ -304,7 +306,7 @@ class _ControlAPI:
             items = await self.gw.broker.poll(session, max_items=max_items, wait=wait, lease=lease)
         except GatewayError as exc:
             return _control_error(exc.status, str(exc))
-        return web.Response(body=orjson.dumps([p.poll_item() for p in items]), content_type=_JSON)
+        return web.Response(body=b"[" + b",".join(p.poll_json() for p in items) + b"]", content_type=_JSON)
 
     async def respond(self, request: web.Request) -> web.Response:
         try:

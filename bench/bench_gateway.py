@@ -75,6 +75,60 @@ def _gateway_main(port: int, mode: str) -> None:
     uvloop.run(main())
 
 
+def _bare_main(port: int, mode: str) -> None:
+    """The floor to compare against: aiohttp + uvloop parking each request on a future, answered
+    in process or through /poll + /respond, with no parsing, auth, canonical form or recording."""
+    import itertools
+
+    import orjson
+    import uvloop
+    from aiohttp import web
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        pending: dict[int, asyncio.Future[bytes]] = {}
+        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        ids = itertools.count()
+        answer = orjson.dumps({"choices": [{"message": {"role": "assistant", "content": "ok"}}]})
+
+        async def agent(request: web.Request) -> web.Response:
+            body = await request.read()
+            rid = next(ids)
+            fut = pending[rid] = loop.create_future()
+            queue.put_nowait((rid, body))
+            return web.Response(body=await fut, content_type="application/json")
+
+        async def poll(request: web.Request) -> web.Response:
+            items = [await queue.get()]
+            while not queue.empty() and len(items) < 1024:
+                items.append(queue.get_nowait())
+            return web.Response(
+                body=orjson.dumps([{"id": rid, "request": orjson.Fragment(body)} for rid, body in items]),
+                content_type="application/json",
+            )
+
+        async def respond(request: web.Request) -> web.Response:
+            for item in orjson.loads(await request.read()):
+                pending.pop(item["id"]).set_result(answer)
+            return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/s/{sid}/v1/{tail:.*}", agent)
+        app.router.add_get("/poll", poll)
+        app.router.add_post("/respond", respond)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        print("ready", flush=True)
+        if mode == "inproc":
+            while True:
+                rid, _ = await queue.get()
+                pending.pop(rid).set_result(answer)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
 def _responder_main(url: str) -> None:
     import aiohttp
     import orjson
@@ -209,14 +263,14 @@ def _spawn(args: list[str]) -> subprocess.Popen[str]:
     return proc
 
 
-def run_case(mode: str, agents: int, turns: int, body: str, repeat: int) -> dict[str, Any]:
+def run_case(mode: str, agents: int, turns: int, body: str, repeat: int, impl: str = "gateway") -> dict[str, Any]:
     import uvloop
 
     results = []
     for _ in range(repeat):
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        gw = _spawn(["_gateway", str(port), mode])
+        gw = _spawn(["_gateway" if impl == "gateway" else "_bare", str(port), mode])
         responder = _spawn(["_responder", url]) if mode == "http" else None
         try:
             pids = (gw.pid,) if responder is None else (gw.pid, responder.pid)
@@ -227,6 +281,7 @@ def run_case(mode: str, agents: int, turns: int, body: str, repeat: int) -> dict
                     p.kill()
                     p.wait()
     return {
+        "impl": impl,
         "mode": mode,
         "agents": agents,
         "body": body,
@@ -255,6 +310,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_gateway":
         _gateway_main(int(sys.argv[2]), sys.argv[3])
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "_bare":
+        _bare_main(int(sys.argv[2]), sys.argv[3])
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "_responder":
         _responder_main(sys.argv[2])
         return
@@ -265,21 +323,28 @@ def main() -> None:
     ap.add_argument("--turn-target", type=int, default=6000, help="about this many measured turns per case")
     ap.add_argument("--repeat", type=int, default=3, help="runs per case; medians are reported")
     ap.add_argument("--memory", type=int, default=2000, help="parked requests for the memory probe (0 skips)")
+    ap.add_argument(
+        "--impl",
+        action="append",
+        choices=["gateway", "bare"],
+        help="gateway (default) and/or bare: aiohttp parking on futures with no parsing, the floor to compare with",
+    )
     args = ap.parse_args()
     rows = []
     for body in args.body or ["small", "large"]:
         for mode in args.mode or ["inproc", "http"]:
             for agents in args.agents or [1, 64, 512]:
-                target = args.turn_target if body == "small" else args.turn_target // 4
-                turns = max(5, target // agents) if agents > 1 else max(200, target // 10)
-                row = run_case(mode, agents, turns, body, args.repeat)
-                rows.append(row)
-                print(
-                    f"{row['body']:>5} {row['mode']:>6} agents={row['agents']:>4}  "
-                    f"{row['turns_per_s']:8.0f} turns/s  p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  "
-                    f"gateway CPU {row['gateway_cpu_us']:6.0f} us/turn  responder CPU {row['responder_cpu_us']:5.0f} us/turn",
-                    flush=True,
-                )
+                for impl in args.impl or ["gateway"]:
+                    target = args.turn_target if body == "small" else args.turn_target // 4
+                    turns = max(5, target // agents) if agents > 1 else max(200, target // 10)
+                    row = run_case(mode, agents, turns, body, args.repeat, impl)
+                    rows.append(row)
+                    print(
+                        f"{row['impl']:>7} {row['body']:>5} {row['mode']:>6} agents={row['agents']:>4}  "
+                        f"{row['turns_per_s']:8.0f} turns/s  p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  "
+                        f"gateway CPU {row['gateway_cpu_us']:6.0f} us/turn  responder CPU {row['responder_cpu_us']:5.0f} us/turn",
+                        flush=True,
+                    )
     if args.memory:
         for body in args.body or ["small", "large"]:
             kib = memory_case(args.memory, body)

@@ -112,3 +112,19 @@ async def test_many_parked_requests_all_answered_in_order() -> None:
         b.respond(p.id, Completion(text=p.request.raw["m"]))
     assert [(await p.future).text for p in parked] == [str(i) for i in range(500)]  # type: ignore[union-attr]
     assert b.pending_count == 0
+
+
+async def test_poll_json_equals_poll_item() -> None:
+    import orjson
+
+    b = Broker()
+    req = _req("héllo ✓")
+    plain = b.park("s", req, "/v1/chat/completions")
+    verbatim = b.park("s", req, "/v1/chat/completions", raw_body=b'{ "m" :  "h\\u00e9llo \xe2\x9c\x93" }')
+    await b.poll(max_items=2, lease=0.01)
+    for p in (plain, verbatim):
+        assert orjson.loads(p.poll_json()) == p.poll_item()
+    assert verbatim.poll_json().count(b'{ "m" :  ') == 1  # the agent's bytes, not a re-encoding
+    await asyncio.sleep(0.05)
+    again = await b.poll(max_items=2)
+    assert [orjson.loads(p.poll_json())["attempt"] for p in again] == [2, 2]

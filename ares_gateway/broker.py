@@ -130,17 +130,65 @@ class ParkedRequest:
         return orjson.dumps({**wire, "attempt": self.attempt})
 
 
-@dataclass(frozen=True, slots=True)
 class RecordedTurn:
-    """One answered turn, as handed to the recorder."""
+    """One answered turn, as handed to the recorder.
 
-    session_id: str
-    request_id: str
-    request: CanonicalRequest
-    completion: Completion
-    side_call: bool
-    timestamp: float
-    latency: float
+    A turn that came over HTTP keeps the agent's body as bytes rather than its canonical
+    object graph: bytes are a fraction of the memory and invisible to the garbage collector,
+    which otherwise re-walks every recorded turn of every session. :attr:`request` parses
+    them again on access (a few hundred microseconds for a Claude-Code-sized body).
+    """
+
+    __slots__ = (
+        "_request",
+        "completion",
+        "latency",
+        "protocol",
+        "raw_body",
+        "request_id",
+        "session_id",
+        "side_call",
+        "timestamp",
+    )
+
+    def __init__(
+        self,
+        *,
+        session_id: str,
+        request_id: str,
+        protocol: WireProtocol,
+        completion: Completion,
+        side_call: bool,
+        timestamp: float,
+        latency: float,
+        raw_body: bytes | None = None,
+        request: CanonicalRequest | None = None,
+    ) -> None:
+        if raw_body is None and request is None:
+            raise ValueError("a recorded turn needs the request's body or its canonical form")
+        self.session_id = session_id
+        self.request_id = request_id
+        self.protocol = protocol
+        self.completion = completion
+        self.side_call = side_call
+        self.timestamp = timestamp
+        self.latency = latency
+        self.raw_body = raw_body
+        self._request = None if raw_body is not None else request
+
+    @property
+    def request(self) -> CanonicalRequest:
+        """The canonical request (parsed from :attr:`raw_body` on each access when that is kept)."""
+        if self._request is not None:
+            return self._request
+        from ares_gateway.protocols import get_adapter  # protocols import nothing of the broker's
+
+        assert self.raw_body is not None
+        return get_adapter(self.protocol).parse_request(orjson.loads(self.raw_body))
+
+    def native_request(self) -> Any:
+        """The request body as the agent sent it (parsed JSON)."""
+        return orjson.loads(self.raw_body) if self.raw_body is not None else self.request.raw
 
 
 class _Waiter:
@@ -364,6 +412,8 @@ class Broker:
         turn = RecordedTurn(
             session_id=parked.session_id,
             request_id=parked.id,
+            protocol=parked.protocol,
+            raw_body=parked.raw_body,
             request=parked.request,
             completion=completion,
             side_call=parked.side_call,

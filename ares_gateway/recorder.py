@@ -1,10 +1,9 @@
 """Recording answered turns and turning them into training samples.
 
 The gateway hands every answered turn to a :class:`Recorder`. The default,
-:class:`SessionRecorder`, keeps each session's turns (cheap: it holds references
-to the canonical request and completion) and builds the session's message tree
-in :mod:`trajectory` only when samples are asked for, so the request path does
-no conversion work.
+:class:`SessionRecorder`, keeps each session's turns (the agent's body bytes and
+the completion) and builds the session's message tree in :mod:`trajectory` only
+when samples are asked for, so the request path does no conversion work.
 """
 
 from __future__ import annotations
@@ -65,11 +64,11 @@ class SessionRecorder:
         return [
             {
                 "request_id": t.request_id,
-                "protocol": t.request.protocol.value,
+                "protocol": t.protocol.value,
                 "side_call": t.side_call,
                 "timestamp": t.timestamp,
                 "latency": t.latency,
-                "request": t.request.raw,
+                "request": t.native_request(),
                 "completion": t.completion.model_dump(mode="json", exclude_none=True),
             }
             for t in self._turns.get(session_id, ())

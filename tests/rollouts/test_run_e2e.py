@@ -116,3 +116,31 @@ def test_sigint_removes_every_sandbox_and_writes_what_finished(backend: str, tmp
     assert left_behind(boxes) == []
     if backend == "docker":
         assert owned_containers(proc.pid) == []
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+def test_gc_reaps_the_containers_of_a_sigkilled_run(tmp_path: Path) -> None:
+    """SIGKILL leaves a gateway process no chance to clean up; `ares-gateway gc` then removes its containers."""
+    require_mini("docker")
+    env = _env(tmp_path)
+    # The http policy leaves every request parked for a trainer that never comes: the sandboxes stay up.
+    proc = subprocess.Popen(cli("run", "examples-mswea", "--policy", "http", "--sandbox", "docker", "-n", "2",
+                                "--out", str(tmp_path / "out")),
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while len(owned_containers(proc.pid)) < 2:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the run's sandboxes did not come up"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert len(owned_containers(proc.pid)) >= 2  # nothing cleaned up after SIGKILL
+    gc = subprocess.run(cli("gc"), cwd=REPO, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert gc.returncode == 0, gc.stdout + gc.stderr
+    assert owned_containers(proc.pid) == [], gc.stdout

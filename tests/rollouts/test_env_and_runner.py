@@ -23,8 +23,7 @@ from ares_gateway.policies.scripted import SessionScriptedPolicy, oracle_command
 from ares_gateway.rollouts import pass_at_k, run_rollouts
 from ares_gateway.tasks import Task, load_dataset, prepare_workdir, run_tests
 from harnesses.tiny_agent import TinyAgentHarness
-
-from .e2e import require
+from tests.prereq import docker_ok, require
 
 TASKS = load_dataset("examples").tasks
 BY_NAME = {t.name: t for t in TASKS}
@@ -299,9 +298,7 @@ def test_run_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_docker_sandbox_failure_is_reported(sandbox_root: Path) -> None:
-    from .e2e import _docker_ok
-
-    require(_docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
+    require(docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
 
     async def go() -> None:
         env = GatewayEnv(task=BY_NAME["write-greeting-file"], harness=TinyAgentHarness(), sandbox="docker",

@@ -304,3 +304,12 @@ def openai_error_body(status: int, message: str, param: str | None = None) -> di
             "code": openai_error_code(status),
         }
     }
+
+
+def remainder(fed: str, full: str | None) -> str:
+    """What of ``full`` was not streamed yet (nothing if the stream diverged from it)."""
+    if not full:
+        return ""
+    if not fed:
+        return full
+    return full[len(fed):] if full.startswith(fed) else ""

@@ -61,6 +61,7 @@ from ares_gateway.protocols._common import (
     opt_num,
     opt_str,
     part,
+    remainder,
     require_object,
     rest,
     split_data_url,
@@ -624,14 +625,6 @@ def error_body(status: int, message: str, *, param: str | None = None) -> dict[s
 # =========================================================================== streaming
 
 
-def _rem(fed: str, full: str | None) -> str:
-    if not full:
-        return ""
-    if not fed:
-        return full
-    return full[len(fed):] if full.startswith(fed) else ""
-
-
 class _Block:
     __slots__ = ("custom", "fed", "index", "kind", "tool_index")
 
@@ -740,13 +733,13 @@ class AnthropicStreamEncoder:
             return b""
         c = completion
         out: list[bytes] = []
-        r = _rem(self.reasoning, c.reasoning)
+        r = remainder(self.reasoning, c.reasoning)
         if r:
             out.append(self._thinking(r))
         sig = c.extra.get("signature")
         if sig and self.open is not None and self.open.kind == "thinking":
             out.append(self._delta(self.open, {"type": "signature_delta", "signature": sig}))
-        t = _rem(self.text, c.text)
+        t = remainder(self.text, c.text)
         if t:
             out.append(self._text(t))
         for i, tc in enumerate(c.tool_calls):
@@ -758,7 +751,7 @@ class AnthropicStreamEncoder:
                 if args and args != "{}":
                     out.append(self._tool_args(i, args))
             else:
-                a = _rem(self.tools[i].fed, tc.arguments)
+                a = remainder(self.tools[i].fed, tc.arguments)
                 if a:
                     out.append(self._tool_args(i, a))
         out.append(self._close())

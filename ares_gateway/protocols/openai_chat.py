@@ -52,6 +52,7 @@ from ares_gateway.protocols._common import (
     opt_num,
     opt_str,
     part,
+    remainder,
     require_object,
     rest,
     sse_data,
@@ -657,15 +658,6 @@ def render_response(completion: Completion, request: CanonicalRequest, response_
 
 
 # =========================================================================== streaming
-
-
-def remainder(fed: str, full: str | None) -> str:
-    """What of ``full`` was not streamed yet (nothing if the stream diverged from it)."""
-    if not full:
-        return ""
-    if not fed:
-        return full
-    return full[len(fed):] if full.startswith(fed) else ""
 
 
 class ChatStreamEncoder:

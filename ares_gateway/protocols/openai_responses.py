@@ -62,6 +62,7 @@ from ares_gateway.protocols._common import (
     opt_num,
     opt_str,
     part,
+    remainder,
     require_object,
     rest,
     sse_event,
@@ -654,14 +655,6 @@ def render_response(completion: Completion, request: CanonicalRequest, response_
 # =========================================================================== streaming
 
 
-def _rem(fed: str, full: str | None) -> str:
-    if not full:
-        return ""
-    if not fed:
-        return full
-    return full[len(fed):] if full.startswith(fed) else ""
-
-
 class _Item:
     __slots__ = ("call_id", "done", "id", "index", "kind", "name", "text", "tool_index", "tool_type")
 
@@ -810,11 +803,11 @@ class ResponsesStreamEncoder:
         self.completion = c
         out: list[bytes] = [] if self.started else [self.start()]
         fed_reasoning = "".join(it.text for it in self.items if it.kind == "reasoning")
-        r = _rem(fed_reasoning, c.reasoning)
+        r = remainder(fed_reasoning, c.reasoning)
         if r:
             out.append(self._reasoning(r))
         fed_text = "".join(it.text for it in self.items if it.kind == "message")
-        t = _rem(fed_text, c.text)
+        t = remainder(fed_text, c.text)
         if t:
             out.append(self._text(t))
         for i, tc in enumerate(c.tool_calls):
@@ -823,7 +816,7 @@ class ResponsesStreamEncoder:
                 if tc.arguments:
                     out.append(self._tool_args(self.tools[i], tc.arguments))
             else:
-                a = _rem(self.tools[i].text, tc.arguments)
+                a = remainder(self.tools[i].text, tc.arguments)
                 if a:
                     out.append(self._tool_args(self.tools[i], a))
         out.append(self._close())

@@ -99,6 +99,7 @@ class ParkedRequest:
     _lease: asyncio.TimerHandle | None = field(default=None, repr=False)
     _timeout: asyncio.TimerHandle | None = field(default=None, repr=False)
     _wire: dict[str, Any] | None = field(default=None, repr=False)
+    _canonical: Any = field(default=None, repr=False)
 
     def _fields(self) -> dict[str, Any]:
         return {
@@ -119,15 +120,20 @@ class ParkedRequest:
             "attempt": self.attempt,
         }
 
-    def poll_json(self) -> bytes:
+    def poll_json(self, *, canonical: bool = True) -> bytes:
         """:meth:`poll_item` encoded as JSON, cheaply: the agent's body bytes are copied, not
-        re-encoded, and the canonical form is serialized once however often it is delivered."""
+        re-encoded, and the canonical form is serialized once however often it is delivered.
+        ``canonical=False`` leaves it out (for pollers that read only the native body)."""
         wire = self._wire
         if wire is None:
             request = orjson.Fragment(self.raw_body) if self.raw_body is not None else self.request.raw
-            canonical = orjson.Fragment(self.request.model_dump_json(exclude={"raw"}))
-            wire = self._wire = {**self._fields(), "request": request, "canonical": canonical}
-        return orjson.dumps({**wire, "attempt": self.attempt})
+            wire = self._wire = {**self._fields(), "request": request}
+        if not canonical:
+            return orjson.dumps({**wire, "attempt": self.attempt})
+        fragment = self._canonical
+        if fragment is None:
+            fragment = self._canonical = orjson.Fragment(self.request.model_dump_json(exclude={"raw"}))
+        return orjson.dumps({**wire, "canonical": fragment, "attempt": self.attempt})
 
 
 class RecordedTurn:

@@ -299,6 +299,7 @@ class _ControlAPI:
             return _control_error(400, "wait and lease must be numbers of seconds, max an integer")
         if not (0 <= wait <= 3600) or not (1 <= max_items <= 10_000) or (lease != -1.0 and not 0 < lease <= 86_400):
             return _control_error(400, "wait must be 0..3600 s, max 1..10000, lease 0..86400 s")
+        with_canonical = q.get("canonical", "1") not in ("0", "false", "no")
         session = q.get("session") or None
         if session is not None and self.gw.sessions.find(session) is None:
             return _control_error(404, f"no session {session!r}")
@@ -306,7 +307,8 @@ class _ControlAPI:
             items = await self.gw.broker.poll(session, max_items=max_items, wait=wait, lease=lease)
         except GatewayError as exc:
             return _control_error(exc.status, str(exc))
-        return web.Response(body=b"[" + b",".join(p.poll_json() for p in items) + b"]", content_type=_JSON)
+        body = b"[" + b",".join(p.poll_json(canonical=with_canonical) for p in items) + b"]"
+        return web.Response(body=body, content_type=_JSON)
 
     async def respond(self, request: web.Request) -> web.Response:
         try:

@@ -199,9 +199,10 @@ async def test_poller_that_dies_loses_nothing() -> None:
             # This poller "dies" without answering; the lease runs out and the item comes back.
             async with s.get(f"{gw.url}/poll", params={"wait": "0"}) as r:
                 assert await r.json() == []
-            async with s.get(f"{gw.url}/poll", params={"wait": "5"}) as r:
+            async with s.get(f"{gw.url}/poll", params={"wait": "5", "canonical": "0"}) as r:
                 again = await r.json()
             assert [i["id"] for i in again] == [first[0]["id"]] and again[0]["attempt"] == 2
+            assert "canonical" in first[0] and "canonical" not in again[0]  # ?canonical=0: native body only
             async with s.post(f"{gw.url}/respond", json={"id": first[0]["id"], "completion": {"text": "saved"}}) as r:
                 assert r.status == 200
         assert (await agent).choices[0].message.content == "saved"

@@ -163,9 +163,11 @@ class _AgentAPI:
         if isinstance(answer, StreamAnswer):
             if canonical.stream:
                 return await self._stream_deltas(request, adapter, parked, answer, rid)
-            completion = await self._drain(answer)
-            if completion is None:
-                return self._error(adapter, 502, "the policy's stream ended without a completion")
+            try:
+                completion = await self._drain(answer)
+            except Exception as exc:  # the policy's stream broke: the agent gets a 502 in its shape
+                log.warning("policy stream for %s failed: %s", parked.id, exc)
+                return self._error(adapter, 502, f"the policy's stream failed: {exc}")
             self.gw.broker.record(parked, completion)
             return _json_response(adapter.render_response(completion, canonical, rid))
         if isinstance(answer, NativeAnswer):
@@ -192,7 +194,7 @@ class _AgentAPI:
         resp.enable_chunked_encoding()
         return resp
 
-    async def _drain(self, answer: StreamAnswer) -> Completion | None:
+    async def _drain(self, answer: StreamAnswer) -> Completion:
         acc = DeltaAccumulator()
         final: Completion | None = None
         async for item in answer.source:

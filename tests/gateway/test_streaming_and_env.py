@@ -173,3 +173,18 @@ async def test_env_reset_cleans_previous_episode_and_step_without_reset_fails() 
         await env.close()
         await asyncio.gather(*tasks, return_exceptions=True)
         assert gw.broker.pending_count == 0
+
+
+async def test_broken_policy_stream_gives_non_stream_agent_a_502(gateway: Gateway, session: SessionInfo) -> None:
+    async def broken() -> AsyncIterator[CompletionDelta | Completion]:
+        yield CompletionDelta(text="partial")
+        raise RuntimeError("inference server went away")
+
+    client = openai.AsyncOpenAI(base_url=f"{session.base_url}/v1", api_key=session.token, max_retries=0)
+    task = asyncio.create_task(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
+    req = await gateway.next_request(timeout=5)
+    assert req is not None
+    await gateway.respond(req.id, broken())
+    with pytest.raises(openai.APIStatusError) as err:
+        await task
+    assert err.value.status_code == 502 and "inference server went away" in str(err.value)

@@ -67,6 +67,17 @@ class HarnessLaunchError(HarnessError):
     """Preparing or starting the agent failed."""
 
 
+
+def npm_install_steps(prefix: str, package: str, version: str) -> list[tuple[str, str]]:
+    """The install steps of an npm-distributed CLI: check node/npm, then a pinned global install under ``prefix``."""
+    q = shlex.quote(prefix)
+    return [
+        ("check node and npm", "command -v node >/dev/null && command -v npm >/dev/null || "
+                               "{ echo 'node and npm are needed (apt-get install nodejs npm)' >&2; exit 127; }"),
+        (f"npm install {package}@{version}",
+         f"mkdir -p {q} && npm install -g --no-audit --no-fund --loglevel=error --prefix {q} {package}@{version}"),
+    ]
+
 @dataclass(frozen=True)
 class HarnessContext:
     """What a harness needs to point an agent at one gateway session (nothing task-specific)."""

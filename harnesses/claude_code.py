@@ -14,7 +14,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .base import BaseHarness, HarnessContext, Prepared
+from .base import BaseHarness, HarnessContext, Prepared, npm_install_steps
 
 NPM_PACKAGE = "@anthropic-ai/claude-code"
 
@@ -62,14 +62,7 @@ class ClaudeCodeHarness(BaseHarness):
     probe = "bin/claude"
 
     def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
-        q = shlex.quote(prefix)
-        return [
-            ("check node and npm", "command -v node >/dev/null && command -v npm >/dev/null || "
-                                   "{ echo 'node and npm are needed (apt-get install nodejs npm)' >&2; exit 127; }"),
-            (f"npm install {NPM_PACKAGE}@{self.version}",
-             f"mkdir -p {q} && npm install -g --no-audit --no-fund --loglevel=error --prefix {q} "
-             f"{NPM_PACKAGE}@{self.version}"),
-        ]
+        return npm_install_steps(prefix, NPM_PACKAGE, self.version)
 
     def agent_env(self, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
         model = ctx.model

@@ -21,7 +21,7 @@ from typing import Any
 
 from sandbox import Sandbox
 
-from .base import BaseHarness, HarnessContext, HarnessLaunchError, Prepared
+from .base import BaseHarness, HarnessContext, HarnessLaunchError, Prepared, npm_install_steps
 
 NPM_PACKAGE = "@openai/codex"
 TOKEN_ENV = "ARES_GATEWAY_TOKEN"
@@ -57,14 +57,7 @@ class CodexHarness(BaseHarness):
     probe = "bin/codex"
 
     def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
-        q = shlex.quote(prefix)
-        return [
-            ("check node and npm", "command -v node >/dev/null && command -v npm >/dev/null || "
-                                   "{ echo 'node and npm are needed (apt-get install nodejs npm)' >&2; exit 127; }"),
-            (f"npm install {NPM_PACKAGE}@{self.version}",
-             f"mkdir -p {q} && npm install -g --no-audit --no-fund --loglevel=error --prefix {q} "
-             f"{NPM_PACKAGE}@{self.version}"),
-        ]
+        return npm_install_steps(prefix, NPM_PACKAGE, self.version)
 
     def codex_home(self, prep: Prepared) -> str:
         return posixpath.join(prep.state_dir, "codex-home")

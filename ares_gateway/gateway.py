@@ -23,7 +23,7 @@ from ares_gateway.errors import InvalidAnswerError, UnknownSessionError
 from ares_gateway.metrics import GatewayMetrics
 from ares_gateway.protocols import RequestError, get_adapter
 from ares_gateway.recorder import Recorder, SessionRecorder
-from ares_gateway.sessions import Session, SessionInfo, SessionRegistry
+from ares_gateway.sessions import Session, SessionInfo, SessionRegistry, bearer_token
 from ares_gateway.side_calls import SideCallDetector, default_side_call_detector
 from trajectory import Sample
 
@@ -253,8 +253,7 @@ class Gateway:
         expected = self.config.admin_token
         if not expected:
             return True
-        auth = headers.get("authorization", "")
-        given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-admin-token", "")
+        given = bearer_token(headers) or headers.get("x-admin-token", "")
         return hmac.compare_digest(given.encode(), expected.encode())
 
     def is_side_call(self, session: Session, request: CanonicalRequest, headers: Mapping[str, str]) -> bool:

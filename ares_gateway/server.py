@@ -24,7 +24,7 @@ from ares_gateway.canonical import Completion, CompletionDelta, TokenRecord, Wir
 from ares_gateway.errors import GatewayError, InvalidAnswerError
 from ares_gateway.protocols import ProtocolAdapter, RequestError, get_adapter
 from ares_gateway.protocols.anthropic_messages import parse_count_tokens_request
-from ares_gateway.sessions import Session
+from ares_gateway.sessions import Session, bearer_token
 from ares_gateway.streaming import DeltaAccumulator
 
 if TYPE_CHECKING:
@@ -61,13 +61,8 @@ class _Reject(Exception):
 
 
 def _credential(request: web.Request) -> str | None:
-    key = request.headers.get("x-api-key")
-    if key:
-        return key
-    auth = request.headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip() or None
-    return None
+    # Anthropic clients send x-api-key, OpenAI clients (and Claude Code with ANTHROPIC_AUTH_TOKEN) a Bearer token.
+    return request.headers.get("x-api-key") or bearer_token(request.headers)
 
 
 class _AgentAPI:
@@ -104,7 +99,8 @@ class _AgentAPI:
             raise _Reject(401, "invalid API key: no session has this token")
         return found
 
-    async def _body(self, request: web.Request) -> Any:
+    async def _body(self, request: web.Request) -> tuple[bytes, Any]:
+        """The body's bytes and its parsed JSON."""
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -114,7 +110,7 @@ class _AgentAPI:
         if not raw:
             raise _Reject(400, "request body is empty: send a JSON object")
         try:
-            return orjson.loads(raw)
+            return raw, orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise _Reject(400, f"request body is not valid JSON: {exc}") from None
 
@@ -127,7 +123,7 @@ class _AgentAPI:
             gw = self.gw
             try:
                 session = self._session(request)
-                body = await self._body(request)
+                raw, body = await self._body(request)
                 try:
                     canonical = adapter.parse_request(body)
                 except RequestError as exc:
@@ -140,7 +136,7 @@ class _AgentAPI:
             side_call = gw.is_side_call(session, canonical, request.headers)
             try:
                 parked = gw.broker.park(
-                    session.id, canonical, endpoint, side_call=side_call, raw_body=await request.read()
+                    session.id, canonical, endpoint, side_call=side_call, raw_body=raw
                 )
             except GatewayError as exc:
                 return self._error(adapter, exc.status, str(exc))
@@ -242,7 +238,7 @@ class _AgentAPI:
         adapter = get_adapter(WireProtocol.ANTHROPIC_MESSAGES)
         try:
             self._session(request)
-            body = await self._body(request)
+            _, body = await self._body(request)
             try:
                 parse_count_tokens_request(body)
             except RequestError as exc:

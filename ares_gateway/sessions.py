@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,14 @@ class SessionRegistry:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+def bearer_token(headers: Mapping[str, str]) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, if there is one."""
+    auth = headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return None
 
 
 def _check_id(sid: str) -> None:

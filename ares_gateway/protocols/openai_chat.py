@@ -756,10 +756,6 @@ class ChatStreamEncoder:
         return sse_data(openai_error_body(status, message))
 
 
-def error_body(status: int, message: str, *, param: str | None = None) -> dict[str, Any]:
-    return openai_error_body(status, message, param)
-
-
 ADAPTER = ProtocolAdapter(
     protocol=PROTOCOL,
     parse_request=parse_request,
@@ -767,7 +763,7 @@ ADAPTER = ProtocolAdapter(
     parse_response=parse_response,
     render_response=render_response,
     stream_encoder=ChatStreamEncoder,
-    error_body=error_body,
+    error_body=openai_error_body,
 )
 
 __all__ = ["ADAPTER", "ChatStreamEncoder"]

@@ -846,10 +846,6 @@ class ResponsesStreamEncoder:
         return out
 
 
-def error_body(status: int, message: str, *, param: str | None = None) -> dict[str, Any]:
-    return openai_error_body(status, message, param)
-
-
 ADAPTER = ProtocolAdapter(
     protocol=PROTOCOL,
     parse_request=parse_request,
@@ -857,7 +853,7 @@ ADAPTER = ProtocolAdapter(
     parse_response=parse_response,
     render_response=render_response,
     stream_encoder=ResponsesStreamEncoder,
-    error_body=error_body,
+    error_body=openai_error_body,
 )
 
 __all__ = ["ADAPTER", "ResponsesStreamEncoder"]

@@ -233,7 +233,9 @@ class CompletionDelta(_Model):
 
     Exactly one kind per delta: ``text``, ``reasoning``, or a piece of tool call
     number ``tool_index`` (its ``tool_call_id`` / ``tool_name`` on the first
-    piece, then ``arguments`` fragments).
+    piece, then ``arguments`` fragments). ``signature`` (an Anthropic thinking
+    signature) closes the current thinking block; it comes alone or with that
+    block's last ``reasoning`` piece, before the text that follows.
     """
 
     text: str | None = None
@@ -243,3 +245,5 @@ class CompletionDelta(_Model):
     tool_name: str | None = None
     tool_type: Literal["function", "custom"] = "function"
     arguments: str | None = None
+    #: Ends the thinking block being streamed; the completion keeps it as ``extra["signature"]``.
+    signature: str | None = None

@@ -12,12 +12,15 @@ class DeltaAccumulator:
         self._text: list[str] = []
         self._reasoning: list[str] = []
         self._tools: dict[int, dict[str, str]] = {}
+        self._signature: str | None = None
 
     def add(self, delta: CompletionDelta) -> None:
         if delta.text:
             self._text.append(delta.text)
         if delta.reasoning:
             self._reasoning.append(delta.reasoning)
+        if delta.signature:
+            self._signature = delta.signature
         if delta.tool_index is not None:
             slot = self._tools.setdefault(
                 delta.tool_index, {"id": "", "name": "", "arguments": "", "type": delta.tool_type}
@@ -45,4 +48,5 @@ class DeltaAccumulator:
             reasoning="".join(self._reasoning) or None,
             tool_calls=calls,
             finish_reason=reason,  # type: ignore[arg-type]
+            extra={"signature": self._signature} if self._signature else {},
         )

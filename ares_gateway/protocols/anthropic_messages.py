@@ -647,6 +647,7 @@ class AnthropicStreamEncoder:
         self.tools: dict[int, _Block] = {}
         self.reasoning = ""
         self.text = ""
+        self.signed = False
         self.done = False
 
     def start(self) -> bytes:
@@ -693,6 +694,16 @@ class AnthropicStreamEncoder:
         self.reasoning += text
         return out + self._delta(self.open, {"type": "thinking_delta", "thinking": text})  # type: ignore[arg-type]
 
+    def _signature(self, sig: str) -> bytes:
+        # As Anthropic streams it: the signature is the thinking block's last delta, then the block stops.
+        out = b""
+        if self.open is None or self.open.kind != "thinking":
+            out = self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        b = self.open
+        assert b is not None
+        self.signed = True
+        return out + self._delta(b, {"type": "signature_delta", "signature": sig}) + self._close()
+
     def _text(self, text: str) -> bytes:
         out = b""
         if self.open is None or self.open.kind != "text":
@@ -715,6 +726,8 @@ class AnthropicStreamEncoder:
         out = b""
         if delta.reasoning:
             out += self._thinking(delta.reasoning)
+        if delta.signature:
+            out += self._signature(delta.signature)
         if delta.text:
             out += self._text(delta.text)
         if delta.tool_index is not None:
@@ -737,7 +750,9 @@ class AnthropicStreamEncoder:
         if r:
             out.append(self._thinking(r))
         sig = c.extra.get("signature")
-        if sig and self.open is not None and self.open.kind == "thinking":
+        # Only a thinking block still open can take the signature: once text or a tool call has
+        # started, the thinking block is stopped and there is no way back into it.
+        if sig and not self.signed and self.open is not None and self.open.kind == "thinking":
             out.append(self._delta(self.open, {"type": "signature_delta", "signature": sig}))
         t = remainder(self.text, c.text)
         if t:

@@ -75,6 +75,32 @@ async def test_anthropic_stream_relayed_incrementally(gateway: Gateway, session:
     assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[1].input == {"command": "ls"}
 
 
+async def test_anthropic_stream_keeps_streamed_signature(gateway: Gateway, session: SessionInfo) -> None:
+    """Thinking deltas, a signature delta, then text, with no final Completion: the agent gets the
+    signature on its thinking block and the recorded turn (folded from the deltas) keeps it."""
+
+    async def gen() -> AsyncIterator[CompletionDelta | Completion]:
+        yield CompletionDelta(reasoning="Let me ")
+        yield CompletionDelta(reasoning="think.")
+        yield CompletionDelta(signature="EqQBsig==")
+        yield CompletionDelta(text="Done.")
+
+    client = anthropic.AsyncAnthropic(base_url=session.base_url, api_key=session.token, max_retries=0)
+
+    async def agent() -> Any:
+        async with client.messages.stream(model="m", max_tokens=10, messages=[{"role": "user", "content": "x"}]) as stream:
+            return await stream.get_final_message()
+
+    task = asyncio.create_task(agent())
+    req = await gateway.next_request(timeout=5)
+    assert req is not None
+    await gateway.respond(req.id, gen())
+    final = await asyncio.wait_for(task, 10)
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == "Let me think." and final.content[0].signature == "EqQBsig=="  # type: ignore[union-attr]
+    assert gateway.turn_log(session.session_id)[0]["completion"]["extra"]["signature"] == "EqQBsig=="
+
+
 async def test_responses_stream_relayed_incrementally(gateway: Gateway, session: SessionInfo) -> None:
     seen = asyncio.Event()
 

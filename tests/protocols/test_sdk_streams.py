@@ -11,6 +11,7 @@ import pytest
 
 from ares_gateway.canonical import Completion, CompletionDelta, ToolCall, Usage
 from ares_gateway.protocols import get_adapter
+from ares_gateway.streaming import DeltaAccumulator
 
 from ._helpers import deltas_of, encode, parse, rich_completion
 
@@ -170,6 +171,8 @@ async def test_anthropic_stream_sdk(replay: Any, mode: str) -> None:
     assert msg.content[0].thinking == c.reasoning  # type: ignore[union-attr]
     if mode == "synth":  # the signature rides on a thinking block still open at finish()
         assert msg.content[0].signature == "sig-xyz"  # type: ignore[union-attr]
+    else:  # text started before any signature came: the stopped thinking block cannot take it
+        assert msg.content[0].signature == ""  # type: ignore[union-attr]
     assert msg.content[1].text == c.text  # type: ignore[union-attr]
     tools = [(b.id, b.name, b.input) for b in msg.content if b.type == "tool_use"]
     assert tools == [(tc.id, tc.name, json.loads(tc.arguments)) for tc in c.tool_calls]
@@ -196,6 +199,72 @@ async def test_anthropic_stream_event_order(replay: Any) -> None:
         ev, data = block.split(b"\n")
         assert ev.startswith(b"event: ") and data.startswith(b"data: ")
         assert json.loads(data[6:])["type"] == ev[7:].decode()
+
+
+def _with_signature(c: Completion, sig: str, *, joined: bool = False) -> list[CompletionDelta]:
+    """deltas_of(c, 5) with a signature delta after the reasoning (or on its last piece when ``joined``)."""
+    ds = deltas_of(c, 5)
+    last = max(i for i, d in enumerate(ds) if d.reasoning)
+    if joined:
+        ds[last] = ds[last].model_copy(update={"signature": sig})
+    else:
+        ds.insert(last + 1, CompletionDelta(signature=sig))
+    return ds
+
+
+def _events(raw: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
+@pytest.mark.parametrize("final_sig", [None, "sig-streamed", "sig-other"])
+@pytest.mark.parametrize("joined", [False, True])
+async def test_anthropic_stream_signature_delta(replay: Any, final_sig: str | None, joined: bool) -> None:
+    """A streamed signature closes the thinking block; the final Completion cannot add a second one."""
+    c = rich_completion()
+    deltas = _with_signature(c, "sig-streamed", joined=joined)
+    if final_sig is not None:
+        c.extra["signature"] = final_sig
+    req = parse("anthropic.messages", ANTH_BODY)
+    chunks = encode("anthropic.messages", req, c, deltas)
+    replay.sse(chunks)
+    async with replay.anthropic().messages.stream(model="claude", max_tokens=100, messages=[]) as s:
+        msg = await s.get_final_message()
+    assert [b.type for b in msg.content] == ["thinking", "text", "tool_use", "tool_use"]
+    assert msg.content[0].thinking == c.reasoning  # type: ignore[union-attr]
+    assert msg.content[0].signature == "sig-streamed"  # type: ignore[union-attr]
+    assert msg.content[1].text == c.text  # type: ignore[union-attr]
+    # Anthropic's own order: thinking deltas, one signature_delta, the block's stop, then the text block.
+    block0 = [(e["type"], (e.get("delta") or e.get("content_block") or {}).get("type"))
+              for e in _events(b"".join(chunks)) if e.get("index") == 0]
+    assert block0[0] == ("content_block_start", "thinking")
+    assert block0[-2:] == [("content_block_delta", "signature_delta"), ("content_block_stop", None)]
+    assert set(block0[1:-2]) == {("content_block_delta", "thinking_delta")}
+    assert b"".join(chunks).count(b"signature_delta") == 1
+
+
+async def test_anthropic_stream_signature_without_open_thinking(replay: Any) -> None:
+    """A signature with no thinking block open opens one (empty thinking) to carry it."""
+    req = parse("anthropic.messages", ANTH_BODY)
+    deltas = [CompletionDelta(signature="sig-only"), CompletionDelta(text="hi")]
+    replay.sse(encode("anthropic.messages", req, Completion(text="hi"), deltas))
+    async with replay.anthropic().messages.stream(model="claude", max_tokens=100, messages=[]) as s:
+        msg = await s.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None), getattr(b, "signature", None)) for b in msg.content] == [
+        ("thinking", "", "sig-only"), ("text", None, None)]
+
+
+def test_accumulator_keeps_signature() -> None:
+    c = rich_completion()
+    acc = DeltaAccumulator()
+    for d in _with_signature(c, "sig-acc"):
+        acc.add(d)
+    got = acc.completion()
+    assert got.extra == {"signature": "sig-acc"}
+    assert (got.reasoning, got.text, got.tool_calls) == (c.reasoning, c.text, c.tool_calls)
+    plain = DeltaAccumulator()
+    for d in deltas_of(c, 5):
+        plain.add(d)
+    assert plain.completion().extra == {}
 
 
 async def test_anthropic_stream_custom_tool_and_bad_args(replay: Any) -> None:
@@ -333,6 +402,28 @@ async def test_responses_error_body_sdk(replay: Any) -> None:
     replay.json(get_adapter("openai.responses").error_body(401, "bad key"), status=401)
     with pytest.raises(openai.AuthenticationError, match="bad key"):
         await replay.openai().responses.create(model="gpt-5", input="hi")
+
+
+async def test_openai_streams_ignore_signature_delta(replay: Any) -> None:
+    """Chat and Responses have no place for an Anthropic signature: the delta adds no bytes."""
+    c = rich_completion()
+    deltas = _with_signature(c, "sig-anthropic")
+    for proto, body in (("openai.chat", CHAT_BODY), ("openai.responses", RESP_BODY)):
+        enc = get_adapter(proto).stream_encoder(parse(proto, body), "abc123")
+        enc.start()
+        assert enc.feed(CompletionDelta(signature="sig-anthropic")) == b""
+        raw = b"".join(encode(proto, parse(proto, body), c, deltas))
+        assert b"sig-anthropic" not in raw
+    replay.sse(encode("openai.chat", parse("openai.chat", CHAT_BODY), c, deltas))
+    stream = await replay.openai().chat.completions.create(model="m", messages=[], stream=True)
+    got = _chat_accumulate([ch async for ch in stream])
+    assert (got["text"], got["reasoning"], got["finish"]) == (c.text, c.reasoning, "tool_calls")
+    replay.sse(encode("openai.responses", parse("openai.responses", RESP_BODY), c, deltas))
+    async with replay.openai().responses.stream(model="gpt-5", input="hi") as s:
+        final = await s.get_final_response()
+    assert final.output_text == c.text
+    assert final.output[0].summary[0].text == c.reasoning  # type: ignore[union-attr]
+    assert final.output[0].encrypted_content is None  # type: ignore[union-attr]
 
 
 def test_usage_roundtrip_through_native() -> None:

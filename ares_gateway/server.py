@@ -451,27 +451,32 @@ def _parse_answer(item: dict[str, Any]) -> tuple[Answer | dict[str, Any], dict[s
     return value, tokens
 
 
-@web.middleware
-async def _errors_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        # Unknown paths and wrong methods: answer in the shape of the API the client is speaking.
-        path = request.path
-        if path.startswith(("/v1", "/s/")) or "/v1/" in path:
-            adapter = get_adapter(_protocol_for_path(path))
-            return _json_response(adapter.error_body(exc.status, f"{exc.reason}: {request.method} {path}"), exc.status)
-        return _control_error(exc.status, f"{exc.reason}: {request.method} {path}")
+async def _not_routed(request: web.Request) -> web.Response:
+    """Unknown paths and wrong methods, answered in the shape of the API the client speaks.
+
+    A catch-all route rather than a middleware: a middleware would wrap every request,
+    this runs only for requests that no other route takes.
+    """
+    allowed: set[str] = set()
+    this = request.match_info.route.resource
+    for resource in request.app.router.resources():
+        if resource is this:
+            continue
+        _, methods = await resource.resolve(request)
+        allowed |= methods
+    status, reason = (405, "Method Not Allowed") if allowed else (404, "Not Found")
+    headers = {"allow": ",".join(sorted(allowed))} if allowed else None
+    path = request.path
+    message = f"{reason}: {request.method} {path}"
+    if path.startswith(("/v1", "/s/")) or "/v1/" in path:
+        adapter = get_adapter(_protocol_for_path(path))
+        return _json_response(adapter.error_body(status, message), status, headers)
+    return _json_response({"status": "error", "code": status, "error": message}, status, headers)
 
 
 def build_app(gateway: Gateway) -> web.Application:
     """The whole HTTP surface of one gateway."""
-    app = web.Application(
-        client_max_size=gateway.config.max_body_bytes,
-        middlewares=[_errors_middleware],
-    )
+    app = web.Application(client_max_size=gateway.config.max_body_bytes)
     agent = _AgentAPI(gateway)
     control = _ControlAPI(gateway)
 
@@ -515,6 +520,7 @@ def build_app(gateway: Gateway) -> web.Application:
     app.add_routes(routes)
     for route in control_routes:
         app.router.add_route(route.method, route.path, _admin_only(gateway, route.handler))  # type: ignore[arg-type]
+    app.router.add_route("*", "/{tail:.*}", _not_routed)  # last: only what nothing else takes
     return app
 
 
@@ -524,7 +530,12 @@ def _admin_only(
     async def guarded(request: web.Request) -> web.StreamResponse:
         if gateway.config.admin_token and not gateway._admin_ok(request.headers):
             return _control_error(401, "missing or wrong admin token: send Authorization: Bearer <admin token>")
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:  # e.g. a body over the size limit: answered in the control API's shape
+            if exc.status < 400:
+                raise
+            return _control_error(exc.status, f"{exc.reason}: {request.method} {request.path}")
 
     return guarded
 

@@ -78,6 +78,20 @@ def npm_install_steps(prefix: str, package: str, version: str) -> list[tuple[str
          f"mkdir -p {q} && npm install -g --no-audit --no-fund --loglevel=error --prefix {q} {package}@{version}"),
     ]
 
+
+def header_value(headers: Mapping[str, str], name: str) -> str | None:
+    """A request header by lower-case ``name``, whatever case the mapping keeps.
+
+    Gateway handlers pass aiohttp's case-insensitive headers (a direct lookup); a plain
+    dict is case-sensitive, so it is scanned.
+    """
+    if not isinstance(headers, dict):
+        return headers.get(name)
+    for k, v in headers.items():
+        if k.lower() == name:
+            return v
+    return None
+
 @dataclass(frozen=True)
 class HarnessContext:
     """What a harness needs to point an agent at one gateway session (nothing task-specific)."""

@@ -14,7 +14,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .base import BaseHarness, HarnessContext, Prepared, npm_install_steps
+from .base import BaseHarness, HarnessContext, Prepared, header_value, npm_install_steps
 
 NPM_PACKAGE = "@anthropic-ai/claude-code"
 
@@ -39,7 +39,7 @@ def claude_code_is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]
     * a sub-agent (the ``Agent``/``Task`` tool): its requests carry the ``x-claude-code-agent-id``
       header and a system prompt that introduces "an agent for Claude Code" (seen with 2.1.332).
     """
-    if any(k.lower() == "x-claude-code-agent-id" and v for k, v in headers.items()):
+    if header_value(headers, "x-claude-code-agent-id"):
         return True
     tools = body.get("tools") or []
     output_config = body.get("output_config")

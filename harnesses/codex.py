@@ -21,7 +21,7 @@ from typing import Any
 
 from sandbox import Sandbox
 
-from .base import BaseHarness, HarnessContext, HarnessLaunchError, Prepared, npm_install_steps
+from .base import BaseHarness, HarnessContext, HarnessLaunchError, Prepared, header_value, npm_install_steps
 
 NPM_PACKAGE = "@openai/codex"
 TOKEN_ENV = "ARES_GATEWAY_TOKEN"
@@ -34,7 +34,7 @@ def codex_is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]) -> b
     * sub-agent work (review, compaction) is announced by the ``x-openai-subagent`` header;
     * a compaction request: the last input item asks for a summary / hand-off of the conversation.
     """
-    if any(k.lower() == "x-openai-subagent" and v for k, v in headers.items()):
+    if header_value(headers, "x-openai-subagent"):
         return True
     items = body.get("input")
     if isinstance(items, list) and items:

@@ -45,7 +45,7 @@ def terminus2_is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]) 
     if isinstance(content, list):
         content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
     text = str(content or "").lstrip()
-    return any(text.startswith(marker) for marker in SUMMARY_MARKERS)
+    return text.startswith(SUMMARY_MARKERS)
 
 
 class Terminus2Harness(BaseHarness):

@@ -182,6 +182,9 @@ def _parse_tool_calls(tcs: Any, param: str, lenient: bool = False) -> list[ToolC
 
 
 def _parse_message(m: Any, i: int) -> Message:
+    # Most messages are exactly {"role", "content"} with a string content: nothing else to read.
+    if type(m) is dict and len(m) == 2 and type(m.get("content")) is str and type(m.get("role")) is str:
+        return message(m["role"], m["content"])
     param = f"messages[{i}]"
     if not isinstance(m, dict):
         fail(f"'{param}' must be an object", param)

@@ -87,7 +87,7 @@ class Gateway:
             coerce_native=self._coerce_native,
             metrics=self.metrics,
         )
-        self._runner: web.AppRunner | None = None
+        self._runner: web.ServerRunner | None = None
         self._port: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -96,15 +96,17 @@ class Gateway:
         """Start serving HTTP (idempotent)."""
         if self._runner is not None:
             return
-        from ares_gateway.server import build_app
+        from ares_gateway._routing import request_factory
+        from ares_gateway.server import build_routes
 
-        runner = web.AppRunner(
-            build_app(self),
-            handle_signals=False,
-            access_log=logging.getLogger("ares_gateway.access") if self.config.access_log else None,
+        http = web.Server(
+            build_routes(self),
+            request_factory=request_factory(self.config.max_body_bytes),
             # Cancel a parked handler when its agent disconnects, so the request is withdrawn.
             handler_cancellation=True,
+            access_log=logging.getLogger("ares_gateway.access") if self.config.access_log else None,
         )
+        runner = web.ServerRunner(http, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port, backlog=1024)
         await site.start()

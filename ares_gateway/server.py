@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 from pydantic import ValidationError
 
+from ares_gateway._routing import Handler, RouteTable
 from ares_gateway.broker import (
     Answer,
     ErrorAnswer,
@@ -60,7 +61,7 @@ class _Reject(Exception):
         self.param = param
 
 
-def _credential(request: web.Request) -> str | None:
+def _credential(request: web.BaseRequest) -> str | None:
     # Anthropic clients send x-api-key, OpenAI clients (and Claude Code with ANTHROPIC_AUTH_TOKEN) a Bearer token.
     return request.headers.get("x-api-key") or bearer_token(request.headers)
 
@@ -77,10 +78,9 @@ class _AgentAPI:
         headers = {"retry-after": "1"} if status in (429, 503, 529) else None
         return _json_response(adapter.error_body(status, message, param=param), status, headers)
 
-    def _session(self, request: web.Request) -> Session:
+    def _session(self, request: web.BaseRequest, sid: str | None) -> Session:
         gw = self.gw
         token = _credential(request)
-        sid = request.match_info.get("sid")
         if sid is not None:
             session = gw.sessions.find(sid)
             if session is None:
@@ -99,7 +99,7 @@ class _AgentAPI:
             raise _Reject(401, "invalid API key: no session has this token")
         return found
 
-    async def _body(self, request: web.Request) -> tuple[bytes, Any]:
+    async def _body(self, request: web.BaseRequest) -> tuple[bytes, Any]:
         """The body's bytes and its parsed JSON."""
         try:
             raw = await request.read()
@@ -116,13 +116,13 @@ class _AgentAPI:
 
     # -- LLM endpoints --------------------------------------------------------------------------
 
-    def completion_handler(self, protocol: WireProtocol, endpoint: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    def completion_handler(self, protocol: WireProtocol, endpoint: str) -> Handler:
         adapter = get_adapter(protocol)
 
-        async def handle(request: web.Request) -> web.StreamResponse:
+        async def handle(request: web.BaseRequest, sid: str | None) -> web.StreamResponse:
             gw = self.gw
             try:
-                session = self._session(request)
+                session = self._session(request, sid)
                 raw, body = await self._body(request)
                 try:
                     canonical = adapter.parse_request(body)
@@ -150,7 +150,7 @@ class _AgentAPI:
         return handle
 
     async def _render(
-        self, request: web.Request, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer
+        self, request: web.BaseRequest, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer
     ) -> web.StreamResponse:
         canonical = parked.request
         rid = _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.removeprefix("req_")
@@ -201,7 +201,7 @@ class _AgentAPI:
         return final if final is not None else acc.completion()
 
     async def _stream_deltas(
-        self, request: web.Request, adapter: ProtocolAdapter, parked: ParkedRequest, answer: StreamAnswer, rid: str
+        self, request: web.BaseRequest, adapter: ProtocolAdapter, parked: ParkedRequest, answer: StreamAnswer, rid: str
     ) -> web.StreamResponse:
         encoder = adapter.stream_encoder(parked.request, rid)
         resp = self._sse_response()
@@ -234,10 +234,10 @@ class _AgentAPI:
         await resp.write_eof()
         return resp
 
-    async def count_tokens(self, request: web.Request) -> web.Response:
+    async def count_tokens(self, request: web.BaseRequest, sid: str | None) -> web.Response:
         adapter = get_adapter(WireProtocol.ANTHROPIC_MESSAGES)
         try:
-            self._session(request)
+            self._session(request, sid)
             _, body = await self._body(request)
             try:
                 parse_count_tokens_request(body)
@@ -249,10 +249,10 @@ class _AgentAPI:
         size = len(orjson.dumps([body.get("system"), body["messages"], body.get("tools")]))
         return _json_response({"input_tokens": max(1, math.ceil(size / 4))})
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: web.BaseRequest, sid: str | None) -> web.Response:
         adapter = get_adapter(_protocol_for_path(request.path))
         try:
-            self._session(request)
+            self._session(request, sid)
         except _Reject as rej:
             return self._error(adapter, rej.status, rej.message)
         data = [
@@ -271,11 +271,11 @@ class _AgentAPI:
             {"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]}
         )
 
-    async def probe(self, request: web.Request) -> web.Response:
+    async def probe(self, request: web.BaseRequest, sid: str | None) -> web.Response:
         # Claude Code sends HEAD <base>/ at start-up, without credentials.
         return _json_response({"service": "ares-gateway", "status": "ok"})
 
-    async def responses_websocket(self, request: web.Request) -> web.Response:
+    async def responses_websocket(self, request: web.BaseRequest, sid: str | None) -> web.Response:
         adapter = get_adapter(WireProtocol.OPENAI_RESPONSES)
         # 426 makes Codex's built-in provider fall back to POST /v1/responses.
         return self._error(adapter, 426, "WebSocket transport is not supported; use POST /v1/responses")
@@ -287,7 +287,7 @@ class _ControlAPI:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
 
-    async def poll(self, request: web.Request) -> web.Response:
+    async def poll(self, request: web.BaseRequest, sid: str | None) -> web.Response:
         q = request.query
         try:
             wait = float(q.get("wait", "0"))
@@ -308,7 +308,7 @@ class _ControlAPI:
         body = b"[" + b",".join(p.poll_json(canonical=with_canonical) for p in items) + b"]"
         return web.Response(body=body, content_type=_JSON)
 
-    async def respond(self, request: web.Request) -> web.Response:
+    async def respond(self, request: web.BaseRequest, sid: str | None) -> web.Response:
         try:
             body = orjson.loads(await request.read())
         except web.HTTPRequestEntityTooLarge:
@@ -332,7 +332,7 @@ class _ControlAPI:
             return exc.status, {"id": rid, "status": "error", "code": exc.status, "error": str(exc)}
         return 200, {"id": rid, "status": "ok"}
 
-    async def create_session(self, request: web.Request) -> web.Response:
+    async def create_session(self, request: web.BaseRequest, sid: str | None) -> web.Response:
         body: Any = {}
         if request.can_read_body:
             try:
@@ -351,23 +351,26 @@ class _ControlAPI:
             return _control_error(400, str(exc))
         return _json_response(info.to_dict(), 201)
 
-    async def list_sessions(self, request: web.Request) -> web.Response:
+    async def list_sessions(self, request: web.BaseRequest, sid: str | None) -> web.Response:
         return _json_response([self.gw.session_summary(s.id) for s in self.gw.sessions])
 
-    async def get_session(self, request: web.Request) -> web.Response:
+    async def get_session(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+        assert sid is not None
         try:
-            return _json_response(self.gw.session_summary(request.match_info["sid"]))
+            return _json_response(self.gw.session_summary(sid))
         except GatewayError as exc:
             return _control_error(exc.status, str(exc))
 
-    async def delete_session(self, request: web.Request) -> web.Response:
+    async def delete_session(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+        assert sid is not None
         try:
-            cancelled = self.gw.delete_session_sync(request.match_info["sid"])
+            cancelled = self.gw.delete_session_sync(sid)
         except GatewayError as exc:
             return _control_error(exc.status, str(exc))
         return _json_response({"status": "ok", "cancelled": cancelled})
 
-    async def end_session(self, request: web.Request) -> web.Response:
+    async def end_session(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+        assert sid is not None
         try:
             body = orjson.loads(await request.read() or b"{}")
             if not isinstance(body, dict):
@@ -376,7 +379,7 @@ class _ControlAPI:
             if reward is not None and not isinstance(reward, int | float):
                 raise ValueError("reward must be a number")
             self.gw.end_session(
-                request.match_info["sid"], reward=reward, truncated=bool(body.get("truncated", False))
+                sid, reward=reward, truncated=bool(body.get("truncated", False))
             )
         except GatewayError as exc:
             return _control_error(exc.status, str(exc))
@@ -384,7 +387,8 @@ class _ControlAPI:
             return _control_error(400, str(exc))
         return _json_response({"status": "ok"})
 
-    async def trajectory(self, request: web.Request) -> web.Response:
+    async def trajectory(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+        assert sid is not None
         q = request.query
         try:
             reward = float(q.get("reward", "nan"))
@@ -393,23 +397,24 @@ class _ControlAPI:
             return _control_error(400, "reward must be a number and max_sample_tokens an integer")
         try:
             samples = self.gw.trajectory(
-                request.match_info["sid"], reward=None if math.isnan(reward) else reward, max_sample_tokens=max_tokens
+                sid, reward=None if math.isnan(reward) else reward, max_sample_tokens=max_tokens
             )
         except GatewayError as exc:
             return _control_error(exc.status, str(exc))
         return _json_response([s.to_dict() for s in samples])
 
-    async def turns(self, request: web.Request) -> web.Response:
+    async def turns(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+        assert sid is not None
         try:
-            turns = self.gw.turn_log(request.match_info["sid"])
+            turns = self.gw.turn_log(sid)
         except GatewayError as exc:
             return _control_error(exc.status, str(exc))
         return _json_response(turns)
 
-    async def healthz(self, request: web.Request) -> web.Response:
+    async def healthz(self, request: web.BaseRequest, sid: str | None) -> web.Response:
         return _json_response({"status": "ok", "sessions": len(self.gw.sessions), "parked": self.gw.broker.pending_count})
 
-    async def metrics(self, request: web.Request) -> web.Response:
+    async def metrics(self, request: web.BaseRequest, sid: str | None) -> web.Response:
         body = self.gw.metrics.render(self.gw.broker.pending_count)
         return web.Response(body=body, headers={"content-type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -451,19 +456,8 @@ def _parse_answer(item: dict[str, Any]) -> tuple[Answer | dict[str, Any], dict[s
     return value, tokens
 
 
-async def _not_routed(request: web.Request) -> web.Response:
-    """Unknown paths and wrong methods, answered in the shape of the API the client speaks.
-
-    A catch-all route rather than a middleware: a middleware would wrap every request,
-    this runs only for requests that no other route takes.
-    """
-    allowed: set[str] = set()
-    this = request.match_info.route.resource
-    for resource in request.app.router.resources():
-        if resource is this:
-            continue
-        _, methods = await resource.resolve(request)
-        allowed |= methods
+async def _not_routed(request: web.BaseRequest, allowed: frozenset[str]) -> web.Response:
+    """Unknown paths (404) and wrong methods (405), in the shape of the API the client speaks."""
     status, reason = (405, "Method Not Allowed") if allowed else (404, "Not Found")
     headers = {"allow": ",".join(sorted(allowed))} if allowed else None
     path = request.path
@@ -474,64 +468,49 @@ async def _not_routed(request: web.Request) -> web.Response:
     return _json_response({"status": "error", "code": status, "error": message}, status, headers)
 
 
-def build_app(gateway: Gateway) -> web.Application:
-    """The whole HTTP surface of one gateway."""
-    app = web.Application(client_max_size=gateway.config.max_body_bytes)
+def build_routes(gateway: Gateway) -> RouteTable:
+    """The whole HTTP surface of one gateway, as the request handler of an aiohttp ``web.Server``."""
     agent = _AgentAPI(gateway)
     control = _ControlAPI(gateway)
-
-    routes: list[web.RouteDef] = []
-    for prefix in ("", "/s/{sid}"):
-        for path, protocol in (
-            ("/v1/chat/completions", WireProtocol.OPENAI_CHAT),
-            ("/chat/completions", WireProtocol.OPENAI_CHAT),
-            ("/v1/messages", WireProtocol.ANTHROPIC_MESSAGES),
-            ("/v1/responses", WireProtocol.OPENAI_RESPONSES),
-            ("/responses", WireProtocol.OPENAI_RESPONSES),
-        ):
-            routes.append(web.post(prefix + path, agent.completion_handler(protocol, path)))
-        routes += [
-            web.post(prefix + "/v1/messages/count_tokens", agent.count_tokens),
-            web.get(prefix + "/v1/models", agent.models, allow_head=False),
-            web.get(prefix + "/models", agent.models, allow_head=False),
-            web.get(prefix + "/v1/responses", agent.responses_websocket, allow_head=False),
-        ]
-    routes += [
-        web.route("HEAD", "/", agent.probe),
-        web.get("/", agent.probe, allow_head=False),
-        web.route("HEAD", "/s/{sid}", agent.probe),
-        web.get("/s/{sid}", agent.probe, allow_head=False),
-        web.route("HEAD", "/s/{sid}/", agent.probe),
-        web.get("/s/{sid}/", agent.probe, allow_head=False),
-        web.get("/healthz", control.healthz),
-    ]
-    control_routes = [
-        web.get("/poll", control.poll),
-        web.post("/respond", control.respond),
-        web.post("/sessions", control.create_session),
-        web.get("/sessions", control.list_sessions),
-        web.get("/sessions/{sid}", control.get_session),
-        web.delete("/sessions/{sid}", control.delete_session),
-        web.post("/sessions/{sid}/end", control.end_session),
-        web.get("/sessions/{sid}/trajectory", control.trajectory),
-        web.get("/sessions/{sid}/turns", control.turns),
-        web.get("/metrics", control.metrics),
-    ]
-    app.add_routes(routes)
-    for route in control_routes:
-        app.router.add_route(route.method, route.path, _admin_only(gateway, route.handler))  # type: ignore[arg-type]
-    app.router.add_route("*", "/{tail:.*}", _not_routed)  # last: only what nothing else takes
-    return app
+    routes = RouteTable(fallback=_not_routed)
+    # Agent paths: at the root and under /s/{sid} (the session's base URL).
+    for path, protocol in (
+        ("/v1/chat/completions", WireProtocol.OPENAI_CHAT),
+        ("/chat/completions", WireProtocol.OPENAI_CHAT),
+        ("/v1/messages", WireProtocol.ANTHROPIC_MESSAGES),
+        ("/v1/responses", WireProtocol.OPENAI_RESPONSES),
+        ("/responses", WireProtocol.OPENAI_RESPONSES),
+    ):
+        routes.add_agent("POST", path, agent.completion_handler(protocol, path))
+    routes.add_agent("POST", "/v1/messages/count_tokens", agent.count_tokens)
+    routes.add_agent("GET", "/v1/models", agent.models)
+    routes.add_agent("GET", "/models", agent.models)
+    routes.add_agent("GET", "/v1/responses", agent.responses_websocket)
+    # Claude Code probes HEAD <base>/ at start-up.
+    routes.add_agent("GET,HEAD", "", agent.probe)
+    routes.add_agent("GET,HEAD", "/", agent.probe)
+    # Control paths (the admin token guards all but /healthz).
+    routes.add_control("GET,HEAD", "/healthz", control.healthz)
+    guard = partial(_admin_only, gateway)
+    routes.add_control("GET,HEAD", "/poll", guard(control.poll))
+    routes.add_control("POST", "/respond", guard(control.respond))
+    routes.add_control("POST", "/sessions", guard(control.create_session))
+    routes.add_control("GET,HEAD", "/sessions", guard(control.list_sessions))
+    routes.add_control("GET,HEAD", "/metrics", guard(control.metrics))
+    routes.add_session("GET,HEAD", "", guard(control.get_session))
+    routes.add_session("DELETE", "", guard(control.delete_session))
+    routes.add_session("POST", "/end", guard(control.end_session))
+    routes.add_session("GET,HEAD", "/trajectory", guard(control.trajectory))
+    routes.add_session("GET,HEAD", "/turns", guard(control.turns))
+    return routes
 
 
-def _admin_only(
-    gateway: Gateway, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    async def guarded(request: web.Request) -> web.StreamResponse:
+def _admin_only(gateway: Gateway, handler: Handler) -> Handler:
+    async def guarded(request: web.BaseRequest, sid: str | None) -> web.StreamResponse:
         if gateway.config.admin_token and not gateway._admin_ok(request.headers):
             return _control_error(401, "missing or wrong admin token: send Authorization: Bearer <admin token>")
         try:
-            return await handler(request)
+            return await handler(request, sid)
         except web.HTTPException as exc:  # e.g. a body over the size limit: answered in the control API's shape
             if exc.status < 400:
                 raise
@@ -540,4 +519,4 @@ def _admin_only(
     return guarded
 
 
-__all__ = ["build_app"]
+__all__ = ["build_routes"]

@@ -21,6 +21,8 @@ from ares_gateway import (
     UnknownRequestError,
 )
 
+from .conftest import ADMIN
+
 CHAT = "/v1/chat/completions"
 MSGS = "/v1/messages"
 RESP = "/v1/responses"
@@ -121,6 +123,54 @@ async def test_unknown_path_and_method_in_shape(gateway: Gateway, session: Sessi
             assert r.status == 404 and is_openai_error(await r.json())
         async with s.get(f"{session.base_url}/v1/messages") as r:
             assert r.status == 405 and is_anthropic_error(await r.json())
+            assert r.headers["allow"] == "POST"
+        async with s.delete(f"{gateway.url}/v1/responses") as r:
+            assert r.status == 405 and is_openai_error(await r.json())
+            assert r.headers["allow"] == "GET,POST"
+        for path in ("/s/", "/s//v1/chat/completions", "/sessions/", "/nowhere", "/s/x/poll"):
+            async with s.post(gateway.url + path) as r:
+                assert r.status == 404, path
+        async with s.put(f"{gateway.url}/sessions/{session.session_id}") as r:
+            body = await r.json()
+            assert r.status == 405 and body["code"] == 405 and r.headers["allow"] == "DELETE,GET,HEAD"
+
+
+async def test_probes_answer_at_every_base(gateway: Gateway, session: SessionInfo) -> None:
+    async with aiohttp.ClientSession() as s:
+        for base in (gateway.url, session.base_url):
+            for url in (base, base + "/"):
+                async with s.head(url) as r:
+                    assert r.status == 200 and await r.read() == b"", url
+                async with s.get(url) as r:
+                    assert r.status == 200 and (await r.json())["service"] == "ares-gateway", url
+
+
+async def test_expect_100_continue_is_honoured(gateway: Gateway) -> None:
+    # curl sends "Expect: 100-continue" with large bodies and waits for the interim answer.
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    body = b'{"session_id": "expect-test"}'
+    writer.write(
+        b"POST /sessions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + ADMIN.encode()
+        + b"\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: "
+        + str(len(body)).encode() + b"\r\n\r\n"
+    )
+    await writer.drain()
+    assert await asyncio.wait_for(reader.readline(), 5) == b"HTTP/1.1 100 Continue\r\n"
+    assert await reader.readline() == b"\r\n"
+    writer.write(body)
+    await writer.drain()
+    assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 201")
+    writer.close()
+    assert gateway.sessions.find("expect-test") is not None
+
+
+async def test_oversized_control_body_is_413_in_shape() -> None:
+    async with Gateway(port=0, max_body_bytes=4096) as gw, aiohttp.ClientSession() as s:
+        async with s.post(f"{gw.url}/respond", data=b"[" + b"1," * 5000 + b"1]") as r:
+            assert r.status == 413 and (await r.json())["code"] == 413
+        async with s.post(f"{gw.url}/sessions", data=b'{"metadata": "' + b"x" * 5000 + b'"}') as r:
+            assert r.status == 413 and (await r.json())["code"] == 413
+        assert len(gw.sessions) == 0
 
 
 async def test_respond_unknown_answered_and_gone(gateway: Gateway, session: SessionInfo, http: aiohttp.ClientSession) -> None:

@@ -1,0 +1,102 @@
+"""The gateway's route table, looked up with one dict access per request.
+
+The gateway serves a fixed set of paths, so it runs on aiohttp's low-level
+``web.Server`` with this table instead of ``web.Application``: aiohttp's router
+walks every prefix of the path and runs a regex per candidate, and the
+application wraps each request in match-info and middleware machinery. That
+came to about 13% of the instructions of a whole agent turn (docs/performance.md).
+
+Three kinds of path:
+
+* agent paths, served at the root and under ``/s/{sid}`` (``sid`` is then the session);
+* control paths at the root (``/poll``, ``/respond``, ...);
+* session control paths under ``/sessions/{sid}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from aiohttp.http import HttpVersion11
+
+#: A route's handler: the request and the ``{sid}`` of its path (``None`` when it has none).
+Handler = Callable[[web.BaseRequest, str | None], Awaitable[web.StreamResponse]]
+#: Answers what no route takes: (request, allowed methods of the path, empty when the path is unknown).
+Fallback = Callable[[web.BaseRequest, frozenset[str]], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class RouteTable:
+    """Method and path to handler, for the three kinds of path the gateway serves."""
+
+    fallback: Fallback
+    agent: dict[str, dict[str, Handler]] = field(default_factory=dict)
+    control: dict[str, dict[str, Handler]] = field(default_factory=dict)
+    session: dict[str, dict[str, Handler]] = field(default_factory=dict)
+
+    def add_agent(self, methods: str, path: str, handler: Handler) -> None:
+        """``path`` relative to the session base URL: ``""`` is the base itself, ``"/"`` its root."""
+        _add(self.agent, methods, path, handler)
+
+    def add_control(self, methods: str, path: str, handler: Handler) -> None:
+        _add(self.control, methods, path, handler)
+
+    def add_session(self, methods: str, suffix: str, handler: Handler) -> None:
+        """A path ``/sessions/{sid}`` + ``suffix``."""
+        _add(self.session, methods, suffix, handler)
+
+    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        path = request.path
+        sid: str | None = None
+        if path.startswith("/s/"):
+            sid, slash, rest = path[3:].partition("/")
+            table, key = self.agent, slash + rest
+        elif path.startswith("/sessions/"):
+            sid, slash, rest = path[10:].partition("/")
+            table, key = self.session, slash + rest
+        else:
+            table, key = (self.control, path) if path in self.control else (self.agent, path)
+        methods = table.get(key) if sid != "" else None
+        if methods is None:
+            return await self.fallback(request, frozenset())
+        handler = methods.get(request.method)
+        if handler is None:
+            return await self.fallback(request, frozenset(methods))
+        if "Expect" in request.headers:
+            await _expect(request)
+        return await handler(request, sid)
+
+
+def _add(table: dict[str, dict[str, Handler]], methods: str, path: str, handler: Handler) -> None:
+    slot = table.setdefault(path, {})
+    for method in methods.split(","):
+        if method in slot:
+            raise ValueError(f"two handlers for {method} {path!r}")
+        slot[method] = handler
+
+
+async def _expect(request: web.BaseRequest) -> None:
+    # What web.Application does for "Expect: 100-continue" (curl sends it with large bodies).
+    expect = request.headers["Expect"]
+    if request.version != HttpVersion11:
+        return
+    if expect.lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the interim response is not part of the body's size
+
+
+def request_factory(client_max_size: int) -> Callable[..., web.BaseRequest]:
+    """Requests with the gateway's body-size limit (``web.Server``'s default is 1 MiB).
+
+    Call it on the loop that will serve the requests.
+    """
+    loop = asyncio.get_running_loop()
+
+    def make(message, payload, protocol, writer, task):  # type: ignore[no-untyped-def]
+        return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=client_max_size)
+
+    return make

@@ -198,7 +198,7 @@ class _AgentAPI:
                 final = item
             else:
                 acc.add(item)
-        return final if final is not None else acc.completion()
+        return acc.settle(final)
 
     async def _stream_deltas(
         self, request: web.BaseRequest, adapter: ProtocolAdapter, parked: ParkedRequest, answer: StreamAnswer, rid: str
@@ -221,7 +221,7 @@ class _AgentAPI:
             if final is None:
                 final = acc.completion()
             await resp.write(encoder.finish(final))
-            self.gw.broker.record(parked, final)
+            self.gw.broker.record(parked, acc.settle(final))
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as exc:  # the policy's stream broke: end the agent's stream with an error event

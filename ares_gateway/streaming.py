@@ -32,6 +32,16 @@ class DeltaAccumulator:
             if delta.arguments:
                 slot["arguments"] += delta.arguments
 
+    def settle(self, final: Completion | None) -> Completion:
+        """The completion to record once the stream ends: the policy's final one if it sent
+        one (else what the deltas spell out), carrying the signature the agent was actually
+        sent, since the stream encoders never send a second one."""
+        if final is None:
+            return self.completion()
+        if self._signature and final.extra.get("signature") != self._signature:
+            return final.model_copy(update={"extra": {**final.extra, "signature": self._signature}})
+        return final
+
     def completion(self, finish_reason: str | None = None) -> Completion:
         calls = [
             ToolCall(

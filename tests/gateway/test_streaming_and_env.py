@@ -75,20 +75,30 @@ async def test_anthropic_stream_relayed_incrementally(gateway: Gateway, session:
     assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[1].input == {"command": "ls"}
 
 
-async def test_anthropic_stream_keeps_streamed_signature(gateway: Gateway, session: SessionInfo) -> None:
-    """Thinking deltas, a signature delta, then text, with no final Completion: the agent gets the
-    signature on its thinking block and the recorded turn (folded from the deltas) keeps it."""
+@pytest.mark.parametrize("final_extra", [None, {}, {"signature": "other"}])
+@pytest.mark.parametrize("agent_streams", [True, False])
+async def test_anthropic_stream_keeps_streamed_signature(
+    gateway: Gateway, session: SessionInfo, final_extra: dict[str, str] | None, agent_streams: bool
+) -> None:
+    """Thinking deltas, a signature delta, then text, and a final Completion that lacks the
+    signature, repeats a different one, or is absent: the agent gets the streamed signature on
+    its thinking block (as SSE or, drained, as JSON), and the recorded turn keeps that one."""
 
     async def gen() -> AsyncIterator[CompletionDelta | Completion]:
         yield CompletionDelta(reasoning="Let me ")
         yield CompletionDelta(reasoning="think.")
         yield CompletionDelta(signature="EqQBsig==")
         yield CompletionDelta(text="Done.")
+        if final_extra is not None:
+            yield Completion(reasoning="Let me think.", text="Done.", extra=final_extra)
 
     client = anthropic.AsyncAnthropic(base_url=session.base_url, api_key=session.token, max_retries=0)
 
     async def agent() -> Any:
-        async with client.messages.stream(model="m", max_tokens=10, messages=[{"role": "user", "content": "x"}]) as stream:
+        messages: Any = [{"role": "user", "content": "x"}]
+        if not agent_streams:
+            return await client.messages.create(model="m", max_tokens=10, messages=messages)
+        async with client.messages.stream(model="m", max_tokens=10, messages=messages) as stream:
             return await stream.get_final_message()
 
     task = asyncio.create_task(agent())

@@ -21,6 +21,7 @@ from enum import Enum
 from typing import Any
 
 import orjson
+from pydantic import BaseModel
 
 from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, TokenRecord, WireProtocol
 from ares_gateway.errors import (
@@ -132,8 +133,30 @@ class ParkedRequest:
             return orjson.dumps({**wire, "attempt": self.attempt})
         fragment = self._canonical
         if fragment is None:
-            fragment = self._canonical = orjson.Fragment(self.request.model_dump_json(exclude={"raw"}))
+            fragment = self._canonical = orjson.Fragment(_canonical_json(self.request))
         return orjson.dumps({**wire, "canonical": fragment, "attempt": self.attempt})
+
+
+def _model_fields(value: Any) -> dict[str, Any]:
+    if isinstance(value, BaseModel):
+        return value.__dict__
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _canonical_json(request: CanonicalRequest) -> bytes:
+    """``request.model_dump_json(exclude={"raw"})``, the same bytes at about half the cost.
+
+    The canonical models have no aliases, computed fields or custom serializers, so each
+    one serializes as its field dict; orjson walks those itself. Anything orjson cannot
+    encode (an integer over 64 bits put there in process, say) goes through pydantic.
+    The one difference: a NaN or infinity (which no JSON body can carry) is written as
+    ``null``, valid JSON, where pydantic writes ``NaN``.
+    """
+    fields = {k: v for k, v in request.__dict__.items() if k != "raw"}
+    try:
+        return orjson.dumps(fields, default=_model_fields)
+    except TypeError:  # orjson.JSONEncodeError is a TypeError
+        return request.model_dump_json(exclude={"raw"}).encode()
 
 
 class RecordedTurn:

@@ -136,7 +136,10 @@ def opt_num(d: dict[str, Any], key: str, param: str) -> float | None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         fail(f"'{param}' must be a number, got {_json_type(v)}", param)
-    return v
+    try:
+        return float(v)  # as the float-typed canonical fields hold it after validation
+    except OverflowError:  # an integer too large for a float (only from Python callers; JSON has none)
+        fail(f"'{param}' is out of range", param)
 
 
 def opt_bool(d: dict[str, Any], key: str, param: str) -> bool | None:

@@ -130,3 +130,23 @@ async def test_poll_json_equals_poll_item() -> None:
     await asyncio.sleep(0.05)
     again = await b.poll(max_items=2)
     assert [orjson.loads(p.poll_json())["attempt"] for p in again] == [2, 2]
+
+
+def test_polled_canonical_form_is_pydantics_json() -> None:
+    """/poll serializes the canonical form with orjson; it must be byte for byte what pydantic
+    writes, for real client bodies of each protocol and for values only pydantic can encode."""
+    from ares_gateway.broker import _canonical_json
+    from ares_gateway.protocols import get_adapter
+    from tests.protocols.test_anthropic_messages import claude_code_body
+    from tests.protocols.test_openai_chat import mini_swe_agent_body
+    from tests.protocols.test_openai_responses import codex_body
+
+    for protocol, body in (
+        (WireProtocol.ANTHROPIC_MESSAGES, claude_code_body()),
+        (WireProtocol.OPENAI_CHAT, mini_swe_agent_body()),
+        (WireProtocol.OPENAI_RESPONSES, codex_body()),
+    ):
+        req = get_adapter(protocol).parse_request(body)
+        assert _canonical_json(req) == req.model_dump_json(exclude={"raw"}).encode()
+    huge = _req().model_copy(update={"extra": {"seed": 2**70}})  # orjson refuses integers over 64 bits
+    assert _canonical_json(huge) == huge.model_dump_json(exclude={"raw"}).encode()

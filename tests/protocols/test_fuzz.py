@@ -9,6 +9,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ares_gateway.broker import _canonical_json
 from ares_gateway.canonical import Completion, ToolCall
 from ares_gateway.protocols import RequestError, get_adapter
 
@@ -77,6 +78,8 @@ def _exercise(proto: str, body: Any) -> None:
         assert e.message and e.status == 400
         return
     ad.render_request(r)
+    # what /poll sends as "canonical" is what pydantic would write
+    assert _canonical_json(r) == r.model_dump_json(exclude={"raw"}).encode()
     c = Completion(text="ok", reasoning="r", tool_calls=[ToolCall(id="call_1", name="f", arguments='{"a":1}')])
     ad.render_response(c, r, "x")
     enc = ad.stream_encoder(r, "x")

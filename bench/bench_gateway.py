@@ -8,8 +8,11 @@ gateway process through ``Gateway.next_request`` / ``respond``.
 
     python3 bench/bench_gateway.py                      # the full table (takes a few minutes)
     python3 bench/bench_gateway.py --agents 64 --mode http --body small --repeat 3
+    python3 bench/bench_gateway.py --instructions       # instructions per turn, under callgrind
 
-Reports turns/s, per-turn latency p50/p99 (agent side), and memory per parked request.
+Reports turns/s, per-turn latency p50/p99 (agent side), and memory per parked request;
+with ``--instructions``, the server process's instruction count per turn at one agent
+(callgrind), which does not move with the machine's load.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -306,7 +311,50 @@ def memory_case(count: int, body: str) -> float:
         gw.wait()
 
 
+def instructions_case(mode: str, impl: str, body: str, turns: tuple[int, int] = (100, 600)) -> float:
+    """Instructions the server process executes per turn (one agent), counted by callgrind.
+
+    Unlike wall-clock figures this does not move with what else the machine is doing. The
+    server runs under ``valgrind --tool=callgrind`` twice, for ``turns[0]`` and ``turns[1]``
+    turns; the difference over the extra turns leaves start-up out.
+    """
+    import uvloop
+
+    totals = []
+    for n in turns:
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        child = "_gateway" if impl == "gateway" else "_bare"
+        proc = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, __file__, child, str(port), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            proc.kill()
+            raise RuntimeError(f"{child} under valgrind failed to start: {proc.communicate()[1][-2000:]}")
+        responder = _spawn(["_responder", url]) if mode == "http" else None
+        try:
+            uvloop.run(_load(url, 1, n, body))
+        finally:
+            if responder is not None:
+                responder.kill()
+                responder.wait()
+            proc.terminate()
+            err = proc.communicate()[1]
+        found = re.search(r"Collected : (\d+)", err)
+        if found is None:
+            raise RuntimeError(f"callgrind reported no total: {err[-2000:]}")
+        totals.append(int(found.group(1)))
+    return (totals[1] - totals[0]) / (turns[1] - turns[0])
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1].startswith("_"):
+        # A child: SIGTERM ends it through exit(), so a profiler wrapping it (callgrind) reports.
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     if len(sys.argv) > 1 and sys.argv[1] == "_gateway":
         _gateway_main(int(sys.argv[2]), sys.argv[3])
         return
@@ -329,7 +377,19 @@ def main() -> None:
         choices=["gateway", "bare"],
         help="gateway (default) and/or bare: aiohttp parking on futures with no parsing, the floor to compare with",
     )
+    ap.add_argument(
+        "--instructions",
+        action="store_true",
+        help="instead of timing: instructions per turn of the server process at one agent, under callgrind",
+    )
     args = ap.parse_args()
+    if args.instructions:
+        for body in args.body or ["small", "large"]:
+            for mode in args.mode or ["inproc", "http"]:
+                for impl in args.impl or ["bare", "gateway"]:
+                    k = instructions_case(mode, impl, body) / 1000
+                    print(f"{impl:>7} {body:>5} {mode:>6} agents=   1  {k:8.0f} k instructions/turn", flush=True)
+        return
     rows = []
     for body in args.body or ["small", "large"]:
         for mode in args.mode or ["inproc", "http"]:

@@ -218,10 +218,9 @@ class _AgentAPI:
                 if isinstance(item, CompletionDelta):
                     acc.add(item)
                     await resp.write(encoder.feed(item))
-            if final is None:
-                final = acc.completion()
+            final = acc.settle(final)
             await resp.write(encoder.finish(final))
-            self.gw.broker.record(parked, acc.settle(final))
+            self.gw.broker.record(parked, final)
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as exc:  # the policy's stream broke: end the agent's stream with an error event
@@ -492,7 +491,7 @@ def build_routes(gateway: Gateway) -> RouteTable:
     # Control paths (the admin token guards all but /healthz).
     routes.add_control("GET,HEAD", "/healthz", control.healthz)
     guard = partial(_admin_only, gateway)
-    routes.add_control("GET,HEAD", "/poll", guard(control.poll))
+    routes.add_control("GET", "/poll", guard(control.poll))  # not HEAD: polling leases items
     routes.add_control("POST", "/respond", guard(control.respond))
     routes.add_control("POST", "/sessions", guard(control.create_session))
     routes.add_control("GET,HEAD", "/sessions", guard(control.list_sessions))

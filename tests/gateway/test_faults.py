@@ -130,6 +130,8 @@ async def test_unknown_path_and_method_in_shape(gateway: Gateway, session: Sessi
         for path in ("/s/", "/s//v1/chat/completions", "/sessions/", "/nowhere", "/s/x/poll"):
             async with s.post(gateway.url + path) as r:
                 assert r.status == 404, path
+        async with s.head(f"{gateway.url}/poll", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            assert r.status == 405 and r.headers["allow"] == "GET"  # a HEAD must not lease items
         async with s.put(f"{gateway.url}/sessions/{session.session_id}") as r:
             body = await r.json()
             assert r.status == 405 and body["code"] == 405 and r.headers["allow"] == "DELETE,GET,HEAD"

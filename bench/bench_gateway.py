@@ -80,9 +80,11 @@ def _gateway_main(port: int, mode: str) -> None:
     uvloop.run(main())
 
 
-def _bare_main(port: int, mode: str) -> None:
+def _bare_main(port: int, mode: str, lowlevel: bool = False) -> None:
     """The floor to compare against: aiohttp + uvloop parking each request on a future, answered
-    in process or through /poll + /respond, with no parsing, auth, canonical form or recording."""
+    in process or through /poll + /respond, with no parsing, auth, canonical form or recording.
+    ``lowlevel``: on aiohttp's low-level ``web.Server`` (as the gateway serves) instead of
+    ``web.Application``."""
     import itertools
 
     import orjson
@@ -117,11 +119,23 @@ def _bare_main(port: int, mode: str) -> None:
                 pending.pop(item["id"]).set_result(answer)
             return web.Response(body=b'{"status":"ok"}', content_type="application/json")
 
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/s/{sid}/v1/{tail:.*}", agent)
-        app.router.add_get("/poll", poll)
-        app.router.add_post("/respond", respond)
-        runner = web.AppRunner(app, access_log=None)
+        runner: web.BaseRunner
+        if lowlevel:
+
+            async def dispatch(request: web.BaseRequest) -> web.Response:
+                if request.path == "/poll":
+                    return await poll(request)  # type: ignore[arg-type]
+                if request.path == "/respond":
+                    return await respond(request)  # type: ignore[arg-type]
+                return await agent(request)  # type: ignore[arg-type]
+
+            runner = web.ServerRunner(web.Server(dispatch, access_log=None))
+        else:
+            app = web.Application(client_max_size=64 * 1024 * 1024)
+            app.router.add_post("/s/{sid}/v1/{tail:.*}", agent)
+            app.router.add_get("/poll", poll)
+            app.router.add_post("/respond", respond)
+            runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         print("ready", flush=True)
@@ -275,7 +289,7 @@ def run_case(mode: str, agents: int, turns: int, body: str, repeat: int, impl: s
     for _ in range(repeat):
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        gw = _spawn(["_gateway" if impl == "gateway" else "_bare", str(port), mode])
+        gw = _spawn([f"_{impl}", str(port), mode])
         responder = _spawn(["_responder", url]) if mode == "http" else None
         try:
             pids = (gw.pid,) if responder is None else (gw.pid, responder.pid)
@@ -324,7 +338,7 @@ def instructions_case(mode: str, impl: str, body: str, turns: tuple[int, int] = 
     for n in turns:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        child = "_gateway" if impl == "gateway" else "_bare"
+        child = f"_{impl}"
         proc = subprocess.Popen(
             ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, __file__, child, str(port), mode],
             stdout=subprocess.PIPE,
@@ -358,8 +372,8 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_gateway":
         _gateway_main(int(sys.argv[2]), sys.argv[3])
         return
-    if len(sys.argv) > 1 and sys.argv[1] == "_bare":
-        _bare_main(int(sys.argv[2]), sys.argv[3])
+    if len(sys.argv) > 1 and sys.argv[1] in ("_bare", "_bare-ll"):
+        _bare_main(int(sys.argv[2]), sys.argv[3], lowlevel=sys.argv[1] == "_bare-ll")
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_responder":
         _responder_main(sys.argv[2])
@@ -374,8 +388,9 @@ def main() -> None:
     ap.add_argument(
         "--impl",
         action="append",
-        choices=["gateway", "bare"],
-        help="gateway (default) and/or bare: aiohttp parking on futures with no parsing, the floor to compare with",
+        choices=["gateway", "bare", "bare-ll"],
+        help="gateway (default), bare (aiohttp web.Application parking on futures with no parsing: the floor "
+        "to compare with) and/or bare-ll (the same on aiohttp's low-level web.Server, as the gateway serves)",
     )
     ap.add_argument(
         "--instructions",

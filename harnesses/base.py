@@ -82,8 +82,8 @@ def npm_install_steps(prefix: str, package: str, version: str) -> list[tuple[str
 def header_value(headers: Mapping[str, str], name: str) -> str | None:
     """A request header by lower-case ``name``, whatever case the mapping keeps.
 
-    Gateway handlers pass aiohttp's case-insensitive headers (a direct lookup); a plain
-    dict is case-sensitive, so it is scanned.
+    Gateway handlers pass aiohttp's headers, which look up case-insensitively (as httpx's do),
+    so other mappings get a direct lookup; a plain dict is case-sensitive, so it is scanned.
     """
     if not isinstance(headers, dict):
         return headers.get(name)
@@ -91,6 +91,7 @@ def header_value(headers: Mapping[str, str], name: str) -> str | None:
         if k.lower() == name:
             return v
     return None
+
 
 @dataclass(frozen=True)
 class HarnessContext:

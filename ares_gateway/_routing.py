@@ -16,6 +16,7 @@ Three kinds of path:
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -50,6 +51,8 @@ class RouteTable:
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path
+        if "//" in path:  # a base URL configured with a trailing slash, joined with "/v1/...": as nginx does
+            path = _SLASHES.sub("/", path)
         sid: str | None = None
         if path.startswith("/s/"):
             sid, slash, rest = path[3:].partition("/")
@@ -68,6 +71,9 @@ class RouteTable:
         if "Expect" in request.headers:
             await _expect(request)
         return await handler(request, sid)
+
+
+_SLASHES = re.compile("/{2,}")
 
 
 def _add(table: dict[str, dict[str, Handler]], methods: str, path: str, handler: Handler) -> None:

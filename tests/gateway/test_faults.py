@@ -127,7 +127,7 @@ async def test_unknown_path_and_method_in_shape(gateway: Gateway, session: Sessi
         async with s.delete(f"{gateway.url}/v1/responses") as r:
             assert r.status == 405 and is_openai_error(await r.json())
             assert r.headers["allow"] == "GET,POST"
-        for path in ("/s/", "/s//v1/chat/completions", "/sessions/", "/nowhere", "/s/x/poll"):
+        for path in ("/s/", "/s//v1/chat/completions", "/sessions/", "/nowhere", "/s/x/poll", "//s/"):
             async with s.post(gateway.url + path) as r:
                 assert r.status == 404, path
         async with s.head(f"{gateway.url}/poll", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
@@ -135,6 +135,17 @@ async def test_unknown_path_and_method_in_shape(gateway: Gateway, session: Sessi
         async with s.put(f"{gateway.url}/sessions/{session.session_id}") as r:
             body = await r.json()
             assert r.status == 405 and body["code"] == 405 and r.headers["allow"] == "DELETE,GET,HEAD"
+
+
+async def test_base_url_with_trailing_slash_still_routes(gateway: Gateway, session: SessionInfo) -> None:
+    # ANTHROPIC_BASE_URL=".../s/{sid}/" joined with "/v1/messages" gives a double slash.
+    body = json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
+    agent = asyncio.create_task(post(session.base_url + "//v1/messages", body, session.token, anthropic_style=True))
+    req = await gateway.next_request(session=session.session_id, timeout=5)
+    assert req is not None and req.endpoint == "/v1/messages"
+    await gateway.respond(req.id, "ok")
+    code, out = await agent
+    assert code == 200 and out["content"][0]["text"] == "ok"
 
 
 async def test_probes_answer_at_every_base(gateway: Gateway, session: SessionInfo) -> None:

@@ -418,8 +418,8 @@ class _ControlAPI:
         return web.Response(body=body, headers={"content-type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def _control_error(status: int, message: str) -> web.Response:
-    return _json_response({"status": "error", "code": status, "error": message}, status)
+def _control_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return _json_response({"status": "error", "code": status, "error": message}, status, headers)
 
 
 def _parse_answer(item: dict[str, Any]) -> tuple[Answer | dict[str, Any], dict[str, Any] | None]:
@@ -464,7 +464,7 @@ async def _not_routed(request: web.BaseRequest, allowed: frozenset[str]) -> web.
     if path.startswith(("/v1", "/s/")) or "/v1/" in path:
         adapter = get_adapter(_protocol_for_path(path))
         return _json_response(adapter.error_body(status, message), status, headers)
-    return _json_response({"status": "error", "code": status, "error": message}, status, headers)
+    return _control_error(status, message, headers)
 
 
 def build_routes(gateway: Gateway) -> RouteTable:

@@ -79,6 +79,17 @@ def npm_install_steps(prefix: str, package: str, version: str) -> list[tuple[str
     ]
 
 
+def pip_install_step(prefix: str, package: str, version: str) -> tuple[str, str]:
+    """The install step of a PyPI-distributed agent: a pinned install into the virtual environment at ``prefix``."""
+    return (f"pip install {package}=={version}",
+            f"{shlex.quote(prefix)}/bin/pip install --quiet --disable-pip-version-check {package}=={version}")
+
+
+def pip_version_command(prefix: str, package: str) -> str:
+    """A command printing the version of ``package`` installed in the virtual environment at ``prefix``."""
+    return f"{shlex.quote(prefix)}/bin/python -c \"import importlib.metadata as m; print(m.version('{package}'))\""
+
+
 def header_value(headers: Mapping[str, str], name: str) -> str | None:
     """A request header by lower-case ``name``, whatever case the mapping keeps.
 

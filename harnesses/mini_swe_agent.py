@@ -15,7 +15,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .base import BaseHarness, HarnessContext, Prepared
+from .base import BaseHarness, HarnessContext, Prepared, pip_install_step, pip_version_command
 
 PYPI_PACKAGE = "mini-swe-agent"
 
@@ -34,13 +34,11 @@ class MiniSweAgentHarness(BaseHarness):
             ("check python", f"{py} -c 'import sys, venv; assert sys.version_info >= (3, 10), sys.version' || "
                              "{ echo 'python >= 3.10 with venv is needed (apt-get install python3-venv)' >&2; exit 127; }"),
             ("create the virtual environment", f"rm -rf {q} && {py} -m venv {q}"),
-            (f"pip install {PYPI_PACKAGE}=={self.version}",
-             f"{q}/bin/pip install --quiet --disable-pip-version-check {PYPI_PACKAGE}=={self.version}"),
+            pip_install_step(prefix, PYPI_PACKAGE, self.version),
         ]
 
     def version_command(self, prefix: str) -> str:
-        return (f"{shlex.quote(prefix)}/bin/python -c "
-                f"\"import importlib.metadata as m; print(m.version('{PYPI_PACKAGE}'))\"")
+        return pip_version_command(prefix, PYPI_PACKAGE)
 
     def agent_env(self, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
         return {

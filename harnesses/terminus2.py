@@ -19,7 +19,14 @@ from typing import Any
 
 from sandbox import Sandbox
 
-from .base import BaseHarness, HarnessContext, HarnessLaunchError, Prepared
+from .base import (
+    BaseHarness,
+    HarnessContext,
+    HarnessLaunchError,
+    Prepared,
+    pip_install_step,
+    pip_version_command,
+)
 
 PYPI_PACKAGE = "harbor"
 DRIVER = "terminus2_driver.py"
@@ -82,13 +89,11 @@ class Terminus2Harness(BaseHarness):
                            "|| { echo 'tmux is needed (apt-get install tmux)' >&2; exit 127; }"),
             ("find Python >= 3.12", find_python),
             ("create the virtual environment", f"py=$({find_python}) && rm -rf {q} && \"$py\" -m venv {q}"),
-            (f"pip install {PYPI_PACKAGE}=={self.version}",
-             f"{q}/bin/pip install --quiet --disable-pip-version-check {PYPI_PACKAGE}=={self.version}"),
+            pip_install_step(prefix, PYPI_PACKAGE, self.version),
         ]
 
     def version_command(self, prefix: str) -> str:
-        return (f"{shlex.quote(prefix)}/bin/python -c "
-                f"\"import importlib.metadata as m; print(m.version('{PYPI_PACKAGE}'))\" && command -v tmux >/dev/null")
+        return pip_version_command(prefix, PYPI_PACKAGE) + " && command -v tmux >/dev/null"
 
     async def write_config(self, sandbox: Sandbox, ctx: HarnessContext) -> None:
         prep = self._prepared[sandbox.id]

@@ -1,10 +1,9 @@
 """The gateway's route table, looked up with one dict access per request.
 
-The gateway serves a fixed set of paths, so it runs on aiohttp's low-level
-``web.Server`` with this table instead of ``web.Application``: aiohttp's router
-walks every prefix of the path and runs a regex per candidate, and the
-application wraps each request in match-info and middleware machinery. That
-came to about 13% of the instructions of a whole agent turn (docs/performance.md).
+The gateway serves a fixed set of paths, so a dict lookup finds a handler; a
+general router (aiohttp's walks every prefix of the path and runs a regex per
+candidate, then wraps the request in match-info and middleware machinery) came
+to about 13% of the instructions of a whole agent turn (docs/performance.md).
 
 Three kinds of path:
 
@@ -15,18 +14,16 @@ Three kinds of path:
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from aiohttp import web
-from aiohttp.http import HttpVersion11
+from ares_gateway._http import Request, Response, StreamResponse
 
 #: A route's handler: the request and the ``{sid}`` of its path (``None`` when it has none).
-Handler = Callable[[web.BaseRequest, str | None], Awaitable[web.StreamResponse]]
+Handler = Callable[[Request, str | None], Awaitable[Response | StreamResponse]]
 #: Answers what no route takes: (request, allowed methods of the path, empty when the path is unknown).
-Fallback = Callable[[web.BaseRequest, frozenset[str]], Awaitable[web.StreamResponse]]
+Fallback = Callable[[Request, frozenset[str]], Awaitable[Response]]
 
 
 @dataclass
@@ -49,7 +46,7 @@ class RouteTable:
         """A path ``/sessions/{sid}`` + ``suffix``."""
         _add(self.session, methods, suffix, handler)
 
-    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def __call__(self, request: Request) -> Response | StreamResponse:
         path = request.path
         if "//" in path:  # a base URL configured with a trailing slash, joined with "/v1/...": as nginx does
             path = _SLASHES.sub("/", path)
@@ -68,8 +65,6 @@ class RouteTable:
         handler = methods.get(request.method)
         if handler is None:
             return await self.fallback(request, frozenset(methods))
-        if "Expect" in request.headers:
-            await _expect(request)
         return await handler(request, sid)
 
 
@@ -82,27 +77,3 @@ def _add(table: dict[str, dict[str, Handler]], methods: str, path: str, handler:
         if method in slot:
             raise ValueError(f"two handlers for {method} {path!r}")
         slot[method] = handler
-
-
-async def _expect(request: web.BaseRequest) -> None:
-    # What web.Application does for "Expect: 100-continue" (curl sends it with large bodies).
-    expect = request.headers["Expect"]
-    if request.version != HttpVersion11:
-        return
-    if expect.lower() != "100-continue":
-        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
-    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    request.writer.output_size = 0  # the interim response is not part of the body's size
-
-
-def request_factory(client_max_size: int) -> Callable[..., web.BaseRequest]:
-    """Requests with the gateway's body-size limit (``web.Server``'s default is 1 MiB).
-
-    Call it on the loop that will serve the requests.
-    """
-    loop = asyncio.get_running_loop()
-
-    def make(message, payload, protocol, writer, task):  # type: ignore[no-untyped-def]
-        return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=client_max_size)
-
-    return make

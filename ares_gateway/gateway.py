@@ -15,8 +15,7 @@ from collections.abc import AsyncIterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
-
+from ares_gateway._http import HttpServer
 from ares_gateway.broker import Broker, ErrorAnswer, ParkedRequest, RecordedTurn
 from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, TokenRecord, WireProtocol
 from ares_gateway.errors import InvalidAnswerError, UnknownSessionError
@@ -87,41 +86,33 @@ class Gateway:
             coerce_native=self._coerce_native,
             metrics=self.metrics,
         )
-        self._runner: web.ServerRunner | None = None
+        self._http: HttpServer | None = None
         self._port: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Start serving HTTP (idempotent)."""
-        if self._runner is not None:
+        if self._http is not None:
             return
-        from ares_gateway._routing import request_factory
-        from ares_gateway.server import build_routes
+        from ares_gateway.server import build_routes, error_response
 
-        http = web.Server(
+        http = HttpServer(
             build_routes(self),
-            request_factory=request_factory(self.config.max_body_bytes),
-            # Cancel a parked handler when its agent disconnects, so the request is withdrawn.
-            handler_cancellation=True,
-            access_log=logging.getLogger("ares_gateway.access") if self.config.access_log else None,
+            error_response,
+            max_body_bytes=self.config.max_body_bytes,
+            access_log=self.config.access_log,
         )
-        runner = web.ServerRunner(http, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port, backlog=1024)
-        await site.start()
-        self._runner = runner
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self._port = sockets[0].getsockname()[1] if sockets else self.config.port
+        self._port = await http.start(self.config.host, self.config.port)
+        self._http = http
         log.info("ares-gateway listening on %s", self.url)
 
     async def close(self) -> None:
         """Fail every parked request and stop serving."""
         self.broker.close()
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            await runner.cleanup()
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.close()
 
     async def __aenter__(self) -> Gateway:
         await self.start()

@@ -1,4 +1,4 @@
-"""The aiohttp application: the agent-facing LLM APIs and the policy-facing control API."""
+"""The gateway's HTTP surface: the agent-facing LLM APIs and the policy-facing control API."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from aiohttp import web
 from pydantic import ValidationError
 
+from ares_gateway._http import Request, Response, StreamResponse
 from ares_gateway._routing import Handler, RouteTable
 from ares_gateway.broker import (
     Answer,
@@ -41,8 +41,8 @@ _RESPONSE_ID_PREFIX = {
 }
 
 
-def _json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type=_JSON, headers=headers)
+def _json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status, _JSON, headers)
 
 
 def _protocol_for_path(path: str) -> WireProtocol:
@@ -61,7 +61,7 @@ class _Reject(Exception):
         self.param = param
 
 
-def _credential(request: web.BaseRequest) -> str | None:
+def _credential(request: Request) -> str | None:
     # Anthropic clients send x-api-key, OpenAI clients (and Claude Code with ANTHROPIC_AUTH_TOKEN) a Bearer token.
     return request.headers.get("x-api-key") or bearer_token(request.headers)
 
@@ -74,11 +74,11 @@ class _AgentAPI:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _error(self, adapter: ProtocolAdapter, status: int, message: str, param: str | None = None) -> web.Response:
+    def _error(self, adapter: ProtocolAdapter, status: int, message: str, param: str | None = None) -> Response:
         headers = {"retry-after": "1"} if status in (429, 503, 529) else None
         return _json_response(adapter.error_body(status, message, param=param), status, headers)
 
-    def _session(self, request: web.BaseRequest, sid: str | None) -> Session:
+    def _session(self, request: Request, sid: str | None) -> Session:
         gw = self.gw
         token = _credential(request)
         if sid is not None:
@@ -99,14 +99,11 @@ class _AgentAPI:
             raise _Reject(401, "invalid API key: no session has this token")
         return found
 
-    async def _body(self, request: web.BaseRequest) -> tuple[bytes, Any]:
+    def _body(self, request: Request) -> tuple[bytes, Any]:
         """The body's bytes and its parsed JSON."""
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise _Reject(
-                413, f"request body exceeds the gateway's limit of {self.gw.config.max_body_bytes} bytes"
-            ) from None
+        if request.body_too_large:
+            raise _Reject(413, f"request body exceeds the gateway's limit of {self.gw.config.max_body_bytes} bytes")
+        raw = request.body
         if not raw:
             raise _Reject(400, "request body is empty: send a JSON object")
         try:
@@ -119,11 +116,11 @@ class _AgentAPI:
     def completion_handler(self, protocol: WireProtocol, endpoint: str) -> Handler:
         adapter = get_adapter(protocol)
 
-        async def handle(request: web.BaseRequest, sid: str | None) -> web.StreamResponse:
+        async def handle(request: Request, sid: str | None) -> Response | StreamResponse:
             gw = self.gw
             try:
                 session = self._session(request, sid)
-                raw, body = await self._body(request)
+                raw, body = self._body(request)
                 try:
                     canonical = adapter.parse_request(body)
                 except RequestError as exc:
@@ -150,8 +147,8 @@ class _AgentAPI:
         return handle
 
     async def _render(
-        self, request: web.BaseRequest, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer
-    ) -> web.StreamResponse:
+        self, request: Request, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer
+    ) -> Response | StreamResponse:
         canonical = parked.request
         rid = _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.removeprefix("req_")
         if isinstance(answer, ErrorAnswer):
@@ -182,13 +179,8 @@ class _AgentAPI:
         return resp
 
     @staticmethod
-    def _sse_response() -> web.StreamResponse:
-        resp = web.StreamResponse(
-            status=200,
-            headers={"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"},
-        )
-        resp.enable_chunked_encoding()
-        return resp
+    def _sse_response() -> StreamResponse:
+        return StreamResponse(200, {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"})
 
     async def _drain(self, answer: StreamAnswer) -> Completion:
         acc = DeltaAccumulator()
@@ -201,8 +193,8 @@ class _AgentAPI:
         return acc.settle(final)
 
     async def _stream_deltas(
-        self, request: web.BaseRequest, adapter: ProtocolAdapter, parked: ParkedRequest, answer: StreamAnswer, rid: str
-    ) -> web.StreamResponse:
+        self, request: Request, adapter: ProtocolAdapter, parked: ParkedRequest, answer: StreamAnswer, rid: str
+    ) -> Response | StreamResponse:
         encoder = adapter.stream_encoder(parked.request, rid)
         resp = self._sse_response()
         await resp.prepare(request)
@@ -233,11 +225,11 @@ class _AgentAPI:
         await resp.write_eof()
         return resp
 
-    async def count_tokens(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def count_tokens(self, request: Request, sid: str | None) -> Response:
         adapter = get_adapter(WireProtocol.ANTHROPIC_MESSAGES)
         try:
             self._session(request, sid)
-            _, body = await self._body(request)
+            _, body = self._body(request)
             try:
                 parse_count_tokens_request(body)
             except RequestError as exc:
@@ -248,7 +240,7 @@ class _AgentAPI:
         size = len(orjson.dumps([body.get("system"), body["messages"], body.get("tools")]))
         return _json_response({"input_tokens": max(1, math.ceil(size / 4))})
 
-    async def models(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def models(self, request: Request, sid: str | None) -> Response:
         adapter = get_adapter(_protocol_for_path(request.path))
         try:
             self._session(request, sid)
@@ -270,11 +262,11 @@ class _AgentAPI:
             {"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]}
         )
 
-    async def probe(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def probe(self, request: Request, sid: str | None) -> Response:
         # Claude Code sends HEAD <base>/ at start-up, without credentials.
         return _json_response({"service": "ares-gateway", "status": "ok"})
 
-    async def responses_websocket(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def responses_websocket(self, request: Request, sid: str | None) -> Response:
         adapter = get_adapter(WireProtocol.OPENAI_RESPONSES)
         # 426 makes Codex's built-in provider fall back to POST /v1/responses.
         return self._error(adapter, 426, "WebSocket transport is not supported; use POST /v1/responses")
@@ -286,7 +278,7 @@ class _ControlAPI:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
 
-    async def poll(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def poll(self, request: Request, sid: str | None) -> Response:
         q = request.query
         try:
             wait = float(q.get("wait", "0"))
@@ -304,14 +296,11 @@ class _ControlAPI:
             items = await self.gw.broker.poll(session, max_items=max_items, wait=wait, lease=lease)
         except GatewayError as exc:
             return _control_error(exc.status, str(exc))
-        body = b"[" + b",".join(p.poll_json(canonical=with_canonical) for p in items) + b"]"
-        return web.Response(body=body, content_type=_JSON)
+        return Response(b"[" + b",".join(p.poll_json(canonical=with_canonical) for p in items) + b"]")
 
-    async def respond(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def respond(self, request: Request, sid: str | None) -> Response:
         try:
-            body = orjson.loads(await request.read())
-        except web.HTTPRequestEntityTooLarge:
-            return _control_error(413, "body too large")
+            body = orjson.loads(request.body)
         except orjson.JSONDecodeError as exc:
             return _control_error(400, f"body is not valid JSON: {exc}")
         if isinstance(body, list):
@@ -331,11 +320,11 @@ class _ControlAPI:
             return exc.status, {"id": rid, "status": "error", "code": exc.status, "error": str(exc)}
         return 200, {"id": rid, "status": "ok"}
 
-    async def create_session(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def create_session(self, request: Request, sid: str | None) -> Response:
         body: Any = {}
         if request.can_read_body:
             try:
-                body = orjson.loads(await request.read() or b"{}")
+                body = orjson.loads(request.body or b"{}")
             except orjson.JSONDecodeError as exc:
                 return _control_error(400, f"body is not valid JSON: {exc}")
         if not isinstance(body, dict):
@@ -350,17 +339,17 @@ class _ControlAPI:
             return _control_error(400, str(exc))
         return _json_response(info.to_dict(), 201)
 
-    async def list_sessions(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def list_sessions(self, request: Request, sid: str | None) -> Response:
         return _json_response([self.gw.session_summary(s.id) for s in self.gw.sessions])
 
-    async def get_session(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def get_session(self, request: Request, sid: str | None) -> Response:
         assert sid is not None
         try:
             return _json_response(self.gw.session_summary(sid))
         except GatewayError as exc:
             return _control_error(exc.status, str(exc))
 
-    async def delete_session(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def delete_session(self, request: Request, sid: str | None) -> Response:
         assert sid is not None
         try:
             cancelled = self.gw.delete_session_sync(sid)
@@ -368,10 +357,10 @@ class _ControlAPI:
             return _control_error(exc.status, str(exc))
         return _json_response({"status": "ok", "cancelled": cancelled})
 
-    async def end_session(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def end_session(self, request: Request, sid: str | None) -> Response:
         assert sid is not None
         try:
-            body = orjson.loads(await request.read() or b"{}")
+            body = orjson.loads(request.body or b"{}")
             if not isinstance(body, dict):
                 raise ValueError("body must be a JSON object")
             reward = body.get("reward")
@@ -386,7 +375,7 @@ class _ControlAPI:
             return _control_error(400, str(exc))
         return _json_response({"status": "ok"})
 
-    async def trajectory(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def trajectory(self, request: Request, sid: str | None) -> Response:
         assert sid is not None
         q = request.query
         try:
@@ -402,7 +391,7 @@ class _ControlAPI:
             return _control_error(exc.status, str(exc))
         return _json_response([s.to_dict() for s in samples])
 
-    async def turns(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def turns(self, request: Request, sid: str | None) -> Response:
         assert sid is not None
         try:
             turns = self.gw.turn_log(sid)
@@ -410,15 +399,15 @@ class _ControlAPI:
             return _control_error(exc.status, str(exc))
         return _json_response(turns)
 
-    async def healthz(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def healthz(self, request: Request, sid: str | None) -> Response:
         return _json_response({"status": "ok", "sessions": len(self.gw.sessions), "parked": self.gw.broker.pending_count})
 
-    async def metrics(self, request: web.BaseRequest, sid: str | None) -> web.Response:
+    async def metrics(self, request: Request, sid: str | None) -> Response:
         body = self.gw.metrics.render(self.gw.broker.pending_count)
-        return web.Response(body=body, headers={"content-type": "text/plain; version=0.0.4; charset=utf-8"})
+        return Response(body, content_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _control_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+def _control_error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return _json_response({"status": "error", "code": status, "error": message}, status, headers)
 
 
@@ -455,20 +444,24 @@ def _parse_answer(item: dict[str, Any]) -> tuple[Answer | dict[str, Any], dict[s
     return value, tokens
 
 
-async def _not_routed(request: web.BaseRequest, allowed: frozenset[str]) -> web.Response:
-    """Unknown paths (404) and wrong methods (405), in the shape of the API the client speaks."""
-    status, reason = (405, "Method Not Allowed") if allowed else (404, "Not Found")
-    headers = {"allow": ",".join(sorted(allowed))} if allowed else None
+def error_response(request: Request, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    """An error in the shape of the API the request's path belongs to (an LLM API's, or the control API's)."""
     path = request.path
-    message = f"{reason}: {request.method} {path}"
     if path.startswith(("/v1", "/s/")) or "/v1/" in path:
         adapter = get_adapter(_protocol_for_path(path))
         return _json_response(adapter.error_body(status, message), status, headers)
     return _control_error(status, message, headers)
 
 
+async def _not_routed(request: Request, allowed: frozenset[str]) -> Response:
+    """Unknown paths (404) and wrong methods (405), in the shape of the API the client speaks."""
+    status, reason = (405, "Method Not Allowed") if allowed else (404, "Not Found")
+    headers = {"allow": ",".join(sorted(allowed))} if allowed else None
+    return error_response(request, status, f"{reason}: {request.method} {request.path}", headers)
+
+
 def build_routes(gateway: Gateway) -> RouteTable:
-    """The whole HTTP surface of one gateway, as the request handler of an aiohttp ``web.Server``."""
+    """The whole HTTP surface of one gateway: the handler of its :class:`~ares_gateway._http.HttpServer`."""
     agent = _AgentAPI(gateway)
     control = _ControlAPI(gateway)
     routes = RouteTable(fallback=_not_routed)
@@ -505,17 +498,16 @@ def build_routes(gateway: Gateway) -> RouteTable:
 
 
 def _admin_only(gateway: Gateway, handler: Handler) -> Handler:
-    async def guarded(request: web.BaseRequest, sid: str | None) -> web.StreamResponse:
+    async def guarded(request: Request, sid: str | None) -> Response | StreamResponse:
         if gateway.config.admin_token and not gateway._admin_ok(request.headers):
             return _control_error(401, "missing or wrong admin token: send Authorization: Bearer <admin token>")
-        try:
-            return await handler(request, sid)
-        except web.HTTPException as exc:  # e.g. a body over the size limit: answered in the control API's shape
-            if exc.status < 400:
-                raise
-            return _control_error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+        if request.body_too_large:
+            return _control_error(
+                413, f"request body exceeds the gateway's limit of {gateway.config.max_body_bytes} bytes"
+            )
+        return await handler(request, sid)
 
     return guarded
 
 
-__all__ = ["build_routes"]
+__all__ = ["build_routes", "error_response"]

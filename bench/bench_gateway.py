@@ -27,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -159,7 +160,8 @@ def _responder_main(url: str) -> None:
             while True:
                 async with s.get(f"{url}/poll", params={"wait": "30", "max": "1024"}) as r:
                     items = orjson.loads(await r.read())
-                if not items:
+                if not items:  # only the Go proxy's non-blocking /poll comes back empty: back off a little
+                    await asyncio.sleep(0.001)
                     continue
                 payload = [{"id": it["id"], "completion": {"text": "ok"}} for it in items]
                 async with s.post(f"{url}/respond", data=orjson.dumps(payload), headers={"content-type": "application/json"}) as r:
@@ -272,8 +274,20 @@ async def _parked_memory(url: str, pid: int, count: int, body_kind: str) -> floa
     return (after - before) / count
 
 
+def _go_proxy() -> str:
+    """Build bench/go_proxy (the Go reference of the ares-proxy design) once; needs a Go toolchain."""
+    exe = os.path.join(tempfile.gettempdir(), "ares-bench-go-proxy")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "go_proxy")
+    subprocess.run(["go", "build", "-o", exe, "."], cwd=src, check=True)
+    return exe
+
+
 def _spawn(args: list[str]) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True)
+    if args[0] == "_go":
+        cmd = [_go_proxy(), args[1]]
+    else:
+        cmd = [sys.executable, __file__, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if line.strip() != "ready":
@@ -388,9 +402,10 @@ def main() -> None:
     ap.add_argument(
         "--impl",
         action="append",
-        choices=["gateway", "bare", "bare-ll"],
+        choices=["gateway", "bare", "bare-ll", "go"],
         help="gateway (default), bare (aiohttp web.Application parking on futures with no parsing: the floor "
-        "to compare with) and/or bare-ll (the same on aiohttp's low-level web.Server, as the gateway serves)",
+        "to compare with), bare-ll (the same on aiohttp's low-level web.Server), go (bench/go_proxy, the "
+        "ares-proxy design in Go: destructive non-blocking /poll; HTTP mode only; needs `go`)",
     )
     ap.add_argument(
         "--instructions",
@@ -410,6 +425,8 @@ def main() -> None:
         for mode in args.mode or ["inproc", "http"]:
             for agents in args.agents or [1, 64, 512]:
                 for impl in args.impl or ["gateway"]:
+                    if impl == "go" and mode != "http":
+                        continue  # the Go proxy is answered over HTTP only
                     target = args.turn_target if body == "small" else args.turn_target // 4
                     turns = max(5, target // agents) if agents > 1 else max(200, target // 10)
                     row = run_case(mode, agents, turns, body, args.repeat, impl)

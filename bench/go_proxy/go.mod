@@ -1,0 +1,3 @@
+module aresgateway/bench/goproxy
+
+go 1.19

@@ -149,7 +149,53 @@ def _bare_main(port: int, mode: str, lowlevel: bool = False) -> None:
     uvloop.run(main())
 
 
-def _responder_main(url: str) -> None:
+def _bare_httptools_main(port: int, mode: str) -> None:
+    """The park loop of ``_bare_main`` on ares_gateway's HTTP layer (httptools under an asyncio
+    protocol) instead of aiohttp: what the gateway's server costs before the gateway does any work."""
+    import itertools
+
+    import orjson
+    import uvloop
+
+    from ares_gateway._http import HttpServer, Request, Response
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        pending: dict[int, asyncio.Future[bytes]] = {}
+        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        ids = itertools.count()
+        answer = orjson.dumps({"choices": [{"message": {"role": "assistant", "content": "ok"}}]})
+
+        async def handle(request: Request) -> Response:
+            if request.path == "/poll":
+                items = [await queue.get()]
+                while not queue.empty() and len(items) < 1024:
+                    items.append(queue.get_nowait())
+                return Response(orjson.dumps([{"id": rid, "request": orjson.Fragment(body)} for rid, body in items]))
+            if request.path == "/respond":
+                for item in orjson.loads(request.body):
+                    pending.pop(item["id"]).set_result(answer)
+                return Response(b'{"status":"ok"}')
+            rid = next(ids)
+            fut = pending[rid] = loop.create_future()
+            queue.put_nowait((rid, request.body))
+            return Response(await fut)
+
+        def error(request: Request, status: int, message: str) -> Response:
+            return Response(orjson.dumps({"error": message}), status)
+
+        await HttpServer(handle, error, max_body_bytes=64 * 1024 * 1024).start("127.0.0.1", port)
+        print("ready", flush=True)
+        if mode == "inproc":
+            while True:
+                rid, _ = await queue.get()
+                pending.pop(rid).set_result(answer)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+def _responder_main(url: str, canonical: str = "1") -> None:
     import aiohttp
     import orjson
     import uvloop
@@ -158,7 +204,7 @@ def _responder_main(url: str) -> None:
         async with aiohttp.ClientSession(headers={"authorization": f"Bearer {ADMIN}"}) as s:
             print("ready", flush=True)
             while True:
-                async with s.get(f"{url}/poll", params={"wait": "30", "max": "1024"}) as r:
+                async with s.get(f"{url}/poll", params={"wait": "30", "max": "1024", "canonical": canonical}) as r:
                     items = orjson.loads(await r.read())
                 if not items:  # only the Go proxy's non-blocking /poll comes back empty: back off a little
                     await asyncio.sleep(0.001)
@@ -296,7 +342,9 @@ def _spawn(args: list[str]) -> subprocess.Popen[str]:
     return proc
 
 
-def run_case(mode: str, agents: int, turns: int, body: str, repeat: int, impl: str = "gateway") -> dict[str, Any]:
+def run_case(
+    mode: str, agents: int, turns: int, body: str, repeat: int, impl: str = "gateway", canonical: bool = True
+) -> dict[str, Any]:
     import uvloop
 
     results = []
@@ -304,7 +352,7 @@ def run_case(mode: str, agents: int, turns: int, body: str, repeat: int, impl: s
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         gw = _spawn([f"_{impl}", str(port), mode])
-        responder = _spawn(["_responder", url]) if mode == "http" else None
+        responder = _spawn(["_responder", url, "1" if canonical else "0"]) if mode == "http" else None
         try:
             pids = (gw.pid,) if responder is None else (gw.pid, responder.pid)
             results.append(uvloop.run(_load(url, agents, turns, body, pids)))
@@ -363,7 +411,7 @@ def instructions_case(mode: str, impl: str, body: str, turns: tuple[int, int] = 
         if proc.stdout.readline().strip() != "ready":
             proc.kill()
             raise RuntimeError(f"{child} under valgrind failed to start: {proc.communicate()[1][-2000:]}")
-        responder = _spawn(["_responder", url]) if mode == "http" else None
+        responder = _spawn(["_responder", url, "1"]) if mode == "http" else None
         try:
             uvloop.run(_load(url, 1, n, body))
         finally:
@@ -389,8 +437,11 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("_bare", "_bare-ll"):
         _bare_main(int(sys.argv[2]), sys.argv[3], lowlevel=sys.argv[1] == "_bare-ll")
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "_bare-ht":
+        _bare_httptools_main(int(sys.argv[2]), sys.argv[3])
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "_responder":
-        _responder_main(sys.argv[2])
+        _responder_main(sys.argv[2], sys.argv[3])
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", type=int, action="append", help="concurrent agents (default 1, 64, 512)")
@@ -402,10 +453,17 @@ def main() -> None:
     ap.add_argument(
         "--impl",
         action="append",
-        choices=["gateway", "bare", "bare-ll", "go"],
+        choices=["gateway", "bare", "bare-ll", "bare-ht", "go"],
         help="gateway (default), bare (aiohttp web.Application parking on futures with no parsing: the floor "
-        "to compare with), bare-ll (the same on aiohttp's low-level web.Server), go (bench/go_proxy, the "
+        "to compare with), bare-ll (the same on aiohttp's low-level web.Server), bare-ht (the same on the "
+        "gateway's own HTTP layer over httptools), go (bench/go_proxy, the "
         "ares-proxy design in Go: destructive non-blocking /poll; HTTP mode only; needs `go`)",
+    )
+    ap.add_argument(
+        "--no-canonical",
+        action="store_true",
+        help="the HTTP responder polls with canonical=0: only id, request (the native body) and timestamp, "
+        "what an ares-proxy poller reads (and all the Go proxy returns)",
     )
     ap.add_argument(
         "--instructions",
@@ -429,7 +487,7 @@ def main() -> None:
                         continue  # the Go proxy is answered over HTTP only
                     target = args.turn_target if body == "small" else args.turn_target // 4
                     turns = max(5, target // agents) if agents > 1 else max(200, target // 10)
-                    row = run_case(mode, agents, turns, body, args.repeat, impl)
+                    row = run_case(mode, agents, turns, body, args.repeat, impl, canonical=not args.no_canonical)
                     rows.append(row)
                     print(
                         f"{row['impl']:>7} {row['body']:>5} {row['mode']:>6} agents={row['agents']:>4}  "

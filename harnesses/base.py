@@ -93,8 +93,9 @@ def pip_version_command(prefix: str, package: str) -> str:
 def header_value(headers: Mapping[str, str], name: str) -> str | None:
     """A request header by lower-case ``name``, whatever case the mapping keeps.
 
-    Gateway handlers pass aiohttp's headers, which look up case-insensitively (as httpx's do),
-    so other mappings get a direct lookup; a plain dict is case-sensitive, so it is scanned.
+    Gateway handlers pass multidict's ``CIMultiDict``, which looks up case-insensitively (as
+    httpx's headers do), so other mappings get a direct lookup; a plain dict is case-sensitive,
+    so it is scanned.
     """
     if not isinstance(headers, dict):
         return headers.get(name)

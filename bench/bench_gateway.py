@@ -9,6 +9,7 @@ gateway process through ``Gateway.next_request`` / ``respond``.
     python3 bench/bench_gateway.py                      # the full table (takes a few minutes)
     python3 bench/bench_gateway.py --agents 64 --mode http --body small --repeat 3
     python3 bench/bench_gateway.py --instructions       # instructions per turn, under callgrind
+    python3 bench/bench_gateway.py --impl bare --impl go --impl gateway   # against the floors and the Go proxy
 
 Reports turns/s, per-turn latency p50/p99 (agent side), and memory per parked request;
 with ``--instructions``, the server process's instruction count per turn at one agent

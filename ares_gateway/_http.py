@@ -237,7 +237,8 @@ class _Connection(asyncio.Protocol):
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self._url = b""
-        self._headers: list[tuple[str, str]] = []
+        self._raw_headers: list[tuple[str, str]] = []
+        self._headers: CIMultiDict[str] = CIMultiDict()
         self._body: list[bytes] = []
         self._body_size = 0
         self._too_large = False
@@ -281,7 +282,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._url = b""
-        self._headers = []
+        self._raw_headers = []
         self._body = []
         self._body_size = 0
         self._too_large = False
@@ -291,18 +292,14 @@ class _Connection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        self._raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
-        limit = self.server.max_body_bytes
-        expect = None
-        for name, value in self._headers:
-            lname = name.lower()
-            if lname == "content-length":
-                if value.strip().isdigit() and int(value) > limit:
-                    self._too_large = True
-            elif lname == "expect":
-                expect = value
+        self._headers = headers = CIMultiDict(self._raw_headers)
+        length = headers.get("content-length", "")
+        if length.strip().isdigit() and int(length) > self.server.max_body_bytes:
+            self._too_large = True
+        expect = headers.get("expect")
         if expect is not None and self.parser.get_http_version() == "1.1":
             if expect.lower() != "100-continue":
                 self._expect_failed = expect
@@ -340,7 +337,7 @@ class _Connection(asyncio.Protocol):
             parser.get_method().decode("latin-1"),
             path,
             query.decode("latin-1"),
-            CIMultiDict(self._headers),
+            self._headers,
             body,
             parser.get_http_version(),
             parser.should_keep_alive(),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -31,6 +32,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+import orjson
 
 ADMIN = "bench-admin-token-0123456789"
 
@@ -82,54 +85,73 @@ def _gateway_main(port: int, mode: str) -> None:
     uvloop.run(main())
 
 
+class _ParkLoop:
+    """The bare loops' whole job, whatever HTTP layer serves them: park each agent body on a
+    future, hand the bodies to /poll, set the answers /respond names. No parsing, auth,
+    canonical form or recording."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._pending: dict[int, asyncio.Future[bytes]] = {}
+        self._queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        self._ids = itertools.count()
+        self._answer = orjson.dumps({"choices": [{"message": {"role": "assistant", "content": "ok"}}]})
+
+    async def agent(self, body: bytes) -> bytes:
+        rid = next(self._ids)
+        fut = self._pending[rid] = self._loop.create_future()
+        self._queue.put_nowait((rid, body))
+        return await fut
+
+    async def poll(self) -> bytes:
+        items = [await self._queue.get()]
+        while not self._queue.empty() and len(items) < 1024:
+            items.append(self._queue.get_nowait())
+        return orjson.dumps([{"id": rid, "request": orjson.Fragment(body)} for rid, body in items])
+
+    def respond(self, body: bytes) -> bytes:
+        for item in orjson.loads(body):
+            self._pending.pop(item["id"]).set_result(self._answer)
+        return b'{"status":"ok"}'
+
+    async def serve(self, mode: str) -> None:
+        """Answer in process (``inproc``), or leave it to /poll + /respond, until killed."""
+        if mode == "inproc":
+            while True:
+                rid, _ = await self._queue.get()
+                self._pending.pop(rid).set_result(self._answer)
+        await asyncio.Event().wait()
+
+
 def _bare_main(port: int, mode: str, lowlevel: bool = False) -> None:
     """The floor to compare against: aiohttp + uvloop parking each request on a future, answered
     in process or through /poll + /respond, with no parsing, auth, canonical form or recording.
     ``lowlevel``: on aiohttp's low-level ``web.Server`` (as the gateway serves) instead of
     ``web.Application``."""
-    import itertools
-
-    import orjson
     import uvloop
     from aiohttp import web
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        pending: dict[int, asyncio.Future[bytes]] = {}
-        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
-        ids = itertools.count()
-        answer = orjson.dumps({"choices": [{"message": {"role": "assistant", "content": "ok"}}]})
+        park = _ParkLoop()
 
-        async def agent(request: web.Request) -> web.Response:
-            body = await request.read()
-            rid = next(ids)
-            fut = pending[rid] = loop.create_future()
-            queue.put_nowait((rid, body))
-            return web.Response(body=await fut, content_type="application/json")
+        async def agent(request: web.BaseRequest) -> web.Response:
+            return web.Response(body=await park.agent(await request.read()), content_type="application/json")
 
-        async def poll(request: web.Request) -> web.Response:
-            items = [await queue.get()]
-            while not queue.empty() and len(items) < 1024:
-                items.append(queue.get_nowait())
-            return web.Response(
-                body=orjson.dumps([{"id": rid, "request": orjson.Fragment(body)} for rid, body in items]),
-                content_type="application/json",
-            )
+        async def poll(request: web.BaseRequest) -> web.Response:
+            return web.Response(body=await park.poll(), content_type="application/json")
 
-        async def respond(request: web.Request) -> web.Response:
-            for item in orjson.loads(await request.read()):
-                pending.pop(item["id"]).set_result(answer)
-            return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+        async def respond(request: web.BaseRequest) -> web.Response:
+            return web.Response(body=park.respond(await request.read()), content_type="application/json")
 
         runner: web.BaseRunner
         if lowlevel:
 
             async def dispatch(request: web.BaseRequest) -> web.Response:
                 if request.path == "/poll":
-                    return await poll(request)  # type: ignore[arg-type]
+                    return await poll(request)
                 if request.path == "/respond":
-                    return await respond(request)  # type: ignore[arg-type]
-                return await agent(request)  # type: ignore[arg-type]
+                    return await respond(request)
+                return await agent(request)
 
             runner = web.ServerRunner(web.Server(dispatch, access_log=None))
         else:
@@ -141,11 +163,7 @@ def _bare_main(port: int, mode: str, lowlevel: bool = False) -> None:
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         print("ready", flush=True)
-        if mode == "inproc":
-            while True:
-                rid, _ = await queue.get()
-                pending.pop(rid).set_result(answer)
-        await asyncio.Event().wait()
+        await park.serve(mode)
 
     uvloop.run(main())
 
@@ -153,52 +171,32 @@ def _bare_main(port: int, mode: str, lowlevel: bool = False) -> None:
 def _bare_httptools_main(port: int, mode: str) -> None:
     """The park loop of ``_bare_main`` on ares_gateway's HTTP layer (httptools under an asyncio
     protocol) instead of aiohttp: what the gateway's server costs before the gateway does any work."""
-    import itertools
-
-    import orjson
     import uvloop
 
     from ares_gateway._http import HttpServer, Request, Response
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        pending: dict[int, asyncio.Future[bytes]] = {}
-        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
-        ids = itertools.count()
-        answer = orjson.dumps({"choices": [{"message": {"role": "assistant", "content": "ok"}}]})
+        park = _ParkLoop()
 
         async def handle(request: Request) -> Response:
             if request.path == "/poll":
-                items = [await queue.get()]
-                while not queue.empty() and len(items) < 1024:
-                    items.append(queue.get_nowait())
-                return Response(orjson.dumps([{"id": rid, "request": orjson.Fragment(body)} for rid, body in items]))
+                return Response(await park.poll())
             if request.path == "/respond":
-                for item in orjson.loads(request.body):
-                    pending.pop(item["id"]).set_result(answer)
-                return Response(b'{"status":"ok"}')
-            rid = next(ids)
-            fut = pending[rid] = loop.create_future()
-            queue.put_nowait((rid, request.body))
-            return Response(await fut)
+                return Response(park.respond(request.body))
+            return Response(await park.agent(request.body))
 
         def error(request: Request, status: int, message: str) -> Response:
             return Response(orjson.dumps({"error": message}), status)
 
         await HttpServer(handle, error, max_body_bytes=64 * 1024 * 1024).start("127.0.0.1", port)
         print("ready", flush=True)
-        if mode == "inproc":
-            while True:
-                rid, _ = await queue.get()
-                pending.pop(rid).set_result(answer)
-        await asyncio.Event().wait()
+        await park.serve(mode)
 
     uvloop.run(main())
 
 
 def _responder_main(url: str, canonical: str = "1") -> None:
     import aiohttp
-    import orjson
     import uvloop
 
     async def main() -> None:

@@ -2,7 +2,7 @@
 
 Why not aiohttp's server: with its request objects, payload streams, writers and
 tasks, a bare park loop costs 445 k instructions per in-process turn on aiohttp's
-low-level server and 233 k on this one (1,133 k and 592 k over ``/poll`` +
+low-level server and 225 k on this one (1,133 k and 572 k over ``/poll`` +
 ``/respond``; docs/performance.md), and every agent turn is one request plus a
 share of a ``/poll`` and a ``/respond``. httptools (llhttp, the parser aiohttp and
 uvicorn also use) does the parsing; this module only frames.

@@ -254,7 +254,7 @@ async def _load(url: str, agents: int, turns: int, body_kind: str, pids: tuple[i
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
 
-    async def agent(i: int, session: aiohttp.ClientSession) -> None:
+    async def agent(i: int, session: aiohttp.ClientSession, turns: int) -> None:
         token = f"bench-agent-token-{i:06d}"
         headers = {"authorization": f"Bearer {token}", "x-api-key": token, "content-type": "application/json", **extra}
         target = f"{url}/s/agent{i}{path}"
@@ -268,11 +268,11 @@ async def _load(url: str, agents: int, turns: int, body_kind: str, pids: tuple[i
 
     async with aiohttp.ClientSession(connector=connector) as s:
         # Warm-up: one turn each (sessions auto-created, connections opened).
-        await asyncio.gather(*(agent(i, s) for i in range(agents)))
+        await asyncio.gather(*(agent(i, s, 1) for i in range(agents)))
         latencies.clear()
         cpu0 = [_cpu_seconds(p) for p in pids]
         t0 = time.perf_counter()
-        await asyncio.gather(*(agent(i, s) for i in range(agents)))
+        await asyncio.gather(*(agent(i, s, turns) for i in range(agents)))
         elapsed = time.perf_counter() - t0
         cpu = [_cpu_seconds(p) - c for p, c in zip(pids, cpu0, strict=True)]
     latencies.sort()

@@ -46,7 +46,9 @@ class RouteTable:
         """A path ``/sessions/{sid}`` + ``suffix``."""
         _add(self.session, methods, suffix, handler)
 
-    async def __call__(self, request: Request) -> Response | StreamResponse:
+    def __call__(self, request: Request) -> Awaitable[Response | StreamResponse]:
+        # A plain function handing back the handler's coroutine: one coroutine frame fewer
+        # for every step of every request.
         path = request.path
         if "//" in path:  # a base URL configured with a trailing slash, joined with "/v1/...": as nginx does
             path = _SLASHES.sub("/", path)
@@ -61,11 +63,11 @@ class RouteTable:
             table, key = (self.control, path) if path in self.control else (self.agent, path)
         methods = table.get(key) if sid != "" else None
         if methods is None:
-            return await self.fallback(request, frozenset())
+            return self.fallback(request, frozenset())
         handler = methods.get(request.method)
         if handler is None:
-            return await self.fallback(request, frozenset(methods))
-        return await handler(request, sid)
+            return self.fallback(request, frozenset(methods))
+        return handler(request, sid)
 
 
 _SLASHES = re.compile("/{2,}")

@@ -514,9 +514,13 @@ def parse_usage(u: Any) -> Usage | None:
     )
 
 
+#: Rendered when a completion carries no usage (read only, never handed out).
+_NO_USAGE = usage()
+
+
 def render_usage(u: Usage | None) -> dict[str, Any]:
     if u is None:
-        u = Usage()
+        u = _NO_USAGE
     return {
         "prompt_tokens": u.input_tokens,
         "completion_tokens": u.output_tokens,

@@ -58,6 +58,29 @@ async def test_lease_expiry_redelivers_with_attempt_count() -> None:
     assert await b.poll(wait=0.15) == []
 
 
+async def test_one_timer_keeps_every_deadline() -> None:
+    """Timeouts, leases and long-poll waits share one timer: an earlier deadline re-arms it."""
+    loop = asyncio.get_running_loop()
+    b = Broker(request_timeout=0.2, lease_seconds=0.1)
+    t0 = loop.time()
+    idle = asyncio.create_task(b.poll("other", wait=0.6))  # arms the timer for t0 + 0.6
+    await asyncio.sleep(0)
+    p = b.park("s", _req(), "/e")  # times out at t0 + 0.2: earlier, so the timer moves
+    with pytest.raises(RequestClosed) as err:
+        await b.wait(p)
+    assert err.value.status == 504 and 0.19 <= loop.time() - t0 < 0.35
+    t1 = loop.time()
+    q = b.park("s", _req(), "/e")
+    assert await b.poll("s") == [q]  # leased until t1 + 0.1
+    assert await b.poll("s", wait=1) == [q] and q.attempt == 2  # delivered again when the lease ran out
+    assert 0.09 <= loop.time() - t1 < 0.18
+    b.respond(q.id, Completion(text="ok"))
+    assert await idle == [] and loop.time() - t0 >= 0.59
+    # An answered request leaves nothing behind to fire.
+    await asyncio.sleep(0.25)
+    assert b.pending_count == 0 and (await q.future).text == "ok"  # type: ignore[union-attr]
+
+
 async def test_exactly_once_and_outcome_errors() -> None:
     turns: list[RecordedTurn] = []
     b = Broker(on_turn=turns.append)

@@ -82,7 +82,8 @@ class Gateway:
         self.broker = Broker(
             request_timeout=cfg.request_timeout,
             lease_seconds=cfg.lease_seconds,
-            on_turn=self._on_turn,
+            # Straight to the session recorder unless another one listens too (one call fewer a turn).
+            on_turn=self.recorder if recorder is None else self._on_turn,
             coerce_native=self._coerce_native,
             metrics=self.metrics,
         )

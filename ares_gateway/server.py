@@ -137,20 +137,26 @@ class _AgentAPI:
                 )
             except GatewayError as exc:
                 return self._error(adapter, exc.status, str(exc))
+            # Broker.wait, inlined: one coroutine fewer on every agent turn.
             try:
-                answer = await gw.broker.wait(parked)
+                answer = await parked.future
             except RequestClosed as closed:
                 return self._error(adapter, closed.status, closed.message)
+            except asyncio.CancelledError:  # the agent went away
+                gw.broker.withdraw(parked, "agent disconnected")
+                raise
             session.turns += 1
-            return await self._render(request, adapter, parked, answer)
+            rid = _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.removeprefix("req_")
+            if type(answer) is Completion and not canonical.stream:  # the common case, without a coroutine
+                return _json_response(adapter.render_response(answer, canonical, rid))
+            return await self._render(request, adapter, parked, answer, rid)
 
         return handle
 
     async def _render(
-        self, request: Request, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer
+        self, request: Request, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer, rid: str
     ) -> Response | StreamResponse:
         canonical = parked.request
-        rid = _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.removeprefix("req_")
         if isinstance(answer, ErrorAnswer):
             return self._error(adapter, answer.status, answer.message)
         if isinstance(answer, StreamAnswer):

@@ -1,8 +1,8 @@
 """The gateway's HTTP/1.1 server: httptools' parser under a small asyncio protocol.
 
 Why not aiohttp's server: with its request objects, payload streams, writers and
-tasks, a bare park loop costs 445 k instructions per in-process turn on aiohttp's
-low-level server and 225 k on this one (1,133 k and 572 k over ``/poll`` +
+tasks, a bare park loop costs 226 k instructions per in-process turn on aiohttp's
+low-level server and 88 k on this one (573 k and 313 k over ``/poll`` +
 ``/respond``; docs/performance.md), and every agent turn is one request plus a
 share of a ``/poll`` and a ``/respond``. httptools (llhttp, the parser aiohttp and
 uvicorn also use) does the parsing; this module only frames.

@@ -10,6 +10,7 @@ gateway process through ``Gateway.next_request`` / ``respond``.
     python3 bench/bench_gateway.py --agents 64 --mode http --body small --repeat 3
     python3 bench/bench_gateway.py --instructions       # instructions per turn, under callgrind
     python3 bench/bench_gateway.py --impl bare --impl go --impl gateway   # against the floors and the Go proxy
+    python3 bench/bench_gateway.py --impl bare-ht --burn-us 50 --agents 1 --mode inproc   # latency per µs of server CPU
 
 Reports turns/s, per-turn latency p50/p99 (agent side), and memory per parked request;
 with ``--instructions``, the server process's instruction count per turn at one agent
@@ -36,6 +37,8 @@ from typing import Any
 import orjson
 
 ADMIN = "bench-admin-token-0123456789"
+#: Microseconds of CPU the bare loops spend on each agent request (``--burn-us``), in their children.
+_BURN_ENV = "ARES_BENCH_BURN_US"
 
 
 def _free_port() -> int:
@@ -96,8 +99,13 @@ class _ParkLoop:
         self._queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
         self._ids = itertools.count()
         self._answer = orjson.dumps({"choices": [{"message": {"role": "assistant", "content": "ok"}}]})
+        self._burn = float(os.environ.get(_BURN_ENV, "0")) / 1e6
 
     async def agent(self, body: bytes) -> bytes:
+        if self._burn:  # stand-in server work: what a microsecond of it costs the agent
+            until = time.perf_counter() + self._burn
+            while time.perf_counter() < until:
+                pass
         rid = next(self._ids)
         fut = self._pending[rid] = self._loop.create_future()
         self._queue.put_nowait((rid, body))
@@ -465,11 +473,21 @@ def main() -> None:
         "what an ares-proxy poller reads (and all the Go proxy returns)",
     )
     ap.add_argument(
+        "--burn-us",
+        type=float,
+        default=0.0,
+        help="the bare loops spin this many microseconds of CPU on each agent request: how latency and "
+        "throughput follow server CPU per turn",
+    )
+    ap.add_argument(
         "--instructions",
         action="store_true",
         help="instead of timing: instructions per turn of the server process at one agent, under callgrind",
     )
     args = ap.parse_args()
+    if args.burn_us:
+        os.environ[_BURN_ENV] = str(args.burn_us)  # the bare children read it
+        print(f"(the bare loops spend {args.burn_us:g} µs of CPU on each agent request)", flush=True)
     if args.instructions:
         for body in args.body or ["small", "large"]:
             for mode in args.mode or ["inproc", "http"]:

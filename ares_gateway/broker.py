@@ -39,6 +39,10 @@ _TOMBSTONES = 100_000
 # The deadline timer may fire up to libuv's millisecond resolution early; what is due within
 # this much counts as due, so an early firing does not re-arm for the same instant.
 _SLACK = 0.001
+# After a pass over n pending requests the timer waits at least n times this before the next
+# pass, so passes take at most about 1% of the loop however many distinct deadlines there are
+# (a poller that took 10,000 requests one by one and died: their leases end one by one).
+_GAP_PER_PENDING = 20e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +245,8 @@ class Broker:
     Request timeouts, lease expiries and long-poll waits share one loop timer, armed for the
     earliest deadline, instead of a timer per request and per poll: arming and cancelling
     those was about 5% of an agent turn. When it fires, one pass over the pending requests
-    and waiters settles what is due and re-arms for the next deadline.
+    and waiters settles what is due and re-arms for the next deadline, or later by up to 20 µs
+    per pending request (0.2 s with 10,000 pending), which bounds the passes' cost.
     """
 
     def __init__(
@@ -538,7 +543,8 @@ class Broker:
         self._timer, self._timer_at = None, math.inf
         if self._closed:
             return
-        due = asyncio.get_running_loop().time() + _SLACK
+        now = asyncio.get_running_loop().time()
+        due = now + _SLACK
         upcoming = math.inf
         for parked in list(self._pending.values()):
             if parked._expires <= due:
@@ -559,7 +565,7 @@ class Broker:
             else:
                 upcoming = min(upcoming, waiter.deadline)
         if upcoming < math.inf:
-            self._arm(upcoming)
+            self._arm(max(upcoming, now + len(self._pending) * _GAP_PER_PENDING))
 
     def _finish(self, parked: ParkedRequest, state: _State) -> None:
         del self._pending[parked.id]

@@ -81,6 +81,35 @@ async def test_one_timer_keeps_every_deadline() -> None:
     assert b.pending_count == 0 and (await q.future).text == "ok"  # type: ignore[union-attr]
 
 
+async def test_expiring_leases_one_by_one_do_not_rescan_each_time() -> None:
+    """A poller that took requests one at a time and died: their leases end one by one, and the
+    deadline timer's passes over the pending requests stay few."""
+    b = Broker(lease_seconds=0.2)
+    parked = [b.park("s", _req(str(i)), "/e") for i in range(3000)]
+    for i in range(3000):
+        assert len(await b.poll()) == 1
+        if i % 30 == 0:
+            await asyncio.sleep(0.002)  # spreads the leases' ends over about 0.2 s
+    passes = 0
+    on_deadline = b._on_deadline
+
+    def counting() -> None:
+        nonlocal passes
+        passes += 1
+        on_deadline()
+
+    b._on_deadline = counting  # type: ignore[method-assign]
+    b._arm(b._timer_at)  # re-arm through the counter
+    again = await b.poll(max_items=5000, wait=2, lease=None)
+    while len(again) < 3000:
+        more = await b.poll(max_items=5000, wait=1, lease=None)
+        assert more, "every request is delivered again"
+        again += more
+    assert sorted(p.id for p in again) == sorted(p.id for p in parked)
+    assert all(p.attempt == 2 for p in again)
+    assert passes <= 20, passes
+
+
 async def test_exactly_once_and_outcome_errors() -> None:
     turns: list[RecordedTurn] = []
     b = Broker(on_turn=turns.append)

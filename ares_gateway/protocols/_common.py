@@ -248,6 +248,10 @@ def usage(input_tokens: int = 0, output_tokens: int = 0, cached: int = 0, reason
                           "cached_input_tokens": cached, "reasoning_tokens": reasoning})
 
 
+#: What the renderers read when a completion carries no usage (read only, never handed out).
+NO_USAGE = usage()
+
+
 def int_or0(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) else 0
 

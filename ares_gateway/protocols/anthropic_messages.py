@@ -46,6 +46,7 @@ from ares_gateway.canonical import (
 )
 from ares_gateway.protocols._common import (
     MARKERS,
+    NO_USAGE,
     data_url,
     expect,
     fail,
@@ -507,13 +508,9 @@ def parse_usage(u: Any) -> Usage | None:
     )
 
 
-#: Rendered when a completion carries no usage (read only, never handed out).
-_NO_USAGE = usage()
-
-
 def render_usage(u: Usage | None) -> dict[str, Any]:
     if u is None:
-        u = _NO_USAGE
+        u = NO_USAGE
     return {
         "input_tokens": max(u.input_tokens - u.cached_input_tokens, 0),
         "cache_creation_input_tokens": 0,

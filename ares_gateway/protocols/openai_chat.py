@@ -33,6 +33,7 @@ from ares_gateway.canonical import (
 )
 from ares_gateway.protocols._common import (
     MARKERS,
+    NO_USAGE,
     SSE_DONE,
     expect,
     fail,
@@ -514,13 +515,9 @@ def parse_usage(u: Any) -> Usage | None:
     )
 
 
-#: Rendered when a completion carries no usage (read only, never handed out).
-_NO_USAGE = usage()
-
-
 def render_usage(u: Usage | None) -> dict[str, Any]:
     if u is None:
-        u = _NO_USAGE
+        u = NO_USAGE
     return {
         "prompt_tokens": u.input_tokens,
         "completion_tokens": u.output_tokens,

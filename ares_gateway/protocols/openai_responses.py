@@ -45,6 +45,7 @@ from ares_gateway.canonical import (
 )
 from ares_gateway.protocols._common import (
     MARKERS,
+    NO_USAGE,
     expect,
     fail,
     int_or0,
@@ -483,13 +484,9 @@ def parse_usage(u: Any) -> Usage | None:
     )
 
 
-#: Rendered when a completion carries no usage (read only, never handed out).
-_NO_USAGE = usage()
-
-
 def render_usage(u: Usage | None) -> dict[str, Any]:
     if u is None:
-        u = _NO_USAGE
+        u = NO_USAGE
     return {
         "input_tokens": u.input_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_input_tokens},

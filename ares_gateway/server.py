@@ -61,6 +61,10 @@ class _Reject(Exception):
         self.param = param
 
 
+def _too_large(gateway: Gateway) -> str:
+    return f"request body exceeds the gateway's limit of {gateway.config.max_body_bytes} bytes"
+
+
 def _credential(request: Request) -> str | None:
     # Anthropic clients send x-api-key, OpenAI clients (and Claude Code with ANTHROPIC_AUTH_TOKEN) a Bearer token.
     return request.headers.get("x-api-key") or bearer_token(request.headers)
@@ -102,7 +106,7 @@ class _AgentAPI:
     def _body(self, request: Request) -> tuple[bytes, Any]:
         """The body's bytes and its parsed JSON."""
         if request.body_too_large:
-            raise _Reject(413, f"request body exceeds the gateway's limit of {self.gw.config.max_body_bytes} bytes")
+            raise _Reject(413, _too_large(self.gw))
         raw = request.body
         if not raw:
             raise _Reject(400, "request body is empty: send a JSON object")
@@ -137,26 +141,20 @@ class _AgentAPI:
                 )
             except GatewayError as exc:
                 return self._error(adapter, exc.status, str(exc))
-            # Broker.wait, inlined: one coroutine fewer on every agent turn.
             try:
-                answer = await parked.future
+                answer = await gw.broker.wait(parked)
             except RequestClosed as closed:
                 return self._error(adapter, closed.status, closed.message)
-            except asyncio.CancelledError:  # the agent went away
-                gw.broker.withdraw(parked, "agent disconnected")
-                raise
             session.turns += 1
-            rid = _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.removeprefix("req_")
-            if type(answer) is Completion and not canonical.stream:  # the common case, without a coroutine
-                return _json_response(adapter.render_response(answer, canonical, rid))
-            return await self._render(request, adapter, parked, answer, rid)
+            return await self._render(request, adapter, parked, answer)
 
         return handle
 
     async def _render(
-        self, request: Request, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer, rid: str
+        self, request: Request, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer
     ) -> Response | StreamResponse:
         canonical = parked.request
+        rid = _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.removeprefix("req_")
         if isinstance(answer, ErrorAnswer):
             return self._error(adapter, answer.status, answer.message)
         if isinstance(answer, StreamAnswer):
@@ -508,9 +506,7 @@ def _admin_only(gateway: Gateway, handler: Handler) -> Handler:
         if gateway.config.admin_token and not gateway._admin_ok(request.headers):
             return _control_error(401, "missing or wrong admin token: send Authorization: Bearer <admin token>")
         if request.body_too_large:
-            return _control_error(
-                413, f"request body exceeds the gateway's limit of {gateway.config.max_body_bytes} bytes"
-            )
+            return _control_error(413, _too_large(gateway))
         return await handler(request, sid)
 
     return guarded

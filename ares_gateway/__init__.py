@@ -5,6 +5,10 @@ The public API: :class:`Gateway` (HTTP server + in-process policy API),
 request / completion models, and the error classes.
 """
 
+from ares_gateway._native import install_guard
+
+install_guard()  # first: it decides whether the compiled modules load compiled or from source
+
 from ares_gateway.broker import ErrorAnswer, ParkedRequest, RecordedTurn
 from ares_gateway.canonical import (
     CanonicalRequest,

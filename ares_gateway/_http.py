@@ -190,7 +190,8 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port, backlog=1024)
         self._sweeper = loop.create_task(self._sweep_idle())
-        return int(self._server.sockets[0].getsockname()[1])
+        sockets = cast(Any, self._server).sockets  # a list under uvloop, not typeshed's tuple (compiled code checks)
+        return int(sockets[0].getsockname()[1])
 
     async def close(self, grace: float = 5.0) -> None:
         """Stop listening, let requests in flight finish (for ``grace`` seconds), then close every connection."""

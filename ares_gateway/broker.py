@@ -272,6 +272,8 @@ class Broker:
         self._closed = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        #: Passes the deadline timer has made over the pending requests (each costs O(pending)).
+        self.deadline_passes = 0
         self._prefix = f"req_{os.getpid():x}{int(time.time()) & 0xFFFFFF:x}_"
 
     # ------------------------------------------------------------------ agent side
@@ -543,6 +545,7 @@ class Broker:
         self._timer, self._timer_at = None, math.inf
         if self._closed:
             return
+        self.deadline_passes += 1
         now = asyncio.get_running_loop().time()
         due = now + _SLACK
         upcoming = math.inf

@@ -434,6 +434,18 @@ def instructions_case(mode: str, impl: str, body: str, turns: tuple[int, int] = 
     return (totals[1] - totals[0]) / (turns[1] - turns[0])
 
 
+def _build_kind() -> str:
+    """Whether the children will run the mypyc-compiled request path (they import as this process does)."""
+    import importlib
+
+    from ares_gateway import _native
+
+    for name in _native.COMPILED_MODULES:
+        importlib.import_module(name)
+    n = len(_native.compiled_modules())
+    return f"compiled: {n} of {len(_native.COMPILED_MODULES)} modules" if n else "pure Python"
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):
         # A child: SIGTERM ends it through exit(), so a profiler wrapping it (callgrind) reports.
@@ -485,6 +497,7 @@ def main() -> None:
         help="instead of timing: instructions per turn of the server process at one agent, under callgrind",
     )
     args = ap.parse_args()
+    print(f"(ares_gateway and bare-ht run {_build_kind()})", flush=True)
     if args.burn_us:
         os.environ[_BURN_ENV] = str(args.burn_us)  # the bare children read it
         print(f"(the bare loops spend {args.burn_us:g} µs of CPU on each agent request)", flush=True)

@@ -41,6 +41,7 @@ class Request:
         "_conn",
         "_query",
         "_reject",
+        "_sent",
         "body",
         "body_too_large",
         "headers",
@@ -77,6 +78,7 @@ class Request:
         self._conn: _Connection | None = None
         # Answered by the server itself, without a handler (e.g. an unknown Expect).
         self._reject: tuple[int, str] | None = None
+        self._sent: Response | None = None
 
     @property
     def query(self) -> Mapping[str, str]:
@@ -91,6 +93,28 @@ class Request:
     @property
     def can_read_body(self) -> bool:
         return bool(self.body)
+
+    @property
+    def sent(self) -> Response | None:
+        """The response :meth:`send` wrote, if any."""
+        return self._sent
+
+    def send(self, response: Response) -> bool:
+        """Write ``response`` now, while the handler is still running; it must then return it.
+
+        Lets code outside the handler's task answer at once (the gateway answers an agent from
+        inside the policy's ``respond`` call, without waiting for the handler to be scheduled).
+        Returns False when the client is gone or a response was already sent.
+        """
+        conn = self._conn
+        if conn is None or self._sent is not None:
+            return False
+        try:
+            conn._write(self, response)
+        except ConnectionResetError:
+            return False
+        self._sent = response
+        return True
 
 
 class Response:
@@ -374,7 +398,7 @@ class _Connection(asyncio.Protocol):
                         response = server.error(request, 500, "the handler sent no response")
                     else:
                         await response.write_eof()
-                if isinstance(response, Response):
+                if isinstance(response, Response) and request._sent is None:
                     self._write(request, response)
             except ConnectionResetError:  # the client went away while its answer was written
                 self.task = None
@@ -386,7 +410,7 @@ class _Connection(asyncio.Protocol):
                 log.exception("unhandled error serving %s %s", request.method, request.path)
                 response = server.error(request, 500, "internal error in the gateway; see its log")
                 request.keep_alive = False
-                if not self.streaming:  # mid-stream, closing the connection is all that is left
+                if not self.streaming and request._sent is None:  # else closing is all that is left
                     try:
                         self._write(request, response)
                     except ConnectionResetError:

@@ -111,6 +111,9 @@ class ParkedRequest:
     _lease_until: float | None = field(default=None, repr=False)
     _wire: dict[str, Any] | None = field(default=None, repr=False)
     _canonical: Any = field(default=None, repr=False)
+    #: Set by the agent's handler: answers the agent at once, from inside :meth:`Broker.respond`
+    #: (returns False to leave it to the handler, which is woken through ``future`` either way).
+    deliver: Callable[[Answer], bool] | None = field(default=None, repr=False)
 
     def _fields(self) -> dict[str, Any]:
         return {
@@ -443,7 +446,15 @@ class Broker:
                 )
             raise UnknownRequestError(f"no request {request_id}; answer ids exactly as /poll returned them")
         resolved = self._coerce(parked, answer, tokens)
+        deliver = parked.deliver
         self._finish(parked, _State.ANSWERED)
+        if deliver is not None:
+            # The agent's answer goes out now, before the bookkeeping below and before the
+            # policy's code runs on (its next poll): at one agent, the turn's latency.
+            try:
+                deliver(resolved)
+            except Exception:  # the handler will render it again, and report what fails
+                log.exception("answering %s directly failed", parked.id)
         parked.future.set_result(resolved)
         latency = time.time() - parked.timestamp
         if self._metrics is not None:
@@ -574,6 +585,7 @@ class Broker:
         del self._pending[parked.id]
         self._unavail(parked)
         parked._lease_until = None
+        parked.deliver = None
         self._done[parked.id] = state
         if len(self._done) > _TOMBSTONES:
             self._done.popitem(last=False)

@@ -141,11 +141,15 @@ class _AgentAPI:
                 )
             except GatewayError as exc:
                 return self._error(adapter, exc.status, str(exc))
+            if not canonical.stream:
+                parked.deliver = partial(self._send_whole, request, adapter, parked)
             try:
                 answer = await gw.broker.wait(parked)
             except RequestClosed as closed:
                 return self._error(adapter, closed.status, closed.message)
             session.turns += 1
+            if request.sent is not None:  # written from inside the policy's respond()
+                return request.sent
             return await self._render(request, adapter, parked, answer)
 
         return handle
@@ -167,20 +171,32 @@ class _AgentAPI:
                 return self._error(adapter, 502, f"the policy's stream failed: {exc}")
             self.gw.broker.record(parked, completion)
             return _json_response(adapter.render_response(completion, canonical, rid))
-        if isinstance(answer, NativeAnswer):
-            if not canonical.stream:
-                return _json_response(answer.body)
-            completion = answer.completion
-        else:
-            completion = answer
         if not canonical.stream:
-            return _json_response(adapter.render_response(completion, canonical, rid))
+            return self._whole(adapter, parked, answer, rid)
+        completion = answer.completion if isinstance(answer, NativeAnswer) else answer
         encoder = adapter.stream_encoder(canonical, rid)
         resp = self._sse_response()
         await resp.prepare(request)
         await resp.write(encoder.start() + encoder.finish(completion))
         await resp.write_eof()
         return resp
+
+    def _whole(self, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer, rid: str) -> Response:
+        """The response to a request that did not ask for a stream, from a whole answer."""
+        if isinstance(answer, ErrorAnswer):
+            return self._error(adapter, answer.status, answer.message)
+        if isinstance(answer, NativeAnswer):
+            return _json_response(answer.body)
+        assert isinstance(answer, Completion)
+        return _json_response(adapter.render_response(answer, parked.request, rid))
+
+    def _send_whole(self, request: Request, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer) -> bool:
+        """``ParkedRequest.deliver``: write the agent's answer from inside ``respond()`` (not a
+        streamed answer: draining that needs the handler's task)."""
+        if isinstance(answer, StreamAnswer):
+            return False
+        rid = _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.removeprefix("req_")
+        return request.send(self._whole(adapter, parked, answer, rid))
 
     @staticmethod
     def _sse_response() -> StreamResponse:

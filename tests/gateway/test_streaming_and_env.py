@@ -224,3 +224,46 @@ async def test_broken_policy_stream_gives_non_stream_agent_a_502(gateway: Gatewa
     with pytest.raises(openai.APIStatusError) as err:
         await task
     assert err.value.status_code == 502 and "inference server went away" in str(err.value)
+
+
+@pytest.mark.parametrize("answer", ["completion", "native", "error"])
+async def test_a_whole_answer_reaches_the_agent_within_respond(gateway: Gateway, session: SessionInfo, answer: str) -> None:
+    """respond() writes a non-streamed answer to the agent's socket before it returns, not when the
+    handler's task is next scheduled: the bytes are readable without the event loop running again."""
+    import socket
+
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    head = (
+        f"POST /s/{session.session_id}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer {session.token}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+        sock.sendall(head + body)
+        req = await gateway.next_request(session=session.session_id, timeout=10)
+        assert req is not None
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            sock.recv(65536)  # nothing before the answer
+        if answer == "completion":
+            gateway.broker.respond(req.id, Completion(text="right away"))
+        elif answer == "native":
+            gateway.broker.respond(req.id, {"id": "chatcmpl-1", "object": "chat.completion", "created": 1,
+                                            "model": "m", "choices": [{"index": 0, "finish_reason": "stop",
+                                            "message": {"role": "assistant", "content": "right away"}}]})
+        else:
+            from ares_gateway import ErrorAnswer
+
+            gateway.broker.respond(req.id, ErrorAnswer(429, "right away"))
+        got = sock.recv(65536)  # no await in between: written inside respond()
+        status = b"429" if answer == "error" else b"200"
+        assert got.startswith(b"HTTP/1.1 " + status), got[:80]
+        assert b"right away" in got
+        sock.setblocking(True)
+        await asyncio.sleep(0.05)  # the handler finishes without writing a second response
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            sock.recv(65536)
+    await asyncio.sleep(0.05)
+    assert gateway.broker.pending_count == 0
+    assert len(gateway.recorder.turns(session.session_id)) == (0 if answer == "error" else 1)

@@ -1,0 +1,87 @@
+"""Issue 2's speed targets, judged on interleaved rounds of bench_gateway.py.
+
+One run of a row moves by 10-30% with what else this shared machine does, and its speed drifts
+over the day, so every round runs each implementation once per row, one right after the other,
+and the comparisons are per-round ratios (then their median across rounds):
+
+    python3 bench/interleaved.py --rounds 4            # every target row
+    python3 bench/interleaved.py --rounds 8 --only p50  # the in-process one-agent row alone
+
+``pure-gateway`` is the gateway with ``ARES_GATEWAY_PURE=1`` (its request path uncompiled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+BENCH = str(Path(__file__).with_name("bench_gateway.py"))
+ONE = ["--body", "small", "--repeat", "1", "--memory", "0"]
+
+#: (row, extra flags, implementations, run pure too)
+ROWS = {
+    "p50": [(("inproc", 1), ["--turn-target", "30000"], ["bare-ht", "bare", "gateway"], True)],
+    "inproc64": [(("inproc", 64), [], ["bare", "gateway"], False)],
+    "http": [(("http", a), [], ["go", "gateway", "bare"], True) for a in (1, 64, 512)],
+}
+RATIOS = [("gateway", "go"), ("pure-gateway", "go"), ("gateway", "bare"), ("gateway", "bare-ht"), ("gateway", "pure-gateway")]
+
+
+def _run(mode: str, agents: int, extra: list[str], impls: list[str], pure: bool) -> list[dict[str, float]]:
+    args = [sys.executable, BENCH, "--mode", mode, "--agents", str(agents), *ONE, *extra]
+    for impl in impls:
+        args += ["--impl", impl]
+    env = {**os.environ, "ARES_GATEWAY_PURE": "1"} if pure else {k: v for k, v in os.environ.items() if k != "ARES_GATEWAY_PURE"}
+    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
+    rows = json.loads(out.stderr.strip().splitlines()[-1])
+    for row in rows:
+        if pure:
+            row["impl"] = "pure-" + row["impl"]
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--only", action="append", choices=sorted(ROWS), help="row groups to run (default: all)")
+    ap.add_argument("--save", help="also write every round's rows to this JSON file")
+    args = ap.parse_args()
+    plan = [row for group in (args.only or list(ROWS)) for row in ROWS[group]]
+    rounds: list[dict[tuple[str, int], dict[str, dict[str, float]]]] = []
+    for i in range(args.rounds):
+        got: dict[tuple[str, int], dict[str, dict[str, float]]] = defaultdict(dict)
+        for (mode, agents), extra, impls, pure in plan:
+            for row in _run(mode, agents, extra, impls, False) + (_run(mode, agents, extra, ["gateway"], True) if pure else []):
+                got[(mode, agents)][str(row["impl"])] = row
+        rounds.append(got)
+        print(f"round {i + 1} of {args.rounds} done", file=sys.stderr, flush=True)
+        if args.save:
+            Path(args.save).write_text(json.dumps([{f"{m} {a}": v for (m, a), v in r.items()} for r in rounds], indent=1))
+    for (mode, agents), *_ in plan:
+        print(f"{mode} agents={agents}")
+        impls = sorted({impl for r in rounds for impl in r[(mode, agents)]})
+        for impl in impls:
+            rows = [r[(mode, agents)][impl] for r in rounds]
+            print(
+                f"  {impl:>13}: {statistics.median(x['turns_per_s'] for x in rows):7.0f} turns/s"
+                f"  p50 {statistics.median(x['p50_ms'] for x in rows):7.3f} ms"
+                f"  server CPU {statistics.median(x['gateway_cpu_us'] for x in rows):4.0f} µs/turn"
+            )
+        for a, b in RATIOS:
+            if a in impls and b in impls:
+                per = [r[(mode, agents)][a]["turns_per_s"] / r[(mode, agents)][b]["turns_per_s"] for r in rounds]
+                p50 = [r[(mode, agents)][a]["p50_ms"] / r[(mode, agents)][b]["p50_ms"] for r in rounds]
+                print(
+                    f"  {a}/{b}: throughput {statistics.median(per):.2f} (rounds {', '.join(f'{x:.2f}' for x in per)}),"
+                    f" p50 {statistics.median(p50):.2f}"
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -61,6 +61,11 @@ class _Reject(Exception):
         self.param = param
 
 
+def _response_id(parked: ParkedRequest) -> str:
+    """The id of the agent's response: its protocol's prefix on the request's number."""
+    return _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.removeprefix("req_")
+
+
 def _too_large(gateway: Gateway) -> str:
     return f"request body exceeds the gateway's limit of {gateway.config.max_body_bytes} bytes"
 
@@ -158,7 +163,7 @@ class _AgentAPI:
         self, request: Request, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer
     ) -> Response | StreamResponse:
         canonical = parked.request
-        rid = _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.removeprefix("req_")
+        rid = _response_id(parked)
         if isinstance(answer, ErrorAnswer):
             return self._error(adapter, answer.status, answer.message)
         if isinstance(answer, StreamAnswer):
@@ -170,7 +175,7 @@ class _AgentAPI:
                 log.warning("policy stream for %s failed: %s", parked.id, exc)
                 return self._error(adapter, 502, f"the policy's stream failed: {exc}")
             self.gw.broker.record(parked, completion)
-            return _json_response(adapter.render_response(completion, canonical, rid))
+            return self._whole(adapter, parked, completion, rid)
         if not canonical.stream:
             return self._whole(adapter, parked, answer, rid)
         completion = answer.completion if isinstance(answer, NativeAnswer) else answer
@@ -195,7 +200,7 @@ class _AgentAPI:
         streamed answer: draining that needs the handler's task)."""
         if isinstance(answer, StreamAnswer):
             return False
-        rid = _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.removeprefix("req_")
+        rid = _response_id(parked)
         return request.send(self._whole(adapter, parked, answer, rid))
 
     @staticmethod

@@ -102,7 +102,8 @@ def linearize(
         else:
             tokens = full[:cut].copy()
         rlen = cut - start
-        loss_mask = np.zeros(rlen, dtype=np.int8)
+        # int32, not int8: Python's sum() over an int8 mask wraps at 128 trained tokens.
+        loss_mask = np.zeros(rlen, dtype=np.int32)
         logprobs = np.zeros(rlen, dtype=np.float32)
         for t in trained:
             a = t.prompt_len

@@ -64,7 +64,10 @@ class Sample:
         tokens: the whole sequence, leading prompt included (int32 array; ``list()`` or
             ``tokens.tolist()`` converts it).
         response_length: number of tokens after the leading prompt.
-        loss_mask: ``response_length`` values, 1 where the token is trained (int8 array).
+        loss_mask: ``response_length`` values, 1 where the token is trained (int32 array, as
+            ``tokens``). Its sum is the number of trained tokens whichever way it is taken:
+            ``int(loss_mask.sum())``, ``sum(loss_mask)`` or ``loss_mask.tolist()`` (a narrower
+            dtype such as int8 wraps under Python's ``sum()``: 6,000 ones would sum to 112).
         logprobs: ``response_length`` engine logprobs (float32); 0.0 wherever the loss mask
             is 0 or the engine gave none.
         reward: the episode reward given to ``get_trajectory``.
@@ -76,7 +79,7 @@ class Sample:
 
     tokens: TokenArray
     response_length: int
-    loss_mask: npt.NDArray[np.int8]
+    loss_mask: npt.NDArray[np.int32]
     logprobs: LogprobArray
     reward: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -102,6 +105,8 @@ class Sample:
         n = int(self.tokens.shape[0])
         if not 0 <= self.response_length <= n:
             raise AssertionError(f"response_length {self.response_length} outside [0, {n}]")
+        if self.loss_mask.dtype != np.int32:
+            raise AssertionError(f"loss_mask dtype {self.loss_mask.dtype} != int32 (a narrower one wraps when summed)")
         if self.loss_mask.shape != (self.response_length,):
             raise AssertionError(f"loss_mask length {self.loss_mask.shape} != {self.response_length}")
         if self.logprobs.shape != (self.response_length,):

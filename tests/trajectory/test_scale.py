@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from trajectory import TrajectoryManager, TurnRecord
 
@@ -183,3 +184,31 @@ def test_drained_session_memory_is_freed_without_the_cyclic_collector() -> None:
     finally:
         gc.enable()
     assert current < 1_000_000, current  # both 4 MB arenas are gone
+
+
+def test_loss_mask_of_6000_trained_tokens_sums_to_6000_however_it_is_summed() -> None:
+    """A trainer counting trained tokens with Python's sum() must get the count: an int8 mask wraps
+    (6,000 ones sum to 112), so the mask is int32 and ``check()`` rejects a narrower one."""
+    n_out = 6000
+    prompt = np.array([1, 100, 2, GEN], dtype=np.int32)
+    out = np.arange(1000, 1000 + n_out, dtype=np.int32)
+    tm = TrajectoryManager()
+    tm.record_turn(
+        "big",
+        prompt_messages=[{"role": "system", "content": "S"}],
+        response_message={"role": "assistant", "content": "long answer"},
+        turn=TurnRecord(prompt, out),
+    )
+    (s,) = tm.get_trajectory("big", reward=1.0)
+    check_sample(s)
+    assert s.loss_mask.dtype == np.int32
+    assert sum(s.loss_mask) == n_out  # Python's sum over numpy scalars
+    assert int(s.loss_mask.sum()) == n_out and int(np.cumsum(s.loss_mask)[-1]) == n_out
+    assert sum(s.to_dict()["loss_mask"]) == n_out
+    # The trap this guards against, and the check that refuses it.
+    narrow = s.loss_mask.astype(np.int8)
+    with np.errstate(over="ignore"):
+        assert sum(narrow) != n_out
+    s.loss_mask = narrow
+    with pytest.raises(AssertionError, match="int32"):
+        s.check()

@@ -240,35 +240,27 @@ class LocalSandbox(BaseSandbox):
         argv = self._argv(command, cwd, user)
         started = time.monotonic()
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                cwd=str(host_cwd) if not self.isolated else str(self.root),
-                env=full_env,
-                start_new_session=True,
-                **kwargs,  # type: ignore[arg-type]
-            )
+            # Not asyncio.create_subprocess_exec: under uvloop the child inherits the parent's fds and
+            # uvloop's own copies of its stdio pipes (no close_fds), so a process the command leaves in the
+            # background (a detached agent) holds the exec's stdout open and the exec never returns.
+            proc = _Process(argv, cwd=str(host_cwd) if not self.isolated else str(self.root), env=full_env,
+                            popen_kwargs=kwargs)
         except OSError as exc:
             raise ExecError(f"cannot start {argv[0]}: {exc}") from exc
         self._pgids.add(proc.pid)
         timed_out = False
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+            out, err = await proc.communicate(timeout)
         except TimeoutError:
             timed_out = True
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill_group()
             try:
-                out, err = await asyncio.wait_for(proc.communicate(), 5)
+                out, err = await proc.communicate(5)
             except TimeoutError:  # a process that left the group still holds the pipes
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                out, err = b"", b""
+                out, err = proc.abandon()
         except asyncio.CancelledError:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill_group()
+            proc.abandon()
             raise
         finally:
             # The shell may have left background jobs in its group; they live until stop().
@@ -348,6 +340,113 @@ def _root_binds(workdir: str) -> list[str]:
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
     return args
+
+
+class _Process:
+    """A child in its own session and process group, run the same way on every event loop.
+
+    ``subprocess.Popen`` closes every inherited fd in the child (``close_fds``), which uvloop's spawn
+    does not; the pipes are read and the exit is awaited through the running loop (a pidfd), so no
+    thread is held per command however long it runs.
+    """
+
+    def __init__(self, argv: list[str], *, cwd: str, env: dict[str, str], popen_kwargs: dict[str, object]) -> None:
+        self._popen = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
+            start_new_session=True, close_fds=True, **popen_kwargs,  # type: ignore[call-overload]
+        )
+        self.pid = self._popen.pid
+        loop = asyncio.get_running_loop()
+        self._out = _Collector(loop)
+        self._err = _Collector(loop)
+        self._exited: asyncio.Future[int] = loop.create_future()
+        self._transports: list[asyncio.BaseTransport] = []
+        self._pidfd: int | None = None
+        self._started = asyncio.ensure_future(self._connect(loop))
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except OSError:  # no pidfd (old kernel): poll for the exit instead
+            self._poller = asyncio.ensure_future(self._poll_exit())
+        else:
+            loop.add_reader(self._pidfd, self._reap)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self._popen.stdout is not None and self._popen.stderr is not None
+        for pipe, collector in ((self._popen.stdout, self._out), (self._popen.stderr, self._err)):
+            transport, _ = await loop.connect_read_pipe(lambda c=collector: c, pipe)  # type: ignore[misc]
+            self._transports.append(transport)
+
+    def _reap(self) -> None:
+        code = self._popen.poll()
+        if code is None:
+            return
+        self._close_pidfd()
+        if not self._exited.done():
+            self._exited.set_result(code)
+
+    async def _poll_exit(self) -> None:
+        while (code := self._popen.poll()) is None:  # noqa: ASYNC110 (no event to wait on without a pidfd)
+            await asyncio.sleep(0.05)
+        if not self._exited.done():
+            self._exited.set_result(code)
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    async def communicate(self, timeout: float | None) -> tuple[bytes, bytes]:
+        """Wait for the exit and the end of both pipes: ``(stdout, stderr)``; TimeoutError after ``timeout``."""
+        async with asyncio.timeout(timeout):
+            await self._started
+            await asyncio.gather(asyncio.shield(self._exited), asyncio.shield(self._out.closed),
+                                 asyncio.shield(self._err.closed))
+        self._close_transports()
+        return bytes(self._out.data), bytes(self._err.data)
+
+    def kill_group(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def abandon(self) -> tuple[bytes, bytes]:
+        """Stop reading (something outside the group holds the pipes); reap the child if it has exited."""
+        self._close_transports()
+        if self._popen.poll() is not None:
+            self._close_pidfd()
+        return b"", b""
+
+    def _close_transports(self) -> None:
+        for transport in self._transports:
+            transport.close()
+        self._transports.clear()
+        for pipe in (self._popen.stdout, self._popen.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+class _Collector(asyncio.Protocol):
+    """Collects what one pipe carries; ``closed`` resolves at its end."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.data = bytearray()
+        self.closed: asyncio.Future[None] = loop.create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
 
 
 def _group_alive(pgid: int) -> bool:

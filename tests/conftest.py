@@ -1,0 +1,32 @@
+"""Suite-wide set-up: every async test runs on uvloop, the loop the CLI uses (``ares_gateway.cli``).
+
+``ARES_TEST_LOOP=asyncio`` runs the suite on the standard loop instead. A test where the two loops
+differ in what matters (subprocesses, sockets) runs on both with
+``@pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import uvloop
+
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "uvloop": uvloop.new_event_loop,
+    "asyncio": asyncio.new_event_loop,
+}
+DEFAULT_LOOP = os.environ.get("ARES_TEST_LOOP", "uvloop")
+if DEFAULT_LOOP not in LOOPS:
+    raise pytest.UsageError(f"ARES_TEST_LOOP={DEFAULT_LOOP!r}: choose one of {', '.join(LOOPS)}")
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: Any) -> Mapping[str, Callable[[], Any]]:
+    marker = item.get_closest_marker("asyncio")
+    asked = marker.kwargs.get("loop_factories") if marker is not None else None
+    if asked:
+        return {name: LOOPS[name] for name in asked if name in LOOPS}
+    return {DEFAULT_LOOP: LOOPS[DEFAULT_LOOP]}

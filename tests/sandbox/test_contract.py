@@ -172,3 +172,34 @@ async def test_background_process_outlives_its_exec_until_stop(make_sandbox: San
         if await beats() > first + 1:
             return
     raise AssertionError("the detached loop stopped when its exec returned")
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])
+async def test_detached_launch_returns_promptly_on_every_loop(make_sandbox: SandboxFactory) -> None:
+    """How harnesses launch agents: a detached session with its stdio on /dev/null. The exec returns at once.
+
+    uvloop's own subprocess spawn leaks the exec's pipe fds into the child; a backend that used it
+    held the exec open until the detached process ended (every episode over ~30 s failed).
+    """
+    loop = type(asyncio.get_running_loop()).__module__
+    sb = await make_sandbox()
+    r = await sb.exec("setsid sh -c 'sleep 60' >/dev/null 2>&1 </dev/null & echo $!", timeout=30)
+    assert r.ok, r
+    assert r.duration < 10, f"{loop}: the launch exec took {r.duration:.1f} s (held open by the detached process)"
+    pid = r.stdout.strip()
+    assert pid.isdigit(), r
+    alive = await sb.exec(f"kill -0 {pid} && echo alive", timeout=30)
+    assert alive.stdout.strip() == "alive", "the detached process died with its exec"
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])
+async def test_exec_sees_no_fd_of_the_gateway_process(make_sandbox: SandboxFactory, backend: str) -> None:
+    """Nothing the host process holds open (sockets, pipes) is inherited by a command in the sandbox."""
+    if backend != "local":
+        pytest.skip("containers and remote sandboxes never share the host process's fds")
+    sb = await make_sandbox()
+    r = await sb.exec("ls /proc/self/fd", timeout=30)
+    assert r.ok, r
+    fds = sorted(int(x) for x in r.stdout.split())
+    # 0-2 are stdio; ls itself opens one fd to read /proc/self/fd.
+    assert len(fds) <= 4 and max(fds) <= 3, f"inherited fds: {fds}"

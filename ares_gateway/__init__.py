@@ -5,11 +5,7 @@ The public API: :class:`Gateway` (HTTP server + in-process policy API),
 request / completion models, and the error classes.
 """
 
-from ares_gateway._native import install_guard
-
-install_guard()  # first: it decides whether the compiled modules load compiled or from source
-
-from ares_gateway.broker import ErrorAnswer, ParkedRequest, RecordedTurn
+from ares_gateway.broker import ErrorAnswer, ParkedRequest
 from ares_gateway.canonical import (
     CanonicalRequest,
     Completion,
@@ -29,12 +25,16 @@ from ares_gateway.errors import (
     GatewayClosedError,
     GatewayError,
     InvalidAnswerError,
+    InvalidSessionError,
     RequestGoneError,
     SessionExistsError,
+    TooManyParkedError,
     UnknownRequestError,
     UnknownSessionError,
 )
 from ares_gateway.gateway import Gateway, GatewayConfig
+from ares_gateway.http import HttpLimits
+from ares_gateway.recorder import RecordedTurn
 from ares_gateway.sessions import SessionInfo
 
 __all__ = [
@@ -49,7 +49,9 @@ __all__ = [
     "GatewayConfig",
     "GatewayEnv",
     "GatewayError",
+    "HttpLimits",
     "InvalidAnswerError",
+    "InvalidSessionError",
     "Message",
     "ParkedRequest",
     "RecordedTurn",
@@ -60,6 +62,7 @@ __all__ = [
     "StepType",
     "TimeStep",
     "TokenRecord",
+    "TooManyParkedError",
     "Tool",
     "ToolCall",
     "UnknownRequestError",

@@ -5,6 +5,13 @@ before the lease runs out it becomes available again (with ``attempt`` + 1), so
 a poller that dies loses nothing. Answering, timing out and the agent going
 away are mutually exclusive and decided synchronously on the event loop, so a
 successful ``respond`` means the agent's handler received the answer.
+
+The broker knows neither HTTP nor the wire protocols: it holds canonical requests,
+resolves each one's future exactly once, and hands every answered turn, whole or streamed,
+to its ``on_turn`` callback (:mod:`ares_gateway.recorder`) from one place, :meth:`Broker._record`.
+A request whose waiter was cancelled (the agent's handler, when its client disconnects) counts
+as gone from that instant: ``respond`` withdraws it and raises :class:`RequestGoneError`, even
+when the handler's task has not run again yet to withdraw it itself.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import math
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -30,8 +37,11 @@ from ares_gateway.errors import (
     GatewayClosedError,
     InvalidAnswerError,
     RequestGoneError,
+    TooManyParkedError,
     UnknownRequestError,
 )
+from ares_gateway.recorder import RecordedTurn
+from ares_gateway.streaming import DeltaAccumulator
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +121,6 @@ class ParkedRequest:
     _lease_until: float | None = field(default=None, repr=False)
     _wire: dict[str, Any] | None = field(default=None, repr=False)
     _canonical: Any = field(default=None, repr=False)
-    #: Set by the agent's handler: answers the agent at once, from inside :meth:`Broker.respond`
-    #: (returns False to leave it to the handler, which is woken through ``future`` either way).
-    deliver: Callable[[Answer], bool] | None = field(default=None, repr=False)
 
     def _fields(self) -> dict[str, Any]:
         return {
@@ -172,67 +179,6 @@ def _canonical_json(request: CanonicalRequest) -> bytes:
         return request.model_dump_json(exclude={"raw"}).encode()
 
 
-class RecordedTurn:
-    """One answered turn, as handed to the recorder.
-
-    A turn that came over HTTP keeps the agent's body as bytes rather than its canonical
-    object graph: bytes are a fraction of the memory and invisible to the garbage collector,
-    which otherwise re-walks every recorded turn of every session. :attr:`request` parses
-    them again on access (a few hundred microseconds for a Claude-Code-sized body).
-    """
-
-    __slots__ = (
-        "_request",
-        "completion",
-        "latency",
-        "protocol",
-        "raw_body",
-        "request_id",
-        "session_id",
-        "side_call",
-        "timestamp",
-    )
-
-    def __init__(
-        self,
-        *,
-        session_id: str,
-        request_id: str,
-        protocol: WireProtocol,
-        completion: Completion,
-        side_call: bool,
-        timestamp: float,
-        latency: float,
-        raw_body: bytes | None = None,
-        request: CanonicalRequest | None = None,
-    ) -> None:
-        if raw_body is None and request is None:
-            raise ValueError("a recorded turn needs the request's body or its canonical form")
-        self.session_id = session_id
-        self.request_id = request_id
-        self.protocol = protocol
-        self.completion = completion
-        self.side_call = side_call
-        self.timestamp = timestamp
-        self.latency = latency
-        self.raw_body = raw_body
-        self._request = None if raw_body is not None else request
-
-    @property
-    def request(self) -> CanonicalRequest:
-        """The canonical request (parsed from :attr:`raw_body` on each access when that is kept)."""
-        if self._request is not None:
-            return self._request
-        from ares_gateway.protocols import get_adapter  # protocols import nothing of the broker's
-
-        assert self.raw_body is not None
-        return get_adapter(self.protocol).parse_request(orjson.loads(self.raw_body))
-
-    def native_request(self) -> Any:
-        """The request body as the agent sent it (parsed JSON)."""
-        return orjson.loads(self.raw_body) if self.raw_body is not None else self.request.raw
-
-
 class _Waiter:
     __slots__ = ("deadline", "future", "session_id")
 
@@ -260,9 +206,16 @@ class Broker:
         on_turn: Callable[[RecordedTurn], None] | None = None,
         coerce_native: Callable[[ParkedRequest, dict[str, Any]], tuple[Completion, bool]] | None = None,
         metrics: Any = None,
+        max_parked_per_session: int | None = None,
     ) -> None:
+        if max_parked_per_session is not None and max_parked_per_session < 1:
+            raise ValueError("max_parked_per_session must be at least 1 (or None: no limit)")
         self.request_timeout = request_timeout
         self.lease_seconds = lease_seconds
+        #: Requests one session may have parked at once; more get :class:`TooManyParkedError` (429).
+        #: ``None`` here; the gateway sets its ``GatewayConfig.max_parked_per_session``.
+        self.max_parked_per_session = max_parked_per_session if max_parked_per_session is not None else math.inf
+        self._parked_by_session: dict[str, int] = {}
         self._on_turn = on_turn
         self._coerce_native = coerce_native
         self._metrics = metrics
@@ -290,8 +243,16 @@ class Broker:
         side_call: bool = False,
         raw_body: bytes | None = None,
     ) -> ParkedRequest:
+        """Park an agent's request; raises :class:`TooManyParkedError` when its session has
+        ``max_parked_per_session`` requests parked already, :class:`GatewayClosedError` after close."""
         if self._closed:
             raise GatewayClosedError("the gateway is shutting down")
+        count = self._parked_by_session.get(session_id, 0)
+        if count >= self.max_parked_per_session:
+            raise TooManyParkedError(
+                f"this session already has {count} requests waiting for the policy "
+                f"(the gateway's limit is {self.max_parked_per_session}); retry when one is answered"
+            )
         loop = asyncio.get_running_loop()
         rid = f"{self._prefix}{next(self._ids)}"
         parked = ParkedRequest(
@@ -306,6 +267,7 @@ class Broker:
             raw_body=raw_body,
         )
         self._pending[rid] = parked
+        self._parked_by_session[session_id] = count + 1
         if self.request_timeout > 0:
             parked._expires = expires = loop.time() + self.request_timeout
             if expires < self._timer_at:
@@ -352,7 +314,8 @@ class Broker:
         return len(victims)
 
     def pending_for(self, session_id: str) -> int:
-        return sum(1 for p in self._pending.values() if p.session_id == session_id)
+        """How many requests of this session are parked."""
+        return self._parked_by_session.get(session_id, 0)
 
     # ------------------------------------------------------------------ policy side
 
@@ -371,6 +334,9 @@ class Broker:
         out: list[ParkedRequest] = []
         while source and len(out) < max_items:
             parked = next(iter(source.values()))
+            if parked.future.done():  # its agent's handler was cancelled and has not withdrawn yet
+                self.withdraw(parked, "agent disconnected")
+                continue
             self._unavail(parked)
             out.append(parked)
         if out:
@@ -445,28 +411,25 @@ class Broker:
                     f"request {request_id} is gone: its agent disconnected, it timed out, or its session closed"
                 )
             raise UnknownRequestError(f"no request {request_id}; answer ids exactly as /poll returned them")
+        if parked.future.done():
+            # Its waiter was cancelled (the agent disconnected) in this loop iteration, before the
+            # handler's task could run to withdraw it: the request is gone, whatever else is queued.
+            self.withdraw(parked, "agent disconnected")
+            raise RequestGoneError(f"request {request_id} is gone: its agent disconnected")
         resolved = self._coerce(parked, answer, tokens)
-        deliver = parked.deliver
         self._finish(parked, _State.ANSWERED)
-        if deliver is not None:
-            # The agent's answer goes out now, before the bookkeeping below and before the
-            # policy's code runs on (its next poll): at one agent, the turn's latency.
-            try:
-                deliver(resolved)
-            except Exception:  # the handler will render it again, and report what fails
-                log.exception("answering %s directly failed", parked.id)
         parked.future.set_result(resolved)
         latency = time.time() - parked.timestamp
         if self._metrics is not None:
             self._metrics.answered(latency)
         if isinstance(resolved, Completion):
-            self.record(parked, resolved, latency)
+            self._record(parked, resolved, latency)
         elif isinstance(resolved, NativeAnswer):
-            self.record(parked, resolved.completion, latency)
+            self._record(parked, resolved.completion, latency)
         return parked
 
-    def record(self, parked: ParkedRequest, completion: Completion, latency: float | None = None) -> None:
-        """Hand an answered turn to the recorder (stream answers call this when the stream ends)."""
+    def _record(self, parked: ParkedRequest, completion: Completion, latency: float | None = None) -> None:
+        """The one place a turn is recorded: a whole answer at ``respond``, a stream when it ends."""
         if self._on_turn is None:
             return
         if latency is None:
@@ -502,12 +465,12 @@ class Broker:
             raise InvalidAnswerError(f"invalid tokens: {exc}") from None
         if isinstance(answer, Completion):
             return answer.model_copy(update={"tokens": token_record}) if token_record else answer
-        if isinstance(answer, ErrorAnswer | StreamAnswer):
-            return answer
-        if isinstance(answer, NativeAnswer):
+        if isinstance(answer, StreamAnswer):
+            return StreamAnswer(self._recording(parked, answer.source))
+        if isinstance(answer, ErrorAnswer | NativeAnswer):
             return answer
         if isinstance(answer, AsyncIterable):
-            return StreamAnswer(answer)
+            return StreamAnswer(self._recording(parked, answer))
         if not isinstance(answer, dict):
             raise InvalidAnswerError(
                 f"cannot answer with {type(answer).__name__}: give a Completion, a native response body, "
@@ -524,6 +487,30 @@ class Broker:
         if token_record is not None:
             completion = completion.model_copy(update={"tokens": token_record})
         return NativeAnswer(answer, completion) if verbatim else completion
+
+    async def _recording(
+        self, parked: ParkedRequest, source: AsyncIterable[CompletionDelta | Completion]
+    ) -> AsyncIterator[CompletionDelta | Completion]:
+        """The policy's stream as the agent's handler reads it: its deltas, then always one whole
+        :class:`Completion` (the policy's final one, or what the deltas spell out), which is
+        recorded as the turn. A stream that fails or is abandoned records nothing."""
+        acc = DeltaAccumulator()
+        final: Completion | None = None
+        try:
+            async for item in source:
+                if isinstance(item, Completion):
+                    final = item
+                    break
+                if isinstance(item, CompletionDelta):
+                    acc.add(item)
+                    yield item
+            settled = acc.settle(final)
+            self._record(parked, settled)
+            yield settled
+        finally:
+            aclose = getattr(source, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     def _make_available(self, parked: ParkedRequest) -> None:
         self._available[parked.id] = parked
@@ -583,9 +570,13 @@ class Broker:
 
     def _finish(self, parked: ParkedRequest, state: _State) -> None:
         del self._pending[parked.id]
+        left = self._parked_by_session[parked.session_id] - 1
+        if left:
+            self._parked_by_session[parked.session_id] = left
+        else:
+            del self._parked_by_session[parked.session_id]
         self._unavail(parked)
         parked._lease_until = None
-        parked.deliver = None
         self._done[parked.id] = state
         if len(self._done) > _TOMBSTONES:
             self._done.popitem(last=False)

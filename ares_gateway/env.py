@@ -256,7 +256,7 @@ class GatewayEnv:
         assert self.session is not None
         session = self.gateway.sessions.find(self.session.session_id)
         if session is not None and not session.ended:
-            self.gateway.end_session(session.id, reward=None, truncated=True, reason=reason)
+            self.gateway.end_session_nowait(session.id, reward=None, truncated=True, reason=reason)
 
     def _last(self) -> TimeStep:
         assert self.session is not None
@@ -297,7 +297,7 @@ class GatewayEnv:
         if self.gateway.sessions.find(sid) is not None:
             # The final reward goes on the session, so trajectory() and GET /sessions/{id} carry it.
             extra = {k: v for k, v in info.items() if k != "truncated"}
-            self.gateway.end_session(sid, reward=outcome.reward, truncated=outcome.truncated, **extra)
+            self.gateway.end_session_nowait(sid, reward=outcome.reward, truncated=outcome.truncated, **extra)
         return TimeStep(StepType.LAST, outcome.reward, 1.0 if outcome.truncated else 0.0, None, info)
 
     async def _guard(self, step: Awaitable[TimeStep]) -> TimeStep:
@@ -348,7 +348,7 @@ class GatewayEnv:
     def _agent_exited(self, sid: str) -> None:
         session = self.gateway.sessions.find(sid)
         if session is not None and not session.ended:
-            self.gateway.end_session(sid, reason="agent exited")
+            self.gateway.end_session_nowait(sid, reason="agent exited")
 
     async def _end_episode(self) -> None:
         episode, self.episode = self.episode, None

@@ -5,6 +5,11 @@
 ...     # point an agent at info.base_url with info.token, then:
 ...     req = await gw.next_request(session=info.session_id, timeout=60)
 ...     await gw.respond(req.id, Completion(text="hello"))
+...     await gw.end_session(info.session_id, reward=1.0)
+
+Every method that changes state (``create_session``, ``end_session``, ``delete_session``,
+``respond``, ``next_request``) is a coroutine; the read-only ones (``session_summary``,
+``trajectory``, ``turn_log``) are plain methods.
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ from collections.abc import AsyncIterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ares_gateway._http import HttpServer
-from ares_gateway.broker import Broker, ErrorAnswer, ParkedRequest, RecordedTurn
+from ares_gateway.broker import Broker, ErrorAnswer, ParkedRequest
 from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, TokenRecord, WireProtocol
-from ares_gateway.errors import InvalidAnswerError, UnknownSessionError
+from ares_gateway.errors import InvalidAnswerError, InvalidSessionError, UnknownSessionError
+from ares_gateway.http.app import build_server
+from ares_gateway.http.server import HttpLimits, HttpServer
 from ares_gateway.metrics import GatewayMetrics
 from ares_gateway.protocols import RequestError, get_adapter
-from ares_gateway.recorder import Recorder, SessionRecorder
+from ares_gateway.recorder import RecordedTurn, Recorder, SessionRecorder
 from ares_gateway.sessions import Session, SessionInfo, SessionRegistry, bearer_token
 from ares_gateway.side_calls import SideCallDetector, default_side_call_detector
 from trajectory import Sample
@@ -42,6 +48,22 @@ class GatewayConfig:
     #: Seconds a polled request stays leased to its poller before it is delivered again.
     lease_seconds: float = 120.0
     max_body_bytes: int = 32 * 1024 * 1024
+    #: Requests one session may have waiting for the policy at once; more get a 429 in the agent's shape.
+    max_parked_per_session: int = 256
+    #: Seconds a policy's stream (``respond`` with an async iterable) may send nothing before the
+    #: agent's stream is ended with an error event (a non-streaming agent gets a 504).
+    stream_idle_timeout: float = 300.0
+    #: Longest request line and header line, in bytes; most header lines (beyond: 431, closed).
+    max_line_bytes: int = 8190
+    max_field_bytes: int = 8190
+    max_headers: int = 128
+    #: Seconds from a request's first byte to the end of its headers (slower: closed).
+    header_timeout: float = 10.0
+    #: Longest pause between two pieces of a request body, and the most a whole body may take (408, closed).
+    body_timeout: float = 10.0
+    body_total_timeout: float = 120.0
+    #: Seconds an idle keep-alive connection stays open.
+    keepalive_timeout: float = 75.0
     #: Create a session on first use of an unknown session id or token (local experiments only).
     auto_sessions: bool = False
     #: Model ids listed by GET /v1/models.
@@ -86,6 +108,20 @@ class Gateway:
             on_turn=self.recorder if recorder is None else self._on_turn,
             coerce_native=self._coerce_native,
             metrics=self.metrics,
+            max_parked_per_session=cfg.max_parked_per_session,
+        )
+        if not cfg.stream_idle_timeout > 0:
+            raise ValueError("stream_idle_timeout must be a positive number of seconds")
+        #: What one HTTP connection may send, and how slowly (from the config).
+        self.limits = HttpLimits(
+            max_body_bytes=cfg.max_body_bytes,
+            max_line_bytes=cfg.max_line_bytes,
+            max_field_bytes=cfg.max_field_bytes,
+            max_headers=cfg.max_headers,
+            header_timeout=cfg.header_timeout,
+            body_timeout=cfg.body_timeout,
+            body_total_timeout=cfg.body_total_timeout,
+            keepalive_timeout=cfg.keepalive_timeout,
         )
         self._http: HttpServer | None = None
         self._port: int | None = None
@@ -96,14 +132,7 @@ class Gateway:
         """Start serving HTTP (idempotent)."""
         if self._http is not None:
             return
-        from ares_gateway.server import build_routes, error_response
-
-        http = HttpServer(
-            build_routes(self),
-            error_response,
-            max_body_bytes=self.config.max_body_bytes,
-            access_log=self.config.access_log,
-        )
+        http = build_server(self, self.limits)
         self._port = await http.start(self.config.host, self.config.port)
         self._http = http
         log.info("ares-gateway listening on %s", self.url)
@@ -142,37 +171,44 @@ class Gateway:
 
     # ------------------------------------------------------------------ sessions
 
-    def create_session_sync(
-        self, session_id: str | None = None, *, metadata: dict[str, Any] | None = None, token: str | None = None
-    ) -> SessionInfo:
-        if metadata is not None and not isinstance(metadata, dict):
-            raise ValueError("metadata must be a JSON object")
-        if token is not None and (not isinstance(token, str) or len(token) < 16):
-            raise ValueError("token must be a string of at least 16 characters")
-        session = self.sessions.create(session_id, token=token, metadata=metadata)
-        return self._info(session)
-
     async def create_session(
         self, session_id: str | None = None, *, metadata: dict[str, Any] | None = None, token: str | None = None
     ) -> SessionInfo:
-        """Create a session; give the agent ``base_url`` and ``token``."""
-        return self.create_session_sync(session_id, metadata=metadata, token=token)
+        """Create a session; give the agent ``base_url`` and ``token``.
+
+        Raises :class:`~ares_gateway.errors.SessionExistsError` (409) for an id or token in use and
+        :class:`~ares_gateway.errors.InvalidSessionError` (400) for an unusable one.
+        """
+        if session_id is not None and not isinstance(session_id, str):
+            raise InvalidSessionError("session_id must be a string")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise InvalidSessionError("metadata must be a JSON object")
+        if token is not None and (not isinstance(token, str) or len(token) < 16):
+            raise InvalidSessionError("token must be a string of at least 16 characters")
+        session = self.sessions.create(session_id, token=token, metadata=metadata)
+        return self._info(session)
 
     def _info(self, session: Session) -> SessionInfo:
         return SessionInfo(session.id, session.token, f"{self.url}/s/{session.id}")
-
-    def _auto_session(self, session_id: str | None, token: str) -> Session:
-        return self.sessions.create(session_id, token=token, metadata={"auto": True})
 
     def session_summary(self, session_id: str) -> dict[str, Any]:
         session = self.sessions.get(session_id)
         return {**session.summary(), "pending": self.broker.pending_for(session_id)}
 
-    def end_session(self, session_id: str, *, reward: float | None = None, truncated: bool = False, **info: Any) -> None:
+    async def end_session(
+        self, session_id: str, *, reward: float | None = None, truncated: bool = False, **info: Any
+    ) -> None:
         """Mark a session's episode as over: a waiting :class:`GatewayEnv` returns LAST.
 
         Requests the agent still has parked stay answerable; new ones get a 409.
         """
+        self.end_session_nowait(session_id, reward=reward, truncated=truncated, **info)
+
+    def end_session_nowait(
+        self, session_id: str, *, reward: float | None = None, truncated: bool = False, **info: Any
+    ) -> None:
+        """:meth:`end_session` for code that cannot await (a task's done callback, a sync helper);
+        the same effect, at once."""
         session = self.sessions.get(session_id)
         session.ended = True
         session.reward = reward
@@ -180,16 +216,14 @@ class Gateway:
         session.end_info = dict(info)
         session.ended_event.set()
 
-    def delete_session_sync(self, session_id: str) -> int:
+    async def delete_session(self, session_id: str) -> int:
+        """Forget a session: its pending requests fail (the agent sees 503) and its records go.
+        Returns how many requests were pending."""
         session = self.sessions.remove(session_id)
         session.ended = True
         session.ended_event.set()
         self.recorder.drop(session_id)
         return self.broker.close_session(session_id)
-
-    async def delete_session(self, session_id: str) -> int:
-        """Forget a session: its pending requests fail (the agent sees 503) and its records go."""
-        return self.delete_session_sync(session_id)
 
     # ------------------------------------------------------------------ policy API
 
@@ -221,8 +255,10 @@ class Gateway:
         or an async iterable of :class:`CompletionDelta` ending with a
         :class:`Completion` (streamed to the agent as it arrives).
         Raises :class:`~ares_gateway.errors.UnknownRequestError` (404),
-        :class:`~ares_gateway.errors.AlreadyAnsweredError` (409) or
-        :class:`~ares_gateway.errors.RequestGoneError` (410).
+        :class:`~ares_gateway.errors.AlreadyAnsweredError` (409),
+        :class:`~ares_gateway.errors.RequestGoneError` (410: the agent disconnected, even in
+        this very loop iteration, or the request timed out) or
+        :class:`~ares_gateway.errors.InvalidAnswerError` (400).
         """
         if isinstance(answer, str):
             answer = Completion(text=answer)

@@ -1,6 +1,8 @@
 """Recording answered turns and turning them into training samples.
 
-The gateway hands every answered turn to a :class:`Recorder`. The default,
+This is the one place a turn is recorded. The broker builds a :class:`RecordedTurn` when a
+request's whole completion is known (at ``respond`` for a whole answer, when the policy's
+stream ends for a streamed one) and hands it to the gateway's :class:`Recorder`. The default,
 :class:`SessionRecorder`, keeps each session's turns (the agent's body bytes and
 the completion) and builds the session's message tree in :mod:`trajectory` only
 when samples are asked for, so the request path does no conversion work.
@@ -10,8 +12,71 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ares_gateway.broker import RecordedTurn
+import orjson
+
+from ares_gateway.canonical import CanonicalRequest, Completion, WireProtocol
 from trajectory import Sample, TrajectoryManager, TurnRecord
+
+
+class RecordedTurn:
+    """One answered turn, as handed to the recorder.
+
+    A turn that came over HTTP keeps the agent's body as bytes rather than its canonical
+    object graph: bytes are a fraction of the memory and invisible to the garbage collector,
+    which otherwise re-walks every recorded turn of every session. :attr:`request` parses
+    them again on access (a few hundred microseconds for a Claude-Code-sized body).
+    """
+
+    __slots__ = (
+        "_request",
+        "completion",
+        "latency",
+        "protocol",
+        "raw_body",
+        "request_id",
+        "session_id",
+        "side_call",
+        "timestamp",
+    )
+
+    def __init__(
+        self,
+        *,
+        session_id: str,
+        request_id: str,
+        protocol: WireProtocol,
+        completion: Completion,
+        side_call: bool,
+        timestamp: float,
+        latency: float,
+        raw_body: bytes | None = None,
+        request: CanonicalRequest | None = None,
+    ) -> None:
+        if raw_body is None and request is None:
+            raise ValueError("a recorded turn needs the request's body or its canonical form")
+        self.session_id = session_id
+        self.request_id = request_id
+        self.protocol = protocol
+        self.completion = completion
+        self.side_call = side_call
+        self.timestamp = timestamp
+        self.latency = latency
+        self.raw_body = raw_body
+        self._request = None if raw_body is not None else request
+
+    @property
+    def request(self) -> CanonicalRequest:
+        """The canonical request (parsed from :attr:`raw_body` on each access when that is kept)."""
+        if self._request is not None:
+            return self._request
+        from ares_gateway.protocols import get_adapter  # protocols import nothing of the broker's
+
+        assert self.raw_body is not None
+        return get_adapter(self.protocol).parse_request(orjson.loads(self.raw_body))
+
+    def native_request(self) -> Any:
+        """The request body as the agent sent it (parsed JSON)."""
+        return orjson.loads(self.raw_body) if self.raw_body is not None else self.request.raw
 
 
 class Recorder(Protocol):

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ares_gateway.errors import SessionExistsError, UnknownSessionError
+from ares_gateway.errors import InvalidSessionError, SessionExistsError, UnknownSessionError
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +69,8 @@ class SessionRegistry:
         metadata: dict[str, Any] | None = None,
     ) -> Session:
         sid = session_id or secrets.token_hex(8)
+        if not isinstance(sid, str):
+            raise InvalidSessionError("session_id must be a string")
         if sid in self._by_id:
             raise SessionExistsError(f"session {sid!r} already exists")
         _check_id(sid)
@@ -121,6 +123,6 @@ def bearer_token(headers: Mapping[str, str]) -> str | None:
 def _check_id(sid: str) -> None:
     # Session ids appear in URL paths and container labels.
     if not (0 < len(sid) <= 128) or not all(c.isalnum() or c in "-_." for c in sid):
-        raise ValueError(
+        raise InvalidSessionError(
             f"invalid session id {sid!r}: use 1-128 characters from letters, digits, '-', '_' and '.'"
         )

@@ -63,7 +63,7 @@ async def drive(
 
     policy_task = asyncio.create_task(policy())
     result = await asyncio.wait_for(agent(), 20)
-    gateway.end_session(session.session_id, reward=1.0)
+    await gateway.end_session(session.session_id, reward=1.0)
     last = await asyncio.wait_for(policy_task, 5)
     assert last.step_type is StepType.LAST and last.reward == 1.0 and last.discount == 0.0
     return result, observations

@@ -203,7 +203,7 @@ async def test_env_reset_cleans_previous_episode_and_step_without_reset_fails() 
         assert ts.first() and env.session.session_id != first  # type: ignore[union-attr]
         assert gw.sessions.find(first) is None
         assert await asyncio.wait_for(tasks[0], 5) == ["a"]
-        gw.end_session(env.session.session_id, reward=0.5)  # type: ignore[union-attr]
+        await gw.end_session(env.session.session_id, reward=0.5)  # type: ignore[union-attr]
         ts = await env.step("b")
         assert ts.step_type is StepType.LAST and ts.reward == 0.5 and ts.discount == 0.0
         await env.close()
@@ -227,9 +227,9 @@ async def test_broken_policy_stream_gives_non_stream_agent_a_502(gateway: Gatewa
 
 
 @pytest.mark.parametrize("answer", ["completion", "native", "error"])
-async def test_a_whole_answer_reaches_the_agent_within_respond(gateway: Gateway, session: SessionInfo, answer: str) -> None:
-    """respond() writes a non-streamed answer to the agent's socket before it returns, not when the
-    handler's task is next scheduled: the bytes are readable without the event loop running again."""
+async def test_a_whole_answer_reaches_the_agent_once(gateway: Gateway, session: SessionInfo, answer: str) -> None:
+    """A non-streamed answer reaches the agent's socket as soon as the handler runs after respond(),
+    exactly once, and the turn is recorded (error answers are not turns)."""
     import socket
 
     body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
@@ -255,13 +255,19 @@ async def test_a_whole_answer_reaches_the_agent_within_respond(gateway: Gateway,
             from ares_gateway import ErrorAnswer
 
             gateway.broker.respond(req.id, ErrorAnswer(429, "right away"))
-        got = sock.recv(65536)  # no await in between: written inside respond()
+        got = b""
+        for _ in range(200):  # a few loop iterations at most; bounded at 2 s
+            await asyncio.sleep(0.01)
+            try:
+                got += sock.recv(65536)
+            except BlockingIOError:
+                continue
+            if b"right away" in got:
+                break
         status = b"429" if answer == "error" else b"200"
         assert got.startswith(b"HTTP/1.1 " + status), got[:80]
         assert b"right away" in got
-        sock.setblocking(True)
         await asyncio.sleep(0.05)  # the handler finishes without writing a second response
-        sock.setblocking(False)
         with pytest.raises(BlockingIOError):
             sock.recv(65536)
     await asyncio.sleep(0.05)

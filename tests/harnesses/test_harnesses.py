@@ -64,7 +64,7 @@ async def drive(
             ctx = HarnessContext(workdir=sb.workdir, session_id=info.session_id, base_url=info.base_url,
                                  token=info.token, model="ares-policy")
             run = asyncio.create_task(harness.run(sb, ctx, prompt, time_budget=time_budget))
-            run.add_done_callback(lambda _: gw.end_session(info.session_id))
+            run.add_done_callback(lambda _: gw.end_session_nowait(info.session_id))
             env = GatewayEnv(gw, session_id=info.session_id, time_limit=time_budget + 60)
             ts = await env.reset()
             while not ts.last():

@@ -1,8 +1,8 @@
 """The gateway's route table, looked up with one dict access per request.
 
 The gateway serves a fixed set of paths, so a dict lookup finds a handler; a
-general router (aiohttp's walks every prefix of the path and runs a regex per
-candidate, then wraps the request in match-info and middleware machinery) came
+general router (``aiohttp.web``'s walks every prefix of the path and runs a regex
+per candidate, then wraps the request in match-info and middleware machinery) came
 to about 13% of the instructions of a whole agent turn (docs/performance.md).
 
 Three kinds of path:
@@ -18,12 +18,13 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from ares_gateway._http import Request, Response, StreamResponse
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import StreamResponse
 
 #: A route's handler: the request and the ``{sid}`` of its path (``None`` when it has none).
-Handler = Callable[[Request, str | None], Awaitable[Response | StreamResponse]]
+Handler = Callable[[BaseRequest, str | None], Awaitable[StreamResponse]]
 #: Answers what no route takes: (request, allowed methods of the path, empty when the path is unknown).
-Fallback = Callable[[Request, frozenset[str]], Awaitable[Response]]
+Fallback = Callable[[BaseRequest, frozenset[str]], Awaitable[StreamResponse]]
 
 
 @dataclass
@@ -46,7 +47,7 @@ class RouteTable:
         """A path ``/sessions/{sid}`` + ``suffix``."""
         _add(self.session, methods, suffix, handler)
 
-    def __call__(self, request: Request) -> Awaitable[Response | StreamResponse]:
+    def __call__(self, request: BaseRequest) -> Awaitable[StreamResponse]:
         # A plain function handing back the handler's coroutine: one coroutine frame fewer
         # for every step of every request.
         path = request.path

@@ -1,0 +1,197 @@
+"""What agents talk to: the three LLM APIs and the probes around them.
+
+One agent turn, in order: auth (the session from the path or the token) → read and parse the
+body in its protocol → park it with the broker → await the policy's answer → render it
+(:mod:`ares_gateway.http.render`). If the agent disconnects while it waits, aiohttp cancels
+the handler, which withdraws the parked request (the broker treats a cancelled waiter as gone
+at once, so a ``respond`` in the same instant gets 410, never a half-delivered answer).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import Response, StreamResponse
+
+from ares_gateway.broker import Answer, ErrorAnswer, NativeAnswer, ParkedRequest, RequestClosed, StreamAnswer
+from ares_gateway.canonical import WireProtocol
+from ares_gateway.errors import GatewayError, InvalidSessionError, SessionExistsError
+from ares_gateway.http import render
+from ares_gateway.http.routes import Handler
+from ares_gateway.http.server import BodyError, HttpLimits, read_body
+from ares_gateway.protocols import ProtocolAdapter, RequestError, get_adapter
+from ares_gateway.protocols.anthropic_messages import parse_count_tokens_request
+from ares_gateway.sessions import Session, bearer_token
+
+if TYPE_CHECKING:
+    from ares_gateway.gateway import Gateway
+
+
+class _Reject(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def _credential(request: BaseRequest) -> str | None:
+    # Anthropic clients send x-api-key, OpenAI clients (and Claude Code with ANTHROPIC_AUTH_TOKEN) a Bearer token.
+    return request.headers.get("x-api-key") or bearer_token(request.headers)
+
+
+class AgentAPI:
+    """Handlers for the agent-facing paths of one gateway."""
+
+    def __init__(self, gateway: Gateway, limits: HttpLimits) -> None:
+        self.gw = gateway
+        self.limits = limits
+
+    # -- auth and body ------------------------------------------------------------------------
+
+    def _session(self, request: BaseRequest, sid: str | None) -> Session:
+        gw = self.gw
+        token = _credential(request)
+        if sid is not None:
+            session = gw.sessions.find(sid)
+            if session is None:
+                if gw.config.auto_sessions and token:
+                    return self._auto_session(sid, token)
+                raise _Reject(404, f"unknown session {sid!r}: create it with POST /sessions first")
+            if not gw.sessions.token_matches(session, token):
+                raise _Reject(401, "invalid or missing API key for this session")
+            return session
+        if token is None:
+            raise _Reject(401, "missing API key: send the session token as x-api-key or Authorization: Bearer")
+        found = gw.sessions.by_token(token)
+        if found is None:
+            if gw.config.auto_sessions:
+                return self._auto_session(None, token)
+            raise _Reject(401, "invalid API key: no session has this token")
+        return found
+
+    def _auto_session(self, sid: str | None, token: str) -> Session:
+        try:
+            return self.gw.sessions.create(sid, token=token, metadata={"auto": True})
+        except InvalidSessionError as exc:
+            raise _Reject(400, str(exc)) from None
+        except SessionExistsError:
+            # The token is another session's: using it on a new session id is a wrong key here.
+            raise _Reject(401, "this API key belongs to another session; use that session's base URL") from None
+
+    async def _body(self, request: BaseRequest) -> tuple[bytes, Any]:
+        """The body's bytes and its parsed JSON."""
+        try:
+            raw = await read_body(request, self.limits)
+        except BodyError as exc:
+            raise _Reject(exc.status, exc.message) from None
+        if not raw:
+            raise _Reject(400, "request body is empty: send a JSON object")
+        try:
+            return raw, orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise _Reject(400, f"request body is not valid JSON: {exc}") from None
+
+    # -- LLM endpoints --------------------------------------------------------------------------
+
+    def completion_handler(self, protocol: WireProtocol, endpoint: str) -> Handler:
+        adapter = get_adapter(protocol)
+
+        async def handle(request: BaseRequest, sid: str | None) -> StreamResponse:
+            gw = self.gw
+            try:
+                session = self._session(request, sid)
+                raw, body = await self._body(request)
+                try:
+                    canonical = adapter.parse_request(body)
+                except RequestError as exc:
+                    raise _Reject(exc.status, exc.message, exc.param) from None
+                if session.ended:
+                    raise _Reject(409, "this session has ended; start a new session")
+                side_call = gw.is_side_call(session, canonical, request.headers)
+                try:
+                    parked = gw.broker.park(session.id, canonical, endpoint, side_call=side_call, raw_body=raw)
+                except GatewayError as exc:  # 429: too many parked for this session; 503: closing
+                    raise _Reject(exc.status, str(exc)) from None
+            except _Reject as rej:
+                gw.metrics.rejected(rej.status)
+                return render.protocol_error(adapter, rej.status, rej.message, rej.param)
+            try:
+                answer = await gw.broker.wait(parked)
+            except RequestClosed as closed:
+                return render.protocol_error(adapter, closed.status, closed.message)
+            session.turns += 1
+            return await self._render(request, adapter, parked, answer)
+
+        return handle
+
+    async def _render(
+        self, request: BaseRequest, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer
+    ) -> StreamResponse:
+        idle = self.gw.config.stream_idle_timeout
+        if isinstance(answer, ErrorAnswer):
+            return render.protocol_error(adapter, answer.status, answer.message)
+        if isinstance(answer, StreamAnswer):
+            items = aiter(answer.source)
+            if parked.request.stream:
+                return await render.delta_stream(request, adapter, parked, items, idle)
+            return await render.drained(adapter, parked, items, idle)
+        if not parked.request.stream:
+            return render.whole(adapter, parked, answer)
+        completion = answer.completion if isinstance(answer, NativeAnswer) else answer
+        return await render.synthesized_stream(request, adapter, parked, completion)
+
+    async def count_tokens(self, request: BaseRequest, sid: str | None) -> Response:
+        adapter = get_adapter(WireProtocol.ANTHROPIC_MESSAGES)
+        try:
+            self._session(request, sid)
+            _, body = await self._body(request)
+            try:
+                parse_count_tokens_request(body)
+            except RequestError as exc:
+                raise _Reject(exc.status, exc.message, exc.param) from None
+        except _Reject as rej:
+            return render.protocol_error(adapter, rej.status, rej.message, rej.param)
+        # An estimate (about 4 characters a token): the gateway has no tokenizer for the policy's model.
+        size = len(orjson.dumps([body.get("system"), body["messages"], body.get("tools")]))
+        return render.json_response({"input_tokens": max(1, math.ceil(size / 4))})
+
+    async def models(self, request: BaseRequest, sid: str | None) -> Response:
+        adapter = get_adapter(render.protocol_for_path(request.path))
+        try:
+            self._session(request, sid)
+        except _Reject as rej:
+            return render.protocol_error(adapter, rej.status, rej.message)
+        data = [
+            {
+                "id": m,
+                "object": "model",
+                "type": "model",
+                "created": 0,
+                "created_at": "2026-01-01T00:00:00Z",
+                "owned_by": "ares-gateway",
+                "display_name": m,
+            }
+            for m in self.gw.config.models
+        ]
+        return render.json_response(
+            {"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]}
+        )
+
+    async def probe(self, request: BaseRequest, sid: str | None) -> Response:
+        # Claude Code sends HEAD <base>/ at start-up, without credentials.
+        return render.json_response({"service": "ares-gateway", "status": "ok"})
+
+    async def responses_websocket(self, request: BaseRequest, sid: str | None) -> Response:
+        adapter = get_adapter(WireProtocol.OPENAI_RESPONSES)
+        # 426 makes Codex's built-in provider fall back to POST /v1/responses.
+        resp = render.protocol_error(adapter, 426, "WebSocket transport is not supported; use POST /v1/responses")
+        if request.headers.get("upgrade"):
+            resp.force_close()  # what follows an upgrade request is not HTTP
+        return resp
+
+
+__all__ = ["AgentAPI"]

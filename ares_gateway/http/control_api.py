@@ -1,0 +1,222 @@
+"""What the trainer / policy side talks to: sessions, ``/poll``, ``/respond``, health and metrics."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import Response, StreamResponse
+from pydantic import ValidationError
+
+from ares_gateway.broker import Answer, ErrorAnswer
+from ares_gateway.canonical import Completion, TokenRecord
+from ares_gateway.errors import GatewayError, InvalidAnswerError
+from ares_gateway.http.render import control_error, json_response
+from ares_gateway.http.routes import Handler
+from ares_gateway.http.server import BodyError, HttpLimits, read_body
+
+if TYPE_CHECKING:
+    from ares_gateway.gateway import Gateway
+
+log = logging.getLogger(__name__)
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class ControlAPI:
+    """Handlers for the policy-facing paths of one gateway (all but /healthz behind :meth:`guard`)."""
+
+    def __init__(self, gateway: Gateway, limits: HttpLimits) -> None:
+        self.gw = gateway
+        self.limits = limits
+
+    def guard(self, handler: Handler) -> Handler:
+        """Require the admin token (when one is configured); a body that cannot be read is its error."""
+        gw = self.gw
+
+        async def guarded(request: BaseRequest, sid: str | None) -> StreamResponse:
+            if gw.config.admin_token and not gw._admin_ok(request.headers):
+                return control_error(401, "missing or wrong admin token: send Authorization: Bearer <admin token>")
+            try:
+                return await handler(request, sid)
+            except _BadRequest as exc:
+                return control_error(exc.status, exc.message)
+
+        return guarded
+
+    async def _json(self, request: BaseRequest, default: Any = None) -> Any:
+        try:
+            raw = await read_body(request, self.limits)
+        except BodyError as exc:
+            raise _BadRequest(exc.status, exc.message) from None
+        if not raw:
+            if default is None:
+                raise _BadRequest(400, "request body is empty: send JSON")
+            return default
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise _BadRequest(400, f"body is not valid JSON: {exc}") from None
+
+    async def poll(self, request: BaseRequest, sid: str | None) -> Response:
+        q = request.query
+        try:
+            wait = float(q.get("wait", "0"))
+            max_items = int(q.get("max", "100"))
+            lease = float(q["lease"]) if "lease" in q else -1.0
+        except ValueError:
+            return control_error(400, "wait and lease must be numbers of seconds, max an integer")
+        if not (0 <= wait <= 3600) or not (1 <= max_items <= 10_000) or (lease != -1.0 and not 0 < lease <= 86_400):
+            return control_error(400, "wait must be 0..3600 s, max 1..10000, lease 0..86400 s")
+        with_canonical = q.get("canonical", "1") not in ("0", "false", "no")
+        session = q.get("session") or None
+        if session is not None and self.gw.sessions.find(session) is None:
+            return control_error(404, f"no session {session!r}")
+        try:
+            items = await self.gw.broker.poll(session, max_items=max_items, wait=wait, lease=lease)
+        except GatewayError as exc:
+            return control_error(exc.status, str(exc))
+        body = b"[" + b",".join(p.poll_json(canonical=with_canonical) for p in items) + b"]"
+        return Response(body=body, headers={"Content-Type": "application/json"})
+
+    async def respond(self, request: BaseRequest, sid: str | None) -> Response:
+        body = await self._json(request)
+        if isinstance(body, list):
+            # Each answer succeeds or fails on its own; the batch as a whole is a 200.
+            return json_response([self._respond_one(item)[1] for item in body])
+        status, result = self._respond_one(body)
+        return json_response(result, status)
+
+    def _respond_one(self, item: Any) -> tuple[int, dict[str, Any]]:
+        rid = item.get("id") if isinstance(item, dict) else None
+        try:
+            if not isinstance(rid, str):
+                raise InvalidAnswerError('each answer needs "id" (a string, as /poll returned it)')
+            answer, tokens = _parse_answer(item)
+            self.gw.broker.respond(rid, answer, tokens=tokens)
+        except GatewayError as exc:
+            return exc.status, {"id": rid, "status": "error", "code": exc.status, "error": str(exc)}
+        except (ValueError, TypeError) as exc:  # an answer no check above caught: still this item's 400
+            return 400, {"id": rid, "status": "error", "code": 400, "error": f"invalid answer: {exc}"}
+        return 200, {"id": rid, "status": "ok"}
+
+    async def create_session(self, request: BaseRequest, sid: str | None) -> Response:
+        body = await self._json(request, default={})
+        if not isinstance(body, dict):
+            return control_error(400, "body must be a JSON object")
+        try:
+            info = await self.gw.create_session(
+                session_id=body.get("session_id"), metadata=body.get("metadata"), token=body.get("token")
+            )
+        except GatewayError as exc:
+            return control_error(exc.status, str(exc))
+        return json_response(info.to_dict(), 201)
+
+    async def list_sessions(self, request: BaseRequest, sid: str | None) -> Response:
+        return json_response([self.gw.session_summary(s.id) for s in self.gw.sessions])
+
+    async def get_session(self, request: BaseRequest, sid: str | None) -> Response:
+        assert sid is not None
+        try:
+            return json_response(self.gw.session_summary(sid))
+        except GatewayError as exc:
+            return control_error(exc.status, str(exc))
+
+    async def delete_session(self, request: BaseRequest, sid: str | None) -> Response:
+        assert sid is not None
+        try:
+            cancelled = await self.gw.delete_session(sid)
+        except GatewayError as exc:
+            return control_error(exc.status, str(exc))
+        return json_response({"status": "ok", "cancelled": cancelled})
+
+    async def end_session(self, request: BaseRequest, sid: str | None) -> Response:
+        assert sid is not None
+        body = await self._json(request, default={})
+        if not isinstance(body, dict):
+            return control_error(400, "body must be a JSON object")
+        reward = body.get("reward")
+        # Strictly JSON types: a bool is not a reward, and "no" is not false.
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+            return control_error(400, '"reward" must be a JSON number (or null)')
+        truncated = body.get("truncated", False)
+        if not isinstance(truncated, bool):
+            return control_error(400, '"truncated" must be true or false')
+        try:
+            await self.gw.end_session(sid, reward=reward, truncated=truncated)
+        except GatewayError as exc:
+            return control_error(exc.status, str(exc))
+        return json_response({"status": "ok"})
+
+    async def trajectory(self, request: BaseRequest, sid: str | None) -> Response:
+        assert sid is not None
+        q = request.query
+        try:
+            reward = float(q.get("reward", "nan"))
+            max_tokens = int(q.get("max_sample_tokens", "0"))
+        except ValueError:
+            return control_error(400, "reward must be a number and max_sample_tokens an integer")
+        try:
+            samples = self.gw.trajectory(sid, reward=None if math.isnan(reward) else reward, max_sample_tokens=max_tokens)
+        except GatewayError as exc:
+            return control_error(exc.status, str(exc))
+        return json_response([s.to_dict() for s in samples])
+
+    async def turns(self, request: BaseRequest, sid: str | None) -> Response:
+        assert sid is not None
+        try:
+            turns = self.gw.turn_log(sid)
+        except GatewayError as exc:
+            return control_error(exc.status, str(exc))
+        return json_response(turns)
+
+    async def healthz(self, request: BaseRequest, sid: str | None) -> Response:
+        return json_response({"status": "ok", "sessions": len(self.gw.sessions), "parked": self.gw.broker.pending_count})
+
+    async def metrics(self, request: BaseRequest, sid: str | None) -> Response:
+        body = self.gw.metrics.render(self.gw.broker.pending_count)
+        return Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def _parse_answer(item: dict[str, Any]) -> tuple[Answer | dict[str, Any], dict[str, Any] | None]:
+    kinds = [k for k in ("completion", "response", "error") if k in item]
+    if len(kinds) != 1:
+        raise InvalidAnswerError('give exactly one of "completion", "response" or "error" with each answer')
+    tokens = item.get("tokens")
+    if tokens is not None and not isinstance(tokens, dict):
+        raise InvalidAnswerError('"tokens" must be an object with prompt_ids, output_ids, output_logprobs')
+    kind = kinds[0]
+    value = item[kind]
+    if kind == "error":
+        if not isinstance(value, dict):
+            raise InvalidAnswerError('"error" must be an object {"status", "message"}')
+        status = value.get("status", 500)
+        if not isinstance(status, int) or isinstance(status, bool) or not 400 <= status <= 599:
+            raise InvalidAnswerError('"error.status" must be an HTTP error status (400-599)')
+        return ErrorAnswer(status, str(value.get("message", "error"))), tokens
+    if not isinstance(value, dict):
+        raise InvalidAnswerError(f'"{kind}" must be a JSON object')
+    if kind == "completion":
+        try:
+            completion = Completion.model_validate(value)
+        except ValidationError as exc:
+            raise InvalidAnswerError(f"invalid completion: {exc}") from None
+        if tokens is not None:
+            try:
+                record = TokenRecord.model_validate(tokens)
+            except ValidationError as exc:
+                raise InvalidAnswerError(f"invalid tokens: {exc}") from None
+            completion = completion.model_copy(update={"tokens": record})
+        return completion, None
+    return value, tokens
+
+
+__all__ = ["ControlAPI"]

@@ -1,0 +1,191 @@
+"""Answers rendered for the wire: JSON bodies, error shapes, and the SSE streams of the three LLM APIs.
+
+Nothing here decides anything: the agent API (:mod:`ares_gateway.http.agent_api`) picks what
+to send, and this module writes it: a whole answer as the protocol's JSON body, a whole answer
+to a streaming request as the protocol's synthesized SSE stream, and a policy's stream delta by
+delta (each protocol's encoder, e.g. ``ResponsesStreamEncoder`` in
+:mod:`ares_gateway.protocols.openai_responses`, spells out its events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import Response, StreamResponse
+
+from ares_gateway.broker import Answer, ErrorAnswer, NativeAnswer, ParkedRequest
+from ares_gateway.canonical import Completion, CompletionDelta, WireProtocol
+from ares_gateway.protocols import ProtocolAdapter, get_adapter
+
+log = logging.getLogger(__name__)
+
+_JSON = {"Content-Type": "application/json"}
+_SSE = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+_RESPONSE_ID_PREFIX = {
+    WireProtocol.OPENAI_CHAT: "chatcmpl-",
+    WireProtocol.ANTHROPIC_MESSAGES: "msg_",
+    WireProtocol.OPENAI_RESPONSES: "resp_",
+}
+#: Statuses an agent may retry; they carry ``retry-after``.
+_RETRYABLE = frozenset((429, 503, 529))
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(body=orjson.dumps(body), status=status, headers={**_JSON, **headers} if headers else _JSON)
+
+
+def protocol_for_path(path: str) -> WireProtocol:
+    """The LLM API an agent path belongs to (errors on unknown paths take its shape too)."""
+    if "/messages" in path:
+        return WireProtocol.ANTHROPIC_MESSAGES
+    if "/responses" in path:
+        return WireProtocol.OPENAI_RESPONSES
+    return WireProtocol.OPENAI_CHAT
+
+
+def protocol_error(adapter: ProtocolAdapter, status: int, message: str, param: str | None = None) -> Response:
+    """An error in the agent's protocol's own shape."""
+    headers = {"retry-after": "1"} if status in _RETRYABLE else None
+    return json_response(adapter.error_body(status, message, param=param), status, headers)
+
+
+def control_error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    """An error of the control API: ``{"status": "error", "code", "error"}``."""
+    return json_response({"status": "error", "code": status, "error": message}, status, headers)
+
+
+def error_for_path(path: str, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    """An error in the shape of the API the path belongs to (an LLM API's, or the control API's)."""
+    if path.startswith(("/v1", "/s/")) or "/v1/" in path:
+        adapter = get_adapter(protocol_for_path(path))
+        return json_response(adapter.error_body(status, message), status, headers)
+    return control_error(status, message, headers)
+
+
+def response_id(parked: ParkedRequest) -> str:
+    """The id of the agent's response: its protocol's prefix on the request's number."""
+    return _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.removeprefix("req_")
+
+
+def whole(adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer) -> Response:
+    """The response to a request that did not ask for a stream, from a whole answer."""
+    if isinstance(answer, ErrorAnswer):
+        return protocol_error(adapter, answer.status, answer.message)
+    if isinstance(answer, NativeAnswer):
+        return json_response(answer.body)
+    assert isinstance(answer, Completion)
+    return json_response(adapter.render_response(answer, parked.request, response_id(parked)))
+
+
+async def synthesized_stream(
+    request: BaseRequest, adapter: ProtocolAdapter, parked: ParkedRequest, completion: Completion
+) -> StreamResponse:
+    """A whole answer to a request that asked for a stream: the protocol's full event sequence at once."""
+    encoder = adapter.stream_encoder(parked.request, response_id(parked))
+    resp = StreamResponse(status=200, headers=_SSE)
+    await resp.prepare(request)
+    await resp.write(encoder.start() + encoder.finish(completion))
+    await resp.write_eof()
+    return resp
+
+
+async def _next(items: AsyncIterator[CompletionDelta | Completion], timer: asyncio.Timeout, idle: float) -> Any:
+    timer.reschedule(asyncio.get_running_loop().time() + idle)
+    return await anext(items, None)
+
+
+async def delta_stream(
+    request: BaseRequest,
+    adapter: ProtocolAdapter,
+    parked: ParkedRequest,
+    items: AsyncIterator[CompletionDelta | Completion],
+    idle_timeout: float,
+) -> StreamResponse:
+    """The policy's stream as the protocol's SSE, delta by delta.
+
+    ``items`` (the broker's recording view of the policy's stream) yields deltas and ends with
+    one whole :class:`Completion`. A stream that fails, or sends nothing for ``idle_timeout``
+    seconds, ends the agent's stream with an error event in its protocol's shape.
+    """
+    encoder = adapter.stream_encoder(parked.request, response_id(parked))
+    resp = StreamResponse(status=200, headers=_SSE)
+    await resp.prepare(request)
+    await resp.write(encoder.start())
+    try:
+        try:
+            async with asyncio.timeout(None) as timer:
+                while (item := await _next(items, timer, idle_timeout)) is not None:
+                    if isinstance(item, Completion):
+                        timer.reschedule(None)
+                        await resp.write(encoder.finish(item))
+                        break
+                    await resp.write(encoder.feed(item))
+        except TimeoutError:
+            log.warning("policy stream for %s stalled for %g s; ending the agent's stream", parked.id, idle_timeout)
+            await resp.write(encoder.error(504, f"the policy's stream sent nothing for {idle_timeout:g} s"))
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # the policy's stream broke: end the agent's stream with an error event
+            log.warning("policy stream for %s failed: %s", parked.id, exc)
+            await resp.write(encoder.error(502, f"the policy's stream failed: {exc}"))
+    finally:
+        await _aclose(items)
+    await resp.write_eof()
+    return resp
+
+
+async def drained(
+    adapter: ProtocolAdapter,
+    parked: ParkedRequest,
+    items: AsyncIterator[CompletionDelta | Completion],
+    idle_timeout: float,
+) -> Response:
+    """A policy's stream answering a request that did not ask for one: read whole, sent as JSON."""
+    final: Completion | None = None
+    try:
+        async with asyncio.timeout(None) as timer:
+            while (item := await _next(items, timer, idle_timeout)) is not None:
+                if isinstance(item, Completion):
+                    final = item
+                    break
+    except TimeoutError:
+        log.warning("policy stream for %s stalled for %g s", parked.id, idle_timeout)
+        return protocol_error(adapter, 504, f"the policy's stream sent nothing for {idle_timeout:g} s")
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # the policy's stream broke: the agent gets a 502 in its shape
+        log.warning("policy stream for %s failed: %s", parked.id, exc)
+        return protocol_error(adapter, 502, f"the policy's stream failed: {exc}")
+    finally:
+        await _aclose(items)
+    if final is None:
+        return protocol_error(adapter, 502, "the policy's stream ended without a completion")
+    return whole(adapter, parked, final)
+
+
+async def _aclose(items: AsyncIterator[Any]) -> None:
+    aclose = getattr(items, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:  # closing a broken stream must not hide what broke it
+            log.debug("closing a policy stream failed", exc_info=True)
+
+
+__all__ = [
+    "control_error",
+    "delta_stream",
+    "drained",
+    "error_for_path",
+    "json_response",
+    "protocol_error",
+    "protocol_for_path",
+    "response_id",
+    "synthesized_stream",
+    "whole",
+]

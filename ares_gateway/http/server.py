@@ -1,0 +1,273 @@
+"""The gateway's HTTP/1.1 server: aiohttp's low-level server, with the limits a hostile client needs.
+
+Why aiohttp's low-level server (``aiohttp.web_server.Server``) and not ``aiohttp.web``: the
+gateway serves a fixed set of paths (:mod:`ares_gateway.http.routes` finds a handler with one
+dict lookup), so an ``Application`` would add a regex router, match-info and a middleware chain
+to every agent turn for nothing. The low-level server keeps what matters and is maintained:
+llhttp parsing, keep-alive and pipelining, chunked bodies, write back-pressure, handler
+cancellation when a client disconnects.
+
+What aiohttp does itself (checked against aiohttp 3.14's ``web_protocol``/``http_parser``):
+
+* request line and each header line at most ``max_line_bytes`` / ``max_field_bytes``, at most
+  ``max_headers`` headers: beyond that the parser stops and the connection gets one error
+  answer and is closed (here: 431, in the control API's JSON shape);
+* pipelining: at most 32 parsed requests wait per connection; past that the transport stops
+  reading, so a client that pipelines and never reads its answers holds a bounded buffer;
+* a request body is a stream that pauses the transport past ``read_bufsize`` (bodies behind a
+  parked request are not read into memory);
+* every response write waits for the socket to drain (write back-pressure);
+* an idle keep-alive connection is closed after ``keepalive_timeout`` (counted from the
+  connection's start or its last response, not reset by bytes that arrive).
+
+What this module adds at the depth it belongs:
+
+* a **header deadline**: a request's head must arrive within ``header_timeout`` of its first
+  byte, else the connection is closed (aiohttp alone would wait the whole keep-alive timeout);
+* a **body deadline** (:func:`read_body`): each piece of a body within ``body_timeout`` of the
+  last, the whole body within ``body_total_timeout`` (408 and close otherwise); ``Expect:
+  100-continue`` answered when the body is first read; bodies over ``max_body_bytes`` refused
+  (413) from their ``Content-Length`` or as soon as they pass the limit;
+* errors aiohttp answers itself (malformed requests, a handler that raised) come in the JSON
+  shape of the API the path belongs to, via the server's ``error`` factory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web_protocol, web_server
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import Response, StreamResponse
+
+log = logging.getLogger(__name__)
+
+#: Answers a status and a message for a path, in the shape of the API the path belongs to.
+ErrorFactory = Callable[[str, int, str], Response]
+Handler = Callable[[BaseRequest], Awaitable[StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What one connection may send, and how slowly. Every field is a ``Gateway`` / ``serve`` setting."""
+
+    #: Largest request body; bigger ones get a 413 in the API's error shape.
+    max_body_bytes: int = 32 * 1024 * 1024
+    #: Longest request line (method, target, version).
+    max_line_bytes: int = 8190
+    #: Longest header line (name and value).
+    max_field_bytes: int = 8190
+    #: Most header lines in one request.
+    max_headers: int = 128
+    #: Seconds from a request's first byte to the end of its headers.
+    header_timeout: float = 10.0
+    #: Longest pause, in seconds, between two pieces of a request body.
+    body_timeout: float = 10.0
+    #: Seconds a whole request body may take to arrive.
+    body_total_timeout: float = 120.0
+    #: Seconds an idle keep-alive connection stays open.
+    keepalive_timeout: float = 75.0
+    #: Seconds spent discarding a body nobody read (after a 413, say) before closing instead.
+    lingering_time: float = 5.0
+    #: Bytes of a request body buffered before the connection stops reading.
+    read_bufsize: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_line_bytes", "max_field_bytes", "max_headers", "read_bufsize"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        for name in ("header_timeout", "body_timeout", "body_total_timeout", "keepalive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be a positive number of seconds")
+
+
+class BodyError(Exception):
+    """A request body that cannot be read: too large (413), too slow (408), unknown expectation (417)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+async def read_body(request: BaseRequest, limits: HttpLimits) -> bytes:
+    """The whole body of ``request``, within the size and time limits; raises :class:`BodyError`."""
+    length = request.content_length
+    if length is not None and length > limits.max_body_bytes:
+        raise BodyError(413, f"request body exceeds the gateway's limit of {limits.max_body_bytes} bytes")
+    content = request.content
+    if content.is_eof():  # all of it arrived with the head: the usual case, no timer needed
+        body = await content.read()
+    else:
+        if request.version >= (1, 1) and request.headers.get("expect", "").lower() == "100-continue":
+            # curl sends this with large bodies and waits for the interim response.
+            await request.writer.write(_CONTINUE)
+        body = await _read_slow(request, limits)
+    if len(body) > limits.max_body_bytes:
+        raise BodyError(413, f"request body exceeds the gateway's limit of {limits.max_body_bytes} bytes")
+    return body
+
+
+async def _read_slow(request: BaseRequest, limits: HttpLimits) -> bytes:
+    loop = asyncio.get_running_loop()
+    content = request.content
+    chunks: list[bytes] = []
+    size = 0
+    last = loop.time() + limits.body_total_timeout
+    try:
+        async with asyncio.timeout(None) as timer:
+            while True:
+                timer.reschedule(min(loop.time() + limits.body_timeout, last))
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > limits.max_body_bytes:
+                    raise BodyError(
+                        413, f"request body exceeds the gateway's limit of {limits.max_body_bytes} bytes"
+                    )
+                chunks.append(chunk)
+    except TimeoutError:
+        # The client is sending too slowly (or stopped): do not wait on it, and do not reuse
+        # a connection whose framing is now unknown.
+        request.protocol.force_close()
+        raise BodyError(
+            408,
+            f"request body too slow: each piece must come within {limits.body_timeout:g} s "
+            f"and the whole body within {limits.body_total_timeout:g} s",
+        ) from None
+    return b"".join(chunks)
+
+
+class _Connection(web_protocol.RequestHandler):
+    """aiohttp's connection protocol plus a deadline on receiving a request's head."""
+
+    __slots__ = ("_error", "_head_count", "_head_timeout", "_head_timer")
+
+    def __init__(self, manager: Any, *, header_timeout: float, error: ErrorFactory, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._head_timeout = header_timeout
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_count = 0
+        self._error = error
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # Bytes came while no whole request is waiting to be served: a head has begun (or is
+        # dribbling in). Its deadline runs from the first of them; any byte does not reset it.
+        waiter = self._waiter
+        if data and self._head_timer is None and waiter is not None and not waiter.done():
+            self._head_count = self._request_count
+            self._head_timer = self._loop.call_later(self._head_timeout, self._head_overdue)
+
+    def _head_overdue(self) -> None:
+        self._head_timer = None
+        waiter = self._waiter
+        if self._request_count == self._head_count and waiter is not None and not waiter.done():
+            log.debug("closing a connection whose request head took over %g s", self._head_timeout)
+            self.force_close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> StreamResponse:
+        """Errors aiohttp answers itself, in the API's JSON shape; the connection then closes."""
+        if status == 500:
+            log.error("unhandled error serving %s %s", request.method, request.path, exc_info=exc)
+            text = "internal error in the gateway; see its log"
+        elif isinstance(exc, LineTooLong) or (
+            isinstance(exc, BadHttpMessage) and "too many headers" in str(exc).lower()
+        ):
+            status = 431
+            text = (
+                f"request head too large: {exc}; the gateway takes lines up to {self.max_field_size} "
+                f"bytes and {self.max_headers} headers"
+            )
+        else:
+            text = f"malformed HTTP request: {message or exc or 'bad request'}"
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response was partly sent; the connection is closed")
+        resp = self._error(request.path, status, text)
+        resp.force_close()
+        return resp
+
+
+class _Server(web_server.Server):
+    def __init__(self, handler: Handler, *, header_timeout: float, error: ErrorFactory, **kwargs: Any) -> None:
+        super().__init__(handler, handler_cancellation=True, **kwargs)  # type: ignore[arg-type]
+        self._header_timeout = header_timeout
+        self._error = error
+
+    def __call__(self) -> _Connection:
+        return _Connection(
+            self, loop=self._loop, header_timeout=self._header_timeout, error=self._error, **self._kwargs
+        )
+
+
+class HttpServer:
+    """Serves ``handler`` over HTTP/1.1 on one listening socket, within ``limits``."""
+
+    def __init__(
+        self, handler: Handler, error: ErrorFactory, limits: HttpLimits, *, access_log: bool = False
+    ) -> None:
+        self.handler = handler
+        self.error = error
+        self.limits = limits
+        self.access_log = access_log
+        self._server: _Server | None = None
+        self._listener: asyncio.AbstractServer | None = None
+
+    @property
+    def connections(self) -> int:
+        """Open client connections."""
+        return len(self._server.connections) if self._server is not None else 0
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen; returns the bound port."""
+        lim = self.limits
+        kwargs: dict[str, Any] = {
+            "max_line_size": lim.max_line_bytes,
+            "max_field_size": lim.max_field_bytes,
+            "max_headers": lim.max_headers,
+            "keepalive_timeout": lim.keepalive_timeout,
+            "lingering_time": lim.lingering_time,
+            "read_bufsize": lim.read_bufsize,
+        }
+        if not self.access_log:
+            kwargs["access_log"] = None
+        self._server = _Server(self.handler, header_timeout=lim.header_timeout, error=self.error, **kwargs)
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(self._server, host, port, backlog=1024)
+        sockets: Any = self._listener.sockets  # a list under uvloop, a tuple under asyncio
+        return int(sockets[0].getsockname()[1])
+
+    async def close(self, grace: float = 5.0) -> None:
+        """Stop listening, let requests in flight finish (for ``grace`` seconds), then close every connection."""
+        if self._listener is None or self._server is None:
+            return
+        listener, self._listener = self._listener, None
+        listener.close()
+        server = self._server
+        server.pre_shutdown()
+        await server.shutdown(grace)
+        await listener.wait_closed()
+
+
+__all__ = ["BodyError", "HttpLimits", "HttpServer", "read_body"]

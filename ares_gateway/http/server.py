@@ -136,9 +136,11 @@ async def _read_slow(request: BaseRequest, limits: HttpLimits) -> bytes:
                     )
                 chunks.append(chunk)
     except TimeoutError:
-        # The client is sending too slowly (or stopped): do not wait on it, and do not reuse
-        # a connection whose framing is now unknown.
-        request.protocol.force_close()
+        # The client is sending too slowly (or stopped): answer, then close at once rather than
+        # spend aiohttp's lingering time reading the rest of a body that may never come.
+        protocol = request.protocol
+        if isinstance(protocol, _Connection):
+            protocol.close_after_response()
         raise BodyError(
             408,
             f"request body too slow: each piece must come within {limits.body_timeout:g} s "
@@ -175,6 +177,11 @@ class _Connection(web_protocol.RequestHandler):
             log.debug("closing a connection whose request head took over %g s", self._head_timeout)
             self.force_close()
 
+    def close_after_response(self) -> None:
+        """Close once the current response is written, without reading the rest of its body."""
+        self._lingering_time = 0.0  # aiohttp's drain-the-unread-body step is skipped at 0
+        self.close()
+
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
@@ -197,16 +204,22 @@ class _Connection(web_protocol.RequestHandler):
         ):
             status = 431
             text = (
-                f"request head too large: {exc}; the gateway takes lines up to {self.max_field_size} "
-                f"bytes and {self.max_headers} headers"
+                f"request head too large ({_reason(exc)}): the gateway takes lines up to "
+                f"{self.max_field_size} bytes and up to {self.max_headers} headers"
             )
         else:
-            text = f"malformed HTTP request: {message or exc or 'bad request'}"
+            text = f"malformed HTTP request: {_reason(exc) if exc is not None else message or 'bad request'}"
         if request.writer.output_size > 0:
             raise ConnectionError("the response was partly sent; the connection is closed")
         resp = self._error(request.path, status, text)
         resp.force_close()
         return resp
+
+
+def _reason(exc: BaseException | None) -> str:
+    # aiohttp's HttpProcessingError reads "400, message: ..." as a string; its .message is the reason.
+    text = str(getattr(exc, "message", "") or exc)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 class _Server(web_server.Server):

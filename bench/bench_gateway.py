@@ -10,7 +10,7 @@ gateway process through ``Gateway.next_request`` / ``respond``.
     python3 bench/bench_gateway.py --agents 64 --mode http --body small --repeat 3
     python3 bench/bench_gateway.py --instructions       # instructions per turn, under callgrind
     python3 bench/bench_gateway.py --impl bare --impl go --impl gateway   # against the floors and the Go proxy
-    python3 bench/bench_gateway.py --impl bare-ht --burn-us 50 --agents 1 --mode inproc   # latency per µs of server CPU
+    python3 bench/bench_gateway.py --impl bare-ll --burn-us 50 --agents 1 --mode inproc   # latency per µs of server CPU
 
 Reports turns/s, per-turn latency p50/p99 (agent side), and memory per parked request;
 with ``--instructions``, the server process's instruction count per turn at one agent
@@ -170,33 +170,6 @@ def _bare_main(port: int, mode: str, lowlevel: bool = False) -> None:
             runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
-        print("ready", flush=True)
-        await park.serve(mode)
-
-    uvloop.run(main())
-
-
-def _bare_httptools_main(port: int, mode: str) -> None:
-    """The park loop of ``_bare_main`` on ares_gateway's HTTP layer (httptools under an asyncio
-    protocol) instead of aiohttp: what the gateway's server costs before the gateway does any work."""
-    import uvloop
-
-    from ares_gateway._http import HttpServer, Request, Response
-
-    async def main() -> None:
-        park = _ParkLoop()
-
-        async def handle(request: Request) -> Response:
-            if request.path == "/poll":
-                return Response(await park.poll())
-            if request.path == "/respond":
-                return Response(park.respond(request.body))
-            return Response(await park.agent(request.body))
-
-        def error(request: Request, status: int, message: str) -> Response:
-            return Response(orjson.dumps({"error": message}), status)
-
-        await HttpServer(handle, error, max_body_bytes=64 * 1024 * 1024).start("127.0.0.1", port)
         print("ready", flush=True)
         await park.serve(mode)
 
@@ -434,18 +407,6 @@ def instructions_case(mode: str, impl: str, body: str, turns: tuple[int, int] = 
     return (totals[1] - totals[0]) / (turns[1] - turns[0])
 
 
-def _build_kind() -> str:
-    """Whether the children will run the mypyc-compiled request path (they import as this process does)."""
-    import importlib
-
-    from ares_gateway import _native
-
-    for name in _native.COMPILED_MODULES:
-        importlib.import_module(name)
-    n = len(_native.compiled_modules())
-    return f"compiled: {n} of {len(_native.COMPILED_MODULES)} modules" if n else "pure Python"
-
-
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):
         # A child: SIGTERM ends it through exit(), so a profiler wrapping it (callgrind) reports.
@@ -455,9 +416,6 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] in ("_bare", "_bare-ll"):
         _bare_main(int(sys.argv[2]), sys.argv[3], lowlevel=sys.argv[1] == "_bare-ll")
-        return
-    if len(sys.argv) > 1 and sys.argv[1] == "_bare-ht":
-        _bare_httptools_main(int(sys.argv[2]), sys.argv[3])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_responder":
         _responder_main(sys.argv[2], sys.argv[3])
@@ -472,10 +430,10 @@ def main() -> None:
     ap.add_argument(
         "--impl",
         action="append",
-        choices=["gateway", "bare", "bare-ll", "bare-ht", "go"],
+        choices=["gateway", "bare", "bare-ll", "go"],
         help="gateway (default), bare (aiohttp web.Application parking on futures with no parsing: the floor "
-        "to compare with), bare-ll (the same on aiohttp's low-level web.Server), bare-ht (the same on the "
-        "gateway's own HTTP layer over httptools), go (bench/go_proxy, the "
+        "to compare with), bare-ll (the same on aiohttp's low-level web.Server, which the gateway serves on), "
+        "go (bench/go_proxy, the "
         "ares-proxy design in Go: destructive non-blocking /poll; HTTP mode only; needs `go`)",
     )
     ap.add_argument(
@@ -497,7 +455,6 @@ def main() -> None:
         help="instead of timing: instructions per turn of the server process at one agent, under callgrind",
     )
     args = ap.parse_args()
-    print(f"(ares_gateway and bare-ht run {_build_kind()})", flush=True)
     if args.burn_us:
         os.environ[_BURN_ENV] = str(args.burn_us)  # the bare children read it
         print(f"(the bare loops spend {args.burn_us:g} µs of CPU on each agent request)", flush=True)

@@ -7,14 +7,14 @@ and the comparisons are per-round ratios (then their median across rounds):
     python3 bench/interleaved.py --rounds 4            # every target row
     python3 bench/interleaved.py --rounds 8 --only p50  # the in-process one-agent row alone
 
-``pure-gateway`` is the gateway with ``ARES_GATEWAY_PURE=1`` (its request path uncompiled).
+``bare-ll`` is the park loop on aiohttp's low-level server, which the gateway serves on: the
+gateway's own cost is the difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -24,25 +24,21 @@ from pathlib import Path
 BENCH = str(Path(__file__).with_name("bench_gateway.py"))
 ONE = ["--body", "small", "--repeat", "1", "--memory", "0"]
 
-#: (row, extra flags, implementations, run pure too)
+#: (row, extra flags, implementations)
 ROWS = {
-    "p50": [(("inproc", 1), ["--turn-target", "30000"], ["bare-ht", "bare", "gateway"], True)],
-    "inproc64": [(("inproc", 64), [], ["bare", "gateway"], False)],
-    "http": [(("http", a), [], ["go", "gateway", "bare"], True) for a in (1, 64, 512)],
+    "p50": [(("inproc", 1), ["--turn-target", "30000"], ["bare-ll", "bare", "gateway"])],
+    "inproc64": [(("inproc", 64), [], ["bare-ll", "bare", "gateway"])],
+    "http": [(("http", a), [], ["go", "gateway", "bare", "bare-ll"]) for a in (1, 64, 512)],
 }
-RATIOS = [("gateway", "go"), ("pure-gateway", "go"), ("gateway", "bare"), ("gateway", "bare-ht"), ("gateway", "pure-gateway")]
+RATIOS = [("gateway", "go"), ("gateway", "bare"), ("gateway", "bare-ll")]
 
 
-def _run(mode: str, agents: int, extra: list[str], impls: list[str], pure: bool) -> list[dict[str, float]]:
+def _run(mode: str, agents: int, extra: list[str], impls: list[str]) -> list[dict[str, float]]:
     args = [sys.executable, BENCH, "--mode", mode, "--agents", str(agents), *ONE, *extra]
     for impl in impls:
         args += ["--impl", impl]
-    env = {**os.environ, "ARES_GATEWAY_PURE": "1"} if pure else {k: v for k, v in os.environ.items() if k != "ARES_GATEWAY_PURE"}
-    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
-    rows = json.loads(out.stderr.strip().splitlines()[-1])
-    for row in rows:
-        if pure:
-            row["impl"] = "pure-" + row["impl"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True)
+    rows: list[dict[str, float]] = json.loads(out.stderr.strip().splitlines()[-1])
     return rows
 
 
@@ -56,8 +52,8 @@ def main() -> None:
     rounds: list[dict[tuple[str, int], dict[str, dict[str, float]]]] = []
     for i in range(args.rounds):
         got: dict[tuple[str, int], dict[str, dict[str, float]]] = defaultdict(dict)
-        for (mode, agents), extra, impls, pure in plan:
-            for row in _run(mode, agents, extra, impls, False) + (_run(mode, agents, extra, ["gateway"], True) if pure else []):
+        for (mode, agents), extra, impls in plan:
+            for row in _run(mode, agents, extra, impls):
                 got[(mode, agents)][str(row["impl"])] = row
         rounds.append(got)
         print(f"round {i + 1} of {args.rounds} done", file=sys.stderr, flush=True)

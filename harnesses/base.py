@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import math
 import os
 import posixpath
 import re
@@ -44,6 +45,8 @@ QUIET_ENV: dict[str, str] = {
     "TERM": "xterm-256color",
     "LANG": "C.UTF-8",
 }
+#: The time budget of ``run()`` when none is given (seconds).
+DEFAULT_TIME_BUDGET = 600.0
 _TAIL = 4000
 _CA_PATH = "/tmp/ares-harness-ca.pem"
 _ARTIFACT_LIMIT = 4 * 1024 * 1024
@@ -158,6 +161,9 @@ class Prepared:
     home: str
     state_dir: str
     install: InstallInfo | None = None
+    #: The current run's time budget (seconds), set by ``launch_and_wait`` before the agent's
+    #: environment and command are built, so a harness can size its per-command limits from it.
+    time_budget: float | None = None
 
 
 class BaseHarness(abc.ABC):
@@ -178,6 +184,7 @@ class BaseHarness(abc.ABC):
         extra_env: Mapping[str, str] | None = None,
         ca_bundle: str | None = None,
         wrapper: str | None = None,
+        command_timeout: float | None = None,
     ) -> None:
         self.version = version or self.default_version
         self.user = user
@@ -188,7 +195,26 @@ class BaseHarness(abc.ABC):
         self.ca_bundle = ca_bundle if ca_bundle is not None else _host_ca_bundle()
         #: A command prefix the agent runs under (e.g. ``nice -n 5`` or ``strace -f -o FILE``).
         self.wrapper = wrapper
+        if command_timeout is not None and not command_timeout > 0:
+            raise ValueError(f"command_timeout must be a positive number of seconds, got {command_timeout!r}")
+        #: The longest one agent command (a build, a test suite) may run, in seconds; ``None``: the
+        #: run's whole time budget, so only the episode's own limit ends a command.
+        self.command_timeout = command_timeout
         self._prepared: dict[str, Prepared] = {}
+
+    # ------------------------------------------------------------------ limits
+
+    def command_limit(self, prep: Prepared) -> int:
+        """Whole seconds one agent command may run: ``command_timeout``, else the run's time budget.
+
+        Each agent's own per-command limit (mini-swe-agent's ``environment.timeout``, Claude Code's
+        ``BASH_DEFAULT_TIMEOUT_MS``/``BASH_MAX_TIMEOUT_MS``, Codex's ``background_terminal_max_timeout``)
+        is set from it, so a command is cut short by the episode's time limit, not by the agent's
+        default (30 s, 2 min, 5 min).
+        """
+        budget = prep.time_budget if prep.time_budget is not None else DEFAULT_TIME_BUDGET
+        limit = self.command_timeout if self.command_timeout is not None else budget
+        return max(1, math.ceil(limit))
 
     # ------------------------------------------------------------------ hooks
 
@@ -231,7 +257,7 @@ class BaseHarness(abc.ABC):
     # ------------------------------------------------------------------ template
 
     async def run(
-        self, sandbox: Sandbox, ctx: HarnessContext, prompt: str, *, time_budget: float = 600.0
+        self, sandbox: Sandbox, ctx: HarnessContext, prompt: str, *, time_budget: float = DEFAULT_TIME_BUDGET
     ) -> HarnessResult:
         """Prepare the user and workdir, install (or reuse) the CLI, write config, launch and wait."""
         await self.prepare(sandbox, ctx)
@@ -360,6 +386,7 @@ class BaseHarness(abc.ABC):
             raise HarnessLaunchError(self.name, "launch", "call prepare() and install() (or run()) first")
         st = prep.state_dir
         run_id = uuid.uuid4().hex[:8]
+        prep.time_budget = time_budget
         env = {**QUIET_ENV, **self.agent_env(ctx, prep), **self.extra_env, "HOME": prep.home}
         bin_dir = posixpath.join(prep.install.prefix, posixpath.dirname(self.probe))
         script = "\n".join(
@@ -380,7 +407,7 @@ class BaseHarness(abc.ABC):
             user=prep.user, cwd=ctx.workdir, timeout=30,
         )
         if not write.ok:
-            raise HarnessLaunchError(self.name, "writing the launch script", _tail(write.stderr))
+            raise HarnessLaunchError(self.name, "writing the launch script", _exec_failure(write))
         started = time.monotonic()
         # setsid: a new session and process group whose id is the agent's pid, detached from this exec.
         launch = await sandbox.exec(
@@ -388,7 +415,7 @@ class BaseHarness(abc.ABC):
             user=prep.user, cwd=ctx.workdir, timeout=30,
         )
         if not launch.ok:
-            raise HarnessLaunchError(self.name, "launching the agent", _tail(launch.stderr))
+            raise HarnessLaunchError(self.name, "launching the agent", _exec_failure(launch))
         try:
             exit_code, timed_out = await self._wait(sandbox, prep, started, time_budget)
         except BaseException:
@@ -491,6 +518,12 @@ def _host_ca_bundle() -> str | None:
         if path and os.path.isfile(path):
             return path
     return None
+
+
+def _exec_failure(r: ExecResult) -> str:
+    """Why a sandbox command failed, never empty (a timed-out command often printed nothing)."""
+    how = f"timed out after {r.duration:.0f} s" if r.timed_out else f"exit {r.exit_code}"
+    return f"{how}: {_tail(r.stderr) or _tail(r.stdout) or 'no output'}"
 
 
 def _tail(text: str, n: int = 800) -> str:

@@ -5,6 +5,13 @@ as ``ANTHROPIC_AUTH_TOKEN`` (sent as ``Authorization: Bearer``), every model tie
 model label. Run: ``claude -p PROMPT --output-format stream-json --verbose
 --dangerously-skip-permissions`` (allowed as a non-root user, or as root with ``IS_SANDBOX=1``,
 which is set too). The stream-json log (stdout) is kept as the ``stream.jsonl`` artifact.
+
+Long commands: the Bash tool's default and maximum timeout (``BASH_DEFAULT_TIMEOUT_MS``,
+``BASH_MAX_TIMEOUT_MS``; 2 and 10 minutes by default) are both set to
+:meth:`~harnesses.base.BaseHarness.command_limit` (the run's time budget unless ``command_timeout``
+is given), and ``CLAUDE_CODE_DISABLE_BACKGROUND_TASKS=1``: with background tasks on, 2.1.332 refuses
+a command that starts with ``sleep N`` (N >= 25 s: "Blocked: standalone sleep ...", pointing at
+``run_in_background``), and in ``-p`` mode nothing waits for a backgrounded command once the agent's turn ends.
 """
 
 from __future__ import annotations
@@ -85,6 +92,9 @@ class ClaudeCodeHarness(BaseHarness):
             "DISABLE_BUG_COMMAND": "1",
             "IS_SANDBOX": "1",
             "API_TIMEOUT_MS": "900000",
+            "BASH_DEFAULT_TIMEOUT_MS": str(self.command_limit(prep) * 1000),
+            "BASH_MAX_TIMEOUT_MS": str(self.command_limit(prep) * 1000),
+            "CLAUDE_CODE_DISABLE_BACKGROUND_TASKS": "1",
             "CLAUDE_CONFIG_DIR": posixpath.join(prep.state_dir, "claude-config"),
         }
 

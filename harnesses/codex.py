@@ -9,6 +9,15 @@ built-in provider. The model label should be one Codex does not catalogue (the d
 --skip-git-repo-check --dangerously-bypass-approvals-and-sandbox --json PROMPT </dev/null``.
 Its session log (``$CODEX_HOME/sessions/.../rollout-*.jsonl``) is kept as ``rollout.jsonl`` and its
 JSON event stream (stdout) as ``events.jsonl``.
+
+Long commands: Codex's ``exec_command`` returns after ``yield_time_ms`` (10 s by default, 30 s at
+most) with a session id while the command keeps running; the model then waits with empty
+``write_stdin`` polls, each at most ``background_terminal_max_timeout`` (5 min by default). The run
+sets that ceiling (``-c background_terminal_max_timeout=MS``) to
+:meth:`~harnesses.base.BaseHarness.command_limit` (the run's time budget unless ``command_timeout``
+is given), so one poll may wait for a command as long as the episode may run. Codex itself refuses
+some commands whatever the approval and sandbox settings (0.171: any ``rm -f``/``rm -rf`` outside a
+here-document, "rm -f style commands are not permitted"); the refusal is the tool's output.
 """
 
 from __future__ import annotations
@@ -117,6 +126,7 @@ class CodexHarness(BaseHarness):
     def agent_command(self, ctx: HarnessContext, prep: Prepared, prompt: str) -> str:
         return (
             "codex exec --skip-git-repo-check --dangerously-bypass-approvals-and-sandbox --json "
+            f"-c background_terminal_max_timeout={self.command_limit(prep) * 1000} "
             f"--model {shlex.quote(ctx.model)} -C {shlex.quote(ctx.workdir)} {shlex.quote(prompt)}"
         )
 

@@ -4,8 +4,13 @@ It calls models through litellm: ``mini -m openai/<label>`` with ``OPENAI_API_BA
 ``/v1`` and ``OPENAI_API_KEY`` = the token sends non-streaming ``POST /v1/chat/completions`` (the
 ``openai/`` prefix is stripped on the wire). ``MSWEA_COST_TRACKING=ignore_errors`` keeps it from
 failing on an unknown model's cost, ``LITELLM_LOCAL_MODEL_COST_MAP=True`` from fetching the cost map.
-Run: ``mini -m openai/<label> -t TASK -y --exit-immediately -o traj.json </dev/null``; the trajectory
-file is kept as ``trajectory.json``. Every request is main line (mini has no side calls).
+Run: ``mini -m openai/<label> -c mini.yaml -c environment.timeout=N -t TASK -y --exit-immediately
+-o traj.json </dev/null``; the trajectory file is kept as ``trajectory.json``. Every request is main
+line (mini has no side calls).
+
+One command may run ``N`` = :meth:`~harnesses.base.BaseHarness.command_limit` seconds (the run's
+time budget unless ``command_timeout`` is given) instead of mini's default 30 s, after which mini
+kills the command's process group and shows the model a timeout message.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ class MiniSweAgentHarness(BaseHarness):
     probe = "bin/mini"
     #: The interpreter that builds the virtual environment (>= 3.10).
     python = "python3"
+    #: The builtin mini config the run starts from (``-c``; naming any config drops mini's default).
+    config = "mini.yaml"
 
     def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
         q = shlex.quote(prefix)
@@ -57,7 +64,8 @@ class MiniSweAgentHarness(BaseHarness):
 
     def agent_command(self, ctx: HarnessContext, prep: Prepared, prompt: str) -> str:
         return (
-            f"mini -m {shlex.quote('openai/' + ctx.model)} -t {shlex.quote(prompt)} -y --exit-immediately "
+            f"mini -m {shlex.quote('openai/' + ctx.model)} -c {shlex.quote(self.config)} "
+            f"-c environment.timeout={self.command_limit(prep)} -t {shlex.quote(prompt)} -y --exit-immediately "
             f"-o {shlex.quote(prep.state_dir + '/trajectory.json')}"
         )
 

@@ -8,13 +8,24 @@ gateway accepts (``Completion.model_validate(d)``, or ``{"completion": d}`` on `
 agent           run a command                                         finish
 =============== ===================================================== ==========================================
 claude-code     ``Bash`` tool_use ``{"command", "description"}``      a final text
-codex           ``exec_command`` function call ``{"cmd"}``            a final text
-                (or ``shell`` ``{"command": ["bash", "-lc", cmd]}``)
+codex           ``exec_command`` function call ``{"cmd",               a final text
+                "yield_time_ms"}`` (or ``shell`` ``{"command": [...]}``);
+                while it runs, empty ``write_stdin`` polls
 mini-swe-agent  ``bash`` tool call ``{"command"}`` (text mode: a      ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``
                 ``mswea_bash_command`` fenced block)
 terminus-2      JSON ``{"analysis", "plan", "commands": [{"keystrokes", ``task_complete: true`` (asked twice: the
-                "duration"}], "task_complete": false}``               finish step answers every later request)
+                "duration"}], "task_complete": false}``, the command  finish step answers every later request)
+                then a line printing an end marker; until the marker
+                shows, waits (empty keystrokes, growing durations)
 =============== ===================================================== ==========================================
+
+A command runs to its end however long it takes (up to the agent's own per-command limit, which the
+harnesses set from the run's time budget): Claude Code's ``Bash`` and mini-swe-agent's ``bash`` block
+until the command exits; Codex's ``exec_command`` returns "Process running with session ID N" after
+``yield_time_ms``, and the policy then polls that session with empty ``write_stdin`` calls (without
+taking the next step) until the tool output reports an exit code; Terminus-2 types into a live
+shell and reads the screen after ``duration`` seconds (60 s at most), so the policy types a marker
+line after the command and waits until the marker's output is on the screen.
 
 Side calls (detected with the harness's own ``is_side_call``, or the ``x-ares-side-call`` header) get
 a sensible answer without advancing the script: a title object for Claude Code's title request
@@ -24,11 +35,22 @@ a sensible answer without advancing the script: a title object for Claude Code's
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 MINI_SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+#: How long Codex's ``exec_command`` waits before it yields a still-running command (its maximum).
+CODEX_EXEC_YIELD_MS = 30_000
+#: How long one empty ``write_stdin`` poll asks to wait; Codex caps it at
+#: ``background_terminal_max_timeout``, which the codex harness sets to the run's time budget, and
+#: the poll returns as soon as the command exits.
+CODEX_POLL_YIELD_MS = 3_600_000
+#: Seconds each Terminus-2 wait asks for, in turn, while a command runs (the last repeats; Terminus-2
+#: caps a duration at 60 s).
+TERMINUS_WAITS = (5.0, 10.0, 20.0, 40.0, 60.0)
+_CODEX_RUNNING = re.compile(r"Process running with session ID (\d+)")
 SideCallDetector = Callable[[Mapping[str, Any], Mapping[str, str]], bool]
 
 
@@ -89,6 +111,11 @@ class ScriptedPolicy:
         self._is_side_call = side_call_detector
         self.main_turns = 0
         self.side_turns = 0
+        #: Main-line requests answered with a wait for a running command (Codex polls, Terminus-2 waits).
+        self.wait_turns = 0
+        self._step = 0  # the index of the next step (waits do not advance it)
+        self._marker: str | None = None  # Terminus-2: the output that says the last command ended
+        self._waits = 0  # waits for the current Terminus-2 command so far
 
     def is_side_call(self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> bool:
         headers = headers or {}
@@ -100,9 +127,14 @@ class ScriptedPolicy:
         if self.is_side_call(body, headers):
             self.side_turns += 1
             return self.side_answer(body)
-        step = self.script[min(self.main_turns, len(self.script) - 1)]
         self.main_turns += 1
         n = self.main_turns
+        wait = self._wait_for_command(body, n)
+        if wait is not None:
+            self.wait_turns += 1
+            return wait
+        step = self.script[min(self._step, len(self.script) - 1)]
+        self._step += 1
         if isinstance(step, RunCommand):
             return self.run_command(body, step, n)
         if isinstance(step, CallTool):
@@ -120,7 +152,8 @@ class ScriptedPolicy:
         if self.agent == "codex":
             names = _tool_names(body)
             if "exec_command" in names or not names:
-                return _tool_call(f"call_ares_{n:04d}", "exec_command", {"cmd": cmd})
+                return _tool_call(f"call_ares_{n:04d}", "exec_command",
+                                  {"cmd": cmd, "yield_time_ms": CODEX_EXEC_YIELD_MS})
             if "shell_command" in names:
                 return _tool_call(f"call_ares_{n:04d}", "shell_command", {"command": cmd})
             return _tool_call(f"call_ares_{n:04d}", "shell", {"command": ["bash", "-lc", cmd]})
@@ -129,12 +162,38 @@ class ScriptedPolicy:
                 return _text(f"THOUGHT: run the scripted command.\n\n```mswea_bash_command\n{cmd}\n```")
             return _tool_call(f"call_ares_{n:04d}", "bash", {"command": cmd})
         keystrokes = cmd if cmd.endswith("\n") else cmd + "\n"
+        # The marker line runs when the command has ended; its output differs from its typed text.
+        self._marker, self._waits = f"ares-step-{n:04d}-done", 0
+        keystrokes += f"printf 'ares-step-%s-done\\n' {n:04d}\n"
         return _text(json.dumps({
             "analysis": "Following the script.",
             "plan": f"Run: {cmd}",
             "commands": [{"keystrokes": keystrokes, "duration": step.duration}],
             "task_complete": False,
         }))
+
+    def _wait_for_command(self, body: Mapping[str, Any], n: int) -> dict[str, Any] | None:
+        """A wait for the command the last step started when it still runs, else ``None``."""
+        if self.agent == "codex":
+            output = _last_codex_output(body)
+            match = _CODEX_RUNNING.search(output or "")
+            if match is None or "Process exited with code" in (output or ""):
+                return None
+            return _tool_call(f"call_ares_{n:04d}", "write_stdin", {
+                "session_id": int(match.group(1)), "chars": "", "yield_time_ms": CODEX_POLL_YIELD_MS})
+        if self.agent == "terminus-2" and self._marker is not None:
+            if self._marker in _last_user_text(body):
+                self._marker = None
+                return None
+            duration = TERMINUS_WAITS[min(self._waits, len(TERMINUS_WAITS) - 1)]
+            self._waits += 1
+            return _text(json.dumps({
+                "analysis": "The command is still running.",
+                "plan": f"Wait {duration:g} s more for it to finish.",
+                "commands": [{"keystrokes": "", "duration": duration}],
+                "task_complete": False,
+            }))
+        return None
 
     def finish(self, body: Mapping[str, Any], step: Finish, n: int) -> dict[str, Any]:
         if self.agent == "mini-swe-agent":
@@ -167,6 +226,31 @@ def _tool_call(call_id: str, name: str, args: Mapping[str, Any]) -> dict[str, An
         "tool_calls": [{"id": call_id, "name": name, "arguments": json.dumps(dict(args))}],
         "finish_reason": "tool_calls",
     }
+
+
+def _last_codex_output(body: Mapping[str, Any]) -> str | None:
+    """The text of a Responses request's last input item when it is a tool's output."""
+    items = body.get("input")
+    if not isinstance(items, list) or not items or not isinstance(items[-1], dict):
+        return None
+    last = items[-1]
+    if last.get("type") not in ("function_call_output", "custom_tool_call_output"):
+        return None
+    output = last.get("output")
+    if isinstance(output, list):  # content items
+        return " ".join(str(p.get("text", "")) for p in output if isinstance(p, dict))
+    return output if isinstance(output, str) else None
+
+
+def _last_user_text(body: Mapping[str, Any]) -> str:
+    """The text of a chat request's last user message (Terminus-2's terminal output)."""
+    for message in reversed(body.get("messages") or []):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, list):
+                return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            return str(content or "")
+    return ""
 
 
 def _tool_names(body: Mapping[str, Any]) -> set[str]:

@@ -12,6 +12,7 @@ private socket (``TMUX_TMPDIR`` in the run's state dir) that is killed with the 
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Mapping, Sequence
 from importlib import resources
@@ -36,10 +37,31 @@ SUMMARY_MARKERS = (
     "You are picking up work from a previous AI agent",
     "The next agent has a few questions for you",
 )
-#: Interpreters tried, in order, for the virtual environment (the first that is >= 3.12 wins).
+#: The host environment variable naming the interpreter (a path inside the sandbox) to build the venv with.
+PYTHON_ENV = "ARES_TERMINUS2_PYTHON"
+#: Interpreters tried, in order, for the virtual environment: the first that is >= 3.12 and has
+#: ``venv`` and ``ensurepip`` wins. Shell words, expanded inside the sandbox: ``$INSTALL_ROOT`` is the
+#: harness's install root, ``$REAL_HOME`` the run user's home from the passwd database (the local
+#: sandbox sets ``HOME`` to the workdir and ``PATH`` to the system directories only, which hides
+#: pyenv's and uv's interpreters); globs sort by name, so the lowest matching version comes first.
 PYTHON_CANDIDATES = (
-    "/opt/ares-agents/python/3.12/bin/python3",  # provisioned by .ci/provision-agents.sh, in the agents image
-    "python3.13", "python3.12", "python3",
+    '"$INSTALL_ROOT"/python/*/bin/python3',  # provisioned by .ci/provision-agents.sh, in the agents image
+    "python3.12", "python3.13", "python3.14", "python3",  # on PATH
+    "/usr/local/bin/python3.1[2-9]", "/usr/bin/python3.1[2-9]",
+    '"${PYENV_ROOT:-/nonexistent}"/versions/*/bin/python3',
+    '"$HOME"/.pyenv/versions/*/bin/python3', '"$REAL_HOME"/.pyenv/versions/*/bin/python3',
+    "/root/.pyenv/versions/*/bin/python3",
+    '"$HOME"/.local/share/uv/python/*/bin/python3', '"$REAL_HOME"/.local/share/uv/python/*/bin/python3',
+    "/root/.local/share/uv/python/*/bin/python3",
+    "/opt/conda/bin/python3", "/usr/local/python/*/bin/python3",
+)
+#: What to do when no interpreter is found (the install step's error says it).
+NO_PYTHON_HELP = (
+    "Terminus-2 (harbor) needs a Python >= 3.12 with venv where the agent runs. Install one "
+    "(apt-get install python3.12-venv, `uv python install 3.12` or `pyenv install 3.12`), or run "
+    "`bash .ci/provision-agents.sh`, which copies one to /opt/ares-agents/python/3.12 (local sandboxes "
+    f"see it; the agents image has it), or name one with {PYTHON_ENV}=/path/to/python3.12 "
+    "(a path inside the sandbox) or Terminus2Harness(python=...)."
 )
 
 
@@ -64,31 +86,54 @@ class Terminus2Harness(BaseHarness):
         self,
         *,
         python: str | None = None,
+        python_candidates: Sequence[str] = PYTHON_CANDIDATES,
         max_turns: int | None = None,
         context_tokens: int | None = None,
         **options: Any,
     ) -> None:
         super().__init__(**options)
-        self.python = python
+        #: The interpreter for the venv (a path or command inside the sandbox); default: the
+        #: ``ARES_TERMINUS2_PYTHON`` environment variable, else the first of ``PYTHON_CANDIDATES``.
+        self.python = python or os.environ.get(PYTHON_ENV) or None
+        #: Shell words tried in order when no interpreter is named (see ``PYTHON_CANDIDATES``).
+        self.python_candidates = tuple(python_candidates)
         self.max_turns = max_turns
         #: The context window Terminus-2 assumes (it summarizes when fewer than 8000 tokens are free).
         self.context_tokens = context_tokens
 
+    def find_python_command(self) -> str:
+        """A shell command printing the interpreter for the venv, or failing (exit 127) with what to do."""
+        if self.python:
+            candidates = shlex.quote(self.python)
+            tried = self.python
+        else:
+            candidates = " ".join(self.python_candidates)
+            tried = ", ".join(
+                c.replace('"', "").replace("$INSTALL_ROOT", self.install_root).replace("${PYENV_ROOT:-/nonexistent}",
+                                                                                      "$PYENV_ROOT")
+                for c in self.python_candidates
+            )
+        check = "import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 12))"
+        return (
+            f"INSTALL_ROOT={shlex.quote(self.install_root)}; "
+            'REAL_HOME=$(getent passwd "$(id -u)" 2>/dev/null | cut -d: -f6); REAL_HOME=${REAL_HOME:-/nonexistent}; '
+            f"for c in {candidates}; do "
+            'case "$c" in */*) [ -x "$c" ] || continue ;; *) c=$(command -v "$c" 2>/dev/null) || continue ;; esac; '
+            f"if \"$c\" -c {shlex.quote(check)} 2>/dev/null; then echo \"$c\"; exit 0; fi; done; "
+            f"echo {shlex.quote(f'no Python >= 3.12 with venv found (tried: {tried}). {NO_PYTHON_HELP}')} >&2; "
+            "exit 127"
+        )
+
     def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
         q = shlex.quote(prefix)
-        candidates = (self.python,) if self.python else PYTHON_CANDIDATES
-        find_python = (
-            "for c in " + " ".join(shlex.quote(c) for c in candidates) + "; do "
-            "if \"$c\" -c 'import sys, venv; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then "
-            "echo \"$c\"; exit 0; fi; done; "
-            "echo 'no Python >= 3.12 with venv found (tried: " + " ".join(candidates) + ")' >&2; exit 127"
-        )
+        find_python = self.find_python_command()
         return [
             ("check tmux", "command -v tmux >/dev/null || { [ \"$(id -u)\" = 0 ] && command -v apt-get >/dev/null && "
                            "apt-get update -qq && apt-get install -y -qq --no-install-recommends tmux >/dev/null; } "
                            "|| { echo 'tmux is needed (apt-get install tmux)' >&2; exit 127; }"),
             ("find Python >= 3.12", find_python),
-            ("create the virtual environment", f"py=$({find_python}) && rm -rf {q} && \"$py\" -m venv {q}"),
+            ("create the virtual environment",
+             f"py=$({find_python}) && echo \"using $py\" && rm -rf {q} && \"$py\" -m venv {q}"),
             pip_install_step(prefix, PYPI_PACKAGE, self.version),
         ]
 

@@ -53,12 +53,57 @@ def test_run_command_and_finish_in_each_tool_format(agent: str, body: dict[str, 
     assert policy.main_turns == 2 and policy.side_turns == 0
 
 
+def _terminus_screen(text: str) -> dict[str, Any]:
+    return {"messages": [*TERMINUS_MAIN["messages"], {"role": "assistant", "content": "{}"},
+                         {"role": "user", "content": f"New Terminal Output:\n\n{text}"}]}
+
+
 def test_terminus_keystrokes_and_repeated_task_complete() -> None:
     policy = ScriptedPolicy("terminus-2", [RunCommand("ls", duration=0.5), Finish()])
     cmd = json.loads(policy(TERMINUS_MAIN)["text"])
-    assert cmd["commands"] == [{"keystrokes": "ls\n", "duration": 0.5}] and cmd["task_complete"] is False
+    # The command, then a marker line whose output (not its typed text) says the command ended.
+    assert cmd["commands"] == [{"keystrokes": "ls\nprintf 'ares-step-%s-done\\n' 0001\n", "duration": 0.5}]
+    assert cmd["task_complete"] is False
+    done = _terminus_screen("$ ls\na.txt\n$ printf 'ares-step-%s-done\\n' 0001\nares-step-0001-done\n$ ")
     for _ in range(2):  # asked twice: the finish step repeats
-        assert json.loads(policy(TERMINUS_MAIN)["text"])["task_complete"] is True
+        assert json.loads(policy(done)["text"])["task_complete"] is True
+    assert policy.wait_turns == 0
+
+
+def test_terminus_waits_until_the_command_has_ended() -> None:
+    policy = ScriptedPolicy("terminus-2", [RunCommand("sleep 70"), RunCommand("echo hi"), Finish()])
+    policy(TERMINUS_MAIN)
+    # The typed marker line alone (a command still running) is no end: wait, with growing durations.
+    running = _terminus_screen("$ sleep 70\nprintf 'ares-step-%s-done\\n' 0001\n")
+    waits = [json.loads(policy(running)["text"]) for _ in range(6)]
+    assert all(w["commands"][0]["keystrokes"] == "" and w["task_complete"] is False for w in waits)
+    assert [w["commands"][0]["duration"] for w in waits] == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0]
+    assert policy.wait_turns == 6
+    nxt = json.loads(policy(_terminus_screen("ares-step-0001-done\n$ "))["text"])
+    assert nxt["commands"][0]["keystrokes"].startswith("echo hi\n")
+
+
+def _codex_after(output: str) -> dict[str, Any]:
+    return {"tools": CODEX_MAIN["tools"] + [{"type": "function", "name": "write_stdin"}],
+            "input": [*CODEX_MAIN["input"],
+                      {"type": "function_call", "call_id": "call_ares_0001", "name": "exec_command", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "call_ares_0001", "output": output}]}
+
+
+def test_codex_polls_a_running_command_until_it_exits() -> None:
+    policy = ScriptedPolicy("codex", [RunCommand("sleep 70"), RunCommand("echo hi"), Finish()])
+    first = _args(policy(CODEX_MAIN))
+    assert first == {"cmd": "sleep 70", "yield_time_ms": 30000}  # Codex's longest first wait
+    running = "Chunk ID: 1\nWall time: 30.0 seconds\nProcess running with session ID 4242\nOutput:\n"
+    for _ in range(2):
+        poll = policy(_codex_after(running))
+        assert poll["tool_calls"][0]["name"] == "write_stdin"
+        # An empty write is a poll; Codex caps its wait at background_terminal_max_timeout.
+        assert _args(poll) == {"session_id": 4242, "chars": "", "yield_time_ms": 3_600_000}
+    assert policy.wait_turns == 2
+    nxt = policy(_codex_after("Chunk ID: 2\nWall time: 9.8 seconds\nProcess exited with code 0\nOutput:\nslept\n"))
+    assert _args(nxt)["cmd"] == "echo hi"
+    assert policy(_codex_after("Process exited with code 0\n"))["text"] == "Done."
 
 
 def test_codex_falls_back_to_the_shell_tool_it_is_offered() -> None:

@@ -68,7 +68,8 @@ def oracle_command(task: Task) -> str:
     exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in sorted(task.config.solution_env.items()))
     run = 'if command -v bash >/dev/null 2>&1; then bash "$d/solve.sh"; else sh "$d/solve.sh"; fi'
     lines.append(f"( {exports}{run} ); status=$?")
-    lines.append('rm -rf "$d"; echo "[oracle] solution/solve.sh exited with status $status"')
+    # `rm -r`, not `rm -rf`: Codex refuses any command holding an `rm -f` (whatever its settings).
+    lines.append('rm -r "$d" </dev/null 2>/dev/null; echo "[oracle] solution/solve.sh exited with status $status"')
     return "\n".join(lines)
 
 

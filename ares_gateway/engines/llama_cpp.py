@@ -1,0 +1,342 @@
+"""In-process llama.cpp (``llama-cpp-python``) for CPU: the embedded default engine.
+
+One model per engine, loaded once; every call runs in the engine's single worker thread, so the
+event loop is never blocked and calls are serialized (llama.cpp contexts are not thread safe).
+
+**Sampling and logprobs.** Sampling happens here, in numpy, from the logits llama.cpp computed:
+temperature, then top-k, then top-p, renormalized; the token is drawn from that distribution
+with a ``numpy`` generator seeded per call (a seed is drawn and recorded when none is given),
+and its recorded logprob is its log-probability under exactly that distribution. At temperature
+1.0 without top-k/top-p this is the model's log-softmax. ``temperature=0`` is greedy; its
+recorded logprob is then the log-softmax at temperature 1.
+
+**Batching.** On CPU, llama.cpp's logits for a position depend on how it was batched: a batch of
+one token takes another kernel than a batch of two or more (differences up to ~1.8 in logits
+were measured here), while batches of 2+ agree bit for bit. With ``consistent_batching`` (the
+default) every evaluation has at least two tokens: each decode step re-evaluates the previous
+token together with the new one (its cache entry is replaced by the same values a full pass
+computes), and a prompt chunk is never a single token. The recorded logprobs then equal a
+teacher-forced evaluation of the whole sequence in one batch, which is what a trainer computes.
+The price is a second token per decode step (cheap for a memory-bound small model; measured in
+``bench/bench_tito.py``).
+
+**Prefix cache.** The KV cache of the previous call is kept; a prompt that extends it (the next
+turn of the same session, built by :class:`~ares_gateway.tokens.TokenStreams`) only evaluates
+its new tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ares_gateway.engines.base import (
+    EngineError,
+    EngineUnavailableError,
+    GenerateResult,
+    PromptTooLongError,
+    Sampling,
+    TokenChunk,
+)
+
+__all__ = ["LlamaCppEngine", "sample_token"]
+
+_BUILD_HINT = (
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" '
+    "python3 -m pip install --no-cache-dir 'llama-cpp-python>=0.3'"
+)
+
+
+def sample_token(logits: np.ndarray[Any, Any], sampling: Sampling, rng: np.random.Generator) -> tuple[int, float]:
+    """Draw one token from ``logits`` under ``sampling``; returns ``(token, logprob under that distribution)``."""
+    x = np.asarray(logits, dtype=np.float64)
+    if sampling.temperature == 0:
+        tok = int(np.argmax(x))
+        return tok, float(x[tok] - _logsumexp(x))
+    z = x / sampling.temperature
+    if 0 < sampling.top_k < z.shape[0]:
+        kth = np.partition(z, -sampling.top_k)[-sampling.top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    logp = z - _logsumexp(z)
+    if sampling.top_p < 1.0:
+        order = np.argsort(-logp, kind="stable")
+        probs = np.exp(logp[order])
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        keep = int(np.searchsorted(np.cumsum(probs), sampling.top_p) + 1)
+        mask = np.full(z.shape[0], -np.inf)
+        mask[order[:keep]] = 0.0
+        z = z + mask
+        logp = z - _logsumexp(z)
+    p = np.exp(logp)
+    tok = int(rng.choice(p.shape[0], p=p / p.sum()))
+    return tok, float(logp[tok])
+
+
+def _logsumexp(z: np.ndarray[Any, Any]) -> float:
+    m = float(np.max(z))
+    return m + math.log(float(np.sum(np.exp(z - m))))
+
+
+def _chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into chunks of at most ``size`` tokens, none of a single token (when n >= 2)."""
+    out: list[tuple[int, int]] = []
+    i = 0
+    while i < n:
+        j = min(n, i + size)
+        if n - j == 1:  # the last chunk would be a single token: move one token over to it
+            j -= 1
+        out.append((i, j))
+        i = j
+    return out
+
+
+class LlamaCppEngine:
+    """A GGUF model run in process by llama.cpp.
+
+    Args:
+        model_path: the ``.gguf`` file; ``None``: the embedded SmolLM2-135M-Instruct.
+        n_ctx: context window (tokens); ``None``: the model's trained context.
+        n_threads: CPU threads (default: the CPUs this process may use, at most 8).
+        n_batch: prompt tokens evaluated per llama.cpp call.
+        consistent_batching: never evaluate a single token alone (see the module docstring).
+        load_timeout_s: how long loading the model may take before :class:`EngineUnavailableError`.
+    """
+
+    name = "llama-cpp"
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        n_ctx: int | None = None,
+        n_threads: int | None = None,
+        n_batch: int = 256,
+        consistent_batching: bool = True,
+        load_timeout_s: float = 120.0,
+    ) -> None:
+        if model_path is None:
+            from ares_gateway.tokens.tokenizer import default_model_path
+
+            model_path = default_model_path()
+        if not os.path.isfile(model_path):
+            raise EngineUnavailableError(f"no model file at {model_path!r}")
+        if n_batch < 2:
+            raise ValueError(f"n_batch must be at least 2, got {n_batch}")
+        self.model = model_path
+        self.n_ctx_requested = n_ctx
+        self.n_threads = n_threads or max(1, min(8, len(os.sched_getaffinity(0))))
+        self.n_batch = n_batch
+        self.consistent_batching = consistent_batching
+        self.load_timeout_s = load_timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ares-llama")
+        self._llm: Any = None
+        self._cached: list[int] = []  # token ids whose KV entries the context holds, in order
+        self.n_ctx = 0
+        self.load_s = 0.0
+        self._closed = False
+
+    # ------------------------------------------------------------- lifecycle
+    def _load(self) -> Any:
+        if self._llm is None:
+            try:
+                from llama_cpp import Llama
+            except ImportError as exc:
+                raise EngineUnavailableError(
+                    f"llama-cpp-python is not installed (or failed to import: {exc}); build it with: {_BUILD_HINT}"
+                ) from exc
+            t0 = time.perf_counter()
+            self._llm = Llama(
+                model_path=self.model,
+                n_ctx=self.n_ctx_requested or 0,
+                n_batch=self.n_batch,
+                n_ubatch=self.n_batch,
+                n_threads=self.n_threads,
+                n_threads_batch=self.n_threads,
+                logits_all=False,
+                verbose=False,
+            )
+            self.n_ctx = int(self._llm.n_ctx())
+            self.load_s = time.perf_counter() - t0
+        return self._llm
+
+    async def load(self) -> None:
+        """Load the model now (otherwise the first call does)."""
+        await asyncio.wait_for(self._run(self._load), self.load_timeout_s)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        def _free() -> None:
+            if self._llm is not None:
+                self._llm.close()
+                self._llm = None
+
+        await asyncio.get_running_loop().run_in_executor(self._pool, _free)
+        self._pool.shutdown(wait=False)
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._closed:
+            raise EngineError("the llama.cpp engine is closed")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ------------------------------------------------------------ generation
+    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> GenerateResult:
+        result: GenerateResult = await self._run(self._generate_sync, list(prompt_ids), sampling, None, None)
+        return result
+
+    async def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenChunk | GenerateResult | BaseException] = asyncio.Queue()
+        stop = threading.Event()
+
+        def emit(item: TokenChunk | GenerateResult | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def work() -> None:
+            try:
+                emit(self._generate_sync(list(prompt_ids), sampling, emit, stop))
+            except BaseException as exc:  # handed to the consumer, raised there
+                emit(exc)
+
+        fut = self._run(work)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, GenerateResult):
+                    return
+        finally:
+            stop.set()  # the consumer left early (agent gone): stop sampling at the next token
+            await asyncio.shield(fut)
+
+    def _generate_sync(
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        emit: Callable[[Any], None] | None,
+        stop: threading.Event | None,
+    ) -> GenerateResult:
+        import llama_cpp
+
+        llm = self._load()
+        ctx = llm._ctx
+        n_ctx = self.n_ctx
+        if not prompt:
+            raise EngineError("an empty prompt: nothing to continue")
+        if len(prompt) >= n_ctx:
+            raise PromptTooLongError(len(prompt), n_ctx)
+        max_new = min(sampling.max_tokens, n_ctx - len(prompt))
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        rng = np.random.default_rng(seed)
+        vocab = int(llm.n_vocab())
+        stop_ids = frozenset(sampling.stop_token_ids)
+
+        def evaluate(tokens: list[int], start: int) -> np.ndarray[Any, Any]:
+            """Evaluate tokens at positions start.. and return the last position's logits."""
+            llm._batch.set_batch(batch=tokens, n_past=start, logits_all=False)
+            ctx.decode(llm._batch)
+            ptr = llama_cpp.llama_get_logits_ith(ctx.ctx, len(tokens) - 1)
+            return np.ctypeslib.as_array(ptr, shape=(vocab,)).copy()
+
+        # Reuse the cached prefix; evaluate at least two tokens (one with consistent_batching off).
+        keep = 0
+        for a, b in zip(self._cached, prompt, strict=False):
+            if a != b:
+                break
+            keep += 1
+        keep = max(0, min(keep, len(prompt) - (2 if self.consistent_batching else 1)))
+        ctx.kv_cache_seq_rm(-1, keep, -1)
+        self._cached = prompt[:keep]
+        t0 = time.perf_counter()
+        logits: np.ndarray[Any, Any] | None = None
+        for i, j in _chunks(len(prompt) - keep, self.n_batch):
+            logits = evaluate(prompt[keep + i : keep + j], keep + i)
+        assert logits is not None
+        self._cached = list(prompt)
+        t1 = time.perf_counter()
+
+        out: list[int] = []
+        lps: list[float] = []
+        finish: Any = "length"
+        while True:
+            tok, lp = sample_token(logits, sampling, rng)
+            out.append(tok)
+            lps.append(lp)
+            if emit is not None:
+                emit(TokenChunk([tok], [lp]))
+            if tok in stop_ids:
+                finish = "stop"
+                break
+            if len(out) >= max_new or (stop is not None and stop.is_set()):
+                break
+            pos = len(self._cached)
+            if self.consistent_batching:
+                # Re-evaluate the previous token with the new one: a batch of two, like a full pass.
+                ctx.kv_cache_seq_rm(-1, pos - 1, -1)
+                logits = evaluate([self._cached[-1], tok], pos - 1)
+            else:
+                logits = evaluate([tok], pos)
+            self._cached.append(tok)
+        t2 = time.perf_counter()
+        return GenerateResult(
+            output_ids=out,
+            logprobs=lps,
+            finish_reason=finish,
+            prompt_tokens=len(prompt),
+            cached_tokens=keep,
+            prefill_s=t1 - t0,
+            decode_s=t2 - t1,
+            extra={"seed": seed, "consistent_batching": self.consistent_batching},
+        )
+
+    # ------------------------------------------------------------ evaluation
+    async def score(self, token_ids: Sequence[int], start: int, *, batch: int | None = None) -> list[float]:
+        """Log-softmax logprob of ``token_ids[k]`` given ``token_ids[:k]`` for ``k >= start``: a teacher-forced pass.
+
+        Independent of any generation: it clears the cache and evaluates the sequence in chunks of
+        ``batch`` tokens (default ``n_batch``; never a single token), recording all positions' logits.
+        Used to check recorded logprobs and by trainers' parity tests.
+        """
+        ids = list(token_ids)
+        if not 1 <= start < len(ids):
+            raise ValueError(f"start must be in [1, {len(ids)}), got {start}")
+        return list(await self._run(self._score_sync, ids, start, batch or self.n_batch))
+
+    def _score_sync(self, ids: list[int], start: int, batch: int) -> list[float]:
+        import llama_cpp
+
+        llm = self._load()
+        ctx = llm._ctx
+        if len(ids) > self.n_ctx:
+            raise PromptTooLongError(len(ids), self.n_ctx)
+        vocab = int(llm.n_vocab())
+        ctx.kv_cache_seq_rm(-1, 0, -1)
+        self._cached = []
+        out: list[float] = []
+        for i, j in _chunks(len(ids), min(batch, self.n_batch)):
+            toks = ids[i:j]
+            b = llm._batch
+            b.set_batch(batch=toks, n_past=i, logits_all=True)
+            ctx.decode(b)
+            for r in range(j - i):
+                k = i + r + 1  # this row predicts ids[k]
+                if k < start or k >= len(ids):
+                    continue
+                row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, r), shape=(vocab,))
+                x = row.astype(np.float64)
+                out.append(float(x[ids[k]] - _logsumexp(x)))
+        self._cached = list(ids)
+        return out

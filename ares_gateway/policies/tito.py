@@ -1,0 +1,271 @@
+"""The ``tito`` policy: token in, token out. The gateway renders, an engine samples, the gateway parses.
+
+Each parked request is rendered to prompt ids by the session's :class:`~ares_gateway.tokens.TokenStreams`
+(the previous turn's exact prompt + sampled ids + only the new messages' tokens, or a counted fresh
+render when the agent rewrote history), sampled by an :class:`~ares_gateway.engines.Engine`, and
+the sampled ids are parsed back into a canonical :class:`~ares_gateway.Completion` whose
+``tokens`` (:class:`~ares_gateway.canonical.TokenRecord`) are exactly what the engine saw and
+produced, with the engine's logprobs. ``completion.extra["tito"]`` carries the per-turn record:
+how the prompt was built (``mode``: first / extend / fresh, and why), the sampling parameters
+(temperature, top_p, top_k, seed, max_tokens), engine, model, timings.
+
+>>> policy = make_policy("tito", engine="llama-cpp")          # the embedded SmolLM2 on CPU
+>>> policy = make_policy("tito", engine="sglang", url="http://127.0.0.1:30000", tokenizer="/models/qwen3")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ares_gateway.broker import ParkedRequest
+from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, TokenRecord
+from ares_gateway.engines import (
+    Engine,
+    EngineError,
+    EngineUnavailableError,
+    PromptTooLongError,
+    Sampling,
+    make_engine,
+)
+from ares_gateway.engines.base import GenerateResult, TokenChunk
+from ares_gateway.policies.base import PolicyError, PolicyRequest, canonical_of
+from ares_gateway.tokens import ChatRenderer, Prepared, RenderError, StreamStats, TokenStreams
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TitoPolicy"]
+
+_DIRECT_SESSION = "direct"
+
+
+class TitoPolicy:
+    """Answers requests with an engine over exact token streams.
+
+    Args:
+        engine: an :class:`Engine`, or a name for :func:`~ares_gateway.engines.make_engine`
+            (``llama-cpp`` default, ``sglang``, ``vllm``).
+        model: for ``llama-cpp`` the GGUF path (``None``: embedded SmolLM2-135M-Instruct); for HTTP
+            engines the served model name.
+        tokenizer: where the tokenizer + chat template come from (a ``.gguf`` file or a Hugging Face
+            directory); default: ``model`` for ``llama-cpp``. HTTP engines need it.
+        renderer: a ``renderers`` renderer name (``None``: by model name, else the model's own template),
+            or a ready :class:`ChatRenderer` (share one between policies of the same model).
+        temperature / top_p / top_k / seed: sampling (defaults: 1.0, off, off, drawn per turn and recorded).
+            With ``seed`` set, each turn's seed is derived from it, the session and the turn number.
+        max_tokens: the most tokens one answer may have (the agent's ``max_tokens`` can only lower it).
+        honor_request_sampling: take temperature / top_p / top_k / seed from the request where it sets them.
+        stream: relay tokens to streaming agents as they are sampled (text-only formats; others get the
+            whole answer at the end).
+        url: shortcut for HTTP engines' ``url`` option; ``engine_options``: more engine options.
+        max_turns_kept: per session, recent turns kept for extension (see :class:`TokenStreams`).
+    """
+
+    kind = "tito"
+
+    def __init__(
+        self,
+        engine: Engine | str = "llama-cpp",
+        *,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        renderer: str | ChatRenderer | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        max_tokens: int = 512,
+        honor_request_sampling: bool = False,
+        stream: bool = True,
+        url: str | None = None,
+        engine_options: dict[str, Any] | None = None,
+        max_turns_kept: int = 32,
+    ) -> None:
+        opts = dict(engine_options or {})
+        if isinstance(engine, str):
+            if engine in ("llama-cpp", "llama_cpp", "llamacpp"):
+                if model is not None:
+                    opts.setdefault("model_path", model)
+            else:
+                if url is not None:
+                    opts.setdefault("url", url)
+                if "url" not in opts:
+                    raise ValueError(f"the {engine} engine needs url= (e.g. http://127.0.0.1:30000)")
+                opts.setdefault("model", model or "")
+            engine = make_engine(engine, **opts)
+        self.engine: Engine = engine
+        if isinstance(renderer, ChatRenderer):
+            self.renderer = renderer
+        else:
+            source = tokenizer
+            if source is None and self.engine.name == "llama-cpp":
+                source = self.engine.model
+            if source is None:
+                raise ValueError(
+                    f"the {self.engine.name} engine needs tokenizer= (the model's .gguf file or Hugging Face directory): "
+                    "the gateway renders prompts itself"
+                )
+            self.renderer = ChatRenderer(source, renderer=renderer)
+        self.defaults = Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        self.honor_request_sampling = honor_request_sampling
+        self.stream = stream
+        self.streams = TokenStreams(self.renderer, max_turns_kept=max_turns_kept)
+        self._turn_no: dict[str, int] = {}
+
+    # ------------------------------------------------------------- reporting
+    def stats(self, session_id: str) -> StreamStats:
+        """Fidelity counters of a session: turns, extended, first, fresh (with reasons), streams."""
+        return self.streams.stats(session_id)
+
+    def run_info(self) -> dict[str, Any]:
+        """What a run records about this policy: kind, engine, model, renderer, default sampling."""
+        return {
+            "policy": self.kind,
+            "engine": self.engine.name,
+            "model": self.engine.model,
+            "renderer": self.renderer.name,
+            "sampling": self.defaults.to_record(),
+            "honor_request_sampling": self.honor_request_sampling,
+        }
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+
+    # ---------------------------------------------------------------- answer
+    def _sampling(self, req: CanonicalRequest, session_id: str) -> Sampling:
+        d = self.defaults
+        temperature, top_p, top_k, seed = d.temperature, d.top_p, d.top_k, d.seed
+        s = req.sampling
+        if self.honor_request_sampling:
+            temperature = s.temperature if s.temperature is not None else temperature
+            top_p = s.top_p if s.top_p is not None else top_p
+            top_k = s.top_k if s.top_k is not None else top_k
+            seed = s.seed if s.seed is not None else seed
+        n = self._turn_no.get(session_id, 0)
+        self._turn_no[session_id] = n + 1
+        if seed is not None and not (self.honor_request_sampling and s.seed is not None):
+            digest = hashlib.sha256(f"{seed}/{session_id}/{n}".encode()).digest()
+            seed = int.from_bytes(digest[:8], "little") >> 1
+        max_tokens = min(d.max_tokens, s.max_tokens) if s.max_tokens else d.max_tokens
+        return Sampling(
+            max_tokens=max(1, max_tokens),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop_token_ids=tuple(self.renderer.stop_token_ids),
+        )
+
+    async def _prepare(self, request: PolicyRequest) -> tuple[CanonicalRequest, Prepared, Sampling]:
+        req = canonical_of(request)
+        sid = request.session_id if isinstance(request, ParkedRequest) else _DIRECT_SESSION
+        try:
+            # Rendering / tokenizing a long history is CPU work: keep it off the event loop.
+            prepared = await asyncio.to_thread(self.streams.prepare, sid, req.messages, req.tools)
+        except RenderError as exc:
+            raise PolicyError(str(exc), status=400) from exc
+        return req, prepared, self._sampling(req, sid)
+
+    def _finish(self, req: CanonicalRequest, prepared: Prepared, sampling: Sampling, result: GenerateResult) -> Completion:
+        completion, broken = self.renderer.parse(
+            result.output_ids,
+            prompt_ids=prepared.prompt_ids,
+            tools=prepared.template_tools,
+            finish_reason=result.finish_reason,
+        )
+        record = sampling.to_record()
+        if record["seed"] is None:
+            record["seed"] = result.extra.get("seed")
+        tito: dict[str, Any] = {
+            "mode": prepared.mode,
+            "reason": prepared.reason,
+            "stream": prepared.stream,
+            "engine": self.engine.name,
+            "model": self.engine.model,
+            "renderer": self.renderer.name,
+            "sampling": record,
+            "prompt_tokens": len(prepared.prompt_ids),
+            "extended_tokens": prepared.base_prompt_tokens,
+            "output_tokens": len(result.output_ids),
+            "cached_tokens": result.cached_tokens,
+            "prefill_s": round(result.prefill_s, 6),
+            "decode_s": round(result.decode_s, 6),
+        }
+        if broken:
+            tito["ill_formed_tool_calls"] = broken
+        completion = completion.model_copy(
+            update={
+                "tokens": TokenRecord(
+                    prompt_ids=list(prepared.prompt_ids),
+                    output_ids=list(result.output_ids),
+                    output_logprobs=list(result.logprobs),
+                    finish_reason=result.finish_reason,
+                ),
+                "model": req.model or self.engine.model,
+                "extra": {**completion.extra, "tito": tito},
+            }
+        )
+        self.streams.commit(prepared, result.output_ids, completion.to_message())
+        return completion
+
+    async def __call__(self, request: PolicyRequest) -> Completion | AsyncIterator[CompletionDelta | Completion]:
+        req, prepared, sampling = await self._prepare(request)
+        if req.stream and self.stream and self._streams_text():
+            return self._streamed(req, prepared, sampling)
+        try:
+            result = await self.engine.generate(prepared.prompt_ids, sampling)
+        except EngineError as exc:
+            raise _policy_error(exc) from exc
+        return self._finish(req, prepared, sampling, result)
+
+    def _streams_text(self) -> bool:
+        # Deltas are plain decoded text: only where the whole answer parses as text (no tool or
+        # reasoning format to split out), so what the agent is streamed equals what is recorded.
+        r = self.renderer.renderer
+        return self.renderer.is_template and getattr(r, "_tool_parser", None) is None and getattr(
+            r, "_reasoning_parser", None
+        ) is None
+
+    async def _streamed(
+        self, req: CanonicalRequest, prepared: Prepared, sampling: Sampling
+    ) -> AsyncIterator[CompletionDelta | Completion]:
+        tok = self.renderer.tokenizer
+        special = set(tok.all_special_ids)
+        ids: list[int] = []
+        sent = ""
+        result: GenerateResult | None = None
+        try:
+            async for item in self.engine.stream(prepared.prompt_ids, sampling):
+                if isinstance(item, GenerateResult):
+                    result = item
+                    break
+                assert isinstance(item, TokenChunk)
+                ids.extend(t for t in item.ids if t not in special)
+                text = tok.decode(ids)
+                if text.endswith("\ufffd"):
+                    continue  # an incomplete UTF-8 sequence: wait for the rest of the character
+                if text.startswith(sent) and len(text) > len(sent):
+                    yield CompletionDelta(text=text[len(sent) :])
+                    sent = text
+        except EngineError as exc:
+            raise _policy_error(exc) from exc
+        if result is None:
+            raise PolicyError("the engine's stream ended without a result", status=502)
+        completion = self._finish(req, prepared, sampling, result)
+        final = completion.text or ""
+        if final.startswith(sent) and len(final) > len(sent):
+            yield CompletionDelta(text=final[len(sent) :])
+        elif not final.startswith(sent):
+            log.warning("tito: streamed text and parsed answer differ; the parsed answer is recorded")
+        yield completion
+
+
+def _policy_error(exc: EngineError) -> PolicyError:
+    if isinstance(exc, PromptTooLongError):
+        return PolicyError(str(exc), status=400)
+    if isinstance(exc, EngineUnavailableError):
+        return PolicyError(str(exc), status=503)
+    return PolicyError(f"the engine failed: {exc}", status=502)

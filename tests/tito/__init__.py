@@ -1,0 +1,1 @@
+"""Token-in/token-out: tokenizer, renderer, token streams, engines, the tito policy (docs/tito.md)."""

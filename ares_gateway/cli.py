@@ -1,4 +1,4 @@
-"""The ``ares-gateway`` command line."""
+"""The ``ares-gateway`` command line: ``serve``, ``run``, ``demo``, ``gc`` (``--help`` on each)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,48 @@ from ares_gateway.gateway import Gateway, GatewayConfig
 from ares_gateway.runtime import tune_gc
 
 log = logging.getLogger("ares_gateway")
+
+_DESCRIPTION = (
+    "Run real coding-agent CLIs in sandboxes while every LLM call they make goes through the gateway, is "
+    "answered by a policy and recorded as training samples. Start with: ares-gateway demo"
+)
+
+
+def version() -> str:
+    """The installed package's version (the source tree's, when run from a checkout that is not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _version
+
+    try:
+        return _version("ares-gateway")
+    except PackageNotFoundError:  # pragma: no cover - run from a source tree without an install
+        return "unknown (not installed)"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help with every option's default (when its help does not say it already) and descriptions and
+    epilogs kept as written (their line breaks are lists)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:  # a list (the run epilog): as written
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or action.default is argparse.SUPPRESS or "(default" in text
+                or isinstance(action, argparse._VersionAction)):
+            return text
+        default = action.default
+        if isinstance(action, argparse._StoreTrueAction):
+            shown = "off"
+        elif default == []:
+            shown = "none"
+        elif default is None:
+            shown = "not set"
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
 
 
 def _run(main: Any) -> Any:
@@ -69,7 +111,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _add_serve_command(sub: Any) -> None:
-    p = sub.add_parser("serve", help="run the gateway (agents talk to it; a policy answers through /poll)")
+    p = sub.add_parser("serve", help="run the gateway (agents talk to it; a policy answers through /poll)",
+                       description="Run the gateway: agents talk to it; a policy answers through /poll and /respond.",
+                       formatter_class=HelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to bind; 0 picks a free one (default: 8080)")
     p.add_argument(
@@ -85,10 +129,10 @@ def _add_serve_command(sub: Any) -> None:
         action="store_true",
         help="create a session on first use of an unknown session id or token (local experiments only)",
     )
-    p.add_argument("--model", action="append", help="model id listed by /v1/models (repeatable)")
+    p.add_argument("--model", action="append", help="model id listed by /v1/models (repeatable) (default: ares-gateway)")
     p.add_argument("--public-url", default=None, help="URL agents reach the gateway at, if not http://host:port")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (paths only, never headers)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="log level (DEBUG, INFO, WARNING, ERROR)")
     p.set_defaults(handler=_cmd_serve)
 
 
@@ -110,10 +154,12 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _add_gc_command(sub: Any) -> None:
-    p = sub.add_parser("gc", help="remove sandboxes whose owner process is gone (never those of a live process)")
+    p = sub.add_parser("gc", help="remove sandboxes whose owner process is gone (never those of a live process)",
+                       description="Remove sandboxes whose owner process is gone (never those of a live process).",
+                       formatter_class=HelpFormatter)
     p.add_argument(
         "--backend", action="append", choices=["docker", "local", "daytona"],
-        help="backend to clean (repeatable; default: docker and local)",
+        help="backend to clean (repeatable) (default: docker and local)",
     )
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     p.add_argument(
@@ -127,7 +173,10 @@ def _add_run_command(sub: Any) -> None:
     from ares_gateway import run_command
 
     p = sub.add_parser("run", help="run agents on a dataset's tasks in sandboxes, answered by a policy; rewards and "
-                                   "trajectories to --out")
+                                   "trajectories to --out",
+                       description="Run an agent harness on a dataset's tasks in sandboxes; every LLM call is answered "
+                                   "by the policy. Rewards, trajectories, turns and logs go to --out.",
+                       epilog=run_command.run_epilog(), formatter_class=HelpFormatter)
     run_command.add_run_arguments(p)
     p.set_defaults(handler=run_command.cmd_run)
 
@@ -136,13 +185,17 @@ def _add_demo_command(sub: Any) -> None:
     from ares_gateway import run_command
 
     p = sub.add_parser("demo", help="the bundled examples with mini-swe-agent, local sandboxes and the oracle policy "
-                                    "(no API key, Docker or GPU needed)")
+                                    "(no API key, Docker or GPU needed)",
+                       description="The bundled example tasks with mini-swe-agent, local sandboxes and the oracle "
+                                   "policy (no API key, Docker or GPU needed).",
+                       formatter_class=HelpFormatter)
     run_command.add_demo_arguments(p)
     p.set_defaults(handler=run_command.cmd_demo)
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ares-gateway", description=__doc__)
+    parser = argparse.ArgumentParser(prog="ares-gateway", description=_DESCRIPTION, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"ares-gateway {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_command(sub)
     _add_gc_command(sub)

@@ -24,7 +24,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 from ares_gateway.broker import ParkedRequest
-from ares_gateway.errors import RequestGoneError, UnknownRequestError
+from ares_gateway.errors import GatewayError, RequestGoneError, UnknownRequestError
 from ares_gateway.gateway import Gateway
 from ares_gateway.sessions import SessionInfo
 
@@ -62,13 +62,28 @@ class TimeStep:
 
 Launcher = Callable[[SessionInfo], Awaitable[Any]]
 
+#: Seconds :meth:`GatewayEnv.reset` gives ``launch=`` to return (``launch_timeout=``).
+DEFAULT_LAUNCH_TIMEOUT = 120.0
+
+
+class LaunchTimeoutError(GatewayError, TimeoutError):
+    """``launch=`` did not return within ``launch_timeout`` seconds; :meth:`GatewayEnv.reset` raises it
+    after cancelling the launch and deleting the session it created."""
+
 
 class GatewayEnv:
     """An async environment over one gateway session at a time.
 
     ``launch`` (optional) is awaited by :meth:`reset` with the new session's
-    :class:`SessionInfo`; it starts the agent (or tells someone to). Without it,
-    pass ``session_id`` to attach to a session whose agent is started elsewhere.
+    :class:`SessionInfo`; it starts the agent (or tells someone to) and returns once the
+    agent is started, not when it finishes: the agent's requests wait for :meth:`step`,
+    which cannot come while ``reset`` still awaits ``launch``. Start the agent with
+    ``asyncio.create_subprocess_exec`` or ``asyncio.create_task`` and return. Its return
+    value is ignored. When it raises, ``reset`` deletes the session and raises that error;
+    when it has not returned after ``launch_timeout`` seconds (default
+    :data:`DEFAULT_LAUNCH_TIMEOUT`; ``None`` waits for ever), ``reset`` cancels it, deletes
+    the session and raises :class:`LaunchTimeoutError`. Without ``launch``, pass
+    ``session_id`` to attach to a session whose agent is started elsewhere.
 
     With ``task`` (a :class:`~ares_gateway.tasks.Task` or its directory) and ``harness``
     (a registry name such as ``"mini-swe-agent"``, or a harness object), each episode
@@ -90,6 +105,7 @@ class GatewayEnv:
         *,
         session_id: str | None = None,
         launch: Launcher | None = None,
+        launch_timeout: float | None = DEFAULT_LAUNCH_TIMEOUT,
         step_limit: int | None = None,
         time_limit: float | None = None,
         request_timeout: float | None = None,
@@ -124,6 +140,9 @@ class GatewayEnv:
         self.gateway = gateway
         self._attach_to = session_id
         self._launch = launch
+        if launch_timeout is not None and launch_timeout <= 0:
+            raise ValueError(f"launch_timeout must be positive (or None), got {launch_timeout}")
+        self.launch_timeout = launch_timeout
         self.step_limit = step_limit
         self.time_limit = time_limit
         self.request_timeout = request_timeout
@@ -161,7 +180,7 @@ class GatewayEnv:
         self._started = time.monotonic()
         self._done = False
         if self._launch is not None:
-            await self._launch(self.session)
+            await self._run_launch(self._launch, self.session)
         request = await self._next_request()
         if request is None:
             return self._last()
@@ -212,6 +231,25 @@ class GatewayEnv:
         await self.close()
 
     # ------------------------------------------------------------------ internals
+
+    async def _run_launch(self, launch: Launcher, session: SessionInfo) -> None:
+        """Await ``launch(session)`` within :attr:`launch_timeout`; on a failure, drop the session."""
+        try:
+            async with asyncio.timeout(self.launch_timeout):
+                await launch(session)
+        except TimeoutError:
+            waiting = self.gateway.broker.pending_for(session.session_id)
+            await self._end_episode()
+            raise LaunchTimeoutError(
+                f"launch= did not return within {self.launch_timeout:g} s"
+                + (f" ({waiting} request(s) of the agent already wait for an answer)" if waiting else "")
+                + ": launch must start the agent (asyncio.create_subprocess_exec, asyncio.create_task) and "
+                "return, not wait for it to finish, since its requests are answered through step(); "
+                "raise launch_timeout= if starting it takes longer"
+            ) from None
+        except BaseException:
+            await self._end_episode()
+            raise
 
     def _remaining(self) -> float | None:
         limits = []

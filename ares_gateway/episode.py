@@ -134,9 +134,59 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def _tail(text: str, n: int = 1500) -> str:
-    text = text.strip()
-    return text if len(text) <= n else "..." + text[-n:]
+#: The longest one-line error an episode reports (the whole output stays in its logs).
+ERROR_LIMIT = 600
+
+
+def one_line(text: str | None, limit: int = ERROR_LIMIT) -> str | None:
+    """``text`` as one line of at most about ``limit`` characters: its first line (what failed) and as
+    many of its last lines (the cause: a traceback's exception, a command's last words) as fit, joined
+    with `` | ``. ``None`` stays ``None``; whitespace only gives ``""``."""
+    if text is None:
+        return None
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:
+        return ""
+    head = lines[0]
+    if len(lines) == 1:
+        return head if len(head) <= limit else head[: limit - 3] + "..."
+    if len(head) > limit // 2:
+        head = head[: limit // 2 - 3] + "..."
+    budget = limit - len(head)
+    tail: list[str] = []
+    for line in reversed(lines[1:]):
+        if len(line) + 3 > budget:
+            if not tail and budget > 40:
+                tail.append("..." + line[-(budget - 6):])
+            break
+        tail.insert(0, line)
+        budget -= len(line) + 3
+    skipped = len(lines) - 1 - len(tail)
+    return " | ".join([head, *(["..."] if skipped else []), *tail])
+
+
+def last_lines(text: str, limit: int = 400) -> str:
+    """The last non-empty lines of ``text`` (an agent's stderr: where the cause is) as one line."""
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    picked: list[str] = []
+    budget = limit
+    for line in reversed([line for line in lines if line]):
+        if len(line) + 3 > budget:
+            if not picked:
+                picked.append("..." + line[-(limit - 3):])
+            break
+        picked.insert(0, line)
+        budget -= len(line) + 3
+    return " | ".join(picked)
+
+
+def _describe(exc: BaseException) -> str:
+    """What an exception says, never empty: a harness error without detail says so."""
+    if isinstance(exc, HarnessError) and not exc.detail.strip():
+        return f"{exc} (no error output; the agent's logs may say more)"
+    text = str(exc).strip()
+    return text or type(exc).__name__
 
 
 class TaskEpisode:
@@ -183,7 +233,7 @@ class TaskEpisode:
             self.setup_error = exc
             raise
         except Exception as exc:  # anything unforeseen is still an episode failure, not a crash
-            self.setup_error = EpisodeSetupError("sandbox_error", f"{type(exc).__name__}: {exc}")
+            self.setup_error = EpisodeSetupError("sandbox_error", f"{type(exc).__name__}: {_describe(exc)}")
             raise self.setup_error from exc
         finally:
             self.setup_seconds = time.monotonic() - started
@@ -201,7 +251,8 @@ class TaskEpisode:
             self.sandbox = sb
             await sb.start()
         except Exception as exc:
-            raise EpisodeSetupError("sandbox_error", f"starting the {self.backend} sandbox failed: {exc}") from exc
+            raise EpisodeSetupError("sandbox_error",
+                                    f"starting the {self.backend} sandbox failed: {_describe(exc)}") from exc
         workdir = sb.workdir if task.workdir == sb.spec.workdir else task.workdir
         ctx = HarnessContext(workdir=workdir, session_id=session.session_id, base_url=session.base_url,
                              token=session.token, model=self.model)
@@ -210,14 +261,14 @@ class TaskEpisode:
             self.prep = await harness.prepare(sb, ctx)
             await prepare_workdir(sb, task, user=self.prep.user)
         except HarnessError as exc:
-            raise EpisodeSetupError("agent_error", str(exc)) from exc
+            raise EpisodeSetupError("agent_error", _describe(exc)) from exc
         except sandbox_mod.SandboxError as exc:
-            raise EpisodeSetupError("sandbox_error", f"preparing the workdir failed: {exc}") from exc
+            raise EpisodeSetupError("sandbox_error", f"preparing the workdir failed: {_describe(exc)}") from exc
         try:
             info = await harness.install(sb)
             self._install_reused = info.reused
         except HarnessInstallError as exc:
-            raise EpisodeSetupError("install_error", str(exc)) from exc
+            raise EpisodeSetupError("install_error", _describe(exc)) from exc
         except sandbox_mod.SandboxError as exc:
             raise EpisodeSetupError("install_error", f"harness {harness.name!r}: install failed: {exc}") from exc
         try:
@@ -255,7 +306,7 @@ class TaskEpisode:
         out = EpisodeOutcome(task=self.task.name, harness=self.harness.name, sandbox=self.backend,
                              setup_seconds=self.setup_seconds, install_reused=self._install_reused)
         if self.setup_error is not None:
-            out.exit_reason, out.error = self.setup_error.reason, self.setup_error.message
+            out.exit_reason, out.error = self.setup_error.reason, one_line(self.setup_error.message)
             await self._read_logs(out)
             return out
         if self.agent is None:
@@ -273,9 +324,9 @@ class TaskEpisode:
                     raise  # we are being cancelled ourselves
                 out.exit_reason, out.error = "cancelled", "the agent was stopped"
             except HarnessError as exc:
-                out.exit_reason, out.error = "agent_error", str(exc)
+                out.exit_reason, out.error = "agent_error", _describe(exc)
             except sandbox_mod.SandboxError as exc:
-                out.exit_reason, out.error = "sandbox_error", f"the sandbox failed while the agent ran: {exc}"
+                out.exit_reason, out.error = "sandbox_error", f"the sandbox failed while the agent ran: {_describe(exc)}"
             except Exception as exc:
                 out.exit_reason, out.error = "agent_error", f"{type(exc).__name__}: {exc}"
             if self._launched_at is not None:
@@ -288,9 +339,11 @@ class TaskEpisode:
                 out.exit_reason = "agent_error"
                 how = (f"exited with code {result.exit_code}" if result.exit_code is not None
                        else "stopped without reporting an exit code (killed?)")
+                # The cause is at the end of what it printed (a traceback's last line, an error message).
                 out.error = (f"the agent {how}: "
-                             f"{_tail(result.stderr_tail) or _tail(result.stdout_tail) or '(no output)'}")
+                             f"{last_lines(result.stderr_tail) or last_lines(result.stdout_tail) or '(no output)'}")
         out.agent_seconds = self._agent_seconds
+        out.error = one_line(out.error)
         await self._read_logs(out)
         if out.exit_reason in ("completed", "step_limit", "time_limit"):
             started = time.monotonic()
@@ -299,7 +352,7 @@ class TaskEpisode:
             out.reward = verdict.reward.value
             out.reward_parts = dict(verdict.reward.parts)
             out.reward_source = verdict.reward.source
-            out.verifier_error = verdict.error
+            out.verifier_error = one_line(verdict.error)
             if verdict.script is not None:
                 out.logs["verifier.log"] = (
                     f"exit code {verdict.script.exit_code} (timed out: {verdict.script.timed_out}, "

@@ -40,7 +40,13 @@ from typing import Any
 
 from ares_gateway.broker import ErrorAnswer, ParkedRequest
 from ares_gateway.env import GatewayEnv
-from ares_gateway.episode import EpisodeOutcome, EpisodeSetupError, TaskEpisode, harness_side_call_detector
+from ares_gateway.episode import (
+    EpisodeOutcome,
+    EpisodeSetupError,
+    TaskEpisode,
+    harness_side_call_detector,
+    one_line,
+)
 from ares_gateway.gateway import Gateway
 from ares_gateway.policies.base import PolicyError, call_policy, is_external
 from ares_gateway.stats import StatTracker, make_tracker
@@ -151,8 +157,10 @@ async def ensure_local_install(harness: str, *, version: str | None = None, quie
 
     Returns the install root to give the harness: ``/opt/ares-agents`` when it holds the pinned
     version or is writable (installed there now), else a per-user cache directory (which local
-    sandboxes see read-only). The harness's own install steps do the work; without this each
-    isolated local sandbox would install its own copy.
+    sandboxes see read-only). The harness's own install steps do the work (in a non-isolated local
+    sandbox as this user, as ``python3 -m harnesses.provision`` does); without this each isolated
+    local sandbox would install its own copy. A failed install raises the harness's
+    :class:`~harnesses.HarnessInstallError`, whose message names the step and its output.
     """
     probe = registry.create(harness, version=version)
     root = await asyncio.to_thread(_install_root, probe.name, probe.version)
@@ -160,13 +168,24 @@ async def ensure_local_install(harness: str, *, version: str | None = None, quie
         return root
     candidates = _install_candidates()
     root = next((r for r in candidates if _writable(r)), candidates[-1])
-    from harnesses.provision import provision
-
     if not quiet:
         print(f"installing {probe.name} {probe.version} under {root} (once; later runs reuse it) ...", flush=True)
-    if await provision([probe.name], root) != 0:
-        raise RuntimeError(f"installing {probe.name} {probe.version} under {root} failed (see above)")
+    await _install_here(probe.name, probe.version, root)
     return root
+
+
+async def _install_here(name: str, version: str, root: str) -> None:
+    import uuid
+
+    from harnesses import HarnessContext
+    from sandbox import LocalSandbox, SandboxSpec
+
+    async with LocalSandbox(SandboxSpec(), isolate=False) as sb:
+        h = registry.create(name, version=version, user=None, install_root=root)
+        ctx = HarnessContext(workdir=sb.workdir, session_id="install-" + uuid.uuid4().hex[:8],
+                             base_url="http://127.0.0.1:9", token="unused")
+        await h.prepare(sb, ctx)
+        await h.install(sb)
 
 
 def _install_candidates() -> list[str]:
@@ -227,24 +246,38 @@ class _Outputs:
         with open(self.root / "episodes.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(result.to_dict()) + "\n")
 
-    def results(self, run: Mapping[str, Any], summary: RunSummary) -> None:
+    def results(self, run: Mapping[str, Any], summary: RunSummary, *, error: str | None = None) -> None:
         if self.root is None:
             return
-        doc = {"run": dict(run), "summary": summary.to_dict(), "episodes": [e.to_dict() for e in summary.episodes]}
+        doc: dict[str, Any] = {"run": dict(run), "summary": summary.to_dict(),
+                               "episodes": [e.to_dict() for e in summary.episodes]}
+        if error is not None:
+            doc["error"] = error  # the run stopped before its episodes (a failed start-up check)
         tmp = self.root / "results.json.tmp"
         tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, self.root / "results.json")
 
 
 class _Progress:
-    """The live progress bar (rich) and the per-episode lines; a no-op without a console."""
+    """The live progress bar (rich) and the per-episode lines; a no-op without a console.
 
-    def __init__(self, console: Any, total: int, title: str) -> None:
+    On a console that is no terminal (output to a file or a pipe, as in CI) a live bar would show
+    nothing until the end, so progress is a plain line instead, printed whenever what it says
+    changes (an episode started or finished) and at least every ``heartbeat`` seconds.
+    """
+
+    def __init__(self, console: Any, total: int, title: str, *, heartbeat: float = 30.0) -> None:
         self.console = console
         self.total = total
+        self.title = title
+        self.heartbeat = heartbeat
         self._bar: Any = None
         self._id: Any = None
-        if console is None:
+        self._plain = console is not None and not console.is_terminal
+        self._last_state: tuple[Any, ...] | None = None
+        self._last_at = 0.0
+        self._started = time.monotonic()
+        if console is None or self._plain:
             return
         from rich.progress import (
             BarColumn,
@@ -269,6 +302,16 @@ class _Progress:
         self._bar.start()
 
     def update(self, *, done: int, running: int, failed: int, mean: float | None, turns_per_s: float) -> None:
+        if self._plain:
+            state = (done, running, failed, mean)
+            now = time.monotonic()
+            if state != self._last_state or now - self._last_at >= self.heartbeat:
+                self._last_state, self._last_at = state, now
+                elapsed = int(now - self._started)
+                self.line(f"{self.title}: {done}/{self.total} done · running {running} · failed {failed} · "
+                          f"mean reward {'-' if mean is None else f'{mean:.3f}'} · {turns_per_s:.1f} turns/s · "
+                          f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}")
+            return
         if self._bar is None:
             return
         self._bar.update(self._id, completed=done, running=running, failed=failed,
@@ -284,6 +327,13 @@ class _Progress:
             self._bar = None
 
 
+def write_failed_run(out: str | os.PathLike[str], run: Mapping[str, Any], *, planned: int, attempts: int,
+                     error: str) -> None:
+    """``results.json`` (and an empty ``episodes.jsonl``) of a run that stopped before any episode, with
+    its one-line ``error``; what ``ares-gateway run`` writes when a start-up check fails."""
+    _Outputs(Path(out)).results(run, RunSummary(episodes=[], planned=planned, attempts=attempts), error=error)
+
+
 def results_table(summary: RunSummary) -> Any:
     """A rich Table of the episodes (task, attempt, reward, turns, duration, exit reason)."""
     from rich.table import Table
@@ -293,7 +343,7 @@ def results_table(summary: RunSummary) -> Any:
                           ("duration", "right"), ("exit reason", "left")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for e in sorted(summary.episodes, key=lambda e: (e.task, e.attempt)):
-        reason = e.exit_reason + (f": {e.error[:80]}" if e.error else "")
+        reason = e.exit_reason + (f": {e.error[:300]}" if e.error else "")
         table.add_row(e.task, str(e.attempt), f"{e.reward:.3f}", str(e.turns), f"{e.duration:.1f}s", reason)
     for key in summary.cancelled:
         task, _, attempt = key.rpartition(".")
@@ -401,6 +451,7 @@ async def run_rollouts(
                          step_limit=step_limit, time_limit=time_limit)
         bind = getattr(policy, "bind", None)
         sid = ""
+        failures: list[dict[str, Any]] = []
         try:
             ts = await env.reset()
             assert env.session is not None
@@ -411,12 +462,15 @@ async def run_rollouts(
                 bind(sid, agent=getattr(h, "scripted_format", None) or getattr(h, "name", harness), task=task)
             while not ts.last():
                 assert ts.observation is not None
-                ts = await env.step(await _answer(policy, ts.observation))
+                ts = await env.step(await _answer(policy, ts.observation, failures))
             outcome = env.outcome
             assert outcome is not None
             samples = env.trajectory()
-            turns = env.turn_log()
-            result = _result(task, attempt, outcome, turns, samples, sid, time.monotonic() - t0, ts.info)
+            answered = env.turn_log()
+            # Failed policy calls are turns too (the agent got an error answer): in the turn log, in time order.
+            turns = sorted([*answered, *failures], key=lambda t: float(t.get("timestamp") or 0.0))
+            result = _result(task, attempt, outcome, answered, samples, sid, time.monotonic() - t0, ts.info,
+                             failures=failures)
             outputs.episode(result, samples, turns, outcome.logs)
             return result
         finally:
@@ -448,9 +502,10 @@ async def run_rollouts(
                     summary.cancelled.append(key)
                     continue
                 except Exception as exc:  # a policy or runner failure: recorded, the run goes on
-                    log.exception("episode %s failed", key)
+                    log.warning("episode %s failed: %s: %s", key, type(exc).__name__, one_line(str(exc)))
+                    log.debug("the episode's traceback", exc_info=True)
                     result = EpisodeResult(task_name, int(attempt_s), 0.0, 0, 0.0, "error",
-                                           error=f"{type(exc).__name__}: {exc}")
+                                           error=one_line(f"{type(exc).__name__}: {exc}"))
                     outputs.episode(result, [], [], {})
                 summary.episodes.append(result)
                 if result.exit_reason in FAILED_REASONS:
@@ -491,18 +546,39 @@ async def run_rollouts(
     return summary
 
 
-async def _answer(policy: Any, request: ParkedRequest) -> Any:
-    """The policy's answer; a failing policy gives the agent an error answer, as PolicyServer does."""
+async def _answer(policy: Any, request: ParkedRequest, failures: list[dict[str, Any]] | None = None) -> Any:
+    """The policy's answer; a failing policy gives the agent an error answer, as PolicyServer does, and
+    the failure is appended to ``failures`` as a turn-log entry (see :func:`_failed_turn`)."""
+    started = time.monotonic()
     try:
         return await call_policy(policy, request)
     except asyncio.CancelledError:
         raise
     except PolicyError as exc:
         log.warning("policy failed on %s: %s", request.id, exc)
-        return exc.to_answer()
+        answer = exc.to_answer()
     except Exception as exc:
-        log.exception("policy raised on %s", request.id)
-        return ErrorAnswer(502, f"the policy failed: {type(exc).__name__}: {exc}")
+        # One line at WARNING (the episode's error names it too); the traceback for --log-level DEBUG.
+        log.warning("policy raised on %s: %s: %s", request.id, type(exc).__name__, one_line(str(exc)))
+        log.debug("the policy's traceback", exc_info=True)
+        answer = ErrorAnswer(502, f"the policy failed: {type(exc).__name__}: {one_line(str(exc)) or '(no message)'}")
+    if failures is not None:
+        failures.append(_failed_turn(request, answer, time.monotonic() - started))
+    return answer
+
+
+def _failed_turn(request: ParkedRequest, answer: ErrorAnswer, latency: float) -> dict[str, Any]:
+    """A turn-log entry for a request the policy failed on: the request as the agent sent it and, in
+    place of a completion, ``error`` (the status and message the agent was answered with)."""
+    return {
+        "request_id": request.id,
+        "protocol": request.protocol.value,
+        "side_call": request.side_call,
+        "timestamp": request.timestamp,
+        "latency": latency,
+        "request": request.request.raw,
+        "error": {"status": answer.status, "message": answer.message},
+    }
 
 
 async def _passive_episode(
@@ -537,7 +613,7 @@ async def _passive_episode(
     finally:
         await ep.close()
     info = outcome.info()
-    gw.end_session(sid, reward=outcome.reward, truncated=outcome.truncated,
+    await gw.end_session(sid, reward=outcome.reward, truncated=outcome.truncated,
                    **{k: v for k, v in info.items() if k != "truncated"})
     samples = gw.trajectory(sid)
     turns = gw.turn_log(sid)
@@ -549,17 +625,25 @@ async def _passive_episode(
 
 
 def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[str, Any]], samples: list[Any],
-            sid: str, duration: float, info: Mapping[str, Any]) -> EpisodeResult:
+            sid: str, duration: float, info: Mapping[str, Any], *,
+            failures: Sequence[Mapping[str, Any]] = ()) -> EpisodeResult:
     latencies = [float(t["latency"]) for t in turns if t.get("latency") is not None]
+    error = outcome.error or outcome.verifier_error
+    if failures:
+        # The policy's failure comes first: it is usually why the agent then failed or gave up.
+        last = failures[-1]["error"]
+        said = (f"the policy failed on {len(failures)} of {len(failures) + len(turns)} request(s) "
+                f"(last: {last['status']} {last['message']})")
+        error = f"{said}; then {error}" if error else said
     return EpisodeResult(
         task=task.name,
         attempt=attempt,
         reward=outcome.reward,
-        turns=len(turns),
+        turns=len(turns) + len(failures),
         duration=duration,
         exit_reason=outcome.exit_reason,
         truncated=outcome.truncated,
-        error=outcome.error or outcome.verifier_error,
+        error=one_line(error),
         reward_parts=dict(outcome.reward_parts),
         samples=len(samples),
         session_id=sid,

@@ -19,48 +19,99 @@ REAL_MODEL_HINT = (
 )
 
 
+def run_epilog() -> str:
+    """The end of ``run --help``: the presets, harnesses and datasets there are, selectors, examples."""
+    from ares_gateway.selectors import HARNESSES, harness_aliases
+    from ares_gateway.tasks import load_dataset, registered_datasets
+
+    aliases: dict[str, list[str]] = {h: [] for h in HARNESSES}
+    for alias, name in harness_aliases().items():
+        if alias != name:
+            aliases.setdefault(name, []).append(alias)
+    short = {h: min([h, *a], key=len) for h, a in aliases.items()}
+    lines = ["harnesses (name, then the aliases a preset may use):",
+             "  " + ", ".join(h + (f" ({', '.join(sorted(a))})" if a else "") for h, a in aliases.items()),
+             "datasets (a registered name, or a directory of task directories):"]
+    names = sorted(registered_datasets())
+    for name in names:
+        try:
+            ds = load_dataset(name)
+        except Exception as exc:  # a broken registration must not break --help
+            lines.append(f"  {name}: cannot be loaded ({exc})")
+            continue
+        shown = ", ".join(ds.names[:8]) + (", ..." if len(ds) > 8 else "")
+        lines.append(f"  {name}: {len(ds)} task(s): {shown}")
+    lines += ["presets (DATASET-HARNESS):",
+              "  " + ", ".join(f"{d}-{short[h]}" for d in names for h in aliases),
+              "selectors (after the preset; indices are 0-based):",
+              "  examples-mswea                  every task",
+              "  examples-mswea:2                task 2",
+              "  examples-mswea:fix-median-bug   the task of that name (a,b for several)",
+              "  examples-mswea:0:2              tasks 0 and 1",
+              "  examples-mswea@0/4              shard 0 of 4",
+              "examples:",
+              "  ares-gateway run examples-mswea --policy oracle --sandbox local",
+              "  ares-gateway run examples-mswea:fix-median-bug --policy scripted --command 'python3 -m pytest -q'",
+              f"  {REAL_MODEL_HINT}",
+              "Before any sandbox starts, the run checks the upstream server (upstream policy), the Docker engine",
+              "(--sandbox docker) and the harness install; a failed check ends it with one error line and exit code 2."]
+    return "\n".join(lines)
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("preset", metavar="PRESET[:selector|@i/n]",
+    p.add_argument("preset", metavar="PRESET[:SELECTOR]",
                    help="dataset-harness preset and optional selector, e.g. examples-mswea, examples-mswea:0:2, "
-                        "examples-cc@0/4 (0-based)")
+                        "examples-mswea:fix-median-bug, examples-cc@0/4 (see below)")
     p.add_argument("--policy", choices=POLICIES, default="oracle",
-                   help="who answers the agents' LLM calls (default: oracle, which plays each task's solution)")
+                   help="who answers the agents' LLM calls: oracle plays each task's solution, scripted runs "
+                        "--command, upstream forwards to --base-url, http leaves requests on /poll")
     p.add_argument("--base-url", default=None, help="upstream: the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--model", default=None, help="upstream: the model name to ask for (default: the agent's own)")
+    p.add_argument("--model", default=None,
+                   help="upstream: the model name to ask for (default: the model name the agent sends)")
     p.add_argument("--api-key-env", default=None, metavar="VAR",
                    help="upstream: the environment variable holding the API key (never pass the key itself)")
     p.add_argument("--command", action="append", default=[], metavar="CMD",
                    help="scripted: a shell command the agent runs before finishing (repeatable)")
     p.add_argument("--sandbox", choices=("auto", "local", "docker", "daytona"), default="auto",
-                   help="sandbox backend (auto: Docker when an engine answers, else local)")
+                   help="sandbox backend; auto is Docker when an engine answers, else local")
     p.add_argument("--image", default=None,
-                   help="image for tasks that bring none (container backends; default ares-gateway/agents:latest)")
-    p.add_argument("-n", "--concurrency", type=int, default=4, help="episodes at once (default: 4)")
-    p.add_argument("--attempts", type=int, default=1, metavar="K", help="attempts per task, for pass@k (default: 1)")
+                   help="image for tasks that bring none, on container backends (default: ares-gateway/agents:latest)")
+    p.add_argument("-n", "--concurrency", type=int, default=4, help="episodes at once")
+    p.add_argument("--attempts", type=int, default=1, metavar="K", help="attempts per task, for pass@k")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: runs/PRESET-TIMESTAMP)")
-    p.add_argument("--step-limit", type=int, default=None, help="LLM calls per episode before truncation")
+    p.add_argument("--step-limit", type=int, default=None,
+                   help="LLM calls per episode before truncation (default: no limit)")
     p.add_argument("--time-limit", type=float, default=None,
                    help="agent seconds per episode before truncation (default: the task's agent timeout)")
     p.add_argument("--stats", choices=("tensorboard", "logging", "null"), default="tensorboard",
-                   help="where episode statistics go (default: TensorBoard event files in DIR/tb)")
-    p.add_argument("--stats-period", type=float, default=10.0, help="seconds between stat flushes (default: 10)")
+                   help="where episode statistics go; tensorboard writes event files to DIR/tb")
+    p.add_argument("--stats-period", type=float, default=10.0, help="seconds between stat flushes")
     p.add_argument("--host", default="127.0.0.1", help="gateway address (agents in containers use host networking)")
     p.add_argument("--port", type=int, default=0, help="gateway port (default: a free one; set it for --policy http)")
     p.add_argument("--admin-token-env", default=None, metavar="VAR",
                    help="http: the environment variable holding the admin token guarding /poll and /respond")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", help="log level (DEBUG, INFO, WARNING, ERROR)")
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: runs/demo-TIMESTAMP)")
-    p.add_argument("-n", "--concurrency", type=int, default=4, help="episodes at once (default: 4)")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("-n", "--concurrency", type=int, default=4, help="episodes at once")
+    p.add_argument("--log-level", default="WARNING", help="log level (DEBUG, INFO, WARNING, ERROR)")
+
+
+#: Columns of the output when stdout is no terminal (a log file, CI): wide, so lines are not cut at 80.
+PLAIN_WIDTH = 200
 
 
 def _console() -> Any:
+    """The run's console: a terminal's own width, else :data:`PLAIN_WIDTH` columns (or ``$COLUMNS``), so
+    piped output is neither wrapped nor truncated at rich's default of 80."""
     from rich.console import Console
 
-    return Console()
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=PLAIN_WIDTH)
+    return console
 
 
 def _fail(message: str) -> int:
@@ -119,15 +170,12 @@ async def _execute(
 ) -> Any:
     from ares_gateway.episode import harness_side_call_detector
     from ares_gateway.gateway import Gateway
-    from ares_gateway.rollouts import ensure_local_install, run_rollouts
+    from ares_gateway.preflight import preflight
+    from ares_gateway.rollouts import run_rollouts
     from sandbox import janitor
 
     stop = asyncio.Event()
     _install_signals(stop, console)
-    harness_options: dict[str, Any] = {}
-    if backend == "local":
-        # One install on this host for every local sandbox (each would otherwise install its own).
-        harness_options["install_root"] = await ensure_local_install(harness)
     admin = os.environ.get(args.admin_token_env) if getattr(args, "admin_token_env", None) else None
     longest = max([args.time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
     gateway = Gateway(host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 0), admin_token=admin,
@@ -137,6 +185,13 @@ async def _execute(
         if hasattr(policy, "__aenter__"):
             await policy.__aenter__()
             entered = True
+        # Once, before any sandbox: the upstream, the Docker engine, the harness (installed once on this
+        # host for every local sandbox). A failure raises PreflightError: one line, no episode started.
+        report = await preflight(policy=policy, backend=backend, harness=harness, tasks=tasks,
+                                 image=getattr(args, "image", None))
+        for line in report.lines:
+            console.print(f"preflight: {line}", highlight=False, soft_wrap=True, markup=False)
+        harness_options: dict[str, Any] = dict(report.harness_options)
         async with gateway:
             return await run_rollouts(
                 tasks, harness=harness, policy=policy, sandbox=backend, concurrency=args.concurrency,
@@ -167,6 +222,44 @@ def _run_async(coro: Any) -> Any:
     return _run(coro)
 
 
+class _RunFailed(Exception):
+    """The run stopped before its episodes; ``rc`` is the exit code (the message is printed already)."""
+
+    def __init__(self, rc: int) -> None:
+        super().__init__(rc)
+        self.rc = rc
+
+
+def _run_guarded(coro: Any, *, out: Path, run_info: dict[str, Any], tasks: Any, harness: str,
+                 attempts: int) -> Any:
+    """Run ``coro`` (an :func:`_execute`); a failed start-up check or install, or anything unforeseen,
+    becomes one ``ares-gateway: error:`` line (the traceback only at --log-level DEBUG), and
+    ``results.json`` is still written with the error. Raises :class:`_RunFailed`."""
+    import logging
+
+    from ares_gateway.episode import one_line
+    from ares_gateway.preflight import PreflightError
+    from ares_gateway.rollouts import write_failed_run
+    from harnesses import HarnessError
+
+    try:
+        return _run_async(coro)
+    except (PreflightError, HarnessError) as exc:
+        message, rc = one_line(str(exc)) or type(exc).__name__, 2
+    except Exception as exc:
+        logging.getLogger("ares_gateway").debug("the run failed", exc_info=True)
+        message = f"{type(exc).__name__}: {one_line(str(exc))} (--log-level DEBUG shows the traceback)"
+        rc = 1
+    run = {**run_info, "harness": harness, "tasks": [t.name for t in tasks], "attempts": attempts}
+    try:
+        write_failed_run(out, run, planned=len(tasks) * attempts, attempts=attempts, error=message)
+        where = f" (written to {out / 'results.json'})"
+    except OSError as exc:
+        where = f" (and {out / 'results.json'} could not be written: {exc})"
+    print(f"ares-gateway: error: {message}{where}", file=sys.stderr, flush=True)
+    raise _RunFailed(rc)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from ares_gateway.episode import resolve_backend
     from ares_gateway.selectors import SelectorError, resolve
@@ -191,8 +284,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     run_info = {"preset": args.preset, "policy": args.policy, "sandbox": backend, "model": args.model,
                 "base_url": args.base_url, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    summary = _run_async(_execute(tasks=resolved.tasks, harness=resolved.preset.harness, policy=policy,
-                                  backend=backend, args=args, out=out, console=console, run_info=run_info))
+    try:
+        summary = _run_guarded(
+            _execute(tasks=resolved.tasks, harness=resolved.preset.harness, policy=policy, backend=backend, args=args,
+                     out=out, console=console, run_info=run_info),
+            out=out, run_info=run_info, tasks=resolved.tasks, harness=resolved.preset.harness, attempts=args.attempts,
+        )
+    except _RunFailed as failed:
+        return failed.rc
     _report(summary, console, out)
     if args.stats == "tensorboard":
         console.print(f"TensorBoard: tensorboard --logdir {out / 'tb'}", highlight=False, soft_wrap=True)
@@ -216,8 +315,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.attempts, args.time_limit, args.step_limit = 1, None, None
     run_info = {"preset": DEMO_PRESET, "policy": "oracle", "sandbox": "local", "demo": True,
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    summary = _run_async(_execute(tasks=resolved.tasks, harness=resolved.preset.harness, policy=make_policy("oracle"),
-                                  backend="local", args=args, out=out, console=console, run_info=run_info))
+    try:
+        summary = _run_guarded(
+            _execute(tasks=resolved.tasks, harness=resolved.preset.harness, policy=make_policy("oracle"),
+                     backend="local", args=args, out=out, console=console, run_info=run_info),
+            out=out, run_info=run_info, tasks=resolved.tasks, harness=resolved.preset.harness, attempts=1,
+        )
+    except _RunFailed as failed:
+        return failed.rc
     _report(summary, console, out)
     samples = sum(e.samples for e in summary.episodes)
     console.print(

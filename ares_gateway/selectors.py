@@ -4,6 +4,7 @@ Selector grammar, after a preset or dataset name::
 
     examples-mswea            every task
     examples-mswea:5          task 5 only (0-based)
+    examples-mswea:fix-median-bug          the task of that name (``:a,b`` for several, in that order)
     examples-mswea:0:10       tasks 0..9 (a slice; START or STOP may be left out: ``:3:``, ``::4``)
     examples-mswea@2/8        shard 2 of 8
 
@@ -12,6 +13,9 @@ Shards are contiguous and deterministic, their sizes differ by at most one (the 
 ``len % n`` shards hold one more), and shards ``0..n-1`` together cover every task exactly once.
 When ``n`` exceeds the number of tasks the last shards are empty (so a fixed pool of workers can
 always shard a small dataset).
+
+A selector that is not a number, a slice or a shard names tasks (``Task.name``, the task's directory
+name); a name the dataset does not have raises :class:`SelectorError` listing the names it has.
 
 Malformed text and out-of-range numbers raise :class:`SelectorError` naming the valid range; with a
 dataset size (``parse_selector(text, size=N)`` or :func:`resolve`), that happens before anything runs.
@@ -107,16 +111,19 @@ def parse_preset(text: str) -> Preset:
 
 @dataclass(frozen=True)
 class Selection:
-    """Which tasks of a dataset: all, one index, a slice, or a shard."""
+    """Which tasks of a dataset: all, one index, a slice, a shard, or tasks by name."""
 
-    kind: Literal["all", "index", "slice", "shard"] = "all"
+    kind: Literal["all", "index", "slice", "shard", "names"] = "all"
     index: int | None = None
     start: int | None = None
     stop: int | None = None
     shard: int | None = None
     num_shards: int | None = None
+    names: tuple[str, ...] = ()
 
     def __str__(self) -> str:
+        if self.kind == "names":
+            return ":" + ",".join(self.names)
         if self.kind == "index":
             return f":{self.index}"
         if self.kind == "slice":
@@ -126,7 +133,8 @@ class Selection:
         return ""
 
     def validate(self, size: int) -> None:
-        """Raise :class:`SelectorError` naming the valid range when this selection does not fit ``size`` tasks."""
+        """Raise :class:`SelectorError` naming the valid range when this selection does not fit ``size`` tasks
+        (names are checked by :meth:`apply`, which sees them)."""
         if self.kind == "index":
             assert self.index is not None
             if not 0 <= self.index < size:
@@ -158,7 +166,18 @@ class Selection:
         return 0, size
 
     def apply(self, items: Sequence[T]) -> list[T]:
-        """The selected items, in order. Raises :class:`SelectorError` when out of range."""
+        """The selected items, in order. Raises :class:`SelectorError` when out of range (or, for
+        names, when an item of that ``name`` is missing)."""
+        if self.kind == "names":
+            by_name = {getattr(item, "name", None): item for item in items}
+            missing = [n for n in self.names if n not in by_name]
+            if missing:
+                have = ", ".join(str(k) for k in by_name) or "none"
+                raise SelectorError(
+                    f"no task named {', '.join(repr(m) for m in missing)}: the tasks are {have} "
+                    f"(or select by 0-based index: {_range_text(len(items))})"
+                )
+            return [by_name[n] for n in self.names]
         self.validate(len(items))
         start, stop = self.bounds(len(items))
         return list(items[start:stop])
@@ -196,16 +215,19 @@ class Selector:
 
 
 _INT = r"(?:0|[1-9][0-9]*)"
+#: A task name (all digits are refused: ``01`` is no index, and no task is meant by it).
+_TASK = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
 _SELECTOR_RE = re.compile(
     rf"(?P<name>[^:@]+?)(?:"
     rf"(?P<shard>@(?P<i>{_INT})/(?P<n>{_INT}))"
     rf"|:(?P<index>{_INT})"
     rf"|:(?P<start>{_INT})?:(?P<stop>{_INT})?"
+    rf"|:(?P<names>{_TASK}(?:,{_TASK})*)"
     rf")?"
 )
 _HELP = (
-    "use NAME (all tasks), NAME:I (one task), NAME:START:STOP (a slice) or NAME@I/N (shard I of N), "
-    "with 0-based non-negative integers"
+    "use NAME (all tasks), NAME:I (one task), NAME:START:STOP (a slice), NAME@I/N (shard I of N), "
+    "with 0-based non-negative integers, or NAME:TASK[,TASK...] (tasks by name)"
 )
 
 
@@ -224,6 +246,13 @@ def parse_selector(text: str, *, size: int | None = None) -> Selector:
         if i >= n:
             raise SelectorError(f"selector {text!r}: shard {i} is out of range: shards are 0..{n - 1} (0-based) for /{n}")
         selection = Selection("shard", shard=i, num_shards=n)
+    elif m.group("names") is not None:
+        names = tuple(m.group("names").split(","))
+        if any(n.isdigit() for n in names):  # 01, 1,2: numbers that are no index
+            raise SelectorError(f"cannot read selector {text!r}: {_HELP}")
+        if len(set(names)) != len(names):
+            raise SelectorError(f"selector {text!r} names a task twice")
+        selection = Selection("names", names=names)
     elif m.group("index") is not None:
         selection = Selection("index", index=int(m.group("index")))
     elif m.group("start") is not None or m.group("stop") is not None or text.strip().endswith("::"):

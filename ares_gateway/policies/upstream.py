@@ -164,6 +164,11 @@ def _error_message(status: int, text: str) -> str:
     return f"upstream answered {status}: {text.strip()[:500]}"
 
 
+def _key_refused(base: str, status: int) -> str:
+    return (f"upstream {base} refused the API key ({status}): put the key in an environment variable and "
+            "pass its name with --api-key-env VAR")
+
+
 class UpstreamPolicy:
     """Forward requests to an OpenAI-compatible server (see the module docstring).
 
@@ -218,6 +223,56 @@ class UpstreamPolicy:
                 ),
             )
         return self._http
+
+    # ------------------------------------------------------------------ start-up check
+
+    async def check(self, *, timeout: float = 10.0) -> str:
+        """Ask the server whether it answers, once, within ``timeout`` seconds (no retries): ``GET
+        {base_url}/models``, or one chat completion of ``max_tokens: 1`` when it has no ``/models``.
+
+        Returns a line saying what answered. Raises :class:`UpstreamError` with a message saying what to
+        do when the server cannot be reached, does not answer in time, refuses the API key, or (with a
+        ``model`` set) does not list that model.
+        """
+        base = self.config.base_url.rstrip("/")
+        limit = aiohttp.ClientTimeout(total=timeout, connect=min(timeout, self.config.connect_timeout))
+        try:
+            async with self._session().get(base + "/models", timeout=limit) as resp:
+                status, text = resp.status, await resp.text(errors="replace")
+            if status in (404, 405):  # no /models here: one tiny request instead
+                body = {"model": self.config.model or "ares-preflight", "max_tokens": 1, "stream": False,
+                        "messages": [{"role": "user", "content": "Reply with one word."}]}
+                async with self._session().post(self.url, json=body, timeout=limit) as resp:
+                    status, text = resp.status, await resp.text(errors="replace")
+                if status in (401, 403):
+                    raise UpstreamError(_key_refused(base, status), status=status)
+                if status >= 400 and (self.config.model or status >= 500):
+                    raise UpstreamError(f"{_error_message(status, text)} (POST {self.url}, the start-up check)",
+                                        status=status)
+                return f"upstream {base} answers (no /models; a one-token chat completion answered {status})"
+        except TimeoutError:
+            raise UpstreamError(f"upstream {base} did not answer within {timeout:g} s: is the server up, and is "
+                                "--base-url its OpenAI base URL (ending in /v1)?", status=504) from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"cannot reach upstream {base}: {exc}: start the server or fix --base-url",
+                                status=502) from None
+        if status in (401, 403):
+            raise UpstreamError(_key_refused(base, status), status=status)
+        if status >= 400:
+            raise UpstreamError(f"{_error_message(status, text)} (GET {base}/models, the start-up check)", status=status)
+        try:
+            listed = [m["id"] for m in json.loads(text).get("data", []) if isinstance(m, dict) and "id" in m]
+        except (ValueError, AttributeError, TypeError):
+            raise UpstreamError(f"upstream {base}/models answered {status} with something that is not a model list: "
+                                f"is --base-url the OpenAI base URL (ending in /v1)? It said: {text.strip()[:200]}",
+                                status=502) from None
+        model = self.config.model
+        if model and listed and model not in listed:
+            shown = ", ".join(listed[:10]) + (", ..." if len(listed) > 10 else "")
+            raise UpstreamError(f"upstream {base} does not serve model {model!r}; it serves {shown}: pass one of "
+                                "them as --model", status=404)
+        return f"upstream {base} answers" + (f" (serves {model})" if model and listed else
+                                              f" ({len(listed)} model(s) listed)")
 
     # ------------------------------------------------------------------ the request body
 

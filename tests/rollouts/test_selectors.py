@@ -59,6 +59,8 @@ def test_canonical_harness() -> None:
         ("examples-mswea::2", Selection("slice", stop=2)),
         ("examples-mswea@0/8", Selection("shard", shard=0, num_shards=8)),
         ("examples-mswea@7/8", Selection("shard", shard=7, num_shards=8)),
+        ("examples-mswea:fix-median-bug", Selection("names", names=("fix-median-bug",))),
+        ("examples-mswea:b.2,a_1", Selection("names", names=("b.2", "a_1"))),
     ],
 )
 def test_selector_grammar(text: str, selection: Selection) -> None:
@@ -72,7 +74,9 @@ def test_selector_grammar(text: str, selection: Selection) -> None:
     [
         ("", "empty selector"),
         ("examples:", "cannot read selector"),
-        ("examples:a", "cannot read selector"),
+        ("examples:1,2", "cannot read selector"),
+        ("examples:a,a", "names a task twice"),
+        ("examples:a b", "cannot read selector"),
         ("examples:-1", "cannot read selector"),
         ("examples:01", "cannot read selector"),
         ("examples:1:2:3", "cannot read selector"),
@@ -116,6 +120,14 @@ def test_resolve_examples() -> None:
     assert [t for s in shards for t in s] == list(r.tasks)
     with pytest.raises(SelectorError, match=r"on dataset 'examples'.*valid task indices are 0\.\.3"):
         resolve("examples-mswea:9")
+
+
+def test_resolve_tasks_by_name() -> None:
+    assert [t.name for t in resolve("examples-mswea:fix-median-bug").tasks] == ["fix-median-bug"]
+    picked = resolve("examples-cc:write-greeting-file,fix-median-bug").tasks
+    assert [t.name for t in picked] == ["write-greeting-file", "fix-median-bug"]  # in the order given
+    with pytest.raises(SelectorError, match=r"no task named 'nope': the tasks are fix-median-bug, .*0\.\.3"):
+        resolve("examples-mswea:nope")
 
 
 @given(size=st.integers(0, 300), num_shards=st.integers(1, 64))

@@ -2,6 +2,8 @@
 
 * :class:`UpstreamPolicy` (``upstream``): forward to an OpenAI-compatible server, token-faithful.
 * :class:`HttpPolicy` (``http``): leave requests parked for an external trainer on ``/poll``.
+* :class:`~ares_gateway.policies.tito.TitoPolicy` (``tito``): token in / token out through an engine
+  (in-process llama.cpp, SGLang, vLLM); the gateway renders and parses (``docs/tito.md``).
 * :class:`FunctionPolicy`: any async callable ``request -> completion``, in process.
 
 :class:`PolicyServer` serves a :class:`~ares_gateway.Gateway` with a policy under bounded concurrency.
@@ -31,8 +33,17 @@ from ares_gateway.policies.http import HttpPolicy
 from ares_gateway.policies.scripted import SessionScriptedPolicy, make_oracle, make_scripted
 from ares_gateway.policies.upstream import Prices, UpstreamConfig, UpstreamError, UpstreamPolicy, UsageTotals
 
+
+def _make_tito(**options: Any) -> Any:
+    # Imported on use: the tito policy needs the optional ``model`` extra (renderers, tokenizers).
+    from ares_gateway.policies.tito import TitoPolicy
+
+    return TitoPolicy(**options)
+
+
 _FACTORIES: dict[str, Callable[..., Any]] = {
     "upstream": UpstreamPolicy,
+    "tito": _make_tito,
     "http": lambda **options: HttpPolicy(**options),
     "scripted": make_scripted,
     "oracle": make_oracle,

@@ -2,7 +2,7 @@
 
 * the upstream server answers (``upstream`` policy): ``GET {base_url}/models``, one try, a few
   seconds; a server without ``/models`` is asked one tiny chat completion instead;
-* the Docker engine answers and has the default agents image (``--sandbox docker``);
+* the Docker engine answers and has the image the tasks run in (``--sandbox docker``);
 * the harness's CLI is installed, or can be installed now, for local sandboxes (once for the run).
 
 Without them a run found out per episode: an unreachable ``--base-url`` cost ~37 s of retries in
@@ -13,6 +13,7 @@ check raises :class:`PreflightError` with one line that says what to do.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,8 +49,8 @@ async def check_upstream(policy: Any, *, timeout: float = CHECK_TIMEOUT) -> str:
 
 
 async def check_docker(tasks: Sequence[Task], *, image: str | None = None, timeout: float = CHECK_TIMEOUT) -> str:
-    """The Docker engine answers a ping, and the default agents image is there when a task needs it (it
-    is built here, not pulled: ``bash .ci/provision-docker.sh``). Another ``image`` may be pulled later."""
+    """The Docker engine answers a ping, and the image tasks without their own run in (``image``, else the
+    agents image) is there: sandboxes do not pull one unless ``ARES_DOCKER_PULL=1``."""
     return await asyncio.to_thread(_check_docker, list(tasks), image, timeout)
 
 
@@ -71,12 +72,14 @@ def _check_docker(tasks: list[Task], image: str | None, timeout: float) -> str:
         try:
             client.images.get(wanted)
         except docker.errors.ImageNotFound:
-            if image is None:
-                raise PreflightError(
-                    f"the Docker image {wanted} is not on this engine: build it with "
-                    "bash .ci/provision-docker.sh && bash .ci/provision-agents.sh, pass --image, or use --sandbox local"
-                ) from None
-            return f"Docker engine answers (image {wanted} is not here yet: it is pulled when the first sandbox starts)"
+            if os.environ.get("ARES_DOCKER_PULL") == "1":
+                return f"Docker engine answers (image {wanted} is not here yet: the first sandbox pulls it)"
+            build = ("bash .ci/provision-docker.sh && bash .ci/provision-agents.sh" if wanted == DEFAULT_IMAGE
+                     else f"docker pull {wanted}")
+            raise PreflightError(
+                f"the Docker image {wanted} is not on this engine (sandboxes do not pull it): get it with {build}, "
+                "let sandboxes pull it (ARES_DOCKER_PULL=1), pass another --image, or use --sandbox local"
+            ) from None
         except Exception as exc:
             raise PreflightError(f"the Docker engine could not look up image {wanted}: {one_line(str(exc))}") from None
         return f"Docker engine answers, image {wanted} is there"

@@ -676,5 +676,5 @@ def _episode_line(e: EpisodeResult) -> str:
     text = (f"{mark} {escape(e.task)} #{e.attempt}: reward {e.reward:.3f}, {e.turns} turns, {e.duration:.1f}s, "
             f"{e.exit_reason}")
     if e.error:
-        text += f" ({escape(e.error[:160])})"
+        text += f" ({escape(e.error[:300])})"
     return text

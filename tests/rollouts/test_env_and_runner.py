@@ -158,6 +158,7 @@ async def test_env_install_failure_and_crash_end_with_zero(sandbox_root: Path, t
         assert "download the agent" in ts1.info["error"] and "registry says no" in ts1.info["error"]
         assert ts2.last() and ts2.reward == 0.0 and ts2.info["exit_reason"] == "agent_error"
         assert "code 7" in ts2.info["error"] and "agent blew up" in ts2.info["error"]
+        assert "\n" not in ts1.info["error"] and "\n" not in ts2.info["error"]  # one line each
         assert "verify_seconds" in ts2.info and ts2.info["verify_seconds"] == 0.0  # no tests after a crash
         assert left_behind(sandbox_root) == []
     finally:

@@ -223,6 +223,16 @@ async def test_cli_missing_docker_engine_is_reported_once_at_start(tmp_path: Pat
     assert took < 30
 
 
+@pytest.mark.docker
+async def test_cli_missing_docker_image_is_reported_once_at_start(tmp_path: Path) -> None:
+    from tests.prereq import docker_ok, require
+
+    require(docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
+    rc, _, err, _ = await _cli("run", "examples-tiny", "--sandbox", "docker", "--image", "ares-gateway/no-such:never",
+                               "--out", str(tmp_path / "out"), env=_env(tmp_path, ARES_DOCKER_PULL=""))
+    _assert_one_clean_error(rc, err, "the Docker image ares-gateway/no-such:never is not on this engine")
+
+
 async def test_cli_harness_install_failure_is_one_line_and_results_json(tmp_path: Path) -> None:
     """A harness whose install fails (as Terminus-2's did without Python 3.12): one line, exit code 2,
     results.json written; before, a raw traceback and no results.json."""

@@ -10,6 +10,7 @@ at once, so a ``respond`` in the same instant gets 410, never a half-delivered a
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -21,7 +22,7 @@ from ares_gateway.canonical import WireProtocol
 from ares_gateway.errors import GatewayError, InvalidSessionError, SessionExistsError
 from ares_gateway.http import render
 from ares_gateway.http.routes import Handler
-from ares_gateway.http.server import BodyError, HttpLimits, read_body
+from ares_gateway.http.server import BodyError, HttpLimits, on_disconnect, read_body
 from ares_gateway.protocols import ProtocolAdapter, RequestError, get_adapter
 from ares_gateway.protocols.anthropic_messages import parse_count_tokens_request
 from ares_gateway.sessions import Session, bearer_token
@@ -119,10 +120,15 @@ class AgentAPI:
             except _Reject as rej:
                 gw.metrics.rejected(rej.status)
                 return render.protocol_error(adapter, rej.status, rej.message, rej.param)
+            # Withdrawn the moment the client goes, in aiohttp's connection_lost, before the
+            # handler's cancellation is even delivered: nothing can answer it after that.
+            on_disconnect(request, partial(gw.broker.withdraw, parked, "agent disconnected"))
             try:
                 answer = await gw.broker.wait(parked)
             except RequestClosed as closed:
                 return render.protocol_error(adapter, closed.status, closed.message)
+            finally:
+                on_disconnect(request, None)
             session.turns += 1
             return await self._render(request, adapter, parked, answer)
 

@@ -152,7 +152,7 @@ async def _read_slow(request: BaseRequest, limits: HttpLimits) -> bytes:
 class _Connection(web_protocol.RequestHandler):
     """aiohttp's connection protocol plus a deadline on receiving a request's head."""
 
-    __slots__ = ("_error", "_head_count", "_head_timeout", "_head_timer")
+    __slots__ = ("_error", "_head_count", "_head_timeout", "_head_timer", "_on_lost")
 
     def __init__(self, manager: Any, *, header_timeout: float, error: ErrorFactory, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -160,6 +160,7 @@ class _Connection(web_protocol.RequestHandler):
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_count = 0
         self._error = error
+        self._on_lost: Callable[[], None] | None = None
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -182,10 +183,22 @@ class _Connection(web_protocol.RequestHandler):
         self._lingering_time = 0.0  # aiohttp's drain-the-unread-body step is skipped at 0
         self.close()
 
+    def on_lost(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` the moment the client disconnects, before the handler is cancelled
+        (``None`` clears it). The agent API withdraws its parked request this way, so nothing can
+        answer a request whose agent is gone, however the cancelled handler is scheduled."""
+        self._on_lost = callback
+
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+        callback, self._on_lost = self._on_lost, None
+        if callback is not None:
+            try:
+                callback()
+            except Exception:  # the connection must still be torn down
+                log.exception("disconnect callback failed")
         super().connection_lost(exc)
 
     def handle_error(
@@ -283,4 +296,11 @@ class HttpServer:
         await listener.wait_closed()
 
 
-__all__ = ["BodyError", "HttpLimits", "HttpServer", "read_body"]
+def on_disconnect(request: BaseRequest, callback: Callable[[], None] | None) -> None:
+    """Run ``callback`` synchronously when ``request``'s client disconnects (``None``: no longer)."""
+    protocol = request.protocol
+    if isinstance(protocol, _Connection):
+        protocol.on_lost(callback)
+
+
+__all__ = ["BodyError", "HttpLimits", "HttpServer", "on_disconnect", "read_body"]

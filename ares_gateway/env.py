@@ -24,7 +24,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 from ares_gateway.broker import ParkedRequest
-from ares_gateway.errors import GatewayError, RequestGoneError, UnknownRequestError
+from ares_gateway.errors import GatewayError, InvalidAnswerError, RequestGoneError, UnknownRequestError
 from ares_gateway.gateway import Gateway
 from ares_gateway.sessions import SessionInfo
 
@@ -188,7 +188,11 @@ class GatewayEnv:
         return TimeStep(StepType.FIRST, None, None, request)
 
     async def step(self, action: Any) -> TimeStep:
-        """Answer the pending request with ``action``; return the next request (MID) or LAST."""
+        """Answer the pending request with ``action``; return the next request (MID) or LAST.
+
+        An action the gateway cannot use raises :class:`~ares_gateway.errors.InvalidAnswerError` and
+        leaves the request pending: step again with another answer (e.g. an ``ErrorAnswer``).
+        """
         if self._done or self._current is None:
             raise RuntimeError("no episode in progress: call reset() first")
         if self.episode is not None:
@@ -200,6 +204,10 @@ class GatewayEnv:
         assert current is not None
         try:
             await self.gateway.respond(current.id, action)
+        except InvalidAnswerError:
+            # The request is still pending: the caller may step again with another answer.
+            self._current = current
+            raise
         except (RequestGoneError, UnknownRequestError):
             if self.episode is None:
                 raise
@@ -339,9 +347,12 @@ class GatewayEnv:
         return TimeStep(StepType.LAST, outcome.reward, 1.0 if outcome.truncated else 0.0, None, info)
 
     async def _guard(self, step: Awaitable[TimeStep]) -> TimeStep:
-        """Task mode: a cancellation (or an unexpected error) removes the sandbox before it propagates."""
+        """Task mode: a cancellation (or an unexpected error) removes the sandbox before it propagates.
+        An invalid answer does not: the episode goes on and the request waits for another one."""
         try:
             return await step
+        except InvalidAnswerError:
+            raise
         except BaseException:
             await self._end_episode()
             raise

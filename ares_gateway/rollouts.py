@@ -47,6 +47,7 @@ from ares_gateway.episode import (
     harness_side_call_detector,
     one_line,
 )
+from ares_gateway.errors import InvalidAnswerError
 from ares_gateway.gateway import Gateway
 from ares_gateway.policies.base import PolicyError, call_policy, is_external
 from ares_gateway.stats import StatTracker, make_tracker
@@ -462,7 +463,15 @@ async def run_rollouts(
                 bind(sid, agent=getattr(h, "scripted_format", None) or getattr(h, "name", harness), task=task)
             while not ts.last():
                 assert ts.observation is not None
-                ts = await env.step(await _answer(policy, ts.observation, failures))
+                request = ts.observation
+                try:
+                    ts = await env.step(await _answer(policy, request, failures))
+                except InvalidAnswerError as exc:
+                    # The policy's answer is unusable; the request still waits: the agent gets an error.
+                    log.warning("policy gave an invalid answer to %s: %s", request.id, one_line(str(exc)))
+                    answer = ErrorAnswer(502, f"the policy gave an invalid answer: {one_line(str(exc))}")
+                    failures.append(_failed_turn(request, answer, 0.0))
+                    ts = await env.step(answer)
             outcome = env.outcome
             assert outcome is not None
             samples = env.trajectory()

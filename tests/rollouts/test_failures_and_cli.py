@@ -342,3 +342,18 @@ async def test_cli_task_by_name_and_progress_lines_on_a_pipe(tmp_path: Path) -> 
     assert max(len(line) for line in stdout.splitlines()) > 80  # not cut at rich's default 80 columns
     header = stdout.splitlines()[0]
     assert header.endswith("concurrency 4"), header
+
+
+async def test_an_invalid_answer_is_a_failed_call_and_the_episode_goes_on(tmp_path: Path, sandbox_root: Path) -> None:
+    async def bogus(request: object) -> dict[str, object]:
+        return {"not": "a chat completion"}
+
+    out = tmp_path / "run"
+    summary = await run_rollouts([GREETING], harness="tiny-agent", policy=FunctionPolicy(bogus), sandbox="local",
+                                 out=out, stats="null")
+    [e] = summary.episodes
+    assert e.exit_reason == "agent_error" and e.error is not None  # the agent got a 502 and crashed
+    assert "(last: 502 the policy gave an invalid answer: " in e.error and "HTTP Error 502" in e.error
+    [turn] = [json.loads(x) for x in (out / "turns" / f"{GREETING.name}.0.jsonl").read_text().splitlines()]
+    assert turn["error"]["message"].startswith("the policy gave an invalid answer")
+    assert (out / "logs" / f"{GREETING.name}.0" / "stderr.log").exists()  # a real episode's outputs, not a crash

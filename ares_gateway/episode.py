@@ -184,7 +184,7 @@ def last_lines(text: str, limit: int = 400) -> str:
 def _describe(exc: BaseException) -> str:
     """What an exception says, never empty: a harness error without detail says so."""
     if isinstance(exc, HarnessError) and not exc.detail.strip():
-        return f"{exc} (no error output; the agent's logs may say more)"
+        return f"{str(exc).rstrip(': ')} (no error output; the agent's logs may say more)"
     text = str(exc).strip()
     return text or type(exc).__name__
 

@@ -357,3 +357,21 @@ async def test_an_invalid_answer_is_a_failed_call_and_the_episode_goes_on(tmp_pa
     [turn] = [json.loads(x) for x in (out / "turns" / f"{GREETING.name}.0.jsonl").read_text().splitlines()]
     assert turn["error"]["message"].startswith("the policy gave an invalid answer")
     assert (out / "logs" / f"{GREETING.name}.0" / "stderr.log").exists()  # a real episode's outputs, not a crash
+
+
+async def test_a_harness_error_without_detail_still_says_something(sandbox_root: Path) -> None:
+    from harnesses.base import HarnessLaunchError
+    from harnesses.tiny_agent import TinyAgentHarness
+
+    class Silent(TinyAgentHarness):
+        async def prepare(self, sb, ctx):  # type: ignore[no-untyped-def]
+            raise HarnessLaunchError(self.name, "launching the agent", "")
+
+    env = GatewayEnv(task=GREETING, harness=Silent(), sandbox="local")
+    try:
+        ts = await env.reset()
+    finally:
+        await env.close()
+    assert ts.last() and ts.info["exit_reason"] == "agent_error"
+    assert ts.info["error"] == ("harness 'tiny-agent': launching the agent failed "
+                                "(no error output; the agent's logs may say more)")

@@ -94,6 +94,7 @@ def test_one_line_keeps_what_failed_and_the_cause() -> None:
     assert one_line(None) is None and one_line(" \n ") == ""
 
 
+@pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])
 async def test_erroring_upstream_episode_names_the_policy_error_and_turns_keep_it(
         tmp_path: Path, sandbox_root: Path) -> None:
     """The agent got 502s from a failing upstream and crashed: the error says both, in one line, and the
@@ -271,6 +272,7 @@ async def test_cli_harness_install_failure_is_one_line_and_results_json(tmp_path
 # ---------------------------------------------------------------------------------------------- GatewayEnv launch=
 
 
+@pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])
 async def test_env_launch_that_does_not_return_fails_reset_clearly() -> None:
     async with Gateway(port=0) as gw:
         async def waits_for_the_agent(session: object) -> None:

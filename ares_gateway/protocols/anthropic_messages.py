@@ -36,7 +36,6 @@ import orjson
 from ares_gateway.canonical import (
     CanonicalRequest,
     Completion,
-    CompletionDelta,
     ContentPart,
     Message,
     Tool,
@@ -62,7 +61,6 @@ from ares_gateway.protocols._common import (
     opt_num,
     opt_str,
     part,
-    remainder,
     require_object,
     rest,
     split_data_url,
@@ -70,6 +68,7 @@ from ares_gateway.protocols._common import (
     tool_call,
     usage,
 )
+from ares_gateway.protocols._stream import StreamEncoderBase
 from ares_gateway.protocols.base import ProtocolAdapter
 
 PROTOCOL = WireProtocol.ANTHROPIC_MESSAGES
@@ -637,21 +636,22 @@ class _Block:
         self.fed = ""
 
 
-class AnthropicStreamEncoder:
+class AnthropicStreamEncoder(StreamEncoderBase[_Block]):
     """``event: <type>\\ndata: <json>\\n\\n`` from message_start to message_stop."""
 
+    tool_id_prefix = "toolu_"
+
     def __init__(self, request: CanonicalRequest, response_id: str) -> None:
+        super().__init__()
         self.id = response_id_of(response_id)
         self.model = request.model or "unknown"
         self.blocks: list[_Block] = []
         self.open: _Block | None = None
-        self.tools: dict[int, _Block] = {}
         self.reasoning = ""
         self.text = ""
         self.signed = False
-        self.done = False
 
-    def start(self) -> bytes:
+    def _start(self) -> bytes:
         msg: dict[str, Any] = {
             "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None,
@@ -688,14 +688,15 @@ class AnthropicStreamEncoder:
     def _delta(self, b: _Block, delta: dict[str, Any]) -> bytes:
         return sse_event("content_block_delta", {"type": "content_block_delta", "index": b.index, "delta": delta})
 
-    def _thinking(self, text: str) -> bytes:
+    # -- the skeleton's hooks
+    def _reasoning(self, text: str) -> bytes:
         out = b""
         if self.open is None or self.open.kind != "thinking":
             out = self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
         self.reasoning += text
         return out + self._delta(self.open, {"type": "thinking_delta", "thinking": text})  # type: ignore[arg-type]
 
-    def _signature(self, sig: str) -> bytes:
+    def _signature(self, signature: str) -> bytes:
         # As Anthropic streams it: the signature is the thinking block's last delta, then the block stops.
         out = b""
         if self.open is None or self.open.kind != "thinking":
@@ -703,7 +704,15 @@ class AnthropicStreamEncoder:
         b = self.open
         assert b is not None
         self.signed = True
-        return out + self._delta(b, {"type": "signature_delta", "signature": sig}) + self._close()
+        return out + self._delta(b, {"type": "signature_delta", "signature": signature}) + self._close()
+
+    def _finish_signature(self, completion: Completion) -> bytes:
+        sig = completion.extra.get("signature")
+        # Only a thinking block still open can take the signature: once text or a tool call has
+        # started, the thinking block is stopped and there is no way back into it.
+        if sig and not self.signed and self.open is not None and self.open.kind == "thinking":
+            return self._delta(self.open, {"type": "signature_delta", "signature": sig})
+        return b""
 
     def _text(self, text: str) -> bytes:
         out = b""
@@ -712,80 +721,44 @@ class AnthropicStreamEncoder:
         self.text += text
         return out + self._delta(self.open, {"type": "text_delta", "text": text})  # type: ignore[arg-type]
 
-    def _tool_start(self, i: int, tid: str, name: str, custom: bool) -> bytes:
-        return self._open("tool", {"type": "tool_use", "id": tid, "name": name, "input": {}}, i, custom)
+    def _tool_open(self, index: int, call_id: str, name: str, tool_type: str) -> bytes:
+        return self._open("tool", {"type": "tool_use", "id": call_id, "name": name, "input": {}}, index,
+                          tool_type == "custom")
 
-    def _tool_args(self, i: int, args: str) -> bytes:
-        b = self.tools[i]
+    def _tool_resume(self, index: int) -> bytes:
+        return self._close() if self.open is not self.tools[index] else b""
+
+    def _tool_args(self, index: int, args: str) -> bytes:
+        b = self.tools[index]
         b.fed += args
         frag = orjson.dumps(args).decode()[1:-1] if b.custom else args
         return self._delta(b, {"type": "input_json_delta", "partial_json": frag})
 
-    def feed(self, delta: CompletionDelta) -> bytes:
-        if self.done:
-            return b""
-        out = b""
-        if delta.reasoning:
-            out += self._thinking(delta.reasoning)
-        if delta.signature:
-            out += self._signature(delta.signature)
-        if delta.text:
-            out += self._text(delta.text)
-        if delta.tool_index is not None:
-            i = delta.tool_index
-            if i not in self.tools:
-                out += self._tool_start(i, delta.tool_call_id or new_id("toolu_"), delta.tool_name or "",
-                                        delta.tool_type == "custom")
-            elif self.open is not self.tools[i]:
-                out += self._close()
-            if delta.arguments:
-                out += self._tool_args(i, delta.arguments)
-        return out
+    def _fresh_tool_args(self, index: int, call: ToolCall) -> bytes:
+        args = call.arguments
+        if call.type != "custom":
+            args = orjson.dumps(_render_args(call)).decode() if args else ""
+        return self._tool_args(index, args) if args and args != "{}" else b""
 
-    def finish(self, completion: Completion) -> bytes:
-        if self.done:
-            return b""
+    def _fed_reasoning(self) -> str:
+        return self.reasoning
+
+    def _fed_text(self) -> str:
+        return self.text
+
+    def _fed_args(self, index: int) -> str:
+        return self.tools[index].fed
+
+    def _end(self, completion: Completion) -> bytes:
         c = completion
-        out: list[bytes] = []
-        r = remainder(self.reasoning, c.reasoning)
-        if r:
-            out.append(self._thinking(r))
-        sig = c.extra.get("signature")
-        # Only a thinking block still open can take the signature: once text or a tool call has
-        # started, the thinking block is stopped and there is no way back into it.
-        if sig and not self.signed and self.open is not None and self.open.kind == "thinking":
-            out.append(self._delta(self.open, {"type": "signature_delta", "signature": sig}))
-        t = remainder(self.text, c.text)
-        if t:
-            out.append(self._text(t))
-        for i, tc in enumerate(c.tool_calls):
-            if i not in self.tools:
-                out.append(self._tool_start(i, tc.id or new_id("toolu_"), tc.name, tc.type == "custom"))
-                args = tc.arguments
-                if tc.type != "custom":
-                    args = orjson.dumps(_render_args(tc)).decode() if args else ""
-                if args and args != "{}":
-                    out.append(self._tool_args(i, args))
-            else:
-                a = remainder(self.tools[i].fed, tc.arguments)
-                if a:
-                    out.append(self._tool_args(i, a))
-        out.append(self._close())
         stop = "tool_use" if (self.tools and c.finish_reason == "stop") else stop_reason_of(c)
-        u = render_usage(c.usage)
-        out.append(sse_event("message_delta", {
+        return self._close() + sse_event("message_delta", {
             "type": "message_delta",
             "delta": {"stop_reason": stop, "stop_sequence": c.extra.get("stop_sequence")},
-            "usage": u,
-        }))
-        out.append(sse_event("message_stop", {"type": "message_stop"}))
-        self.done = True
-        return b"".join(out)
+            "usage": render_usage(c.usage),
+        }) + sse_event("message_stop", {"type": "message_stop"})
 
-    def error(self, status: int, message: str) -> bytes:
-        if self.done:
-            return b""
-        self.done = True
+    def _error(self, status: int, message: str) -> bytes:
         return sse_event("error", error_body(status, message))
 
 

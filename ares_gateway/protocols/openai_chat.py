@@ -22,7 +22,6 @@ from typing import Any
 from ares_gateway.canonical import (
     CanonicalRequest,
     Completion,
-    CompletionDelta,
     ContentPart,
     Message,
     TokenRecord,
@@ -53,13 +52,13 @@ from ares_gateway.protocols._common import (
     opt_num,
     opt_str,
     part,
-    remainder,
     require_object,
     rest,
     sse_data,
     tool_call,
     usage,
 )
+from ares_gateway.protocols._stream import StreamEncoderBase
 from ares_gateway.protocols.base import ProtocolAdapter
 
 PROTOCOL = WireProtocol.OPENAI_CHAT
@@ -664,18 +663,18 @@ def render_response(completion: Completion, request: CanonicalRequest, response_
 # =========================================================================== streaming
 
 
-class ChatStreamEncoder:
+class ChatStreamEncoder(StreamEncoderBase[list[str]]):
     """``data: {chunk}`` lines then ``data: [DONE]``, as the chat completions API streams."""
 
     def __init__(self, request: CanonicalRequest, response_id: str) -> None:
+        super().__init__()
         self.id = response_id_of(response_id)
         self.model = request.model or "unknown"
         self.created = now()
         self.include_usage = request.include_usage
         self.text = ""
         self.reasoning = ""
-        self.tools: dict[int, list[str]] = {}  # index -> [id, name, args so far]
-        self.closed = False
+        # self.tools: index -> [id, name, arguments so far, type]
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
         d: dict[str, Any] = {
@@ -690,73 +689,53 @@ class ChatStreamEncoder:
             d["usage"] = None
         return sse_data(d)
 
-    def start(self) -> bytes:
+    def _start(self) -> bytes:
         return self._chunk({"role": "assistant", "content": "", "refusal": None})
 
-    def _tool_header(self, index: int, tid: str, name: str, typ: str) -> bytes:
-        self.tools[index] = [tid, name, ""]
-        if typ == "custom":
-            entry: dict[str, Any] = {"index": index, "id": tid, "type": "custom", "custom": {"name": name, "input": ""}}
+    def _reasoning(self, text: str) -> bytes:
+        self.reasoning += text
+        return self._chunk({"reasoning_content": text})
+
+    def _text(self, text: str) -> bytes:
+        self.text += text
+        return self._chunk({"content": text})
+
+    def _tool_open(self, index: int, call_id: str, name: str, tool_type: str) -> bytes:
+        self.tools[index] = [call_id, name, "", tool_type]
+        if tool_type == "custom":
+            entry: dict[str, Any] = {"index": index, "id": call_id, "type": "custom",
+                                     "custom": {"name": name, "input": ""}}
         else:
-            entry = {"index": index, "id": tid, "type": "function", "function": {"name": name, "arguments": ""}}
+            entry = {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
         return self._chunk({"tool_calls": [entry]})
 
-    def _tool_args(self, index: int, args: str, typ: str) -> bytes:
-        self.tools[index][2] += args
-        key, inner = ("custom", "input") if typ == "custom" else ("function", "arguments")
+    def _tool_args(self, index: int, args: str) -> bytes:
+        tool = self.tools[index]
+        tool[2] += args
+        key, inner = ("custom", "input") if tool[3] == "custom" else ("function", "arguments")
         return self._chunk({"tool_calls": [{"index": index, key: {inner: args}}]})
 
-    def feed(self, delta: CompletionDelta) -> bytes:
-        if self.closed:
-            return b""
-        out = b""
-        if delta.text:
-            self.text += delta.text
-            out += self._chunk({"content": delta.text})
-        if delta.reasoning:
-            self.reasoning += delta.reasoning
-            out += self._chunk({"reasoning_content": delta.reasoning})
-        if delta.tool_index is not None:
-            i = delta.tool_index
-            if i not in self.tools:
-                out += self._tool_header(i, delta.tool_call_id or new_id("call_"), delta.tool_name or "",
-                                         delta.tool_type)
-            if delta.arguments:
-                out += self._tool_args(i, delta.arguments, delta.tool_type)
-        return out
+    def _fed_reasoning(self) -> str:
+        return self.reasoning
 
-    def finish(self, completion: Completion) -> bytes:
-        if self.closed:
-            return b""
+    def _fed_text(self) -> str:
+        return self.text
+
+    def _fed_args(self, index: int) -> str:
+        return self.tools[index][2]
+
+    def _end(self, completion: Completion) -> bytes:
         c = completion
-        parts: list[bytes] = []
-        r = remainder(self.reasoning, c.reasoning)
-        if r:
-            parts.append(self._chunk({"reasoning_content": r}))
-        t = remainder(self.text, c.text)
-        if t:
-            parts.append(self._chunk({"content": t}))
-        for i, tc in enumerate(c.tool_calls):
-            if i not in self.tools:
-                parts.append(self._tool_header(i, tc.id or new_id("call_"), tc.name, tc.type))
-            a = remainder(self.tools[i][2], tc.arguments)
-            if a:
-                parts.append(self._tool_args(i, a, tc.type))
         finish = "tool_calls" if (self.tools and c.finish_reason == "stop") else c.finish_reason
-        parts.append(self._chunk({}, finish))
+        out = self._chunk({}, finish)
         if self.include_usage:
-            parts.append(sse_data({
+            out += sse_data({
                 "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": [], "usage": render_usage(c.usage),
-            }))
-        parts.append(SSE_DONE)
-        self.closed = True
-        return b"".join(parts)
+            })
+        return out + SSE_DONE
 
-    def error(self, status: int, message: str) -> bytes:
-        if self.closed:
-            return b""
-        self.closed = True
+    def _error(self, status: int, message: str) -> bytes:
         return sse_data(openai_error_body(status, message))
 
 

@@ -35,7 +35,6 @@ from typing import Any
 from ares_gateway.canonical import (
     CanonicalRequest,
     Completion,
-    CompletionDelta,
     ContentPart,
     Message,
     Tool,
@@ -63,13 +62,13 @@ from ares_gateway.protocols._common import (
     opt_num,
     opt_str,
     part,
-    remainder,
     require_object,
     rest,
     sse_event,
     tool_call,
     usage,
 )
+from ares_gateway.protocols._stream import StreamEncoderBase
 from ares_gateway.protocols.base import ProtocolAdapter
 
 PROTOCOL = WireProtocol.OPENAI_RESPONSES
@@ -671,10 +670,11 @@ class _Item:
         self.name = ""
 
 
-class ResponsesStreamEncoder:
+class ResponsesStreamEncoder(StreamEncoderBase[_Item]):
     """``event:`` + ``data:`` lines from response.created to response.completed, with sequence numbers."""
 
     def __init__(self, request: CanonicalRequest, response_id: str) -> None:
+        super().__init__()
         self.request = request
         self.id = response_id_of(response_id)
         self.created = now()
@@ -682,9 +682,7 @@ class ResponsesStreamEncoder:
         self.seq = 0
         self.items: list[_Item] = []
         self.open: _Item | None = None
-        self.tools: dict[int, _Item] = {}
         self.started = False
-        self.closed = False
         self.completion: Completion | None = None
 
     def _ev(self, typ: str, data: dict[str, Any]) -> bytes:
@@ -696,10 +694,17 @@ class ResponsesStreamEncoder:
     def _envelope(self) -> dict[str, Any]:
         return _envelope(self.request, self.id, self.created, self.model)
 
-    def start(self) -> bytes:
+    def _start(self) -> bytes:
         self.started = True
         return self._ev("response.created", {"response": self._envelope()}) + \
             self._ev("response.in_progress", {"response": self._envelope()})
+
+    def _before_feed(self) -> bytes:
+        return b"" if self.started else self.start()
+
+    def _before_finish(self, completion: Completion) -> bytes:
+        self.completion = completion
+        return b"" if self.started else self.start()
 
     # -- items
     def _item_json(self, it: _Item, final: bool) -> dict[str, Any]:
@@ -766,76 +771,44 @@ class ResponsesStreamEncoder:
         return out + self._ev("response.output_text.delta", {
             "item_id": it.id, "output_index": it.index, "content_index": 0, "delta": text, "logprobs": []})
 
-    def _tool_open(self, i: int, call_id: str, name: str, typ: str) -> bytes:
-        it = _Item("call", len(self.items), new_id("fc_" if typ == "function" else "ctc_", 16))
-        it.tool_index, it.tool_type, it.call_id, it.name = i, typ, call_id, name
-        self.tools[i] = it
+    def _tool_open(self, index: int, call_id: str, name: str, tool_type: str) -> bytes:
+        it = _Item("call", len(self.items), new_id("fc_" if tool_type == "function" else "ctc_", 16))
+        it.tool_index, it.tool_type, it.call_id, it.name = index, tool_type, call_id, name
+        self.tools[index] = it
         return self._open(it)
 
-    def _tool_args(self, it: _Item, args: str) -> bytes:
+    def _tool_resume(self, index: int) -> bytes:
+        return self._close() if self.open is not self.tools[index] else b""
+
+    def _tool_args(self, index: int, args: str) -> bytes:
+        it = self.tools[index]
         it.text += args
         typ = "response.custom_tool_call_input.delta" if it.tool_type == "custom" else \
             "response.function_call_arguments.delta"
         return self._ev(typ, {"item_id": it.id, "output_index": it.index, "delta": args})
 
-    def feed(self, delta: CompletionDelta) -> bytes:
-        if self.closed:
-            return b""
-        out = b"" if self.started else self.start()
-        if delta.reasoning:
-            out += self._reasoning(delta.reasoning)
-        if delta.text:
-            out += self._text(delta.text)
-        if delta.tool_index is not None:
-            i = delta.tool_index
-            if i not in self.tools:
-                out += self._tool_open(i, delta.tool_call_id or new_id("call_"), delta.tool_name or "",
-                                       delta.tool_type)
-            elif self.open is not self.tools[i]:
-                out += self._close()
-            if delta.arguments:
-                out += self._tool_args(self.tools[i], delta.arguments)
-        return out
+    def _fed_reasoning(self) -> str:
+        return "".join(it.text for it in self.items if it.kind == "reasoning")
 
-    def finish(self, completion: Completion) -> bytes:
-        if self.closed:
-            return b""
+    def _fed_text(self) -> str:
+        return "".join(it.text for it in self.items if it.kind == "message")
+
+    def _fed_args(self, index: int) -> str:
+        return self.tools[index].text
+
+    def _end(self, completion: Completion) -> bytes:
         c = completion
-        self.completion = c
-        out: list[bytes] = [] if self.started else [self.start()]
-        fed_reasoning = "".join(it.text for it in self.items if it.kind == "reasoning")
-        r = remainder(fed_reasoning, c.reasoning)
-        if r:
-            out.append(self._reasoning(r))
-        fed_text = "".join(it.text for it in self.items if it.kind == "message")
-        t = remainder(fed_text, c.text)
-        if t:
-            out.append(self._text(t))
-        for i, tc in enumerate(c.tool_calls):
-            if i not in self.tools:
-                out.append(self._tool_open(i, tc.id or new_id("call_"), tc.name, tc.type))
-                if tc.arguments:
-                    out.append(self._tool_args(self.tools[i], tc.arguments))
-            else:
-                a = remainder(self.tools[i].text, tc.arguments)
-                if a:
-                    out.append(self._tool_args(self.tools[i], a))
-        out.append(self._close())
+        out = self._close()
         resp = self._envelope()
         status, details = _status(c)
         resp["status"] = status
         resp["incomplete_details"] = details
         resp["output"] = [self._item_json(it, True) for it in self.items]
         resp["usage"] = render_usage(c.usage)
-        out.append(self._ev("response.completed" if status == "completed" else "response.incomplete",
-                            {"response": resp}))
-        self.closed = True
-        return b"".join(out)
+        return out + self._ev("response.completed" if status == "completed" else "response.incomplete",
+                              {"response": resp})
 
-    def error(self, status: int, message: str) -> bytes:
-        if self.closed:
-            return b""
-        self.closed = True
+    def _error(self, status: int, message: str) -> bytes:
         code = openai_error_code(status) or "invalid_request"
         out = self._ev("error", {"code": code, "message": message, "param": None})
         if self.started:

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class GatewayConfig:
-    """Settings of one gateway; every field is also a ``serve`` flag."""
+    """Settings of one gateway (``Gateway(**fields)`` overrides any of them); the ``serve`` flags
+    are listed in docs/gateway.md. Every limit has a safe default."""
 
     host: str = "127.0.0.1"
     port: int = 8080

@@ -142,6 +142,7 @@ class LlamaCppEngine:
         self._cached: list[int] = []  # token ids whose KV entries the context holds, in order
         self.n_ctx = 0
         self.load_s = 0.0
+        self.aborted_streams = 0  # streams whose consumer left before the end (sampling stopped early)
         self._closed = False
 
     # ------------------------------------------------------------- lifecycle
@@ -209,7 +210,9 @@ class LlamaCppEngine:
             except BaseException as exc:  # handed to the consumer, raised there
                 emit(exc)
 
-        fut = self._run(work)
+        if self._closed:
+            raise EngineError("the llama.cpp engine is closed")
+        fut = loop.run_in_executor(self._pool, work)  # starts now, not when awaited
         try:
             while True:
                 item = await queue.get()
@@ -280,7 +283,10 @@ class LlamaCppEngine:
             if tok in stop_ids:
                 finish = "stop"
                 break
-            if len(out) >= max_new or (stop is not None and stop.is_set()):
+            if len(out) >= max_new:
+                break
+            if stop is not None and stop.is_set():
+                self.aborted_streams += 1
                 break
             pos = len(self._cached)
             if self.consistent_batching:

@@ -128,7 +128,7 @@ async def test_multi_turn_session_through_the_gateway(smol_renderer) -> None:  #
             if k % 2:  # every other turn streams
                 text = ""
                 stream = await client.chat.completions.create(model="smol", messages=messages, stream=True)  # type: ignore[arg-type]
-                async for chunk in stream:
+                async for chunk in stream:  # type: ignore[union-attr]
                     if chunk.choices and chunk.choices[0].delta.content:
                         text += chunk.choices[0].delta.content
             else:

@@ -33,11 +33,15 @@ fi
 py="$root/python/3.12"
 if ! "$py/bin/python3" -c 'import sys, ssl, venv; assert sys.version_info >= (3, 12)' 2>/dev/null; then
     src=""
-    for cand in /root/.pyenv/versions/3.12.*; do
-        [ -x "$cand/bin/python3" ] && src="$cand"
+    # A self-contained 3.12 prefix to copy: pyenv's or uv's (python-build-standalone); the last wins.
+    for cand in /root/.local/share/uv/python/cpython-3.12.* "${PYENV_ROOT:-/root/.pyenv}"/versions/3.12.* \
+                /root/.pyenv/versions/3.12.*; do
+        [ -x "$cand/bin/python3" ] && [ -x "$cand/bin/python3.12" ] && src="$cand"
     done
     if [ -z "$src" ]; then
-        echo "no Python 3.12 under /root/.pyenv/versions; Terminus-2 tests will fail in CI" >&2
+        echo "no Python 3.12 under pyenv's or uv's versions (~/.pyenv/versions/3.12.*, ~/.local/share/uv/python/cpython-3.12.*):" \
+             "Terminus-2 needs one (its install also looks on PATH, in /usr/local/bin and /usr/bin);" \
+             "run 'uv python install 3.12' or 'pyenv install 3.12' and rerun this script" >&2
     else
         echo "copying $src to $py"
         rm -rf "$py.tmp" && mkdir -p "$root/python" && cp -a "$src" "$py.tmp"

@@ -48,8 +48,8 @@ CODEX_EXEC_YIELD_MS = 30_000
 #: the poll returns as soon as the command exits.
 CODEX_POLL_YIELD_MS = 3_600_000
 #: Seconds each Terminus-2 wait asks for, in turn, while a command runs (the last repeats; Terminus-2
-#: caps a duration at 60 s).
-TERMINUS_WAITS = (5.0, 10.0, 20.0, 40.0, 60.0)
+#: caps a duration at 60 s). Short enough that the next step follows soon after the command ends.
+TERMINUS_WAITS = (5.0, 10.0, 15.0, 30.0)
 _CODEX_RUNNING = re.compile(r"Process running with session ID (\d+)")
 SideCallDetector = Callable[[Mapping[str, Any], Mapping[str, str]], bool]
 

@@ -77,7 +77,7 @@ def test_terminus_waits_until_the_command_has_ended() -> None:
     running = _terminus_screen("$ sleep 70\nprintf 'ares-step-%s-done\\n' 0001\n")
     waits = [json.loads(policy(running)["text"]) for _ in range(6)]
     assert all(w["commands"][0]["keystrokes"] == "" and w["task_complete"] is False for w in waits)
-    assert [w["commands"][0]["duration"] for w in waits] == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0]
+    assert [w["commands"][0]["duration"] for w in waits] == [5.0, 10.0, 15.0, 30.0, 30.0, 30.0]
     assert policy.wait_turns == 6
     nxt = json.loads(policy(_terminus_screen("ares-step-0001-done\n$ "))["text"])
     assert nxt["commands"][0]["keystrokes"].startswith("echo hi\n")

@@ -10,18 +10,23 @@ runs through each real CLI is tests/rollouts/test_real_length.py.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shlex
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import sandbox
 from harnesses import HarnessContext, HarnessInstallError, Prepared, registry
 from harnesses.base import DEFAULT_TIME_BUDGET
+from harnesses.scripted import Finish, RunCommand, Step
 from harnesses.terminus2 import NO_PYTHON_HELP, PYTHON_CANDIDATES, PYTHON_ENV, Terminus2Harness
+
+from .conftest import require_backend
 
 CTX = HarnessContext(workdir="/workspace", session_id="s1", base_url="http://127.0.0.1:9/s/s1", token="t" * 16)
 
@@ -172,3 +177,43 @@ async def test_pyenv_python_is_found_inside_a_local_sandbox(tmp_path: Path) -> N
         r = await sb.exec(["sh", "-c", harness.find_python_command()], timeout=60)
     assert r.ok, r.stderr
     assert "/opt/ares-agents" not in r.stdout and "python3" in r.stdout
+
+
+# ---------------------------------------------------------------- the real CLIs honour the limit
+
+
+def _tool_outputs(seen: list[Any]) -> str:
+    """Everything the agent sent after its first request (where tool results arrive)."""
+    return "\n".join(json.dumps(r.request.raw) for r in seen[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mini-swe-agent", "claude-code"])
+async def test_a_command_over_the_limit_is_cut_by_the_agent(name: str) -> None:
+    """command_timeout=5: the agent itself stops a 30-s command (so the setting reaches the CLI)."""
+    from .test_harnesses import drive
+
+    require_backend("local", name)
+    script: list[Step] = [RunCommand("sleep 30; echo ares-not-cut-short"), Finish()]
+    result, seen, _turns, _policy = await drive(name, "local", script=script, time_budget=120,
+                                                harness_options={"command_timeout": 5})
+    assert result.exit_code == 0, (result.stderr_tail, result.stdout_tail)
+    # Without the setting mini-swe-agent waits 30 s and Claude Code 2 min for the command.
+    assert result.duration < 30, f"the command was not cut short ({result.duration:.0f} s)"
+    assert len(seen) >= 2  # the agent went on after the cut
+
+
+@pytest.mark.slow
+async def test_codex_poll_ceiling_is_the_command_limit() -> None:
+    """command_timeout=6: each empty write_stdin poll returns after at most ~6 s, not Codex's 5 min."""
+    from .test_harnesses import drive
+
+    require_backend("local", "codex")
+    script: list[Step] = [RunCommand("sleep 45; echo ares-slept-45"), Finish()]
+    result, seen, _turns, policy = await drive("codex", "local", script=script, time_budget=120,
+                                               harness_options={"command_timeout": 6})
+    assert result.exit_code == 0, (result.stderr_tail, result.stdout_tail)
+    # exec_command yields at 30 s, then polls of <= 6 s until the exit at 45 s: two or more polls
+    # (with the default ceiling, one poll would wait for the exit).
+    assert policy.wait_turns >= 2, policy.wait_turns
+    assert "ares-slept-45" in _tool_outputs(seen).replace("; echo ares-slept-45", "")

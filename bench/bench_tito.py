@@ -29,8 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ares_gateway.core.canonical import CanonicalRequest, Message, WireProtocol  # noqa: E402
-from ares_gateway.tokens import ChatRenderer, TokenStreams  # noqa: E402
+from ares_gateway.core.canonical import CanonicalRequest, Message, WireProtocol
+from ares_gateway.tokens import ChatRenderer, TokenStreams
 
 ROWS: list[tuple[str, str, str]] = []
 RESULTS: dict[str, Any] = {}

@@ -5,8 +5,9 @@ The public API: :class:`Gateway` (HTTP server + in-process policy API),
 request / completion models, and the error classes.
 """
 
-from ares_gateway.broker import ErrorAnswer, ParkedRequest
-from ares_gateway.canonical import (
+from ares_gateway.core.answers import ErrorAnswer
+from ares_gateway.core.broker import ParkedRequest
+from ares_gateway.core.canonical import (
     CanonicalRequest,
     Completion,
     CompletionDelta,
@@ -19,8 +20,7 @@ from ares_gateway.canonical import (
     Usage,
     WireProtocol,
 )
-from ares_gateway.env import GatewayEnv, StepType, TimeStep
-from ares_gateway.errors import (
+from ares_gateway.core.errors import (
     AlreadyAnsweredError,
     GatewayClosedError,
     GatewayError,
@@ -32,10 +32,11 @@ from ares_gateway.errors import (
     UnknownRequestError,
     UnknownSessionError,
 )
+from ares_gateway.core.recorder import RecordedTurn
+from ares_gateway.core.sessions import SessionInfo
+from ares_gateway.env import GatewayEnv, StepType, TimeStep
 from ares_gateway.gateway import Gateway, GatewayConfig
 from ares_gateway.http import HttpLimits
-from ares_gateway.recorder import RecordedTurn
-from ares_gateway.sessions import SessionInfo
 
 __all__ = [
     "AlreadyAnsweredError",

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
-from ares_gateway.broker import ParkedRequest
-from ares_gateway.errors import GatewayError, InvalidAnswerError, RequestGoneError, UnknownRequestError
+from ares_gateway.core.broker import ParkedRequest
+from ares_gateway.core.errors import GatewayError, InvalidAnswerError, RequestGoneError, UnknownRequestError
+from ares_gateway.core.sessions import SessionInfo
 from ares_gateway.gateway import Gateway
-from ares_gateway.sessions import SessionInfo
 
 if TYPE_CHECKING:
     from ares_gateway.episode import EpisodeOutcome, TaskEpisode
@@ -190,7 +190,7 @@ class GatewayEnv:
     async def step(self, action: Any) -> TimeStep:
         """Answer the pending request with ``action``; return the next request (MID) or LAST.
 
-        An action the gateway cannot use raises :class:`~ares_gateway.errors.InvalidAnswerError` and
+        An action the gateway cannot use raises :class:`~ares_gateway.core.errors.InvalidAnswerError` and
         leaves the request pending: step again with another answer (e.g. an ``ErrorAnswer``).
         """
         if self._done or self._current is None:

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sandbox as sandbox_mod
-from ares_gateway.canonical import CanonicalRequest
-from ares_gateway.sessions import SessionInfo
-from ares_gateway.side_calls import SideCallDetector, default_side_call_detector
+from ares_gateway.core.canonical import CanonicalRequest
+from ares_gateway.core.sessions import SessionInfo
+from ares_gateway.core.side_calls import SideCallDetector, default_side_call_detector
 from ares_gateway.tasks import Task, VerifierResult, prepare_workdir, run_tests
 from harnesses import BaseHarness, HarnessContext, HarnessError, HarnessInstallError, HarnessResult, registry
 from harnesses.base import Prepared

@@ -20,16 +20,21 @@ from collections.abc import AsyncIterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ares_gateway.broker import Broker, ErrorAnswer, ParkedRequest
-from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, TokenRecord, WireProtocol
-from ares_gateway.errors import InvalidAnswerError, InvalidSessionError, UnknownSessionError
+from ares_gateway.core.answers import ErrorAnswer
+from ares_gateway.core.broker import Broker, ParkedRequest
+from ares_gateway.core.canonical import (
+    CanonicalRequest,
+    Completion,
+    CompletionDelta,
+    TokenRecord,
+)
+from ares_gateway.core.errors import InvalidSessionError, UnknownSessionError
+from ares_gateway.core.metrics import GatewayMetrics
+from ares_gateway.core.recorder import RecordedTurn, Recorder, SessionRecorder
+from ares_gateway.core.sessions import Session, SessionInfo, SessionRegistry, bearer_token
+from ares_gateway.core.side_calls import SideCallDetector, default_side_call_detector
 from ares_gateway.http.app import build_server
 from ares_gateway.http.server import HttpLimits, HttpServer
-from ares_gateway.metrics import GatewayMetrics
-from ares_gateway.protocols import RequestError, get_adapter
-from ares_gateway.recorder import RecordedTurn, Recorder, SessionRecorder
-from ares_gateway.sessions import Session, SessionInfo, SessionRegistry, bearer_token
-from ares_gateway.side_calls import SideCallDetector, default_side_call_detector
 from trajectory import Sample
 
 log = logging.getLogger(__name__)
@@ -107,7 +112,6 @@ class Gateway:
             lease_seconds=cfg.lease_seconds,
             # Straight to the session recorder unless another one listens too (one call fewer a turn).
             on_turn=self.recorder if recorder is None else self._on_turn,
-            coerce_native=self._coerce_native,
             metrics=self.metrics,
             max_parked_per_session=cfg.max_parked_per_session,
         )
@@ -177,8 +181,8 @@ class Gateway:
     ) -> SessionInfo:
         """Create a session; give the agent ``base_url`` and ``token``.
 
-        Raises :class:`~ares_gateway.errors.SessionExistsError` (409) for an id or token in use and
-        :class:`~ares_gateway.errors.InvalidSessionError` (400) for an unusable one.
+        Raises :class:`~ares_gateway.core.errors.SessionExistsError` (409) for an id or token in use and
+        :class:`~ares_gateway.core.errors.InvalidSessionError` (400) for an unusable one.
         """
         if session_id is not None and not isinstance(session_id, str):
             raise InvalidSessionError("session_id must be a string")
@@ -255,11 +259,11 @@ class Gateway:
         protocol (dict), an :class:`ErrorAnswer`, a plain string (a text reply),
         or an async iterable of :class:`CompletionDelta` ending with a
         :class:`Completion` (streamed to the agent as it arrives).
-        Raises :class:`~ares_gateway.errors.UnknownRequestError` (404),
-        :class:`~ares_gateway.errors.AlreadyAnsweredError` (409),
-        :class:`~ares_gateway.errors.RequestGoneError` (410: the agent disconnected, even in
+        Raises :class:`~ares_gateway.core.errors.UnknownRequestError` (404),
+        :class:`~ares_gateway.core.errors.AlreadyAnsweredError` (409),
+        :class:`~ares_gateway.core.errors.RequestGoneError` (410: the agent disconnected, even in
         this very loop iteration, or the request timed out) or
-        :class:`~ares_gateway.errors.InvalidAnswerError` (400).
+        :class:`~ares_gateway.core.errors.InvalidAnswerError` (400).
         """
         if isinstance(answer, str):
             answer = Completion(text=answer)
@@ -297,19 +301,3 @@ class Gateway:
         self.recorder(turn)
         if self._extra_recorder is not None:
             self._extra_recorder(turn)
-
-    @staticmethod
-    def _coerce_native(parked: ParkedRequest, body: dict[str, Any]) -> tuple[Completion, bool]:
-        """Read a native answer; the flag says whether the body can be sent to the agent verbatim."""
-        try:
-            return get_adapter(parked.protocol).parse_response(body, parked.request), True
-        except RequestError as first:
-            # ares-proxy pollers answer every request with a chat-completions body.
-            if "choices" in body and parked.protocol is not WireProtocol.OPENAI_CHAT:
-                try:
-                    return get_adapter(WireProtocol.OPENAI_CHAT).parse_response(body, parked.request), False
-                except RequestError:
-                    pass
-            raise InvalidAnswerError(
-                f"response is not a valid {parked.protocol.value} response body: {first.message}"
-            ) from None

@@ -38,7 +38,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ares_gateway.broker import ErrorAnswer, ParkedRequest
+from ares_gateway.core.answers import ErrorAnswer
+from ares_gateway.core.broker import ParkedRequest
+from ares_gateway.core.errors import InvalidAnswerError
 from ares_gateway.env import GatewayEnv
 from ares_gateway.episode import (
     EpisodeOutcome,
@@ -47,7 +49,6 @@ from ares_gateway.episode import (
     harness_side_call_detector,
     one_line,
 )
-from ares_gateway.errors import InvalidAnswerError
 from ares_gateway.gateway import Gateway
 from ares_gateway.policies.base import PolicyError, call_policy, is_external
 from ares_gateway.stats import StatTracker, make_tracker

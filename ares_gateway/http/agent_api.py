@@ -17,15 +17,16 @@ import orjson
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import Response, StreamResponse
 
-from ares_gateway.broker import Answer, ErrorAnswer, NativeAnswer, ParkedRequest, RequestClosed, StreamAnswer
-from ares_gateway.canonical import WireProtocol
-from ares_gateway.errors import GatewayError, InvalidSessionError, SessionExistsError
+from ares_gateway.core.answers import Answer, ErrorAnswer, NativeAnswer, StreamAnswer
+from ares_gateway.core.broker import ParkedRequest, RequestClosed
+from ares_gateway.core.canonical import WireProtocol
+from ares_gateway.core.errors import GatewayError, InvalidSessionError, SessionExistsError
+from ares_gateway.core.sessions import Session, bearer_token
 from ares_gateway.http import render
 from ares_gateway.http.routes import Handler
 from ares_gateway.http.server import BodyError, HttpLimits, on_disconnect, read_body
 from ares_gateway.protocols import ProtocolAdapter, RequestError, get_adapter
 from ares_gateway.protocols.anthropic_messages import parse_count_tokens_request
-from ares_gateway.sessions import Session, bearer_token
 
 if TYPE_CHECKING:
     from ares_gateway.gateway import Gateway

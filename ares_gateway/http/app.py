@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
-from ares_gateway.canonical import WireProtocol
+from ares_gateway.core.canonical import WireProtocol
 from ares_gateway.http.agent_api import AgentAPI
 from ares_gateway.http.control_api import ControlAPI
 from ares_gateway.http.render import error_for_path

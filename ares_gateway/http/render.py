@@ -18,8 +18,9 @@ import orjson
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import Response, StreamResponse
 
-from ares_gateway.broker import Answer, ErrorAnswer, NativeAnswer, ParkedRequest
-from ares_gateway.canonical import Completion, CompletionDelta, WireProtocol
+from ares_gateway.core.answers import Answer, ErrorAnswer, NativeAnswer
+from ares_gateway.core.broker import ParkedRequest
+from ares_gateway.core.canonical import Completion, CompletionDelta, WireProtocol
 from ares_gateway.protocols import ProtocolAdapter, get_adapter
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,10 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
-from ares_gateway.broker import ErrorAnswer, ParkedRequest
-from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta
-from ares_gateway.errors import GatewayClosedError, GatewayError, InvalidAnswerError, UnknownSessionError
+from ares_gateway.core.answers import ErrorAnswer
+from ares_gateway.core.broker import ParkedRequest
+from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta
+from ares_gateway.core.errors import GatewayClosedError, GatewayError, InvalidAnswerError, UnknownSessionError
 from ares_gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)

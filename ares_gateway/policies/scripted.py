@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ares_gateway.broker import ParkedRequest
-from ares_gateway.canonical import CanonicalRequest, Completion
+from ares_gateway.core.broker import ParkedRequest
+from ares_gateway.core.canonical import CanonicalRequest, Completion
 from ares_gateway.policies.base import PolicyError, PolicyRequest
 from ares_gateway.tasks import Task
 from harnesses.scripted import Finish, RunCommand, ScriptedPolicy, Step

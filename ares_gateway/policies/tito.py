@@ -21,8 +21,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ares_gateway.broker import ParkedRequest
-from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, TokenRecord
+from ares_gateway.core.broker import ParkedRequest
+from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta, TokenRecord
 from ares_gateway.engines import (
     Engine,
     EngineError,

@@ -37,8 +37,8 @@ from tenacity import (
     stop_after_attempt,
 )
 
-from ares_gateway.broker import ParkedRequest
-from ares_gateway.canonical import (
+from ares_gateway.core.broker import ParkedRequest
+from ares_gateway.core.canonical import (
     CanonicalRequest,
     Completion,
     CompletionDelta,
@@ -46,10 +46,10 @@ from ares_gateway.canonical import (
     Usage,
     WireProtocol,
 )
+from ares_gateway.core.streaming import DeltaAccumulator
 from ares_gateway.policies.base import PolicyError, PolicyRequest, canonical_of
 from ares_gateway.protocols import RequestError, get_adapter
 from ares_gateway.protocols.openai_chat import parse_usage
-from ares_gateway.streaming import DeltaAccumulator
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Wire protocols: one module per API the gateway impersonates.
 
 ``get_adapter(protocol)`` returns the :class:`ProtocolAdapter` of a
-:class:`~ares_gateway.canonical.WireProtocol` (or its string value); the three
+:class:`~ares_gateway.core.canonical.WireProtocol` (or its string value); the three
 adapters are also importable directly (``OPENAI_CHAT``, ``ANTHROPIC_MESSAGES``,
 ``OPENAI_RESPONSES``). Each module's docstring documents its mapping.
 
@@ -34,7 +34,7 @@ Conventions shared by the three modules:
 
 from __future__ import annotations
 
-from ares_gateway.canonical import WireProtocol
+from ares_gateway.core.canonical import WireProtocol
 from ares_gateway.protocols.anthropic_messages import ADAPTER as ANTHROPIC_MESSAGES
 from ares_gateway.protocols.base import ProtocolAdapter, RequestError, StreamEncoder
 from ares_gateway.protocols.openai_chat import ADAPTER as OPENAI_CHAT

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 import orjson
 from pydantic import BaseModel
 
-from ares_gateway.canonical import (
+from ares_gateway.core.canonical import (
     CanonicalRequest,
     Completion,
     ContentPart,

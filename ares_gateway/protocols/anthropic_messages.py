@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from ares_gateway.canonical import (
+from ares_gateway.core.canonical import (
     CanonicalRequest,
     Completion,
     ContentPart,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, WireProtocol
+from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta, WireProtocol
 
 
 class RequestError(ValueError):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ares_gateway.canonical import (
+from ares_gateway.core.canonical import (
     CanonicalRequest,
     Completion,
     ContentPart,

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ares_gateway.canonical import Completion, Message, Tool, ToolCall, Usage
+from ares_gateway.core.canonical import Completion, Message, Tool, ToolCall, Usage
 from ares_gateway.tokens.tokenizer import ChatTokenizer, load_tokenizer
 
 __all__ = ["Bridge", "ChatRenderer", "RenderError", "Rendered"]

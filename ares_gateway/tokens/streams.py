@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ares_gateway.canonical import Message, Tool
+from ares_gateway.core.canonical import Message, Tool
 from ares_gateway.tokens.renderer import ChatRenderer
 from trajectory import message_key
 

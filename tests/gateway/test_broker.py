@@ -14,7 +14,9 @@ from ares_gateway import (
     UnknownRequestError,
     WireProtocol,
 )
-from ares_gateway.broker import Broker, ErrorAnswer, RecordedTurn, RequestClosed
+from ares_gateway.core.answers import ErrorAnswer
+from ares_gateway.core.broker import Broker, RequestClosed
+from ares_gateway.core.recorder import RecordedTurn
 
 
 def _req(text: str = "x") -> CanonicalRequest:
@@ -184,7 +186,7 @@ async def test_poll_json_equals_poll_item() -> None:
 def test_polled_canonical_form_is_pydantics_json() -> None:
     """/poll serializes the canonical form with orjson; it must be byte for byte what pydantic
     writes, for real client bodies of each protocol and for values only pydantic can encode."""
-    from ares_gateway.broker import _canonical_json
+    from ares_gateway.core.broker import _canonical_json
     from ares_gateway.protocols import get_adapter
     from tests.protocols.test_anthropic_messages import claude_code_body
     from tests.protocols.test_openai_chat import mini_swe_agent_body

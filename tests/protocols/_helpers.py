@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, ToolCall, Usage
+from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta, ToolCall, Usage
 from ares_gateway.protocols import get_adapter
 from ares_gateway.protocols.base import StreamEncoder
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ares_gateway.canonical import CanonicalRequest, Completion, ToolCall, Usage, WireProtocol
+from ares_gateway.core.canonical import CanonicalRequest, Completion, ToolCall, Usage, WireProtocol
 from ares_gateway.protocols import RequestError, get_adapter
 from ares_gateway.protocols.anthropic_messages import parse_count_tokens_request
 

@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ares_gateway.broker import _canonical_json
-from ares_gateway.canonical import Completion, ToolCall
+from ares_gateway.core.broker import _canonical_json
+from ares_gateway.core.canonical import Completion, ToolCall
 from ares_gateway.protocols import RequestError, get_adapter
 
 from .test_anthropic_messages import claude_code_body

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ares_gateway.canonical import CanonicalRequest, Completion, ToolCall, Usage, WireProtocol
+from ares_gateway.core.canonical import CanonicalRequest, Completion, ToolCall, Usage, WireProtocol
 from ares_gateway.protocols import RequestError, get_adapter
 
 AD = get_adapter(WireProtocol.OPENAI_RESPONSES)

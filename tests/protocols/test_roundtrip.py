@@ -10,7 +10,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ares_gateway.canonical import (
+from ares_gateway.core.canonical import (
     CanonicalRequest,
     Completion,
     ContentPart,

@@ -9,9 +9,9 @@ import anthropic
 import openai
 import pytest
 
-from ares_gateway.canonical import Completion, CompletionDelta, ToolCall, Usage
+from ares_gateway.core.canonical import Completion, CompletionDelta, ToolCall, Usage
+from ares_gateway.core.streaming import DeltaAccumulator
 from ares_gateway.protocols import get_adapter
-from ares_gateway.streaming import DeltaAccumulator
 
 from ._helpers import deltas_of, encode, parse, rich_completion
 

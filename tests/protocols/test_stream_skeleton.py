@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ares_gateway.canonical import Completion, CompletionDelta, WireProtocol
+from ares_gateway.core.canonical import Completion, CompletionDelta, WireProtocol
 from ares_gateway.protocols import get_adapter
 from ares_gateway.protocols._stream import StreamEncoderBase
 

@@ -90,8 +90,8 @@ def test_scripted_policies_by_name() -> None:
 
 
 async def test_unbound_session_is_a_policy_error(gateway: Gateway) -> None:
-    from ares_gateway.broker import ParkedRequest
-    from ares_gateway.canonical import CanonicalRequest, Message, WireProtocol
+    from ares_gateway.core.broker import ParkedRequest
+    from ares_gateway.core.canonical import CanonicalRequest, Message, WireProtocol
 
     req = CanonicalRequest(protocol=WireProtocol.OPENAI_CHAT, model="m", messages=[Message(role="user", content="hi")],
                            raw={"messages": []})

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from ares_gateway import Gateway
-from ares_gateway.canonical import CanonicalRequest, Message, WireProtocol
+from ares_gateway.core.canonical import CanonicalRequest, Message, WireProtocol
 from ares_gateway.policies import PolicyServer, Prices, UpstreamError, UpstreamPolicy
 
 from .fake_llm import END, FakeLLM, tok

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ares_gateway.canonical import CanonicalRequest, Message, WireProtocol
+from ares_gateway.core.canonical import CanonicalRequest, Message, WireProtocol
 from ares_gateway.engines import GenerateResult, PromptTooLongError, Sampling
 from tests.tito.conftest import need_llama
 

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from ares_gateway.canonical import (
+from ares_gateway.core.canonical import (
     CanonicalRequest,
     Completion,
     CompletionDelta,
@@ -122,7 +122,7 @@ async def test_streaming_deltas_spell_the_recorded_answer(smol_renderer) -> None
 
 
 async def test_engine_errors_become_policy_errors(smol_renderer) -> None:  # type: ignore[no-untyped-def]
-    from ares_gateway.canonical import ContentPart
+    from ares_gateway.core.canonical import ContentPart
     from ares_gateway.policies import PolicyError
     from ares_gateway.policies.tito import TitoPolicy
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from ares_gateway.canonical import ContentPart, Message, Tool
+from ares_gateway.core.canonical import ContentPart, Message, Tool
 
 CHATML = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

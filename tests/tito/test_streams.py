@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ares_gateway.canonical import Message, Tool
+from ares_gateway.core.canonical import Message, Tool
 
 
 def _answer(streams, prepared, text: str) -> tuple[list[int], Message]:  # type: ignore[no-untyped-def]

@@ -6,9 +6,10 @@ a poller that dies loses nothing. Answering, timing out and the agent going
 away are mutually exclusive and decided synchronously on the event loop, so a
 successful ``respond`` means the agent's handler received the answer.
 
-The broker knows neither HTTP nor the wire protocols: it holds canonical requests,
-resolves each one's future exactly once, and hands every answered turn, whole or streamed,
-to its ``on_turn`` callback (:mod:`ares_gateway.recorder`) from one place, :meth:`Broker._record`.
+The broker knows neither HTTP nor the wire protocols: it holds canonical requests, reads each
+answer with :func:`~ares_gateway.core.answers.coerce_answer`, resolves each request's future
+exactly once, and hands every answered turn, whole or streamed, to :mod:`ares_gateway.core.recorder`
+(:func:`~ares_gateway.core.recorder.record_turn`, :func:`~ares_gateway.core.recorder.record_stream`).
 A request whose waiter was cancelled (the agent's handler, when its client disconnects) counts
 as gone from that instant: ``respond`` withdraws it and raises :class:`RequestGoneError`, even
 when the handler's task has not run again yet to withdraw it itself.
@@ -23,7 +24,6 @@ import math
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -31,17 +31,16 @@ from typing import Any
 import orjson
 from pydantic import BaseModel
 
-from ares_gateway.canonical import CanonicalRequest, Completion, CompletionDelta, TokenRecord, WireProtocol
-from ares_gateway.errors import (
+from ares_gateway.core.answers import Answer, AnswerLike, NativeAnswer, StreamAnswer, coerce_answer
+from ares_gateway.core.canonical import CanonicalRequest, Completion, TokenRecord, WireProtocol
+from ares_gateway.core.errors import (
     AlreadyAnsweredError,
     GatewayClosedError,
-    InvalidAnswerError,
     RequestGoneError,
     TooManyParkedError,
     UnknownRequestError,
 )
-from ares_gateway.recorder import RecordedTurn
-from ares_gateway.streaming import DeltaAccumulator
+from ares_gateway.core.recorder import TurnSink, record_stream, record_turn
 
 log = logging.getLogger(__name__)
 
@@ -53,36 +52,6 @@ _SLACK = 0.001
 # pass, so passes take at most about 1% of the loop however many distinct deadlines there are
 # (a poller that took 10,000 requests one by one and died: their leases end one by one).
 _GAP_PER_PENDING = 20e-6
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorAnswer:
-    """Answer a request with an API error; the agent sees ``status`` in its protocol's error shape."""
-
-    status: int
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class NativeAnswer:
-    """A response body in the agent's own protocol, plus its canonical reading (for recording)."""
-
-    body: dict[str, Any]
-    completion: Completion
-
-
-class StreamAnswer:
-    """A streamed answer: deltas as they arrive, then the whole :class:`Completion`.
-
-    The source yields :class:`CompletionDelta` items and finally one
-    :class:`Completion` (which may repeat what the deltas said).
-    """
-
-    def __init__(self, source: AsyncIterable[CompletionDelta | Completion]) -> None:
-        self.source = source
-
-
-Answer = Completion | NativeAnswer | ErrorAnswer | StreamAnswer
 
 
 class _State(Enum):
@@ -203,8 +172,7 @@ class Broker:
         *,
         request_timeout: float = 900.0,
         lease_seconds: float = 120.0,
-        on_turn: Callable[[RecordedTurn], None] | None = None,
-        coerce_native: Callable[[ParkedRequest, dict[str, Any]], tuple[Completion, bool]] | None = None,
+        on_turn: TurnSink | None = None,
         metrics: Any = None,
         max_parked_per_session: int | None = None,
     ) -> None:
@@ -217,7 +185,6 @@ class Broker:
         self.max_parked_per_session = max_parked_per_session if max_parked_per_session is not None else math.inf
         self._parked_by_session: dict[str, int] = {}
         self._on_turn = on_turn
-        self._coerce_native = coerce_native
         self._metrics = metrics
         self._pending: dict[str, ParkedRequest] = {}
         self._available: dict[str, ParkedRequest] = {}
@@ -396,11 +363,14 @@ class Broker:
     def respond(
         self,
         request_id: str,
-        answer: Answer | dict[str, Any] | AsyncIterable[CompletionDelta | Completion],
+        answer: AnswerLike,
         *,
         tokens: TokenRecord | dict[str, Any] | None = None,
     ) -> ParkedRequest:
-        """Answer a parked request. Raises the :mod:`ares_gateway.errors` outcome on failure."""
+        """Answer a parked request (anything :func:`~ares_gateway.core.answers.coerce_answer` reads).
+
+        Raises the :mod:`ares_gateway.core.errors` outcome on failure; an invalid answer leaves the
+        request pending."""
         parked = self._pending.get(request_id)
         if parked is None:
             state = self._done.get(request_id)
@@ -416,101 +386,21 @@ class Broker:
             # handler's task could run to withdraw it: the request is gone, whatever else is queued.
             self.withdraw(parked, "agent disconnected")
             raise RequestGoneError(f"request {request_id} is gone: its agent disconnected")
-        resolved = self._coerce(parked, answer, tokens)
+        resolved = coerce_answer(parked.protocol, parked.request, answer, tokens)
+        if isinstance(resolved, StreamAnswer):
+            resolved = StreamAnswer(record_stream(self._on_turn, parked, resolved.source))
         self._finish(parked, _State.ANSWERED)
         parked.future.set_result(resolved)
         latency = time.time() - parked.timestamp
         if self._metrics is not None:
             self._metrics.answered(latency)
         if isinstance(resolved, Completion):
-            self._record(parked, resolved, latency)
+            record_turn(self._on_turn, parked, resolved, latency)
         elif isinstance(resolved, NativeAnswer):
-            self._record(parked, resolved.completion, latency)
+            record_turn(self._on_turn, parked, resolved.completion, latency)
         return parked
 
-    def _record(self, parked: ParkedRequest, completion: Completion, latency: float | None = None) -> None:
-        """The one place a turn is recorded: a whole answer at ``respond``, a stream when it ends."""
-        if self._on_turn is None:
-            return
-        if latency is None:
-            latency = time.time() - parked.timestamp
-        turn = RecordedTurn(
-            session_id=parked.session_id,
-            request_id=parked.id,
-            protocol=parked.protocol,
-            raw_body=parked.raw_body,
-            request=parked.request,
-            completion=completion,
-            side_call=parked.side_call,
-            timestamp=parked.timestamp,
-            latency=latency,
-        )
-        try:
-            self._on_turn(turn)
-        except Exception:  # a recorder bug must not break the agent's turn
-            log.exception("recorder failed for %s", parked.id)
-
     # ------------------------------------------------------------------ internals
-
-    def _coerce(
-        self,
-        parked: ParkedRequest,
-        answer: Answer | dict[str, Any] | AsyncIterable[CompletionDelta | Completion],
-        tokens: TokenRecord | dict[str, Any] | None
-    ) -> Answer:
-        token_record: TokenRecord | None
-        try:
-            token_record = TokenRecord.model_validate(tokens) if isinstance(tokens, dict) else tokens
-        except ValueError as exc:
-            raise InvalidAnswerError(f"invalid tokens: {exc}") from None
-        if isinstance(answer, Completion):
-            return answer.model_copy(update={"tokens": token_record}) if token_record else answer
-        if isinstance(answer, StreamAnswer):
-            return StreamAnswer(self._recording(parked, answer.source))
-        if isinstance(answer, ErrorAnswer | NativeAnswer):
-            return answer
-        if isinstance(answer, AsyncIterable):
-            return StreamAnswer(self._recording(parked, answer))
-        if not isinstance(answer, dict):
-            raise InvalidAnswerError(
-                f"cannot answer with {type(answer).__name__}: give a Completion, a native response body, "
-                "an ErrorAnswer, or an async iterable of CompletionDelta"
-            )
-        if self._coerce_native is None:
-            raise InvalidAnswerError("native response bodies are not supported by this broker")
-        try:
-            completion, verbatim = self._coerce_native(parked, answer)
-        except InvalidAnswerError:
-            raise
-        except ValueError as exc:
-            raise InvalidAnswerError(f"response is not a valid {parked.protocol.value} body: {exc}") from None
-        if token_record is not None:
-            completion = completion.model_copy(update={"tokens": token_record})
-        return NativeAnswer(answer, completion) if verbatim else completion
-
-    async def _recording(
-        self, parked: ParkedRequest, source: AsyncIterable[CompletionDelta | Completion]
-    ) -> AsyncIterator[CompletionDelta | Completion]:
-        """The policy's stream as the agent's handler reads it: its deltas, then always one whole
-        :class:`Completion` (the policy's final one, or what the deltas spell out), which is
-        recorded as the turn. A stream that fails or is abandoned records nothing."""
-        acc = DeltaAccumulator()
-        final: Completion | None = None
-        try:
-            async for item in source:
-                if isinstance(item, Completion):
-                    final = item
-                    break
-                if isinstance(item, CompletionDelta):
-                    acc.add(item)
-                    yield item
-            settled = acc.settle(final)
-            self._record(parked, settled)
-            yield settled
-        finally:
-            aclose = getattr(source, "aclose", None)
-            if aclose is not None:
-                await aclose()
 
     def _make_available(self, parked: ParkedRequest) -> None:
         self._available[parked.id] = parked

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ares_gateway.canonical import Completion, CompletionDelta, ToolCall
+from ares_gateway.core.canonical import Completion, CompletionDelta, ToolCall
 
 
 class DeltaAccumulator:

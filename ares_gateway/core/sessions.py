@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ares_gateway.errors import InvalidSessionError, SessionExistsError, UnknownSessionError
+from ares_gateway.core.errors import InvalidSessionError, SessionExistsError, UnknownSessionError
 
 
 @dataclass(frozen=True, slots=True)

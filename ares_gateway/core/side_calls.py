@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ares_gateway.canonical import CanonicalRequest, WireProtocol
+from ares_gateway.core.canonical import CanonicalRequest, WireProtocol
 from harnesses import claude_code_is_side_call, codex_is_side_call, terminus2_is_side_call
 
 SideCallDetector = Callable[[CanonicalRequest, Mapping[str, str]], bool]

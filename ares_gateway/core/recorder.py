@@ -1,8 +1,9 @@
 """Recording answered turns and turning them into training samples.
 
-This is the one place a turn is recorded. The broker builds a :class:`RecordedTurn` when a
-request's whole completion is known (at ``respond`` for a whole answer, when the policy's
-stream ends for a streamed one) and hands it to the gateway's :class:`Recorder`. The default,
+This is the one place a turn is recorded: :func:`record_turn` builds a :class:`RecordedTurn` when a
+request's whole completion is known and hands it to the gateway's :class:`Recorder`. The broker
+calls it at ``respond`` for a whole answer; for a streamed one it wraps the policy's stream in
+:func:`record_stream`, which calls it when the stream ends. The default,
 :class:`SessionRecorder`, keeps each session's turns (the agent's body bytes and
 the completion) and builds the session's message tree in :mod:`trajectory` only
 when samples are asked for, so the request path does no conversion work.
@@ -10,12 +11,19 @@ when samples are asked for, so the request path does no conversion work.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any, Protocol
 
 import orjson
 
-from ares_gateway.canonical import CanonicalRequest, Completion, WireProtocol
+from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta, WireProtocol
+from ares_gateway.core.streaming import DeltaAccumulator
+from ares_gateway.protocols import get_adapter
 from trajectory import Sample, TrajectoryManager, TurnRecord
+
+log = logging.getLogger(__name__)
 
 
 class RecordedTurn:
@@ -69,8 +77,6 @@ class RecordedTurn:
         """The canonical request (parsed from :attr:`raw_body` on each access when that is kept)."""
         if self._request is not None:
             return self._request
-        from ares_gateway.protocols import get_adapter  # protocols import nothing of the broker's
-
         assert self.raw_body is not None
         return get_adapter(self.protocol).parse_request(orjson.loads(self.raw_body))
 
@@ -83,6 +89,80 @@ class Recorder(Protocol):
     """Receives every answered turn, in answer order."""
 
     def __call__(self, turn: RecordedTurn) -> None: ...
+
+
+#: Where :func:`record_turn` hands a turn (a :class:`Recorder`, or ``list.append`` in a test).
+TurnSink = Callable[[RecordedTurn], None]
+
+
+class Answered(Protocol):
+    """What a turn is recorded from: the parked request that was answered."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def protocol(self) -> WireProtocol: ...
+    @property
+    def raw_body(self) -> bytes | None: ...
+    @property
+    def request(self) -> CanonicalRequest: ...
+    @property
+    def side_call(self) -> bool: ...
+    @property
+    def timestamp(self) -> float: ...
+
+
+def record_turn(sink: TurnSink | None, parked: Answered, completion: Completion, latency: float | None = None) -> None:
+    """Record one answered turn (a whole answer, or a stream once it ended) into ``sink``.
+
+    A recorder that raises is logged, never passed on: a recorder bug must not break the agent's turn.
+    """
+    if sink is None:
+        return
+    if latency is None:
+        latency = time.time() - parked.timestamp
+    turn = RecordedTurn(
+        session_id=parked.session_id,
+        request_id=parked.id,
+        protocol=parked.protocol,
+        raw_body=parked.raw_body,
+        request=parked.request,
+        completion=completion,
+        side_call=parked.side_call,
+        timestamp=parked.timestamp,
+        latency=latency,
+    )
+    try:
+        sink(turn)
+    except Exception:
+        log.exception("recorder failed for %s", parked.id)
+
+
+async def record_stream(
+    sink: TurnSink | None, parked: Answered, source: AsyncIterable[CompletionDelta | Completion]
+) -> AsyncIterator[CompletionDelta | Completion]:
+    """The policy's stream as the agent's handler reads it: its deltas, then always one whole
+    :class:`Completion` (the policy's final one, or what the deltas spell out), which is
+    recorded as the turn. A stream that fails or is abandoned records nothing."""
+    acc = DeltaAccumulator()
+    final: Completion | None = None
+    try:
+        async for item in source:
+            if isinstance(item, Completion):
+                final = item
+                break
+            if isinstance(item, CompletionDelta):
+                acc.add(item)
+                yield item
+        settled = acc.settle(final)
+        record_turn(sink, parked, settled)
+        yield settled
+    finally:
+        aclose = getattr(source, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 class SessionRecorder:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ares_gateway.core.broker import ParkedRequest
@@ -37,7 +37,7 @@ from ares_gateway.tokens import ChatRenderer, Prepared, RenderError, StreamStats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TitoPolicy"]
+__all__ = ["TitoPolicy", "episode_fidelity"]
 
 _DIRECT_SESSION = "direct"
 
@@ -261,6 +261,26 @@ class TitoPolicy:
         elif not final.startswith(sent):
             log.warning("tito: streamed text and parsed answer differ; the parsed answer is recorded")
         yield completion
+
+
+def episode_fidelity(samples: Sequence[Any], stats: StreamStats) -> dict[str, Any]:
+    """What ``run`` reports per episode: turns, trained tokens, fresh renders, main-line drift.
+
+    ``samples`` are the episode's :class:`trajectory.Sample` objects. A sample that starts with
+    ``start_reason == "drift"`` begins where a turn's prompt did not continue its base turn; each
+    fresh render (history rewritten) may legitimately cause one, so main-line drift is the number
+    of drift starts beyond the fresh renders: 0 when every extension held.
+    """
+    drift_starts = sum(1 for s in samples if s.metadata.get("start_reason") == "drift")
+    return {
+        "turns": stats.turns,
+        "trained_tokens": int(sum(int(s.loss_mask.sum()) for s in samples)),
+        "samples": len(samples),
+        "extended": stats.extended,
+        "fresh_renders": stats.fresh,
+        "fresh_reasons": list(stats.fresh_reasons),
+        "main_line_drift": max(0, drift_starts - stats.fresh),
+    }
 
 
 def _policy_error(exc: EngineError) -> PolicyError:

@@ -141,6 +141,11 @@ async def test_multi_turn_session_through_the_gateway(smol_renderer) -> None:  #
     await policy.aclose()
 
     assert len(engine.results) == turns
+    from ares_gateway.policies.tito import episode_fidelity
+
+    fid = episode_fidelity(samples, stats)
+    assert fid["turns"] == turns and fid["fresh_renders"] == 0 and fid["main_line_drift"] == 0
+    assert fid["trained_tokens"] == sum(len(r.output_ids) for _, r in engine.results)
     assert (stats.first, stats.extended, stats.fresh) == (1, turns - 1, 0)
     # Turn k+1's prompt starts with turn k's prompt + output ids exactly.
     for (p0, r0), (p1, _) in zip(engine.results, engine.results[1:], strict=False):

@@ -34,7 +34,7 @@ from ares_gateway.core.errors import (
 )
 from ares_gateway.core.recorder import RecordedTurn
 from ares_gateway.core.sessions import SessionInfo
-from ares_gateway.env import GatewayEnv, StepType, TimeStep
+from ares_gateway.episodes.env import GatewayEnv, StepType, TimeStep
 from ares_gateway.gateway import Gateway, GatewayConfig
 from ares_gateway.http import HttpLimits
 

@@ -2,7 +2,7 @@
 
     python3 bench/bench_rollouts.py [--levels 1,8,32] [--episodes 8,32,64] [--json out.json]
 
-Each level runs :func:`ares_gateway.rollouts.run_rollouts` (what ``run`` calls) over the bundled
+Each level runs :func:`ares_gateway.episodes.rollouts.run_rollouts` (what ``run`` calls) over the bundled
 example tasks with the ``tiny-agent`` harness (a python3 stdlib chat-completions agent: no start-up
 cost to hide the runner's) and the ``scripted`` policy (one ``true`` command, then finish: two LLM
 calls per episode). Every episode is complete: a fresh local sandbox, workdir upload, agent install,
@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp
 
 from ares_gateway import Completion, Gateway
+from ares_gateway.episodes.rollouts import run_rollouts
+from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
-from ares_gateway.rollouts import run_rollouts
-from ares_gateway.tasks import load_dataset
 
 
 async def level(concurrency: int, episodes: int, out: Path) -> dict[str, Any]:

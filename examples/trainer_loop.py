@@ -23,9 +23,9 @@ import time
 from typing import Any
 
 from ares_gateway import Completion, Gateway, GatewayEnv, ParkedRequest, TokenRecord
-from ares_gateway.episode import harness_side_call_detector
+from ares_gateway.episodes.episode import harness_side_call_detector
+from ares_gateway.episodes.tasks import Task, load_dataset
 from ares_gateway.policies import call_policy, make_policy
-from ares_gateway.tasks import Task, load_dataset
 
 
 class ToyModel:

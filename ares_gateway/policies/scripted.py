@@ -2,7 +2,7 @@
 
 Both wrap :class:`harnesses.scripted.ScriptedPolicy`, one per session, so one policy object can
 answer many concurrent episodes. A session is bound to its agent (and task) with :meth:`bind`
-before its requests are answered; ``ares-gateway run`` and :func:`ares_gateway.rollouts.run_rollouts`
+before its requests are answered; ``ares-gateway run`` and :func:`ares_gateway.episodes.rollouts.run_rollouts`
 do that for every episode.
 
 * ``scripted``: run ``commands`` (in order), then finish. With no commands the agent is told to
@@ -27,8 +27,8 @@ from typing import Any
 
 from ares_gateway.core.broker import ParkedRequest
 from ares_gateway.core.canonical import CanonicalRequest, Completion
+from ares_gateway.episodes.tasks import Task
 from ares_gateway.policies.base import PolicyError, PolicyRequest
-from ares_gateway.tasks import Task
 from harnesses.scripted import Finish, RunCommand, ScriptedPolicy, Step
 
 #: Solutions larger than this are refused: they are sent as one shell command through the agent.

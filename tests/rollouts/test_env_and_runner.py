@@ -17,11 +17,12 @@ import pytest
 import sandbox
 from ares_gateway import Gateway, GatewayEnv
 from ares_gateway.cli import main as cli_main
-from ares_gateway.episode import harness_side_call_detector
+from ares_gateway.episodes.episode import harness_side_call_detector
+from ares_gateway.episodes.rollouts import pass_at_k, run_rollouts
+from ares_gateway.episodes.tasks import Task, load_dataset, prepare_workdir
+from ares_gateway.episodes.verifier import run_tests
 from ares_gateway.policies import HttpPolicy, PolicyError, call_policy, make_policy
 from ares_gateway.policies.scripted import SessionScriptedPolicy, oracle_command
-from ares_gateway.rollouts import pass_at_k, run_rollouts
-from ares_gateway.tasks import Task, load_dataset, prepare_workdir, run_tests
 from harnesses.tiny_agent import TinyAgentHarness
 from tests.prereq import docker_ok, require
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import sandbox
-from ares_gateway.tasks import Task, load_dataset, prepare_workdir, run_solution, run_tests
+from ares_gateway.episodes.tasks import Task, load_dataset, prepare_workdir
+from ares_gateway.episodes.verifier import run_solution, run_tests
 
 TASKS = load_dataset("examples").tasks
 

@@ -29,11 +29,11 @@ import pytest
 from aiohttp import web
 
 from ares_gateway import Gateway, GatewayEnv
-from ares_gateway.env import LaunchTimeoutError
-from ares_gateway.episode import last_lines, one_line
+from ares_gateway.episodes.env import LaunchTimeoutError
+from ares_gateway.episodes.episode import last_lines, one_line
+from ares_gateway.episodes.rollouts import run_rollouts
+from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import FunctionPolicy, UpstreamError, UpstreamPolicy
-from ares_gateway.rollouts import run_rollouts
-from ares_gateway.tasks import load_dataset
 
 from .e2e import REPO, cli
 from .fake_llm import FakeLLM, running
@@ -239,9 +239,9 @@ async def test_cli_harness_install_failure_is_one_line_and_results_json(tmp_path
     results.json written; before, a raw traceback and no results.json."""
     script = textwrap.dedent(f"""
         import sys
-        import ares_gateway.rollouts as rollouts
+        import ares_gateway.episodes.rollouts as rollouts
         from ares_gateway.cli import main
-        from ares_gateway.selectors import register_harness
+        from ares_gateway.episodes.selectors import register_harness
         from harnesses import registry
         from harnesses.tiny_agent import TinyAgentHarness
 

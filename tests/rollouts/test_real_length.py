@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from ares_gateway.tasks import load_dataset
+from ares_gateway.episodes.tasks import load_dataset
 from tests.harnesses.conftest import require_backend
 
 from .e2e import REPO, cli

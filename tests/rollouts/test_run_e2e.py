@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from ares_gateway import GatewayEnv
+from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
-from ares_gateway.tasks import load_dataset
 
 from .e2e import REPO, cli, owned_containers, require_mini
 from .test_env_and_runner import left_behind, play

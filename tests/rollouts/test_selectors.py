@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ares_gateway.selectors import (
+from ares_gateway.episodes.selectors import (
     Preset,
     Selection,
     SelectorError,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ares_gateway.stats import (
+from ares_gateway.episodes.stats import (
     LoggingTracker,
     MultiTracker,
     NullTracker,
@@ -80,7 +80,7 @@ def test_flushes_at_interpreter_exit(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import sys
-        from ares_gateway.stats import TensorBoardTracker
+        from ares_gateway.episodes.stats import TensorBoardTracker
         tracker = TensorBoardTracker({str(tmp_path)!r}, period=3600)
         tracker.log(7, reward=0.75)
         tracker.log(8, reward=1.0)

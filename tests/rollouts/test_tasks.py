@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 
 import sandbox
-from ares_gateway.tasks import (
+from ares_gateway.episodes.tasks import (
     DEFAULT_VERIFIER_DIR,
     Dataset,
     DatasetError,
     MissingTaskFileError,
-    Reward,
     RewardError,
     Task,
     TaskConfigError,
@@ -21,14 +20,11 @@ from ares_gateway.tasks import (
     TaskNotFoundError,
     examples_dir,
     load_dataset,
-    parse_reward,
     parse_task_config,
-    read_reward,
     register_dataset,
     registered_datasets,
-    run_tests,
-    task_paths,
 )
+from ares_gateway.episodes.verifier import Reward, parse_reward, read_reward, run_tests, task_paths
 
 
 def make_task(root: Path, name: str = "t1", *, toml: str = 'version = "1.0"\n', test: str = "echo 1 > \"$ARES_VERIFIER_DIR/reward.txt\"\n") -> Path:

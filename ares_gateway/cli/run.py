@@ -1,4 +1,5 @@
-"""``ares-gateway run`` and ``ares-gateway demo`` (wired into :mod:`ares_gateway.cli`)."""
+"""``ares-gateway run`` and ``ares-gateway demo``: a dataset's tasks run by an agent harness in sandboxes,
+answered by a policy (wired into :mod:`ares_gateway.cli`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ares_gateway.cli._common import HelpFormatter, run_on_uvloop
+
 POLICIES = ("oracle", "scripted", "upstream", "http")
 DEMO_PRESET = "examples-mswea"
 REAL_MODEL_HINT = (
@@ -21,8 +24,8 @@ REAL_MODEL_HINT = (
 
 def run_epilog() -> str:
     """The end of ``run --help``: the presets, harnesses and datasets there are, selectors, examples."""
-    from ares_gateway.selectors import HARNESSES, harness_aliases
-    from ares_gateway.tasks import load_dataset, registered_datasets
+    from ares_gateway.episodes.selectors import HARNESSES, harness_aliases
+    from ares_gateway.episodes.tasks import load_dataset, registered_datasets
 
     aliases: dict[str, list[str]] = {h: [] for h in HARNESSES}
     for alias, name in harness_aliases().items():
@@ -168,10 +171,10 @@ async def _execute(
     *, tasks: Any, harness: str, policy: Any, backend: str, args: argparse.Namespace, out: Path, console: Any,
     run_info: dict[str, Any],
 ) -> Any:
-    from ares_gateway.episode import harness_side_call_detector
+    from ares_gateway.episodes.episode import harness_side_call_detector
+    from ares_gateway.episodes.preflight import preflight
+    from ares_gateway.episodes.rollouts import run_rollouts
     from ares_gateway.gateway import Gateway
-    from ares_gateway.preflight import preflight
-    from ares_gateway.rollouts import run_rollouts
     from sandbox import janitor
 
     stop = asyncio.Event()
@@ -207,7 +210,7 @@ async def _execute(
 
 
 def _report(summary: Any, console: Any, out: Path) -> None:
-    from ares_gateway.rollouts import results_table, summary_lines
+    from ares_gateway.episodes.rollouts import results_table, summary_lines
 
     console.print(results_table(summary))
     for line in summary_lines(summary):
@@ -217,9 +220,7 @@ def _report(summary: Any, console: Any, out: Path) -> None:
 
 
 def _run_async(coro: Any) -> Any:
-    from ares_gateway.cli import _run
-
-    return _run(coro)
+    return run_on_uvloop(coro)
 
 
 class _RunFailed(Exception):
@@ -237,9 +238,9 @@ def _run_guarded(coro: Any, *, out: Path, run_info: dict[str, Any], tasks: Any, 
     ``results.json`` is still written with the error. Raises :class:`_RunFailed`."""
     import logging
 
-    from ares_gateway.episode import one_line
-    from ares_gateway.preflight import PreflightError
-    from ares_gateway.rollouts import write_failed_run
+    from ares_gateway.episodes.episode import one_line
+    from ares_gateway.episodes.preflight import PreflightError
+    from ares_gateway.episodes.rollouts import write_failed_run
     from harnesses import HarnessError
 
     try:
@@ -261,9 +262,9 @@ def _run_guarded(coro: Any, *, out: Path, run_info: dict[str, Any], tasks: Any, 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ares_gateway.episode import resolve_backend
-    from ares_gateway.selectors import SelectorError, resolve
-    from ares_gateway.tasks import TaskError
+    from ares_gateway.episodes.episode import resolve_backend
+    from ares_gateway.episodes.selectors import SelectorError, resolve
+    from ares_gateway.episodes.tasks import TaskError
 
     if args.concurrency < 1 or args.attempts < 1:
         return _fail("-n and --attempts must be at least 1")
@@ -299,8 +300,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from ares_gateway.episodes.selectors import resolve
     from ares_gateway.policies import make_policy
-    from ares_gateway.selectors import resolve
 
     resolved = resolve(DEMO_PRESET)
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -339,3 +340,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 130
     ok = len(summary.episodes) == summary.planned and all(e.reward >= 1.0 for e in summary.episodes)
     return 0 if ok else 1
+
+
+def add_run_command(sub: Any) -> None:
+    p = sub.add_parser("run", help="run agents on a dataset's tasks in sandboxes, answered by a policy; rewards and "
+                                   "trajectories to --out",
+                       description="Run an agent harness on a dataset's tasks in sandboxes; every LLM call is answered "
+                                   "by the policy. Rewards, trajectories, turns and logs go to --out.",
+                       epilog=run_epilog(), formatter_class=HelpFormatter)
+    add_run_arguments(p)
+    p.set_defaults(handler=cmd_run)
+
+
+def add_demo_command(sub: Any) -> None:
+    p = sub.add_parser("demo", help="the bundled examples with mini-swe-agent, local sandboxes and the oracle policy "
+                                    "(no API key, Docker or GPU needed)",
+                       description="The bundled example tasks with mini-swe-agent, local sandboxes and the oracle "
+                                   "policy (no API key, Docker or GPU needed).",
+                       formatter_class=HelpFormatter)
+    add_demo_arguments(p)
+    p.set_defaults(handler=cmd_demo)

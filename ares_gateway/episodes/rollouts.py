@@ -41,18 +41,18 @@ from typing import Any
 from ares_gateway.core.answers import ErrorAnswer
 from ares_gateway.core.broker import ParkedRequest
 from ares_gateway.core.errors import InvalidAnswerError
-from ares_gateway.env import GatewayEnv
-from ares_gateway.episode import (
+from ares_gateway.episodes.env import GatewayEnv
+from ares_gateway.episodes.episode import (
     EpisodeOutcome,
     EpisodeSetupError,
     TaskEpisode,
     harness_side_call_detector,
     one_line,
 )
+from ares_gateway.episodes.stats import StatTracker, make_tracker
+from ares_gateway.episodes.tasks import Task
 from ares_gateway.gateway import Gateway
 from ares_gateway.policies.base import PolicyError, call_policy, is_external
-from ares_gateway.stats import StatTracker, make_tracker
-from ares_gateway.tasks import Task
 from harnesses import BaseHarness, registry
 from harnesses.base import INSTALL_ROOT
 

@@ -31,7 +31,8 @@ import sandbox as sandbox_mod
 from ares_gateway.core.canonical import CanonicalRequest
 from ares_gateway.core.sessions import SessionInfo
 from ares_gateway.core.side_calls import SideCallDetector, default_side_call_detector
-from ares_gateway.tasks import Task, VerifierResult, prepare_workdir, run_tests
+from ares_gateway.episodes.tasks import Task, prepare_workdir
+from ares_gateway.episodes.verifier import VerifierResult, run_tests
 from harnesses import BaseHarness, HarnessContext, HarnessError, HarnessInstallError, HarnessResult, registry
 from harnesses.base import Prepared
 
@@ -367,7 +368,7 @@ class TaskEpisode:
     async def verify(self) -> VerifierResult:
         """Run the task's tests in the sandbox (their own timeout) and read the reward; never raises."""
         if self.sandbox is None or self.sandbox.state != "running":
-            from ares_gateway.tasks import Reward
+            from ares_gateway.episodes.verifier import Reward
 
             return VerifierResult(Reward(0.0), None, "the sandbox is not running")
         return await run_tests(self.sandbox, self.task)

@@ -137,7 +137,7 @@ class LoggingTracker(_Buffered):
     """
 
     def __init__(self, *, logger: logging.Logger | None = None, level: int = logging.INFO, period: float = 30.0) -> None:
-        self.logger = logger or logging.getLogger("ares_gateway.stats")
+        self.logger = logger or logging.getLogger("ares_gateway.episodes.stats")
         self.level = level
         super().__init__(period)
 

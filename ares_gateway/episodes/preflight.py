@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ares_gateway.episode import DEFAULT_IMAGE, one_line
-from ares_gateway.tasks import Task
+from ares_gateway.episodes.episode import DEFAULT_IMAGE, one_line
+from ares_gateway.episodes.tasks import Task
 
 #: Seconds each check may take before it counts as failed.
 CHECK_TIMEOUT = 10.0
@@ -98,7 +98,7 @@ async def check_harness(harness: str, backend: str, *, quiet: bool = False) -> t
     find the CLI in the image or install it in each sandbox, so nothing is checked for them."""
     if backend != "local":
         return "", {}
-    from ares_gateway.rollouts import ensure_local_install
+    from ares_gateway.episodes.rollouts import ensure_local_install
     from harnesses import HarnessError
 
     try:

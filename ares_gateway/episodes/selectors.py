@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from ares_gateway.tasks import Dataset, Task, load_dataset
+from ares_gateway.episodes.tasks import Dataset, Task, load_dataset
 
 T = TypeVar("T")
 
@@ -291,7 +291,7 @@ def resolve(text: str, *, datasets: Mapping[str, Dataset] | None = None) -> Reso
 
     ``datasets`` (name -> :class:`Dataset`) takes precedence over the registry (for tests and callers
     that already loaded them). Raises :class:`SelectorError` for bad presets / selectors and
-    :class:`~ares_gateway.tasks.TaskError` for datasets that cannot be loaded.
+    :class:`~ares_gateway.episodes.tasks.TaskError` for datasets that cannot be loaded.
     """
     selector = parse_selector(text)
     preset = parse_preset(selector.name)

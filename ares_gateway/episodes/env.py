@@ -10,7 +10,7 @@ Three ways to get an agent: attach to a session whose agent runs elsewhere
 (``session_id=``), start it yourself (``launch=``), or give a task and a harness
 (``task=``, ``harness=``, ``sandbox=``): then each :meth:`GatewayEnv.reset` starts a
 sandbox, installs and launches the real agent CLI in it, and at LAST runs the
-task's tests for the reward (see :mod:`ares_gateway.episode`).
+task's tests for the reward (see :mod:`ares_gateway.episodes.episode`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from ares_gateway.core.sessions import SessionInfo
 from ares_gateway.gateway import Gateway
 
 if TYPE_CHECKING:
-    from ares_gateway.episode import EpisodeOutcome, TaskEpisode
-    from ares_gateway.tasks import Task
+    from ares_gateway.episodes.episode import EpisodeOutcome, TaskEpisode
+    from ares_gateway.episodes.tasks import Task
     from harnesses import BaseHarness
 
 
@@ -85,7 +85,7 @@ class GatewayEnv:
     the session and raises :class:`LaunchTimeoutError`. Without ``launch``, pass
     ``session_id`` to attach to a session whose agent is started elsewhere.
 
-    With ``task`` (a :class:`~ares_gateway.tasks.Task` or its directory) and ``harness``
+    With ``task`` (a :class:`~ares_gateway.episodes.tasks.Task` or its directory) and ``harness``
     (a registry name such as ``"mini-swe-agent"``, or a harness object), each episode
     runs that agent on the task in a fresh ``sandbox`` (``auto`` | ``local`` | ``docker``
     | ``daytona``; ``image`` for container backends): :meth:`reset` returns FIRST with the
@@ -118,7 +118,7 @@ class GatewayEnv:
         self._task: Task | None = None
         self._harness: str | BaseHarness | None = harness
         if task is not None:
-            from ares_gateway.tasks import Task as _Task
+            from ares_gateway.episodes.tasks import Task as _Task
 
             self._task = task if isinstance(task, _Task) else _Task.load(task)
             if harness is None:
@@ -133,7 +133,7 @@ class GatewayEnv:
         if gateway is None:
             if self._task is None:
                 raise ValueError("GatewayEnv needs a gateway (or task= and harness=, and it runs its own)")
-            from ares_gateway.episode import harness_side_call_detector
+            from ares_gateway.episodes.episode import harness_side_call_detector
 
             gateway = Gateway(port=0, request_timeout=max(900.0, time_limit or 0.0),
                               side_call_detector=harness_side_call_detector(harness))  # type: ignore[arg-type]
@@ -358,7 +358,7 @@ class GatewayEnv:
             raise
 
     async def _reset_task(self) -> TimeStep:
-        from ares_gateway.episode import EpisodeSetupError, TaskEpisode
+        from ares_gateway.episodes.episode import EpisodeSetupError, TaskEpisode
 
         assert self._task is not None and self._harness is not None
         gw = self.gateway

@@ -1,0 +1,103 @@
+"""``ares-gateway serve``: the gateway alone; a policy answers through ``/poll`` and ``/respond``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from ares_gateway.cli._common import HelpFormatter, run_on_uvloop
+from ares_gateway.gateway import Gateway, GatewayConfig
+
+log = logging.getLogger("ares_gateway")
+
+
+def tune_gc() -> None:
+    """Make the garbage collector cheap for a request-heavy server.
+
+    Every turn allocates many short-lived objects (parsed JSON, canonical models,
+    futures); with CPython's default thresholds that triggers a young-generation
+    collection every 700 allocations and, as recorded turns accumulate, full
+    collections that walk every recorded turn: tail latencies of hundreds of
+    milliseconds. Freezing what start-up allocated and raising the thresholds
+    keeps collections rare and short. Call once, after imports, in a process you
+    own (``ares-gateway serve`` does); a trainer embedding the gateway decides for
+    its own process.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+
+
+async def _serve(cfg: GatewayConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with Gateway(cfg) as gw:
+        # The admin token is a secret: say whether one is set, never what it is.
+        print(
+            f"ares-gateway listening on {gw.url} (admin token {'required' if cfg.admin_token else 'not set'}; "
+            f"sessions {'auto-created' if cfg.auto_sessions else 'created with POST /sessions'})",
+            flush=True,
+        )
+        await stop.wait()
+        log.info("shutting down: failing %d parked request(s)", gw.broker.pending_count)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    admin = args.admin_token or os.environ.get("ARES_GATEWAY_ADMIN_TOKEN") or None
+    cfg = GatewayConfig(
+        host=args.host,
+        port=args.port,
+        admin_token=admin,
+        request_timeout=args.request_timeout,
+        lease_seconds=args.lease,
+        max_body_bytes=args.max_body_mb * 1024 * 1024,
+        auto_sessions=args.auto_sessions,
+        models=args.model or ["ares-gateway"],
+        public_url=args.public_url,
+        access_log=args.access_log,
+    )
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not admin:
+        print(
+            "warning: listening on a non-loopback address without --admin-token: anyone who can reach it "
+            "can create sessions and answer requests",
+            file=sys.stderr,
+        )
+    tune_gc()
+    with contextlib.suppress(KeyboardInterrupt):
+        run_on_uvloop(_serve(cfg))
+    return 0
+
+
+def add_serve_command(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the gateway (agents talk to it; a policy answers through /poll)",
+                       description="Run the gateway: agents talk to it; a policy answers through /poll and /respond.",
+                       formatter_class=HelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to bind; 0 picks a free one (default: 8080)")
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help="token guarding /poll, /respond, /sessions, /metrics (or env ARES_GATEWAY_ADMIN_TOKEN)",
+    )
+    p.add_argument("--request-timeout", type=float, default=900.0, help="seconds a request waits for its answer")
+    p.add_argument("--lease", type=float, default=120.0, help="seconds before an unanswered polled request is redelivered")
+    p.add_argument("--max-body-mb", type=int, default=32, help="largest request body accepted, in MiB")
+    p.add_argument(
+        "--auto-sessions",
+        action="store_true",
+        help="create a session on first use of an unknown session id or token (local experiments only)",
+    )
+    p.add_argument("--model", action="append", help="model id listed by /v1/models (repeatable) (default: ares-gateway)")
+    p.add_argument("--public-url", default=None, help="URL agents reach the gateway at, if not http://host:port")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request (paths only, never headers)")
+    p.add_argument("--log-level", default="INFO", help="log level (DEBUG, INFO, WARNING, ERROR)")
+    p.set_defaults(handler=cmd_serve)

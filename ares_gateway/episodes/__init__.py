@@ -1,0 +1,12 @@
+"""Episodes: tasks run by a real agent harness in a sandbox, every LLM call answered by a policy.
+
+* :mod:`~ares_gateway.episodes.tasks`: a task (``task.toml``, ``instruction.md``) and datasets of them;
+* :mod:`~ares_gateway.episodes.selectors`: presets (``DATASET-HARNESS``) and task selectors;
+* :mod:`~ares_gateway.episodes.verifier`: running a task's tests and reading the reward they write;
+* :mod:`~ares_gateway.episodes.episode`: :class:`TaskEpisode`, the one episode loop (sandbox up,
+  agent launched, agent done, verifier, sandbox down) shared by :class:`GatewayEnv` and the runner;
+* :mod:`~ares_gateway.episodes.env`: :class:`GatewayEnv`, a dm_env-style environment, one step per LLM call;
+* :mod:`~ares_gateway.episodes.rollouts`: :func:`run_rollouts`, many episodes at once, answered by a policy;
+* :mod:`~ares_gateway.episodes.stats`: where episode statistics go (TensorBoard, logging);
+* :mod:`~ares_gateway.episodes.preflight`: the start-up checks of a run.
+"""

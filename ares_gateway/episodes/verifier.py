@@ -1,0 +1,254 @@
+"""Running a task's scripts in a sandbox and reading the reward its verifier wrote.
+
+After the agent, :func:`run_tests` uploads the task's ``tests/``, runs ``tests/test.sh`` in the
+workdir with ``$ARES_VERIFIER_DIR`` (default ``/logs/verifier``) naming where it must write
+``reward.json`` (a JSON object of named floats; the reward is their mean) or ``reward.txt`` (one
+float), and reads that reward (:func:`read_reward`, :func:`parse_reward`). :func:`run_solution`
+runs the task's reference ``solution/solve.sh`` (the oracle, without an agent). :func:`task_paths`
+says where a task's files go in each backend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from ares_gateway.episodes.tasks import (
+    DEFAULT_VERIFIER_DIR,
+    VERIFIER_DIR_ENV,
+    MissingTaskFileError,
+    RewardError,
+    Task,
+    _empty,
+)
+from sandbox import Sandbox, SandboxError
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+# ============================================================================ rewards
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A verifier's verdict: ``value`` (the mean of ``parts`` for reward.json) and the named parts."""
+
+    value: float
+    parts: Mapping[str, float] = field(default_factory=_empty, hash=False)
+    #: "reward.json" or "reward.txt" (or "" when built by hand).
+    source: str = ""
+
+
+def _finite(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RewardError(f"{where} must be a number, got {value!r}: make tests/test.sh write numbers only")
+    f = float(value)
+    if not math.isfinite(f):
+        raise RewardError(f"{where} must be finite, got {value!r}: make tests/test.sh write a finite number")
+    return f
+
+
+def parse_reward(reward_json: str | bytes | None = None, reward_txt: str | bytes | None = None) -> Reward:
+    """The reward from the contents of ``reward.json`` and/or ``reward.txt`` (reward.json preferred).
+
+    reward.json is a JSON object of named numbers (the reward is their mean, the parts are kept) or a
+    bare number; reward.txt is one number. Raises :class:`RewardError` saying what is wrong.
+    """
+    if reward_json is not None:
+        text = reward_json.decode("utf-8", "replace") if isinstance(reward_json, bytes) else reward_json
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise RewardError(
+                f"reward.json is not JSON ({exc}): make tests/test.sh write an object such as {{\"tests\": 1.0}}"
+            ) from None
+        if isinstance(data, dict):
+            if not data:
+                raise RewardError("reward.json is an empty object: give at least one named number, e.g. {\"tests\": 1.0}")
+            parts = {str(k): _finite(v, f"reward.json[{k!r}]") for k, v in data.items()}
+            return Reward(sum(parts.values()) / len(parts), MappingProxyType(parts), "reward.json")
+        return Reward(_finite(data, "reward.json"), _EMPTY, "reward.json")
+    if reward_txt is not None:
+        text = reward_txt.decode("utf-8", "replace") if isinstance(reward_txt, bytes) else reward_txt
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise RewardError(
+                f"reward.txt must hold one number, got {text.strip()[:80]!r}: make tests/test.sh write e.g. 1 or 0.5"
+            ) from None
+        return Reward(_finite(value, "reward.txt"), _EMPTY, "reward.txt")
+    raise RewardError(
+        "the verifier wrote neither reward.json nor reward.txt: make tests/test.sh write one of them to "
+        f"${VERIFIER_DIR_ENV} (default {DEFAULT_VERIFIER_DIR})"
+    )
+
+
+_READ_MARK = "@@ares-reward@@"
+
+
+async def read_reward(sb: Sandbox, verifier_dir: str = DEFAULT_VERIFIER_DIR, *, timeout: float = 30.0) -> Reward:
+    """Read the reward a verifier left in ``verifier_dir`` of a sandbox (reward.json preferred).
+
+    One ``exec`` reads both files (they are tiny), so this costs one round trip on remote backends.
+    Raises :class:`RewardError` when neither file is there or it is unreadable.
+    """
+    d = shlex.quote(verifier_dir.rstrip("/") or "/")
+    # A marker line tells which file followed; the reward files themselves are never shell-parsed.
+    cmd = (
+        f"if [ -f {d}/reward.json ]; then echo json{_READ_MARK}; cat {d}/reward.json; "
+        f"elif [ -f {d}/reward.txt ]; then echo txt{_READ_MARK}; cat {d}/reward.txt; "
+        f"else echo none{_READ_MARK}; fi"
+    )
+    result = await sb.exec(cmd, cwd="/", timeout=timeout)
+    if not result.ok:
+        raise RewardError(
+            f"could not read the reward in {verifier_dir} (exit {result.exit_code}, timed out: {result.timed_out}): "
+            f"{result.stderr.strip()[-300:]}"
+        )
+    kind, _, body = result.stdout.partition(f"{_READ_MARK}\n")
+    if kind == "json":
+        return parse_reward(reward_json=body)
+    if kind == "txt":
+        return parse_reward(reward_txt=body)
+    return parse_reward()
+
+
+# ============================================================================ running a task's scripts
+
+
+@dataclass(frozen=True)
+class TaskPaths:
+    """Where a task's files live inside one sandbox."""
+
+    tests_dir: str
+    solution_dir: str
+    verifier_dir: str
+
+
+def task_paths(sb: Sandbox) -> TaskPaths:
+    """Harbor's ``/tests``, ``/solution`` and ``/logs/verifier`` in containers; per-sandbox directories
+    under ``/tmp`` in the local backend, whose host filesystem is read-only (bubblewrap) or shared
+    (no isolation), so fixed root paths would be unwritable or collide between sandboxes."""
+    if sb.backend == "local":
+        root = getattr(sb, "root", None)
+        if getattr(sb, "isolated", True) is False and root is not None:
+            # Without isolation sandbox paths are host paths: stay inside the sandbox's own directory,
+            # which stop() removes.
+            base = str(Path(root) / "task")
+        else:
+            base = f"/tmp/ares-task-{sb.id}"
+        return TaskPaths(f"{base}/tests", f"{base}/solution", f"{base}/logs/verifier")
+    return TaskPaths("/tests", "/solution", DEFAULT_VERIFIER_DIR)
+
+
+@dataclass(frozen=True)
+class ScriptResult:
+    """What running ``solve.sh`` or ``test.sh`` did (outputs cut to their last 4000 characters)."""
+
+    exit_code: int
+    timed_out: bool
+    duration: float
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass(frozen=True)
+class VerifierResult:
+    """The outcome of :func:`run_tests`: always a reward (0.0 on any failure, with ``error`` saying why)."""
+
+    reward: Reward
+    script: ScriptResult | None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+_TAIL = 4000
+
+
+def _script_result(r: Any) -> ScriptResult:
+    return ScriptResult(r.exit_code, r.timed_out, r.duration, r.stdout[-_TAIL:], r.stderr[-_TAIL:])
+
+
+def _run_script_cmd(script: str) -> str:
+    # Harbor runs its scripts with bash; POSIX sh is the fallback for minimal images.
+    s = shlex.quote(script)
+    return f"if command -v bash >/dev/null 2>&1; then exec bash {s}; else exec sh {s}; fi"
+
+
+async def run_solution(
+    sb: Sandbox, task: Task, *, paths: TaskPaths | None = None, timeout: float | None = None, user: str | None = None
+) -> ScriptResult:
+    """Upload ``solution/`` and run ``solve.sh`` in the workdir (the oracle, without an agent)."""
+    if task.solution_dir is None:
+        raise MissingTaskFileError(
+            f"{task.path / 'solution' / 'solve.sh'} is missing: task {task.name!r} has no reference solution",
+            path=task.path / "solution" / "solve.sh",
+        )
+    paths = paths or task_paths(sb)
+    await sb.upload_dir(task.solution_dir, paths.solution_dir)
+    r = await sb.exec(
+        _run_script_cmd(posixpath.join(paths.solution_dir, "solve.sh")),
+        cwd=task.workdir,
+        env=dict(task.config.solution_env),
+        user=user,
+        timeout=timeout if timeout is not None else task.config.agent_timeout,
+    )
+    return _script_result(r)
+
+
+async def run_tests(
+    sb: Sandbox,
+    task: Task,
+    *,
+    paths: TaskPaths | None = None,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> VerifierResult:
+    """Upload ``tests/``, run ``test.sh`` in the workdir with its own timeout, and read the reward.
+
+    Never raises for what the verifier or sandbox did: a timeout, a missing or bad reward file or a
+    sandbox error gives reward 0.0 with ``error`` set (a non-zero exit of test.sh with a reward file
+    is not an error: many verifiers exit 1 when tests fail). ``ARES_VERIFIER_DIR`` is set for the script.
+    """
+    paths = paths or task_paths(sb)
+    zero = Reward(0.0)
+    try:
+        prep = await sb.exec(
+            f"rm -rf {shlex.quote(paths.verifier_dir)} && mkdir -p {shlex.quote(paths.verifier_dir)}",
+            cwd="/",
+            timeout=60,
+        )
+        if not prep.ok:
+            return VerifierResult(zero, None, f"cannot create {paths.verifier_dir}: {prep.stderr.strip()[-300:]}")
+        await sb.upload_dir(task.tests_dir, paths.tests_dir)
+        r = await sb.exec(
+            _run_script_cmd(posixpath.join(paths.tests_dir, "test.sh")),
+            cwd=task.workdir,
+            env={**task.config.verifier_env, **(env or {}), VERIFIER_DIR_ENV: paths.verifier_dir},
+            user=task.config.verifier_user,
+            timeout=timeout if timeout is not None else task.config.verifier_timeout,
+        )
+        script = _script_result(r)
+        if r.timed_out:
+            return VerifierResult(zero, script, f"tests/test.sh timed out after {r.duration:.0f}s")
+        try:
+            reward = await read_reward(sb, paths.verifier_dir)
+        except RewardError as exc:
+            return VerifierResult(zero, script, f"{exc} (test.sh exit code {r.exit_code})")
+        return VerifierResult(reward, script)
+    except SandboxError as exc:
+        return VerifierResult(zero, None, f"sandbox failure while verifying: {exc}")

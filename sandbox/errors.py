@@ -33,3 +33,11 @@ class ExecError(SandboxError):
 
 class FileTransferError(SandboxError):
     """Copying a file or directory into or out of the sandbox failed."""
+
+
+class ForwardError(SandboxError):
+    """A port could not be forwarded into the sandbox (see ``BaseSandbox.forward``)."""
+
+
+class NotSupportedError(SandboxError):
+    """This backend cannot do this (yet); the message says which backends can."""

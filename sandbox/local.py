@@ -9,6 +9,13 @@ When bubblewrap (``bwrap``) is installed and works, commands run inside it: the 
 read-only, the workspace bind-mounted read-write at the spec's ``workdir``, a private ``/tmp``, fresh
 ``/dev`` and ``/proc`` and a private PID namespace (``network="none"`` also unshares the network).
 Without it there is NO isolation, only a private working directory, and :attr:`description` says so.
+
+``SandboxSpec(hardened=True)`` (bubblewrap and root needed) shows the sandbox only the system
+directories, ``/opt/ares-agents`` and ``spec.readonly_paths`` read-only, plus its workdir, ``/tmp`` and
+``/home`` (where an ``agent`` user, uid :data:`AGENT_UID`, has its home) writable; a non-root user runs
+with no capabilities, an empty bounding set and ``no_new_privs``; file transfers run inside the
+sandbox (as root there), so a symlink the agent plants never redirects them onto the host.
+``forward()`` runs :mod:`sandbox._relay` on the host inside the sandbox's network namespace only.
 """
 
 from __future__ import annotations
@@ -22,19 +29,40 @@ import pwd
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 from . import janitor
-from .errors import ExecError, FileTransferError, SandboxStartError
-from .protocol import BaseSandbox, ExecResult
+from .errors import ExecError, FileTransferError, ForwardError, SandboxStartError
+from .protocol import (
+    BaseSandbox,
+    ExecResult,
+    extract_single_file,
+    extract_tar,
+    tar_directory,
+    tar_single_file,
+)
 from .spec import SandboxSpec
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _ID_VAR = "ARES_SANDBOX_ID"
+# Relays carry their own tag: kill_processes() spares them, stop() and gc remove them.
+_RELAY_VAR = "ARES_SANDBOX_RELAY"
 _OWNER_FILE = "owner.json"
+_RELAY_SCRIPT = Path(__file__).with_name("_relay.py")
+_CWD_MISSING = 201
+_CWD_MARK = "ares-exec: no such directory: "
+
+AGENT_USER = "agent"
+AGENT_UID = 1000
+# What a hardened sandbox sees of the host (read-only), when it exists.
+HARDENED_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt/ares-agents")
+# A non-root user in a hardened sandbox: no capabilities now or ever (setuid binaries included).
+_DROP_PRIVS = ["--clear-groups", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs"]
 
 
 def local_root() -> Path:
@@ -60,9 +88,9 @@ def bwrap_available() -> bool:
     return probe.returncode == 0
 
 
-def _kill_tagged_processes(sandbox_id: str) -> int:
-    """SIGKILL every process whose environment carries ``ARES_SANDBOX_ID=<sandbox_id>``."""
-    needle = f"{_ID_VAR}={sandbox_id}".encode()
+def _kill_tagged_processes(sandbox_id: str, var: str = _ID_VAR) -> int:
+    """SIGKILL every process whose environment carries ``ARES_SANDBOX_ID=<sandbox_id>`` (or ``var``)."""
+    needle = f"{var}={sandbox_id}".encode()
     killed = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -96,9 +124,22 @@ class LocalSandbox(BaseSandbox):
         # commands join with nsenter, so that processes a command leaves in the background survive it.
         self._keeper: subprocess.Popen[bytes] | None = None
         self._ns_pid: int | None = None
+        self._ns_init: int | None = None
+        self._relays: list[subprocess.Popen[bytes]] = []
+        self._users: dict[str, pwd.struct_passwd] = {}
+
+    @property
+    def hardened(self) -> bool:
+        return self.spec.hardened
 
     @property
     def description(self) -> str:
+        if self.isolated and self.hardened:
+            return (
+                f"local sandbox {self.id} in {self.root} (bubblewrap, hardened: only system directories and "
+                f"/opt/ares-agents read-only, private {self.spec.workdir}, /tmp and /home, PID namespace, non-root "
+                f"users without capabilities, network={self.spec.network})"
+            )
         if self.isolated:
             return (
                 f"local sandbox {self.id} in {self.root} (bubblewrap: read-only host filesystem, private "
@@ -142,9 +183,40 @@ class LocalSandbox(BaseSandbox):
             raise SandboxStartError(f"the local backend supports network 'host' or 'none', not {self.spec.network!r}")
         if self.spec.network == "none" and not self.isolated:
             raise SandboxStartError("network='none' needs bubblewrap for the local backend: apt-get install bubblewrap")
+        if self.hardened:
+            if not self.isolated:
+                raise SandboxStartError("SandboxSpec(hardened=True) needs bubblewrap: apt-get install bubblewrap")
+            if os.geteuid() != 0 or not shutil.which("nsenter") or not shutil.which("setpriv"):
+                raise SandboxStartError(
+                    "SandboxSpec(hardened=True) on the local backend needs root and nsenter/setpriv (util-linux): run "
+                    "as root, or use the docker backend"
+                )
+            self._write_user_db()
         if self.isolated and os.geteuid() == 0 and shutil.which("nsenter"):
             # Spawned from the loop's own thread: bwrap --die-with-parent ties the namespace to it.
             self._start_keeper()
+
+    def _write_user_db(self) -> None:
+        """The hardened sandbox's /etc/passwd and /etc/group: the host's plus the ``agent`` user."""
+        def merged(path: str, line: str, ident: int) -> str:
+            try:
+                host = Path(path).read_text().splitlines()
+            except OSError:
+                host = []
+            kept = [entry for entry in host
+                    if entry.split(":", 1)[0] != AGENT_USER and entry.split(":")[2:3] != [str(ident)]]
+            return "\n".join([*kept, line, ""])
+
+        home = self.root / "home" / AGENT_USER
+        home.mkdir(parents=True)
+        os.chown(home, AGENT_UID, AGENT_UID)
+        os.chmod(home, 0o755)
+        os.chown(self.root / "work", AGENT_UID, AGENT_UID)  # as /workspace in the agent image
+        (self.root / "passwd").write_text(
+            merged("/etc/passwd", f"{AGENT_USER}:x:{AGENT_UID}:{AGENT_UID}:agent:/home/{AGENT_USER}:/bin/bash", AGENT_UID))
+        (self.root / "group").write_text(merged("/etc/group", f"{AGENT_USER}:x:{AGENT_UID}:", AGENT_UID))
+        self._users[AGENT_USER] = pwd.struct_passwd(
+            (AGENT_USER, "x", AGENT_UID, AGENT_UID, "agent", f"/home/{AGENT_USER}", "/bin/bash"))
 
     def _start_keeper(self) -> None:
         argv = [*self._bwrap_prefix(), "--", "sleep", "infinity"]
@@ -167,12 +239,19 @@ class LocalSandbox(BaseSandbox):
                 with contextlib.suppress(OSError):
                     grandchildren = inner.read_text().split()
                     if grandchildren:
+                        self._ns_init = int(pids[0])
                         self._ns_pid = int(grandchildren[0])
                         return
             time.sleep(0.01)
         raise SandboxStartError("bubblewrap did not start the sandbox namespace within 10 s")
 
     def _remove_sync(self) -> None:
+        for relay in self._relays:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                relay.kill()
+            with contextlib.suppress(Exception):
+                relay.wait(5)
+        self._relays.clear()
         if self._keeper is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._keeper.pid, signal.SIGKILL)
@@ -183,6 +262,7 @@ class LocalSandbox(BaseSandbox):
                 os.killpg(pgid, signal.SIGKILL)
         self._pgids.clear()
         _kill_tagged_processes(self.id)
+        _kill_tagged_processes(self.id, _RELAY_VAR)
         shutil.rmtree(self.root, ignore_errors=True)
 
     # -- exec ----------------------------------------------------------------------------------------
@@ -193,17 +273,27 @@ class LocalSandbox(BaseSandbox):
         switch: list[str] = []
         if user is not None:
             info = self._lookup_user(user)
-            switch = ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", "--init-groups"]
+            if self.hardened and info.pw_uid != 0:
+                switch = ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", *_DROP_PRIVS]
+            elif not self.hardened:
+                switch = ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", "--init-groups"]
         if self._ns_pid is not None:
             # Join the sandbox's namespaces; cd inside (nsenter's --wd resolves outside the new root).
             return [
-                "nsenter", "-t", str(self._ns_pid), "-m", "-p", "-i", "-u", "-r",
-                *(["-n"] if self.spec.network == "none" else []),
-                *switch, "sh", "-c", 'cd "$0" || exit 201; exec /bin/sh -c "$1"', cwd, command,
+                *self._nsenter(), *switch, "sh", "-c",
+                f'cd "$0" 2>/dev/null || {{ echo "{_CWD_MARK}$0" >&2; exit {_CWD_MISSING}; }}; exec /bin/sh -c "$1"',
+                cwd, command,
             ]
         return [*self._bwrap_prefix(), "--chdir", cwd, *switch, *inner]
 
+    def _nsenter(self) -> list[str]:
+        assert self._ns_pid is not None
+        return ["nsenter", "-t", str(self._ns_pid), "-m", "-p", "-i", "-u", "-r",
+                *(["-n"] if self.spec.network == "none" else [])]
+
     def _bwrap_prefix(self) -> list[str]:
+        if self.hardened:
+            return self._hardened_bwrap_prefix()
         argv = [
             "bwrap", *_root_binds(self.spec.workdir), "--dev", "/dev", "--proc", "/proc",
             "--bind", str(self.root / "tmp"), "/tmp",
@@ -214,7 +304,37 @@ class LocalSandbox(BaseSandbox):
             argv.append("--unshare-net")
         return argv
 
+    def _hardened_bwrap_prefix(self) -> list[str]:
+        argv = ["bwrap"]
+        # bwrap makes missing parents of a mount point 0700; every user must traverse them (/opt).
+        targets = [*HARDENED_SYSTEM_PATHS, *map(str, self.spec.readonly_paths), self.spec.workdir]
+        parents = sorted({str(parent) for t in targets for parent in Path(t).parents if str(parent) != "/"},
+                         key=lambda d: d.count("/"))
+        for parent in parents:
+            argv += ["--perms", "0755", "--dir", parent]
+        for path in HARDENED_SYSTEM_PATHS:
+            if os.path.islink(path):
+                argv += ["--symlink", os.readlink(path), path]
+            elif os.path.isdir(path):
+                argv += ["--ro-bind", path, path]
+        argv += ["--ro-bind", str(self.root / "passwd"), "/etc/passwd", "--ro-bind", str(self.root / "group"), "/etc/group"]
+        for path in self.spec.readonly_paths:
+            argv += ["--ro-bind-try", str(path), str(path)]
+        argv += [
+            "--dev", "/dev", "--proc", "/proc",
+            "--bind", str(self.root / "tmp"), "/tmp",
+            "--bind", str(self.root / "home"), "/home",
+            "--bind", str(self.root / "work"), self.spec.workdir,
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session",
+        ]
+        if self.spec.network == "none":
+            argv.append("--unshare-net")
+        return argv
+
     def _lookup_user(self, user: str) -> pwd.struct_passwd:
+        known = self._users.get(user) or next((u for u in self._users.values() if str(u.pw_uid) == user), None)
+        if known is not None:
+            return known
         try:
             return pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
         except KeyError as exc:
@@ -223,9 +343,13 @@ class LocalSandbox(BaseSandbox):
     async def _exec(
         self, command: str, *, cwd: str, env: dict[str, str], user: str | None, timeout: float | None
     ) -> ExecResult:
-        full_env = {"PATH": DEFAULT_PATH, "HOME": self.workdir, **env, _ID_VAR: self.id}
+        home = self.workdir
+        if self.hardened and user is not None and self._lookup_user(user).pw_name == AGENT_USER:
+            home = f"/home/{AGENT_USER}"
+        full_env = {"PATH": DEFAULT_PATH, "HOME": home, **env, _ID_VAR: self.id}
         host_cwd = self._host_path(cwd)
-        if not host_cwd.is_dir():
+        # A hardened sandbox's cwd is checked inside (its paths are not the host's).
+        if not self.hardened and not host_cwd.is_dir():
             raise ExecError(f"cwd {cwd!r} does not exist in sandbox {self.id}: create it first (mkdir -p)")
         kwargs: dict[str, object] = {}
         if user is not None:
@@ -267,6 +391,8 @@ class LocalSandbox(BaseSandbox):
             if proc.returncode is not None and not _group_alive(proc.pid):
                 self._pgids.discard(proc.pid)
         code = proc.returncode if proc.returncode is not None else -9
+        if code == _CWD_MISSING and err.startswith(_CWD_MARK.encode()):
+            raise ExecError(f"cwd {cwd!r} does not exist in sandbox {self.id}: create it first (mkdir -p)")
         return ExecResult(
             stdout=out.decode("utf-8", "replace"),
             stderr=err.decode("utf-8", "replace"),
@@ -275,8 +401,131 @@ class LocalSandbox(BaseSandbox):
             duration=time.monotonic() - started,
         )
 
+    # -- forwarding and killing -------------------------------------------------------------------
+    async def _forward(self, port: int, host_socket: str) -> None:
+        if self._ns_pid is None:
+            raise ForwardError(
+                "forward() on the local backend needs bubblewrap and root (a network namespace that lives between "
+                "commands); use the docker backend otherwise"
+            )
+        ready = self.root / f"relay-{port}.ready"
+        log = self.root / f"relay-{port}.log"
+        argv = ["nsenter", "-t", str(self._ns_pid), "-n", "--", sys.executable, "-I", str(_RELAY_SCRIPT),
+                "--listen", f"127.0.0.1:{port}", "--unix", host_socket, "--ready-file", str(ready),
+                "--watch-pid", str(self._ns_pid), "--exit-on-stdin-eof"]
+        relay = self._spawn_relay(argv, log)
+        self._relays.append(relay)
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            if relay.poll() is not None or time.monotonic() > deadline:
+                relay.kill()
+                detail = log.read_text(errors="replace").strip()[-500:]
+                raise ForwardError(f"the relay for port {port} of sandbox {self.id} did not start: {detail or 'no output'}")
+            await asyncio.sleep(0.01)
+
+    def _spawn_relay(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+        # stdin stays an open pipe: when this process dies the relay reads EOF and exits.
+        with open(log, "wb") as log_fh:
+            return subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log_fh, close_fds=True,
+                start_new_session=True, cwd=str(self.root), env={"PATH": DEFAULT_PATH, _RELAY_VAR: self.id},
+            )
+
+    async def _kill_processes(self, user: str | None, timeout: float) -> int:
+        uid = None if user is None else self._lookup_user(user).pw_uid
+        return await asyncio.to_thread(self._kill_sync, uid, timeout)
+
+    def _members(self, uid: int | None) -> list[int]:
+        """Live (non-zombie) processes of this sandbox, its keeper and the caller excepted."""
+        ns: str | None = None
+        keep = {os.getpid()}
+        if self._ns_pid is not None:
+            ns = os.readlink(f"/proc/{self._ns_pid}/ns/pid")
+            keep |= {self._ns_pid, self._ns_init or 0}
+        needle = f"{_ID_VAR}={self.id}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in keep:
+                continue
+            base = f"/proc/{entry}"
+            try:
+                if ns is not None:
+                    if os.readlink(f"{base}/ns/pid") != ns:
+                        continue
+                else:
+                    with open(f"{base}/environ", "rb") as fh:
+                        if needle not in fh.read().split(b"\0"):
+                            continue
+                with open(f"{base}/stat", "rb") as fh:
+                    state = fh.read().rsplit(b")", 1)[1].split()[0]
+                if state in (b"Z", b"X") or (uid is not None and os.stat(base).st_uid != uid):
+                    continue
+            except (OSError, IndexError):
+                continue
+            found.append(int(entry))
+        return found
+
+    def _kill_sync(self, uid: int | None, timeout: float) -> int:
+        killed: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while True:
+            alive = self._members(uid)
+            if not alive:
+                return len(killed)
+            if time.monotonic() > deadline:
+                raise ExecError(f"processes {alive[:20]} of sandbox {self.id} survived SIGKILL for {timeout} s")
+            for pid in alive:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+            time.sleep(0.01)
+
     # -- files -----------------------------------------------------------------------------------
+    def _tar_inside(self, args: list[str], *, stdin: object = None, stdout: object = None) -> None:
+        """Run ``tar`` as root inside the sandbox's namespaces (hardened transfers)."""
+        proc = subprocess.run(
+            [*self._nsenter(), "tar", *args], stdin=stdin, stdout=stdout, stderr=subprocess.PIPE,  # type: ignore[call-overload]
+            cwd=str(self.root), env={"PATH": DEFAULT_PATH}, check=False, close_fds=True,
+        )
+        if proc.returncode != 0:
+            raise FileTransferError(f"tar {' '.join(args[:3])} in sandbox {self.id} failed: "
+                                    f"{proc.stderr.decode(errors='replace').strip()[-500:]}")
+
+    def _hardened_transfer(self, kind: str, local: Path, remote: str) -> None:
+        """One transfer through ``tar`` inside the sandbox: paths and symlinks resolve in its view only."""
+        parent, name = posixpath.split(remote)
+        parent = parent or "/"
+        if kind in ("upload_file", "upload_dir"):
+            spool = tar_single_file(local, name) if kind == "upload_file" else tar_directory(local)
+            dest = parent if kind == "upload_file" else remote
+            try:
+                self._mkdir_inside(dest)
+                # --no-same-owner: files belong to root, as a host-side copy by root would.
+                self._tar_inside(["-x", "--no-same-owner", "-f", "-", "-C", dest], stdin=spool)
+            finally:
+                spool.close()
+            return
+        with tempfile.TemporaryFile() as out:
+            if kind == "download_file":
+                self._tar_inside(["-c", "-h", "-f", "-", "-C", parent, "--", name], stdout=out)
+                out.seek(0)
+                extract_single_file(out, local)
+            else:
+                self._tar_inside(["-c", "-f", "-", "-C", remote, "."], stdout=out)
+                out.seek(0)
+                extract_tar(out, local)
+
+    def _mkdir_inside(self, path: str) -> None:
+        proc = subprocess.run([*self._nsenter(), "mkdir", "-p", "--", path], capture_output=True, check=False,
+                              cwd=str(self.root), env={"PATH": DEFAULT_PATH})
+        if proc.returncode != 0:
+            raise FileTransferError(f"creating {path} in sandbox {self.id} failed: "
+                                    f"{proc.stderr.decode(errors='replace').strip()[-300:]}")
+
     async def _upload_file(self, local_path: Path, remote_path: str) -> None:
+        if self.hardened:
+            return await self._files(lambda: self._hardened_transfer("upload_file", local_path, remote_path),
+                                     remote_path)
         dest = self._host_path(remote_path)
 
         def copy() -> None:
@@ -289,6 +538,8 @@ class LocalSandbox(BaseSandbox):
         await self._files(copy, remote_path)
 
     async def _upload_dir(self, local_dir: Path, remote_dir: str) -> None:
+        if self.hardened:
+            return await self._files(lambda: self._hardened_transfer("upload_dir", local_dir, remote_dir), remote_dir)
         dest = self._host_path(remote_dir)
 
         def copy() -> None:
@@ -299,6 +550,9 @@ class LocalSandbox(BaseSandbox):
         await self._files(copy, remote_dir)
 
     async def _download_file(self, remote_path: str, local_path: Path) -> None:
+        if self.hardened:
+            return await self._files(lambda: self._hardened_transfer("download_file", local_path, remote_path),
+                                     remote_path)
         src = self._host_path(remote_path)
 
         def copy() -> None:
@@ -310,6 +564,8 @@ class LocalSandbox(BaseSandbox):
         await self._files(copy, remote_path)
 
     async def _download_dir(self, remote_dir: str, local_dir: Path) -> None:
+        if self.hardened:
+            return await self._files(lambda: self._hardened_transfer("download_dir", local_dir, remote_dir), remote_dir)
         src = self._host_path(remote_dir)
 
         def copy() -> None:
@@ -480,4 +736,5 @@ def gc_candidates() -> list[tuple[str, dict[str, str]]]:
 
 def gc_remove(ref: str) -> None:
     _kill_tagged_processes(ref)
+    _kill_tagged_processes(ref, _RELAY_VAR)
     shutil.rmtree(local_root() / ref, ignore_errors=True)

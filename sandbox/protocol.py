@@ -1,4 +1,32 @@
-"""The :class:`Sandbox` protocol, :class:`ExecResult`, and :class:`BaseSandbox`, which backends extend."""
+"""The :class:`Sandbox` protocol, :class:`ExecResult`, and :class:`BaseSandbox`, which backends extend.
+
+Two calls exist for the gateway's isolation of agents (issue 17); both are on every backend's API:
+
+``await sb.forward(port, host_socket)``
+    Inside the sandbox, ``127.0.0.1:port`` (the sandbox's *own* loopback) now reaches the unix socket
+    ``host_socket`` on the host.  It needs ``network="none"`` (with host networking the sandbox
+    already shares the host's loopback, and a listener there would be the host's).  The gateway serves
+    one unix socket per session, accepting only that session's agent endpoints, and points the agent's
+    base URL at ``http://127.0.0.1:<port>``.  Declaring ``SandboxSpec(forwards={port: host_socket})``
+    sets the same relays up during ``start()`` (Docker needs this: the socket's directory is bind-
+    mounted when the container is created).  Each connection is piped by a small stdlib relay
+    (``sandbox/_relay.py``), which the agent cannot kill or replace:
+
+    * local: the relay runs as a host process that joined only the sandbox's network namespace
+      (``nsenter -n``), so it sees the host's socket and nothing of the sandbox but its loopback;
+    * docker: the relay runs as root inside the container (``python3`` of the image), the socket's
+      directory mounted read-only at ``/.ares/forward/<n>`` (connect needs no write access);
+    * daytona: :class:`~sandbox.errors.NotSupportedError`.  A remote backend that cannot reach the
+      host would run the same relay inside, carrying each connection over its own channel (its
+      toolbox or a port-forwarding tunnel) instead of a mounted socket: only ``_forward`` changes.
+
+``await sb.kill_processes(user=None)``
+    Kill every process in the sandbox except its own keeper/init (and the relays), and wait until
+    they are gone; with ``user``, only that user's.  Run it before a verifier so that nothing the
+    agent started (a detached loop rewriting a reward file) is left.  local: every process of the
+    sandbox's PID namespace (bubblewrap as root), else every process tagged ``ARES_SANDBOX_ID``;
+    docker: every process of the container but PID 1 and its ``sleep infinity``.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +46,15 @@ from types import TracebackType
 from typing import IO, Protocol, Self, runtime_checkable
 
 from . import janitor
-from .errors import ExecError, FileTransferError, SandboxStateError
-from .spec import SandboxSpec
+from .errors import (
+    ExecError,
+    FileTransferError,
+    ForwardError,
+    NotSupportedError,
+    SandboxStartError,
+    SandboxStateError,
+)
+from .spec import SandboxSpec, check_forward
 
 # Spill an in-flight tar stream to disk beyond this size instead of holding it in memory.
 _SPOOL_BYTES = 32 * 1024 * 1024
@@ -73,6 +108,10 @@ class Sandbox(Protocol):
     async def download_file(self, remote_path: str, local_path: str | os.PathLike[str]) -> None: ...
 
     async def download_dir(self, remote_dir: str, local_dir: str | os.PathLike[str]) -> None: ...
+
+    async def forward(self, port: int, host_socket: str) -> None: ...
+
+    async def kill_processes(self, *, user: str | None = None, timeout: float = 30.0) -> int: ...
 
     async def stop(self) -> None: ...
 
@@ -179,6 +218,7 @@ class BaseSandbox(abc.ABC):
         self._state = "created"
         self._lock = threading.Lock()
         self.created_at = time.time()
+        self._forwards: dict[int, str] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -202,9 +242,19 @@ class BaseSandbox(abc.ABC):
             raise SandboxStateError(
                 f"sandbox {self.id} was stopped and cannot be started again: create a new one with sandbox.create()"
             )
+        if self.spec.forwards and self.spec.network != "none":
+            raise SandboxStartError(
+                f"SandboxSpec.forwards needs network='none' (got {self.spec.network!r}): with host networking the "
+                "sandbox already shares the host's loopback"
+            )
+        if self.spec.forwards and type(self)._forward is BaseSandbox._forward:
+            await self._forward(0, "")  # raises NotSupportedError before anything is created
         janitor.register(self)
         try:
             await self._start()
+            for port, host_socket in self.spec.forwards.items():
+                await self._forward(port, host_socket)
+                self._forwards[port] = host_socket
         except BaseException:
             try:
                 self._remove_sync()
@@ -307,6 +357,47 @@ class BaseSandbox(abc.ABC):
         self._require_running("download a directory")
         await self._download_dir(self._abs(remote_dir), Path(local_dir))
 
+    @property
+    def forwards(self) -> dict[int, str]:
+        """The ports forwarded so far: sandbox port -> host unix socket."""
+        return dict(self._forwards)
+
+    async def forward(self, port: int, host_socket: str) -> None:
+        """Make ``127.0.0.1:port`` inside the sandbox reach the host's unix socket ``host_socket``.
+
+        Needs ``network="none"``.  Forwarding a port again to the same socket does nothing; to another
+        socket raises :class:`ForwardError`.  The socket need not exist yet (each connection opens it
+        anew; one made before it exists is closed at once).  The relay lives until the sandbox stops.
+        Raises :class:`NotSupportedError` on a backend that cannot forward (Daytona).
+        """
+        self._require_running("forward a port")
+        try:
+            check_forward(port, host_socket)
+        except ValueError as exc:
+            raise ForwardError(str(exc)) from exc
+        if self.spec.network != "none":
+            raise ForwardError(
+                f"forward() needs SandboxSpec(network='none'), this sandbox has network={self.spec.network!r}: with "
+                "host networking the sandbox shares the host's loopback and the relay would listen on the host"
+            )
+        known = self._forwards.get(port)
+        if known == host_socket:
+            return
+        if known is not None:
+            raise ForwardError(f"port {port} of sandbox {self.id} already forwards to {known}; use another port")
+        await self._forward(port, host_socket)
+        self._forwards[port] = host_socket
+
+    async def kill_processes(self, *, user: str | None = None, timeout: float = 30.0) -> int:
+        """Kill every process in the sandbox but its own keeper (and relays); wait until they are gone.
+
+        ``user`` (a name or uid) limits it to that user's processes.  Returns how many were killed.
+        Processes that fork while being killed are killed in further rounds; raises :class:`ExecError`
+        if any is still alive after ``timeout`` seconds.
+        """
+        self._require_running("kill processes")
+        return await self._kill_processes(user, timeout)
+
     def _abs(self, remote_path: str) -> str:
         if remote_path.startswith("/"):
             return posixpath.normpath(remote_path)
@@ -332,6 +423,15 @@ class BaseSandbox(abc.ABC):
 
     @abc.abstractmethod
     async def _download_dir(self, remote_dir: str, local_dir: Path) -> None: ...
+
+    async def _forward(self, port: int, host_socket: str) -> None:
+        raise NotSupportedError(
+            f"the {self.backend} backend cannot forward ports yet: use the local or docker backend (or network "
+            "access) for sandboxes that must reach a host socket"
+        )
+
+    async def _kill_processes(self, user: str | None, timeout: float) -> int:
+        raise NotSupportedError(f"the {self.backend} backend cannot kill all processes yet: use local or docker")
 
     async def _stop(self) -> None:
         import asyncio

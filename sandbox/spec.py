@@ -26,6 +26,20 @@ def parse_size(value: int | str | None) -> int | None:
     return int(float(number) * _UNITS[unit.lower()])
 
 
+# The kernel's limit on a unix socket path (sun_path is 108 bytes, NUL included).
+_MAX_SOCKET_PATH = 107
+
+
+def check_forward(port: int, host_socket: str) -> None:
+    """Raise ValueError unless ``port`` is a TCP port and ``host_socket`` an absolute unix socket path."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"forward port must be an integer in 1..65535, got {port!r}")
+    if not isinstance(host_socket, str) or not host_socket.startswith("/"):
+        raise ValueError(f"forward target must be an absolute path to a unix socket on the host, got {host_socket!r}")
+    if len(host_socket.encode()) > _MAX_SOCKET_PATH or "\0" in host_socket:
+        raise ValueError(f"unix socket path too long or invalid (max {_MAX_SOCKET_PATH} bytes): {host_socket!r}")
+
+
 @dataclass(frozen=True)
 class Resources:
     """Limits for one sandbox. ``None`` means the backend's default (no limit for local and Docker)."""
@@ -53,7 +67,22 @@ class SandboxSpec:
     backends; the local backend ignores both.
 
     ``network`` is ``"host"`` (the default: the sandbox reaches services on the host's 127.0.0.1),
-    ``"none"``, or a backend-specific network name.
+    ``"none"`` (no network at all: only the sandbox's own loopback, plus the relays of ``forwards``),
+    or a backend-specific network name.
+
+    ``forwards`` maps a port on the sandbox's own 127.0.0.1 to a unix socket on the host: from
+    ``start()`` on, a connection to ``127.0.0.1:port`` inside reaches that socket (see
+    :meth:`BaseSandbox.forward <sandbox.protocol.BaseSandbox.forward>`).  It needs ``network="none"``.
+    Docker bind-mounts each socket's *directory* read-only when the container is created, so later
+    ``forward()`` calls can use other sockets in those directories; give every session its own
+    directory, or one sandbox could connect to another's socket.
+
+    ``hardened`` (local backend; containers are separate already) narrows what the sandbox sees: only
+    the system directories (``/usr``, ``/bin``, ``/lib*``, ``/sbin``, ``/etc``), ``/opt/ares-agents``
+    and ``readonly_paths`` read-only; the workdir, a private ``/tmp`` and ``/home/agent`` writable; no
+    host home directory, repository, dataset or socket.  An ``agent`` user (uid 1000) exists there;
+    commands run as a non-root user have no capabilities and ``no_new_privs``; root (``user=None`` or
+    ``"root"``) keeps today's behaviour inside the namespaces, for installs and verifiers.
     """
 
     image: str | None = None
@@ -66,6 +95,9 @@ class SandboxSpec:
     labels: dict[str, str] = field(default_factory=dict)
     user: str | None = None
     name: str | None = None
+    forwards: dict[int, str] = field(default_factory=dict)
+    hardened: bool = False
+    readonly_paths: tuple[str, ...] = ()
     # Remote backends only (Daytona): minutes of inactivity before the sandbox is stopped, and minutes
     # after stopping before it is deleted.  They are the safety net should every cleanup path fail.
     auto_stop_minutes: int | None = 60
@@ -79,6 +111,11 @@ class SandboxSpec:
         for key in self.env:
             if not key or "=" in key or "\0" in key:
                 raise ValueError(f"invalid environment variable name {key!r}")
+        for port, socket_path in self.forwards.items():
+            check_forward(port, socket_path)
+        for path in self.readonly_paths:
+            if not str(path).startswith("/"):
+                raise ValueError(f"readonly_paths must be absolute host paths, got {path!r}")
 
     def dockerfile_path(self) -> Path | None:
         return Path(self.dockerfile).resolve() if self.dockerfile else None

@@ -23,7 +23,7 @@ from .errors import (
     SandboxStartError,
     SandboxStateError,
 )
-from .janitor import GcReport, collect_garbage
+from .gc import GcReport, collect_garbage
 from .local import LocalSandbox
 from .protocol import BaseSandbox, ExecResult, Sandbox
 from .spec import Resources, SandboxSpec

@@ -31,6 +31,7 @@ from .errors import (
     BackendUnavailableError,
     ExecError,
     FileTransferError,
+    ForwardError,
     ImageBuildError,
     SandboxStartError,
 )
@@ -38,6 +39,7 @@ from .protocol import (
     BaseSandbox,
     ExecResult,
     IterStream,
+    command_to_shell,
     extract_single_file,
     extract_tar,
     tar_directory,
@@ -66,6 +68,56 @@ _OUTER = (
 )
 _INNER = 'echo $$ >"$0" 2>/dev/null; exec /bin/sh -c "$1"'
 _KILL = 'p=$(cat "$0" 2>/dev/null) && [ -n "$p" ] && { kill -9 -"$p" 2>/dev/null || kill -9 "$p"; }; rm -f "$0"'
+
+# Root-owned directory of the sandbox's own machinery: the relay script, its pid files and logs, and
+# the read-only mounts of host socket directories (/.ares/forward/<n>).
+_ARES_DIR = "/.ares"
+_RELAY_SCRIPT = Path(__file__).with_name("_relay.py")
+# $1 port, $2 socket path inside.  Starts the relay detached and waits for its pid (ready) file.
+_START_RELAY = r"""
+port=$1; sock=$2; r=/.ares/relay-$port.pid; log=/.ares/relay-$port.log
+command -v python3 >/dev/null 2>&1 || { echo "the image has no python3, which the relay needs"; exit 3; }
+rm -f "$r"
+setsid python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --unix "$sock" --ready-file "$r" >"$log" 2>&1 </dev/null &
+i=0; while [ ! -f "$r" ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done
+[ -f "$r" ] || { cat "$log"; exit 4; }
+"""
+# $1 uid ('' = every user), $2 rounds of 50 ms.  Kills every process but PID 1, its first child (the
+# container's `sleep infinity`), the relays and itself (with the exec wrapper above it); builtins only while listing, so the script's
+# own helpers never show up.  Prints the number killed; exit 3 (and the survivors) when time runs out.
+_KILL_ALL = r"""
+want=$1; rounds=$2; self=$$; killed=0
+keeper=$(tr ' ' '
+' </proc/1/task/1/children | grep . | sort -n | head -n 1)
+relays=$(cat /.ares/relay-*.pid 2>/dev/null | tr '
+' ' ')
+anc=""; p=$self
+while [ -n "$p" ] && [ "$p" -gt 1 ]; do
+  anc="$anc $p"; pp=""
+  while read -r k v _; do case $k in PPid:) pp=$v; break;; esac; done <"/proc/$p/status" 2>/dev/null
+  p=$pp
+done
+keep=" 1 $keeper $relays $anc "
+n=0
+while :; do
+  list=""
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    case "$keep" in *" $p "*) continue;; esac
+    st=""; u=""
+    while read -r k v _; do
+      case $k in State:) st=$v;; Uid:) u=$v; break;; esac
+    done <"$d/status" 2>/dev/null || continue
+    case $st in Z|X|"") continue;; esac
+    [ -n "$want" ] && [ "$u" != "$want" ] && continue
+    list="$list $p"
+  done
+  [ -z "$list" ] && { echo "$killed"; exit 0; }
+  n=$((n+1)); [ $n -gt "$rounds" ] && { echo "survivors:$list"; exit 3; }
+  for p in $list; do kill -9 "$p" 2>/dev/null && killed=$((killed+1)); done
+  sleep 0.05
+done
+"""
 
 
 def _transient(exc: BaseException) -> bool:
@@ -214,6 +266,11 @@ class DockerSandbox(BaseSandbox):
         self.container_id: str | None = None
         self.image: str | None = None
         self._container_name = f"ares-sbx-{self.id}"
+        # Host directory of a forwarded socket -> where it is mounted inside (read-only).
+        self._socket_dirs: dict[str, str] = {}
+        for n, directory in enumerate(sorted({os.path.dirname(p) for p in self.spec.forwards.values()})):
+            self._socket_dirs[directory] = f"{_ARES_DIR}/forward/{n}"
+        self._relay_uploaded = False
 
     @property
     def description(self) -> str:
@@ -241,6 +298,8 @@ class DockerSandbox(BaseSandbox):
             "init": True,
             "detach": True,
         }
+        if self._socket_dirs:
+            kwargs["volumes"] = {host: {"bind": inside, "mode": "ro"} for host, inside in self._socket_dirs.items()}
         if res.cpus:
             kwargs["nano_cpus"] = int(res.cpus * 1e9)
         if res.memory_bytes:
@@ -339,6 +398,58 @@ class DockerSandbox(BaseSandbox):
             client().api.exec_start(
                 client().api.exec_create(self.container_id, ["/bin/sh", "-c", _KILL, pidfile], user="root")["Id"]
             )
+
+    # -- forwarding and killing -------------------------------------------------------------------
+    async def _forward(self, port: int, host_socket: str) -> None:
+        directory, name = os.path.split(host_socket)
+        inside = self._socket_dirs.get(directory)
+        if inside is None:
+            raise ForwardError(
+                f"docker can forward only sockets in directories mounted when the container was created: put "
+                f"{host_socket} in SandboxSpec.forwards (or in the directory of a socket there: "
+                f"{sorted(self._socket_dirs) or 'none'})"
+            )
+        if not self._relay_uploaded:
+            await asyncio.to_thread(self._upload_relay)
+            self._relay_uploaded = True
+        r = await self._exec(command_to_shell(["sh", "-c", _START_RELAY, "ares-relay", str(port), f"{inside}/{name}"]),
+                             user="root", cwd="/", env={}, timeout=60)
+        if not r.ok:
+            raise ForwardError(f"the relay for port {port} of sandbox {self.id} did not start: "
+                               f"{(r.stdout + r.stderr).strip()[-500:] or f'exit {r.exit_code}'}")
+
+    def _upload_relay(self) -> None:
+        import io
+        import tarfile
+
+        data = _RELAY_SCRIPT.read_bytes()
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo("relay.py")
+            info.size, info.mode, info.uid, info.gid = len(data), 0o644, 0, 0
+            tar.addfile(info, io.BytesIO(data))
+        api = client().api
+        api.exec_start(api.exec_create(self.container_id, ["mkdir", "-p", "-m", "755", _ARES_DIR], user="root")["Id"])
+        if not api.put_archive(self.container_id, _ARES_DIR, buf.getvalue()):
+            raise ForwardError(f"docker refused the relay script's copy into sandbox {self.id}")
+
+    async def _kill_processes(self, user: str | None, timeout: float) -> int:
+        uid = ""
+        if user is not None:
+            if user.isdigit():
+                uid = user
+            else:
+                r = await self._exec(command_to_shell(["id", "-u", user]), user="root", cwd="/", env={}, timeout=30)
+                if not r.ok:
+                    raise ExecError(f"no user {user!r} in sandbox {self.id}: {r.stderr.strip()}")
+                uid = r.stdout.strip()
+        rounds = max(1, int(timeout / 0.05))
+        r = await self._exec(command_to_shell(["sh", "-c", _KILL_ALL, "ares-kill", uid, str(rounds)]), user="root",
+                             cwd="/", env={}, timeout=timeout + 30)
+        out = r.stdout.strip()
+        if not r.ok or not out.isdigit():
+            raise ExecError(f"killing the processes of sandbox {self.id} failed: {(out + r.stderr).strip()[-500:]}")
+        return int(out)
 
     async def _run_root(self, argv: list[str], what: str) -> None:
         assert self.container_id is not None

@@ -7,7 +7,7 @@
 * Every sandbox carries owner labels: ``ares-gateway.owner`` (``host:pid:process-start-time``),
   ``ares-gateway.session`` (random per process) and ``ares-gateway.created`` (unix time).  While the
   process has sandboxes, a daemon thread touches a heartbeat file for its session.
-* :func:`collect_garbage` (``ares-gateway gc``) removes sandboxes whose owner is gone: on this host
+* :func:`sandbox.gc.collect_garbage` (``ares-gateway gc``) removes sandboxes whose owner is gone: on this host
   the owner pid is checked together with its start time (pid reuse cannot fool it); for an owner on
   another host, the heartbeat decides when a shared heartbeat directory is visible, else the sandbox
   is left alone.  Live owners' sandboxes are never touched.
@@ -24,8 +24,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
@@ -219,65 +218,3 @@ def owner_status(labels: dict[str, str], *, stale_after: float = DEFAULT_STALE_A
     except OSError:
         return "unknown"
     return "alive" if age <= stale_after else "dead"
-
-
-@dataclass
-class GcReport:
-    removed: list[str] = field(default_factory=list)
-    kept: list[str] = field(default_factory=list)
-    unknown: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-
-def collect_garbage(
-    backends: Iterable[str] = ("docker", "local"),
-    *,
-    dry_run: bool = False,
-    stale_after: float = DEFAULT_STALE_AFTER,
-) -> GcReport:
-    """Remove sandboxes (on the named backends) whose owner process is gone; keep live owners' ones.
-
-    ``docker`` is skipped silently when no engine answers; ``daytona`` is looked at only when named
-    (it needs ``DAYTONA_API_KEY``).
-    """
-    report = GcReport()
-    for backend in backends:
-        if backend == "docker":
-            from . import docker as mod
-        elif backend == "local":
-            from . import local as mod  # type: ignore[no-redef]
-        elif backend == "daytona":
-            from . import daytona as mod  # type: ignore[no-redef]
-        else:
-            raise ValueError(f"unknown backend {backend!r}: use docker, local or daytona")
-        try:
-            candidates = mod.gc_candidates()
-        except Exception as exc:
-            report.errors.append(f"{backend}: cannot list sandboxes: {exc}")
-            continue
-        for ref, labels in candidates:
-            name = f"{backend}:{ref}"
-            status = owner_status(labels, stale_after=stale_after)
-            if status == "alive":
-                report.kept.append(name)
-            elif status == "unknown":
-                report.unknown.append(name)
-            else:
-                if not dry_run:
-                    try:
-                        mod.gc_remove(ref)
-                    except Exception as exc:
-                        report.errors.append(f"{name}: {exc}")
-                        continue
-                report.removed.append(name)
-    # Heartbeat files of dead local sessions are garbage too.
-    if not dry_run:
-        hb_dir = state_dir() / "heartbeats"
-        for path in hb_dir.glob("*.json") if hb_dir.is_dir() else []:
-            try:
-                info = json.loads(path.read_text())
-                if owner_status({OWNER_LABEL: info.get("owner", ""), SESSION_LABEL: path.stem}) == "dead":
-                    path.unlink(missing_ok=True)
-            except (OSError, ValueError):
-                continue
-    return report

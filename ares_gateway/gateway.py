@@ -284,7 +284,8 @@ class Gateway:
 
     # ------------------------------------------------------------------ internals
 
-    def _admin_ok(self, headers: Mapping[str, str]) -> bool:
+    def admin_ok(self, headers: Mapping[str, str]) -> bool:
+        """Whether ``headers`` carry the admin token (always, when none is configured)."""
         expected = self.config.admin_token
         if not expected:
             return True

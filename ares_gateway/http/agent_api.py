@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp.web_request import BaseRequest
@@ -24,12 +24,10 @@ from ares_gateway.core.errors import GatewayError, InvalidSessionError, SessionE
 from ares_gateway.core.sessions import Session, bearer_token
 from ares_gateway.http import render
 from ares_gateway.http.routes import Handler
+from ares_gateway.http.served import ServedGateway
 from ares_gateway.http.server import BodyError, HttpLimits, on_disconnect, read_body
 from ares_gateway.protocols import ProtocolAdapter, RequestError, get_adapter
 from ares_gateway.protocols.anthropic_messages import parse_count_tokens_request
-
-if TYPE_CHECKING:
-    from ares_gateway.gateway import Gateway
 
 
 class _Reject(Exception):
@@ -48,7 +46,7 @@ def _credential(request: BaseRequest) -> str | None:
 class AgentAPI:
     """Handlers for the agent-facing paths of one gateway."""
 
-    def __init__(self, gateway: Gateway, limits: HttpLimits) -> None:
+    def __init__(self, gateway: ServedGateway, limits: HttpLimits) -> None:
         self.gw = gateway
         self.limits = limits
 

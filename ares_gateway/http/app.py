@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
@@ -12,10 +10,8 @@ from ares_gateway.http.agent_api import AgentAPI
 from ares_gateway.http.control_api import ControlAPI
 from ares_gateway.http.render import error_for_path
 from ares_gateway.http.routes import RouteTable
+from ares_gateway.http.served import ServedGateway
 from ares_gateway.http.server import HttpLimits, HttpServer
-
-if TYPE_CHECKING:
-    from ares_gateway.gateway import Gateway
 
 
 async def _not_routed(request: BaseRequest, allowed: frozenset[str]) -> StreamResponse:
@@ -25,7 +21,7 @@ async def _not_routed(request: BaseRequest, allowed: frozenset[str]) -> StreamRe
     return error_for_path(request.path, status, f"{reason}: {request.method} {request.path}", headers)
 
 
-def build_routes(gateway: Gateway, limits: HttpLimits) -> RouteTable:
+def build_routes(gateway: ServedGateway, limits: HttpLimits) -> RouteTable:
     """Every path the gateway serves, agent-facing and policy-facing."""
     agent = AgentAPI(gateway, limits)
     control = ControlAPI(gateway, limits)
@@ -62,7 +58,7 @@ def build_routes(gateway: Gateway, limits: HttpLimits) -> RouteTable:
     return routes
 
 
-def build_server(gateway: Gateway, limits: HttpLimits) -> HttpServer:
+def build_server(gateway: ServedGateway, limits: HttpLimits) -> HttpServer:
     """The gateway's HTTP server (not yet listening)."""
     routes = build_routes(gateway, limits)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp.web_request import BaseRequest
@@ -16,10 +16,8 @@ from ares_gateway.core.canonical import Completion, TokenRecord
 from ares_gateway.core.errors import GatewayError, InvalidAnswerError
 from ares_gateway.http.render import control_error, json_response
 from ares_gateway.http.routes import Handler
+from ares_gateway.http.served import ServedGateway
 from ares_gateway.http.server import BodyError, HttpLimits, read_body
-
-if TYPE_CHECKING:
-    from ares_gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +32,7 @@ class _BadRequest(Exception):
 class ControlAPI:
     """Handlers for the policy-facing paths of one gateway (all but /healthz behind :meth:`guard`)."""
 
-    def __init__(self, gateway: Gateway, limits: HttpLimits) -> None:
+    def __init__(self, gateway: ServedGateway, limits: HttpLimits) -> None:
         self.gw = gateway
         self.limits = limits
 
@@ -43,7 +41,7 @@ class ControlAPI:
         gw = self.gw
 
         async def guarded(request: BaseRequest, sid: str | None) -> StreamResponse:
-            if gw.config.admin_token and not gw._admin_ok(request.headers):
+            if gw.config.admin_token and not gw.admin_ok(request.headers):
                 return control_error(401, "missing or wrong admin token: send Authorization: Bearer <admin token>")
             try:
                 return await handler(request, sid)

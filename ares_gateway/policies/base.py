@@ -25,13 +25,22 @@ from ares_gateway.core.answers import ErrorAnswer
 from ares_gateway.core.broker import ParkedRequest
 from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta
 from ares_gateway.core.errors import GatewayClosedError, GatewayError, InvalidAnswerError, UnknownSessionError
-from ares_gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
 PolicyRequest: TypeAlias = ParkedRequest | CanonicalRequest
 #: What a policy may answer with. ``ErrorAnswer`` sends the agent an HTTP error in its protocol's shape.
 PolicyAnswer: TypeAlias = Completion | ErrorAnswer | AsyncIterator[CompletionDelta | Completion]
+
+
+class ServedGateway(Protocol):
+    """What :class:`PolicyServer` needs of the gateway it serves (:class:`~ares_gateway.Gateway` is one)."""
+
+    async def next_request(
+        self, session: str | None = None, *, timeout: float | None = None, lease: float | None = None
+    ) -> ParkedRequest | None: ...
+
+    async def respond(self, request_id: str, answer: Any, *, tokens: Any = None) -> None: ...
 
 
 @runtime_checkable
@@ -105,7 +114,7 @@ class PolicyServer:
     """
 
     def __init__(
-        self, gateway: Gateway, policy: Policy, *, concurrency: int = 8, session: str | None = None, poll_interval: float = 1.0
+        self, gateway: ServedGateway, policy: Policy, *, concurrency: int = 8, session: str | None = None, poll_interval: float = 1.0
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -207,7 +216,7 @@ class PolicyServer:
             self._slots.release()
 
 
-async def serve(gateway: Gateway, policy: Policy, *, concurrency: int = 8, session: str | None = None) -> None:
+async def serve(gateway: ServedGateway, policy: Policy, *, concurrency: int = 8, session: str | None = None) -> None:
     """Serve ``gateway`` with ``policy`` until cancelled or the gateway closes (see :class:`PolicyServer`)."""
     server = PolicyServer(gateway, policy, concurrency=concurrency, session=session)
     try:

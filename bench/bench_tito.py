@@ -60,6 +60,8 @@ def _session(renderer: ChatRenderer, turns: int) -> tuple[TokenStreams, list[Mes
     st = TokenStreams(renderer, max_turns_kept=4)
     msgs = [Message(role="system", content="You are a coding agent. " + _text(0, 300))]
     tok = renderer.tokenizer
+    eos = tok.eos_token_id
+    assert eos is not None
     last: dict[str, float] = {}
     for k in range(turns):
         new, answer = _turn_messages(k)
@@ -67,7 +69,7 @@ def _session(renderer: ChatRenderer, turns: int) -> tuple[TokenStreams, list[Mes
         t0 = time.perf_counter()
         p = st.prepare("bench", msgs)
         t1 = time.perf_counter()
-        out = [*tok.encode(answer), tok.eos_token_id]
+        out = [*tok.encode(answer), eos]
         c, _ = renderer.parse(out, prompt_ids=p.prompt_ids)
         st.commit(p, out, c.to_message())
         msgs = [*msgs, c.to_message()]
@@ -182,6 +184,47 @@ async def bench_policy_overhead(renderer: ChatRenderer, turns: int) -> None:
     ))
 
 
+async def bench_gateway_overhead(renderer: ChatRenderer, turns: int) -> None:
+    """Agent-side wall time per turn (official OpenAI SDK over loopback HTTP, through the Gateway and
+    PolicyServer) against the engine's own prefill + decode time."""
+    import openai
+
+    from ares_gateway.engines.llama_cpp import LlamaCppEngine
+    from ares_gateway.gateway import Gateway
+    from ares_gateway.policies import PolicyServer
+    from ares_gateway.policies.tito import TitoPolicy
+
+    eng = LlamaCppEngine(n_ctx=8192)
+    await eng.load()
+    policy = TitoPolicy(eng, renderer=renderer, max_tokens=48, seed=2)
+    wall = 0.0
+    engine = 0.0
+    async with Gateway(port=0, request_timeout=600) as gw, PolicyServer(gw, policy, concurrency=1):
+        session = await gw.create_session()
+        client = openai.AsyncOpenAI(base_url=f"{session.base_url}/v1", api_key=session.token, max_retries=0)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent. " + _text(0, 300)}]
+        for k in range(turns):
+            new, _ = _turn_messages(k)
+            messages.append({"role": "user", "content": new.text()[:600]})
+            t0 = time.perf_counter()
+            r = await client.chat.completions.create(model="smol", messages=messages)  # type: ignore[arg-type]
+            dt = time.perf_counter() - t0
+            messages.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+            rec = policy.last_record
+            assert rec is not None
+            wall += dt
+            engine += rec["prefill_s"] + rec["decode_s"]
+        await client.close()
+    await policy.aclose()
+    share = (wall - engine) / wall
+    RESULTS["gateway_overhead"] = {"turns": turns, "wall_s": wall, "engine_s": engine, "share": share}
+    ROWS.append((
+        f"gateway + tito per turn vs engine ({turns} turns, OpenAI SDK over loopback)",
+        f"agent waits {wall / turns * 1e3:.1f} ms/turn, engine {engine / turns * 1e3:.1f} ms/turn",
+        f"overhead {share * 100:.2f} % (goal <= 2 %)",
+    ))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", default="1,32,128")
@@ -194,6 +237,7 @@ def main() -> None:
     if not args.no_engine:
         asyncio.run(bench_engine(renderer, max(1, min(args.repeat, 3))))
         asyncio.run(bench_policy_overhead(renderer, 8))
+        asyncio.run(bench_gateway_overhead(renderer, 8))
     if args.json:
         print(json.dumps(RESULTS, indent=2))
         return

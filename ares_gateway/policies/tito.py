@@ -114,6 +114,8 @@ class TitoPolicy:
         self.stream = stream
         self.streams = TokenStreams(self.renderer, max_turns_kept=max_turns_kept)
         self._turn_no: dict[str, int] = {}
+        #: The ``extra["tito"]`` record of the latest answer (for benchmarks and debugging).
+        self.last_record: dict[str, Any] | None = None
 
     # ------------------------------------------------------------- reporting
     def stats(self, session_id: str) -> StreamStats:
@@ -209,6 +211,7 @@ class TitoPolicy:
             }
         )
         self.streams.commit(prepared, result.output_ids, completion.to_message())
+        self.last_record = tito
         return completion
 
     async def __call__(self, request: PolicyRequest) -> Completion | AsyncIterator[CompletionDelta | Completion]:

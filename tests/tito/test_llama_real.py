@@ -137,6 +137,11 @@ async def test_multi_turn_session_through_the_gateway(smol_renderer) -> None:  #
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"exit code 0, output: file{k}.txt"}]
         await client.close()
         samples = gw.trajectory(session.session_id, reward=1.0)
+        log = gw.turn_log(session.session_id)
+        # The turn log carries each turn's sampling record (temperature, top_p, top_k, seed).
+        recs = [t["completion"]["extra"]["tito"] for t in log]
+        assert [r["mode"] for r in recs] == ["first"] + ["extend"] * (turns - 1)
+        assert all(r["sampling"]["temperature"] == 1.0 and isinstance(r["sampling"]["seed"], int) for r in recs)
         stats = policy.stats(session.session_id)
     await policy.aclose()
 

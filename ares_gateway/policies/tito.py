@@ -113,7 +113,6 @@ class TitoPolicy:
         self.honor_request_sampling = honor_request_sampling
         self.stream = stream
         self.streams = TokenStreams(self.renderer, max_turns_kept=max_turns_kept)
-        self._turn_no: dict[str, int] = {}
         #: The ``extra["tito"]`` record of the latest answer (for benchmarks and debugging).
         self.last_record: dict[str, Any] | None = None
 
@@ -133,6 +132,10 @@ class TitoPolicy:
             "honor_request_sampling": self.honor_request_sampling,
         }
 
+    def forget(self, session_id: str) -> StreamStats | None:
+        """Drop a finished session's token streams (memory); returns its final counters."""
+        return self.streams.drop(session_id)
+
     async def aclose(self) -> None:
         await self.engine.aclose()
 
@@ -146,8 +149,7 @@ class TitoPolicy:
             top_p = s.top_p if s.top_p is not None else top_p
             top_k = s.top_k if s.top_k is not None else top_k
             seed = s.seed if s.seed is not None else seed
-        n = self._turn_no.get(session_id, 0)
-        self._turn_no[session_id] = n + 1
+        n = self.streams.request_number(session_id)
         if seed is not None and not (self.honor_request_sampling and s.seed is not None):
             digest = hashlib.sha256(f"{seed}/{session_id}/{n}".encode()).digest()
             seed = int.from_bytes(digest[:8], "little") >> 1

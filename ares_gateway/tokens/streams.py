@@ -90,13 +90,14 @@ def _tools_key(tools: Sequence[Tool]) -> Hashable:
 
 
 class _Session:
-    __slots__ = ("by_chain", "lock", "next_stream", "order", "stats")
+    __slots__ = ("by_chain", "lock", "next_stream", "order", "requests", "stats")
 
     def __init__(self) -> None:
         self.by_chain: dict[tuple[int, int], _Turn] = {}
         self.order: list[tuple[int, int]] = []  # insertion order, for eviction
         self.stats = StreamStats()
         self.next_stream = 0
+        self.requests = 0  # requests prepared so far
         self.lock = threading.Lock()
 
 
@@ -141,6 +142,12 @@ class TokenStreams:
             s = self._sessions.get(session_id)
         return s.stats if s is not None else StreamStats()
 
+    def request_number(self, session_id: str) -> int:
+        """How many requests of the session were prepared before the latest one (0 for the first)."""
+        s = self._session(session_id)
+        with s.lock:
+            return max(0, s.requests - 1)
+
     def drop(self, session_id: str) -> StreamStats | None:
         """Forget a session; returns its final counters."""
         with self._lock:
@@ -165,6 +172,7 @@ class TokenStreams:
             h = hash((h, k))
             chains[i + 1] = h
         with s.lock:
+            s.requests += 1
             base = self._deepest(s, keys, chains, tkey)
             had_turns = bool(s.by_chain)
         reason: str | None = None

@@ -53,6 +53,9 @@ class Relay:
         self.connect_timeout = connect_timeout
         self.active = 0
         self._logged = 0
+        # The loop holds tasks weakly and asyncio's stream protocol drops its handler task when the
+        # client's side closes: without these references a pending connection could be collected.
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def _log(self, line: str) -> None:
         # A bounded log: a client hammering a missing socket must not fill the disk.
@@ -66,6 +69,9 @@ class Relay:
             _close(client_w)
             return
         self.active += 1
+        me = asyncio.current_task()
+        if me is not None:
+            self._tasks.add(me)
         upstream_w = None
         try:
             client_w.transport.set_write_buffer_limits(high=HIGH_WATER)
@@ -79,6 +85,7 @@ class Relay:
             upstream_w.transport.set_write_buffer_limits(high=HIGH_WATER)
             up = asyncio.ensure_future(_pipe(client_r, upstream_w))
             down = asyncio.ensure_future(_pipe(upstream_r, client_w))
+            self._tasks.update((up, down))
             try:
                 # Both directions run to their EOF; an error in one ends both.
                 done, pending = await asyncio.wait({up, down}, return_when=asyncio.FIRST_EXCEPTION)
@@ -93,10 +100,13 @@ class Relay:
             finally:
                 up.cancel()
                 down.cancel()
+                self._tasks.difference_update((up, down))
         except Exception:  # one connection's failure never ends the relay
             pass
         finally:
             self.active -= 1
+            if me is not None:
+                self._tasks.discard(me)
             _close(client_w)
             if upstream_w is not None:
                 _close(upstream_w)

@@ -1,11 +1,12 @@
 """ares-gateway: intercept every LLM call of real coding agents and answer it with a policy.
 
 The public API: :class:`Gateway` (HTTP server + in-process policy API),
-:class:`GatewayEnv` (dm_env-style, one step per LLM call), the canonical
-request / completion models, and the error classes.
+:class:`GatewayEnv` (dm_env-style, one step per LLM call) and its TimeStep helpers, the canonical
+request / completion models, the answer types, and the error classes. Where each lives:
+docs/architecture.md.
 """
 
-from ares_gateway.core.answers import ErrorAnswer
+from ares_gateway.core.answers import ErrorAnswer, NativeAnswer, StreamAnswer
 from ares_gateway.core.broker import ParkedRequest
 from ares_gateway.core.canonical import (
     CanonicalRequest,
@@ -34,7 +35,16 @@ from ares_gateway.core.errors import (
 )
 from ares_gateway.core.recorder import RecordedTurn
 from ares_gateway.core.sessions import SessionInfo
-from ares_gateway.episodes.env import GatewayEnv, StepType, TimeStep
+from ares_gateway.episodes.env import (
+    GatewayEnv,
+    LaunchTimeoutError,
+    StepType,
+    TimeStep,
+    restart,
+    termination,
+    transition,
+    truncation,
+)
 from ares_gateway.gateway import Gateway, GatewayConfig
 from ares_gateway.http import HttpLimits
 
@@ -53,7 +63,9 @@ __all__ = [
     "HttpLimits",
     "InvalidAnswerError",
     "InvalidSessionError",
+    "LaunchTimeoutError",
     "Message",
+    "NativeAnswer",
     "ParkedRequest",
     "RecordedTurn",
     "RequestGoneError",
@@ -61,6 +73,7 @@ __all__ = [
     "SessionExistsError",
     "SessionInfo",
     "StepType",
+    "StreamAnswer",
     "TimeStep",
     "TokenRecord",
     "TooManyParkedError",
@@ -70,4 +83,8 @@ __all__ = [
     "UnknownSessionError",
     "Usage",
     "WireProtocol",
+    "restart",
+    "termination",
+    "transition",
+    "truncation",
 ]

@@ -56,7 +56,7 @@ class ToyModel:
 
 
 async def run_episode(gw: Gateway, model: ToyModel, task: Task, args: argparse.Namespace) -> dict[str, Any]:
-    env = GatewayEnv(gw, task=task, harness=args.harness, sandbox=args.sandbox, step_limit=args.step_limit)
+    env = GatewayEnv.for_task(task, harness=args.harness, sandbox=args.sandbox, gateway=gw, step_limit=args.step_limit)
     started = time.monotonic()
     try:
         ts = await env.reset()

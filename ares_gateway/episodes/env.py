@@ -6,11 +6,17 @@ with the canonical request in ``.request``); the action is the answer
 session ends: :meth:`Gateway.end_session` (or ``POST /sessions/{id}/end``), the
 step limit, or the time limit.
 
-Three ways to get an agent: attach to a session whose agent runs elsewhere
-(``session_id=``), start it yourself (``launch=``), or give a task and a harness
-(``task=``, ``harness=``, ``sandbox=``): then each :meth:`GatewayEnv.reset` starts a
-sandbox, installs and launches the real agent CLI in it, and at LAST runs the
-task's tests for the reward (see :mod:`ares_gateway.episodes.episode`).
+Three ways to get an agent, one constructor each: :meth:`GatewayEnv.attached` to a session
+whose agent runs elsewhere, :meth:`GatewayEnv.launching` an agent yourself, or
+:meth:`GatewayEnv.for_task` with a task and a harness: then each :meth:`GatewayEnv.reset` starts a
+sandbox, installs and launches the real agent CLI in it, and at LAST runs the task's tests for the
+reward (the episode loop of :mod:`ares_gateway.episodes.episode`). ``GatewayEnv(...)`` is the
+general form that takes every argument.
+
+TimeSteps are built as in dm_env by :func:`restart` (FIRST), :func:`transition` (MID),
+:func:`termination` (LAST, discount 0) and :func:`truncation` (LAST, discount 1: a limit ended
+the episode, not the agent). Every LAST step's ``info`` says ``truncated`` (a bool) and
+``truncation`` (``"step_limit"``, ``"time_limit"``, or ``None``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ if TYPE_CHECKING:
 
 
 class StepType(IntEnum):
+    """Where a :class:`TimeStep` is in its episode, as dm_env's."""
+
     FIRST = 0
     MID = 1
     LAST = 2
@@ -58,6 +66,32 @@ class TimeStep:
 
     def last(self) -> bool:
         return self.step_type is StepType.LAST
+
+
+def restart(observation: ParkedRequest, info: dict[str, Any] | None = None) -> TimeStep:
+    """FIRST: the episode's first request (no reward, no discount yet)."""
+    return TimeStep(StepType.FIRST, None, None, observation, info or {})
+
+
+def transition(
+    reward: float, observation: ParkedRequest, discount: float = 1.0, info: dict[str, Any] | None = None
+) -> TimeStep:
+    """MID: the agent's next request."""
+    return TimeStep(StepType.MID, reward, discount, observation, info or {})
+
+
+def termination(reward: float, info: dict[str, Any] | None = None) -> TimeStep:
+    """LAST with discount 0: the episode ended by itself (the agent finished, or failed)."""
+    return TimeStep(StepType.LAST, reward, 0.0, None, {**(info or {}), "truncated": False, "truncation": None})
+
+
+def truncation(reward: float, reason: str, info: dict[str, Any] | None = None, discount: float = 1.0) -> TimeStep:
+    """LAST with discount 1: a limit (``reason``: ``"step_limit"`` or ``"time_limit"``) cut the episode."""
+    return TimeStep(StepType.LAST, reward, discount, None, {**(info or {}), "truncated": True, "truncation": reason})
+
+
+def _last_step(reward: float, truncated_by: str | None, info: dict[str, Any]) -> TimeStep:
+    return termination(reward, info) if truncated_by is None else truncation(reward, truncated_by, info)
 
 
 Launcher = Callable[[SessionInfo], Awaitable[Any]]
@@ -97,7 +131,59 @@ class GatewayEnv:
     :meth:`trajectory`) stays until the next :meth:`reset` or :meth:`close`.
     ``gateway`` may be omitted in this mode: the env then runs its own, with the
     harness's side-call detector.
+
+    This is the general form; the named constructors take only what their mode uses:
+    :meth:`attached`, :meth:`launching`, :meth:`for_task`.
     """
+
+    @classmethod
+    def attached(
+        cls,
+        gateway: Gateway,
+        *,
+        session_id: str,
+        step_limit: int | None = None,
+        time_limit: float | None = None,
+        request_timeout: float | None = None,
+    ) -> GatewayEnv:
+        """Steps over an existing session whose agent is started elsewhere (the session is kept at close)."""
+        return cls(gateway, session_id=session_id, step_limit=step_limit, time_limit=time_limit,
+                   request_timeout=request_timeout)
+
+    @classmethod
+    def launching(
+        cls,
+        gateway: Gateway,
+        *,
+        launch: Launcher,
+        launch_timeout: float | None = DEFAULT_LAUNCH_TIMEOUT,
+        step_limit: int | None = None,
+        time_limit: float | None = None,
+        request_timeout: float | None = None,
+    ) -> GatewayEnv:
+        """Each :meth:`reset` creates a session and awaits ``launch(session_info)``, which starts the
+        agent and returns (see the class docstring for ``launch_timeout``)."""
+        return cls(gateway, launch=launch, launch_timeout=launch_timeout, step_limit=step_limit,
+                   time_limit=time_limit, request_timeout=request_timeout)
+
+    @classmethod
+    def for_task(
+        cls,
+        task: Task | str | os.PathLike[str],
+        *,
+        harness: str | BaseHarness,
+        sandbox: str = "auto",
+        gateway: Gateway | None = None,
+        image: str | None = None,
+        model: str = "ares-policy",
+        step_limit: int | None = None,
+        time_limit: float | None = None,
+        request_timeout: float | None = None,
+    ) -> GatewayEnv:
+        """Each :meth:`reset` runs ``harness`` on ``task`` in a fresh ``sandbox``; LAST carries the
+        task's reward. Without ``gateway`` the env runs its own."""
+        return cls(gateway, task=task, harness=harness, sandbox=sandbox, image=image, model=model,
+                   step_limit=step_limit, time_limit=time_limit, request_timeout=request_timeout)
 
     def __init__(
         self,
@@ -185,7 +271,7 @@ class GatewayEnv:
         if request is None:
             return self._last()
         self._current = request
-        return TimeStep(StepType.FIRST, None, None, request)
+        return restart(request)
 
     async def step(self, action: Any) -> TimeStep:
         """Answer the pending request with ``action``; return the next request (MID) or LAST.
@@ -214,13 +300,13 @@ class GatewayEnv:
             # The agent is gone (it exited or was stopped); the episode ends below.
         self._steps += 1
         if self.step_limit is not None and self._steps >= self.step_limit:
-            self._mark_truncated("step limit reached")
+            self._mark_truncated("step_limit", "step limit reached")
             return await self._conclude()
         request = await self._next_request()
         if request is None:
             return await self._conclude()
         self._current = request
-        return TimeStep(StepType.MID, 0.0, 1.0, request)
+        return transition(0.0, request)
 
     async def close(self) -> None:
         """End the episode (if any); pending requests of an env-created session fail.
@@ -295,24 +381,23 @@ class GatewayEnv:
         if poll.done() and not poll.cancelled() and poll.result():
             return poll.result()[0]
         if not session.ended and self.time_limit is not None and self._remaining() == 0.0:
-            self._mark_truncated("time limit reached")
+            self._mark_truncated("time_limit", "time limit reached")
         return None
 
-    def _mark_truncated(self, reason: str) -> None:
+    def _mark_truncated(self, kind: str, reason: str) -> None:
         assert self.session is not None
         session = self.gateway.sessions.find(self.session.session_id)
         if session is not None and not session.ended:
-            self.gateway.end_session_nowait(session.id, reward=None, truncated=True, reason=reason)
+            self.gateway.end_session_nowait(session.id, reward=None, truncated=True, reason=reason, truncation=kind)
 
     def _last(self) -> TimeStep:
         assert self.session is not None
         self._done = True
         session = self.gateway.sessions.find(self.session.session_id)
         if session is None:
-            return TimeStep(StepType.LAST, 0.0, 0.0, None, {"reason": "session deleted", "steps": self._steps})
-        truncated = session.truncated
-        info = {**session.end_info, "steps": self._steps, "truncated": truncated}
-        return TimeStep(StepType.LAST, session.reward or 0.0, 1.0 if truncated else 0.0, None, info)
+            return termination(0.0, {"reason": "session deleted", "steps": self._steps})
+        info = {**session.end_info, "steps": self._steps}
+        return _last_step(session.reward or 0.0, _truncation_of(session.truncated, session.end_info), info)
 
     async def _conclude(self) -> TimeStep:
         """LAST: in task mode stop the agent, run the tests and remove the sandbox first."""
@@ -322,13 +407,10 @@ class GatewayEnv:
         gw = self.gateway
         sid = self.session.session_id
         session = gw.sessions.find(sid)
-        truncation = None
-        if session is not None and session.truncated:
-            reason = str(session.end_info.get("reason", ""))
-            truncation = "step_limit" if reason.startswith("step") else "time_limit"
+        truncated_by = None if session is None else _truncation_of(session.truncated, session.end_info)
         episode = self.episode
         try:
-            outcome = await episode.finish(truncation=truncation)
+            outcome = await episode.finish(truncation=truncated_by)
         finally:
             await episode.close()
         return self._finish_task(outcome)
@@ -344,7 +426,7 @@ class GatewayEnv:
             # The final reward goes on the session, so trajectory() and GET /sessions/{id} carry it.
             extra = {k: v for k, v in info.items() if k != "truncated"}
             self.gateway.end_session_nowait(sid, reward=outcome.reward, truncated=outcome.truncated, **extra)
-        return TimeStep(StepType.LAST, outcome.reward, 1.0 if outcome.truncated else 0.0, None, info)
+        return _last_step(outcome.reward, outcome.exit_reason if outcome.truncated else None, info)
 
     async def _guard(self, step: Awaitable[TimeStep]) -> TimeStep:
         """Task mode: a cancellation (or an unexpected error) removes the sandbox before it propagates.
@@ -390,7 +472,7 @@ class GatewayEnv:
             if request is None:
                 return await self._conclude()
             self._current = request
-            return TimeStep(StepType.FIRST, None, None, request)
+            return restart(request)
 
         return await self._guard(start())
 
@@ -425,3 +507,11 @@ class GatewayEnv:
         if self.session is None:
             raise RuntimeError("no episode: call reset() first")
         return self.gateway.turn_log(self.session.session_id)
+
+
+def _truncation_of(truncated: bool, end_info: dict[str, Any]) -> str | None:
+    """What cut a session short: the env's own mark, else whatever ended it with ``truncated=True``."""
+    if not truncated:
+        return None
+    kind = end_info.get("truncation")
+    return kind if isinstance(kind, str) and kind else "truncated"

@@ -45,6 +45,7 @@ EXIT_REASONS = (
     "completed",  # the agent exited by itself (exit 0); the tests gave the reward
     "step_limit",  # truncated: the step limit was hit, the agent stopped; the tests still ran
     "time_limit",  # truncated: the wall-clock limit was hit, the agent stopped; the tests still ran
+    "truncated",  # truncated: the session was ended with truncated=true (POST /sessions/{id}/end); the tests ran
     "agent_error",  # the agent crashed (non-zero exit) or could not be launched: reward 0.0
     "install_error",  # the agent CLI could not be installed: reward 0.0
     "sandbox_error",  # the sandbox could not be created, started or used: reward 0.0
@@ -91,6 +92,7 @@ class EpisodeOutcome:
             "harness": self.harness,
             "exit_reason": self.exit_reason,
             "truncated": self.truncated,
+            "truncation": self.exit_reason if self.truncated else None,
             "reward_parts": dict(self.reward_parts),
             "reward_source": self.reward_source,
             "agent_exit_code": self.agent_exit_code,

@@ -449,8 +449,8 @@ async def run_rollouts(
         if external:
             return await _passive_episode(gw, task, attempt, new_harness(), outputs, sandbox=sandbox, image=image,
                                           model=model, step_limit=step_limit, time_limit=time_limit, t0=t0)
-        env = GatewayEnv(gw, task=task, harness=new_harness(), sandbox=sandbox, image=image, model=model,
-                         step_limit=step_limit, time_limit=time_limit)
+        env = GatewayEnv.for_task(task, harness=new_harness(), sandbox=sandbox, gateway=gw, image=image, model=model,
+                                  step_limit=step_limit, time_limit=time_limit)
         bind = getattr(policy, "bind", None)
         sid = ""
         failures: list[dict[str, Any]] = []

@@ -203,11 +203,22 @@ def _bodies(kind: str) -> tuple[str, bytes, dict[str, str]]:
     if kind == "small":
         body = {"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]}
         return "/v1/chat/completions", json.dumps(body).encode(), {}
-    # A Claude-Code-sized Anthropic body: system blocks, ~25 tools, a conversation with tool results (~100 KB).
+    if kind == "history":
+        # Late in a long mini-swe-agent-style session: 500 chat messages (bash tool calls and their results).
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant. " * 40},
+                                      {"role": "user", "content": "Fix the failing test. " * 20}]
+        for i in range(249):
+            msgs.append({"role": "assistant", "content": f"Step {i}: look around.", "tool_calls": [
+                {"id": f"call_{i}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"command": f"ls -la src/{i}"})}}]})
+            msgs.append({"role": "tool", "tool_call_id": f"call_{i}", "content": json.dumps({"returncode": 0, "output": "file.py\n" * 20})})
+        body = {"model": "m", "messages": msgs, "tools": [{"type": "function", "function": {
+            "name": "bash", "description": "run a command", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]}
+        return "/v1/chat/completions", json.dumps(body).encode(), {}
+    # A Claude-Code-sized Anthropic body: system blocks, 25 tools, a conversation with tool results (~96 KB, as captured).
     tools = [
         {
             "name": f"Tool{i}",
-            "description": "Runs a thing. " * 60,
+            "description": "Runs a thing. " * 150,
             "input_schema": {"type": "object", "properties": {f"arg{j}": {"type": "string", "description": "x" * 40} for j in range(8)}},
         }
         for i in range(25)
@@ -423,7 +434,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", type=int, action="append", help="concurrent agents (default 1, 64, 512)")
     ap.add_argument("--mode", action="append", choices=["inproc", "http"])
-    ap.add_argument("--body", action="append", choices=["small", "large"])
+    ap.add_argument("--body", action="append", choices=["small", "large", "history"])
     ap.add_argument("--turn-target", type=int, default=6000, help="about this many measured turns per case")
     ap.add_argument("--repeat", type=int, default=3, help="runs per case; medians are reported")
     ap.add_argument("--memory", type=int, default=2000, help="parked requests for the memory probe (0 skips)")

@@ -6,6 +6,11 @@ and the comparisons are per-round ratios (then their median across rounds):
 
     python3 bench/interleaved.py --rounds 4            # every target row
     python3 bench/interleaved.py --rounds 8 --only p50  # the in-process one-agent row alone
+    python3 bench/interleaved.py --rounds 3 --body large --before /tmp/old   # against an older checkout
+
+``--before DIR`` adds ``before``: the gateway of another checkout of this repository (e.g.
+``git worktree add /tmp/old <commit>``), run by that checkout's own bench_gateway.py with
+``PYTHONPATH=DIR`` (and ``ARES_GATEWAY_PURE=1``, for checkouts that had a compiled build).
 
 ``bare-ll`` is the park loop on aiohttp's low-level server, which the gateway serves on: the
 gateway's own cost is the difference.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,7 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 
 BENCH = str(Path(__file__).with_name("bench_gateway.py"))
-ONE = ["--body", "small", "--repeat", "1", "--memory", "0"]
+ONE = ["--repeat", "1", "--memory", "0"]
 
 #: (row, extra flags, implementations)
 ROWS = {
@@ -30,15 +36,22 @@ ROWS = {
     "inproc64": [(("inproc", 64), [], ["bare-ll", "bare", "gateway"])],
     "http": [(("http", a), [], ["go", "gateway", "bare", "bare-ll"]) for a in (1, 64, 512)],
 }
-RATIOS = [("gateway", "go"), ("gateway", "bare"), ("gateway", "bare-ll")]
+RATIOS = [("gateway", "go"), ("gateway", "bare"), ("gateway", "bare-ll"), ("gateway", "before"), ("before", "go")]
 
 
-def _run(mode: str, agents: int, extra: list[str], impls: list[str]) -> list[dict[str, float]]:
-    args = [sys.executable, BENCH, "--mode", mode, "--agents", str(agents), *ONE, *extra]
+def _run(mode: str, agents: int, extra: list[str], impls: list[str], before: str | None = None) -> list[dict[str, float]]:
+    bench, env = BENCH, None
+    if before is not None:  # another checkout's gateway, by its own bench script
+        bench = str(Path(before) / "bench" / "bench_gateway.py")
+        env = {**os.environ, "PYTHONPATH": before, "ARES_GATEWAY_PURE": "1"}
+    args = [sys.executable, bench, "--mode", mode, "--agents", str(agents), *ONE, *extra]
     for impl in impls:
         args += ["--impl", impl]
-    out = subprocess.run(args, capture_output=True, text=True, check=True)
+    out = subprocess.run(args, capture_output=True, text=True, check=True, env=env)
     rows: list[dict[str, float]] = json.loads(out.stderr.strip().splitlines()[-1])
+    if before is not None:
+        for row in rows:
+            row["impl"] = "before"
     return rows
 
 
@@ -47,13 +60,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--only", action="append", choices=sorted(ROWS), help="row groups to run (default: all)")
     ap.add_argument("--save", help="also write every round's rows to this JSON file")
+    ap.add_argument("--body", default="small", choices=["small", "large", "history"],
+                    help="request body: small chat, a ~96 KB Claude Code body, or a 500-message chat history")
+    ap.add_argument("--before", metavar="DIR", help="also run the gateway of the checkout at DIR as 'before'")
     args = ap.parse_args()
     plan = [row for group in (args.only or list(ROWS)) for row in ROWS[group]]
     rounds: list[dict[tuple[str, int], dict[str, dict[str, float]]]] = []
     for i in range(args.rounds):
         got: dict[tuple[str, int], dict[str, dict[str, float]]] = defaultdict(dict)
         for (mode, agents), extra, impls in plan:
-            for row in _run(mode, agents, extra, impls):
+            extra = [*extra, "--body", args.body]
+            if args.body != "small":  # a larger body costs more per turn: fewer turns for the same time
+                extra += ["--turn-target", "5000"]
+            runs = [_run(mode, agents, extra, impls)]
+            if args.before and "gateway" in impls:
+                runs.append(_run(mode, agents, extra, ["gateway"], before=args.before))
+            for row in (r for rs in runs for r in rs):
                 got[(mode, agents)][str(row["impl"])] = row
         rounds.append(got)
         print(f"round {i + 1} of {args.rounds} done", file=sys.stderr, flush=True)
@@ -67,6 +89,7 @@ def main() -> None:
             print(
                 f"  {impl:>13}: {statistics.median(x['turns_per_s'] for x in rows):7.0f} turns/s"
                 f"  p50 {statistics.median(x['p50_ms'] for x in rows):7.3f} ms"
+                f"  p99 {statistics.median(x['p99_ms'] for x in rows):7.3f} ms"
                 f"  server CPU {statistics.median(x['gateway_cpu_us'] for x in rows):4.0f} µs/turn"
             )
         for a, b in RATIOS:

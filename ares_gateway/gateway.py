@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
+import shutil
+import tempfile
+import time
 from collections.abc import AsyncIterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +37,11 @@ from ares_gateway.core.metrics import GatewayMetrics
 from ares_gateway.core.recorder import RecordedTurn, Recorder, SessionRecorder
 from ares_gateway.core.sessions import Session, SessionInfo, SessionRegistry, bearer_token
 from ares_gateway.core.side_calls import SideCallDetector, default_side_call_detector
+from ares_gateway.core.store import TurnStore
+from ares_gateway.core.token_ids import read_tokens
 from ares_gateway.http.app import build_server
 from ares_gateway.http.server import HttpLimits, HttpServer
+from ares_gateway.http.session_socket import SessionSockets
 from trajectory import Sample
 
 log = logging.getLogger(__name__)
@@ -78,6 +85,22 @@ class GatewayConfig:
     public_url: str | None = None
     access_log: bool = False
     fork_threshold_tokens: int = 1024
+    #: Where every answered turn and session is written as it happens (docs/recording.md).
+    #: ``None``: a fresh temporary directory, removed by a clean :meth:`Gateway.close` (a crash
+    #: leaves it, with its path in the log); ``False``: memory only, nothing written.
+    data_dir: str | os.PathLike[str] | bool | None = None
+    #: Free an ended session's in-memory state once its samples are built (the data dir keeps it).
+    release_ended: bool = True
+    #: At start, delete sessions that ended more than this many seconds ago from the data dir.
+    retention_seconds: float | None = None
+    #: Refuse to start when the data dir has less free space than this (MiB).
+    min_free_mb: int = 64
+    #: SQLite ``synchronous``: "NORMAL" (commit = write to the WAL; survives the process dying) or "FULL".
+    store_sync: str = "NORMAL"
+    #: ``respond`` returns once its turn is committed to the data dir.
+    wait_durable: bool = True
+    #: Directory for the per-session agent sockets (default: a fresh 0700 temporary directory).
+    runtime_dir: str | None = None
 
 
 class Gateway:
@@ -102,7 +125,10 @@ class Gateway:
                 raise TypeError(f"Gateway() got an unknown setting {key!r}")
             setattr(cfg, key, value)
         self.config = cfg
-        self.sessions = SessionRegistry()
+        self.sessions = SessionRegistry(on_create=self._session_created)
+        #: The durable store (opened by :meth:`start`; ``None`` for a memory-only gateway or before start).
+        self.store: TurnStore | None = None
+        self._temp_data_dir: str | None = None
         self.metrics = GatewayMetrics()
         self.recorder = SessionRecorder(fork_threshold_tokens=cfg.fork_threshold_tokens)
         self._extra_recorder = recorder
@@ -130,6 +156,8 @@ class Gateway:
         )
         self._http: HttpServer | None = None
         self._port: int | None = None
+        #: Per-session agent endpoints on unix sockets (:meth:`agent_socket`), for sandboxes without a network.
+        self.session_sockets = SessionSockets(self, self.limits, root=cfg.runtime_dir)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -137,6 +165,8 @@ class Gateway:
         """Start serving HTTP (idempotent)."""
         if self._http is not None:
             return
+        if self.store is None and self.config.data_dir is not False:
+            self._open_store()
         http = build_server(self, self.limits)
         self._port = await http.start(self.config.host, self.config.port)
         self._http = http
@@ -145,9 +175,67 @@ class Gateway:
     async def close(self) -> None:
         """Fail every parked request and stop serving."""
         self.broker.close()
+        store, self.store = self.store, None
+        self.recorder.store = None
+        if store is not None:
+            store.close()
+        if self._temp_data_dir is not None:
+            shutil.rmtree(self._temp_data_dir, ignore_errors=True)
+            self._temp_data_dir = None
+        await self.session_sockets.close_all()
         if self._http is not None:
             http, self._http = self._http, None
             await http.close()
+
+    def _open_store(self) -> None:
+        # Never a silent in-memory fallback: a data dir that cannot be used is a start-up error.
+        cfg = self.config
+        path = cfg.data_dir
+        if path is None or path is True:
+            path = self._temp_data_dir = tempfile.mkdtemp(prefix="ares-gateway-data-")
+        assert not isinstance(path, bool)
+        store = TurnStore(path, min_free_bytes=cfg.min_free_mb * 2**20, synchronous=cfg.store_sync)
+        try:
+            if cfg.retention_seconds is not None:
+                gone = store.prune(ended_before=time.time() - cfg.retention_seconds)
+                if gone:
+                    log.info("data dir %s: pruned %d session(s) past retention", store.path, len(gone))
+            stored = store.load_sessions()
+        except BaseException:
+            store.close()
+            raise
+        for s in stored:
+            if self.sessions.find(s.id) is not None:
+                continue
+            session = self.sessions.restore(
+                s.id, token=s.token, created_at=s.created_at, metadata=s.metadata, turns=s.turns
+            )
+            if s.ended:
+                session.ended = True
+                session.reward = s.reward
+                session.truncated = s.truncated
+                session.end_info = dict(s.end_info)
+                session.ended_event.set()
+        self.recorder.known({s.id for s in stored if s.turns})
+        self.recorder.store = self.store = store
+        log.info("recording to data dir %s (%d session(s) known)", store.path, len(stored))
+
+    @property
+    def data_dir(self) -> str | None:
+        """The data directory being written, or ``None`` (memory only, or not started)."""
+        return None if self.store is None else str(self.store.path)
+
+    async def durable(self) -> None:
+        """Return once every turn answered so far is committed to the data dir (at once without one).
+
+        Raises :class:`~ares_gateway.core.errors.DataDirError` when writing failed (the disk is full).
+        """
+        if self.store is not None:
+            await self.store.barrier()
+
+    def _session_created(self, session: Session) -> None:
+        if self.store is not None:
+            self.store.put_session(session.id, session.token, session.created_at, session.metadata)
 
     async def __aenter__(self) -> Gateway:
         await self.start()
@@ -198,7 +286,11 @@ class Gateway:
 
     def session_summary(self, session_id: str) -> dict[str, Any]:
         session = self.sessions.get(session_id)
-        return {**session.summary(), "pending": self.broker.pending_for(session_id)}
+        out = {**session.summary(), "pending": self.broker.pending_for(session_id)}
+        damaged = self.recorder.damaged.get(session_id)
+        if damaged:
+            out["damaged_records"] = [{"turn": d.seq, "reason": d.reason} for d in damaged]
+        return out
 
     async def end_session(
         self, session_id: str, *, reward: float | None = None, truncated: bool = False, **info: Any
@@ -220,6 +312,9 @@ class Gateway:
         session.truncated = truncated
         session.end_info = dict(info)
         session.ended_event.set()
+        if self.store is not None:
+            self.store.end_session(session_id, reward=reward, truncated=truncated, end_info=session.end_info,
+                                   ended_at=time.time())
 
     async def delete_session(self, session_id: str) -> int:
         """Forget a session: its pending requests fail (the agent sees 503) and its records go.
@@ -228,7 +323,16 @@ class Gateway:
         session.ended = True
         session.ended_event.set()
         self.recorder.drop(session_id)
+        if self.store is not None:
+            self.store.delete_session(session_id)
+        await self.session_sockets.close(session_id)
         return self.broker.close_session(session_id)
+
+    async def agent_socket(self, session_id: str) -> str:
+        """Serve ``session_id``'s agent endpoints (the LLM APIs only, as that session) on its own unix
+        socket, ``<runtime_dir>/<session id>/agent.sock``, and return its path. A sandbox without a
+        network reaches it through ``Sandbox.forward``; it closes with :meth:`delete_session`."""
+        return await self.session_sockets.open(session_id)
 
     # ------------------------------------------------------------------ policy API
 
@@ -267,7 +371,13 @@ class Gateway:
         """
         if isinstance(answer, str):
             answer = Completion(text=answer)
-        self.broker.respond(request_id, answer, tokens=tokens)
+        # Token ids as lists, base64 or numpy arrays; not ints, negative or mismatched: InvalidAnswerError.
+        record = read_tokens(tokens)
+        if isinstance(answer, Completion) and answer.tokens is not None:
+            answer = answer.model_copy(update={"tokens": read_tokens(answer.tokens)})
+        self.broker.respond(request_id, answer, tokens=record)
+        if self.config.wait_durable:
+            await self.durable()
 
     def trajectory(
         self, session_id: str, *, reward: float | None = None, max_sample_tokens: int = 0
@@ -276,11 +386,17 @@ class Gateway:
         session = self.sessions.get(session_id)
         if reward is None:
             reward = session.reward or 0.0
-        return self.recorder.samples(session_id, reward=reward, max_sample_tokens=max_sample_tokens)
+        samples = self.recorder.samples(session_id, reward=reward, max_sample_tokens=max_sample_tokens)
+        if session.ended and self.config.release_ended:
+            # Retention: the samples are out, the data dir has the rest; memory goes.
+            self.recorder.release(session_id)
+        return samples
 
-    def turn_log(self, session_id: str) -> list[dict[str, Any]]:
+    def turn_log(self, session_id: str, *, tokens: bool = True) -> list[dict[str, Any]]:
+        """The session's turns: native request, completion (with its token record unless
+        ``tokens=False``), timing, side-call flag, sampling parameters."""
         self.sessions.get(session_id)
-        return self.recorder.turn_log(session_id)
+        return self.recorder.turn_log(session_id, tokens=tokens)
 
     # ------------------------------------------------------------------ internals
 

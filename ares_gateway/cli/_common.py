@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
+import secrets
+from pathlib import Path
 from typing import Any
+
+#: The file, in a run's or a server's data directory, holding the admin token it generated.
+ADMIN_TOKEN_FILE = "admin-token"
 
 
 def version() -> str:
@@ -51,3 +58,22 @@ def run_on_uvloop(main: Any) -> Any:
     except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+def write_admin_token(directory: str | os.PathLike[str], token: str | None = None) -> tuple[str, Path]:
+    """Write ``token`` (default: a new random one) to ``directory/admin-token``, readable by this user
+    only (0600, created so from the start: never world-readable for a moment); returns it and the path.
+
+    The token guards the control API; say the path, never the token, in any output.
+    """
+    token = token or secrets.token_urlsafe(32)
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / ADMIN_TOKEN_FILE
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token, path
+

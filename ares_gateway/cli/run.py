@@ -14,7 +14,11 @@ from typing import Any
 
 from ares_gateway.cli._common import HelpFormatter, run_on_uvloop
 
-POLICIES = ("oracle", "scripted", "upstream", "http")
+POLICIES = ("oracle", "scripted", "upstream", "tito", "http")
+ENGINES = ("llama-cpp", "sglang", "vllm")
+#: What the model needs (the tito policy on in-process llama.cpp; docs/tito.md explains the flags).
+MODEL_INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" '
+                 "python3 -m pip install -e '.[model]'")
 DEMO_PRESET = "examples-mswea"
 REAL_MODEL_HINT = (
     "ares-gateway run examples-mswea --policy upstream --base-url http://127.0.0.1:8000/v1 "
@@ -67,10 +71,24 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "examples-mswea:fix-median-bug, examples-cc@0/4 (see below)")
     p.add_argument("--policy", choices=POLICIES, default="oracle",
                    help="who answers the agents' LLM calls: oracle plays each task's solution, scripted runs "
-                        "--command, upstream forwards to --base-url, http leaves requests on /poll")
+                        "--command, upstream forwards to --base-url, tito renders token ids itself and samples "
+                        "them on --engine (docs/tito.md), http leaves requests on /poll")
     p.add_argument("--base-url", default=None, help="upstream: the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", default=None,
-                   help="upstream: the model name to ask for (default: the model name the agent sends)")
+                   help="upstream: the model name to ask for (default: the model name the agent sends); tito: the "
+                        "GGUF path (llama-cpp; default: the embedded SmolLM2-135M-Instruct) or the served model name")
+    p.add_argument("--engine", choices=ENGINES, default="llama-cpp",
+                   help="tito: the engine that samples: in-process llama.cpp, or SGLang / vLLM at --url")
+    p.add_argument("--url", default=None, help="tito: the SGLang or vLLM server, e.g. http://127.0.0.1:30000")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tito: the model's .gguf or Hugging Face directory (tokenizer + chat template; needed "
+                        "for sglang / vllm)")
+    p.add_argument("--temperature", type=float, default=1.0, help="tito: sampling temperature (default: 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="tito: nucleus sampling (default: 1.0, off)")
+    p.add_argument("--top-k", type=int, default=0, help="tito: top-k sampling (default: 0, off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="tito: base seed (each turn's seed derives from it; default: drawn per turn and recorded)")
+    p.add_argument("--max-tokens", type=int, default=512, help="tito: the most tokens one answer may have")
     p.add_argument("--api-key-env", default=None, metavar="VAR",
                    help="upstream: the environment variable holding the API key (never pass the key itself)")
     p.add_argument("--command", action="append", default=[], metavar="CMD",
@@ -134,11 +152,46 @@ def _build_policy(args: argparse.Namespace) -> Any:
             if not api_key:
                 raise ValueError(f"--api-key-env {args.api_key_env}: that environment variable is not set")
         return make_policy("upstream", base_url=args.base_url, model=args.model, api_key=api_key)
+    if args.policy == "tito":
+        return _build_tito(args)
     if args.policy == "scripted":
         return make_policy("scripted", commands=args.command)
     if args.command:
         raise ValueError("--command is for --policy scripted")
     return make_policy(args.policy)
+
+
+def _build_tito(args: argparse.Namespace, *, engine_options: dict[str, Any] | None = None) -> Any:
+    """The ``tito`` policy of ``run --policy tito`` (and of the demo's model part)."""
+    from ares_gateway.policies import make_policy
+
+    engine = getattr(args, "engine", "llama-cpp")
+    if engine != "llama-cpp" and not getattr(args, "url", None):
+        raise ValueError(f"--engine {engine} needs --url (the server, e.g. http://127.0.0.1:30000)")
+    if engine != "llama-cpp" and not getattr(args, "tokenizer", None):
+        raise ValueError(f"--engine {engine} needs --tokenizer (the model's Hugging Face directory or .gguf): "
+                         "the gateway renders the prompt token ids itself")
+    if getattr(args, "max_tokens", 512) < 1:
+        raise ValueError("--max-tokens must be at least 1")
+    try:
+        return make_policy("tito", engine=engine, model=getattr(args, "model", None),
+                           tokenizer=getattr(args, "tokenizer", None), url=getattr(args, "url", None),
+                           temperature=getattr(args, "temperature", 1.0), top_p=getattr(args, "top_p", 1.0),
+                           top_k=getattr(args, "top_k", 0), seed=getattr(args, "seed", None),
+                           max_tokens=getattr(args, "max_tokens", 512), engine_options=engine_options)
+    except ImportError as exc:
+        raise ValueError(f"--policy tito needs the model extra ({exc}); install it with: {MODEL_INSTALL}") from exc
+    except Exception as exc:  # TokenizerLoadError, EngineUnavailableError: their messages say what to do
+        if type(exc).__name__ not in ("TokenizerLoadError", "EngineUnavailableError", "EngineError"):
+            raise
+        raise ValueError(f"--policy tito: {exc}") from exc
+
+
+def _tito_harness_options(policy: Any, harness: str) -> dict[str, Any]:
+    """mini-swe-agent runs in its text-action mode for a model without a tool-call format (SmolLM2)."""
+    if getattr(policy, "kind", None) == "tito" and harness == "mini-swe-agent" and not policy.tool_calls_supported:
+        return {"action_format": "text"}
+    return {}
 
 
 def _install_signals(stop: asyncio.Event, console: Any) -> None:
@@ -180,9 +233,16 @@ async def _execute(
     stop = asyncio.Event()
     _install_signals(stop, console)
     admin = os.environ.get(args.admin_token_env) if getattr(args, "admin_token_env", None) else None
+    if not admin:
+        # The control API is never open (issue 17): a generated token, in a 0600 file of the run's directory.
+        from ares_gateway.cli._common import write_admin_token
+
+        admin, token_path = write_admin_token(out)
+        console.print(f"control API: admin token in {token_path}", highlight=False, soft_wrap=True, markup=False)
     longest = max([args.time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
     gateway = Gateway(host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 0), admin_token=admin,
-                      request_timeout=longest + 120.0, side_call_detector=harness_side_call_detector(harness))
+                      request_timeout=longest + 120.0, side_call_detector=harness_side_call_detector(harness),
+                      data_dir=str(out / "gateway-data"))  # every answered turn, durably (docs/recording.md)
     entered = False
     try:
         if hasattr(policy, "__aenter__"):
@@ -195,6 +255,7 @@ async def _execute(
         for line in report.lines:
             console.print(f"preflight: {line}", highlight=False, soft_wrap=True, markup=False)
         harness_options: dict[str, Any] = dict(report.harness_options)
+        harness_options.update(_tito_harness_options(policy, harness))
         async with gateway:
             return await run_rollouts(
                 tasks, harness=harness, policy=policy, sandbox=backend, concurrency=args.concurrency,
@@ -209,11 +270,31 @@ async def _execute(
         janitor.cleanup_all(reason="run finished")  # a safety net: every episode removes its own sandbox
 
 
+def _policy_run_info(policy: Any) -> dict[str, Any]:
+    """What ``results.json`` records of the policy per run (tito: kind, engine, model, renderer, sampling)."""
+    info = getattr(policy, "run_info", None)
+    return dict(info()) if callable(info) else {}
+
+
+def fidelity_lines(summary: Any) -> list[str]:
+    """One line per episode whose policy reported token fidelity (tito): turns, trained tokens, fresh
+    renders (history rewritten) and main-line drift (expected 0)."""
+    lines = []
+    for e in sorted(summary.episodes, key=lambda e: (e.task, e.attempt)):
+        f = e.fidelity
+        if not f:
+            continue
+        lines.append(f"tokens {e.task} #{e.attempt}: {f['turns']} turns, {f['trained_tokens']} trained tokens in "
+                     f"{f['samples']} sample(s), {f['fresh_renders']} fresh render(s), main-line drift "
+                     f"{f['main_line_drift']}")
+    return lines
+
+
 def _report(summary: Any, console: Any, out: Path) -> None:
     from ares_gateway.episodes.rollouts import results_table, summary_lines
 
     console.print(results_table(summary))
-    for line in summary_lines(summary):
+    for line in [*summary_lines(summary), *fidelity_lines(summary)]:
         console.print(line, highlight=False, soft_wrap=True)
     console.print(f"results: {out / 'results.json'} (one line per episode as it finished: {out / 'episodes.jsonl'})",
                   highlight=False, soft_wrap=True)
@@ -284,7 +365,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         highlight=False, soft_wrap=True,
     )
     run_info = {"preset": args.preset, "policy": args.policy, "sandbox": backend, "model": args.model,
-                "base_url": args.base_url, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                "base_url": args.base_url, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **_policy_run_info(policy)}
     try:
         summary = _run_guarded(
             _execute(tasks=resolved.tasks, harness=resolved.preset.harness, policy=policy, backend=backend, args=args,

@@ -12,7 +12,8 @@ import signal
 import sys
 from typing import Any
 
-from ares_gateway.cli._common import HelpFormatter, run_on_uvloop
+from ares_gateway.cli._common import HelpFormatter, run_on_uvloop, write_admin_token
+from ares_gateway.core.errors import DataDirError
 from ares_gateway.gateway import Gateway, GatewayConfig
 
 log = logging.getLogger("ares_gateway")
@@ -35,15 +36,22 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
-async def _serve(cfg: GatewayConfig) -> None:
+async def _serve(cfg: GatewayConfig, token_file: str | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with Gateway(cfg) as gw:
-        # The admin token is a secret: say whether one is set, never what it is.
+    try:
+        gw = Gateway(cfg)
+        await gw.start()
+    except DataDirError as exc:
+        print(f"ares-gateway: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    async with gw:
+        # The admin token is a secret: say where it is, never what it is.
+        where = f"generated, in {token_file}" if token_file else "given"
         print(
-            f"ares-gateway listening on {gw.url} (admin token {'required' if cfg.admin_token else 'not set'}; "
+            f"ares-gateway listening on {gw.url} (admin token required: {where}; "
             f"sessions {'auto-created' if cfg.auto_sessions else 'created with POST /sessions'})",
             flush=True,
         )
@@ -51,8 +59,23 @@ async def _serve(cfg: GatewayConfig) -> None:
         log.info("shutting down: failing %d parked request(s)", gw.broker.pending_count)
 
 
+def _state_dir(args: argparse.Namespace) -> str:
+    """Where a generated admin token is written: the server's data directory when it has one, else
+    ``$XDG_STATE_HOME/ares-gateway`` (``~/.local/state/ares-gateway``)."""
+    if hasattr(args, "data_dir") and not getattr(args, "in_memory", False):
+        return str(args.data_dir or "ares-data")  # serve's data directory (its default: ./ares-data)
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "ares-gateway")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     admin = args.admin_token or os.environ.get("ARES_GATEWAY_ADMIN_TOKEN") or None
+    token_file: str | None = None
+    if not admin:
+        # Never an open control API (issue 17): whoever reaches the port (an agent on the host's
+        # network included) could read every request and answer or end any session.
+        admin, path = write_admin_token(_state_dir(args))
+        token_file = str(path)
     cfg = GatewayConfig(
         host=args.host,
         port=args.port,
@@ -64,16 +87,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         models=args.model or ["ares-gateway"],
         public_url=args.public_url,
         access_log=args.access_log,
+        data_dir=False if args.in_memory else (args.data_dir or "ares-data"),
+        retention_seconds=None if args.retention_days is None else args.retention_days * 86400.0,
     )
-    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not admin:
-        print(
-            "warning: listening on a non-loopback address without --admin-token: anyone who can reach it "
-            "can create sessions and answer requests",
-            file=sys.stderr,
-        )
     tune_gc()
     with contextlib.suppress(KeyboardInterrupt):
-        run_on_uvloop(_serve(cfg))
+        run_on_uvloop(_serve(cfg, token_file))
     return 0
 
 
@@ -86,7 +105,8 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument(
         "--admin-token",
         default=None,
-        help="token guarding /poll, /respond, /sessions, /metrics (or env ARES_GATEWAY_ADMIN_TOKEN)",
+        help="token guarding /poll, /respond, /sessions, /metrics (or env ARES_GATEWAY_ADMIN_TOKEN); without "
+             "one a random token is generated and written to a 0600 file whose path is printed",
     )
     p.add_argument("--request-timeout", type=float, default=900.0, help="seconds a request waits for its answer")
     p.add_argument("--lease", type=float, default=120.0, help="seconds before an unanswered polled request is redelivered")
@@ -99,5 +119,11 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--model", action="append", help="model id listed by /v1/models (repeatable) (default: ares-gateway)")
     p.add_argument("--public-url", default=None, help="URL agents reach the gateway at, if not http://host:port")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (paths only, never headers)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where every answered turn and session is recorded, durably (default: ./ares-data); "
+                        "a restart with the same DIR knows its sessions again (docs/recording.md)")
+    p.add_argument("--in-memory", action="store_true", help="record in memory only (lost when the server stops)")
+    p.add_argument("--retention-days", type=float, default=None,
+                   help="at start, prune sessions that ended more than this many days ago from the data dir")
     p.add_argument("--log-level", default="INFO", help="log level (DEBUG, INFO, WARNING, ERROR)")
     p.set_defaults(handler=cmd_serve)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -221,8 +222,10 @@ class GatewayEnv:
                 raise ValueError("GatewayEnv needs a gateway (or task= and harness=, and it runs its own)")
             from ares_gateway.episodes.episode import harness_side_call_detector
 
+            # The policy is in process: the control HTTP API is closed to everyone (issue 17).
             gateway = Gateway(port=0, request_timeout=max(900.0, time_limit or 0.0),
-                              side_call_detector=harness_side_call_detector(harness))  # type: ignore[arg-type]
+                              side_call_detector=harness_side_call_detector(harness),  # type: ignore[arg-type]
+                              admin_token=secrets.token_urlsafe(32))
         self.gateway = gateway
         self._attach_to = session_id
         self._launch = launch
@@ -453,7 +456,8 @@ class GatewayEnv:
         self._steps = 0
         self._done = False
         self.outcome = None
-        episode = TaskEpisode(task, self._harness, sandbox=self.sandbox_backend, image=self.image, model=self.model)
+        episode = TaskEpisode(task, self._harness, sandbox=self.sandbox_backend, image=self.image, model=self.model,
+                              gateway=gw)
         self.episode = episode
 
         async def start() -> TimeStep:

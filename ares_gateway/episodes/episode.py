@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
 import posixpath
 import shlex
+import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sandbox as sandbox_mod
 from ares_gateway.core.canonical import CanonicalRequest
@@ -35,9 +38,23 @@ from ares_gateway.episodes.tasks import Task, prepare_workdir
 from ares_gateway.episodes.verifier import VerifierResult, run_tests
 from harnesses import BaseHarness, HarnessContext, HarnessError, HarnessInstallError, HarnessResult, registry
 from harnesses.base import Prepared
+from sandbox.local import HARDENED_SYSTEM_PATHS
+
+if TYPE_CHECKING:
+    from ares_gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
+#: The port of the agent's LLM endpoint on the sandbox's own loopback: a relay there forwards it to
+#: the session's unix socket (``Gateway.agent_socket``). Below Linux's ephemeral range, so no
+#: outgoing connection of the agent ever holds it first.
+AGENT_PORT = 18790
+#: How an episode's sandbox is networked (``EpisodeOutcome.network``).
+NETWORK_MODES = (
+    "relay",  # network "none": the sandbox reaches only its own session's LLM endpoint (the default)
+    "internet",  # the task sets [environment] allow_internet = true: the host's network
+    "host",  # no relay on this backend or host (daytona; local without bubblewrap/root): today's path
+)
 #: The image container backends use for tasks that bring none (the agents image has every CLI).
 DEFAULT_IMAGE = "ares-gateway/agents:latest"
 #: How an episode ended.
@@ -83,6 +100,8 @@ class EpisodeOutcome:
     verify_seconds: float = 0.0
     install_reused: bool | None = None
     sandbox: str = ""
+    #: One of :data:`NETWORK_MODES`.
+    network: str = ""
     #: Harness and verifier logs: ``stdout.log``, ``stderr.log``, the harness's artifacts, ``verifier.log``.
     logs: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -101,6 +120,7 @@ class EpisodeOutcome:
             "verify_seconds": round(self.verify_seconds, 3),
             "install_reused": self.install_reused,
             "sandbox": self.sandbox,
+            "network": self.network,
         }
         if self.error is not None:
             out["error"] = self.error
@@ -184,6 +204,20 @@ def last_lines(text: str, limit: int = 400) -> str:
     return " | ".join(picked)
 
 
+def _local_can_harden() -> bool:
+    """Whether the local backend can run a hardened sandbox with a relay here."""
+    from sandbox.local import bwrap_available
+
+    return (bwrap_available() and os.geteuid() == 0 and shutil.which("nsenter") is not None
+            and shutil.which("setpriv") is not None)
+
+
+def _refused(error: str) -> VerifierResult:
+    from ares_gateway.episodes.verifier import Reward
+
+    return VerifierResult(Reward(0.0), None, error)
+
+
 def _describe(exc: BaseException) -> str:
     """What an exception says, never empty: a harness error without detail says so."""
     if isinstance(exc, HarnessError) and not exc.detail.strip():
@@ -205,8 +239,13 @@ class TaskEpisode:
         model: str = "ares-policy",
         labels: Mapping[str, str] | None = None,
         sandbox_options: Mapping[str, Any] | None = None,
+        gateway: Gateway | None = None,
     ) -> None:
         self.task = task
+        #: The gateway whose session this episode runs; it serves the session's agent socket.
+        self.gateway = gateway
+        #: How the sandbox is networked, one of :data:`NETWORK_MODES` (set by :meth:`start`).
+        self.network = ""
         self.harness = registry.create(harness) if isinstance(harness, str) else harness
         self.backend = resolve_backend(sandbox)
         self.image = image if image is not None else (DEFAULT_IMAGE if self.backend == "docker" else None)
@@ -249,6 +288,7 @@ class TaskEpisode:
             default_image=self.image,
             labels={"ares-gateway.session": session.session_id, "ares-gateway.harness": harness.name, **self.labels},
         )
+        spec, base_url = await self._isolate(spec, session)
         try:
             sb = sandbox_mod.create(spec, backend=self.backend, **self.sandbox_options)
             self.sandbox = sb
@@ -257,7 +297,7 @@ class TaskEpisode:
             raise EpisodeSetupError("sandbox_error",
                                     f"starting the {self.backend} sandbox failed: {_describe(exc)}") from exc
         workdir = sb.workdir if task.workdir == sb.spec.workdir else task.workdir
-        ctx = HarnessContext(workdir=workdir, session_id=session.session_id, base_url=session.base_url,
+        ctx = HarnessContext(workdir=workdir, session_id=session.session_id, base_url=base_url,
                              token=session.token, model=self.model)
         self.ctx = ctx
         try:
@@ -283,6 +323,49 @@ class TaskEpisode:
             harness.launch_and_wait(sb, ctx, task.instruction, time_budget), name=f"ares-agent-{session.session_id}"
         )
 
+    async def _isolate(
+        self, spec: sandbox_mod.SandboxSpec, session: SessionInfo
+    ) -> tuple[sandbox_mod.SandboxSpec, str]:
+        """The sandbox's network (issue 17) and the base URL the agent gets.
+
+        By default the sandbox has no network (``network="none"``; local: hardened bubblewrap, the
+        agent as an unprivileged user) and one relay: ``127.0.0.1:AGENT_PORT`` inside reaches the
+        session's own unix socket, which serves only that session's LLM endpoints. A task that sets
+        ``[environment] allow_internet = true`` gets the host's network. Daytona (no relay yet) and
+        a local backend without bubblewrap and root keep the TCP URL and say so.
+        """
+        task = self.task
+        hardened = self.backend == "local" and _local_can_harden()
+        readonly = tuple(spec.readonly_paths)
+        root = getattr(self.harness, "install_root", None)
+        if hardened and root and not any(root == p or root.startswith(p + "/") for p in HARDENED_SYSTEM_PATHS):
+            readonly = (*readonly, root)  # the install provisioned on this host, read-only inside
+        if task.config.allow_internet:
+            self.network = "internet"
+            log.warning("task %s sets [environment] allow_internet = true: its sandbox shares the host's network "
+                        "(the agent can reach the host's loopback services and the internet)", task.name)
+            return dataclasses.replace(spec, network="host", hardened=hardened, readonly_paths=readonly), \
+                session.base_url
+        gw = self.gateway
+        reason = None
+        if gw is None:
+            reason = "the episode was given no gateway to serve the session's socket"
+        elif self.backend == "daytona":
+            reason = "the daytona backend has no relay yet"
+        elif self.backend == "local" and not hardened:
+            reason = "the local backend needs bubblewrap, root, nsenter and setpriv to isolate"
+        if reason is not None or gw is None:
+            self.network = "host"
+            log.warning("task %s: %s; the sandbox keeps the host's network and reaches the gateway at %s",
+                        task.name, reason, session.base_url)
+            return dataclasses.replace(spec, network="host", hardened=hardened, readonly_paths=readonly), \
+                session.base_url
+        sock = await gw.agent_socket(session.session_id)
+        self.network = "relay"
+        spec = dataclasses.replace(spec, network="none", hardened=hardened, readonly_paths=readonly,
+                                   forwards={AGENT_PORT: sock})
+        return spec, f"http://127.0.0.1:{AGENT_PORT}/s/{session.session_id}"
+
     # ------------------------------------------------------------------ finish
 
     async def stop_agent(self) -> None:
@@ -307,7 +390,8 @@ class TaskEpisode:
         for what the agent, the sandbox or the tests did.
         """
         out = EpisodeOutcome(task=self.task.name, harness=self.harness.name, sandbox=self.backend,
-                             setup_seconds=self.setup_seconds, install_reused=self._install_reused)
+                             setup_seconds=self.setup_seconds, install_reused=self._install_reused,
+                             network=self.network)
         if self.setup_error is not None:
             out.exit_reason, out.error = self.setup_error.reason, one_line(self.setup_error.message)
             await self._read_logs(out)
@@ -350,7 +434,10 @@ class TaskEpisode:
         await self._read_logs(out)
         if out.exit_reason in ("completed", "step_limit", "time_limit"):
             started = time.monotonic()
-            verdict = await self.verify()
+            # Nothing the agent started may run while the verifier does (a detached loop rewriting
+            # the reward, a watcher swapping tests/test.sh): every process goes first (issue 17).
+            quiet_error = await self.kill_agent_processes()
+            verdict = await self.verify() if quiet_error is None else _refused(quiet_error)
             out.verify_seconds = time.monotonic() - started
             out.reward = verdict.reward.value
             out.reward_parts = dict(verdict.reward.parts)
@@ -366,6 +453,27 @@ class TaskEpisode:
                 out.logs.setdefault("verifier.log", "")
                 out.logs["verifier.log"] += f"error: {verdict.error}\n"
         return out
+
+    async def kill_agent_processes(self) -> str | None:
+        """Kill every process in the sandbox (the agent's detached ones too) and wait until none is left.
+
+        Returns why the tests must not run (something survived), or ``None``. A backend that cannot
+        kill everything (Daytona) keeps the harness's kill of the agent's process group and session.
+        """
+        sb = self.sandbox
+        if sb is None or sb.state != "running":
+            return None
+        try:
+            killed = await sb.kill_processes(timeout=30.0)
+        except sandbox_mod.NotSupportedError:
+            log.warning("the %s backend cannot kill every process: only the agent's process group and session "
+                        "were killed before the tests", sb.backend)
+            return None
+        except sandbox_mod.SandboxError as exc:
+            return f"processes the agent left survived being killed, so the tests were not run: {_describe(exc)}"
+        if killed:
+            log.info("killed %d process(es) left in sandbox %s before the tests", killed, sb.id)
+        return None
 
     async def verify(self) -> VerifierResult:
         """Run the task's tests in the sandbox (their own timeout) and read the reward; never raises."""

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -81,6 +82,9 @@ class EpisodeResult:
     agent_seconds: float = 0.0
     verify_seconds: float = 0.0
     answer_latency: float | None = None  # mean seconds a request of this episode waited for its answer
+    #: The policy's per-episode report, where it has one (``tito``: turns, trained tokens, fresh renders,
+    #: main-line drift; :meth:`~ares_gateway.policies.tito.TitoPolicy.episode_report`).
+    fidelity: dict[str, Any] | None = None
 
     @property
     def key(self) -> str:
@@ -425,7 +429,9 @@ async def run_rollouts(
     own_gateway = gateway is None
     if gateway is None:
         longest = max([time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
-        gateway = Gateway(port=0, request_timeout=longest + 120.0, side_call_detector=harness_side_call_detector(harness))
+        # A control API no one can use without credentials (issue 17); in-process policies need none.
+        gateway = Gateway(port=0, request_timeout=longest + 120.0, side_call_detector=harness_side_call_detector(harness),
+                          admin_token=secrets.token_urlsafe(32))
         await gateway.start()
     gw = gateway
     external = is_external(policy)
@@ -481,6 +487,9 @@ async def run_rollouts(
             turns = sorted([*answered, *failures], key=lambda t: float(t.get("timestamp") or 0.0))
             result = _result(task, attempt, outcome, answered, samples, sid, time.monotonic() - t0, ts.info,
                              failures=failures)
+            report = getattr(policy, "episode_report", None)
+            if report is not None:
+                result.fidelity = report(sid, samples)
             outputs.episode(result, samples, turns, outcome.logs)
             return result
         finally:
@@ -598,7 +607,7 @@ async def _passive_episode(
     """An episode whose requests an external policy answers: start the agent, wait for it or a limit."""
     session = await gw.create_session(metadata={"task": task.name, "harness": harness.name, "attempt": attempt})
     sid = session.session_id
-    ep = TaskEpisode(task, harness, sandbox=sandbox, image=image, model=model)
+    ep = TaskEpisode(task, harness, sandbox=sandbox, image=image, model=model, gateway=gw)
     limit = time_limit if time_limit is not None else task.config.agent_timeout
     try:
         try:

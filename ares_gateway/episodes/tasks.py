@@ -111,7 +111,9 @@ class TaskConfig:
     memory_mb: int | None = None
     storage_mb: int | None = None
     gpus: int | None = None
-    allow_internet: bool = True
+    #: Harbor's ``[environment] allow_internet``; ares-gateway gives the network only when it is set to
+    #: ``true`` (by default an episode's sandbox reaches nothing but its own session's LLM endpoint).
+    allow_internet: bool = False
     docker_image: str | None = None
     workdir: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=_empty, hash=False)
@@ -233,7 +235,7 @@ def parse_task_config(text: str, *, path: Path | str = "task.toml") -> TaskConfi
         memory_mb=r.size_mb(env_t, "environment", "memory_mb", "memory"),
         storage_mb=r.size_mb(env_t, "environment", "storage_mb", "storage"),
         gpus=gpus or None,
-        allow_internet=r.boolean(env_t, "environment", "allow_internet") is not False,
+        allow_internet=r.boolean(env_t, "environment", "allow_internet") is True,
         docker_image=r.string(env_t, "environment", "docker_image"),
         workdir=workdir,
         metadata=MappingProxyType(dict(metadata)),
@@ -304,7 +306,7 @@ class Task:
         name: str | None = None,
     ) -> SandboxSpec:
         """A :class:`SandboxSpec` for this task: its Dockerfile or image (else ``default_image``),
-        workdir, resources, and ``network="none"`` when ``allow_internet = false``."""
+        workdir, resources, and ``network="none"`` unless ``allow_internet = true``."""
         dockerfile = self.dockerfile
         return SandboxSpec(
             image=None if dockerfile is not None else (self.config.docker_image or default_image),

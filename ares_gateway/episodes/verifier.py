@@ -93,7 +93,9 @@ def parse_reward(reward_json: str | bytes | None = None, reward_txt: str | bytes
 _READ_MARK = "@@ares-reward@@"
 
 
-async def read_reward(sb: Sandbox, verifier_dir: str = DEFAULT_VERIFIER_DIR, *, timeout: float = 30.0) -> Reward:
+async def read_reward(
+    sb: Sandbox, verifier_dir: str = DEFAULT_VERIFIER_DIR, *, timeout: float = 30.0, user: str | None = None
+) -> Reward:
     """Read the reward a verifier left in ``verifier_dir`` of a sandbox (reward.json preferred).
 
     One ``exec`` reads both files (they are tiny), so this costs one round trip on remote backends.
@@ -106,7 +108,7 @@ async def read_reward(sb: Sandbox, verifier_dir: str = DEFAULT_VERIFIER_DIR, *, 
         f"elif [ -f {d}/reward.txt ]; then echo txt{_READ_MARK}; cat {d}/reward.txt; "
         f"else echo none{_READ_MARK}; fi"
     )
-    result = await sb.exec(cmd, cwd="/", timeout=timeout)
+    result = await sb.exec(cmd, cwd="/", user=user, timeout=timeout)
     if not result.ok:
         raise RewardError(
             f"could not read the reward in {verifier_dir} (exit {result.exit_code}, timed out: {result.timed_out}): "
@@ -133,10 +135,11 @@ class TaskPaths:
 
 
 def task_paths(sb: Sandbox) -> TaskPaths:
-    """Harbor's ``/tests``, ``/solution`` and ``/logs/verifier`` in containers; per-sandbox directories
-    under ``/tmp`` in the local backend, whose host filesystem is read-only (bubblewrap) or shared
+    """Harbor's ``/tests``, ``/solution`` and ``/logs/verifier`` in containers and hardened local
+    sandboxes (a private root where only root can create them); per-sandbox directories under ``/tmp``
+    in a local backend that is not hardened, whose host filesystem is read-only (bubblewrap) or shared
     (no isolation), so fixed root paths would be unwritable or collide between sandboxes."""
-    if sb.backend == "local":
+    if sb.backend == "local" and not getattr(sb.spec, "hardened", False):
         root = getattr(sb, "root", None)
         if getattr(sb, "isolated", True) is False and root is not None:
             # Without isolation sandbox paths are host paths: stay inside the sandbox's own directory,
@@ -210,6 +213,19 @@ async def run_solution(
     return _script_result(r)
 
 
+def _fresh_dirs_cmd(paths: TaskPaths, verifier_user: str | None) -> str:
+    """Remove and re-create the tests and verifier directories, 0755 and root's (the verifier's own
+    directory its user's when ``[verifier] user`` is another), their parents not writable by others."""
+    t, v = shlex.quote(paths.tests_dir), shlex.quote(paths.verifier_dir)
+    parents = sorted({posixpath.dirname(p.rstrip("/")) for p in (paths.tests_dir, paths.verifier_dir)} - {"/", "/tmp"})
+    qp = " ".join(shlex.quote(p) for p in parents)
+    cmd = (f"rm -rf {t} {v} && mkdir -p {t} {v} && chown 0:0 {t} {v} {qp} 2>/dev/null; "
+           f"chmod 0755 {t} {v} && {{ [ -z {shlex.quote(qp)} ] || chmod go-w {qp}; }}")
+    if verifier_user and verifier_user not in ("root", "0"):
+        cmd += f" && chown {shlex.quote(verifier_user)} {v}"
+    return cmd
+
+
 async def run_tests(
     sb: Sandbox,
     task: Task,
@@ -226,15 +242,19 @@ async def run_tests(
     """
     paths = paths or task_paths(sb)
     zero = Reward(0.0)
+    root = None if sb.backend == "local" else "root"
     try:
-        prep = await sb.exec(
-            f"rm -rf {shlex.quote(paths.verifier_dir)} && mkdir -p {shlex.quote(paths.verifier_dir)}",
-            cwd="/",
-            timeout=60,
-        )
+        # Fresh, root-owned directories made after the agent's processes are gone (the episode kills
+        # them first): a reward file or a test.sh the agent left is removed, and no one but root (and
+        # the verifier's own user) can write what is read back (issue 17).
+        prep = await sb.exec(_fresh_dirs_cmd(paths, task.config.verifier_user), cwd="/", user=root, timeout=60)
         if not prep.ok:
             return VerifierResult(zero, None, f"cannot create {paths.verifier_dir}: {prep.stderr.strip()[-300:]}")
         await sb.upload_dir(task.tests_dir, paths.tests_dir)
+        sealed = await sb.exec(f"chown -R 0:0 {shlex.quote(paths.tests_dir)} 2>/dev/null; "
+                               f"chmod -R go-w {shlex.quote(paths.tests_dir)}", cwd="/", user=root, timeout=60)
+        if not sealed.ok:
+            return VerifierResult(zero, None, f"cannot protect {paths.tests_dir}: {sealed.stderr.strip()[-300:]}")
         r = await sb.exec(
             _run_script_cmd(posixpath.join(paths.tests_dir, "test.sh")),
             cwd=task.workdir,
@@ -246,7 +266,7 @@ async def run_tests(
         if r.timed_out:
             return VerifierResult(zero, script, f"tests/test.sh timed out after {r.duration:.0f}s")
         try:
-            reward = await read_reward(sb, paths.verifier_dir)
+            reward = await read_reward(sb, paths.verifier_dir, user=root)
         except RewardError as exc:
             return VerifierResult(zero, script, f"{exc} (test.sh exit code {r.exit_code})")
         return VerifierResult(reward, script)

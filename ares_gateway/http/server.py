@@ -35,7 +35,10 @@ What this module adds at the depth it belongs:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -248,7 +251,7 @@ class _Server(web_server.Server):
 
 
 class HttpServer:
-    """Serves ``handler`` over HTTP/1.1 on one listening socket, within ``limits``."""
+    """Serves ``handler`` over HTTP/1.1 on one listening socket (TCP or unix), within ``limits``."""
 
     def __init__(
         self, handler: Handler, error: ErrorFactory, limits: HttpLimits, *, access_log: bool = False
@@ -259,6 +262,7 @@ class HttpServer:
         self.access_log = access_log
         self._server: _Server | None = None
         self._listener: asyncio.AbstractServer | None = None
+        self._unix_path: str | None = None
 
     @property
     def connections(self) -> int:
@@ -266,7 +270,25 @@ class HttpServer:
         return len(self._server.connections) if self._server is not None else 0
 
     async def start(self, host: str, port: int) -> int:
-        """Listen; returns the bound port."""
+        """Listen on TCP; returns the bound port."""
+        self._server = self._make_server()
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(self._server, host, port, backlog=1024)
+        sockets: Any = self._listener.sockets  # a list under uvloop, a tuple under asyncio
+        return int(sockets[0].getsockname()[1])
+
+    async def start_unix(self, path: str, *, mode: int = 0o600) -> None:
+        """Listen on the unix socket ``path`` (a stale socket file there is replaced), made ``mode``."""
+        self._server = self._make_server()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
+        self._listener = await loop.create_unix_server(self._server, path, backlog=1024)
+        os.chmod(path, mode)
+        self._unix_path = path
+
+    def _make_server(self) -> _Server:
         lim = self.limits
         kwargs: dict[str, Any] = {
             "max_line_size": lim.max_line_bytes,
@@ -278,11 +300,7 @@ class HttpServer:
         }
         if not self.access_log:
             kwargs["access_log"] = None
-        self._server = _Server(self.handler, header_timeout=lim.header_timeout, error=self.error, **kwargs)
-        loop = asyncio.get_running_loop()
-        self._listener = await loop.create_server(self._server, host, port, backlog=1024)
-        sockets: Any = self._listener.sockets  # a list under uvloop, a tuple under asyncio
-        return int(sockets[0].getsockname()[1])
+        return _Server(self.handler, header_timeout=lim.header_timeout, error=self.error, **kwargs)
 
     async def close(self, grace: float = 5.0) -> None:
         """Stop listening, let requests in flight finish (for ``grace`` seconds), then close every connection."""
@@ -294,6 +312,10 @@ class HttpServer:
         server.pre_shutdown()
         await server.shutdown(grace)
         await listener.wait_closed()
+        path, self._unix_path = self._unix_path, None
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def on_disconnect(request: BaseRequest, callback: Callable[[], None] | None) -> None:

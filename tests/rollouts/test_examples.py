@@ -57,7 +57,10 @@ async def test_with_and_without_bubblewrap(isolate: bool) -> None:
     if isolate and not sandbox.local.bwrap_available():
         pytest.skip("bubblewrap is not usable here (apt-get install bubblewrap)")
     task = load_dataset("examples").task("write-greeting-file")
-    async with sandbox.LocalSandbox(task.sandbox_spec(), isolate=isolate) as sb:
+    spec = task.sandbox_spec()
+    if not isolate:
+        spec.network = "host"  # network "none" (the task's default) needs bubblewrap
+    async with sandbox.LocalSandbox(spec, isolate=isolate) as sb:
         await prepare_workdir(sb, task)
         assert (await run_solution(sb, task)).ok
         assert (await run_tests(sb, task)).reward.value == 1.0

@@ -11,6 +11,12 @@ line (mini has no side calls).
 One command may run ``N`` = :meth:`~harnesses.base.BaseHarness.command_limit` seconds (the run's
 time budget unless ``command_timeout`` is given) instead of mini's default 30 s, after which mini
 kills the command's process group and shows the model a timeout message.
+
+``action_format="text"`` runs mini in its text-based mode (``-c mini_textbased.yaml --model-class
+litellm_textbased``): the model writes its command in a ```` ```mswea_bash_command ```` block instead
+of a tool call, and no tool schemas are sent. That is the mode for models without a tool-call format
+(SmolLM2 in ``ares-gateway demo``). The default ``"tools"`` is mini's own default (``mini.yaml``,
+one ``bash`` tool call per step).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import posixpath
 import shlex
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from .base import BaseHarness, HarnessContext, Prepared, pip_install_step, pip_version_command
 
@@ -33,6 +39,19 @@ class MiniSweAgentHarness(BaseHarness):
     python = "python3"
     #: The builtin mini config the run starts from (``-c``; naming any config drops mini's default).
     config = "mini.yaml"
+    #: ``action_format`` -> (builtin config, ``--model-class`` or ``None`` for mini's default).
+    ACTION_FORMATS: ClassVar[dict[str, tuple[str, str | None]]] = {
+        "tools": ("mini.yaml", None),
+        "text": ("mini_textbased.yaml", "litellm_textbased"),
+    }
+
+    def __init__(self, *, action_format: str = "tools", **options: Any) -> None:
+        if action_format not in self.ACTION_FORMATS:
+            raise ValueError(f"action_format must be one of {', '.join(self.ACTION_FORMATS)}, got {action_format!r}")
+        super().__init__(**options)
+        #: How the model writes its actions: ``tools`` (tool calls) or ``text`` (a fenced command block).
+        self.action_format = action_format
+        self.config, self._model_class = self.ACTION_FORMATS[action_format]
 
     def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
         q = shlex.quote(prefix)
@@ -63,8 +82,9 @@ class MiniSweAgentHarness(BaseHarness):
         }
 
     def agent_command(self, ctx: HarnessContext, prep: Prepared, prompt: str) -> str:
+        model_class = f"--model-class {shlex.quote(self._model_class)} " if self._model_class else ""
         return (
-            f"mini -m {shlex.quote('openai/' + ctx.model)} -c {shlex.quote(self.config)} "
+            f"mini -m {shlex.quote('openai/' + ctx.model)} -c {shlex.quote(self.config)} {model_class}"
             f"-c environment.timeout={self.command_limit(prep)} -t {shlex.quote(prompt)} -y --exit-immediately "
             f"-o {shlex.quote(prep.state_dir + '/trajectory.json')}"
         )

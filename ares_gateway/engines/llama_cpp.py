@@ -48,12 +48,100 @@ from ares_gateway.engines.base import (
     TokenChunk,
 )
 
-__all__ = ["LlamaCppEngine", "sample_token"]
+__all__ = ["BUILD_HINT", "CMAKE_ARGS", "REBUILD_HINT", "LlamaCppEngine", "check_build", "sample_token"]
 
-_BUILD_HINT = (
-    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" '
-    "python3 -m pip install --no-cache-dir 'llama-cpp-python>=0.3'"
+#: The build flags that work on CPUs where llama.cpp's native build crashes (AMX, see :func:`check_build`).
+CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+#: The command that installs a working llama-cpp-python.
+BUILD_HINT = f"CMAKE_ARGS=\"{CMAKE_ARGS}\" python3 -m pip install --no-cache-dir 'llama-cpp-python>=0.3'"
+#: The command that replaces a crashing build: without ``--no-cache-dir`` pip reuses the wheel it
+#: cached for the sdist (its cache key ignores ``CMAKE_ARGS``), i.e. the crashing build again.
+REBUILD_HINT = (
+    f"CMAKE_ARGS=\"{CMAKE_ARGS}\" python3 -m pip install --no-cache-dir --force-reinstall --no-deps "
+    "'llama-cpp-python>=0.3'"
 )
+
+# A llama.cpp built with GGML_NATIVE=ON on a CPU that reports AMX compiles its AMX backend in; on
+# machines whose kernel does not grant AMX to the process (this one) the first matrix product
+# segfaults in ggml_backend_amx_mul_mat, killing the whole process. So a build reporting AMX is
+# probed once in a child process before the model is loaded here.
+_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_batch=8, n_ubatch=8, n_threads=1, verbose=False)
+llm.eval([1, 2, 3, 4])
+print("ok")
+"""
+_checked: dict[str, str | None] = {}
+
+
+def check_build(model_path: str | None = None, *, timeout_s: float = 120.0) -> str:
+    """Make sure the installed ``llama_cpp`` imports and will not crash this process; returns its
+    system-info line.
+
+    A build that compiled llama.cpp's AMX backend (``llama_print_system_info()`` lists ``AMX``) is
+    probed once per process in a child that loads ``model_path`` (default: the embedded model) and
+    evaluates a few tokens; a child killed by a signal means the build crashes here. Raises
+    :class:`EngineUnavailableError` naming the command that installs (or rebuilds) a working one.
+    """
+    try:
+        import llama_cpp
+    except Exception as exc:  # ImportError, or a broken shared library's OSError
+        raise EngineUnavailableError(
+            f"llama-cpp-python is not installed (or failed to import: {exc}); install it with: {BUILD_HINT}"
+        ) from exc
+    lib = str(getattr(llama_cpp, "__file__", "llama_cpp"))
+    if lib in _checked:
+        if _checked[lib] is None:
+            return _system_info(llama_cpp)
+        raise EngineUnavailableError(str(_checked[lib]))
+    info = _system_info(llama_cpp)
+    problem = None
+    if "AMX" in info.upper():
+        problem = _probe(model_path, timeout_s)
+    _checked[lib] = problem
+    if problem is not None:
+        raise EngineUnavailableError(problem)
+    return info
+
+
+def _system_info(llama_cpp: Any) -> str:
+    try:
+        raw = llama_cpp.llama_print_system_info()
+    except Exception:
+        return ""
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+
+
+def _probe(model_path: str | None, timeout_s: float) -> str | None:
+    """``None`` when a child process can evaluate tokens with this build, else what went wrong."""
+    import signal
+    import subprocess
+    import sys
+
+    if model_path is None:
+        from ares_gateway.tokens.tokenizer import default_model_path
+
+        model_path = default_model_path()
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, model_path], capture_output=True, text=True,
+                              timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return (f"the installed llama-cpp-python (built with AMX) did not evaluate 4 tokens within {timeout_s:g} s "
+                f"in a probe process; rebuild it without the native CPU flags: {REBUILD_HINT}")
+    if proc.returncode == 0 and "ok" in proc.stdout:
+        return None
+    if proc.returncode < 0:
+        try:
+            how = f"killed by {signal.Signals(-proc.returncode).name}"
+        except ValueError:
+            how = f"killed by signal {-proc.returncode}"
+    else:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        how = f"exit status {proc.returncode}: {tail}"
+    return (f"the installed llama-cpp-python crashes on this CPU (it was built with llama.cpp's AMX backend, "
+            f"GGML_NATIVE=ON; a probe evaluating 4 tokens was {how}). Rebuild it without the native flags "
+            f"(--no-cache-dir: pip's cached wheel ignores CMAKE_ARGS): {REBUILD_HINT}")
 
 
 def sample_token(logits: np.ndarray[Any, Any], sampling: Sampling, rng: np.random.Generator) -> tuple[int, float]:
@@ -105,7 +193,9 @@ class LlamaCppEngine:
     Args:
         model_path: the ``.gguf`` file; ``None``: the embedded SmolLM2-135M-Instruct.
         n_ctx: context window (tokens); ``None``: the model's trained context.
-        n_threads: CPU threads (default: the CPUs this process may use, at most 8).
+        n_threads: CPU threads (default: one less than the CPUs this process may use, at least 1, at most
+            8: the agent, its sandbox and the gateway need a core; on 2 shared cores, 2 threads measured
+            10-20x slower than 1, as llama.cpp's threads wait on each other whenever one is preempted).
         n_batch: prompt tokens evaluated per llama.cpp call.
         consistent_batching: never evaluate a single token alone (see the module docstring).
         load_timeout_s: how long loading the model may take before :class:`EngineUnavailableError`.
@@ -133,7 +223,7 @@ class LlamaCppEngine:
             raise ValueError(f"n_batch must be at least 2, got {n_batch}")
         self.model = model_path
         self.n_ctx_requested = n_ctx
-        self.n_threads = n_threads or max(1, min(8, len(os.sched_getaffinity(0))))
+        self.n_threads = n_threads or max(1, min(8, len(os.sched_getaffinity(0)) - 1))
         self.n_batch = n_batch
         self.consistent_batching = consistent_batching
         self.load_timeout_s = load_timeout_s
@@ -148,12 +238,9 @@ class LlamaCppEngine:
     # ------------------------------------------------------------- lifecycle
     def _load(self) -> Any:
         if self._llm is None:
-            try:
-                from llama_cpp import Llama
-            except ImportError as exc:
-                raise EngineUnavailableError(
-                    f"llama-cpp-python is not installed (or failed to import: {exc}); build it with: {_BUILD_HINT}"
-                ) from exc
+            check_build(self.model)  # a clear error instead of a segfault of the whole process
+            from llama_cpp import Llama
+
             t0 = time.perf_counter()
             self._llm = Llama(
                 model_path=self.model,

@@ -136,6 +136,34 @@ class TitoPolicy:
         """Drop a finished session's token streams (memory); returns its final counters."""
         return self.streams.drop(session_id)
 
+    def episode_report(self, session_id: str, samples: Sequence[Any]) -> dict[str, Any]:
+        """:func:`episode_fidelity` of a finished session's ``samples`` (what ``run`` writes per episode
+        to ``results.json``), then the session's streams are dropped."""
+        report = episode_fidelity(samples, self.stats(session_id))
+        self.forget(session_id)
+        return report
+
+    @property
+    def tool_calls_supported(self) -> bool:
+        """Whether the model's renderer has a tool-call format (else tools are not shown to the model,
+        and an agent must be run in a text-action mode, e.g. mini-swe-agent's ``action_format="text"``)."""
+        # Hand-written renderers parse their family's tool calls; the generic template only with a parser.
+        return not self.renderer.is_template or getattr(self.renderer.renderer, "_tool_parser", None) is not None
+
+    async def __aenter__(self) -> TitoPolicy:
+        """Load the engine's model now (``run`` enters the policy before any sandbox starts), so a
+        missing or crashing build fails the run up front with its install command."""
+        load = getattr(self.engine, "load", None)
+        if load is not None:
+            try:
+                await load()
+            except EngineError as exc:
+                raise PolicyError(str(exc), status=503) from exc
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     async def aclose(self) -> None:
         await self.engine.aclose()
 

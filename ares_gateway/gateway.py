@@ -97,7 +97,7 @@ class GatewayConfig:
     min_free_mb: int = 64
     #: SQLite ``synchronous``: "NORMAL" (commit = write to the WAL; survives the process dying) or "FULL".
     store_sync: str = "NORMAL"
-    #: ``respond`` returns once its turn is committed to the data dir.
+    #: ``POST /respond`` answers 200 only once its turns are committed to the data dir.
     wait_durable: bool = True
     #: Directory for the per-session agent sockets (default: a fresh 0700 temporary directory).
     runtime_dir: str | None = None
@@ -375,9 +375,9 @@ class Gateway:
         record = read_tokens(tokens)
         if isinstance(answer, Completion) and answer.tokens is not None:
             answer = answer.model_copy(update={"tokens": read_tokens(answer.tokens)})
+        # No wait for the data dir here: the turn is queued and committed within milliseconds; a
+        # caller that needs it on disk awaits durable() (/respond does, before its 200).
         self.broker.respond(request_id, answer, tokens=record)
-        if self.config.wait_durable:
-            await self.durable()
 
     def trajectory(
         self, session_id: str, *, reward: float | None = None, max_sample_tokens: int = 0

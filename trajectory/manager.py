@@ -135,6 +135,30 @@ class TrajectoryManager:
                 tree.dispose()
         return samples
 
+    def samples(self, session_id: str, *, reward: float = 0.0, max_sample_tokens: int = 0) -> list[Sample]:
+        """Like :meth:`get_trajectory`, but the session stays recorded (more turns may follow).
+
+        Every sample's arrays are private copies, so building samples mid-session is safe.
+        """
+        if max_sample_tokens < 0:
+            raise ValueError("max_sample_tokens must be >= 0")
+        session = self._sessions.get(session_id)
+        if session is None:
+            return []
+        samples: list[Sample] = []
+        for tree, side in ((session.main, False), (session.side, True)):
+            if tree is not None:
+                samples.extend(
+                    linearize(
+                        tree,
+                        session_id=session_id,
+                        side_call=side,
+                        reward=reward,
+                        max_sample_tokens=max_sample_tokens,
+                    )
+                )
+        return samples
+
     def has_session(self, session_id: str) -> bool:
         """Whether anything is recorded for the session."""
         return session_id in self._sessions

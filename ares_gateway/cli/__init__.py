@@ -1,7 +1,7 @@
-"""The ``ares-gateway`` command line: ``serve``, ``run``, ``demo``, ``gc`` (``--help`` on each).
+"""The ``ares-gateway`` command line: ``serve``, ``run``, ``demo``, ``gc``, ``export``, ``prune`` (``--help`` on each).
 
 One module per command: :mod:`~ares_gateway.cli.serve`, :mod:`~ares_gateway.cli.run` (``run`` and
-``demo``), :mod:`~ares_gateway.cli.gc`; what they share in :mod:`~ares_gateway.cli._common`.
+``demo``), :mod:`~ares_gateway.cli.gc`, :mod:`~ares_gateway.cli.export`, :mod:`~ares_gateway.cli.prune`; what they share in :mod:`~ares_gateway.cli._common`.
 ``python3 -m ares_gateway.cli`` is the same as ``ares-gateway``.
 """
 
@@ -11,7 +11,9 @@ import argparse
 import logging
 
 from ares_gateway.cli._common import HelpFormatter, version
+from ares_gateway.cli.export import add_export_command
 from ares_gateway.cli.gc import add_gc_command
+from ares_gateway.cli.prune import add_prune_command
 from ares_gateway.cli.run import add_demo_command, add_run_command
 from ares_gateway.cli.serve import add_serve_command
 
@@ -27,6 +29,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_command(sub)
     add_gc_command(sub)
+    add_export_command(sub)
+    add_prune_command(sub)
     add_run_command(sub)
     add_demo_command(sub)
     return parser

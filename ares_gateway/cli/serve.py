@@ -68,6 +68,13 @@ def _state_dir(args: argparse.Namespace) -> str:
     return os.path.join(state, "ares-gateway")
 
 
+def _default_data_dir(port: int) -> str:
+    """``$XDG_STATE_HOME/ares-gateway/data-PORT`` (one per port, so servers on other ports never share
+    one; with ``--port 0``, one per process)."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "ares-gateway", f"data-{port}" if port else f"data-pid{os.getpid()}")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     admin = args.admin_token or os.environ.get("ARES_GATEWAY_ADMIN_TOKEN") or None
     token_file: str | None = None
@@ -87,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         models=args.model or ["ares-gateway"],
         public_url=args.public_url,
         access_log=args.access_log,
-        data_dir=False if args.in_memory else (args.data_dir or "ares-data"),
+        data_dir=False if args.in_memory else (args.data_dir or _default_data_dir(args.port)),
         retention_seconds=None if args.retention_days is None else args.retention_days * 86400.0,
     )
     tune_gc()
@@ -120,7 +127,8 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--public-url", default=None, help="URL agents reach the gateway at, if not http://host:port")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (paths only, never headers)")
     p.add_argument("--data-dir", default=None, metavar="DIR",
-                   help="where every answered turn and session is recorded, durably (default: ./ares-data); "
+                   help="where every answered turn and session is recorded, durably (default: "
+                        "$XDG_STATE_HOME/ares-gateway/data-PORT); "
                         "a restart with the same DIR knows its sessions again (docs/recording.md)")
     p.add_argument("--in-memory", action="store_true", help="record in memory only (lost when the server stops)")
     p.add_argument("--retention-days", type=float, default=None,

@@ -12,7 +12,8 @@ Each maps to one HTTP status, so the in-process API and the control API (``/resp
     ├── InvalidAnswerError (400)            an answer given to ``respond`` is malformed (also a ValueError)
     ├── InvalidSessionError (400)           a session id or token that cannot be used (also a ValueError)
     ├── TooManyParkedError (429)            a session has ``max_parked_per_session`` requests waiting already
-    └── GatewayClosedError (503)            the gateway is shut down
+    ├── GatewayClosedError (503)            the gateway is shut down
+    └── DataDirError (500)                  the data directory cannot be used (not writable, full, locked, corrupt)
 
 Two exceptions live next to the code that raises them, since no caller of the public API sees
 them: :class:`ares_gateway.protocols.RequestError` (an agent's body its protocol cannot accept;
@@ -82,3 +83,10 @@ class GatewayClosedError(GatewayError):
     """The gateway is shut down; start a new one."""
 
     status = 503
+
+
+class DataDirError(GatewayError):
+    """The data directory cannot be used: not writable, full, in use by another gateway, or not a
+    gateway database. Raised at start-up; the message says which and what to do."""
+
+    status = 500

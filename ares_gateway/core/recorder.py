@@ -3,25 +3,45 @@
 This is the one place a turn is recorded: :func:`record_turn` builds a :class:`RecordedTurn` when a
 request's whole completion is known and hands it to the gateway's :class:`Recorder`. The broker
 calls it at ``respond`` for a whole answer; for a streamed one it wraps the policy's stream in
-:func:`record_stream`, which calls it when the stream ends. The default,
-:class:`SessionRecorder`, keeps each session's turns (the agent's body bytes and
-the completion) and builds the session's message tree in :mod:`trajectory` only
-when samples are asked for, so the request path does no conversion work.
+:func:`record_stream`, which calls it when the stream ends.
+
+The default, :class:`SessionRecorder`, records incrementally and keeps only what is new:
+
+* each turn with a token record goes into the session's message tree (:mod:`trajectory`) as it
+  is answered, so samples cost one linearization, never a replay of the session;
+* each turn is encoded once into a compact record (:func:`encode_turn`): the native request body
+  as a delta against the previous turn of the same line (main line or side calls: the messages
+  it shares with that turn are a count, unchanged top-level fields such as ``tools`` and
+  ``system`` a reference), its prompt token ids as the tokens beyond those it shares with the
+  previous turn's prompt + output (int32 bytes, never lists of Python ints), its completion,
+  timing, side-call flag and sampling parameters; records over 1 KiB are zlib-compressed;
+* the record goes to the durable :class:`~ares_gateway.core.store.TurnStore` when the gateway has a
+  data dir, and the turn log (``GET /sessions/{id}/turns``) is decoded from the records.
+
+An ended session's in-memory state is released once its samples are built
+(:meth:`SessionRecorder.release`); it is read back from the data dir when asked for again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 import time
+import zlib
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
 import orjson
 
 from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta, WireProtocol
+from ares_gateway.core.store import DamagedRecord, TurnStore
 from ares_gateway.core.streaming import DeltaAccumulator
 from ares_gateway.protocols import get_adapter
 from trajectory import Sample, TrajectoryManager, TurnRecord
+from trajectory._tokens import as_token_array, common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +90,9 @@ class RecordedTurn:
         self.timestamp = timestamp
         self.latency = latency
         self.raw_body = raw_body
-        self._request = None if raw_body is not None else request
+        # Both are kept: a RecordedTurn lives only while it is being recorded (the recorder keeps
+        # its compact encoding), and the parsed request saves parsing the body again.
+        self._request = request
 
     @property
     def request(self) -> CanonicalRequest:
@@ -82,7 +104,10 @@ class RecordedTurn:
 
     def native_request(self) -> Any:
         """The request body as the agent sent it (parsed JSON)."""
-        return orjson.loads(self.raw_body) if self.raw_body is not None else self.request.raw
+        if self._request is not None and (self._request.raw or self.raw_body is None):
+            return self._request.raw
+        assert self.raw_body is not None
+        return orjson.loads(self.raw_body)
 
 
 class Recorder(Protocol):
@@ -165,56 +190,412 @@ async def record_stream(
             await aclose()
 
 
-class SessionRecorder:
-    """Keeps each session's answered turns; linearizes them on demand."""
+# ---------------------------------------------------------------------------------- encoding
 
-    def __init__(self, *, fork_threshold_tokens: int = 1024) -> None:
+#: The key of each protocol's growing list in a request body.
+_LIST_KEYS = {
+    WireProtocol.OPENAI_CHAT: "messages",
+    WireProtocol.ANTHROPIC_MESSAGES: "messages",
+    WireProtocol.OPENAI_RESPONSES: "input",
+}
+_HEADER = struct.Struct("<I")
+_COMPRESS_OVER = 1024
+_EMPTY_IDS: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)
+
+
+def _digest(value: Any) -> bytes:
+    # 128 bits: a collision would silently splice the wrong message into a reconstructed body.
+    return hashlib.blake2b(orjson.dumps(value, default=str), digest_size=16).digest()
+
+
+class _Line:
+    """What the next turn of one line (a session's main line, or its side calls) is encoded against:
+    digests of the previous body's list items and top-level fields, and its prompt + output ids."""
+
+    __slots__ = ("full", "hashes", "seq", "top", "tseq")
+
+    def __init__(self) -> None:
+        self.seq: int | None = None
+        self.tseq: int | None = None  # the previous turn with token ids
+        self.hashes: list[bytes] = []
+        self.top: dict[str, bytes] = {}
+        self.full: npt.NDArray[np.int32] | None = None
+
+
+def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: int) -> dict[str, Any]:
+    lk = _LIST_KEYS.get(protocol)
+    items = body.get(lk) if lk is not None else None
+    if not isinstance(items, list):
+        lk, items = None, None
+    top = {k: _digest(v) for k, v in body.items() if k != lk}
+    delta: dict[str, Any] = {"keys": list(body)}
+    if line.seq is not None:
+        delta["base"] = line.seq
+        delta["set"] = {k: body[k] for k, h in top.items() if line.top.get(k) != h}
+    else:
+        delta["set"] = {k: body[k] for k in top}
+    if items is not None:
+        hashes = [_digest(m) for m in items]
+        keep = 0
+        if line.seq is not None:
+            old = line.hashes
+            n = min(len(old), len(hashes))
+            while keep < n and old[keep] == hashes[keep]:
+                keep += 1
+        delta["lk"] = lk
+        delta["keep"] = keep
+        delta["new"] = items[keep:]
+        line.hashes = hashes
+    else:
+        line.hashes = []
+    line.top = top
+    line.seq = seq
+    return delta
+
+
+def _token_delta(tokens: Any, prompt: npt.NDArray[np.int32], output: npt.NDArray[np.int32], line: _Line,
+                 seq: int) -> tuple[dict[str, Any], bytes]:
+    prev = line.full
+    keep = common_prefix_len(prev, prompt) if prev is not None else 0
+    lps = np.asarray(tokens.output_logprobs, dtype=np.float32) if tokens.output_logprobs else None
+    head = {
+        "base": line.tseq,
+        "keep": keep,
+        "ns": int(prompt.shape[0]) - keep,
+        "no": int(output.shape[0]),
+        "lp": lps is not None,
+        "fr": tokens.finish_reason,
+    }
+    line.full = np.concatenate([prompt, output]) if output.shape[0] else prompt.copy()
+    line.tseq = seq
+    blob = prompt[keep:].astype("<i4").tobytes() + output.astype("<i4").tobytes()
+    if lps is not None:
+        blob += lps.astype("<f4").tobytes()
+    return head, blob
+
+
+def encode_turn(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, _Line], seq: int,
+                ids: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None = None) -> bytes:
+    """One turn as a compact record, delta-encoded against the previous turn of its line (updated).
+
+    ``ids``: the token record's prompt and output ids as int32 arrays, when the caller has them."""
+    line = lines.setdefault(turn.side_call, _Line())
+    completion = turn.completion
+    tokens = completion.tokens
+    comp = completion.model_dump(mode="json", exclude_none=True, exclude={"tokens"})
+    header: dict[str, Any] = {
+        "rid": turn.request_id,
+        "proto": turn.protocol.value,
+        "side": turn.side_call,
+        "ts": turn.timestamp,
+        "lat": turn.latency,
+        "body": _body_delta(turn.protocol, body, line, seq),
+        "completion": comp,
+    }
+    request = turn._request
+    if request is not None:
+        header["sampling"] = request.sampling.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
+    blob = b""
+    if tokens is not None:
+        prompt, output = ids if ids is not None else (
+            as_token_array(tokens.prompt_ids, what="prompt_ids"), as_token_array(tokens.output_ids, what="output_ids"))
+        header["tok"], blob = _token_delta(tokens, prompt, output, line, seq)
+    head = orjson.dumps(header, default=str)
+    inner = _HEADER.pack(len(head)) + head + blob
+    if len(inner) > _COMPRESS_OVER:
+        return b"Z" + zlib.compress(inner, 1)
+    return b"R" + inner
+
+
+class _Decoder:
+    """Reads a session's records in order, keeping each line's previous body and token ids."""
+
+    def __init__(self) -> None:
+        self.bodies: dict[bool, tuple[int, dict[str, Any]]] = {}
+        self.full: dict[bool, tuple[int, npt.NDArray[np.int32]]] = {}
+
+    def decode(self, seq: int, payload: bytes) -> dict[str, Any]:
+        kind, data = payload[:1], payload[1:]
+        if kind == b"Z":
+            data = zlib.decompress(data)
+        elif kind != b"R":
+            raise ValueError(f"unknown record kind {kind!r}")
+        (n,) = _HEADER.unpack_from(data)
+        header = orjson.loads(data[4 : 4 + n])
+        blob = memoryview(data)[4 + n :]
+        side = bool(header["side"])
+        delta = header["body"]
+        prev: dict[str, Any] | None = None
+        if "base" in delta:
+            got = self.bodies.get(side)
+            if got is None or got[0] != delta["base"]:
+                raise ValueError(f"the record it continues (turn {delta['base']}) is missing")
+            prev = got[1]
+        body: dict[str, Any] = {}
+        lk = delta.get("lk")
+        for k in delta["keys"]:
+            if k == lk:
+                kept = prev.get(k, []) if prev is not None else []
+                body[k] = kept[: delta["keep"]] + delta["new"]
+            elif k in delta["set"]:
+                body[k] = delta["set"][k]
+            elif prev is not None and k in prev:
+                body[k] = prev[k]
+            else:
+                raise ValueError(f"field {k!r} is neither in the record nor in the one it continues")
+        self.bodies[side] = (seq, body)
+        completion: dict[str, Any] = header["completion"]
+        tok = header.get("tok")
+        prompt = output = None
+        logprobs: npt.NDArray[np.float32] | None = None
+        if tok is not None:
+            keep, ns, no = tok["keep"], tok["ns"], tok["no"]
+            if len(blob) != 4 * (ns + no + (no if tok["lp"] else 0)):
+                raise ValueError("the token ids are cut short")
+            suffix = np.frombuffer(blob, dtype="<i4", count=ns).astype(np.int32)
+            output = np.frombuffer(blob, dtype="<i4", count=no, offset=4 * ns).astype(np.int32)
+            if tok["lp"]:
+                logprobs = np.frombuffer(blob, dtype="<f4", count=no, offset=4 * (ns + no)).astype(np.float32)
+            base = _EMPTY_IDS
+            if tok["base"] is not None:
+                got_ids = self.full.get(side)
+                if got_ids is None or got_ids[0] != tok["base"]:
+                    raise ValueError(f"the token ids it continues (turn {tok['base']}) are missing")
+                base = got_ids[1]
+            if keep > base.shape[0]:
+                raise ValueError("the token ids it continues are cut short")
+            prompt = np.concatenate([base[:keep], suffix])
+            self.full[side] = (seq, np.concatenate([prompt, output]))
+        return {
+            "header": header,
+            "body": body,
+            "completion": completion,
+            "prompt_ids": prompt,
+            "output_ids": output,
+            "logprobs": logprobs,
+            "finish_reason": None if tok is None else tok["fr"],
+        }
+
+
+def _log_entry(d: dict[str, Any], *, tokens: bool) -> dict[str, Any]:
+    h = d["header"]
+    completion = dict(d["completion"])
+    if tokens and d["prompt_ids"] is not None:
+        rec: dict[str, Any] = {
+            "prompt_ids": d["prompt_ids"].tolist(),
+            "output_ids": d["output_ids"].tolist(),
+            "output_logprobs": [] if d["logprobs"] is None else [float(x) for x in d["logprobs"].tolist()],
+        }
+        if d["finish_reason"] is not None:
+            rec["finish_reason"] = d["finish_reason"]
+        completion["tokens"] = rec
+    entry = {
+        "request_id": h["rid"],
+        "protocol": h["proto"],
+        "side_call": h["side"],
+        "timestamp": h["ts"],
+        "latency": h["lat"],
+        "request": d["body"],
+        "completion": completion,
+    }
+    if "sampling" in h:
+        entry["sampling"] = h["sampling"]
+    return entry
+
+
+# ---------------------------------------------------------------------------------- the recorder
+
+
+class _SessionState:
+    __slots__ = ("lines", "payloads", "seq")
+
+    def __init__(self) -> None:
+        self.lines: dict[bool, _Line] = {}
+        self.payloads: list[tuple[int, bytes]] = []
+        self.seq = 0
+
+
+def _tree_turn(tm: TrajectoryManager, sid: str, request: CanonicalRequest, completion: Completion,
+               prompt: Any, output: Any, logprobs: Any, finish_reason: str | None, rid: str, side: bool) -> None:
+    tm.record_turn(
+        sid,
+        prompt_messages=[m.to_chat_dict() for m in request.messages],
+        response_message=completion.to_message().to_chat_dict() if len(output) else None,
+        turn=TurnRecord(
+            prompt_ids=prompt,
+            output_ids=output,
+            output_logprobs=() if logprobs is None else logprobs,
+            finish_reason=finish_reason or completion.finish_reason,
+        ),
+        metadata={"side_call": True, "request_id": rid} if side else {"request_id": rid},
+    )
+
+
+class SessionRecorder:
+    """Records each session's answered turns incrementally; samples and the turn log on demand.
+
+    Args:
+        fork_threshold_tokens: passed to the message tree (see :class:`trajectory.TrajectoryManager`).
+        store: the durable store every record also goes to (``None``: memory only; then
+            :meth:`release` keeps the session, since nothing else has it).
+    """
+
+    def __init__(self, *, fork_threshold_tokens: int = 1024, store: TurnStore | None = None) -> None:
         self.fork_threshold_tokens = fork_threshold_tokens
-        self._turns: dict[str, list[RecordedTurn]] = {}
+        self.store = store
+        self._tm = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens)
+        self._states: dict[str, _SessionState] = {}
+        #: Sessions with records in the store that are not loaded into memory.
+        self._stored: set[str] = set()
+        #: Records that could not be read back, per session (reported, skipped).
+        self.damaged: dict[str, list[DamagedRecord]] = {}
+
+    # ------------------------------------------------------------------ write
 
     def __call__(self, turn: RecordedTurn) -> None:
-        self._turns.setdefault(turn.session_id, []).append(turn)
+        sid = turn.session_id
+        state = self._states.get(sid)
+        if state is None:
+            state = self._load(sid) if sid in self._stored else None
+            if state is None:
+                state = self._states[sid] = _SessionState()
+        state.seq += 1
+        seq = state.seq
+        request = turn.request
+        body = turn.native_request()
+        tokens = turn.completion.tokens
+        # Token ids become int32 once, here; the record and the tree share the arrays.
+        ids = None if tokens is None else (
+            as_token_array(tokens.prompt_ids, what="prompt_ids"), as_token_array(tokens.output_ids, what="output_ids"))
+        payload = encode_turn(turn, body if isinstance(body, dict) else {"body": body}, state.lines, seq, ids)
+        state.payloads.append((seq, payload))
+        if self.store is not None:
+            self.store.put_turn(sid, seq, payload)
+        if tokens is not None and ids is not None:
+            _tree_turn(self._tm, sid, request, turn.completion, ids[0], ids[1],
+                       tokens.output_logprobs, tokens.finish_reason, turn.request_id, turn.side_call)
 
-    def turns(self, session_id: str) -> list[RecordedTurn]:
-        return list(self._turns.get(session_id, ()))
+    def known(self, session_ids: set[str]) -> None:
+        """Sessions whose records are in the store (read back on first use)."""
+        self._stored |= session_ids
 
-    def drop(self, session_id: str) -> None:
-        self._turns.pop(session_id, None)
+    # ------------------------------------------------------------------ read
+
+    def _records(self, sid: str) -> list[tuple[int, bytes]]:
+        state = self._states.get(sid)
+        if state is not None:
+            return state.payloads
+        if self.store is not None and sid in self._stored:
+            rows, damaged = self.store.load_turns(sid)
+            self._report(sid, damaged)
+            return rows
+        return []
+
+    def _report(self, sid: str, damaged: list[DamagedRecord]) -> None:
+        if damaged:
+            old = {d.seq for d in self.damaged.get(sid, [])}
+            new = [d for d in damaged if d.seq not in old]
+            for d in new:
+                log.error("data dir: session %s turn %d could not be read and is skipped: %s", sid, d.seq, d.reason)
+            self.damaged.setdefault(sid, []).extend(new)
+
+    def _decoded(self, sid: str) -> list[tuple[int, dict[str, Any]]]:
+        dec = _Decoder()
+        out: list[tuple[int, dict[str, Any]]] = []
+        broken: list[DamagedRecord] = []
+        for seq, payload in self._records(sid):
+            try:
+                out.append((seq, dec.decode(seq, payload)))
+            except (ValueError, KeyError, TypeError, zlib.error, struct.error, orjson.JSONDecodeError) as exc:
+                broken.append(DamagedRecord(sid, seq, f"cannot be decoded: {exc}"))
+        self._report(sid, broken)
+        return out
+
+    def turns(self, session_id: str) -> list[dict[str, Any]]:
+        """The session's turns as :meth:`turn_log` entries."""
+        return self.turn_log(session_id)
+
+    def turn_log(self, session_id: str, *, tokens: bool = True) -> list[dict[str, Any]]:
+        """The turn log: native request, canonical completion (with its token record unless
+        ``tokens=False``), timing, side-call flag and sampling parameters, in answer order."""
+        return [_log_entry(d, tokens=tokens) for _, d in self._decoded(session_id)]
+
+    def turn_count(self, session_id: str) -> int:
+        return len(self._records(session_id))
 
     def samples(self, session_id: str, *, reward: float = 0.0, max_sample_tokens: int = 0) -> list[Sample]:
         """Training samples of a session's token-recorded turns (turns without token ids are skipped)."""
-        tm = TrajectoryManager(fork_threshold_tokens=self.fork_threshold_tokens)
-        for t in self._turns.get(session_id, ()):
-            tokens = t.completion.tokens
-            if tokens is None:
-                continue
-            tm.record_turn(
-                session_id,
-                prompt_messages=[m.to_chat_dict() for m in t.request.messages],
-                response_message=t.completion.to_message().to_chat_dict() if tokens.output_ids else None,
-                turn=TurnRecord(
-                    prompt_ids=tokens.prompt_ids,
-                    output_ids=tokens.output_ids,
-                    output_logprobs=tokens.output_logprobs,
-                    finish_reason=tokens.finish_reason or t.completion.finish_reason,
-                ),
-                metadata={"side_call": True, "request_id": t.request_id} if t.side_call else {"request_id": t.request_id},
-            )
-        if not tm.has_session(session_id):
+        if session_id in self._states:
+            return self._tm.samples(session_id, reward=reward, max_sample_tokens=max_sample_tokens)
+        if session_id not in self._stored:
             return []
+        # Released (or not yet loaded): rebuild its tree from the data dir, and let it go again.
+        tm = TrajectoryManager(fork_threshold_tokens=self.fork_threshold_tokens)
+        self._replay(session_id, tm)
         return tm.get_trajectory(session_id, reward=reward, max_sample_tokens=max_sample_tokens)
 
-    def turn_log(self, session_id: str) -> list[dict[str, Any]]:
-        """The raw turn log: native request, canonical completion, timing, side-call flag."""
-        return [
-            {
-                "request_id": t.request_id,
-                "protocol": t.protocol.value,
-                "side_call": t.side_call,
-                "timestamp": t.timestamp,
-                "latency": t.latency,
-                "request": t.native_request(),
-                "completion": t.completion.model_dump(mode="json", exclude_none=True),
-            }
-            for t in self._turns.get(session_id, ())
-        ]
+    # ------------------------------------------------------------------ memory
+
+    def _replay(self, sid: str, tm: TrajectoryManager) -> list[tuple[int, dict[str, Any]]]:
+        decoded = self._decoded(sid)
+        for _, d in decoded:
+            if d["prompt_ids"] is None:
+                continue
+            h = d["header"]
+            proto = WireProtocol(h["proto"])
+            try:
+                request = get_adapter(proto).parse_request(d["body"])
+                completion = Completion.model_validate(d["completion"])
+            except ValueError as exc:
+                self._report(sid, [DamagedRecord(sid, int(h.get("seq", 0)), f"cannot be replayed: {exc}")])
+                continue
+            _tree_turn(tm, sid, request, completion, d["prompt_ids"], d["output_ids"], d["logprobs"],
+                       d["finish_reason"], h["rid"], bool(h["side"]))
+        return decoded
+
+    def _load(self, sid: str) -> _SessionState | None:
+        """Bring a stored session back into memory, to record more turns into it."""
+        if self.store is None:
+            return None
+        rows, damaged = self.store.load_turns(sid)
+        self._report(sid, damaged)
+        state = _SessionState()
+        state.payloads = rows
+        state.seq = max([seq for seq, _ in rows] + [d.seq for d in damaged], default=0)
+        self._states[sid] = state
+        decoded = self._replay(sid, self._tm)
+        # The lines' delta state, as the encoder left it after the last record.
+        for seq, d in decoded:
+            h = d["header"]
+            line = state.lines.setdefault(bool(h["side"]), _Line())
+            body = d["body"]
+            lk = h["body"].get("lk")
+            line.seq = seq
+            line.top = {k: _digest(v) for k, v in body.items() if k != lk}
+            line.hashes = [_digest(m) for m in body[lk]] if lk else []
+            if d["prompt_ids"] is not None:
+                line.full = np.concatenate([d["prompt_ids"], d["output_ids"]])
+                line.tseq = seq
+        return state
+
+    def release(self, session_id: str) -> bool:
+        """Free a session's in-memory state; the data dir keeps it (a memory-only recorder keeps it
+        too, since nothing else has it). Returns whether anything was freed."""
+        if self.store is None or session_id not in self._states:
+            return False
+        self.store.flush()
+        del self._states[session_id]
+        self._tm.drop_session(session_id)
+        self._stored.add(session_id)
+        return True
+
+    def drop(self, session_id: str) -> None:
+        """Forget a session everywhere (memory and, through the caller, the store)."""
+        self._states.pop(session_id, None)
+        self._tm.drop_session(session_id)
+        self._stored.discard(session_id)
+        self.damaged.pop(session_id, None)
+
+    def in_memory(self) -> list[str]:
+        """Ids of the sessions whose state is in memory."""
+        return list(self._states)

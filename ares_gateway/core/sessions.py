@@ -6,7 +6,7 @@ import asyncio
 import hmac
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,11 +55,15 @@ class Session:
 
 
 class SessionRegistry:
-    """All live sessions, indexed by id and by token."""
+    """All live sessions, indexed by id and by token.
 
-    def __init__(self) -> None:
+    ``on_create`` is called with every session created (not restored), e.g. to write it to the data dir.
+    """
+
+    def __init__(self, *, on_create: Callable[[Session], None] | None = None) -> None:
         self._by_id: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}
+        self._on_create = on_create
 
     def create(
         self,
@@ -80,6 +84,19 @@ class SessionRegistry:
         session = Session(id=sid, token=tok, created_at=time.time(), metadata=dict(metadata or {}))
         self._by_id[sid] = session
         self._by_token[tok] = session
+        if self._on_create is not None:
+            self._on_create(session)
+        return session
+
+    def restore(
+        self, session_id: str, *, token: str, created_at: float, metadata: dict[str, Any], turns: int = 0
+    ) -> Session:
+        """Bring back a session a data dir remembers (after a restart), with its token and turn count."""
+        if session_id in self._by_id or token in self._by_token:
+            raise SessionExistsError(f"session {session_id!r} (or its token) already exists")
+        session = Session(id=session_id, token=token, created_at=created_at, metadata=dict(metadata), turns=turns)
+        self._by_id[session_id] = session
+        self._by_token[token] = session
         return session
 
     def get(self, session_id: str) -> Session:

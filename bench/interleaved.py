@@ -26,12 +26,13 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 BENCH = str(Path(__file__).with_name("bench_gateway.py"))
 ONE = ["--repeat", "1", "--memory", "0"]
 
 #: (row, extra flags, implementations)
-ROWS = {
+ROWS: dict[str, list[tuple[tuple[str, int], list[str], list[str]]]] = {
     "p50": [(("inproc", 1), ["--turn-target", "30000"], ["bare-ll", "bare", "gateway"])],
     "inproc64": [(("inproc", 64), [], ["bare-ll", "bare", "gateway"])],
     "http": [(("http", a), [], ["go", "gateway", "bare", "bare-ll"]) for a in (1, 64, 512)],
@@ -39,7 +40,7 @@ ROWS = {
 RATIOS = [("gateway", "go"), ("gateway", "bare"), ("gateway", "bare-ll"), ("gateway", "before"), ("before", "go")]
 
 
-def _run(mode: str, agents: int, extra: list[str], impls: list[str], before: str | None = None) -> list[dict[str, float]]:
+def _run(mode: str, agents: int, extra: list[str], impls: list[str], before: str | None = None) -> list[dict[str, Any]]:
     bench, env = BENCH, None
     if before is not None:  # another checkout's gateway, by its own bench script
         bench = str(Path(before) / "bench" / "bench_gateway.py")
@@ -48,7 +49,7 @@ def _run(mode: str, agents: int, extra: list[str], impls: list[str], before: str
     for impl in impls:
         args += ["--impl", impl]
     out = subprocess.run(args, capture_output=True, text=True, check=True, env=env)
-    rows: list[dict[str, float]] = json.loads(out.stderr.strip().splitlines()[-1])
+    rows: list[dict[str, Any]] = json.loads(out.stderr.strip().splitlines()[-1])
     if before is not None:
         for row in rows:
             row["impl"] = "before"
@@ -65,9 +66,9 @@ def main() -> None:
     ap.add_argument("--before", metavar="DIR", help="also run the gateway of the checkout at DIR as 'before'")
     args = ap.parse_args()
     plan = [row for group in (args.only or list(ROWS)) for row in ROWS[group]]
-    rounds: list[dict[tuple[str, int], dict[str, dict[str, float]]]] = []
+    rounds: list[dict[tuple[str, int], dict[str, dict[str, Any]]]] = []
     for i in range(args.rounds):
-        got: dict[tuple[str, int], dict[str, dict[str, float]]] = defaultdict(dict)
+        got: dict[tuple[str, int], dict[str, dict[str, Any]]] = defaultdict(dict)
         for (mode, agents), extra, impls in plan:
             extra = [*extra, "--body", args.body]
             if args.body != "small":  # a larger body costs more per turn: fewer turns for the same time

@@ -16,7 +16,9 @@ kills the command's process group and shows the model a timeout message.
 litellm_textbased``): the model writes its command in a ```` ```mswea_bash_command ```` block instead
 of a tool call, and no tool schemas are sent. That is the mode for models without a tool-call format
 (SmolLM2 in ``ares-gateway demo``). The default ``"tools"`` is mini's own default (``mini.yaml``,
-one ``bash`` tool call per step).
+one ``bash`` tool call per step). ``action_regex`` (text mode) replaces mini's regex for the action
+(``-c model.action_regex=...``), e.g. :data:`LENIENT_ACTION_REGEX`, which also takes a ```` ```bash ````
+block: small models write those, and mini drops an answer without an action from its history.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from typing import Any, ClassVar
 from .base import BaseHarness, HarnessContext, Prepared, pip_install_step, pip_version_command
 
 PYPI_PACKAGE = "mini-swe-agent"
+#: A text-mode action regex that also accepts ```bash / ```sh blocks (mini's own: mswea_bash_command only).
+LENIENT_ACTION_REGEX = r"```(?:mswea_bash_command|bash|sh)[ \t]*\n(.*?)\n```"
 
 
 class MiniSweAgentHarness(BaseHarness):
@@ -45,12 +49,15 @@ class MiniSweAgentHarness(BaseHarness):
         "text": ("mini_textbased.yaml", "litellm_textbased"),
     }
 
-    def __init__(self, *, action_format: str = "tools", **options: Any) -> None:
+    def __init__(self, *, action_format: str = "tools", action_regex: str | None = None, **options: Any) -> None:
         if action_format not in self.ACTION_FORMATS:
             raise ValueError(f"action_format must be one of {', '.join(self.ACTION_FORMATS)}, got {action_format!r}")
+        if action_regex is not None and action_format != "text":
+            raise ValueError("action_regex is for action_format='text'")
         super().__init__(**options)
         #: How the model writes its actions: ``tools`` (tool calls) or ``text`` (a fenced command block).
         self.action_format = action_format
+        self.action_regex = action_regex
         self.config, self._model_class = self.ACTION_FORMATS[action_format]
 
     def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
@@ -83,6 +90,8 @@ class MiniSweAgentHarness(BaseHarness):
 
     def agent_command(self, ctx: HarnessContext, prep: Prepared, prompt: str) -> str:
         model_class = f"--model-class {shlex.quote(self._model_class)} " if self._model_class else ""
+        if self.action_regex is not None:
+            model_class += f"-c {shlex.quote('model.action_regex=' + self.action_regex)} "
         return (
             f"mini -m {shlex.quote('openai/' + ctx.model)} -c {shlex.quote(self.config)} {model_class}"
             f"-c environment.timeout={self.command_limit(prep)} -t {shlex.quote(prompt)} -y --exit-immediately "

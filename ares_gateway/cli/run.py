@@ -199,10 +199,10 @@ def _build_tito(args: argparse.Namespace, *, engine_options: dict[str, Any] | No
         raise ValueError(f"--policy tito: {exc}") from exc
 
 
-def _tito_harness_options(policy: Any, harness: str) -> dict[str, Any]:
+def _tito_harness_options(policy: Any, harness: str, action_regex: str | None = None) -> dict[str, Any]:
     """mini-swe-agent runs in its text-action mode for a model without a tool-call format (SmolLM2)."""
     if getattr(policy, "kind", None) == "tito" and harness == "mini-swe-agent" and not policy.tool_calls_supported:
-        return {"action_format": "text"}
+        return {"action_format": "text", **({"action_regex": action_regex} if action_regex else {})}
     return {}
 
 
@@ -267,7 +267,7 @@ async def _execute(
         for line in report.lines:
             console.print(f"preflight: {line}", highlight=False, soft_wrap=True, markup=False)
         harness_options: dict[str, Any] = dict(report.harness_options)
-        harness_options.update(_tito_harness_options(policy, harness))
+        harness_options.update(_tito_harness_options(policy, harness, getattr(args, "action_regex", None)))
         async with gateway:
             return await run_rollouts(
                 tasks, harness=harness, policy=policy, sandbox=backend, concurrency=args.concurrency,
@@ -413,6 +413,7 @@ def _model_problem() -> str | None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ares_gateway.episodes.selectors import resolve
     from ares_gateway.policies import make_policy
+    from harnesses.mini_swe_agent import LENIENT_ACTION_REGEX
 
     if args.model_tasks < 0 or args.model_steps < 1 or args.max_tokens < 1:
         return _fail("--model-tasks must be at least 0, --model-steps and --max-tokens at least 1")
@@ -462,7 +463,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                   "the point)", highlight=False, soft_wrap=True)
     model_args = argparse.Namespace(**{**vars(args), "concurrency": 1, "step_limit": args.model_steps,
                                        "engine": "llama-cpp", "model": None, "tokenizer": None, "url": None,
-                                       "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None})
+                                       "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None,
+                                       # SmolLM2 writes ```bash blocks; mini's own regex takes only its tag.
+                                       "action_regex": LENIENT_ACTION_REGEX})
     try:
         policy = _build_tito(model_args, engine_options={"n_ctx": 8192})
     except ValueError as exc:

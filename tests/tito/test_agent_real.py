@@ -106,3 +106,24 @@ async def test_mini_swe_agent_on_the_real_model(tmp_path: Path, smol_renderer) -
             assert np.max(np.abs(np.array(ref)[mask] - np.array(s["logprobs"])[mask])) <= TOL
     finally:
         await ref_engine.aclose()
+
+
+def test_mini_swe_agent_text_mode_command_line() -> None:
+    import shlex
+
+    from harnesses import HarnessContext, registry
+    from harnesses.base import Prepared
+    from harnesses.mini_swe_agent import LENIENT_ACTION_REGEX
+
+    ctx = HarnessContext(workdir="/w", session_id="s", base_url="http://127.0.0.1:9/s/s", token="t")
+    prep = Prepared(user=None, home="/h", state_dir="/st", time_budget=60.0)
+    text = registry.create("mini-swe-agent", action_format="text", action_regex=LENIENT_ACTION_REGEX)
+    argv = shlex.split(text.agent_command(ctx, prep, "do it"))
+    assert argv[argv.index("--model-class") + 1] == "litellm_textbased"
+    assert "mini_textbased.yaml" in argv and f"model.action_regex={LENIENT_ACTION_REGEX}" in argv
+    tools = shlex.split(registry.create("mini-swe-agent").agent_command(ctx, prep, "do it"))
+    assert "mini.yaml" in tools and "--model-class" not in tools
+    with pytest.raises(ValueError, match="action_format"):
+        registry.create("mini-swe-agent", action_format="json")
+    with pytest.raises(ValueError, match="action_regex"):
+        registry.create("mini-swe-agent", action_regex="x")

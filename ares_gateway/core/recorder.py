@@ -257,7 +257,8 @@ def _token_delta(tokens: Any, prompt: npt.NDArray[np.int32], output: npt.NDArray
                  seq: int) -> tuple[dict[str, Any], bytes]:
     prev = line.full
     keep = common_prefix_len(prev, prompt) if prev is not None else 0
-    lps = np.asarray(tokens.output_logprobs, dtype=np.float32) if tokens.output_logprobs else None
+    # float64, as the policy gave them: the turn log returns each logprob exactly (8 bytes an output token).
+    lps = np.asarray(tokens.output_logprobs, dtype=np.float64) if tokens.output_logprobs else None
     head = {
         "base": line.tseq,
         "keep": keep,
@@ -270,7 +271,7 @@ def _token_delta(tokens: Any, prompt: npt.NDArray[np.int32], output: npt.NDArray
     line.tseq = seq
     blob = prompt[keep:].astype("<i4").tobytes() + output.astype("<i4").tobytes()
     if lps is not None:
-        blob += lps.astype("<f4").tobytes()
+        blob += lps.astype("<f8").tobytes()
     return head, blob
 
 
@@ -347,15 +348,15 @@ class _Decoder:
         completion: dict[str, Any] = header["completion"]
         tok = header.get("tok")
         prompt = output = None
-        logprobs: npt.NDArray[np.float32] | None = None
+        logprobs: npt.NDArray[np.float64] | None = None
         if tok is not None:
             keep, ns, no = tok["keep"], tok["ns"], tok["no"]
-            if len(blob) != 4 * (ns + no + (no if tok["lp"] else 0)):
+            if len(blob) != 4 * (ns + no) + (8 * no if tok["lp"] else 0):
                 raise ValueError("the token ids are cut short")
             suffix = np.frombuffer(blob, dtype="<i4", count=ns).astype(np.int32)
             output = np.frombuffer(blob, dtype="<i4", count=no, offset=4 * ns).astype(np.int32)
             if tok["lp"]:
-                logprobs = np.frombuffer(blob, dtype="<f4", count=no, offset=4 * (ns + no)).astype(np.float32)
+                logprobs = np.frombuffer(blob, dtype="<f8", count=no, offset=4 * (ns + no)).astype(np.float64)
             base = _EMPTY_IDS
             if tok["base"] is not None:
                 got_ids = self.full.get(side)

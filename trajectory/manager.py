@@ -114,25 +114,13 @@ class TrajectoryManager:
         ``max_sample_tokens > 0`` truncates each sample to that many tokens (flagged
         ``metadata["truncated"]``).
         """
-        if max_sample_tokens < 0:
-            raise ValueError("max_sample_tokens must be >= 0")
-        session = self._sessions.pop(session_id, None)
-        if session is None:
-            return []
-        samples: list[Sample] = []
-        for tree, side in ((session.main, False), (session.side, True)):
-            if tree is not None:
-                samples.extend(
-                    linearize(
-                        tree,
-                        session_id=session_id,
-                        side_call=side,
-                        reward=reward,
-                        max_sample_tokens=max_sample_tokens,
-                        consume=True,
-                    )
-                )
-                tree.dispose()
+        session = self._sessions.get(session_id)
+        samples = self._linearize(session, session_id, reward, max_sample_tokens, consume=True)
+        if session is not None:
+            del self._sessions[session_id]
+            for tree in (session.main, session.side):
+                if tree is not None:
+                    tree.dispose()
         return samples
 
     def samples(self, session_id: str, *, reward: float = 0.0, max_sample_tokens: int = 0) -> list[Sample]:
@@ -140,23 +128,21 @@ class TrajectoryManager:
 
         Every sample's arrays are private copies, so building samples mid-session is safe.
         """
+        return self._linearize(self._sessions.get(session_id), session_id, reward, max_sample_tokens, consume=False)
+
+    @staticmethod
+    def _linearize(session: _Session | None, session_id: str, reward: float, max_sample_tokens: int, *,
+                   consume: bool) -> list[Sample]:
+        """Main-line samples, then side-call samples, of ``session`` (``consume`` lets the trees hand over arrays)."""
         if max_sample_tokens < 0:
             raise ValueError("max_sample_tokens must be >= 0")
-        session = self._sessions.get(session_id)
-        if session is None:
-            return []
         samples: list[Sample] = []
+        if session is None:
+            return samples
         for tree, side in ((session.main, False), (session.side, True)):
             if tree is not None:
-                samples.extend(
-                    linearize(
-                        tree,
-                        session_id=session_id,
-                        side_call=side,
-                        reward=reward,
-                        max_sample_tokens=max_sample_tokens,
-                    )
-                )
+                samples.extend(linearize(tree, session_id=session_id, side_call=side, reward=reward,
+                                         max_sample_tokens=max_sample_tokens, consume=consume))
         return samples
 
     def has_session(self, session_id: str) -> bool:

@@ -46,6 +46,8 @@ from trajectory import Sample
 
 log = logging.getLogger(__name__)
 
+_HTTP = HttpLimits()  # the one place the HTTP limits' defaults are written
+
 
 @dataclass(slots=True)
 class GatewayConfig:
@@ -60,23 +62,20 @@ class GatewayConfig:
     request_timeout: float = 900.0
     #: Seconds a polled request stays leased to its poller before it is delivered again.
     lease_seconds: float = 120.0
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = _HTTP.max_body_bytes
     #: Requests one session may have waiting for the policy at once; more get a 429 in the agent's shape.
     max_parked_per_session: int = 256
     #: Seconds a policy's stream (``respond`` with an async iterable) may send nothing before the
     #: agent's stream is ended with an error event (a non-streaming agent gets a 504).
     stream_idle_timeout: float = 300.0
-    #: Longest request line and header line, in bytes; most header lines (beyond: 431, closed).
-    max_line_bytes: int = 8190
-    max_field_bytes: int = 8190
-    max_headers: int = 128
-    #: Seconds from a request's first byte to the end of its headers (slower: closed).
-    header_timeout: float = 10.0
-    #: Longest pause between two pieces of a request body, and the most a whole body may take (408, closed).
-    body_timeout: float = 10.0
-    body_total_timeout: float = 120.0
-    #: Seconds an idle keep-alive connection stays open.
-    keepalive_timeout: float = 75.0
+    #: The HTTP limits (:class:`HttpLimits` documents each; its defaults are these defaults).
+    max_line_bytes: int = _HTTP.max_line_bytes
+    max_field_bytes: int = _HTTP.max_field_bytes
+    max_headers: int = _HTTP.max_headers
+    header_timeout: float = _HTTP.header_timeout
+    body_timeout: float = _HTTP.body_timeout
+    body_total_timeout: float = _HTTP.body_total_timeout
+    keepalive_timeout: float = _HTTP.keepalive_timeout
     #: Create a session on first use of an unknown session id or token (local experiments only).
     auto_sessions: bool = False
     #: Model ids listed by GET /v1/models.

@@ -18,6 +18,19 @@ from ares_gateway.gateway import Gateway, GatewayConfig
 
 log = logging.getLogger("ares_gateway")
 
+#: The limit flags: (GatewayConfig field, help); each flag's default is the field's default.
+_LIMIT_FLAGS = (
+    ("max_parked_per_session", "requests one session may have waiting for the policy at once (more: 429)"),
+    ("stream_idle_timeout", "seconds a policy's stream may send nothing before the agent's stream is ended"),
+    ("max_line_bytes", "longest request line, in bytes (longer: 431, closed)"),
+    ("max_field_bytes", "longest header line, in bytes (longer: 431, closed)"),
+    ("max_headers", "most header lines in one request (more: 431, closed)"),
+    ("header_timeout", "seconds from a request's first byte to the end of its headers (slower: closed)"),
+    ("body_timeout", "longest pause between two pieces of a request body, in seconds (408, closed)"),
+    ("body_total_timeout", "seconds a whole request body may take to arrive (408, closed)"),
+    ("keepalive_timeout", "seconds an idle keep-alive connection stays open"),
+)
+
 
 def tune_gc() -> None:
     """Make the garbage collector cheap for a request-heavy server.
@@ -96,6 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         data_dir=False if args.in_memory else (args.data_dir or _default_data_dir(args.port)),
         retention_seconds=None if args.retention_days is None else args.retention_days * 86400.0,
+        **{name: getattr(args, name) for name, _ in _LIMIT_FLAGS},
     )
     tune_gc()
     with contextlib.suppress(KeyboardInterrupt):
@@ -133,5 +147,9 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--in-memory", action="store_true", help="record in memory only (lost when the server stops)")
     p.add_argument("--retention-days", type=float, default=None,
                    help="at start, prune sessions that ended more than this many days ago from the data dir")
+    defaults = GatewayConfig()
+    for name, text in _LIMIT_FLAGS:
+        default = getattr(defaults, name)
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=text)
     p.add_argument("--log-level", default="INFO", help="log level (DEBUG, INFO, WARNING, ERROR)")
     p.set_defaults(handler=cmd_serve)

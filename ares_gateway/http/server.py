@@ -169,15 +169,14 @@ class _Connection(web_protocol.RequestHandler):
         super().data_received(data)
         # Bytes came while no whole request is waiting to be served: a head has begun (or is
         # dribbling in). Its deadline runs from the first of them; any byte does not reset it.
-        waiter = self._waiter
-        if data and self._head_timer is None and waiter is not None and not waiter.done():
+        # (Not "the handler is waiting": on a new connection the first bytes can come before it is.)
+        if data and self._head_timer is None and self._current_request is None and not self._messages:
             self._head_count = self._request_count
             self._head_timer = self._loop.call_later(self._head_timeout, self._head_overdue)
 
     def _head_overdue(self) -> None:
         self._head_timer = None
-        waiter = self._waiter
-        if self._request_count == self._head_count and waiter is not None and not waiter.done():
+        if self._request_count == self._head_count and self._current_request is None and not self._messages:
             log.debug("closing a connection whose request head took over %g s", self._head_timeout)
             self.force_close()
 

@@ -86,3 +86,31 @@ def test_serve_help_lists_flags() -> None:
     ).stdout
     for flag in ("--host", "--port", "--admin-token", "--request-timeout", "--auto-sessions"):
         assert flag in out
+
+
+def test_serve_limit_flags_reach_the_server() -> None:
+    """The limits are serve flags: a lower --max-headers answers 431, a lower --header-timeout closes a slow head."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--in-memory",
+         "--max-headers", "16", "--header-timeout", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            head = "GET /healthz HTTP/1.1\r\nHost: x\r\n" + "".join(f"X-H{i}: v\r\n" for i in range(20)) + "\r\n"
+            s.sendall(head.encode())
+            status_line = s.recv(200).split(b"\r\n", 1)[0]
+            assert status_line.split()[1:2] == [b"431"], (status_line, "20 headers against --max-headers 16")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+            started = time.monotonic()
+            while s.recv(4096):  # until the server closes it
+                pass
+            waited = time.monotonic() - started
+        assert waited < 5, f"a slow head was closed after {waited:.1f} s with --header-timeout 1 (default 10)"
+    finally:
+        proc.terminate()
+        proc.wait(10)

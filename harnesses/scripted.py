@@ -25,7 +25,8 @@ until the command exits; Codex's ``exec_command`` returns "Process running with 
 ``yield_time_ms``, and the policy then polls that session with empty ``write_stdin`` calls (without
 taking the next step) until the tool output reports an exit code; Terminus-2 types into a live
 shell and reads the screen after ``duration`` seconds (60 s at most), so the policy types a marker
-line after the command and waits until the marker's output is on the screen.
+line after the command and waits until the marker's output is on the screen (in the latest
+observation, or, once Terminus-2 has summarized its history, in the handoff's terminal screen).
 
 Side calls (detected with the harness's own ``is_side_call``, or the ``x-ares-side-call`` header) get
 a sensible answer without advancing the script: a title object for Claude Code's title request
@@ -182,7 +183,7 @@ class ScriptedPolicy:
             return _tool_call(f"call_ares_{n:04d}", "write_stdin", {
                 "session_id": int(match.group(1)), "chars": "", "yield_time_ms": CODEX_POLL_YIELD_MS})
         if self.agent == "terminus-2" and self._marker is not None:
-            if self._marker in _last_user_text(body):
+            if self._marker in _terminus_observations(body):
                 self._marker = None
                 return None
             duration = TERMINUS_WAITS[min(self._waits, len(TERMINUS_WAITS) - 1)]
@@ -242,15 +243,25 @@ def _last_codex_output(body: Mapping[str, Any]) -> str | None:
     return output if isinstance(output, str) else None
 
 
-def _last_user_text(body: Mapping[str, Any]) -> str:
-    """The text of a chat request's last user message (Terminus-2's terminal output)."""
-    for message in reversed(body.get("messages") or []):
+def _terminus_observations(body: Mapping[str, Any]) -> str:
+    """The text of a Terminus-2 chat request's user messages after the first (the task prompt).
+
+    Usually the command's output is in the last one (the terminal output since the last action),
+    but when Terminus-2 summarizes its history (context nearly full) it replaces the history with
+    [task prompt, the questions prompt, the questions] and the observation with a handoff prompt
+    ("Here are the answers the other agent provided. ..."): the screen is then only in the
+    questions prompt's "Current Terminal Screen". Every step's marker is unique and its typed
+    text differs from its output, so the marker anywhere in these messages means the command ended.
+    """
+    texts: list[str] = []
+    for message in (body.get("messages") or [])[1:]:
         if isinstance(message, dict) and message.get("role") == "user":
             content = message.get("content")
             if isinstance(content, list):
-                return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            return str(content or "")
-    return ""
+                texts.extend(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            else:
+                texts.append(str(content or ""))
+    return "\n".join(texts)
 
 
 def _tool_names(body: Mapping[str, Any]) -> set[str]:

@@ -83,6 +83,33 @@ def test_terminus_waits_until_the_command_has_ended() -> None:
     assert nxt["commands"][0]["keystrokes"].startswith("echo hi\n")
 
 
+def _terminus_handoff(screen: str) -> dict[str, Any]:
+    """A main-line request after Terminus-2 summarized its history (the shape it sends, as recorded)."""
+    return {"messages": [
+        *TERMINUS_MAIN["messages"],
+        {"role": "user", "content": "You are picking up work from a previous AI agent on this task:\n\n"
+                                    "**Original Task:** do it\n\n**Summary from Previous Agent:**\nsummary\n\n"
+                                    f"**Current Terminal Screen:**\n{screen}\n\nPlease begin by asking ..."},
+        {"role": "assistant", "content": "questions"},
+        {"role": "user", "content": "Here are the answers the other agent provided.\n\nanswers\n\n"
+                                    "Continue working on this task from where the previous agent left off."},
+    ]}
+
+
+def test_terminus_reads_the_screen_of_a_summarized_history() -> None:
+    """After a summarization the last message is the handoff prompt; the screen is in the questions prompt."""
+    policy = ScriptedPolicy("terminus-2", [RunCommand("sleep 70"), RunCommand("echo hi"), Finish()])
+    policy(TERMINUS_MAIN)
+    running = _terminus_handoff("$ sleep 70\nprintf 'ares-step-%s-done\\n' 0001\n")
+    assert json.loads(policy(running)["text"])["commands"][0]["keystrokes"] == ""  # still running: wait
+    ended = _terminus_handoff("$ sleep 70\nprintf 'ares-step-%s-done\\n' 0001\nares-step-0001-done\n$ ")
+    nxt = json.loads(policy(ended)["text"])
+    assert nxt["commands"][0]["keystrokes"].startswith("echo hi\n")
+    # A later handoff still shows the first command's marker: that is no end of the second command.
+    assert json.loads(policy(ended)["text"])["commands"][0]["keystrokes"] == ""
+    assert policy.wait_turns == 2
+
+
 def _codex_after(output: str) -> dict[str, Any]:
     return {"tools": CODEX_MAIN["tools"] + [{"type": "function", "name": "write_stdin"}],
             "input": [*CODEX_MAIN["input"],

@@ -49,7 +49,8 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
-async def _serve(cfg: GatewayConfig, token_file: str | None = None) -> None:
+async def _serve(cfg: GatewayConfig, token_file: str | None = None, policy: Any = None,
+                 concurrency: int = 1) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -68,7 +69,15 @@ async def _serve(cfg: GatewayConfig, token_file: str | None = None) -> None:
             f"sessions {'auto-created' if cfg.auto_sessions else 'created with POST /sessions'})",
             flush=True,
         )
-        await stop.wait()
+        if policy is None:
+            await stop.wait()
+        else:
+            from ares_gateway.policies import PolicyServer
+
+            # The policy answers every session in this process; /poll still sees what it has not taken.
+            async with policy, PolicyServer(gw, policy, concurrency=concurrency):
+                print(f"answering every session with the {policy.kind} policy ({policy.run_info()})", flush=True)
+                await stop.wait()
         log.info("shutting down: failing %d parked request(s)", gw.broker.pending_count)
 
 
@@ -111,9 +120,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         retention_seconds=None if args.retention_days is None else args.retention_days * 86400.0,
         **{name: getattr(args, name) for name, _ in _LIMIT_FLAGS},
     )
+    policy = None
+    if args.policy == "tito":
+        from ares_gateway.cli.run import _build_tito
+
+        try:  # run's tito flags, with the engine's model under its own name (--model lists /v1/models)
+            policy = _build_tito(argparse.Namespace(**{**vars(args), "model": args.engine_model}))
+        except ValueError as exc:
+            print(f"ares-gateway: error: {exc}", file=sys.stderr, flush=True)
+            return 2
     tune_gc()
     with contextlib.suppress(KeyboardInterrupt):
-        run_on_uvloop(_serve(cfg, token_file))
+        run_on_uvloop(_serve(cfg, token_file, policy, args.policy_concurrency))
     return 0
 
 
@@ -147,6 +165,24 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--in-memory", action="store_true", help="record in memory only (lost when the server stops)")
     p.add_argument("--retention-days", type=float, default=None,
                    help="at start, prune sessions that ended more than this many days ago from the data dir")
+    p.add_argument("--policy", choices=("poll", "tito"), default="poll",
+                   help="who answers: poll leaves every request to a policy on /poll and /respond; tito answers "
+                        "in this process, rendering token ids itself and sampling them on --engine (docs/tito.md)")
+    p.add_argument("--engine", choices=("llama-cpp", "sglang", "vllm"), default="llama-cpp",
+                   help="tito: the engine that samples: in-process llama.cpp, or SGLang / vLLM at --url")
+    p.add_argument("--engine-model", default=None, metavar="PATH_OR_NAME",
+                   help="tito: the GGUF path (llama-cpp; default: the embedded SmolLM2-135M-Instruct) or the "
+                        "served model name")
+    p.add_argument("--url", default=None, help="tito: the SGLang or vLLM server, e.g. http://127.0.0.1:30000")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tito: the model's .gguf or Hugging Face directory (needed for sglang / vllm)")
+    p.add_argument("--temperature", type=float, default=1.0, help="tito: sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="tito: nucleus sampling (1.0: off)")
+    p.add_argument("--top-k", type=int, default=0, help="tito: top-k sampling (0: off)")
+    p.add_argument("--seed", type=int, default=None, help="tito: base seed (default: drawn per turn and recorded)")
+    p.add_argument("--max-tokens", type=int, default=512, help="tito: the most tokens one answer may have")
+    p.add_argument("--policy-concurrency", type=int, default=1,
+                   help="tito: requests in the policy at once (an in-process engine samples one at a time)")
     defaults = GatewayConfig()
     for name, text in _LIMIT_FLAGS:
         default = getattr(defaults, name)

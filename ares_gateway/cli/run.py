@@ -70,18 +70,9 @@ def run_epilog() -> str:
     return "\n".join(lines)
 
 
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("preset", metavar="PRESET[:SELECTOR]",
-                   help="dataset-harness preset and optional selector, e.g. examples-mswea, examples-mswea:0:2, "
-                        "examples-mswea:fix-median-bug, examples-cc@0/4 (see below)")
-    p.add_argument("--policy", choices=POLICIES, default="oracle",
-                   help="who answers the agents' LLM calls: oracle plays each task's solution, scripted runs "
-                        "--command, upstream forwards to --base-url, tito renders token ids itself and samples "
-                        "them on --engine (docs/tito.md), http leaves requests on /poll")
-    p.add_argument("--base-url", default=None, help="upstream: the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--model", default=None,
-                   help="upstream: the model name to ask for (default: the model name the agent sends); tito: the "
-                        "GGUF path (llama-cpp; default: the embedded SmolLM2-135M-Instruct) or the served model name")
+
+def add_tito_arguments(p: argparse.ArgumentParser) -> None:
+    """The tito policy's engine and sampling flags (``run`` and ``serve`` share them)."""
     p.add_argument("--engine", choices=ENGINES, default="llama-cpp",
                    help="tito: the engine that samples: in-process llama.cpp, or SGLang / vLLM at --url")
     p.add_argument("--url", default=None, help="tito: the SGLang or vLLM server, e.g. http://127.0.0.1:30000")
@@ -94,6 +85,21 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="tito: base seed (each turn's seed derives from it; default: drawn per turn and recorded)")
     p.add_argument("--max-tokens", type=int, default=512, help="tito: the most tokens one answer may have")
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("preset", metavar="PRESET[:SELECTOR]",
+                   help="dataset-harness preset and optional selector, e.g. examples-mswea, examples-mswea:0:2, "
+                        "examples-mswea:fix-median-bug, examples-cc@0/4 (see below)")
+    p.add_argument("--policy", choices=POLICIES, default="oracle",
+                   help="who answers the agents' LLM calls: oracle plays each task's solution, scripted runs "
+                        "--command, upstream forwards to --base-url, tito renders token ids itself and samples "
+                        "them on --engine (docs/tito.md), http leaves requests on /poll")
+    p.add_argument("--base-url", default=None, help="upstream: the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--model", default=None,
+                   help="upstream: the model name to ask for (default: the model name the agent sends); tito: the "
+                        "GGUF path (llama-cpp; default: the embedded SmolLM2-135M-Instruct) or the served model name")
+    add_tito_arguments(p)
     p.add_argument("--api-key-env", default=None, metavar="VAR",
                    help="upstream: the environment variable holding the API key (never pass the key itself)")
     p.add_argument("--command", action="append", default=[], metavar="CMD",

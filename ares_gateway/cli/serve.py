@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from ares_gateway.cli._common import HelpFormatter, run_on_uvloop, write_admin_token
+from ares_gateway.cli.run import add_tito_arguments
 from ares_gateway.core.errors import DataDirError
 from ares_gateway.gateway import Gateway, GatewayConfig
 
@@ -168,19 +169,10 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--policy", choices=("poll", "tito"), default="poll",
                    help="who answers: poll leaves every request to a policy on /poll and /respond; tito answers "
                         "in this process, rendering token ids itself and sampling them on --engine (docs/tito.md)")
-    p.add_argument("--engine", choices=("llama-cpp", "sglang", "vllm"), default="llama-cpp",
-                   help="tito: the engine that samples: in-process llama.cpp, or SGLang / vLLM at --url")
+    add_tito_arguments(p)
     p.add_argument("--engine-model", default=None, metavar="PATH_OR_NAME",
                    help="tito: the GGUF path (llama-cpp; default: the embedded SmolLM2-135M-Instruct) or the "
-                        "served model name")
-    p.add_argument("--url", default=None, help="tito: the SGLang or vLLM server, e.g. http://127.0.0.1:30000")
-    p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="tito: the model's .gguf or Hugging Face directory (needed for sglang / vllm)")
-    p.add_argument("--temperature", type=float, default=1.0, help="tito: sampling temperature")
-    p.add_argument("--top-p", type=float, default=1.0, help="tito: nucleus sampling (1.0: off)")
-    p.add_argument("--top-k", type=int, default=0, help="tito: top-k sampling (0: off)")
-    p.add_argument("--seed", type=int, default=None, help="tito: base seed (default: drawn per turn and recorded)")
-    p.add_argument("--max-tokens", type=int, default=512, help="tito: the most tokens one answer may have")
+                        "served model name (serve's --model names the ids listed by /v1/models)")
     p.add_argument("--policy-concurrency", type=int, default=1,
                    help="tito: requests in the policy at once (an in-process engine samples one at a time)")
     defaults = GatewayConfig()

@@ -82,29 +82,29 @@ async def _serve(cfg: GatewayConfig, token_file: str | None = None, policy: Any 
         log.info("shutting down: failing %d parked request(s)", gw.broker.pending_count)
 
 
-def _state_dir(args: argparse.Namespace) -> str:
-    """Where a generated admin token is written: the server's data directory when it has one, else
-    ``$XDG_STATE_HOME/ares-gateway`` (``~/.local/state/ares-gateway``)."""
-    if hasattr(args, "data_dir") and not getattr(args, "in_memory", False):
-        return str(args.data_dir or "ares-data")  # serve's data directory (its default: ./ares-data)
+def _state_home() -> str:
+    """``$XDG_STATE_HOME/ares-gateway`` (``~/.local/state/ares-gateway``)."""
     state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(state, "ares-gateway")
 
 
-def _default_data_dir(port: int) -> str:
-    """``$XDG_STATE_HOME/ares-gateway/data-PORT`` (one per port, so servers on other ports never share
-    one; with ``--port 0``, one per process)."""
-    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(state, "ares-gateway", f"data-{port}" if port else f"data-pid{os.getpid()}")
+def _data_dir(args: argparse.Namespace) -> str | None:
+    """``--data-dir``, else ``$XDG_STATE_HOME/ares-gateway/data-PORT`` (one per port, so servers on other
+    ports never share one; with ``--port 0``, one per process); ``None`` with ``--in-memory``."""
+    if args.in_memory:
+        return None
+    return str(args.data_dir or os.path.join(_state_home(), f"data-{args.port}" if args.port else f"data-pid{os.getpid()}"))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     admin = args.admin_token or os.environ.get("ARES_GATEWAY_ADMIN_TOKEN") or None
     token_file: str | None = None
+    data_dir = _data_dir(args)
     if not admin:
         # Never an open control API (issue 17): whoever reaches the port (an agent on the host's
-        # network included) could read every request and answer or end any session.
-        admin, path = write_admin_token(_state_dir(args))
+        # network included) could read every request and answer or end any session. The token
+        # lives beside the data it guards (the state home when nothing is written).
+        admin, path = write_admin_token(data_dir or _state_home())
         token_file = str(path)
     cfg = GatewayConfig(
         host=args.host,
@@ -117,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         models=args.model or ["ares-gateway"],
         public_url=args.public_url,
         access_log=args.access_log,
-        data_dir=False if args.in_memory else (args.data_dir or _default_data_dir(args.port)),
+        data_dir=False if data_dir is None else data_dir,
         retention_seconds=None if args.retention_days is None else args.retention_days * 86400.0,
         **{name: getattr(args, name) for name, _ in _LIMIT_FLAGS},
     )

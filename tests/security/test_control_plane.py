@@ -76,11 +76,13 @@ async def test_session_socket_serves_only_its_session() -> None:
     shutil.rmtree(tmp_path)
 
 
-def test_serve_without_admin_token_generates_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_serve_without_admin_token_generates_one(tmp_path: Path, in_memory: bool) -> None:
+    """The token file is written beside the data it guards (the state home with --in-memory), never the cwd."""
     env = {k: v for k, v in os.environ.items() if k != "ARES_GATEWAY_ADMIN_TOKEN"}
     env["XDG_STATE_HOME"] = str(tmp_path / "state")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", "0", "--in-memory"],
+        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", "0", *(["--in-memory"] if in_memory else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
     )
     try:
@@ -89,7 +91,9 @@ def test_serve_without_admin_token_generates_one(tmp_path: Path) -> None:
         while "admin token" not in line:
             line = proc.stdout.readline()
             assert line, "serve exited"
-        token_file = tmp_path / "state" / "ares-gateway" / "admin-token"
+        home = tmp_path / "state" / "ares-gateway"
+        # Without --in-memory, with --port 0: the default data dir of this serve process.
+        token_file = (home if in_memory else home / f"data-pid{proc.pid}") / "admin-token"
         assert f"admin token required: generated, in {token_file}" in line, line
         assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
         token = token_file.read_text().strip()
@@ -105,3 +109,4 @@ def test_serve_without_admin_token_generates_one(tmp_path: Path) -> None:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert token not in out
+    assert not (tmp_path / "ares-data").exists(), "a token file was written in the working directory"

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
     from harnesses import BaseHarness
 
 
+#: How early the loop's timer may fire against time.monotonic() (uvloop's clock has ms steps).
+_CLOCK_SLACK = 0.05
+
+
 class StepType(IntEnum):
     """Where a :class:`TimeStep` is in its episode, as dm_env's."""
 
@@ -348,13 +352,12 @@ class GatewayEnv:
             await self._end_episode()
             raise
 
-    def _remaining(self) -> float | None:
-        limits = []
-        if self.time_limit is not None:
-            limits.append(self.time_limit - (time.monotonic() - self._started))
-        if self.request_timeout is not None:
-            limits.append(self.request_timeout)
-        return max(0.0, min(limits)) if limits else None
+    def _wait_limit(self) -> tuple[float | None, bool]:
+        """How long the next wait may last (None: no limit), and whether the time limit is what ends it."""
+        time_left = None if self.time_limit is None else max(0.0, self.time_limit - (time.monotonic() - self._started))
+        if self.request_timeout is None or (time_left is not None and time_left <= self.request_timeout):
+            return time_left, time_left is not None
+        return self.request_timeout, False
 
     async def _next_request(self) -> ParkedRequest | None:
         """The session's next request, or None when the session ended or a limit ran out."""
@@ -369,7 +372,10 @@ class GatewayEnv:
             return got[0]
         if session.ended:
             return None
-        remaining = self._remaining()
+        # When the time limit ends the wait, an empty poll means the limit is reached, even where the
+        # loop's clock (uvloop's, cached per iteration in ms) ran the timer a hair before
+        # time.monotonic() got there (the episode then ended untruncated, now and then).
+        remaining, at_time_limit = self._wait_limit()
         poll = asyncio.ensure_future(
             gw.broker.poll(sid, max_items=1, wait=10**9 if remaining is None else remaining, lease=None)
         )
@@ -383,7 +389,7 @@ class GatewayEnv:
                 await asyncio.gather(poll, return_exceptions=True)
         if poll.done() and not poll.cancelled() and poll.result():
             return poll.result()[0]
-        if not session.ended and self.time_limit is not None and self._remaining() == 0.0:
+        if not session.ended and at_time_limit and (self._wait_limit()[0] or 0.0) <= _CLOCK_SLACK:
             self._mark_truncated("time_limit", "time limit reached")
         return None
 

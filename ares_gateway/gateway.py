@@ -24,7 +24,7 @@ from collections.abc import AsyncIterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ares_gateway.core.answers import ErrorAnswer
+from ares_gateway.core.answers import ErrorAnswer, read_tokens
 from ares_gateway.core.broker import Broker, ParkedRequest
 from ares_gateway.core.canonical import (
     CanonicalRequest,
@@ -38,7 +38,6 @@ from ares_gateway.core.recorder import RecordedTurn, Recorder, SessionRecorder
 from ares_gateway.core.sessions import Session, SessionInfo, SessionRegistry, bearer_token
 from ares_gateway.core.side_calls import SideCallDetector, default_side_call_detector
 from ares_gateway.core.store import TurnStore
-from ares_gateway.core.token_ids import read_tokens
 from ares_gateway.http.app import build_server
 from ares_gateway.http.server import HttpLimits, HttpServer
 from ares_gateway.http.session_socket import SessionSockets
@@ -175,7 +174,7 @@ class Gateway:
         """Fail every parked request and stop serving."""
         self.broker.close()
         store, self.store = self.store, None
-        self.recorder.store = None
+        self.recorder.detach_store()
         if store is not None:
             store.close()
         if self._temp_data_dir is not None:

@@ -2,6 +2,7 @@
 
     python3 bench/bench_recording.py                 # everything, briefly
     python3 bench/bench_recording.py memory --turns 200
+    python3 bench/bench_recording.py sessions --sessions 64 --turns 200
     python3 bench/bench_recording.py throughput --agents 64 --turns 10
 
 Every case runs in a fresh subprocess (RSS is that process's). The agent side is real HTTP over
@@ -230,6 +231,101 @@ def _throughput_main(agents: int, turns: int, durable: bool) -> dict[str, Any]:
     return out
 
 
+def _agents_child() -> None:
+    """The agents of the ``sessions`` case, in their own process (so the gateway's RSS is its own):
+    reads ``{"sessions": [[base_url, token], ...], "turns": N}`` on stdin, runs every session's
+    turns concurrently, prints the wall time."""
+    import aiohttp
+    import uvloop
+
+    spec = json.loads(sys.stdin.read())
+    turns = spec["turns"]
+    base = cc_body(0)
+    head = {k: v for k, v in base.items() if k != "messages"}
+    # Every body is built from pre-serialized messages: the agents' CPU stays small next to the gateway's.
+    steps = cc_body(turns)["messages"][1:]
+    step_json = [json.dumps(m) for m in steps]
+    head_json = json.dumps(head)[:-1]
+
+    def body(i: int, t: int) -> bytes:
+        first = json.dumps({"role": "user", "content": [{"type": "text", "text": f"<system-reminder>session {i}</system-reminder>"},
+                                                         {"type": "text", "text": f"fix bug {i}"}]})
+        msgs = ",".join([first, *step_json[: 2 * (12 + t)]])
+        return f'{head_json}, "messages": [{msgs}]}}'.encode()
+
+    async def main() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            async def agent(i: int, url: str, token: str) -> None:
+                h = {"authorization": f"Bearer {token}", "anthropic-version": "2023-06-01", "content-type": "application/json"}
+                for t in range(turns):
+                    async with http.post(f"{url}/v1/messages", data=body(i, t), headers=h) as r:
+                        await r.read()
+                        assert r.status == 200, r.status
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(agent(i, u, k) for i, (u, k) in enumerate(spec["sessions"])))
+            print(json.dumps({"wall_s": time.perf_counter() - t0}))
+
+    uvloop.run(main())
+
+
+def _sessions_main(sessions: int, turns: int, durable: bool = True) -> dict[str, Any]:
+    """``sessions`` Claude-Code-sized sessions of ``turns`` turns each, all live at once, with
+    token records; the gateway's RSS growth (agents in a child process)."""
+    import uvloop
+
+    from ares_gateway import Completion, Gateway
+
+    out: dict[str, Any] = {"sessions": sessions, "turns": turns}
+
+    async def main() -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            async with Gateway(port=0, data_dir=tmp if durable else False, release_ended=False) as gw:
+                infos = [await gw.create_session() for _ in range(sessions)]
+                models = {i.session_id: TokenModel() for i in infos}
+                turn_of = {i.session_id: 0 for i in infos}
+                trim()
+                base = rss_bytes()
+                peak = base
+                child = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import bench_recording as b; b._agents_child()",
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+                assert child.stdin is not None and child.stdout is not None
+                child.stdin.write(json.dumps({"sessions": [[i.base_url, i.token] for i in infos], "turns": turns}).encode())
+                child.stdin.close()
+                done = 0
+                t0 = time.perf_counter()
+                while done < sessions * turns:
+                    req = await gw.next_request(timeout=120)
+                    assert req is not None
+                    sid = req.session_id
+                    t = turn_of[sid]
+                    turn_of[sid] += 1
+                    await gw.respond(req.id, Completion.model_validate(answer_for(t)), tokens=models[sid].record(t))
+                    done += 1
+                    if done % 500 == 0:
+                        peak = max(peak, rss_bytes())
+                wall = time.perf_counter() - t0
+                got = json.loads((await child.stdout.read()).decode().strip().splitlines()[-1])
+                await child.wait()
+                end_raw = rss_bytes()
+                trim()
+                end = rss_bytes()
+                out["turns_per_s"] = sessions * turns / wall
+                out["agents_wall_s"] = got["wall_s"]
+                out["rss_growth_mb"] = (end - base) / 2**20
+                out["rss_growth_untrimmed_mb"] = (end_raw - base) / 2**20
+                out["rss_peak_growth_mb"] = (max(peak, end_raw) - base) / 2**20
+                out["per_session_mb"] = out["rss_growth_untrimmed_mb"] / sessions
+                t0 = time.perf_counter()
+                n = sum(len(gw.trajectory(i.session_id, reward=1.0)) for i in infos)
+                out["samples_s"] = time.perf_counter() - t0
+                out["samples"] = n
+
+    uvloop.run(main())
+    return out
+
+
 def _sub(case: str, **kw: Any) -> dict[str, Any]:
     code = f"import json,sys; sys.path.insert(0,{HERE!r}); import bench_recording as b; print(json.dumps(b.{case}(**{kw!r})))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200)
@@ -240,7 +336,8 @@ def _sub(case: str, **kw: Any) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", nargs="?", choices=["all", "memory", "throughput"], default="all")
+    ap.add_argument("case", nargs="?", choices=["all", "memory", "sessions", "throughput"], default="all")
+    ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--agents", type=int, default=64)
     ap.add_argument("--throughput-turns", type=int, default=8)
@@ -249,6 +346,9 @@ def main() -> None:
         for tokens in (True, False):
             r = _sub("_memory_main", turns=args.turns, tokens=tokens, durable=True)
             print(f"memory  turns={args.turns} tokens={tokens} durable=True: {json.dumps(r)}", flush=True)
+    if args.case in ("all", "sessions"):
+        r = _sub("_sessions_main", sessions=args.sessions, turns=args.turns)
+        print(f"sessions={args.sessions} turns={args.turns} durable=True: {json.dumps(r)}", flush=True)
     if args.case in ("all", "throughput"):
         off = _sub("_throughput_main", agents=args.agents, turns=args.throughput_turns, durable=False)
         on = _sub("_throughput_main", agents=args.agents, turns=args.throughput_turns, durable=True)

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ares_gateway.core.canonical import (
     CanonicalRequest,
     Completion,
@@ -22,6 +24,7 @@ from ares_gateway.core.canonical import (
     WireProtocol,
 )
 from ares_gateway.core.errors import InvalidAnswerError
+from ares_gateway.core.token_ids import logprob_array, token_array
 from ares_gateway.protocols import RequestError, get_adapter
 
 
@@ -58,6 +61,46 @@ Answer = Completion | NativeAnswer | ErrorAnswer | StreamAnswer
 AnswerLike = Answer | dict[str, Any] | AsyncIterable[CompletionDelta | Completion]
 
 
+def read_tokens(tokens: TokenRecord | dict[str, Any] | None) -> TokenRecord | None:
+    """A checked :class:`TokenRecord` from what ``respond`` was given (``None`` stays ``None``).
+
+    Ids may be JSON lists, base64 of little-endian int32 or numpy arrays; they come out as int32
+    arrays. Raises :class:`InvalidAnswerError` saying what is wrong: ids that are not integers,
+    negative or beyond int32, logprobs that are not one per output token, unknown fields.
+    """
+    if tokens is None:
+        return None
+    if isinstance(tokens, TokenRecord):
+        p, o = tokens.prompt_ids, tokens.output_ids
+        if isinstance(p, np.ndarray) and isinstance(o, np.ndarray) and p.dtype == o.dtype == np.int32:
+            return tokens  # validated when it was built
+        fields: dict[str, Any] = {
+            "prompt_ids": p,
+            "output_ids": o,
+            "output_logprobs": tokens.output_logprobs,
+            "finish_reason": tokens.finish_reason,
+        }
+    elif isinstance(tokens, dict):
+        fields = tokens
+    else:
+        raise InvalidAnswerError('"tokens" must be an object with prompt_ids, output_ids, output_logprobs')
+    unknown = set(fields) - {"prompt_ids", "output_ids", "output_logprobs", "finish_reason"}
+    if unknown:
+        raise InvalidAnswerError(f"tokens: unknown field(s) {sorted(unknown)}")
+    for name in ("prompt_ids", "output_ids"):
+        if name not in fields:
+            raise InvalidAnswerError(f"tokens: {name} is missing")
+    prompt = token_array(fields["prompt_ids"], "prompt_ids")
+    output = token_array(fields["output_ids"], "output_ids")
+    logprobs = logprob_array(fields.get("output_logprobs"), int(output.shape[0]))
+    finish = fields.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise InvalidAnswerError("tokens: finish_reason must be a string")
+    return TokenRecord.model_construct(
+        prompt_ids=prompt, output_ids=output, output_logprobs=logprobs, finish_reason=finish
+    )
+
+
 def coerce_answer(
     protocol: WireProtocol,
     request: CanonicalRequest,
@@ -70,11 +113,7 @@ def coerce_answer(
     valid response of ``protocol`` (nor a chat-completions body, which ares-proxy pollers send for
     every protocol), or malformed ``tokens``.
     """
-    token_record: TokenRecord | None
-    try:
-        token_record = TokenRecord.model_validate(tokens) if isinstance(tokens, dict) else tokens
-    except ValueError as exc:
-        raise InvalidAnswerError(f"invalid tokens: {exc}") from None
+    token_record = read_tokens(tokens)
     if isinstance(answer, Completion):
         return answer.model_copy(update={"tokens": token_record}) if token_record else answer
     if isinstance(answer, StreamAnswer | ErrorAnswer | NativeAnswer):

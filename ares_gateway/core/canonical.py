@@ -15,9 +15,22 @@ always kept in :attr:`CanonicalRequest.raw`.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import numpy as np
+import numpy.typing as npt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationInfo,
+    WithJsonSchema,
+    model_validator,
+)
+
+from ares_gateway.core.token_ids import logprob_array, token_array
 
 
 class WireProtocol(StrEnum):
@@ -177,24 +190,65 @@ class Usage(_Model):
     reasoning_tokens: int = 0
 
 
-class TokenRecord(_Model):
-    """The generation as the inference engine saw it: the token-faithful record for training."""
+def _ids_in(value: Any, info: ValidationInfo) -> npt.NDArray[np.int32]:
+    return token_array(value, info.field_name or "token ids")
 
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float] = Field(default_factory=list)
+
+def _logprobs_in(value: Any) -> npt.NDArray[np.float64]:
+    # Counted against output_ids in TokenRecord's after-validator.
+    return logprob_array(value, None)
+
+
+#: Token ids: an int32 array (given as a list of ints, base64 of little-endian int32 or an array),
+#: dumped as a list of ints.
+TokenIds = Annotated[
+    npt.NDArray[np.int32],
+    PlainValidator(_ids_in),
+    PlainSerializer(lambda a: a.tolist(), return_type=list[int]),
+    WithJsonSchema({"type": "array", "items": {"type": "integer", "minimum": 0}}),
+]
+#: Logprobs: a float64 array (given as a list of numbers, base64 of little-endian float32 or an
+#: array), dumped as a list of floats.
+Logprobs = Annotated[
+    npt.NDArray[np.float64],
+    PlainValidator(_logprobs_in),
+    PlainSerializer(lambda a: a.tolist(), return_type=list[float]),
+    WithJsonSchema({"type": "array", "items": {"type": "number"}}),
+]
+
+
+class TokenRecord(_Model):
+    """The generation as the inference engine saw it: the token-faithful record for training.
+
+    The ids are int32 arrays and the logprobs float64 arrays, never lists of Python ints (a
+    157k-token prompt is 628 KB as int32 and ~6 MB as a list); they may be given as lists, base64
+    or arrays, and dump as lists.
+    """
+
+    prompt_ids: TokenIds
+    output_ids: TokenIds
+    output_logprobs: Logprobs = Field(default_factory=lambda: np.zeros(0, dtype=np.float64))
     finish_reason: str | None = None
 
-    @field_validator("output_logprobs")
-    @classmethod
-    def _same_length(cls, v: list[float], info: Any) -> list[float]:
-        out = info.data.get("output_ids")
-        if v and out is not None and len(v) != len(out):
+    @model_validator(mode="after")
+    def _same_length(self) -> TokenRecord:
+        n, m = int(self.output_logprobs.shape[0]), int(self.output_ids.shape[0])
+        if n and n != m:
             raise ValueError(
-                f"output_logprobs has {len(v)} entries but output_ids has {len(out)}; "
-                "give one logprob per output token or none"
+                f"output_logprobs has {n} entries but output_ids has {m}; give one logprob per output token or none"
             )
-        return v
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        # Arrays compare element-wise; two records are equal when every field is.
+        if not isinstance(other, TokenRecord):
+            return NotImplemented
+        return (
+            np.array_equal(self.prompt_ids, other.prompt_ids)
+            and np.array_equal(self.output_ids, other.output_ids)
+            and np.array_equal(self.output_logprobs, other.output_logprobs)
+            and self.finish_reason == other.finish_reason
+        )
 
 
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]

@@ -1,9 +1,11 @@
 """Token ids as a policy may send them: a JSON list, base64 of little-endian int32, or a numpy array.
 
-:func:`read_tokens` checks a token record given to ``respond`` (``/respond``'s ``"tokens"``, or
-``Gateway.respond(tokens=...)``) and returns it as a :class:`~ares_gateway.core.canonical.TokenRecord`,
-or raises :class:`~ares_gateway.core.errors.InvalidAnswerError` saying what is wrong: ids that are
-not integers, negative or beyond int32, logprobs that are not one per output token.
+:func:`token_array` and :func:`logprob_array` read the fields of a token record given to ``respond``
+(``/respond``'s ``"tokens"``, ``Gateway.respond(tokens=...)``, or a
+:class:`~ares_gateway.core.canonical.TokenRecord` built by a policy) into int32 / float64 arrays, or
+raise :class:`~ares_gateway.core.errors.InvalidAnswerError` saying what is wrong: ids that are not
+integers, negative or beyond int32, logprobs that are not one per output token. The ids stay arrays
+from there on: a 157k-token prompt is 628 KB of int32, where a list of Python ints would be ~6 MB.
 
 Base64 is the compact wire form: a 100k-token prompt is 533 KB of base64 instead of ~600 KB of
 JSON digits that the gateway must parse one by one into Python ints.
@@ -18,10 +20,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ares_gateway.core.canonical import TokenRecord
 from ares_gateway.core.errors import InvalidAnswerError
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
+_NO_LOGPROBS: npt.NDArray[np.float64] = np.zeros(0, dtype=np.float64)
+_NO_LOGPROBS.flags.writeable = False
 
 
 def token_array(value: Any, what: str) -> npt.NDArray[np.int32]:
@@ -44,7 +47,8 @@ def token_array(value: Any, what: str) -> npt.NDArray[np.int32]:
             raise InvalidAnswerError(f"{what}: must be integers, got dtype {value.dtype}")
         if value.size and int(value.max()) > _INT32_MAX:
             raise InvalidAnswerError(f"{what}: id {int(value.max())} is beyond int32")
-        arr = value.astype(np.int32, copy=False)
+        # A copy: the gateway keeps these ids, and the caller may reuse its buffer.
+        arr = value.astype(np.int32, copy=True)
     elif isinstance(value, list | tuple):
         # bool is an int subclass, but true is no token id.
         bad = next((v for v in value if type(v) is not int), None)
@@ -66,9 +70,15 @@ def token_array(value: Any, what: str) -> npt.NDArray[np.int32]:
     return arr
 
 
-def _logprob_list(value: Any, n: int) -> list[float]:
+def logprob_array(value: Any, n: int | None) -> npt.NDArray[np.float64]:
+    """``value`` (a list of numbers, base64 of little-endian float32, or a numpy array) as float64,
+    one per output token (``n``; ``None``: any count) or none.
+
+    Raises :class:`InvalidAnswerError` for anything else, for a count other than ``n`` and for
+    values that are not finite.
+    """
     if value is None:
-        return []
+        return _NO_LOGPROBS
     if isinstance(value, str):
         try:
             raw = base64.b64decode(value, validate=True)
@@ -76,7 +86,7 @@ def _logprob_list(value: Any, n: int) -> list[float]:
             raise InvalidAnswerError("output_logprobs: not valid base64 of little-endian float32") from None
         if len(raw) % 4:
             raise InvalidAnswerError("output_logprobs: base64 does not decode to whole float32 values")
-        arr = np.frombuffer(raw, dtype="<f4")
+        arr = np.frombuffer(raw, dtype="<f4").astype(np.float64)
     elif isinstance(value, np.ndarray | list | tuple):
         if isinstance(value, list | tuple) and any(isinstance(v, bool) or not isinstance(v, int | float) for v in value):
             raise InvalidAnswerError("output_logprobs: must be numbers")
@@ -88,46 +98,13 @@ def _logprob_list(value: Any, n: int) -> list[float]:
             raise InvalidAnswerError("output_logprobs: must be one-dimensional")
     else:
         raise InvalidAnswerError("output_logprobs: give a JSON list of numbers or base64 of float32")
-    if arr.size and arr.size != n:
+    if n is not None and arr.size and arr.size != n:
         raise InvalidAnswerError(
             f"output_logprobs has {arr.size} entries but output_ids has {n}; give one logprob per output token or none"
         )
     if arr.size and not np.isfinite(arr).all():
         raise InvalidAnswerError("output_logprobs: must be finite numbers")
-    return [float(x) for x in arr.tolist()]
-
-
-def read_tokens(tokens: TokenRecord | dict[str, Any] | None) -> TokenRecord | None:
-    """A checked :class:`TokenRecord` from what ``respond`` was given (``None`` stays ``None``)."""
-    if tokens is None:
-        return None
-    if isinstance(tokens, TokenRecord):
-        fields: dict[str, Any] = {
-            "prompt_ids": tokens.prompt_ids,
-            "output_ids": tokens.output_ids,
-            "output_logprobs": tokens.output_logprobs,
-            "finish_reason": tokens.finish_reason,
-        }
-    elif isinstance(tokens, dict):
-        fields = tokens
-    else:
-        raise InvalidAnswerError('"tokens" must be an object with prompt_ids, output_ids, output_logprobs')
-    unknown = set(fields) - {"prompt_ids", "output_ids", "output_logprobs", "finish_reason"}
-    if unknown:
-        raise InvalidAnswerError(f"tokens: unknown field(s) {sorted(unknown)}")
-    for name in ("prompt_ids", "output_ids"):
-        if name not in fields:
-            raise InvalidAnswerError(f"tokens: {name} is missing")
-    prompt = token_array(fields["prompt_ids"], "prompt_ids")
-    output = token_array(fields["output_ids"], "output_ids")
-    logprobs = _logprob_list(fields.get("output_logprobs"), int(output.shape[0]))
-    finish = fields.get("finish_reason")
-    if finish is not None and not isinstance(finish, str):
-        raise InvalidAnswerError("tokens: finish_reason must be a string")
-    # TokenRecord keeps lists (its public shape); the recorder stores them as int32 at once.
-    return TokenRecord.model_construct(
-        prompt_ids=prompt.tolist(), output_ids=output.tolist(), output_logprobs=logprobs, finish_reason=finish
-    )
+    return arr if arr.size else _NO_LOGPROBS
 
 
 def encode_token_ids(ids: Any) -> str:
@@ -135,4 +112,4 @@ def encode_token_ids(ids: Any) -> str:
     return base64.b64encode(np.asarray(ids, dtype="<i4").tobytes()).decode("ascii")
 
 
-__all__ = ["encode_token_ids", "read_tokens", "token_array"]
+__all__ = ["encode_token_ids", "logprob_array", "token_array"]

@@ -11,10 +11,9 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import Response, StreamResponse
 from pydantic import ValidationError
 
-from ares_gateway.core.answers import Answer, ErrorAnswer
+from ares_gateway.core.answers import Answer, ErrorAnswer, read_tokens
 from ares_gateway.core.canonical import Completion, TokenRecord
 from ares_gateway.core.errors import GatewayError, InvalidAnswerError
-from ares_gateway.core.token_ids import read_tokens
 from ares_gateway.http.render import control_error, json_response
 from ares_gateway.http.routes import Handler
 from ares_gateway.http.served import ServedGateway

@@ -230,12 +230,13 @@ class TitoPolicy:
             tito["ill_formed_tool_calls"] = broken
         completion = completion.model_copy(
             update={
-                "tokens": TokenRecord(
-                    prompt_ids=list(prepared.prompt_ids),
-                    output_ids=list(result.output_ids),
-                    output_logprobs=list(result.logprobs),
-                    finish_reason=result.finish_reason,
-                ),
+                # Validated into int32 / float64 arrays.
+                "tokens": TokenRecord.model_validate({
+                    "prompt_ids": prepared.prompt_ids,
+                    "output_ids": result.output_ids,
+                    "output_logprobs": result.logprobs,
+                    "finish_reason": result.finish_reason,
+                }),
                 "model": req.model or self.engine.model,
                 "extra": {**completion.extra, "tito": tito},
             }

@@ -377,12 +377,12 @@ class UpstreamPolicy:
         completion = acc.completion(_FINISH.get(finish or "", None))
         tokens = None
         if prompt_ids is not None and output_ids:
-            tokens = TokenRecord(
-                prompt_ids=prompt_ids,
-                output_ids=output_ids,
-                output_logprobs=logprobs if logprobs_ok and len(logprobs) == len(output_ids) else [],
-                finish_reason=finish,
-            )
+            tokens = TokenRecord.model_validate({  # validated into int32 / float64 arrays
+                "prompt_ids": prompt_ids,
+                "output_ids": output_ids,
+                "output_logprobs": logprobs if logprobs_ok and len(logprobs) == len(output_ids) else [],
+                "finish_reason": finish,
+            })
         completion = completion.model_copy(update={"usage": usage, "tokens": tokens, "model": model})
         yield self._finish(request, completion, attempts, time.monotonic() - started)
 

@@ -25,6 +25,7 @@ from ares_gateway.core.canonical import (
     Usage,
     WireProtocol,
 )
+from ares_gateway.core.token_ids import logprob_array, token_array
 from ares_gateway.protocols.base import RequestError
 
 dumps = orjson.dumps
@@ -239,8 +240,10 @@ def mk_completion(*, text: str | None, reasoning: str | None, tool_calls: list[T
 
 def mk_tokens(*, prompt_ids: list[int], output_ids: list[int], output_logprobs: list[float],
               finish_reason: str | None) -> TokenRecord:
-    return _build(TokenRecord, {"prompt_ids": prompt_ids, "output_ids": output_ids,
-                                "output_logprobs": output_logprobs, "finish_reason": finish_reason})
+    out = token_array(output_ids, "output_ids")
+    return _build(TokenRecord, {"prompt_ids": token_array(prompt_ids, "prompt_ids"), "output_ids": out,
+                                "output_logprobs": logprob_array(output_logprobs, int(out.shape[0])),
+                                "finish_reason": finish_reason})
 
 
 def usage(input_tokens: int = 0, output_tokens: int = 0, cached: int = 0, reasoning: int = 0) -> Usage:

@@ -647,16 +647,19 @@ def render_response(completion: Completion, request: CanonicalRequest, response_
         "choices": [choice],
         "usage": render_usage(c.usage),
     }
-    if c.tokens is not None:
-        body["prompt_token_ids"] = c.tokens.prompt_ids
-        choice["token_ids"] = c.tokens.output_ids
-        if c.tokens.output_logprobs:
-            choice["logprobs"] = {
-                "content": [
-                    {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
-                    for t, lp in zip(c.tokens.output_ids, c.tokens.output_logprobs, strict=False)
-                ]
-            }
+    # Token ids and logprobs only for an agent that asked, as vLLM does (``return_token_ids``,
+    # ``logprobs``): a long session's prompt ids are a megabyte of JSON the agent would not read.
+    tokens = c.tokens
+    if tokens is not None and request.extra.get("return_token_ids") is True:
+        body["prompt_token_ids"] = tokens.prompt_ids.tolist()
+        choice["token_ids"] = tokens.output_ids.tolist()
+    if tokens is not None and tokens.output_logprobs.shape[0] and request.extra.get("logprobs") is True:
+        choice["logprobs"] = {
+            "content": [
+                {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                for t, lp in zip(tokens.output_ids.tolist(), tokens.output_logprobs.tolist(), strict=False)
+            ]
+        }
     return body
 
 

@@ -6,6 +6,7 @@ import copy
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ares_gateway.core.canonical import CanonicalRequest, Completion, ToolCall, WireProtocol
@@ -172,7 +173,9 @@ def test_parse_response_ares_proxy_vllm() -> None:
     assert c.finish_reason == "tool_calls"
     assert c.usage is not None and (c.usage.input_tokens, c.usage.output_tokens, c.usage.cached_input_tokens) == (4, 3, 2)
     assert c.tokens is not None
-    assert (c.tokens.prompt_ids, c.tokens.output_ids, c.tokens.output_logprobs) == ([1, 2, 3, 4], [11, 12, 13], [-0.5, -0.25, 0.0])
+    assert (c.tokens.prompt_ids.tolist(), c.tokens.output_ids.tolist(), c.tokens.output_logprobs.tolist()) == (
+        [1, 2, 3, 4], [11, 12, 13], [-0.5, -0.25, 0.0])
+    assert c.tokens.prompt_ids.dtype == np.int32 and c.tokens.output_logprobs.dtype == np.float64
     Completion.model_validate(c.model_dump())
 
 
@@ -180,7 +183,7 @@ def test_parse_response_token_ids_from_logprob_tokens_only() -> None:
     body = ares_proxy_answer()
     del body["choices"][0]["token_ids"]
     c = AD.parse_response(body)
-    assert c.tokens is not None and c.tokens.output_ids == [11, 12, 13]
+    assert c.tokens is not None and c.tokens.output_ids.tolist() == [11, 12, 13]
     del body["prompt_token_ids"]
     assert AD.parse_response(body).tokens is None  # no prompt ids: no token record
 
@@ -194,14 +197,21 @@ def test_parse_response_minimal_and_bad() -> None:
 
 
 def test_render_response_shape_and_round_trip() -> None:
-    req = AD.parse_request({"model": "m", "messages": []})
+    # An agent that asks for token ids and logprobs (vLLM's return_token_ids / logprobs) gets them back.
+    req = AD.parse_request({"model": "m", "messages": [], "return_token_ids": True, "logprobs": True})
     c = AD.parse_response(ares_proxy_answer())
     out = AD.render_response(c, req, "xyz")
     assert out["id"] == "chatcmpl-xyz" and out["object"] == "chat.completion"
     ch = out["choices"][0]
     assert ch["finish_reason"] == "tool_calls" and ch["message"]["role"] == "assistant"
     assert out["usage"]["prompt_tokens"] == 4 and out["usage"]["total_tokens"] == 7
+    assert out["prompt_token_ids"] == [1, 2, 3, 4] and ch["token_ids"] == [11, 12, 13]
     assert AD.parse_response(out) == c
+    # One that did not ask gets neither: a long session's prompt ids would be a megabyte per turn.
+    req = AD.parse_request({"model": "m", "messages": []})
+    bare = AD.render_response(c, req, "xyz")
+    assert "prompt_token_ids" not in bare and "token_ids" not in bare["choices"][0]
+    assert bare["choices"][0]["logprobs"] is None
     # a completion with tool calls but the default finish_reason still tells the agent to run them
     plain = AD.render_response(Completion(tool_calls=[ToolCall(id="", name="bash", arguments="{}")]), req, "chatcmpl-1")
     assert plain["id"] == "chatcmpl-1" and plain["choices"][0]["finish_reason"] == "tool_calls"

@@ -288,7 +288,9 @@ def completion(draw: Any, proto: str) -> Completion:
 
 def _completion_round_trip(proto: str, c: Completion) -> None:
     ad = get_adapter(proto)
-    req = ad.parse_request({"model": "m", "messages": [], "max_tokens": 10} if proto != "openai.responses"
+    # Token ids and logprobs come back to an agent that asks for them (vLLM's request fields).
+    asks = {"return_token_ids": True, "logprobs": True} if proto == "openai.chat" else {}
+    req = ad.parse_request({"model": "m", "messages": [], "max_tokens": 10, **asks} if proto != "openai.responses"
                            else {"model": "m"})
     native = orjson.loads(orjson.dumps(ad.render_response(c, req, "rid")))
     back = ad.parse_response(native, req)

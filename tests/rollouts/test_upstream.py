@@ -272,4 +272,4 @@ async def test_unconsumed_stream_releases_its_connection(llm: FakeLLM) -> None:
         # A consumed stream ends with the whole completion and its token record.
         items = [item async for item in await pol(req)]  # type: ignore[union-attr]
     final = items[-1]
-    assert final.text == llm.turns[-1].text and final.tokens.output_ids == llm.turns[-1].output_ids
+    assert final.text == llm.turns[-1].text and final.tokens.output_ids.tolist() == llm.turns[-1].output_ids

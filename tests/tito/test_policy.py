@@ -70,8 +70,8 @@ async def test_make_policy_builds_tito_and_records_tokens(smol_renderer) -> None
     c1 = await policy(_req(msgs, sampling=SamplingParams(max_tokens=32000, temperature=0.2)))
     assert isinstance(c1, Completion) and c1.text == "Let me look." and c1.finish_reason == "stop"
     assert c1.tokens is not None
-    assert c1.tokens.output_ids == eng.results[0].output_ids and c1.tokens.output_logprobs == [-0.1] * 5
-    assert c1.tokens.prompt_ids == eng.calls[0][0]
+    assert c1.tokens.output_ids.tolist() == eng.results[0].output_ids and c1.tokens.output_logprobs.tolist() == [-0.1] * 5
+    assert c1.tokens.prompt_ids.tolist() == list(eng.calls[0][0])
     rec = c1.extra["tito"]
     # Temperature 1.0 as configured (the request's 0.2 is not honored by default); max_tokens capped.
     assert rec["sampling"]["temperature"] == 1.0 and rec["sampling"]["max_tokens"] == 64
@@ -82,7 +82,7 @@ async def test_make_policy_builds_tito_and_records_tokens(smol_renderer) -> None
     c2 = await policy(_req(msgs2))
     assert isinstance(c2, Completion) and c2.tokens is not None
     assert c2.extra["tito"]["mode"] == "extend"
-    assert c2.tokens.prompt_ids[: len(c1.tokens.prompt_ids) + 5] == c1.tokens.prompt_ids + c1.tokens.output_ids
+    assert c2.tokens.prompt_ids[: len(c1.tokens.prompt_ids) + 5].tolist() == c1.tokens.prompt_ids.tolist() + c1.tokens.output_ids.tolist()
     assert c2.extra["tito"]["sampling"]["seed"] != rec["sampling"]["seed"]  # derived per turn
     assert policy.stats("direct").to_dict()["extended"] == 1
     assert policy.run_info()["policy"] == "tito" and policy.run_info()["sampling"]["temperature"] == 1.0

@@ -1,0 +1,187 @@
+"""Incremental recording (issue 15): bodies stored as what is new, token ids kept as int32 arrays.
+
+Each turn's body is encoded against the previous turn of its line; these tests check that the
+turn log gives back every body exactly through appends, edits inside the history, compactions,
+repeats and a restart, that the common case (an agent appending to its history) does not re-digest
+the history message by message, and that token ids never become lists of Python ints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+import pytest
+
+import ares_gateway.core.recorder as recorder_mod
+from ares_gateway import Completion, Gateway, TokenRecord
+from ares_gateway.core.canonical import CanonicalRequest, WireProtocol
+from ares_gateway.core.errors import InvalidAnswerError
+from ares_gateway.core.recorder import RecordedTurn, SessionRecorder
+from ares_gateway.core.store import TurnStore
+from ares_gateway.core.token_ids import encode_token_ids
+from ares_gateway.protocols import get_adapter
+
+ANTH = WireProtocol.ANTHROPIC_MESSAGES
+
+
+def _msg(role: str, text: str) -> dict[str, Any]:
+    return {"role": role, "content": [{"type": "text", "text": text}]}
+
+
+def _body(messages: list[dict[str, Any]], system: str = "You are a coding agent.") -> dict[str, Any]:
+    return {
+        "model": "claude-x",
+        "max_tokens": 1000,
+        "system": [{"type": "text", "text": system}],
+        "tools": [{"name": "bash", "description": "run", "input_schema": {"type": "object"}}],
+        "metadata": {"user_id": "u"},
+        "messages": messages,
+    }
+
+
+def _turn(body: dict[str, Any], i: int, sid: str = "s", tokens: TokenRecord | None = None,
+          request: CanonicalRequest | None = None) -> RecordedTurn:
+    return RecordedTurn(
+        session_id=sid, request_id=f"r{i}", protocol=ANTH, raw_body=orjson.dumps(body), request=request,
+        completion=Completion(text=f"answer {i}", tokens=tokens), side_call=False, timestamp=time.time(), latency=0.01,
+    )
+
+
+def _history() -> list[dict[str, Any]]:
+    """The bodies of a session whose history is appended to, edited inside, compacted and repeated."""
+    msgs = [_msg("user", "fix the bug")]
+    bodies = [_body(copy.deepcopy(msgs))]
+    for i in range(4):  # appends
+        msgs += [_msg("assistant", f"step {i}"), _msg("user", f"result {i} " * 50)]
+        bodies.append(_body(copy.deepcopy(msgs)))
+    msgs[2]["content"][0]["text"] = "an edited step"  # an edit inside the history
+    bodies.append(_body(copy.deepcopy(msgs)))
+    msgs = [_msg("user", "summary of the work so far"), *msgs[-2:]]  # a compaction
+    bodies.append(_body(copy.deepcopy(msgs)))
+    bodies.append(_body(copy.deepcopy(msgs)))  # the same body again
+    msgs.append(_msg("assistant", "more"))
+    bodies.append(_body(copy.deepcopy(msgs), system="You are a coding agent. New reminder."))  # system changed too
+    msgs = msgs[:2]  # the history cut short
+    bodies.append(_body(copy.deepcopy(msgs)))
+    return bodies
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_turn_log_gives_back_every_body_exactly(tmp_path: Path, durable: bool) -> None:
+    store = TurnStore(tmp_path / "d") if durable else None
+    try:
+        rec = SessionRecorder(store=store)
+        bodies = _history()
+        for i, body in enumerate(bodies):
+            rec(_turn(body, i))
+        log = rec.turn_log("s")
+        assert [t["request"] for t in log] == bodies
+        assert [t["completion"]["text"] for t in log] == [f"answer {i}" for i in range(len(bodies))]
+    finally:
+        if store is not None:
+            store.close()
+
+
+def test_the_list_boundary_check_catches_a_grown_last_item() -> None:
+    # A list whose serialization starts with the old one's bytes although its last item changed:
+    # [.., 12] then [.., 123]. Only an item boundary after the old bytes makes it a prefix.
+    rec = SessionRecorder()
+    u = _msg("user", "hi")
+    tails: list[list[Any]] = [[12], [123], [123, [4]], [123, [4, 5]], [123, [4, 5], "a"], [123, [4, 5], "ab"]]
+    bodies = [{"model": "m", "max_tokens": 10, "messages": [u, *tail]} for tail in tails]
+    # The encoder is generic over the list's items; a parsed stand-in spares them the protocol's checks.
+    parsed = get_adapter(ANTH).parse_request(_body([u])).model_copy(update={"raw": {}})
+    for i, body in enumerate(bodies):
+        rec(_turn(body, i, request=parsed))
+    assert [t["request"] for t in rec.turn_log("s")] == bodies
+
+
+def test_a_restarted_recorder_continues_the_delta_encoding(tmp_path: Path) -> None:
+    bodies = _history()
+    with TurnStore(tmp_path / "d") as store:
+        rec = SessionRecorder(store=store)
+        for i, body in enumerate(bodies[:3]):
+            rec(_turn(body, i))
+    with TurnStore(tmp_path / "d") as store:
+        rec = SessionRecorder(store=store)
+        rec.known({"s"})
+        for i, body in enumerate(bodies[3:], start=3):
+            rec(_turn(body, i))
+        assert [t["request"] for t in rec.turn_log("s")] == bodies
+        # The first turn after the restart was stored as a delta: only its two new messages.
+        rows, damaged = store.load_turns("s")
+        assert not damaged
+        assert len(rows[3][1]) < len(rows[1][1]) + 400
+
+
+def test_an_appended_history_is_not_re_digested_message_by_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = 0
+    real = recorder_mod._digest
+
+    def counting(value: Any) -> bytes:
+        nonlocal calls
+        calls += 1
+        return real(value)
+
+    monkeypatch.setattr(recorder_mod, "_digest", counting)
+    rec = SessionRecorder()
+    msgs = [_msg("user", "go")]
+    per_turn: list[int] = []
+    for i in range(60):
+        calls = 0
+        rec(_turn(_body(copy.deepcopy(msgs)), i))
+        per_turn.append(calls)
+        msgs += [_msg("assistant", f"step {i}"), _msg("user", f"out {i}")]
+    # Five top-level fields and the two new messages each turn, whatever the history's length
+    # (the old encoder digested every message of the history every turn: 120 at the end).
+    assert max(per_turn[1:]) <= 5 + 2, per_turn
+    assert [t["request"]["messages"] for t in rec.turn_log("s")][-1] == msgs[:-2]
+
+
+def test_token_records_hold_int32_arrays_from_every_form() -> None:
+    for given in ([5, 6, 7], encode_token_ids([5, 6, 7]), np.array([5, 6, 7], dtype=np.int64)):
+        rec = TokenRecord(prompt_ids=given, output_ids=[8], output_logprobs=[-0.5])
+        assert isinstance(rec.prompt_ids, np.ndarray) and rec.prompt_ids.dtype == np.int32
+        assert rec.prompt_ids.tolist() == [5, 6, 7]
+        assert rec.output_logprobs.dtype == np.float64
+        assert rec.model_dump() == {"prompt_ids": [5, 6, 7], "output_ids": [8], "output_logprobs": [-0.5],
+                                    "finish_reason": None}
+        assert TokenRecord.model_validate_json(rec.model_dump_json()) == rec
+    assert TokenRecord(prompt_ids=[1], output_ids=[2]) != TokenRecord(prompt_ids=[1], output_ids=[3])
+    assert TokenRecord.model_json_schema()["properties"]["prompt_ids"]["type"] == "array"
+    with pytest.raises(ValueError, match="one logprob per output token"):
+        TokenRecord(prompt_ids=[1], output_ids=[2, 3], output_logprobs=[-1.0])
+    with pytest.raises(ValueError, match=">= 0"):
+        TokenRecord(prompt_ids=[1, -1], output_ids=[2])
+    with pytest.raises(ValueError, match="must be integers"):
+        TokenRecord(prompt_ids=[1, 2.5], output_ids=[2])
+
+
+async def test_respond_keeps_ids_as_arrays_and_copies_the_callers_buffer() -> None:
+    seen: list[RecordedTurn] = []
+    async with Gateway(port=0, data_dir=False, recorder=seen.append) as gw, aiohttp.ClientSession() as http:
+        info = await gw.create_session("t")
+        post = asyncio.ensure_future(http.post(f"{info.base_url}/v1/messages", json=_body([_msg("user", "hi")]),
+                                               headers={"authorization": f"Bearer {info.token}",
+                                                        "anthropic-version": "2023-06-01"}))
+        req = await gw.next_request(session="t", timeout=10)
+        assert req is not None
+        prompt = np.arange(1000, dtype=np.int32)
+        await gw.respond(req.id, "x", tokens={"prompt_ids": prompt, "output_ids": [7, 8]})
+        prompt[:] = 0  # the policy reuses its buffer
+        (await post).release()
+        (turn,) = seen
+        tokens = turn.completion.tokens
+        assert tokens is not None and tokens.prompt_ids.dtype == np.int32 and tokens.output_ids.dtype == np.int32
+        assert tokens.prompt_ids.tolist() == list(range(1000))
+        (s,) = gw.trajectory("t")
+        assert s.tokens.tolist() == [*range(1000), 7, 8]
+        with pytest.raises(InvalidAnswerError):
+            await gw.respond(req.id, "again", tokens={"prompt_ids": [1], "output_ids": [2], "extra": 1})

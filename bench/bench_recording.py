@@ -3,7 +3,7 @@
     python3 bench/bench_recording.py                 # everything, briefly
     python3 bench/bench_recording.py memory --turns 200
     python3 bench/bench_recording.py sessions --sessions 64 --turns 200
-    python3 bench/bench_recording.py throughput --agents 64 --turns 10
+    python3 bench/bench_recording.py throughput --agents 64 --throughput-turns 16 --rounds 5
 
 Every case runs in a fresh subprocess (RSS is that process's). The agent side is real HTTP over
 loopback (aiohttp) with a Claude-Code-sized Anthropic body (~96 KB: system, 25 tools, a
@@ -186,7 +186,9 @@ def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False) -
     return out
 
 
-def _throughput_main(agents: int, turns: int, durable: bool) -> dict[str, Any]:
+def _throughput_main(agents: int, turns: int, durable: bool, record: bool = True) -> dict[str, Any]:
+    """Turns a second with 64 agents; ``durable=False``: recorded in memory only; ``record=False``:
+    not recorded at all (the broker's turn sink removed: what the gateway costs without a recorder)."""
     import aiohttp
     import uvloop
 
@@ -198,6 +200,8 @@ def _throughput_main(agents: int, turns: int, durable: bool) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
             async with Gateway(port=0, data_dir=tmp if durable else False) as gw, \
                     aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+                if not record:
+                    gw.broker._on_turn = None
                 bodies = [json.dumps(cc_body(t)).encode() for t in range(turns)]
                 infos = [await gw.create_session() for _ in range(agents)]
                 models = {i.session_id: TokenModel(first_prompt=4000, per_turn=300) for i in infos}
@@ -340,7 +344,8 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--agents", type=int, default=64)
-    ap.add_argument("--throughput-turns", type=int, default=8)
+    ap.add_argument("--throughput-turns", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     if args.case in ("all", "memory"):
         for tokens in (True, False):
@@ -350,10 +355,22 @@ def main() -> None:
         r = _sub("_sessions_main", sessions=args.sessions, turns=args.turns)
         print(f"sessions={args.sessions} turns={args.turns} durable=True: {json.dumps(r)}", flush=True)
     if args.case in ("all", "throughput"):
-        off = _sub("_throughput_main", agents=args.agents, turns=args.throughput_turns, durable=False)
-        on = _sub("_throughput_main", agents=args.agents, turns=args.throughput_turns, durable=True)
-        print(f"throughput agents={args.agents} turns={args.throughput_turns}: off {off['turns_per_s']:.1f}/s, "
-              f"on {on['turns_per_s']:.1f}/s, ratio {on['turns_per_s'] / off['turns_per_s']:.2f}", flush=True)
+        import statistics
+
+        kinds = {"not recorded": {"durable": False, "record": False}, "in memory": {"durable": False},
+                 "durable": {"durable": True}}
+        rates: dict[str, list[float]] = {k: [] for k in kinds}
+        for r in range(args.rounds):  # interleaved, so a noisy neighbour hits every kind alike
+            for kind, kw in kinds.items():
+                rates[kind].append(_sub("_throughput_main", agents=args.agents, turns=args.throughput_turns, **kw)["turns_per_s"])
+            print(f"throughput round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}/s" for k, v in rates.items()), flush=True)
+        on_mem = [d / m for d, m in zip(rates["durable"], rates["in memory"], strict=True)]
+        on_none = [d / n for d, n in zip(rates["durable"], rates["not recorded"], strict=True)]
+        print(f"throughput agents={args.agents} turns={args.throughput_turns} rounds={args.rounds}: medians "
+              + ", ".join(f"{k} {statistics.median(v):.1f}/s" for k, v in rates.items())
+              + f"; durable/in memory {statistics.median(on_mem):.2f} (each round: "
+              + " ".join(f"{x:.2f}" for x in on_mem) + f"), durable/not recorded {statistics.median(on_none):.2f}",
+              flush=True)
 
 
 if __name__ == "__main__":

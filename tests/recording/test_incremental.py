@@ -185,3 +185,76 @@ async def test_respond_keeps_ids_as_arrays_and_copies_the_callers_buffer() -> No
         assert s.tokens.tolist() == [*range(1000), 7, 8]
         with pytest.raises(InvalidAnswerError):
             await gw.respond(req.id, "again", tokens={"prompt_ids": [1], "output_ids": [2], "extra": 1})
+
+
+def _conversations() -> list[tuple[WireProtocol, dict[str, Any], str]]:
+    """A conversation in each protocol, with the items that fold into their neighbours."""
+    anth = {"model": "c", "max_tokens": 100, "system": "be brief", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "fix it"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s1"},
+                                          {"type": "text", "text": "looking"},
+                                          {"type": "tool_use", "id": "t1", "name": "bash", "input": {"c": "ls"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.py"},
+                                     {"type": "text", "text": "<system-reminder>x</system-reminder>"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t2", "name": "bash", "input": {"c": "cat"}},
+                                          {"type": "tool_use", "id": "t3", "name": "bash", "input": {"c": "pwd"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "x"},
+                                     {"type": "tool_result", "tool_use_id": "t3", "content": "/r", "is_error": True}]},
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "thanks"},
+    ]}
+    chat = {"model": "m", "messages": [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "fix it"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": "{\"c\": \"ls\"}"}},
+            {"id": "c2", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py"},
+        {"role": "tool", "tool_call_id": "c2", "content": "b"},
+        {"role": "assistant", "content": "done", "reasoning_content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "thanks"}]},
+    ]}
+    fc = {"type": "function_call", "call_id": "call_1", "name": "exec", "arguments": "{\"cmd\":\"ls\"}"}
+    responses = {"model": "g", "instructions": "be brief", "input": [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix it"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "plan"}], "encrypted_content": "e1"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "running"}]},
+        fc,
+        {**fc, "call_id": "call_2", "arguments": "{\"cmd\":\"pwd\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "a.py"},
+        {"type": "function_call_output", "call_id": "call_2", "output": "/r"},
+        {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "e2"},
+        {"type": "custom_tool_call", "call_id": "call_3", "name": "apply_patch", "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "call_3", "output": "ok"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]},
+        {"role": "user", "content": "thanks"},
+    ]}
+    return [(WireProtocol.ANTHROPIC_MESSAGES, anth, "messages"), (WireProtocol.OPENAI_CHAT, chat, "messages"),
+            (WireProtocol.OPENAI_RESPONSES, responses, "input")]
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+@pytest.mark.parametrize("conv", range(3))
+def test_reused_chat_messages_equal_a_full_conversion(conv: int, step: int) -> None:
+    # The tree is handed the previous turn's chat dicts for an appended history; at every cut of
+    # every conversation (an item that folds into the one before it included) they must be what
+    # converting the whole request gives.
+    proto, whole, key = _conversations()[conv]
+    rec = SessionRecorder()
+    items = whole[key]
+    reused = 0
+    for turn, n in enumerate(range(1, len(items) + 1, step)):
+        body = {**whole, key: items[:n]}
+        request = get_adapter(proto).parse_request(body)
+        tokens = TokenRecord(prompt_ids=list(range(10 * turn + 1)), output_ids=[10 * turn + 1])
+        line = rec._states["s"].lines[False] if "s" in rec._states else None
+        before = None if line is None else line.chat
+        rec(RecordedTurn(session_id="s", request_id=f"r{turn}", protocol=proto, raw_body=orjson.dumps(body),
+                         request=request, completion=Completion(text="x", tokens=tokens), side_call=False,
+                         timestamp=time.time(), latency=0.0))
+        line = rec._states["s"].lines[False]
+        assert line.chat == [m.to_chat_dict() for m in request.messages], (proto, n)
+        if before is not None and line.chat and before and line.chat[0] is before[0]:
+            reused += 1
+    assert reused >= (len(items) // step) - 2  # the reuse did happen

@@ -69,7 +69,7 @@ def _gateway_main(port: int, mode: str) -> None:
     import uvloop
 
     from ares_gateway import Completion, Gateway
-    from ares_gateway.cli.serve import tune_gc
+    from ares_gateway.cli._common import tune_gc
 
     tune_gc()  # as `ares-gateway serve` does
 

@@ -105,9 +105,6 @@ async def _session(gw: Any, http: Any, turns: int, tokens: bool, timings: list[f
     info = await gw.create_session(sid)
     model = TokenModel()
     headers = {"authorization": f"Bearer {info.token}", "anthropic-version": "2023-06-01", "content-type": "application/json"}
-    rec = gw.recorder
-    orig = type(rec).__call__
-
     for t in range(turns):
         body = json.dumps(cc_body(t)).encode()
         post = asyncio.ensure_future(http.post(f"{info.base_url}/v1/messages", data=body, headers=headers))
@@ -115,18 +112,16 @@ async def _session(gw: Any, http: Any, turns: int, tokens: bool, timings: list[f
         assert req is not None
         tok = model.record(t) if tokens else None
         t0 = time.perf_counter()
-        orig_ns = time.perf_counter_ns()
         await gw.respond(req.id, Completion.model_validate(answer_for(t)), tokens=tok)
-        del orig_ns
         if timings is not None:
             timings.append(time.perf_counter() - t0)
         resp = await post
         await resp.read()
         assert resp.status == 200, resp.status
         if rss_at is not None and (t + 1) in rss_at:
+            del body, post, req, resp, tok  # this turn's request and answer: not what the session holds
             trim()
             rss_at[t + 1] = rss_bytes()
-    del orig
     return info.session_id
 
 
@@ -160,7 +155,18 @@ def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False) -
                 traced0 = _traced()
                 marks = {n: 0 for n in (50, 100, 200) if n <= turns} | {turns: 0}
                 timings: list[float] = []
+                # The recorder's own time per turn (encoding the record, the message tree, queueing the write).
+                recorder = gw.broker._on_turn
+                record_s: list[float] = []
+
+                def timed(turn: Any) -> None:
+                    t0 = time.perf_counter()
+                    recorder(turn)
+                    record_s.append(time.perf_counter() - t0)
+
+                gw.broker._on_turn = timed
                 sid = await _session(gw, http, turns, tokens, timings, marks, sid="measured")
+                gw.broker._on_turn = recorder
                 end_raw = rss_bytes()
                 trim()
                 end = rss_bytes()
@@ -177,6 +183,10 @@ def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False) -
                 k = max(1, min(10, turns // 5))
                 out["respond_ms_first"] = 1000 * sum(timings[1 : k + 1]) / k
                 out["respond_ms_last"] = 1000 * sum(timings[-k:]) / k
+                import statistics
+
+                out["record_ms"] = {f"{a + 1}-{b}": round(1000 * statistics.median(record_s[a:b]), 3)
+                                    for a, b in ((1, 10), (40, 50), (90, 100), (190, 200)) if b <= len(record_s)}
                 t0 = time.perf_counter()
                 log = gw.turn_log(sid, tokens=False)
                 out["turn_log_s"] = time.perf_counter() - t0
@@ -187,52 +197,67 @@ def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False) -
 
 
 def _throughput_main(agents: int, turns: int, durable: bool, record: bool = True) -> dict[str, Any]:
-    """Turns a second with 64 agents; ``durable=False``: recorded in memory only; ``record=False``:
-    not recorded at all (the broker's turn sink removed: what the gateway costs without a recorder)."""
-    import aiohttp
+    """Turns a second with ``agents`` agents (in a child process) answered in process with token
+    records; ``durable=False``: recorded in memory only; ``record=False``: not recorded at all (the
+    broker's turn sink removed: what the gateway costs without a recorder). Also the gateway
+    process's CPU time per turn (all its threads), steadier than wall time on a shared machine."""
     import uvloop
 
-    from ares_gateway import Completion, Gateway
+    from ares_gateway import Gateway
+    from ares_gateway.cli._common import tune_gc
 
+    tune_gc()  # as ``serve`` and ``run`` do
     out: dict[str, Any] = {}
 
     async def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
-            async with Gateway(port=0, data_dir=tmp if durable else False) as gw, \
-                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            async with Gateway(port=0, data_dir=tmp if durable else False) as gw:
                 if not record:
                     gw.broker._on_turn = None
-                bodies = [json.dumps(cc_body(t)).encode() for t in range(turns)]
-                infos = [await gw.create_session() for _ in range(agents)]
-                models = {i.session_id: TokenModel(first_prompt=4000, per_turn=300) for i in infos}
-                turn_of = {i.session_id: 0 for i in infos}
-
-                async def agent(info: Any) -> None:
-                    h = {"authorization": f"Bearer {info.token}", "anthropic-version": "2023-06-01"}
-                    for t in range(turns):
-                        async with http.post(f"{info.base_url}/v1/messages", data=bodies[t], headers=h) as r:
-                            await r.read()
-                            assert r.status == 200
-
-                async def policy() -> None:
-                    done = 0
-                    while done < agents * turns:
-                        req = await gw.next_request(timeout=30)
-                        assert req is not None
-                        sid = req.session_id
-                        t = turn_of[sid]
-                        turn_of[sid] += 1
-                        await gw.respond(req.id, Completion.model_validate(answer_for(t)), tokens=models[sid].record(t))
-                        done += 1
-
-                t0 = time.perf_counter()
-                await asyncio.gather(policy(), *(agent(i) for i in infos))
-                wall = time.perf_counter() - t0
+                wall, cpu = await _drive(gw, agents, turns, lambda: TokenModel(first_prompt=4000, per_turn=300))
                 out["turns_per_s"] = agents * turns / wall
+                out["cpu_us_per_turn"] = 1e6 * cpu / (agents * turns)
+                out["loop_cpu_us_per_turn"] = 1e6 * _drive.main_cpu / (agents * turns)  # type: ignore[attr-defined]
                 out["wall_s"] = wall
 
     uvloop.run(main())
     return out
+
+
+async def _drive(gw: Any, agents: int, turns: int, model: Any, on_progress: Any = None) -> tuple[float, float]:
+    """Run ``agents`` sessions of ``turns`` turns, the agents in a child process and the policy here;
+    returns the wall and this process's CPU seconds from the first request to the last answer."""
+    from ares_gateway import Completion
+
+    infos = [await gw.create_session() for _ in range(agents)]
+    models = {i.session_id: model() for i in infos}
+    turn_of = {i.session_id: 0 for i in infos}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import bench_recording as b; b._agents_child()",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write(json.dumps({"sessions": [[i.base_url, i.token] for i in infos], "turns": turns}).encode())
+    child.stdin.close()
+    done = 0
+    req = await gw.next_request(timeout=120)
+    t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
+    while True:
+        assert req is not None
+        sid = req.session_id
+        t = turn_of[sid]
+        turn_of[sid] += 1
+        await gw.respond(req.id, Completion.model_validate(answer_for(t)), tokens=models[sid].record(t))
+        done += 1
+        if on_progress is not None:
+            on_progress(done)
+        if done == agents * turns:
+            break
+        req = await gw.next_request(timeout=120)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    _drive.main_cpu = time.thread_time() - m0  # type: ignore[attr-defined]
+    await child.stdout.read()
+    await child.wait()
+    return wall, cpu
 
 
 def _agents_child() -> None:
@@ -278,51 +303,36 @@ def _sessions_main(sessions: int, turns: int, durable: bool = True) -> dict[str,
     token records; the gateway's RSS growth (agents in a child process)."""
     import uvloop
 
-    from ares_gateway import Completion, Gateway
+    from ares_gateway import Gateway
+    from ares_gateway.cli._common import tune_gc
+
+    tune_gc()  # as ``serve`` and ``run`` do
 
     out: dict[str, Any] = {"sessions": sessions, "turns": turns}
 
     async def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             async with Gateway(port=0, data_dir=tmp if durable else False, release_ended=False) as gw:
-                infos = [await gw.create_session() for _ in range(sessions)]
-                models = {i.session_id: TokenModel() for i in infos}
-                turn_of = {i.session_id: 0 for i in infos}
                 trim()
                 base = rss_bytes()
-                peak = base
-                child = await asyncio.create_subprocess_exec(
-                    sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import bench_recording as b; b._agents_child()",
-                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-                assert child.stdin is not None and child.stdout is not None
-                child.stdin.write(json.dumps({"sessions": [[i.base_url, i.token] for i in infos], "turns": turns}).encode())
-                child.stdin.close()
-                done = 0
-                t0 = time.perf_counter()
-                while done < sessions * turns:
-                    req = await gw.next_request(timeout=120)
-                    assert req is not None
-                    sid = req.session_id
-                    t = turn_of[sid]
-                    turn_of[sid] += 1
-                    await gw.respond(req.id, Completion.model_validate(answer_for(t)), tokens=models[sid].record(t))
-                    done += 1
+                peak = [base]
+
+                def progress(done: int) -> None:
                     if done % 500 == 0:
-                        peak = max(peak, rss_bytes())
-                wall = time.perf_counter() - t0
-                got = json.loads((await child.stdout.read()).decode().strip().splitlines()[-1])
-                await child.wait()
+                        peak[0] = max(peak[0], rss_bytes())
+
+                wall, cpu = await _drive(gw, sessions, turns, TokenModel, progress)
                 end_raw = rss_bytes()
                 trim()
                 end = rss_bytes()
                 out["turns_per_s"] = sessions * turns / wall
-                out["agents_wall_s"] = got["wall_s"]
+                out["cpu_us_per_turn"] = 1e6 * cpu / (sessions * turns)
                 out["rss_growth_mb"] = (end - base) / 2**20
                 out["rss_growth_untrimmed_mb"] = (end_raw - base) / 2**20
-                out["rss_peak_growth_mb"] = (max(peak, end_raw) - base) / 2**20
+                out["rss_peak_growth_mb"] = (max(peak[0], end_raw) - base) / 2**20
                 out["per_session_mb"] = out["rss_growth_untrimmed_mb"] / sessions
                 t0 = time.perf_counter()
-                n = sum(len(gw.trajectory(i.session_id, reward=1.0)) for i in infos)
+                n = sum(len(gw.trajectory(sid, reward=1.0)) for sid in gw.recorder.in_memory())
                 out["samples_s"] = time.perf_counter() - t0
                 out["samples"] = n
 
@@ -360,9 +370,12 @@ def main() -> None:
         kinds = {"not recorded": {"durable": False, "record": False}, "in memory": {"durable": False},
                  "durable": {"durable": True}}
         rates: dict[str, list[float]] = {k: [] for k in kinds}
+        cpu: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(args.rounds):  # interleaved, so a noisy neighbour hits every kind alike
             for kind, kw in kinds.items():
-                rates[kind].append(_sub("_throughput_main", agents=args.agents, turns=args.throughput_turns, **kw)["turns_per_s"])
+                got = _sub("_throughput_main", agents=args.agents, turns=args.throughput_turns, **kw)
+                rates[kind].append(got["turns_per_s"])
+                cpu[kind].append(got["cpu_us_per_turn"])
             print(f"throughput round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}/s" for k, v in rates.items()), flush=True)
         on_mem = [d / m for d, m in zip(rates["durable"], rates["in memory"], strict=True)]
         on_none = [d / n for d, n in zip(rates["durable"], rates["not recorded"], strict=True)]
@@ -370,6 +383,9 @@ def main() -> None:
               + ", ".join(f"{k} {statistics.median(v):.1f}/s" for k, v in rates.items())
               + f"; durable/in memory {statistics.median(on_mem):.2f} (each round: "
               + " ".join(f"{x:.2f}" for x in on_mem) + f"), durable/not recorded {statistics.median(on_none):.2f}",
+              flush=True)
+        print("gateway CPU per turn (medians): " + ", ".join(f"{k} {statistics.median(v):.0f} us" for k, v in cpu.items())
+              + f"; in memory/durable {statistics.median(cpu['in memory']) / statistics.median(cpu['durable']):.2f}",
               flush=True)
 
 

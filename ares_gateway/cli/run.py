@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ares_gateway.cli._common import HelpFormatter, run_on_uvloop
+from ares_gateway.cli._common import HelpFormatter, run_on_uvloop, tune_gc
 
 POLICIES = ("oracle", "scripted", "upstream", "tito", "http")
 ENGINES = ("llama-cpp", "sglang", "vllm")
@@ -319,6 +319,7 @@ def _report(summary: Any, console: Any, out: Path) -> None:
 
 
 def _run_async(coro: Any) -> Any:
+    tune_gc()  # the CLI's own process: many recorded turns of many episodes live in it
     return run_on_uvloop(coro)
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
 import sys
 from typing import Any
 
-from ares_gateway.cli._common import HelpFormatter, run_on_uvloop, write_admin_token
+from ares_gateway.cli._common import HelpFormatter, run_on_uvloop, tune_gc, write_admin_token
 from ares_gateway.cli.run import add_tito_arguments
 from ares_gateway.core.errors import DataDirError
 from ares_gateway.gateway import Gateway, GatewayConfig
@@ -31,23 +30,6 @@ _LIMIT_FLAGS = (
     ("body_total_timeout", "seconds a whole request body may take to arrive (408, closed)"),
     ("keepalive_timeout", "seconds an idle keep-alive connection stays open"),
 )
-
-
-def tune_gc() -> None:
-    """Make the garbage collector cheap for a request-heavy server.
-
-    Every turn allocates many short-lived objects (parsed JSON, canonical models,
-    futures); with CPython's default thresholds that triggers a young-generation
-    collection every 700 allocations and, as recorded turns accumulate, full
-    collections that walk every recorded turn: tail latencies of hundreds of
-    milliseconds. Freezing what start-up allocated and raising the thresholds
-    keeps collections rare and short. Call once, after imports, in a process you
-    own (``ares-gateway serve`` does); a trainer embedding the gateway decides for
-    its own process.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 20)
 
 
 async def _serve(cfg: GatewayConfig, token_file: str | None = None, policy: Any = None,

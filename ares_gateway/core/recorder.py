@@ -219,11 +219,12 @@ class _Line:
     """
 
     __slots__ = ("appended", "chat", "chat_seq", "hashes", "list_digest", "list_len", "output", "prompt", "seq",
-                 "top", "tseq")
+                 "since_key", "top", "tseq")
 
     def __init__(self) -> None:
         self.seq: int | None = None
         self.tseq: int | None = None  # the previous turn with token ids
+        self.since_key = 0  # records on this line since its last keyframe (one stored whole)
         self.hashes: list[bytes] = []
         self.list_digest = b""
         self.list_len = 0
@@ -278,14 +279,14 @@ def _kept_items(items: list[Any], line: _Line, raw: bytes, prefix: bytes) -> int
     return keep
 
 
-def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: int) -> dict[str, Any]:
+def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: int, key: bool = False) -> dict[str, Any]:
     lk = _LIST_KEYS.get(protocol)
     items = body.get(lk) if lk is not None else None
     if not isinstance(items, list):
         lk, items = None, None
     top = {k: _digest(v) for k, v in body.items() if k != lk}
     delta: dict[str, Any] = {"keys": list(body)}
-    if line.seq is not None:
+    if line.seq is not None and not key:
         delta["base"] = line.seq
         delta["set"] = {k: body[k] for k, h in top.items() if line.top.get(k) != h}
     else:
@@ -301,6 +302,8 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: 
         else:
             keep, line.hashes = 0, [_digest(m) for m in items]
         line.list_digest, line.list_len = digest, len(raw) - 1
+        if key:
+            keep = 0  # the line's state moves on as usual; the record holds the whole list
         delta["lk"] = lk
         delta["keep"] = keep
         delta["new"] = items[keep:]
@@ -313,16 +316,16 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: 
 
 
 def _token_delta(tokens: Any, prompt: npt.NDArray[np.int32], output: npt.NDArray[np.int32], line: _Line,
-                 seq: int) -> tuple[dict[str, Any], bytes]:
+                 seq: int, key: bool = False) -> tuple[dict[str, Any], bytes]:
     # The ids this prompt shares with the previous turn's prompt + output, compared in place.
-    keep = common_prefix_len(line.prompt, prompt)
-    if keep == line.prompt.shape[0]:
+    keep = 0 if key else common_prefix_len(line.prompt, prompt)
+    if not key and keep == line.prompt.shape[0]:
         keep += common_prefix_len(line.output, prompt[keep:])
     # float64, as the policy gave them: the turn log returns each logprob exactly (8 bytes an output token).
     lps = np.asarray(tokens.output_logprobs, dtype=np.float64)
     has_lp = bool(lps.shape[0])
     head = {
-        "base": line.tseq,
+        "base": None if key else line.tseq,
         "keep": keep,
         "ns": int(prompt.shape[0]) - keep,
         "no": int(output.shape[0]),
@@ -338,11 +341,16 @@ def _token_delta(tokens: Any, prompt: npt.NDArray[np.int32], output: npt.NDArray
 
 
 def encode_turn(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, _Line], seq: int,
-                ids: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None = None) -> bytes:
+                ids: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None = None,
+                keyframe_every: int = 128) -> bytes:
     """One turn as a compact record, delta-encoded against the previous turn of its line (updated).
 
-    ``ids``: the token record's prompt and output ids as int32 arrays, when the caller has them."""
+    ``ids``: the token record's prompt and output ids as int32 arrays, when the caller has them.
+    Every ``keyframe_every``-th record of a line (0: only the first) is a keyframe, stored whole,
+    so a damaged record makes at most the records up to the next keyframe unreadable."""
     line = lines.setdefault(turn.side_call, _Line())
+    key = line.seq is None or 0 < keyframe_every <= line.since_key
+    line.since_key = 1 if key else line.since_key + 1
     completion = turn.completion
     tokens = completion.tokens
     comp = completion.model_dump(mode="json", exclude_none=True, exclude={"tokens"})
@@ -352,7 +360,7 @@ def encode_turn(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, _Lin
         "side": turn.side_call,
         "ts": turn.timestamp,
         "lat": turn.latency,
-        "body": _body_delta(turn.protocol, body, line, seq),
+        "body": _body_delta(turn.protocol, body, line, seq, key),
         "completion": comp,
     }
     request = turn._request
@@ -362,7 +370,7 @@ def encode_turn(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, _Lin
     if tokens is not None:
         prompt, output = ids if ids is not None else (
             as_token_array(tokens.prompt_ids, what="prompt_ids"), as_token_array(tokens.output_ids, what="output_ids"))
-        header["tok"], blob = _token_delta(tokens, prompt, output, line, seq)
+        header["tok"], blob = _token_delta(tokens, prompt, output, line, seq, key)
     head = orjson.dumps(header, default=str)
     inner = _HEADER.pack(len(head)) + head + blob
     if len(inner) > _COMPRESS_OVER:
@@ -520,12 +528,18 @@ class SessionRecorder:
 
     Args:
         fork_threshold_tokens: passed to the message tree (see :class:`trajectory.TrajectoryManager`).
-        store: the durable store every record also goes to (``None``: memory only; then
-            :meth:`release` keeps the session, since nothing else has it).
+        store: the durable store the records go to (``None``: memory only, the records kept in
+            memory; then :meth:`release` keeps the session, since nothing else has it).
+        keyframe_every: every this many records of a line one is stored whole (see
+            :func:`encode_turn`; 0: only the first), bounding what a damaged record takes with it.
     """
 
-    def __init__(self, *, fork_threshold_tokens: int = 1024, store: TurnStore | None = None) -> None:
+    def __init__(self, *, fork_threshold_tokens: int = 1024, store: TurnStore | None = None,
+                 keyframe_every: int = 128) -> None:
+        if keyframe_every < 0:
+            raise ValueError("keyframe_every must be >= 0")
         self.fork_threshold_tokens = fork_threshold_tokens
+        self.keyframe_every = keyframe_every
         self.store = store
         self._tm = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens)
         self._states: dict[str, _SessionState] = {}
@@ -553,7 +567,8 @@ class SessionRecorder:
             as_token_array(tokens.prompt_ids, what="prompt_ids"), as_token_array(tokens.output_ids, what="output_ids"))
         line = state.lines.get(turn.side_call)
         prev_seq = None if line is None else line.seq
-        payload = encode_turn(turn, body if isinstance(body, dict) else {"body": body}, state.lines, seq, ids)
+        payload = encode_turn(turn, body if isinstance(body, dict) else {"body": body}, state.lines, seq, ids,
+                              self.keyframe_every)
         state.count += 1
         if self.store is not None:
             # The data dir has the record; memory keeps only what the next turn is encoded against.
@@ -679,6 +694,7 @@ class SessionRecorder:
             body = d["body"]
             lk = h["body"].get("lk")
             line.seq = seq
+            line.since_key = 1 if "base" not in h["body"] else line.since_key + 1
             line.top = {k: _digest(v) for k, v in body.items() if k != lk}
             if lk:
                 raw = orjson.dumps(body[lk], default=str)

@@ -192,7 +192,8 @@ class _Reads:
         good: list[tuple[int, bytes]] = []
         damaged: list[DamagedRecord] = []
         for seq, payload, crc in self._read(
-            "SELECT seq, payload, crc FROM turns WHERE session_id=? ORDER BY seq", (sid,)
+            # As a blob whatever the column holds: a row edited by hand into text is damaged, not fatal.
+            "SELECT seq, CAST(payload AS BLOB), crc FROM turns WHERE session_id=? ORDER BY seq", (sid,)
         ):
             data = bytes(payload) if payload is not None else b""
             if zlib.crc32(data) != crc:
@@ -214,6 +215,7 @@ class TurnStore(_Reads):
         synchronous: SQLite's ``synchronous`` pragma: ``"NORMAL"`` (default; see the module
             docstring) or ``"FULL"`` (an fsync per commit).
         max_batch: most queued writes committed in one transaction.
+        cache_kib: SQLite's page cache for the connection, in KiB (memory the gateway holds).
 
     Raises :class:`DataDirError` when the directory is not writable, is too full, is locked by
     another gateway, or holds a file that is not a gateway database.
@@ -226,11 +228,15 @@ class TurnStore(_Reads):
         min_free_bytes: int = 64 * 2**20,
         synchronous: str = "NORMAL",
         max_batch: int = 512,
+        cache_kib: int = 512,
     ) -> None:
         if synchronous.upper() not in ("NORMAL", "FULL"):
             raise ValueError('synchronous must be "NORMAL" or "FULL"')
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if cache_kib < 64:
+            raise ValueError("cache_kib must be >= 64")
+        self.cache_kib = cache_kib
         self.path = Path(path).expanduser().resolve()
         self.max_batch = max_batch
         check_data_dir(self.path, min_free_bytes=min_free_bytes)
@@ -287,6 +293,9 @@ class TurnStore(_Reads):
             db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute(f"PRAGMA synchronous={synchronous}")
+            # SQLite's own page cache is gateway memory; appends touch a few pages, reads are rare,
+            # and the OS caches the file anyway.
+            db.execute(f"PRAGMA cache_size=-{int(self.cache_kib)}")
             db.executescript(_SCHEMA)
             row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
             if row is None:

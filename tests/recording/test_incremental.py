@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -258,3 +259,33 @@ def test_reused_chat_messages_equal_a_full_conversion(conv: int, step: int) -> N
         if before is not None and line.chat and before and line.chat[0] is before[0]:
             reused += 1
     assert reused >= (len(items) // step) - 2  # the reuse did happen
+
+
+def test_a_damaged_record_in_the_middle_costs_only_the_turns_up_to_the_next_keyframe(tmp_path: Path) -> None:
+    msgs = [_msg("user", "go")]
+    bodies = []
+    with TurnStore(tmp_path / "d") as store:
+        rec = SessionRecorder(store=store, keyframe_every=4)
+        for i in range(12):
+            bodies.append(_body(copy.deepcopy(msgs)))
+            tokens = TokenRecord(prompt_ids=list(range(5 * i + 3)), output_ids=[5 * i + 3, 5 * i + 4])
+            rec(_turn(bodies[-1], i, tokens=tokens))
+            msgs += [_msg("assistant", f"step {i}"), _msg("user", f"out {i}")]
+        # Keyframes (stored whole, continuing nothing) are turns 1, 5 and 9; the rest are deltas.
+        whole = [seq for seq, d in rec._decoded("s") if "base" not in d["header"]["body"] and d["header"]["tok"]["base"] is None]
+        assert whole == [1, 5, 9]
+    with sqlite3.connect(tmp_path / "d" / "gateway.sqlite3") as db:
+        (payload,) = db.execute("SELECT payload FROM turns WHERE seq = 3").fetchone()
+        db.execute("UPDATE turns SET payload = ? WHERE seq = 3", (bytes([payload[0] ^ 0xFF]) + payload[1:],))  # a bit rot
+        db.execute("UPDATE turns SET payload = 'edited by hand' WHERE seq = 11")  # text where a blob was
+    with TurnStore(tmp_path / "d") as store:
+        rec = SessionRecorder(store=store, keyframe_every=4)
+        rec.known({"s"})
+        log = rec.turn_log("s")
+        # Turn 3 fails its CRC and turn 4 continues it; turn 5 is a keyframe and decodes, and so do the
+        # rest but turn 11 (text) and turn 12 (which continues it). Request ids are 0-based.
+        kept = (0, 1, 4, 5, 6, 7, 8, 9)
+        assert [int(t["request_id"][1:]) for t in log] == list(kept)
+        assert [t["request"] for t in log] == [bodies[i] for i in kept]
+        assert sorted(d.seq for d in rec.damaged["s"]) == [3, 4, 11, 12]
+        assert log[-1]["completion"]["tokens"]["prompt_ids"] == list(range(5 * 9 + 3))

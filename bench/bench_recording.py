@@ -59,6 +59,8 @@ def cc_body(turn: int) -> dict[str, Any]:
     for i in range(12 + turn):
         messages.append({"role": "assistant", "content": [{"type": "text", "text": f"step {i}"}, {"type": "tool_use", "id": f"toolu_{i}", "name": "Tool1", "input": {"arg0": f"ls -la {i}"}}]})
         messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": f"file{i}.txt\n" * 180}]})
+    # Claude Code marks only the last message for caching, so last turn's last message changes.
+    messages[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
     return {
         "model": "claude-x",
         "max_tokens": 32000,
@@ -273,13 +275,19 @@ def _agents_child() -> None:
     head = {k: v for k, v in base.items() if k != "messages"}
     # Every body is built from pre-serialized messages: the agents' CPU stays small next to the gateway's.
     steps = cc_body(turns)["messages"][1:]
+    for m in steps:
+        m["content"][-1].pop("cache_control", None)
     step_json = [json.dumps(m) for m in steps]
+    # Each body's last message carries the cache_control mark (as Claude Code sends it).
+    marked = [json.dumps({**m, "content": [*m["content"][:-1], {**m["content"][-1], "cache_control": {"type": "ephemeral"}}]})
+              for m in steps]
     head_json = json.dumps(head)[:-1]
 
     def body(i: int, t: int) -> bytes:
         first = json.dumps({"role": "user", "content": [{"type": "text", "text": f"<system-reminder>session {i}</system-reminder>"},
                                                          {"type": "text", "text": f"fix bug {i}"}]})
-        msgs = ",".join([first, *step_json[: 2 * (12 + t)]])
+        k = 2 * (12 + t)
+        msgs = ",".join([first, *step_json[: k - 1], marked[k - 1]])
         return f'{head_json}, "messages": [{msgs}]}}'.encode()
 
     async def main() -> None:

@@ -29,7 +29,7 @@ import logging
 import struct
 import time
 import zlib
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -212,65 +212,91 @@ def _digest(value: Any) -> bytes:
 class _Line:
     """What the next turn of one line (a session's main line, or its side calls) is encoded against.
 
-    For the body: the digest of the previous turn's list (``[item,item,...`` as orjson writes it,
-    without the closing bracket) and its length in bytes, the digests of its items (for when the list
-    changed inside), and digests of its other top-level fields. For token ids: the previous turn's
+    For the body: digests of the previous turn's list as orjson writes it, cut after each of its
+    last few items; the digests of its items (for when the list changed inside); and digests of
+    its other top-level fields. For token ids: the previous turn's
     prompt and output ids (the arrays its token record brought, not a copy).
     """
 
-    __slots__ = ("appended", "chat", "chat_seq", "hashes", "list_digest", "list_len", "output", "prompt", "seq",
-                 "since_key", "top", "tseq")
+    __slots__ = ("appended", "bounds", "chat", "chat_seq", "hashes", "kept", "output", "prompt", "seq", "since_key",
+                 "top", "tseq")
 
     def __init__(self) -> None:
         self.seq: int | None = None
         self.tseq: int | None = None  # the previous turn with token ids
         self.since_key = 0  # records on this line since its last keyframe (one stored whole)
         self.hashes: list[bytes] = []
-        self.list_digest = b""
-        self.list_len = 0
+        #: ``(m, L, digest)``: the digest of the list's first ``m`` items as written (``L`` bytes), for
+        #: the last few ``m`` (see :func:`_list_delta`).
+        self.bounds: list[tuple[int, int, bytes]] = []
         self.top: dict[str, bytes] = {}
         self.prompt: npt.NDArray[np.int32] = _EMPTY_IDS
         self.output: npt.NDArray[np.int32] = _EMPTY_IDS
         #: Whether the last body only appended to the one before it (every other field the same).
         self.appended = False
+        #: How many leading items the last body's list shared with the one before it, every other
+        #: field the same (-1: not so).
+        self.kept = -1
         #: The chat dicts of the prompt messages handed to the message tree at turn ``chat_seq``.
         self.chat: list[dict[str, Any]] | None = None
         self.chat_seq: int | None = None
 
 
-def _list_digest(raw: bytes, old_len: int) -> tuple[bytes, bytes]:
-    """Digests of ``raw[:old_len]`` and of ``raw`` less its closing bracket, in one pass (SHA-256
-    truncated to 128 bits, as :func:`_digest`)."""
+#: How many of the previous list's last items may have changed for the shared history still to be
+#: found at C speed (Claude Code moves its ``cache_control`` mark off the last message every turn).
+_TAIL = 4
+
+
+def _boundaries(items: list[Any], raw: bytes) -> list[tuple[int, int]]:
+    """``(m, L)`` for the last few ``m``: ``raw[:L]`` is the list's first ``m`` items as orjson
+    writes them (``[`` + items joined by ``,``), ``L`` counted back from the end with each of the
+    last items serialized alone (orjson writes an item inside a list as it writes it alone)."""
+    n = len(items)
+    if n == 0:
+        return []
+    out = [(n, len(raw) - 1)]
+    end = len(raw) - 1
+    for m in range(n - 1, max(0, n - _TAIL - 1), -1):
+        end -= len(orjson.dumps(items[m], default=str)) + 1
+        out.append((m, end))
+    return out
+
+
+def _prefix_digests(raw: bytes, offsets: Iterable[int]) -> dict[int, bytes]:
+    """SHA-256 (truncated to 128 bits, as :func:`_digest`) of ``raw[:L]`` for each offset, in one pass."""
     view = memoryview(raw)
-    n = len(raw) - 1
     h = hashlib.sha256()
-    if 0 < old_len <= n:
-        h.update(view[:old_len])
-        prefix = h.copy().digest()[:16]
-        h.update(view[old_len:n])
-    else:
-        prefix = b""
-        h.update(view[:n])
-    return prefix, h.digest()[:16]
+    pos = 0
+    out: dict[int, bytes] = {}
+    for off in sorted(set(offsets)):
+        h.update(view[pos:off])
+        pos = off
+        out[off] = h.copy().digest()[:16]
+    return out
 
 
-def _kept_items(items: list[Any], line: _Line, raw: bytes, prefix: bytes) -> int:
-    """How many leading items the list shares with the previous turn's (``line``; its item digests
-    become this list's).
+def _list_delta(items: list[Any], line: _Line, fresh: bool) -> int:
+    """How many leading items the list shares with the previous turn's (``line``, whose state then
+    becomes this list's).
 
-    The common case, an agent re-sending its history and appending to it, costs one serialization
-    and one hash of the list, both at C speed: orjson writes a list as ``[`` + items joined by
-    ``,``, so the old list is a prefix of the new exactly when the new serialization starts with
-    the old one's bytes and an item boundary follows. Otherwise (a compacted or edited history)
-    the items are compared digest by digest.
+    The common case, an agent re-sending its history with items appended and perhaps its last few
+    items changed, costs one serialization and one hash of the list, both at C speed: the old
+    list's first ``m`` items are the new list's exactly when the new serialization starts with the
+    bytes they had (whose digest was kept) and an item boundary follows. Otherwise (a compacted or
+    edited history) the items are compared by their digests one by one.
     """
-    old_n = len(line.hashes)
-    n = line.list_len
-    if old_n and len(items) >= old_n and prefix == line.list_digest and raw[n : n + 1] in (b",", b"]"):
-        line.hashes.extend(_digest(m) for m in items[old_n:])
-        return old_n
-    hashes = [_digest(m) for m in items]
-    old = line.hashes
+    raw = orjson.dumps(items, default=str)
+    mine = _boundaries(items, raw)
+    candidates = [] if fresh else [
+        (m, off, d) for m, off, d in line.bounds if m <= len(items) and raw[off : off + 1] in (b",", b"]")]
+    digests = _prefix_digests(raw, [off for _, off, _ in candidates] + [off for _, off in mine])
+    line.bounds = [(m, off, digests[off]) for m, off in mine]
+    for m, off, d in candidates:  # the longest shared history first
+        if digests[off] == d:
+            line.hashes = line.hashes[:m] + [_digest(x) for x in items[m:]]
+            return m
+    hashes = [_digest(x) for x in items]
+    old = [] if fresh else line.hashes
     keep = 0
     limit = min(len(old), len(hashes))
     while keep < limit and old[keep] == hashes[keep]:
@@ -293,22 +319,17 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: 
         delta["set"] = {k: body[k] for k in top}
     appended = False
     if items is not None:
-        raw = orjson.dumps(items, default=str)
-        prefix, digest = _list_digest(raw, line.list_len if line.seq is not None else 0)
-        if line.seq is not None:
-            old_n = len(line.hashes)
-            keep = _kept_items(items, line, raw, prefix)
-            appended = keep == old_n and not delta["set"] and top.keys() == line.top.keys()
-        else:
-            keep, line.hashes = 0, [_digest(m) for m in items]
-        line.list_digest, line.list_len = digest, len(raw) - 1
+        old_n = len(line.hashes)
+        keep = _list_delta(items, line, fresh=line.seq is None)
+        appended = line.seq is not None and keep == old_n and not delta["set"] and top.keys() == line.top.keys()
+        line.kept = keep if line.seq is not None and not delta["set"] and top.keys() == line.top.keys() else -1
         if key:
             keep = 0  # the line's state moves on as usual; the record holds the whole list
         delta["lk"] = lk
         delta["keep"] = keep
         delta["new"] = items[keep:]
     else:
-        line.hashes, line.list_digest, line.list_len = [], b"", 0
+        line.hashes, line.bounds = [], []
     line.appended = appended
     line.top = top
     line.seq = seq
@@ -488,22 +509,39 @@ class _SessionState:
         self.seq = 0
 
 
-def _prompt_chat(request: CanonicalRequest, line: _Line, prev_seq: int | None) -> list[dict[str, Any]]:
+def _prompt_chat(request: CanonicalRequest, line: _Line, prev_seq: int | None,
+                 body: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The request's messages as chat dicts for the message tree.
 
-    When the body only appended to the previous turn of its line, and that turn's chat dicts are
-    at hand, the messages its items gave are those dicts again: each protocol reads an item
-    into messages on its own, except that an item may fold into the message just before it (a
-    Responses ``function_call`` into the assistant message it follows). So all but the last of
-    them are reused (the very objects: the tree then matches them by identity) and only the rest
-    is converted, which keeps a long session's cost per turn flat.
+    When the body kept the previous turn's first items and every other field, and that turn's chat
+    dicts are at hand, the messages those items gave are those dicts again (each protocol reads an
+    item into messages on its own, except that an item may fold into the message just before it, as
+    a Responses ``function_call`` does into its assistant message). So all of them but the last are
+    reused (the very objects: the tree then matches them by identity) and only the rest is
+    converted, which keeps a long session's cost per turn flat. When the last few items changed
+    too (Claude Code moves its ``cache_control`` mark every turn), the messages of the items after
+    the kept ones are counted by reading those items alone: that count is never below what they
+    add in context, so what is reused is never too much.
     """
     msgs = request.messages
     prev = line.chat
-    if line.appended and prev is not None and line.chat_seq == prev_seq and prev_seq is not None:
+    if prev is None or prev_seq is None or line.chat_seq != prev_seq or line.kept < 0:
+        return [m.to_chat_dict() for m in msgs]
+    if line.appended:
         reuse = len(prev) - 1
-        if 0 <= reuse <= len(msgs):
-            return prev[:reuse] + [m.to_chat_dict() for m in msgs[reuse:]]
+    else:
+        lk = _LIST_KEYS.get(request.protocol)
+        items = body.get(lk) if body is not None and lk is not None else None
+        if not isinstance(items, list) or line.kept == 0:
+            return [m.to_chat_dict() for m in msgs]
+        tail = {k: body[k] for k in ("model", "max_tokens") if k in body} | {lk: items[line.kept :]}  # type: ignore[index]
+        try:
+            added = len(get_adapter(request.protocol).parse_request(tail).messages)
+        except ValueError:
+            return [m.to_chat_dict() for m in msgs]
+        reuse = min(len(msgs) - added, len(prev)) - 1
+    if 0 <= reuse <= len(msgs):
+        return prev[:reuse] + [m.to_chat_dict() for m in msgs[reuse:]]
     return [m.to_chat_dict() for m in msgs]
 
 
@@ -577,7 +615,7 @@ class SessionRecorder:
             state.payloads.append((seq, payload))
         if tokens is not None and ids is not None:
             line = state.lines[turn.side_call]
-            chat = _prompt_chat(request, line, prev_seq)
+            chat = _prompt_chat(request, line, prev_seq, body if isinstance(body, dict) else None)
             line.chat, line.chat_seq = chat, seq
             _tree_turn(self._tm, sid, chat, turn.completion, ids[0], ids[1],
                        tokens.output_logprobs, tokens.finish_reason, turn.request_id, turn.side_call)
@@ -697,11 +735,9 @@ class SessionRecorder:
             line.since_key = 1 if "base" not in h["body"] else line.since_key + 1
             line.top = {k: _digest(v) for k, v in body.items() if k != lk}
             if lk:
-                raw = orjson.dumps(body[lk], default=str)
-                line.list_digest, line.list_len = _list_digest(raw, 0)[1], len(raw) - 1
-                line.hashes = [_digest(m) for m in body[lk]]
+                _list_delta(body[lk], line, fresh=True)
             else:
-                line.hashes, line.list_digest, line.list_len = [], b"", 0
+                line.hashes, line.bounds = [], []
             if d["prompt_ids"] is not None:
                 line.prompt, line.output = d["prompt_ids"], d["output_ids"]
                 line.tseq = seq

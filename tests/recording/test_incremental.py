@@ -132,18 +132,26 @@ def test_an_appended_history_is_not_re_digested_message_by_message(monkeypatch: 
         return real(value)
 
     monkeypatch.setattr(recorder_mod, "_digest", counting)
-    rec = SessionRecorder()
-    msgs = [_msg("user", "go")]
-    per_turn: list[int] = []
-    for i in range(60):
-        calls = 0
-        rec(_turn(_body(copy.deepcopy(msgs)), i))
-        per_turn.append(calls)
-        msgs += [_msg("assistant", f"step {i}"), _msg("user", f"out {i}")]
-    # Five top-level fields and the two new messages each turn, whatever the history's length
-    # (the old encoder digested every message of the history every turn: 120 at the end).
-    assert max(per_turn[1:]) <= 5 + 2, per_turn
-    assert [t["request"]["messages"] for t in rec.turn_log("s")][-1] == msgs[:-2]
+    for moving_mark in (False, True):
+        rec = SessionRecorder()
+        msgs = [_msg("user", "go")]
+        per_turn: list[int] = []
+        sent = []
+        for i in range(60):
+            body = _body(copy.deepcopy(msgs))
+            if moving_mark:
+                # As Claude Code does: a cache_control mark on the last message only, so the
+                # previous turn's last message changes every turn.
+                body["messages"][-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
+            sent.append(body)
+            calls = 0
+            rec(_turn(body, i))
+            per_turn.append(calls)
+            msgs += [_msg("assistant", f"step {i}"), _msg("user", f"out {i}")]
+        # Five top-level fields, the two new messages and (with the moving mark) the changed one,
+        # whatever the history's length (the old encoder digested every message every turn).
+        assert max(per_turn[1:]) <= 5 + 2 + moving_mark, per_turn
+        assert [t["request"] for t in rec.turn_log("s")] == sent
 
 
 def test_token_records_hold_int32_arrays_from_every_form() -> None:
@@ -235,18 +243,27 @@ def _conversations() -> list[tuple[WireProtocol, dict[str, Any], str]]:
             (WireProtocol.OPENAI_RESPONSES, responses, "input")]
 
 
+@pytest.mark.parametrize("mark", [False, True])
 @pytest.mark.parametrize("step", [1, 2, 3])
 @pytest.mark.parametrize("conv", range(3))
-def test_reused_chat_messages_equal_a_full_conversion(conv: int, step: int) -> None:
-    # The tree is handed the previous turn's chat dicts for an appended history; at every cut of
-    # every conversation (an item that folds into the one before it included) they must be what
-    # converting the whole request gives.
+def test_reused_chat_messages_equal_a_full_conversion(conv: int, step: int, mark: bool) -> None:
+    # The tree is handed the previous turn's chat dicts for the history a body kept; at every cut of
+    # every conversation (an item that folds into the one before it included), with the last item
+    # marked or not (as Claude Code moves its cache_control mark to the last message every turn),
+    # they must be what converting the whole request gives.
     proto, whole, key = _conversations()[conv]
     rec = SessionRecorder()
     items = whole[key]
     reused = 0
     for turn, n in enumerate(range(1, len(items) + 1, step)):
-        body = {**whole, key: items[:n]}
+        cut = copy.deepcopy(items[:n])
+        if mark:
+            last = cut[-1]
+            if proto == ANTH and isinstance(last["content"], list):
+                last["content"][-1]["cache_control"] = {"type": "ephemeral"}
+            else:
+                last["x_mark"] = True  # kept in the canonical message's extra
+        body = {**whole, key: cut}
         request = get_adapter(proto).parse_request(body)
         tokens = TokenRecord(prompt_ids=list(range(10 * turn + 1)), output_ids=[10 * turn + 1])
         line = rec._states["s"].lines[False] if "s" in rec._states else None
@@ -258,7 +275,7 @@ def test_reused_chat_messages_equal_a_full_conversion(conv: int, step: int) -> N
         assert line.chat == [m.to_chat_dict() for m in request.messages], (proto, n)
         if before is not None and line.chat and before and line.chat[0] is before[0]:
             reused += 1
-    assert reused >= (len(items) // step) - 2  # the reuse did happen
+    assert reused >= (len(items) // step) - (3 if mark else 2)  # the reuse did happen
 
 
 def test_a_damaged_record_in_the_middle_costs_only_the_turns_up_to_the_next_keyframe(tmp_path: Path) -> None:

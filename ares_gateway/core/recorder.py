@@ -532,9 +532,9 @@ def _prompt_chat(request: CanonicalRequest, line: _Line, prev_seq: int | None,
     else:
         lk = _LIST_KEYS.get(request.protocol)
         items = body.get(lk) if body is not None and lk is not None else None
-        if not isinstance(items, list) or line.kept == 0:
+        if body is None or lk is None or not isinstance(items, list) or line.kept == 0:
             return [m.to_chat_dict() for m in msgs]
-        tail = {k: body[k] for k in ("model", "max_tokens") if k in body} | {lk: items[line.kept :]}  # type: ignore[index]
+        tail = {k: body[k] for k in ("model", "max_tokens") if k in body} | {lk: items[line.kept :]}
         try:
             added = len(get_adapter(request.protocol).parse_request(tail).messages)
         except ValueError:

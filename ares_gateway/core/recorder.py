@@ -258,6 +258,8 @@ def _boundaries(items: list[Any], raw: bytes) -> list[tuple[int, int]]:
     end = len(raw) - 1
     for m in range(n - 1, max(0, n - _TAIL - 1), -1):
         end -= len(orjson.dumps(items[m], default=str)) + 1
+        if raw[end : end + 1] != b",":  # not an item boundary after all: keep only what is sure
+            break
         out.append((m, end))
     return out
 

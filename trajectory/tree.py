@@ -454,11 +454,11 @@ class Tree:
                         m = i
                         break
                     raws[i] = msg  # the newest form: the next request likely repeats it
-            # The echo of the last response (and the messages just before it) are where
-            # the caller's objects differ from the ones held; adopt the caller's, so the
-            # next comparison there is an identity check rather than a dict comparison.
-            for i in range(max(0, m - 4), m):
-                raws[i] = msgs[i]
+            # Adopt the caller's objects for the whole matched path (one C-level slice
+            # assignment): a caller that re-sends the same objects next time (the gateway's
+            # recorder does) is then compared by identity everywhere, and one that sends fresh
+            # dicts differs from the held ones mostly at the echo of the last response.
+            raws[:m] = msgs[:m]
         del nodes[m:]
         del raws[m:]
         cur = nodes[m - 1] if m else self.root

@@ -314,6 +314,8 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: 
         lk, items = None, None
     top = {k: _digest(v) for k, v in body.items() if k != lk}
     delta: dict[str, Any] = {"keys": list(body)}
+    # Whether every field but the list is as the previous turn had it (a keyframe stores them anyway).
+    same_top = line.seq is not None and top.keys() == line.top.keys() and all(line.top[k] == h for k, h in top.items())
     if line.seq is not None and not key:
         delta["base"] = line.seq
         delta["set"] = {k: body[k] for k, h in top.items() if line.top.get(k) != h}
@@ -323,8 +325,8 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: 
     if items is not None:
         old_n = len(line.hashes)
         keep = _list_delta(items, line, fresh=line.seq is None)
-        appended = line.seq is not None and keep == old_n and not delta["set"] and top.keys() == line.top.keys()
-        line.kept = keep if line.seq is not None and not delta["set"] and top.keys() == line.top.keys() else -1
+        appended = same_top and keep == old_n
+        line.kept = keep if same_top else -1
         if key:
             keep = 0  # the line's state moves on as usual; the record holds the whole list
         delta["lk"] = lk

@@ -306,3 +306,25 @@ def test_a_damaged_record_in_the_middle_costs_only_the_turns_up_to_the_next_keyf
         assert [t["request"] for t in log] == [bodies[i] for i in kept]
         assert sorted(d.seq for d in rec.damaged["s"]) == [3, 4, 11, 12]
         assert log[-1]["completion"]["tokens"]["prompt_ids"] == list(range(5 * 9 + 3))
+
+
+def test_the_kept_history_is_reused_across_keyframes_and_matched_by_identity() -> None:
+    # A keyframe stores every field, but none changed: the chat dicts of the kept history are still
+    # reused, and the message tree holds the very same objects (so it matches them by identity).
+    rec = SessionRecorder(keyframe_every=3)
+    msgs = [_msg("user", "go")]
+    first: dict[str, Any] | None = None
+    for i in range(10):
+        body = _body(copy.deepcopy(msgs))
+        body["messages"][-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
+        tokens = TokenRecord(prompt_ids=list(range(3 * i + 1)), output_ids=[3 * i + 1, 3 * i + 2])
+        rec(_turn(body, i, tokens=tokens))
+        chat = rec._states["s"].lines[False].chat
+        assert chat is not None
+        if i == 1:
+            first = chat[0]  # turn 2 kept nothing of turn 1's one message (its mark moved)
+        elif i > 1:
+            assert chat[0] is first, i  # the system message, reused every turn, keyframes included
+        raws = rec._tm._sessions["s"].main._path_raws
+        assert all(raws[j] is chat[j] for j in range(len(chat))), i
+        msgs += [_msg("assistant", f"step {i}"), _msg("user", f"out {i}")]

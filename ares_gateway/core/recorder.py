@@ -541,7 +541,7 @@ def _prompt_chat(request: CanonicalRequest, line: _Line, prev_seq: int | None,
         tail = {k: body[k] for k in ("model", "max_tokens") if k in body} | {lk: items[line.kept :]}
         try:
             added = len(get_adapter(request.protocol).parse_request(tail).messages)
-        except ValueError:
+        except Exception:  # the items alone are no valid request (or anything else): convert them all
             return [m.to_chat_dict() for m in msgs]
         reuse = min(len(msgs) - added, len(prev)) - 1
     if 0 <= reuse <= len(msgs):

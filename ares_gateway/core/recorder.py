@@ -218,8 +218,7 @@ class _Line:
     prompt and output ids (the arrays its token record brought, not a copy).
     """
 
-    __slots__ = ("appended", "bounds", "chat", "chat_seq", "hashes", "kept", "output", "prompt", "seq", "since_key",
-                 "top", "tseq")
+    __slots__ = ("bounds", "chat", "chat_seq", "hashes", "kept", "output", "prompt", "seq", "since_key", "top", "tseq")
 
     def __init__(self) -> None:
         self.seq: int | None = None
@@ -232,8 +231,6 @@ class _Line:
         self.top: dict[str, bytes] = {}
         self.prompt: npt.NDArray[np.int32] = _EMPTY_IDS
         self.output: npt.NDArray[np.int32] = _EMPTY_IDS
-        #: Whether the last body only appended to the one before it (every other field the same).
-        self.appended = False
         #: How many leading items the last body's list shared with the one before it, every other
         #: field the same (-1: not so).
         self.kept = -1
@@ -314,18 +311,16 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: 
         lk, items = None, None
     top = {k: _digest(v) for k, v in body.items() if k != lk}
     delta: dict[str, Any] = {"keys": list(body)}
+    changed = [k for k, h in top.items() if line.top.get(k) != h]
     # Whether every field but the list is as the previous turn had it (a keyframe stores them anyway).
-    same_top = line.seq is not None and top.keys() == line.top.keys() and all(line.top[k] == h for k, h in top.items())
+    same_top = line.seq is not None and not changed and top.keys() == line.top.keys()
     if line.seq is not None and not key:
         delta["base"] = line.seq
-        delta["set"] = {k: body[k] for k, h in top.items() if line.top.get(k) != h}
+        delta["set"] = {k: body[k] for k in changed}
     else:
         delta["set"] = {k: body[k] for k in top}
-    appended = False
     if items is not None:
-        old_n = len(line.hashes)
         keep = _list_delta(items, line, fresh=line.seq is None)
-        appended = same_top and keep == old_n
         line.kept = keep if same_top else -1
         if key:
             keep = 0  # the line's state moves on as usual; the record holds the whole list
@@ -334,7 +329,6 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: 
         delta["new"] = items[keep:]
     else:
         line.hashes, line.bounds = [], []
-    line.appended = appended
     line.top = top
     line.seq = seq
     return delta
@@ -518,32 +512,26 @@ def _prompt_chat(request: CanonicalRequest, line: _Line, prev_seq: int | None,
     """The request's messages as chat dicts for the message tree.
 
     When the body kept the previous turn's first items and every other field, and that turn's chat
-    dicts are at hand, the messages those items gave are those dicts again (each protocol reads an
-    item into messages on its own, except that an item may fold into the message just before it, as
-    a Responses ``function_call`` does into its assistant message). So all of them but the last are
-    reused (the very objects: the tree then matches them by identity) and only the rest is
-    converted, which keeps a long session's cost per turn flat. When the last few items changed
-    too (Claude Code moves its ``cache_control`` mark every turn), the messages of the items after
-    the kept ones are counted by reading those items alone: that count is never below what they
-    add in context, so what is reused is never too much.
+    dicts are at hand, the messages those items gave are those dicts again: each protocol reads an
+    item into messages on its own, except that an item may fold into the message just before it (a
+    Responses ``function_call`` into its assistant message). The messages the other items add are
+    counted by reading those items alone, a count never below what they add in context; all the
+    messages before them but the last are reused (the very objects: the tree then matches them by
+    identity) and only the rest is converted, which keeps a long session's cost per turn flat.
     """
     msgs = request.messages
     prev = line.chat
-    if prev is None or prev_seq is None or line.chat_seq != prev_seq or line.kept < 0:
+    lk = _LIST_KEYS.get(request.protocol)
+    items = body.get(lk) if body is not None and lk is not None else None
+    if (prev is None or prev_seq is None or line.chat_seq != prev_seq or line.kept <= 0 or body is None
+            or lk is None or not isinstance(items, list)):
         return [m.to_chat_dict() for m in msgs]
-    if line.appended:
-        reuse = len(prev) - 1
-    else:
-        lk = _LIST_KEYS.get(request.protocol)
-        items = body.get(lk) if body is not None and lk is not None else None
-        if body is None or lk is None or not isinstance(items, list) or line.kept == 0:
-            return [m.to_chat_dict() for m in msgs]
-        tail = {k: body[k] for k in ("model", "max_tokens") if k in body} | {lk: items[line.kept :]}
-        try:
-            added = len(get_adapter(request.protocol).parse_request(tail).messages)
-        except Exception:  # the items alone are no valid request (or anything else): convert them all
-            return [m.to_chat_dict() for m in msgs]
-        reuse = min(len(msgs) - added, len(prev)) - 1
+    tail = {k: body[k] for k in ("model", "max_tokens") if k in body} | {lk: items[line.kept :]}
+    try:
+        added = len(get_adapter(request.protocol).parse_request(tail).messages)
+    except Exception:  # the items alone are no valid request (or anything else): convert them all
+        return [m.to_chat_dict() for m in msgs]
+    reuse = min(len(msgs) - added, len(prev)) - 1
     if 0 <= reuse <= len(msgs):
         return prev[:reuse] + [m.to_chat_dict() for m in msgs[reuse:]]
     return [m.to_chat_dict() for m in msgs]
@@ -627,14 +615,10 @@ class SessionRecorder:
     def detach_store(self) -> None:
         """Stop writing to the store (the gateway is closing it): the records of the sessions in
         memory are read back first, so their turn log stays available."""
-        store = self.store
-        if store is None:
+        if self.store is None:
             return
-        store.flush()
         for sid, state in self._states.items():
-            rows, damaged = store.load_turns(sid)
-            self._report(sid, damaged)
-            state.payloads = rows
+            state.payloads = self._records(sid)
         self.store = None
 
     def known(self, session_ids: set[str]) -> None:

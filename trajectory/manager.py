@@ -6,6 +6,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._tokens import TokenArray
 from .linearize import linearize
 from .normalize import MessageKey, NormalizerRegistry, default_registry, message_key
 from .tree import Tree
@@ -55,8 +56,8 @@ class TrajectoryManager:
         response_message: Mapping[str, Any] | None,
         turn: TurnRecord,
         metadata: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Record one answered turn.
+    ) -> bool:
+        """Record one answered turn; returns whether its tokens were stored (see :meth:`last_ids`).
 
         Args:
             session_id: the episode; sessions never share nodes.
@@ -75,7 +76,7 @@ class TrajectoryManager:
             raise TypeError(f"turn must be a TurnRecord, got {type(turn).__name__}")
         if not prompt_messages:
             logger.warning("trajectory: session %s: record_turn with no prompt messages ignored", session_id)
-            return
+            return False
         meta = metadata or {}
         side = bool(meta.get("side_call"))
         client = meta.get("client")
@@ -102,7 +103,17 @@ class TrajectoryManager:
                 session.main = Tree(self.fork_threshold_tokens)
             tree = session.main
         session.turns += 1
-        tree.record(prompt_messages, response_message, turn, key_of, seq=session.turns)
+        return tree.record(prompt_messages, response_message, turn, key_of, seq=session.turns)
+
+    def last_ids(self, session_id: str, *, side_call: bool = False) -> TokenArray | None:
+        """Prompt + output ids of the last turn stored in the session's main (or side-call) tree,
+        the sequence a continuing prompt extends: a view of the tree's own storage, not to be
+        written, valid until the next :meth:`record_turn` (``None``: no turn stored there)."""
+        session = self._sessions.get(session_id)
+        tree = None if session is None else (session.side if side_call else session.main)
+        if tree is None or tree.last is None:
+            return None
+        return tree.load(tree.last)
 
     # ------------------------------------------------------------------- read
     def get_trajectory(

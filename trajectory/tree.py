@@ -309,6 +309,8 @@ class Tree:
         # full(scratch_turn), materialized for turns off the main line.
         self._scratch: TokenArray = np.zeros(0, dtype=np.int32)
         self._scratch_turn: StoredTurn | None = None
+        #: The turn stored last (what a continuing prompt extends).
+        self.last: StoredTurn | None = None
 
     # ----------------------------------------------------------------- tokens
     def load(self, turn: StoredTurn) -> TokenArray:
@@ -509,8 +511,10 @@ class Tree:
         record: TurnRecord,
         key_of: Callable[[Any], MessageKey],
         seq: int,
-    ) -> None:
-        """Mount one answered turn (``response is None``: an empty generation, no sample)."""
+    ) -> bool:
+        """Mount one answered turn (``response is None``: an empty generation, no sample).
+
+        Returns whether its tokens were stored (not for an empty generation)."""
         mount = self._walk(prompt, key_of)
         self.turns_recorded += 1
         if response is None:
@@ -522,7 +526,7 @@ class Tree:
                     "output_tokens": int(record.output_ids.shape[0]),
                 }
             )
-            return
+            return False
         key = key_of(response)
         turn = self._store(record, mount.turn_anc, seq, tool_names(key))
         node = Node(key, copy_message(response), mount)
@@ -533,6 +537,8 @@ class Tree:
         self.generated_turns += 1
         self._path_nodes.append(node)
         self._path_raws.append(response)
+        self.last = turn
+        return True
 
     def dispose(self) -> None:
         """Break the tree's reference cycles (parent <-> children, node <-> turn), iteratively.
@@ -554,6 +560,7 @@ class Tree:
         self._path_raws.clear()
         self._scratch_turn = None
         self._tip = None
+        self.last = None
 
     # ------------------------------------------------------------------ views
     def leaves(self) -> list[Node]:

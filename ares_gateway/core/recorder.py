@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
+from ares_gateway.core._body_layout import BodyLayout, continue_layout, layout_of
 from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta, WireProtocol
 from ares_gateway.core.store import DamagedRecord, TurnStore
 from ares_gateway.core.streaming import DeltaAccumulator
@@ -214,23 +215,26 @@ class _Line:
 
     For the body: digests of the previous turn's list as orjson writes it, cut after each of its
     last few items; the digests of its items (for when the list changed inside); and digests of
-    its other top-level fields. For token ids: the previous turn's
-    prompt and output ids (the arrays its token record brought, not a copy).
+    its other top-level fields; the previous turn's raw body and where its list lies in it. For
+    token ids, only which turn the next one's are encoded against: the message tree holds that
+    turn's ids (:meth:`~trajectory.TrajectoryManager.last_ids`), and they are compared there.
     """
 
-    __slots__ = ("bounds", "chat", "chat_seq", "hashes", "kept", "output", "prompt", "seq", "since_key", "top", "tseq")
+    __slots__ = ("bounds", "chat", "chat_seq", "hashes", "kept", "layout", "seq", "since_key", "top", "tseq")
 
     def __init__(self) -> None:
         self.seq: int | None = None
-        self.tseq: int | None = None  # the previous turn with token ids
+        #: The turn whose prompt + output ids the next turn's token ids are encoded against: the
+        #: last one the message tree stored (``None``: none, or the tree and the records disagree).
+        self.tseq: int | None = None
         self.since_key = 0  # records on this line since its last keyframe (one stored whole)
         self.hashes: list[bytes] = []
         #: ``(m, L, digest)``: the digest of the list's first ``m`` items as written (``L`` bytes), for
         #: the last few ``m`` (see :func:`_list_delta`).
         self.bounds: list[tuple[int, int, bytes]] = []
         self.top: dict[str, bytes] = {}
-        self.prompt: npt.NDArray[np.int32] = _EMPTY_IDS
-        self.output: npt.NDArray[np.int32] = _EMPTY_IDS
+        #: The previous turn's raw body and where its list's items lie in it (when it came as bytes).
+        self.layout: BodyLayout | None = None
         #: How many leading items the last body's list shared with the one before it, every other
         #: field the same (-1: not so).
         self.kept = -1
@@ -304,12 +308,22 @@ def _list_delta(items: list[Any], line: _Line, fresh: bool) -> int:
     return keep
 
 
-def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: int, key: bool = False) -> dict[str, Any]:
+def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: int, key: bool = False,
+                raw: bytes | None = None) -> dict[str, Any]:
+    """The body as a delta against the line's previous turn (``raw``: the bytes it was parsed from)."""
     lk = _LIST_KEYS.get(protocol)
     items = body.get(lk) if lk is not None else None
     if not isinstance(items, list):
         lk, items = None, None
-    top = {k: _digest(v) for k, v in body.items() if k != lk}
+    # The shared history from the raw bytes, when the previous turn's layout is at hand (the common
+    # case: its cost does not grow with the history); else from the parsed body.
+    shared = None
+    if lk is not None and items is not None and raw is not None and line.layout is not None:
+        shared = continue_layout(line.layout, raw, lk, len(items))
+    if shared is not None and shared[2]:
+        top = line.top  # every byte outside the list as before: so is every other field
+    else:
+        top = {k: _digest(v) for k, v in body.items() if k != lk}
     delta: dict[str, Any] = {"keys": list(body)}
     changed = [k for k, h in top.items() if line.top.get(k) != h]
     # Whether every field but the list is as the previous turn had it (a keyframe stores them anyway).
@@ -319,8 +333,14 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: 
         delta["set"] = {k: body[k] for k in changed}
     else:
         delta["set"] = {k: body[k] for k in top}
-    if items is not None:
-        keep = _list_delta(items, line, fresh=line.seq is None)
+    if lk is not None and items is not None:
+        if shared is not None:
+            keep, line.layout, _ = shared
+            line.hashes = line.hashes[:keep] + [_digest(x) for x in items[keep:]]
+            line.bounds = []  # not kept up on this path (they serve a turn without raw bytes)
+        else:
+            keep = _list_delta(items, line, fresh=line.seq is None)
+            line.layout = None if raw is None else layout_of(raw, lk, len(items))
         line.kept = keep if same_top else -1
         if key:
             keep = 0  # the line's state moves on as usual; the record holds the whole list
@@ -328,31 +348,33 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: 
         delta["keep"] = keep
         delta["new"] = items[keep:]
     else:
-        line.hashes, line.bounds = [], []
+        line.hashes, line.bounds, line.layout = [], [], None
     line.top = top
     line.seq = seq
     return delta
 
 
 def _token_delta(tokens: Any, prompt: npt.NDArray[np.int32], output: npt.NDArray[np.int32], line: _Line,
-                 seq: int, key: bool = False) -> tuple[dict[str, Any], bytes]:
-    # The ids this prompt shares with the previous turn's prompt + output, compared in place.
-    keep = 0 if key else common_prefix_len(line.prompt, prompt)
-    if not key and keep == line.prompt.shape[0]:
-        keep += common_prefix_len(line.output, prompt[keep:])
+                 seq: int, prev: npt.NDArray[np.int32] | None, base: bool, key: bool = False) -> tuple[dict[str, Any], bytes]:
+    """The token ids as the ids beyond those this prompt shares with ``prev`` (the prompt + output
+    of turn ``line.tseq``, compared in place). ``base``: whether this turn is the one the next is
+    encoded against (it goes into the message tree)."""
+    tseq = None if key or prev is None else line.tseq
+    keep = 0 if tseq is None or prev is None else common_prefix_len(prev, prompt)
     # float64, as the policy gave them: the turn log returns each logprob exactly (8 bytes an output token).
     lps = np.asarray(tokens.output_logprobs, dtype=np.float64)
     has_lp = bool(lps.shape[0])
     head = {
-        "base": None if key else line.tseq,
+        "base": tseq,
         "keep": keep,
         "ns": int(prompt.shape[0]) - keep,
         "no": int(output.shape[0]),
         "lp": has_lp,
         "fr": tokens.finish_reason,
+        "st": base,
     }
-    line.prompt, line.output = prompt, output
-    line.tseq = seq
+    if base:
+        line.tseq = seq
     blob = prompt[keep:].astype("<i4").tobytes() + output.astype("<i4").tobytes()
     if has_lp:
         blob += lps.astype("<f8").tobytes()
@@ -361,10 +383,13 @@ def _token_delta(tokens: Any, prompt: npt.NDArray[np.int32], output: npt.NDArray
 
 def encode_turn(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, _Line], seq: int,
                 ids: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None = None,
-                keyframe_every: int = 128) -> bytes:
+                keyframe_every: int = 128, raw: bytes | None = None,
+                prev_ids: npt.NDArray[np.int32] | None = None, base: bool = False) -> bytes:
     """One turn as a compact record, delta-encoded against the previous turn of its line (updated).
 
     ``ids``: the token record's prompt and output ids as int32 arrays, when the caller has them.
+    ``raw``: the bytes ``body`` was parsed from. ``prev_ids``: the prompt + output ids of the line's
+    turn ``tseq``; ``base``: whether this turn's ids become that for the next turn.
     Every ``keyframe_every``-th record of a line (0: only the first) is a keyframe, stored whole,
     so a damaged record makes at most the records up to the next keyframe unreadable."""
     line = lines.setdefault(turn.side_call, _Line())
@@ -379,7 +404,7 @@ def encode_turn(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, _Lin
         "side": turn.side_call,
         "ts": turn.timestamp,
         "lat": turn.latency,
-        "body": _body_delta(turn.protocol, body, line, seq, key),
+        "body": _body_delta(turn.protocol, body, line, seq, key, raw),
         "completion": comp,
     }
     request = turn._request
@@ -389,7 +414,7 @@ def encode_turn(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, _Lin
     if tokens is not None:
         prompt, output = ids if ids is not None else (
             as_token_array(tokens.prompt_ids, what="prompt_ids"), as_token_array(tokens.output_ids, what="output_ids"))
-        header["tok"], blob = _token_delta(tokens, prompt, output, line, seq, key)
+        header["tok"], blob = _token_delta(tokens, prompt, output, line, seq, prev_ids, base, key)
     head = orjson.dumps(header, default=str)
     inner = _HEADER.pack(len(head)) + head + blob
     if len(inner) > _COMPRESS_OVER:
@@ -455,7 +480,8 @@ class _Decoder:
             if keep > base.shape[0]:
                 raise ValueError("the token ids it continues are cut short")
             prompt = np.concatenate([base[:keep], suffix])
-            self.full[side] = (seq, np.concatenate([prompt, output]))
+            if tok.get("st", True):  # the turn the next is encoded against (every one, before "st")
+                self.full[side] = (seq, np.concatenate([prompt, output]))
         return {
             "header": header,
             "body": body,
@@ -538,8 +564,8 @@ def _prompt_chat(request: CanonicalRequest, line: _Line, prev_seq: int | None,
 
 
 def _tree_turn(tm: TrajectoryManager, sid: str, chat: list[dict[str, Any]], completion: Completion,
-               prompt: Any, output: Any, logprobs: Any, finish_reason: str | None, rid: str, side: bool) -> None:
-    tm.record_turn(
+               prompt: Any, output: Any, logprobs: Any, finish_reason: str | None, rid: str, side: bool) -> bool:
+    return tm.record_turn(
         sid,
         prompt_messages=chat,
         response_message=completion.to_message().to_chat_dict() if len(output) else None,
@@ -597,8 +623,14 @@ class SessionRecorder:
             as_token_array(tokens.prompt_ids, what="prompt_ids"), as_token_array(tokens.output_ids, what="output_ids"))
         line = state.lines.get(turn.side_call)
         prev_seq = None if line is None else line.seq
+        # The bytes ``body`` was parsed from, when the turn came over HTTP: the delta reads them.
+        raw = turn.raw_body if isinstance(body, dict) else None
+        # The ids the token ids are encoded against are the message tree's copy of its last stored turn;
+        # this turn's become that when the tree stores it (it does for a generation with messages).
+        prev_ids = None if ids is None else self._tm.last_ids(sid, side_call=turn.side_call)
+        base = ids is not None and bool(request.messages) and bool(ids[1].shape[0])
         payload = encode_turn(turn, body if isinstance(body, dict) else {"body": body}, state.lines, seq, ids,
-                              self.keyframe_every)
+                              self.keyframe_every, raw, prev_ids, base)
         state.count += 1
         if self.store is not None:
             # The data dir has the record; memory keeps only what the next turn is encoded against.
@@ -609,8 +641,13 @@ class SessionRecorder:
             line = state.lines[turn.side_call]
             chat = _prompt_chat(request, line, prev_seq, body if isinstance(body, dict) else None)
             line.chat, line.chat_seq = chat, seq
-            _tree_turn(self._tm, sid, chat, turn.completion, ids[0], ids[1],
-                       tokens.output_logprobs, tokens.finish_reason, turn.request_id, turn.side_call)
+            stored = False
+            try:
+                stored = _tree_turn(self._tm, sid, chat, turn.completion, ids[0], ids[1],
+                                    tokens.output_logprobs, tokens.finish_reason, turn.request_id, turn.side_call)
+            finally:
+                if stored != base:  # the tree's last turn is not what the record says: start over
+                    line.tseq = None
 
     def detach_store(self) -> None:
         """Stop writing to the store (the gateway is closing it): the records of the sessions in
@@ -714,6 +751,7 @@ class SessionRecorder:
         damaged = self.damaged.get(sid, [])
         state.seq = max([seq for seq, _ in decoded] + [d.seq for d in damaged], default=0)
         # The lines' delta state, as the encoder left it after the last record.
+        tails: dict[_Line, tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]] = {}
         for seq, d in decoded:
             h = d["header"]
             line = state.lines.setdefault(bool(h["side"]), _Line())
@@ -726,9 +764,15 @@ class SessionRecorder:
                 _list_delta(body[lk], line, fresh=True)
             else:
                 line.hashes, line.bounds = [], []
-            if d["prompt_ids"] is not None:
-                line.prompt, line.output = d["prompt_ids"], d["output_ids"]
+            if d["prompt_ids"] is not None and h["tok"].get("st", True):
                 line.tseq = seq
+                tails[line] = (d["prompt_ids"], d["output_ids"])
+        # The tree rebuilt by the replay must hold, as its last turn, the ids the records end on.
+        for side, line in state.lines.items():
+            held = self._tm.last_ids(sid, side_call=side)
+            want = tails.get(line)
+            if want is None or held is None or not np.array_equal(held, np.concatenate(want)):
+                line.tseq = None
         return state
 
     def release(self, session_id: str) -> bool:

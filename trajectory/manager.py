@@ -56,8 +56,12 @@ class TrajectoryManager:
         response_message: Mapping[str, Any] | None,
         turn: TurnRecord,
         metadata: Mapping[str, Any] | None = None,
-    ) -> bool:
-        """Record one answered turn; returns whether its tokens were stored (see :meth:`last_ids`).
+    ) -> int | None:
+        """Record one answered turn.
+
+        Returns how many leading prompt ids the turn shares with the prompt + output of the turn
+        stored before it in the same tree (see :meth:`last_ids`; 0 for the first), or ``None``
+        when no tokens were stored (an empty generation, or no prompt messages).
 
         Args:
             session_id: the episode; sessions never share nodes.
@@ -76,7 +80,7 @@ class TrajectoryManager:
             raise TypeError(f"turn must be a TurnRecord, got {type(turn).__name__}")
         if not prompt_messages:
             logger.warning("trajectory: session %s: record_turn with no prompt messages ignored", session_id)
-            return False
+            return None
         meta = metadata or {}
         side = bool(meta.get("side_call"))
         client = meta.get("client")

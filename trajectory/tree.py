@@ -511,10 +511,11 @@ class Tree:
         record: TurnRecord,
         key_of: Callable[[Any], MessageKey],
         seq: int,
-    ) -> bool:
+    ) -> int | None:
         """Mount one answered turn (``response is None``: an empty generation, no sample).
 
-        Returns whether its tokens were stored (not for an empty generation)."""
+        Returns how many leading prompt ids it shares with the prompt + output of the turn stored
+        before it (0 for the first), or ``None`` when it stored no tokens (an empty generation)."""
         mount = self._walk(prompt, key_of)
         self.turns_recorded += 1
         if response is None:
@@ -526,8 +527,9 @@ class Tree:
                     "output_tokens": int(record.output_ids.shape[0]),
                 }
             )
-            return False
+            return None
         key = key_of(response)
+        before = self.last
         turn = self._store(record, mount.turn_anc, seq, tool_names(key))
         node = Node(key, copy_message(response), mount)
         node.turn = turn
@@ -538,7 +540,11 @@ class Tree:
         self._path_nodes.append(node)
         self._path_raws.append(response)
         self.last = turn
-        return True
+        if before is None:
+            return 0
+        if turn.base is before:
+            return turn.shared  # counted against it just now
+        return common_prefix_len(record.prompt_ids, self.load(before))
 
     def dispose(self) -> None:
         """Break the tree's reference cycles (parent <-> children, node <-> turn), iteratively.

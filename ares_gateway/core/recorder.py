@@ -9,7 +9,7 @@ The default, :class:`SessionRecorder`, records incrementally and keeps only what
 
 * each turn with a token record goes into the session's message tree (:mod:`trajectory`) as it
   is answered, so samples cost one linearization, never a replay of the session;
-* each turn is encoded once into a compact record (:func:`encode_turn`): the native request body
+* each turn is encoded once into a compact record (:meth:`SessionRecorder.__call__`): the native request body
   as a delta against the previous turn of the same line (main line or side calls: the messages
   it shares with that turn are a count, unchanged top-level fields such as ``tools`` and
   ``system`` a reference), its prompt token ids as the tokens beyond those it shares with the
@@ -355,12 +355,19 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: 
 
 
 def _token_delta(tokens: Any, prompt: npt.NDArray[np.int32], output: npt.NDArray[np.int32], line: _Line,
-                 seq: int, prev: npt.NDArray[np.int32] | None, base: bool, key: bool = False) -> tuple[dict[str, Any], bytes]:
-    """The token ids as the ids beyond those this prompt shares with ``prev`` (the prompt + output
-    of turn ``line.tseq``, compared in place). ``base``: whether this turn is the one the next is
-    encoded against (it goes into the message tree)."""
-    tseq = None if key or prev is None else line.tseq
-    keep = 0 if tseq is None or prev is None else common_prefix_len(prev, prompt)
+                 seq: int, stored: bool, shared: int | None, prev: npt.NDArray[np.int32] | None,
+                 key: bool = False) -> tuple[dict[str, Any], bytes]:
+    """The token ids as the ids beyond those the prompt shares with the prompt + output of turn
+    ``line.tseq``: ``shared`` of them when the message tree counted it, else compared with ``prev``
+    (those ids) in place. ``stored``: the tree stored this turn, so the next is encoded against it."""
+    tseq = None if key or (shared is None and prev is None) else line.tseq
+    if tseq is None:
+        keep = 0
+    elif shared is not None:
+        keep = shared
+    else:
+        assert prev is not None
+        keep = common_prefix_len(prev, prompt)
     # float64, as the policy gave them: the turn log returns each logprob exactly (8 bytes an output token).
     lps = np.asarray(tokens.output_logprobs, dtype=np.float64)
     has_lp = bool(lps.shape[0])
@@ -371,9 +378,9 @@ def _token_delta(tokens: Any, prompt: npt.NDArray[np.int32], output: npt.NDArray
         "no": int(output.shape[0]),
         "lp": has_lp,
         "fr": tokens.finish_reason,
-        "st": base,
+        "st": stored,
     }
-    if base:
+    if stored:
         line.tseq = seq
     blob = prompt[keep:].astype("<i4").tobytes() + output.astype("<i4").tobytes()
     if has_lp:
@@ -381,23 +388,16 @@ def _token_delta(tokens: Any, prompt: npt.NDArray[np.int32], output: npt.NDArray
     return head, blob
 
 
-def encode_turn(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, _Line], seq: int,
-                ids: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None = None,
-                keyframe_every: int = 128, raw: bytes | None = None,
-                prev_ids: npt.NDArray[np.int32] | None = None, base: bool = False) -> bytes:
-    """One turn as a compact record, delta-encoded against the previous turn of its line (updated).
-
-    ``ids``: the token record's prompt and output ids as int32 arrays, when the caller has them.
-    ``raw``: the bytes ``body`` was parsed from. ``prev_ids``: the prompt + output ids of the line's
-    turn ``tseq``; ``base``: whether this turn's ids become that for the next turn.
-    Every ``keyframe_every``-th record of a line (0: only the first) is a keyframe, stored whole,
-    so a damaged record makes at most the records up to the next keyframe unreadable."""
+def _head(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, _Line], seq: int, keyframe_every: int,
+          raw: bytes | None) -> tuple[dict[str, Any], _Line, bool]:
+    """A turn's record but for its token ids: the header, with the body delta-encoded against the
+    previous turn of its line (updated; ``raw``: the bytes ``body`` was parsed from). Every
+    ``keyframe_every``-th record of a line (0: only the first) is a keyframe, stored whole, so a
+    damaged record makes at most the records up to the next keyframe unreadable."""
     line = lines.setdefault(turn.side_call, _Line())
     key = line.seq is None or 0 < keyframe_every <= line.since_key
     line.since_key = 1 if key else line.since_key + 1
-    completion = turn.completion
-    tokens = completion.tokens
-    comp = completion.model_dump(mode="json", exclude_none=True, exclude={"tokens"})
+    comp = turn.completion.model_dump(mode="json", exclude_none=True, exclude={"tokens"})
     header: dict[str, Any] = {
         "rid": turn.request_id,
         "proto": turn.protocol.value,
@@ -410,11 +410,10 @@ def encode_turn(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, _Lin
     request = turn._request
     if request is not None:
         header["sampling"] = request.sampling.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
-    blob = b""
-    if tokens is not None:
-        prompt, output = ids if ids is not None else (
-            as_token_array(tokens.prompt_ids, what="prompt_ids"), as_token_array(tokens.output_ids, what="output_ids"))
-        header["tok"], blob = _token_delta(tokens, prompt, output, line, seq, prev_ids, base, key)
+    return header, line, key
+
+
+def _pack(header: dict[str, Any], blob: bytes) -> bytes:
     head = orjson.dumps(header, default=str)
     inner = _HEADER.pack(len(head)) + head + blob
     if len(inner) > _COMPRESS_OVER:
@@ -564,7 +563,7 @@ def _prompt_chat(request: CanonicalRequest, line: _Line, prev_seq: int | None,
 
 
 def _tree_turn(tm: TrajectoryManager, sid: str, chat: list[dict[str, Any]], completion: Completion,
-               prompt: Any, output: Any, logprobs: Any, finish_reason: str | None, rid: str, side: bool) -> bool:
+               prompt: Any, output: Any, logprobs: Any, finish_reason: str | None, rid: str, side: bool) -> int | None:
     return tm.record_turn(
         sid,
         prompt_messages=chat,
@@ -587,7 +586,7 @@ class SessionRecorder:
         store: the durable store the records go to (``None``: memory only, the records kept in
             memory; then :meth:`release` keeps the session, since nothing else has it).
         keyframe_every: every this many records of a line one is stored whole (see
-            :func:`encode_turn`; 0: only the first), bounding what a damaged record takes with it.
+            :func:`_head`; 0: only the first), bounding what a damaged record takes with it.
     """
 
     def __init__(self, *, fork_threshold_tokens: int = 1024, store: TurnStore | None = None,
@@ -617,37 +616,44 @@ class SessionRecorder:
         seq = state.seq
         request = turn.request
         body = turn.native_request()
+        if not isinstance(body, dict):
+            body = {"body": body}
+            raw = None
+        else:
+            raw = turn.raw_body  # the bytes ``body`` was parsed from, when the turn came over HTTP
         tokens = turn.completion.tokens
-        # int32 arrays already (respond checked them): the record and the tree share them.
-        ids = None if tokens is None else (
-            as_token_array(tokens.prompt_ids, what="prompt_ids"), as_token_array(tokens.output_ids, what="output_ids"))
         line = state.lines.get(turn.side_call)
         prev_seq = None if line is None else line.seq
-        # The bytes ``body`` was parsed from, when the turn came over HTTP: the delta reads them.
-        raw = turn.raw_body if isinstance(body, dict) else None
-        # The ids the token ids are encoded against are the message tree's copy of its last stored turn;
-        # this turn's become that when the tree stores it (it does for a generation with messages).
-        prev_ids = None if ids is None else self._tm.last_ids(sid, side_call=turn.side_call)
-        base = ids is not None and bool(request.messages) and bool(ids[1].shape[0])
-        payload = encode_turn(turn, body if isinstance(body, dict) else {"body": body}, state.lines, seq, ids,
-                              self.keyframe_every, raw, prev_ids, base)
-        state.count += 1
-        if self.store is not None:
-            # The data dir has the record; memory keeps only what the next turn is encoded against.
-            self.store.put_turn(sid, seq, payload)
-        else:
-            state.payloads.append((seq, payload))
-        if tokens is not None and ids is not None:
-            line = state.lines[turn.side_call]
-            chat = _prompt_chat(request, line, prev_seq, body if isinstance(body, dict) else None)
-            line.chat, line.chat_seq = chat, seq
-            stored = False
-            try:
-                stored = _tree_turn(self._tm, sid, chat, turn.completion, ids[0], ids[1],
-                                    tokens.output_logprobs, tokens.finish_reason, turn.request_id, turn.side_call)
-            finally:
-                if stored != base:  # the tree's last turn is not what the record says: start over
-                    line.tseq = None
+        header, line, key = _head(turn, body, state.lines, seq, self.keyframe_every, raw)
+        blob = b""
+        try:
+            if tokens is not None:
+                # int32 arrays already (respond checked them): the record and the tree share them.
+                prompt = as_token_array(tokens.prompt_ids, what="prompt_ids")
+                output = as_token_array(tokens.output_ids, what="output_ids")
+                chat = _prompt_chat(request, line, prev_seq, body)
+                line.chat, line.chat_seq = chat, seq
+                # The token ids are encoded against the message tree's copy of the last turn it stored,
+                # and it counts the ids a stored turn shares with that one (the only pass over them).
+                shared: int | None = None
+                try:
+                    shared = _tree_turn(self._tm, sid, chat, turn.completion, prompt, output,
+                                        tokens.output_logprobs, tokens.finish_reason, turn.request_id, turn.side_call)
+                except Exception:
+                    line.tseq = None  # what the tree holds now is not known: the next ids go whole
+                    header["tok"], blob = _token_delta(tokens, prompt, output, line, seq, False, None, None, key=True)
+                    raise
+                prev = None if shared is not None else self._tm.last_ids(sid, side_call=turn.side_call)
+                header["tok"], blob = _token_delta(tokens, prompt, output, line, seq, shared is not None, shared, prev,
+                                                   key)
+        finally:
+            payload = _pack(header, blob)
+            state.count += 1
+            if self.store is not None:
+                # The data dir has the record; memory keeps only what the next turn is encoded against.
+                self.store.put_turn(sid, seq, payload)
+            else:
+                state.payloads.append((seq, payload))
 
     def detach_store(self) -> None:
         """Stop writing to the store (the gateway is closing it): the records of the sessions in

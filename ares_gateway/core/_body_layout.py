@@ -171,8 +171,9 @@ def continue_layout(prev: BodyLayout, raw: bytes, key: str, count: int) -> tuple
         offs = _to_bytes(text, pos, [*ends, close])
         close_at = offs[-1]
         same_after = raw[close_at:] == old[prev.close :]
-        if not same_after:
-            # The fields after the list changed: walk them, so a second list key cannot hide there.
+        if not same_after and (b'"%s"' % key.encode() in raw[close_at:] or b"\\u" in raw[close_at:]):
+            # The fields after the list changed and may name the list's key (as written or escaped):
+            # walk them, so a second list cannot hide there.
             again, _, _, end = _members(text, close + 1, key, after_member=True)
             if again is not None or _ws(text, end) != len(text):
                 return None

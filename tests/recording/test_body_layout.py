@@ -130,6 +130,32 @@ def test_a_body_it_cannot_vouch_for_gets_no_layout() -> None:
     assert orjson.loads(sneaky)["messages"] == [{"z": 9}]
     assert continue_layout(lay, sneaky, "messages", 1) is None
     assert continue_layout(lay, sneaky, "messages", 3) is None
+    escaped = b'{"model":"m","messages":[{"a":1},{"b":2},{"c":3}],"\\u006dessages":[{"z":9}]}'
+    assert orjson.loads(escaped)["messages"] == [{"z": 9}]
+    assert continue_layout(lay, escaped, "messages", 1) is None
+    # Fields after the list that changed but cannot name it: not walked, the layout goes on.
+    walked = 0
+    real = layout_mod._members
+
+    def members(*a: Any, **kw: Any) -> Any:
+        nonlocal walked
+        walked += 1
+        return real(*a, **kw)
+
+    layout_mod._members = members  # type: ignore[assignment]
+    try:
+        head = b'{"model":"m","messages":[{"a":1},{"b":2},{"c":3}],'
+        after = b'"system":"header %d","tools":[{"name":"messages tool","d":"\\n"}]}'
+        got = continue_layout(lay, head + after % 1, "messages", 3)
+        assert got is not None and got[0] == 2 and not got[2] and walked == 0
+        got = continue_layout(got[1], head + after % 2, "messages", 3)
+        assert got is not None and got[0] == 3 and not got[2] and walked == 0
+        # With a \u escape after the list, the fields are walked (and pass).
+        got = continue_layout(got[1], b'{"model":"m","messages":[{"a":1},{"b":2},{"c":3}],"system":"\\u00e9"}',
+                              "messages", 3)
+        assert got is not None and got[0] == 3 and walked == 1
+    finally:
+        layout_mod._members = real  # type: ignore[assignment]
     # A change before the list: not this layout's to continue.
     assert continue_layout(lay, b'{"model":"n","messages":[{"a":1},{"b":2}]}', "messages", 2) is None
     assert items  # (the parsed form the counts above stand for)
@@ -201,9 +227,11 @@ def test_a_body_with_the_list_key_twice_is_recorded_as_parsed() -> None:
     rec = SessionRecorder()
     bodies = _cc_bodies(6)
     raws = [orjson.dumps(b) for b in bodies]
-    decoy = orjson.dumps(bodies[5]["messages"])
-    raws[4] = raws[4][:-1] + b',"messages":' + decoy + b"}"
-    raws[5] = b'{"messages":' + decoy + b"," + raws[5][1:]
+    # A second list of as many items as the first (so no count gives it away), the first item forged.
+    forged = copy.deepcopy(bodies[4]["messages"])
+    forged[0]["content"][0]["text"] = "forged"
+    raws[4] = raws[4][:-1] + b',"messages":' + orjson.dumps(forged) + b"}"
+    raws[5] = b'{"messages":' + orjson.dumps(bodies[5]["messages"]) + b"," + raws[5][1:]
     for i, raw in enumerate(raws):
         rec(_turn(raw, i))
     assert [t["request"] for t in rec.turn_log("s")] == [orjson.loads(r) for r in raws]

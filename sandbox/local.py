@@ -604,21 +604,35 @@ class _Process:
     ``subprocess.Popen`` closes every inherited fd in the child (``close_fds``), which uvloop's spawn
     does not; the pipes are read and the exit is awaited through the running loop (a pidfd), so no
     thread is held per command however long it runs.
+
+    The pipes are plain fds this object owns, read with ``add_reader`` and closed exactly once, not
+    ``connect_read_pipe`` transports: uvloop closes a pipe transport's fd twice (libuv, then the file
+    object), and with other threads opening fds meanwhile (``asyncio.to_thread`` file transfers,
+    ``subprocess.run``) the second close hits one of theirs: a command then gets another command's
+    output, none at all, or fails to start with EBADF.
     """
 
     def __init__(self, argv: list[str], *, cwd: str, env: dict[str, str], popen_kwargs: dict[str, object]) -> None:
-        self._popen = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
-            start_new_session=True, close_fds=True, **popen_kwargs,  # type: ignore[call-overload]
-        )
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            self._popen = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, cwd=cwd, env=env,
+                start_new_session=True, close_fds=True, **popen_kwargs,  # type: ignore[call-overload]
+            )
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:
+            os.close(out_w)
+            os.close(err_w)
         self.pid = self._popen.pid
         loop = asyncio.get_running_loop()
-        self._out = _Collector(loop)
-        self._err = _Collector(loop)
+        self._out = _PipeReader(loop, out_r)
+        self._err = _PipeReader(loop, err_r)
         self._exited: asyncio.Future[int] = loop.create_future()
-        self._transports: list[asyncio.BaseTransport] = []
         self._pidfd: int | None = None
-        self._started = asyncio.ensure_future(self._connect(loop))
         try:
             self._pidfd = os.pidfd_open(self.pid)
         except OSError:  # no pidfd (old kernel): poll for the exit instead
@@ -629,12 +643,6 @@ class _Process:
     @property
     def returncode(self) -> int | None:
         return self._popen.returncode
-
-    async def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
-        assert self._popen.stdout is not None and self._popen.stderr is not None
-        for pipe, collector in ((self._popen.stdout, self._out), (self._popen.stderr, self._err)):
-            transport, _ = await loop.connect_read_pipe(lambda c=collector: c, pipe)  # type: ignore[misc]
-            self._transports.append(transport)
 
     def _reap(self) -> None:
         code = self._popen.poll()
@@ -660,10 +668,8 @@ class _Process:
     async def communicate(self, timeout: float | None) -> tuple[bytes, bytes]:
         """Wait for the exit and the end of both pipes: ``(stdout, stderr)``; TimeoutError after ``timeout``."""
         async with asyncio.timeout(timeout):
-            await self._started
             await asyncio.gather(asyncio.shield(self._exited), asyncio.shield(self._out.closed),
                                  asyncio.shield(self._err.closed))
-        self._close_transports()
         return bytes(self._out.data), bytes(self._err.data)
 
     def kill_group(self) -> None:
@@ -672,35 +678,42 @@ class _Process:
 
     def abandon(self) -> tuple[bytes, bytes]:
         """Stop reading (something outside the group holds the pipes); reap the child if it has exited."""
-        self._close_transports()
+        self._out.close()
+        self._err.close()
         if self._popen.poll() is not None:
             self._close_pidfd()
         return b"", b""
 
-    def _close_transports(self) -> None:
-        for transport in self._transports:
-            transport.close()
-        self._transports.clear()
-        for pipe in (self._popen.stdout, self._popen.stderr):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
 
+class _PipeReader:
+    """Collects what one pipe carries, read through the running loop; ``closed`` resolves at its end
+    (or when :meth:`close` stops reading). Owns the fd and closes it once."""
 
-class _Collector(asyncio.Protocol):
-    """Collects what one pipe carries; ``closed`` resolves at its end."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
         self.data = bytearray()
         self.closed: asyncio.Future[None] = loop.create_future()
+        self._loop = loop
+        self._fd = fd
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, self._read)
 
-    def data_received(self, data: bytes) -> None:
-        self.data += data
+    def _read(self) -> None:
+        try:
+            chunk = os.read(self._fd, 1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            self.data += chunk
+        else:
+            self.close()
 
-    def eof_received(self) -> bool:
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
+    def close(self) -> None:
+        if self._fd >= 0:
+            self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = -1
         if not self.closed.done():
             self.closed.set_result(None)
 

@@ -203,3 +203,54 @@ async def test_exec_sees_no_fd_of_the_gateway_process(make_sandbox: SandboxFacto
     fds = sorted(int(x) for x in r.stdout.split())
     # 0-2 are stdio; ls itself opens one fd to read /proc/self/fd.
     assert len(fds) <= 4 and max(fds) <= 3, f"inherited fds: {fds}"
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])
+async def test_concurrent_execs_each_get_their_own_output_while_threads_open_fds(
+        make_sandbox: SandboxFactory, backend: str) -> None:
+    """Commands run 8 at a time while other threads spawn processes (as file transfers, the turn
+    store's writer and the default executor do): every command gets exactly its own output, and so
+    does every thread. uvloop closes a pipe transport's fd twice; with the local backend's pipes
+    read through such transports, 1 in ~80 commands here got another command's output, none at
+    all (a 10 s timeout), or failed to start with EBADF."""
+    if backend != "local":
+        pytest.skip("the host-side pipes of a command are the local backend's")
+    import subprocess
+    import threading
+
+    sb = await make_sandbox()
+    wrong: list[object] = []
+    stop = threading.Event()
+
+    def spawner() -> None:
+        while not stop.is_set():
+            try:
+                r = subprocess.run(["echo", "thread"], capture_output=True, close_fds=True, timeout=30)
+                if r.stdout != b"thread\n":
+                    wrong.append(("thread", r.stdout))
+            except Exception as exc:  # noqa: BLE001 (every failure is the finding)
+                wrong.append(("thread", repr(exc)))
+
+    threads = [threading.Thread(target=spawner, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+
+    async def one(i: int) -> None:
+        try:
+            r = await sb.exec(f"echo out {i}; echo err {i} >&2", timeout=10)
+        except Exception as exc:  # noqa: BLE001
+            wrong.append((i, repr(exc)))
+            return
+        if (r.stdout, r.stderr, r.exit_code) != (f"out {i}\n", f"err {i}\n", 0):
+            wrong.append((i, r))
+
+    try:
+        for start in range(0, 480, 8):
+            await asyncio.gather(*(one(i) for i in range(start, start + 8)))
+            if len(wrong) > 3:
+                break
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not wrong, wrong[:5]

@@ -133,7 +133,31 @@ def _traced() -> int:
     return tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else 0
 
 
-def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False) -> dict[str, Any]:
+#: The recorder's steps ``steps`` times (functions of ares_gateway.core.recorder, by name).
+STEPS = ("_body_delta", "continue_layout", "_prompt_chat", "_tree_turn", "_token_delta", "_pack")
+
+
+def _timed_steps() -> dict[str, list[float]]:
+    """Wrap each of :data:`STEPS` to time its calls (the wrappers add a little to each)."""
+    import ares_gateway.core.recorder as rec
+
+    times: dict[str, list[float]] = {n: [] for n in STEPS}
+    for name in STEPS:
+        fn = getattr(rec, name)
+
+        def timed(*a: Any, _fn: Any = fn, _out: list[float] = times[name], **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                _out.append(time.perf_counter() - t0)
+
+        setattr(rec, name, timed)
+    return times
+
+
+def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False, steps: bool = False) -> dict[str, Any]:
+    import statistics
     import tracemalloc
 
     import aiohttp
@@ -144,6 +168,7 @@ def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False) -
     out: dict[str, Any] = {}
     if trace:
         tracemalloc.start()
+    step_s = _timed_steps() if steps else {}
 
     async def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -167,6 +192,7 @@ def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False) -
                     record_s.append(time.perf_counter() - t0)
 
                 gw.broker._on_turn = timed
+                before = {n: len(v) for n, v in step_s.items()}  # the warm-up session's calls
                 sid = await _session(gw, http, turns, tokens, timings, marks, sid="measured")
                 gw.broker._on_turn = recorder
                 end_raw = rss_bytes()
@@ -185,8 +211,11 @@ def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False) -
                 k = max(1, min(10, turns // 5))
                 out["respond_ms_first"] = 1000 * sum(timings[1 : k + 1]) / k
                 out["respond_ms_last"] = 1000 * sum(timings[-k:]) / k
-                import statistics
-
+                if steps:  # per step: the median of turns 2-10 and of the last 10 turns (by call)
+                    mine = {n: v[before[n]:] for n, v in step_s.items()}
+                    out["step_ms"] = {n: {"2-10": round(1000 * statistics.median(v[1:10]), 3),
+                                          f"last 10 of {len(v)}": round(1000 * statistics.median(v[-10:]), 3)}
+                                      for n, v in mine.items() if len(v) >= 20}
                 out["record_ms"] = {f"{a + 1}-{b}": round(1000 * statistics.median(record_s[a:b]), 3)
                                     for a, b in ((1, 10), (40, 50), (90, 100), (190, 200)) if b <= len(record_s)}
                 t0 = time.perf_counter()
@@ -358,7 +387,7 @@ def _sub(case: str, **kw: Any) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", nargs="?", choices=["all", "memory", "sessions", "throughput"], default="all")
+    ap.add_argument("case", nargs="?", choices=["all", "memory", "steps", "sessions", "throughput"], default="all")
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--agents", type=int, default=64)
@@ -369,6 +398,9 @@ def main() -> None:
         for tokens in (True, False):
             r = _sub("_memory_main", turns=args.turns, tokens=tokens, durable=True)
             print(f"memory  turns={args.turns} tokens={tokens} durable=True: {json.dumps(r)}", flush=True)
+    if args.case == "steps":  # the recorder's steps timed one by one (not in "all": the timing adds to each)
+        r = _sub("_memory_main", turns=args.turns, tokens=True, durable=True, steps=True)
+        print(f"steps  turns={args.turns}: {json.dumps(r['step_ms'])}", flush=True)
     if args.case in ("all", "sessions"):
         r = _sub("_sessions_main", sessions=args.sessions, turns=args.turns)
         print(f"sessions={args.sessions} turns={args.turns} durable=True: {json.dumps(r)}", flush=True)

@@ -228,7 +228,7 @@ async def test_concurrent_execs_each_get_their_own_output_while_threads_open_fds
                 r = subprocess.run(["echo", "thread"], capture_output=True, close_fds=True, timeout=30)
                 if r.stdout != b"thread\n":
                     wrong.append(("thread", r.stdout))
-            except Exception as exc:  # noqa: BLE001 (every failure is the finding)
+            except Exception as exc:  # every failure is the finding
                 wrong.append(("thread", repr(exc)))
 
     threads = [threading.Thread(target=spawner, daemon=True) for _ in range(2)]
@@ -238,7 +238,7 @@ async def test_concurrent_execs_each_get_their_own_output_while_threads_open_fds
     async def one(i: int) -> None:
         try:
             r = await sb.exec(f"echo out {i}; echo err {i} >&2", timeout=10)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # every failure is the finding
             wrong.append((i, repr(exc)))
             return
         if (r.stdout, r.stderr, r.exit_code) != (f"out {i}\n", f"err {i}\n", 0):

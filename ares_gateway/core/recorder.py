@@ -631,12 +631,12 @@ class SessionRecorder:
                 # int32 arrays already (respond checked them): the record and the tree share them.
                 prompt = as_token_array(tokens.prompt_ids, what="prompt_ids")
                 output = as_token_array(tokens.output_ids, what="output_ids")
-                chat = _prompt_chat(request, line, prev_seq, body)
-                line.chat, line.chat_seq = chat, seq
                 # The token ids are encoded against the message tree's copy of the last turn it stored,
                 # and it counts the ids a stored turn shares with that one (the only pass over them).
                 shared: int | None = None
                 try:
+                    chat = _prompt_chat(request, line, prev_seq, body)
+                    line.chat, line.chat_seq = chat, seq
                     shared = _tree_turn(self._tm, sid, chat, turn.completion, prompt, output,
                                         tokens.output_logprobs, tokens.finish_reason, turn.request_id, turn.side_call)
                 except Exception:

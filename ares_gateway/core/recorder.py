@@ -29,7 +29,7 @@ import logging
 import struct
 import time
 import zlib
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -213,14 +213,13 @@ def _digest(value: Any) -> bytes:
 class _Line:
     """What the next turn of one line (a session's main line, or its side calls) is encoded against.
 
-    For the body: digests of the previous turn's list as orjson writes it, cut after each of its
-    last few items; the digests of its items (for when the list changed inside); and digests of
-    its other top-level fields; the previous turn's raw body and where its list lies in it. For
+    For the body: the previous turn's raw body and where its list lies in it; the digests of its
+    items (for a body that cannot be compared as bytes); and digests of its other top-level fields. For
     token ids, only which turn the next one's are encoded against: the message tree holds that
     turn's ids (:meth:`~trajectory.TrajectoryManager.last_ids`), and they are compared there.
     """
 
-    __slots__ = ("bounds", "chat", "chat_seq", "hashes", "kept", "layout", "seq", "since_key", "top", "tseq")
+    __slots__ = ("chat", "chat_seq", "hashes", "kept", "layout", "seq", "since_key", "top", "tseq")
 
     def __init__(self) -> None:
         self.seq: int | None = None
@@ -229,9 +228,6 @@ class _Line:
         self.tseq: int | None = None
         self.since_key = 0  # records on this line since its last keyframe (one stored whole)
         self.hashes: list[bytes] = []
-        #: ``(m, L, digest)``: the digest of the list's first ``m`` items as written (``L`` bytes), for
-        #: the last few ``m`` (see :func:`_list_delta`).
-        self.bounds: list[tuple[int, int, bytes]] = []
         self.top: dict[str, bytes] = {}
         #: The previous turn's raw body and where its list's items lie in it (when it came as bytes).
         self.layout: BodyLayout | None = None
@@ -243,61 +239,13 @@ class _Line:
         self.chat_seq: int | None = None
 
 
-#: How many of the previous list's last items may have changed for the shared history still to be
-#: found at C speed (Claude Code moves its ``cache_control`` mark off the last message every turn).
-_TAIL = 4
-
-
-def _boundaries(items: list[Any], raw: bytes) -> list[tuple[int, int]]:
-    """``(m, L)`` for the last few ``m``: ``raw[:L]`` is the list's first ``m`` items as orjson
-    writes them (``[`` + items joined by ``,``), ``L`` counted back from the end with each of the
-    last items serialized alone (orjson writes an item inside a list as it writes it alone)."""
-    n = len(items)
-    if n == 0:
-        return []
-    out = [(n, len(raw) - 1)]
-    end = len(raw) - 1
-    for m in range(n - 1, max(0, n - _TAIL - 1), -1):
-        end -= len(orjson.dumps(items[m], default=str)) + 1
-        if raw[end : end + 1] != b",":  # not an item boundary after all: keep only what is sure
-            break
-        out.append((m, end))
-    return out
-
-
-def _prefix_digests(raw: bytes, offsets: Iterable[int]) -> dict[int, bytes]:
-    """SHA-256 (truncated to 128 bits, as :func:`_digest`) of ``raw[:L]`` for each offset, in one pass."""
-    view = memoryview(raw)
-    h = hashlib.sha256()
-    pos = 0
-    out: dict[int, bytes] = {}
-    for off in sorted(set(offsets)):
-        h.update(view[pos:off])
-        pos = off
-        out[off] = h.copy().digest()[:16]
-    return out
-
-
 def _list_delta(items: list[Any], line: _Line, fresh: bool) -> int:
-    """How many leading items the list shares with the previous turn's (``line``, whose state then
-    becomes this list's).
+    """How many leading items the list shares with the previous turn's (``line``, whose item
+    digests then become this list's), compared digest by digest.
 
-    The common case, an agent re-sending its history with items appended and perhaps its last few
-    items changed, costs one serialization and one hash of the list, both at C speed: the old
-    list's first ``m`` items are the new list's exactly when the new serialization starts with the
-    bytes they had (whose digest was kept) and an item boundary follows. Otherwise (a compacted or
-    edited history) the items are compared by their digests one by one.
+    For a body the raw-bytes path (:func:`continue_layout`) cannot take: the first of a line, one
+    changed before its list (or after a restart), one without raw bytes.
     """
-    raw = orjson.dumps(items, default=str)
-    mine = _boundaries(items, raw)
-    candidates = [] if fresh else [
-        (m, off, d) for m, off, d in line.bounds if m <= len(items) and raw[off : off + 1] in (b",", b"]")]
-    digests = _prefix_digests(raw, [off for _, off, _ in candidates] + [off for _, off in mine])
-    line.bounds = [(m, off, digests[off]) for m, off in mine]
-    for m, off, d in candidates:  # the longest shared history first
-        if digests[off] == d:
-            line.hashes = line.hashes[:m] + [_digest(x) for x in items[m:]]
-            return m
     hashes = [_digest(x) for x in items]
     old = [] if fresh else line.hashes
     keep = 0
@@ -336,8 +284,8 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: 
     if lk is not None and items is not None:
         if shared is not None:
             keep, line.layout, _ = shared
-            line.hashes = line.hashes[:keep] + [_digest(x) for x in items[keep:]]
-            line.bounds = []  # not kept up on this path (they serve a turn without raw bytes)
+            del line.hashes[keep:]
+            line.hashes.extend(_digest(x) for x in items[keep:])
         else:
             keep = _list_delta(items, line, fresh=line.seq is None)
             line.layout = None if raw is None else layout_of(raw, lk, len(items))
@@ -348,7 +296,7 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: _Line, seq: 
         delta["keep"] = keep
         delta["new"] = items[keep:]
     else:
-        line.hashes, line.bounds, line.layout = [], [], None
+        line.hashes, line.layout = [], None
     line.top = top
     line.seq = seq
     return delta
@@ -769,7 +717,7 @@ class SessionRecorder:
             if lk:
                 _list_delta(body[lk], line, fresh=True)
             else:
-                line.hashes, line.bounds = [], []
+                line.hashes = []
             if d["prompt_ids"] is not None and h["tok"].get("st", True):
                 line.tseq = seq
                 tails[line] = (d["prompt_ids"], d["output_ids"])

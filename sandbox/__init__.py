@@ -25,7 +25,7 @@ from .errors import (
 )
 from .gc import GcReport, collect_garbage
 from .local import LocalSandbox
-from .protocol import BaseSandbox, ExecResult, Sandbox
+from .protocol import LIMIT_NAMES, BaseSandbox, ExecResult, Sandbox
 from .spec import Resources, SandboxSpec
 
 BACKENDS = ("local", "docker", "daytona")
@@ -70,6 +70,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BACKENDS",
+    "LIMIT_NAMES",
     "BackendUnavailableError",
     "BaseSandbox",
     "DaytonaSandbox",

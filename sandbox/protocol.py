@@ -56,6 +56,9 @@ from .errors import (
 )
 from .spec import SandboxSpec, check_forward
 
+#: What :meth:`BaseSandbox.limits_reached` can report.
+LIMIT_NAMES = frozenset({"memory", "pids", "disk"})
+
 # Spill an in-flight tar stream to disk beyond this size instead of holding it in memory.
 _SPOOL_BYTES = 32 * 1024 * 1024
 
@@ -112,6 +115,8 @@ class Sandbox(Protocol):
     async def forward(self, port: int, host_socket: str) -> None: ...
 
     async def kill_processes(self, *, user: str | None = None, timeout: float = 30.0) -> int: ...
+
+    async def limits_reached(self) -> frozenset[str]: ...
 
     async def stop(self) -> None: ...
 
@@ -397,6 +402,19 @@ class BaseSandbox(abc.ABC):
         """
         self._require_running("kill processes")
         return await self._kill_processes(user, timeout)
+
+    async def limits_reached(self) -> frozenset[str]:
+        """The resource limits of ``spec.resources`` this sandbox has hit so far: a subset of
+        :data:`LIMIT_NAMES` (``"memory"``: a process was killed for memory; ``"pids"``: a fork was
+        refused; ``"disk"``: a write found the writable space full). Empty where the backend enforces
+        none or cannot tell. Never raises."""
+        try:
+            return await self._limits_reached()
+        except Exception:  # a sandbox already gone, a counter unreadable: nothing to report
+            return frozenset()
+
+    async def _limits_reached(self) -> frozenset[str]:
+        return frozenset()
 
     def _abs(self, remote_path: str) -> str:
         if remote_path.startswith("/"):

@@ -42,12 +42,19 @@ def check_forward(port: int, host_socket: str) -> None:
 
 @dataclass(frozen=True)
 class Resources:
-    """Limits for one sandbox. ``None`` means the backend's default (no limit for local and Docker)."""
+    """Limits for one sandbox. ``None`` means the backend's default (no limit for local and Docker).
+
+    ``memory`` caps the sandbox's RAM (its processes and the tmpfs pages they write), ``pids`` the
+    number of processes and threads alive at once, ``disk`` what its writable directories may hold.
+    A sandbox that hits one reports it through :meth:`BaseSandbox.limits_reached
+    <sandbox.protocol.BaseSandbox.limits_reached>`; the episode then ends with ``<name>_limit``.
+    """
 
     cpus: float | None = None
     memory: int | str | None = None
     disk: int | str | None = None
     gpus: int | None = None
+    pids: int | None = None
 
     @property
     def memory_bytes(self) -> int | None:

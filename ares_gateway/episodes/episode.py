@@ -67,7 +67,14 @@ EXIT_REASONS = (
     "install_error",  # the agent CLI could not be installed: reward 0.0
     "sandbox_error",  # the sandbox could not be created, started or used: reward 0.0
     "cancelled",  # the episode was cancelled (Ctrl-C): no reward
+    "memory_limit",  # the sandbox's memory limit killed a process of the agent's: reward 0.0, no tests
+    "pids_limit",  # the sandbox refused a fork at its process limit: reward 0.0, no tests
+    "disk_limit",  # the sandbox's writable space filled up: reward 0.0, no tests
 )
+#: What an episode's sandbox may take when its task names no limit (Harbor's ``memory_mb`` /
+#: ``storage_mb``; ``pids`` has no task field). Enough for the four harnesses and a build; a fork
+#: bomb or a runaway allocation ends the episode (``*_limit``) instead of taking the host.
+DEFAULT_RESOURCES = sandbox_mod.Resources(memory="4g", pids=1024, disk="10g")
 _LOG_LIMIT = 1024 * 1024
 _ARTIFACT_LIMIT = 4 * 1024 * 1024
 
@@ -204,6 +211,16 @@ def last_lines(text: str, limit: int = 400) -> str:
     return " | ".join(picked)
 
 
+def with_default_resources(res: sandbox_mod.Resources) -> sandbox_mod.Resources:
+    """``res`` with :data:`DEFAULT_RESOURCES` filled in where it names no limit."""
+    return dataclasses.replace(
+        res,
+        memory=res.memory if res.memory is not None else DEFAULT_RESOURCES.memory,
+        pids=res.pids if res.pids is not None else DEFAULT_RESOURCES.pids,
+        disk=res.disk if res.disk is not None else DEFAULT_RESOURCES.disk,
+    )
+
+
 def _local_can_harden() -> bool:
     """Whether the local backend can run a hardened sandbox with a relay here."""
     from sandbox.local import bwrap_available
@@ -288,6 +305,7 @@ class TaskEpisode:
             default_image=self.image,
             labels={"ares-gateway.session": session.session_id, "ares-gateway.harness": harness.name, **self.labels},
         )
+        spec = dataclasses.replace(spec, resources=with_default_resources(spec.resources))
         spec, base_url = await self._isolate(spec, session)
         try:
             sb = sandbox_mod.create(spec, backend=self.backend, **self.sandbox_options)
@@ -430,6 +448,7 @@ class TaskEpisode:
                 out.error = (f"the agent {how}: "
                              f"{last_lines(result.stderr_tail) or last_lines(result.stdout_tail) or '(no output)'}")
         out.agent_seconds = self._agent_seconds
+        await self._note_limits(out)
         out.error = one_line(out.error)
         await self._read_logs(out)
         if out.exit_reason in ("completed", "step_limit", "time_limit"):
@@ -453,6 +472,22 @@ class TaskEpisode:
                 out.logs.setdefault("verifier.log", "")
                 out.logs["verifier.log"] += f"error: {verdict.error}\n"
         return out
+
+    async def _note_limits(self, out: EpisodeOutcome) -> None:
+        """A resource limit the sandbox hit while the agent ran ends the episode as ``<name>_limit``
+        (whatever else the agent did): the tests do not run, the reward is 0.0."""
+        sb = self.sandbox
+        if sb is None or out.exit_reason == "cancelled":
+            return
+        reached = await sb.limits_reached()
+        if not reached:
+            return
+        name = next(n for n in ("memory", "pids", "disk") if n in reached)
+        res = sb.spec.resources
+        amount = {"memory": res.memory, "pids": res.pids, "disk": res.disk}[name]
+        was = f" (before: {out.exit_reason}{': ' + out.error if out.error else ''})" if out.exit_reason != "completed" else ""
+        out.exit_reason, out.truncated = f"{name}_limit", False
+        out.error = f"the sandbox hit its {name} limit ({amount}){was}"
 
     async def kill_agent_processes(self) -> str | None:
         """Kill every process in the sandbox (the agent's detached ones too) and wait until none is left.

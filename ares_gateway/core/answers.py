@@ -228,9 +228,11 @@ def _checked_error(protocol: WireProtocol, answer: ErrorAnswer) -> ErrorAnswer:
     if not isinstance(message, str):
         raise InvalidAnswerError("ErrorAnswer.message must be a string")
     try:
-        orjson.dumps(get_adapter(protocol).error_body(status, message))
-    except TypeError as exc:  # a message that is not UTF-8 (lone surrogates, from in process)
-        raise _cannot_render(protocol, exc) from None
+        message.encode()
+    except UnicodeEncodeError:
+        # Lone surrogates (an exception's text, in process): the message is for people; escape them
+        # rather than refuse the error, which is often the policy's last resort.
+        return ErrorAnswer(status, message.encode("utf-8", "backslashreplace").decode())
     return answer
 
 

@@ -214,6 +214,28 @@ async def test_a_credential_that_is_not_utf8_is_a_401_in_each_protocols_shape(
     assert sum(len(r.getMessage()) for r in ours) < 2000
 
 
+async def test_other_headers_that_are_not_utf8_do_not_break_a_turn() -> None:
+    """The headers the gateway and its side-call detectors read (and Anthropic's) may hold any bytes."""
+    junk = [(name, b"\xff\xfe") for name in (b"x-claude-code-agent-id", b"x-ares-side-call", b"x-openai-subagent",
+                                            b"anthropic-version", b"anthropic-beta", b"user-agent", b"openai-beta")]
+    async with Gateway(port=0, data_dir=False) as gw, httpx.AsyncClient(timeout=20) as client:
+        info = await gw.create_session()
+
+        async def policy() -> None:
+            for _ in PATHS:
+                req = await gw.next_request(session=info.session_id, timeout=20)
+                assert req is not None
+                await gw.respond(req.id, Completion(text="ok"))
+
+        answering = asyncio.create_task(policy())
+        for name, path in PATHS.items():
+            r = await client.post(info.base_url + path, content=json.dumps(BODIES[name]).encode(),
+                                  headers=[(b"x-api-key", info.token.encode()), *junk])
+            assert r.status_code == 200, (name, r.text)
+        await asyncio.wait_for(answering, 20)
+        assert len(gw.turn_log(info.session_id)) == 3
+
+
 async def test_a_non_utf8_credential_creates_no_auto_session() -> None:
     async with Gateway(port=0, auto_sessions=True, data_dir=False) as gw, httpx.AsyncClient() as client:
         for path in PATHS.values():
@@ -449,7 +471,7 @@ async def test_in_process_respond_refuses_what_cannot_render() -> None:
             NativeAnswer(_chat_response({"k": {1, 2}}), completion),    # not JSON
             Completion(text="bad \udcff surrogate"),                    # not UTF-8
             ErrorAnswer(200, "not an error status"),
-            ErrorAnswer(500, "bad \ud800"),
+            ErrorAnswer(True, "not a status"),  # type: ignore[arg-type]
         ):
             with pytest.raises(InvalidAnswerError):
                 await gw.respond(rid, bad)  # type: ignore[arg-type]
@@ -459,5 +481,12 @@ async def test_in_process_respond_refuses_what_cannot_render() -> None:
         await gw.respond(rid, _chat_response(_nested(10)))
         got = await asyncio.wait_for(task, 10)
         assert got.choices[0].message.content == "fine"
+        # An error's message that is not UTF-8 (an exception's text) is escaped, not refused.
+        task = asyncio.create_task(agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "y"}]))
+        req = await gw.next_request(session=info.session_id, timeout=10)
+        assert req is not None
+        await gw.respond(req.id, ErrorAnswer(500, "broke on \udcff"))
+        with pytest.raises(openai.InternalServerError, match=r"broke on \\udcff"):
+            await asyncio.wait_for(task, 10)
         await agent.close()
         assert len(gw.turn_log(info.session_id)) == 1

@@ -14,15 +14,17 @@ Every method that changes state (``create_session``, ``end_session``, ``delete_s
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from ares_gateway.core.answers import ErrorAnswer, read_tokens
 from ares_gateway.core.broker import Broker, ParkedRequest
@@ -35,7 +37,7 @@ from ares_gateway.core.canonical import (
 from ares_gateway.core.errors import InvalidSessionError, UnknownSessionError
 from ares_gateway.core.metrics import GatewayMetrics
 from ares_gateway.core.recorder import RecordedTurn, Recorder, SessionRecorder
-from ares_gateway.core.sessions import Session, SessionInfo, SessionRegistry, bearer_token
+from ares_gateway.core.sessions import Session, SessionInfo, SessionRegistry, bearer_token, same_secret
 from ares_gateway.core.side_calls import SideCallDetector, default_side_call_detector
 from ares_gateway.core.store import TurnStore
 from ares_gateway.http.app import build_server
@@ -55,7 +57,8 @@ class GatewayConfig:
 
     host: str = "127.0.0.1"
     port: int = 8080
-    #: Guards /poll, /respond, /sessions and /metrics when set.
+    #: Guards /poll, /respond, /sessions* and /metrics. ``None``: :class:`Gateway` generates a random
+    #: one (read it as ``Gateway.admin_token``), so no gateway serves an open control API.
     admin_token: str | None = None
     #: Seconds a parked request waits for its answer before the agent gets a 504.
     request_timeout: float = 900.0
@@ -122,6 +125,13 @@ class Gateway:
             if not hasattr(cfg, key):
                 raise TypeError(f"Gateway() got an unknown setting {key!r}")
             setattr(cfg, key, value)
+        if cfg.admin_token is None:
+            # Never an open control API (issue 22), as `serve` and `run` do: whoever reaches the port
+            # (an agent with the host's network, another user of the host) could read every request
+            # and answer or end any session. The owner reads it as self.admin_token.
+            cfg.admin_token = secrets.token_urlsafe(32)
+        elif not isinstance(cfg.admin_token, str) or not cfg.admin_token.strip():
+            raise ValueError("admin_token must be a non-empty string (or None: a random one is generated)")
         self.config = cfg
         self.sessions = SessionRegistry(on_create=self._session_created)
         #: The durable store (opened by :meth:`start`; ``None`` for a memory-only gateway or before start).
@@ -243,6 +253,14 @@ class Gateway:
         await self.close()
 
     @property
+    def admin_token(self) -> str:
+        """The token the control API (``/poll``, ``/respond``, ``/sessions*``, ``/metrics``) requires, as
+        ``Authorization: Bearer <token>``: the one given, or the one generated. A secret: never log it."""
+        token = self.config.admin_token
+        assert token is not None  # set in __init__
+        return token
+
+    @property
     def port(self) -> int:
         if self._port is None:
             raise RuntimeError("the gateway is not started; use `async with Gateway() as gw` or await gw.start()")
@@ -276,6 +294,11 @@ class Gateway:
             raise InvalidSessionError("metadata must be a JSON object")
         if token is not None and (not isinstance(token, str) or len(token) < 16):
             raise InvalidSessionError("token must be a string of at least 16 characters")
+        if metadata:
+            try:  # it is written to the data dir and served by GET /sessions: it must encode
+                orjson.dumps(metadata, default=str)  # as the store writes it
+            except TypeError as exc:  # orjson.JSONEncodeError: nested too deep, not JSON, not UTF-8
+                raise InvalidSessionError(f"metadata cannot be stored as JSON: {exc}") from None
         session = self.sessions.create(session_id, token=token, metadata=metadata)
         return self._info(session)
 
@@ -399,12 +422,11 @@ class Gateway:
     # ------------------------------------------------------------------ internals
 
     def admin_ok(self, headers: Mapping[str, str]) -> bool:
-        """Whether ``headers`` carry the admin token (always, when none is configured)."""
-        expected = self.config.admin_token
-        if not expected:
-            return True
+        """Whether ``headers`` carry the admin token (as ``Authorization: Bearer`` or ``x-admin-token``).
+
+        Any header value is simply right or wrong: one that is not UTF-8 is wrong, not a 500."""
         given = bearer_token(headers) or headers.get("x-admin-token", "")
-        return hmac.compare_digest(given.encode(), expected.encode())
+        return same_secret(given, self.admin_token)
 
     def is_side_call(self, session: Session, request: CanonicalRequest, headers: Mapping[str, str]) -> bool:
         if headers.get("x-ares-side-call", "").lower() in ("1", "true", "yes"):

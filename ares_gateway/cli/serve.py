@@ -78,8 +78,41 @@ def _data_dir(args: argparse.Namespace) -> str | None:
     return str(args.data_dir or os.path.join(_state_home(), f"data-{args.port}" if args.port else f"data-pid{os.getpid()}"))
 
 
+#: The environment variable `serve` reads the admin token from (when no flag gives one).
+ADMIN_TOKEN_ENV = "ARES_GATEWAY_ADMIN_TOKEN"
+
+
+def read_admin_token_file(path: str) -> str:
+    """The admin token in ``path`` (its first line, stripped); ``ValueError`` saying what is wrong."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the admin token file {path}: {exc}") from None
+    if not token:
+        raise ValueError(f"the admin token file {path} is empty")
+    return token
+
+
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """The admin token from --admin-token-file, --admin-token or $ARES_GATEWAY_ADMIN_TOKEN, in that order."""
+    if args.admin_token_file:
+        return read_admin_token_file(args.admin_token_file)
+    if args.admin_token:
+        # A command line is public: every user of the host reads it in ps and /proc/<pid>/cmdline.
+        print("ares-gateway: warning: --admin-token puts the token on the command line, where every user "
+              f"of this host sees it (ps); use --admin-token-file PATH or ${ADMIN_TOKEN_ENV}",
+              file=sys.stderr, flush=True)
+        return str(args.admin_token)
+    return os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    admin = args.admin_token or os.environ.get("ARES_GATEWAY_ADMIN_TOKEN") or None
+    try:
+        admin = _admin_token(args)
+    except ValueError as exc:
+        print(f"ares-gateway: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     token_file: str | None = None
     data_dir = _data_dir(args)
     if not admin:
@@ -125,10 +158,19 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to bind; 0 picks a free one (default: 8080)")
     p.add_argument(
+        "--admin-token-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the token guarding /poll, /respond, /sessions, /metrics (its first line); else env "
+             f"{ADMIN_TOKEN_ENV}; without either a random token is generated and written to a 0600 file "
+             "whose path is printed",
+    )
+    p.add_argument(
         "--admin-token",
         default=None,
-        help="token guarding /poll, /respond, /sessions, /metrics (or env ARES_GATEWAY_ADMIN_TOKEN); without "
-             "one a random token is generated and written to a 0600 file whose path is printed",
+        metavar="TOKEN",
+        help="the admin token itself: visible to every user of the host in ps, so prefer --admin-token-file "
+             f"or {ADMIN_TOKEN_ENV}",
     )
     p.add_argument("--request-timeout", type=float, default=900.0, help="seconds a request waits for its answer")
     p.add_argument("--lease", type=float, default=120.0, help="seconds before an unanswered polled request is redelivered")

@@ -6,15 +6,25 @@ of the agent's protocol (a dict), an :class:`ErrorAnswer`, or an async iterable 
 (a :class:`StreamAnswer`). :func:`coerce_answer` turns each into the one :data:`Answer` the agent's
 handler renders, or raises :class:`~ares_gateway.core.errors.InvalidAnswerError` saying what is wrong;
 the broker calls it before it resolves anything, so a bad answer leaves the request pending.
+
+A whole answer is also proven to render for its request before it is accepted (issue 22: a native
+body nested 300 deep was a 200 at ``/respond`` and a 500 to the agent, the turn unrecorded): a
+native body sent verbatim is encoded here and its bytes kept (``NativeAnswer.raw``, what the agent
+is sent), and any other whole answer is rendered once in the agent's protocol, whole or as its
+synthesized stream. What cannot be rendered is refused to the responder (400); the request stays
+parked, answerable by a correct answer. Only a stream (:class:`StreamAnswer`) is rendered as it
+arrives; a delta that cannot be ends the agent's stream with an error event in its shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 from ares_gateway.core.canonical import (
     CanonicalRequest,
@@ -36,12 +46,22 @@ class ErrorAnswer:
     message: str
 
 
+#: Deepest nesting of objects and arrays accepted in a native answer body (the body itself is level 1).
+#: Real responses nest under 10 levels, tool inputs a few more; the JSON encoder (orjson) stops at 255.
+MAX_ANSWER_DEPTH = 128
+# A response id to render a Completion with when it is only being proven to render.
+_TRIAL_ID = "req_trial"
+
+
 @dataclass(frozen=True, slots=True)
 class NativeAnswer:
-    """A response body in the agent's own protocol, plus its canonical reading (for recording)."""
+    """A response body in the agent's own protocol, plus its canonical reading (for recording).
+
+    ``raw`` is ``body`` encoded as JSON, set when the answer is accepted (what the agent is sent)."""
 
     body: dict[str, Any]
     completion: Completion
+    raw: bytes | None = None
 
 
 class StreamAnswer:
@@ -115,8 +135,13 @@ def coerce_answer(
     """
     token_record = read_tokens(tokens)
     if isinstance(answer, Completion):
+        _prove_renders(protocol, request, answer)
         return answer.model_copy(update={"tokens": token_record}) if token_record else answer
-    if isinstance(answer, StreamAnswer | ErrorAnswer | NativeAnswer):
+    if isinstance(answer, ErrorAnswer):
+        return _checked_error(protocol, answer)
+    if isinstance(answer, NativeAnswer):
+        return _checked_native(protocol, request, answer)
+    if isinstance(answer, StreamAnswer):
         return answer
     if isinstance(answer, AsyncIterable):
         return StreamAnswer(answer)
@@ -125,6 +150,8 @@ def coerce_answer(
             f"cannot answer with {type(answer).__name__}: give a Completion, a native response body, "
             "an ErrorAnswer, or an async iterable of CompletionDelta"
         )
+    if _too_deep(answer, MAX_ANSWER_DEPTH):
+        raise _too_deep_error()
     try:
         completion, verbatim = read_native(protocol, request, answer)
     except InvalidAnswerError:
@@ -133,7 +160,80 @@ def coerce_answer(
         raise InvalidAnswerError(f"response is not a valid {protocol.value} body: {exc}") from None
     if token_record is not None:
         completion = completion.model_copy(update={"tokens": token_record})
-    return NativeAnswer(answer, completion) if verbatim else completion
+    if verbatim:
+        return _checked_native(protocol, request, NativeAnswer(answer, completion))
+    _prove_renders(protocol, request, completion)
+    return completion
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests dicts and lists more than ``limit`` levels (iteratively: no recursion to exhaust)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = v.values() if isinstance(v, dict) else v
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | tuple))
+    return False
+
+
+def _too_deep_error() -> InvalidAnswerError:
+    return InvalidAnswerError(
+        f"response nests objects and arrays more than {MAX_ANSWER_DEPTH} levels deep (MAX_ANSWER_DEPTH); "
+        "the gateway sends no such body to an agent"
+    )
+
+
+def _cannot_render(protocol: WireProtocol, exc: Exception) -> InvalidAnswerError:
+    return InvalidAnswerError(f"the gateway cannot render this answer for a {protocol.value} agent: {exc}")
+
+
+def _prove_renders(protocol: WireProtocol, request: CanonicalRequest, completion: Completion) -> None:
+    """Render ``completion`` as the agent will get it (JSON body, or the synthesized stream), or raise."""
+    adapter = get_adapter(protocol)
+    try:
+        if request.stream:
+            encoder = adapter.stream_encoder(request, _TRIAL_ID)
+            encoder.start()
+            encoder.finish(completion)
+        else:
+            orjson.dumps(adapter.render_response(completion, request, _TRIAL_ID))
+    except Exception as exc:  # whatever the renderer or the encoder refuses (depth, types, not UTF-8, ...)
+        raise _cannot_render(protocol, exc) from None
+
+
+def _checked_native(protocol: WireProtocol, request: CanonicalRequest, answer: NativeAnswer) -> NativeAnswer:
+    """``answer`` with the bytes the agent will get (a non-streaming request gets the body verbatim)."""
+    if request.stream:  # a streaming agent gets the completion, rendered as its protocol's stream
+        _prove_renders(protocol, request, answer.completion)
+        return answer
+    if answer.raw is not None:
+        return answer
+    if not isinstance(answer.body, dict):
+        raise InvalidAnswerError("NativeAnswer.body must be a dict (the response body)")
+    if _too_deep(answer.body, MAX_ANSWER_DEPTH):
+        raise _too_deep_error()
+    try:
+        raw = orjson.dumps(answer.body)
+    except TypeError as exc:  # orjson.JSONEncodeError: nested too deep, not JSON, not UTF-8
+        raise _cannot_render(protocol, exc) from None
+    return dataclasses.replace(answer, raw=raw)
+
+
+def _checked_error(protocol: WireProtocol, answer: ErrorAnswer) -> ErrorAnswer:
+    status, message = answer.status, answer.message
+    if not isinstance(status, int) or isinstance(status, bool) or not 400 <= status <= 599:
+        raise InvalidAnswerError(f"ErrorAnswer.status must be an HTTP error status (400-599), not {status!r}")
+    if not isinstance(message, str):
+        raise InvalidAnswerError("ErrorAnswer.message must be a string")
+    try:
+        message.encode()
+    except UnicodeEncodeError:
+        # Lone surrogates (an exception's text, in process): the message is for people; escape them
+        # rather than refuse the error, which is often the policy's last resort.
+        return ErrorAnswer(status, message.encode("utf-8", "backslashreplace").decode())
+    return answer
 
 
 def read_native(protocol: WireProtocol, request: CanonicalRequest, body: dict[str, Any]) -> tuple[Completion, bool]:

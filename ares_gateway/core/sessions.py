@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -11,6 +12,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ares_gateway.core.errors import InvalidSessionError, SessionExistsError, UnknownSessionError
+
+#: Longest session id accepted (ids appear in URL paths, container labels and directory names).
+MAX_SESSION_ID_CHARS = 128
+#: Longest session token accepted (it travels in a header; aiohttp's header lines stop at 8190 bytes).
+MAX_TOKEN_CHARS = 512
+# ASCII letters, digits, '-' and '_': never '.' or '..', '/', a NUL or a character that looks like
+# another (the id names a directory under the runtime dir, see http/session_socket.py).
+_ID = re.compile(r"[A-Za-z0-9_-]+")
+# A token is what an HTTP client can send as a header value as it is: visible ASCII, no spaces.
+_TOKEN = re.compile(r"[!-~]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +88,9 @@ class SessionRegistry:
             raise InvalidSessionError("session_id must be a string")
         if sid in self._by_id:
             raise SessionExistsError(f"session {sid!r} already exists")
-        _check_id(sid)
+        check_session_id(sid)
+        if token is not None:
+            check_token(token)
         tok = token or f"ags-{secrets.token_urlsafe(24)}"
         if tok in self._by_token:
             raise SessionExistsError("that token is already in use by another session")
@@ -113,8 +126,7 @@ class SessionRegistry:
 
     @staticmethod
     def token_matches(session: Session, token: str | None) -> bool:
-        # Constant-time so a wrong token's timing says nothing about the right one.
-        return token is not None and hmac.compare_digest(session.token.encode(), token.encode())
+        return token is not None and same_secret(token, session.token)
 
     def remove(self, session_id: str) -> Session:
         session = self.get(session_id)
@@ -137,9 +149,42 @@ def bearer_token(headers: Mapping[str, str]) -> str | None:
     return None
 
 
-def _check_id(sid: str) -> None:
-    # Session ids appear in URL paths and container labels.
-    if not (0 < len(sid) <= 128) or not all(c.isalnum() or c in "-_." for c in sid):
+def same_secret(given: str, expected: str) -> bool:
+    """Whether ``given`` (from a request header) is ``expected``, in constant time.
+
+    Total over every string: aiohttp hands over header bytes that are not UTF-8 as lone surrogates
+    (``surrogateescape``), which a plain ``.encode()`` refuses (issue 22: a 500 and a traceback per
+    request). ``surrogatepass`` encodes them too, to bytes no valid string encodes to, so such a
+    value is simply wrong.
+    """
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass"))
+
+
+def valid_session_id(sid: object) -> bool:
+    """Whether ``sid`` is a usable session id: 1-128 ASCII letters, digits, ``-`` and ``_``."""
+    return isinstance(sid, str) and 0 < len(sid) <= MAX_SESSION_ID_CHARS and _ID.fullmatch(sid) is not None
+
+
+def check_session_id(sid: str) -> None:
+    """Raise :class:`InvalidSessionError` unless ``sid`` is a :func:`valid_session_id`."""
+    if not valid_session_id(sid):
+        shown = sid if len(sid) <= 80 else sid[:80] + "..."
         raise InvalidSessionError(
-            f"invalid session id {sid!r}: use 1-128 characters from letters, digits, '-', '_' and '.'"
+            f"invalid session id {shown!r}: use 1-{MAX_SESSION_ID_CHARS} characters from ASCII letters, digits, "
+            "'-' and '_'"
+        )
+
+
+def valid_token(token: object) -> bool:
+    """Whether ``token`` could be a session token: 1-512 visible ASCII characters (no spaces)."""
+    return isinstance(token, str) and 0 < len(token) <= MAX_TOKEN_CHARS and _TOKEN.fullmatch(token) is not None
+
+
+def check_token(token: str) -> None:
+    """Raise :class:`InvalidSessionError` unless ``token`` is a :func:`valid_token`: a token an
+    HTTP client cannot send as a header value as it is would lock its agent out."""
+    if not valid_token(token):
+        raise InvalidSessionError(
+            f"invalid token: use at most {MAX_TOKEN_CHARS} visible ASCII characters (no spaces, no control "
+            "or non-ASCII characters)"
         )

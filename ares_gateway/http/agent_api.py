@@ -21,7 +21,7 @@ from ares_gateway.core.answers import Answer, ErrorAnswer, NativeAnswer, StreamA
 from ares_gateway.core.broker import ParkedRequest, RequestClosed
 from ares_gateway.core.canonical import WireProtocol
 from ares_gateway.core.errors import GatewayError, InvalidSessionError, SessionExistsError
-from ares_gateway.core.sessions import Session, bearer_token
+from ares_gateway.core.sessions import Session, bearer_token, valid_token
 from ares_gateway.http import render
 from ares_gateway.http.routes import Handler
 from ares_gateway.http.served import ServedGateway
@@ -40,7 +40,12 @@ class _Reject(Exception):
 
 def _credential(request: BaseRequest) -> str | None:
     # Anthropic clients send x-api-key, OpenAI clients (and Claude Code with ANTHROPIC_AUTH_TOKEN) a Bearer token.
-    return request.headers.get("x-api-key") or bearer_token(request.headers)
+    token = request.headers.get("x-api-key") or bearer_token(request.headers)
+    if token is not None and not valid_token(token):
+        # Not UTF-8 (aiohttp's lone surrogates), not ASCII, or too long: no session has such a token
+        # (they are checked at creation), and none may be auto-created with it.
+        raise _Reject(401, "invalid API key: a session token is visible ASCII (send it exactly as it was given)")
+    return token
 
 
 class AgentAPI:

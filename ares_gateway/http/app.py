@@ -66,7 +66,7 @@ def build_server(gateway: ServedGateway, limits: HttpLimits) -> HttpServer:
         expect = request.headers.get("expect")
         if expect is not None and request.version >= (1, 1) and expect.lower() != "100-continue":
             resp = error_for_path(
-                request.path, 417, f"unknown Expect: {expect}; only 100-continue is supported"
+                request.path, 417, f"unknown Expect: {expect!r}; only 100-continue is supported"
             )
             resp.force_close()
             return resp

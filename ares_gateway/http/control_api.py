@@ -37,11 +37,11 @@ class ControlAPI:
         self.limits = limits
 
     def guard(self, handler: Handler) -> Handler:
-        """Require the admin token (when one is configured); a body that cannot be read is its error."""
+        """Require the admin token (every gateway has one); a body that cannot be read is its error."""
         gw = self.gw
 
         async def guarded(request: BaseRequest, sid: str | None) -> StreamResponse:
-            if gw.config.admin_token and not gw.admin_ok(request.headers):
+            if not gw.admin_ok(request.headers):
                 return control_error(401, "missing or wrong admin token: send Authorization: Bearer <admin token>")
             try:
                 return await handler(request, sid)

@@ -78,7 +78,8 @@ def whole(adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer) -> Re
     if isinstance(answer, ErrorAnswer):
         return protocol_error(adapter, answer.status, answer.message)
     if isinstance(answer, NativeAnswer):
-        return json_response(answer.body)
+        # Encoded when the answer was accepted (core/answers.py), so it cannot fail here.
+        return Response(body=answer.raw if answer.raw is not None else orjson.dumps(answer.body), headers=_JSON)
     assert isinstance(answer, Completion)
     return json_response(adapter.render_response(answer, parked.request, response_id(parked)))
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
+from ares_gateway.core.sessions import valid_session_id
 from ares_gateway.http.app import build_routes
 from ares_gateway.http.render import error_for_path
 from ares_gateway.http.served import ServedGateway
@@ -40,7 +41,8 @@ log = logging.getLogger(__name__)
 #: The socket's name inside the session's directory.
 SOCKET_NAME = "agent.sock"
 _SLASHES = re.compile("/{2,}")
-# sun_path holds 108 bytes on Linux; leave room for "/<session id>/agent.sock".
+# sun_path holds 108 bytes on Linux, its NUL included; leave room for "/<session id>/agent.sock".
+_MAX_SOCKET_PATH = 107
 _MAX_ROOT = 60
 
 
@@ -98,13 +100,25 @@ class SessionSockets:
                 return known
             if self._gw.sessions.find(session_id) is None:
                 raise SessionSocketError(f"no session {session_id!r}: create it before opening its agent socket")
+            # The id names a directory that is removed below: "." or ".." would be the runtime
+            # dir itself or its parent (the system's temp dir). New ids are checked at creation;
+            # this also holds for a session restored from an older data dir.
+            if not valid_session_id(session_id):
+                raise SessionSocketError(f"session id {session_id!r} cannot name a directory: no agent socket for it")
             directory = self.root / session_id
+            if directory.parent != self.root:
+                raise SessionSocketError(f"session id {session_id!r} cannot name a directory: no agent socket for it")
+            path = str(directory / SOCKET_NAME)
+            if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+                raise SessionSocketError(
+                    f"the agent socket path {path} is longer than unix sockets allow ({_MAX_SOCKET_PATH} bytes): "
+                    "use a shorter session id or runtime_dir"
+                )
             with contextlib.suppress(FileNotFoundError):
                 shutil.rmtree(directory)
             directory.mkdir(mode=0o700)
             os.chmod(directory, 0o700)
             server = build_session_server(self._gw, self._limits, session_id)
-            path = str(directory / SOCKET_NAME)
             try:
                 await server.start_unix(path, mode=0o600)
             except OSError as exc:
@@ -149,7 +163,7 @@ def build_session_server(gateway: ServedGateway, limits: HttpLimits, session_id:
     async def dispatch(request: BaseRequest) -> StreamResponse:
         expect = request.headers.get("expect")
         if expect is not None and request.version >= (1, 1) and expect.lower() != "100-continue":
-            resp = error_for_path(request.path, 417, f"unknown Expect: {expect}; only 100-continue is supported")
+            resp = error_for_path(request.path, 417, f"unknown Expect: {expect!r}; only 100-continue is supported")
             resp.force_close()
             return resp
         path = request.path

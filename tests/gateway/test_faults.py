@@ -178,7 +178,8 @@ async def test_expect_100_continue_is_honoured(gateway: Gateway) -> None:
 
 
 async def test_oversized_control_body_is_413_in_shape() -> None:
-    async with Gateway(port=0, max_body_bytes=4096) as gw, aiohttp.ClientSession() as s:
+    async with Gateway(port=0, max_body_bytes=4096) as gw, \
+            aiohttp.ClientSession(headers={"Authorization": f"Bearer {gw.admin_token}"}) as s:
         async with s.post(f"{gw.url}/respond", data=b"[" + b"1," * 5000 + b"1]") as r:
             assert r.status == 413 and (await r.json())["code"] == 413
         async with s.post(f"{gw.url}/sessions", data=b'{"metadata": "' + b"x" * 5000 + b'"}') as r:
@@ -255,7 +256,7 @@ async def test_poller_that_dies_loses_nothing() -> None:
         info = await gw.create_session()
         client = openai.AsyncOpenAI(base_url=f"{info.base_url}/v1", api_key=info.token, max_retries=0)
         agent = asyncio.create_task(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {gw.admin_token}"}) as s:
             async with s.get(f"{gw.url}/poll", params={"wait": "5"}) as r:
                 first = await r.json()
             assert len(first) == 1 and first[0]["attempt"] == 1

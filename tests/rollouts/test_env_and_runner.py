@@ -261,8 +261,8 @@ async def test_http_policy_leaves_requests_to_an_external_poller(tmp_path: Path,
     oracle = make_policy("oracle")
     answered: list[str] = []
 
-    async def trainer(url: str) -> None:
-        async with aiohttp.ClientSession() as http:
+    async def trainer(url: str, admin_token: str) -> None:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {admin_token}"}) as http:
             while True:
                 async with http.get(f"{url}/poll", params={"wait": "1", "max": "4"}) as r:
                     items = await r.json()
@@ -276,7 +276,7 @@ async def test_http_policy_leaves_requests_to_an_external_poller(tmp_path: Path,
                     answered.append(item["id"])
 
     async with Gateway(port=0) as gw:
-        poller = asyncio.create_task(trainer(gw.url))
+        poller = asyncio.create_task(trainer(gw.url, gw.admin_token))
         try:
             summary = await run_rollouts([task], harness="tiny-agent", policy=HttpPolicy(), sandbox="local",
                                          gateway=gw, out=tmp_path / "run", time_limit=60)

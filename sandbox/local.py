@@ -13,8 +13,12 @@ Without it there is NO isolation, only a private working directory, and :attr:`d
 ``SandboxSpec(hardened=True)`` (bubblewrap and root needed) shows the sandbox only the system
 directories, ``/opt/ares-agents`` and ``spec.readonly_paths`` read-only, plus its workdir, ``/tmp`` and
 ``/home`` (where an ``agent`` user, uid :data:`AGENT_UID`, has its home) writable; a non-root user runs
-with no capabilities, an empty bounding set and ``no_new_privs``; file transfers run inside the
-sandbox (as root there), so a symlink the agent plants never redirects them onto the host.
+with no capabilities, an empty bounding set and ``no_new_privs``; root runs with :data:`ROOT_CAPS`
+only, ``HOME=/root`` (an empty private directory) and an environment that loads nothing the agent
+wrote (:meth:`LocalSandbox._command_env`); every command, root's included, runs under
+:func:`seccomp_filter` (loaded by :mod:`sandbox._confine` in front of ``nsenter``); file transfers run
+inside the sandbox (as root there, with the same limits), so a symlink the agent plants never
+redirects them onto the host.
 ``forward()`` runs :mod:`sandbox._relay` on the host inside the sandbox's network namespace only.
 """
 
@@ -198,7 +202,8 @@ class LocalSandbox(BaseSandbox):
             return (
                 f"local sandbox {self.id} in {self.root} (bubblewrap, hardened: only system directories and "
                 f"/opt/ares-agents read-only, private {self.spec.workdir}, /tmp and /home, PID namespace, non-root "
-                f"users without capabilities, network={self.spec.network})"
+                f"users without capabilities, root with a reduced capability set and a clean environment, a seccomp "
+                f"filter on every command, network={self.spec.network})"
             )
         if self.isolated:
             return (

@@ -257,7 +257,9 @@ class LocalSandbox(BaseSandbox):
                     "as root, or use the docker backend"
                 )
             self._write_user_db()
-            seccomp_filter()  # fails here, saying what to install, rather than at the first command
+            # The sandbox's own copy of the filter, outside every bind (the agent never sees it); built
+            # here so that a missing libseccomp fails start(), saying what to install.
+            (self.root / _FILTER_FILE).write_bytes(seccomp_filter())
         if self.isolated and os.geteuid() == 0 and shutil.which("nsenter"):
             # Spawned from the loop's own thread: bwrap --die-with-parent ties the namespace to it.
             self._start_keeper()
@@ -364,12 +366,7 @@ class LocalSandbox(BaseSandbox):
         starts, the namespaces' root included) under :func:`seccomp_filter`."""
         if not self.hardened:
             return []
-        path = self.root / _FILTER_FILE
-        if not path.exists():  # the sandbox's own copy, outside every bind: the agent never sees it
-            tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(seccomp_filter())
-            tmp.replace(path)
-        return [sys.executable, "-I", "-S", str(_CONFINE_SCRIPT), str(path), "--"]
+        return [sys.executable, "-I", "-S", str(_CONFINE_SCRIPT), str(self.root / _FILTER_FILE), "--"]
 
     def _bwrap_prefix(self) -> list[str]:
         if self.hardened:

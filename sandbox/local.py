@@ -283,6 +283,8 @@ class LocalSandbox(BaseSandbox):
         (self.root / "passwd").write_text(
             merged("/etc/passwd", f"{AGENT_USER}:x:{AGENT_UID}:{AGENT_UID}:agent:/home/{AGENT_USER}:/bin/bash", AGENT_UID))
         (self.root / "group").write_text(merged("/etc/group", f"{AGENT_USER}:x:{AGENT_UID}:", AGENT_UID))
+        (self.root / "empty").write_bytes(b"")  # what the host's /etc secrets read as inside
+        os.chmod(self.root / "empty", 0o600)
         self._users[AGENT_USER] = pwd.struct_passwd(
             (AGENT_USER, "x", AGENT_UID, AGENT_UID, "agent", f"/home/{AGENT_USER}", "/bin/bash"))
 
@@ -395,6 +397,10 @@ class LocalSandbox(BaseSandbox):
             elif os.path.isdir(path):
                 argv += ["--ro-bind", path, path]
         argv += ["--ro-bind", str(self.root / "passwd"), "/etc/passwd", "--ro-bind", str(self.root / "group"), "/etc/group"]
+        # Root inside reads every file of the host's /etc (CAP_DAC_OVERRIDE): its secrets read as empty.
+        for secret in _host_etc_secrets():
+            argv += (["--perms", "0700", "--tmpfs", secret] if os.path.isdir(secret)
+                     else ["--ro-bind", str(self.root / "empty"), secret])
         for path in self.spec.readonly_paths:
             argv += ["--ro-bind-try", str(path), str(path)]
         argv += [
@@ -669,6 +675,16 @@ class LocalSandbox(BaseSandbox):
             await asyncio.to_thread(fn)
         except OSError as exc:
             raise FileTransferError(f"file transfer for {what} in sandbox {self.id} failed: {exc}") from exc
+
+
+def _host_etc_secrets() -> list[str]:
+    """The host's password hashes and private keys under /etc, hidden from a hardened sandbox."""
+    found = [p for p in ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/ssl/private")
+             if os.path.exists(p) and not os.path.islink(p)]
+    with contextlib.suppress(OSError):
+        found += sorted(os.path.join("/etc/ssh", n) for n in os.listdir("/etc/ssh")
+                        if n.startswith("ssh_host_") and n.endswith("_key"))
+    return found
 
 
 def _root_binds(workdir: str) -> list[str]:

@@ -178,6 +178,9 @@ async def test_the_agent_user_has_no_capabilities_and_root_still_works(isolated_
         assert not forge.ok
 
 
+_HOST_HAS_SHADOW = os.path.isfile("/etc/shadow") and os.path.getsize("/etc/shadow") > 0
+
+
 async def test_hardened_local_root_is_confined_and_has_an_environment_of_its_own(tmp_path: Path) -> None:
     """Issue 22: root (installs, the verifier) is not the host's root: a reduced bounding set, the
     seccomp filter, HOME=/root and no caller variable that loads code from elsewhere."""
@@ -208,6 +211,11 @@ async def test_hardened_local_root_is_confined_and_has_an_environment_of_its_own
         work = await sb.exec("mkdir -p /logs/v && chown agent /logs/v && runuser -u agent -- id -u && "
                              "echo 1 > /logs/v/r && cat /logs/v/r && ls -ld /root", timeout=60)
         assert work.ok and work.stdout.split()[:2] == ["1000", "1"] and "drwx------" in work.stdout, work
+        # The host's password hashes read as empty, even for root (control: /etc/passwd has content).
+        if _HOST_HAS_SHADOW:
+            etc = await sb.exec("wc -c < /etc/shadow; wc -c < /etc/passwd", timeout=30)
+            shadow, passwd = etc.stdout.split()
+            assert shadow == "0" and int(passwd) > 0, etc
 
 
 def test_the_confine_launcher_never_runs_a_command_unconfined(tmp_path: Path) -> None:

@@ -13,8 +13,12 @@ Without it there is NO isolation, only a private working directory, and :attr:`d
 ``SandboxSpec(hardened=True)`` (bubblewrap and root needed) shows the sandbox only the system
 directories, ``/opt/ares-agents`` and ``spec.readonly_paths`` read-only, plus its workdir, ``/tmp`` and
 ``/home`` (where an ``agent`` user, uid :data:`AGENT_UID`, has its home) writable; a non-root user runs
-with no capabilities, an empty bounding set and ``no_new_privs``; file transfers run inside the
-sandbox (as root there), so a symlink the agent plants never redirects them onto the host.
+with no capabilities, an empty bounding set and ``no_new_privs``; root runs with :data:`ROOT_CAPS`
+only, ``HOME=/root`` (an empty private directory) and an environment that loads nothing the agent
+wrote (:meth:`LocalSandbox._command_env`); every command, root's included, runs under
+:func:`seccomp_filter` (loaded by :mod:`sandbox._confine` in front of ``nsenter``); file transfers run
+inside the sandbox (as root there, with the same limits), so a symlink the agent plants never
+redirects them onto the host.
 ``forward()`` runs :mod:`sandbox._relay` on the host inside the sandbox's network namespace only.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import posixpath
@@ -63,6 +68,39 @@ AGENT_UID = 1000
 HARDENED_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt/ares-agents")
 # A non-root user in a hardened sandbox: no capabilities now or ever (setuid binaries included).
 _DROP_PRIVS = ["--clear-groups", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs"]
+# Root in a hardened sandbox (installs, the verifier, file transfers): Docker's default capabilities
+# less MKNOD, NET_RAW and SETFCAP; CAP_DAC_READ_SEARCH (open_by_handle_at), CAP_SYS_ADMIN,
+# CAP_SYS_PTRACE, CAP_SYS_MODULE, CAP_SYS_RAWIO... are out of the bounding set, so no program it
+# runs, setuid or not, gets them back.
+ROOT_CAPS = ("chown", "dac_override", "fowner", "fsetid", "kill", "setgid", "setuid", "setpcap",
+             "net_bind_service", "sys_chroot", "audit_write")
+_ROOT_PRIVS = [f"--bounding-set=-all,{','.join('+' + c for c in ROOT_CAPS)}", "--inh-caps=-all",
+               "--ambient-caps=-all", "--no-new-privs"]
+# The environment a root command of a hardened sandbox never takes from its caller: what makes a
+# program load code from elsewhere (an agent-writable directory).  HOME and PATH are set anew.
+_ROOT_ENV_DROP_PREFIXES = ("PYTHON", "LD_")
+_ROOT_ENV_DROP = frozenset({"BASH_ENV", "ENV", "PERL5LIB", "PERL5OPT", "PERLLIB", "RUBYLIB", "RUBYOPT",
+                            "NODE_OPTIONS", "NODE_PATH", "GCONV_PATH", "HOSTALIASES", "LOCALDOMAIN"})
+_CONFINE_SCRIPT = Path(__file__).with_name("_confine.py")
+_FILTER_FILE = "seccomp.bpf"
+# System calls every command of a hardened sandbox (agent and root) is refused, with EPERM: new
+# mounts and filesystem handles (open_by_handle_at read the host's filesystem through a bind mount),
+# the kernel keyring (shared by every sandbox of one uid), tracing other processes, modules, kexec,
+# BPF, perf, swap, reboot, userfaultfd.  Docker's default profile refuses the same.
+SECCOMP_DENIED = (
+    "mount", "umount2", "pivot_root", "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree",
+    "mount_setattr", "name_to_handle_at", "open_by_handle_at",
+    "add_key", "request_key", "keyctl",
+    "ptrace", "process_vm_readv", "process_vm_writev",
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
+    "bpf", "perf_event_open", "userfaultfd", "swapon", "swapoff", "reboot", "acct", "quotactl",
+    "lookup_dcookie", "iopl", "ioperm",
+)
+# Refused with ENOSYS, so that libraries fall back: clone3 (its flags sit in a struct the filter
+# cannot read; glibc then uses clone, whose flags it can) and io_uring (whose operations bypass
+# seccomp; libuv/node fall back to threads).
+SECCOMP_NOSYS = ("clone3", "io_uring_setup", "io_uring_enter", "io_uring_register")
+_CLONE_NEWUSER = 0x10000000
 
 
 def local_root() -> Path:
@@ -86,6 +124,32 @@ def bwrap_available() -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return probe.returncode == 0
+
+
+@cache
+def seccomp_filter() -> bytes:
+    """The classic-BPF seccomp program of hardened local commands (built once per process with
+    libseccomp through ``pyseccomp``): :data:`SECCOMP_DENIED` and new user namespaces (``unshare`` or
+    ``clone`` with ``CLONE_NEWUSER``) get EPERM, :data:`SECCOMP_NOSYS` ENOSYS, a foreign ABI (32-bit
+    ``int 0x80``) kills the process; everything else is allowed."""
+    try:
+        import pyseccomp as sc
+    except (ImportError, OSError) as exc:
+        raise SandboxStartError(
+            f"SandboxSpec(hardened=True) needs libseccomp and its binding: pip install pyseccomp, apt-get install "
+            f"libseccomp2 ({exc})"
+        ) from exc
+    filt = sc.SyscallFilter(sc.ALLOW)
+    for name in SECCOMP_DENIED:
+        filt.add_rule(sc.ERRNO(errno.EPERM), name)
+    for name in SECCOMP_NOSYS:
+        filt.add_rule(sc.ERRNO(errno.ENOSYS), name)
+    for name in ("unshare", "clone"):  # the flags are the first argument on x86-64 and arm64
+        filt.add_rule(sc.ERRNO(errno.EPERM), name, sc.Arg(0, sc.MASKED_EQ, _CLONE_NEWUSER, _CLONE_NEWUSER))
+    with tempfile.TemporaryFile() as fh:
+        filt.export_bpf(fh)
+        fh.seek(0)
+        return fh.read()
 
 
 def _kill_tagged_processes(sandbox_id: str, var: str = _ID_VAR) -> int:
@@ -138,7 +202,8 @@ class LocalSandbox(BaseSandbox):
             return (
                 f"local sandbox {self.id} in {self.root} (bubblewrap, hardened: only system directories and "
                 f"/opt/ares-agents read-only, private {self.spec.workdir}, /tmp and /home, PID namespace, non-root "
-                f"users without capabilities, network={self.spec.network})"
+                f"users without capabilities, root with a reduced capability set and a clean environment, a seccomp "
+                f"filter on every command, network={self.spec.network})"
             )
         if self.isolated:
             return (
@@ -192,6 +257,9 @@ class LocalSandbox(BaseSandbox):
                     "as root, or use the docker backend"
                 )
             self._write_user_db()
+            # The sandbox's own copy of the filter, outside every bind (the agent never sees it); built
+            # here so that a missing libseccomp fails start(), saying what to install.
+            (self.root / _FILTER_FILE).write_bytes(seccomp_filter())
         if self.isolated and os.geteuid() == 0 and shutil.which("nsenter"):
             # Spawned from the loop's own thread: bwrap --die-with-parent ties the namespace to it.
             self._start_keeper()
@@ -215,6 +283,8 @@ class LocalSandbox(BaseSandbox):
         (self.root / "passwd").write_text(
             merged("/etc/passwd", f"{AGENT_USER}:x:{AGENT_UID}:{AGENT_UID}:agent:/home/{AGENT_USER}:/bin/bash", AGENT_UID))
         (self.root / "group").write_text(merged("/etc/group", f"{AGENT_USER}:x:{AGENT_UID}:", AGENT_UID))
+        (self.root / "empty").write_bytes(b"")  # what the host's /etc secrets read as inside
+        os.chmod(self.root / "empty", 0o600)
         self._users[AGENT_USER] = pwd.struct_passwd(
             (AGENT_USER, "x", AGENT_UID, AGENT_UID, "agent", f"/home/{AGENT_USER}", "/bin/bash"))
 
@@ -277,6 +347,8 @@ class LocalSandbox(BaseSandbox):
                 switch = ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", *_DROP_PRIVS]
             elif not self.hardened:
                 switch = ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", "--init-groups"]
+        if self.hardened and not switch:
+            switch = ["setpriv", *_ROOT_PRIVS]
         if self._ns_pid is not None:
             # Join the sandbox's namespaces; cd inside (nsenter's --wd resolves outside the new root).
             return [
@@ -288,8 +360,15 @@ class LocalSandbox(BaseSandbox):
 
     def _nsenter(self) -> list[str]:
         assert self._ns_pid is not None
-        return ["nsenter", "-t", str(self._ns_pid), "-m", "-p", "-i", "-u", "-r",
+        return [*self._confine_prefix(), "nsenter", "-t", str(self._ns_pid), "-m", "-p", "-i", "-u", "-r",
                 *(["-n"] if self.spec.network == "none" else [])]
+
+    def _confine_prefix(self) -> list[str]:
+        """In front of a hardened sandbox's nsenter: the launcher that puts the command (and all it
+        starts, the namespaces' root included) under :func:`seccomp_filter`."""
+        if not self.hardened:
+            return []
+        return [sys.executable, "-I", "-S", str(_CONFINE_SCRIPT), str(self.root / _FILTER_FILE), "--"]
 
     def _bwrap_prefix(self) -> list[str]:
         if self.hardened:
@@ -318,12 +397,18 @@ class LocalSandbox(BaseSandbox):
             elif os.path.isdir(path):
                 argv += ["--ro-bind", path, path]
         argv += ["--ro-bind", str(self.root / "passwd"), "/etc/passwd", "--ro-bind", str(self.root / "group"), "/etc/group"]
+        # Root inside reads every file of the host's /etc (CAP_DAC_OVERRIDE): its secrets read as empty.
+        for secret in _host_etc_secrets():
+            argv += (["--perms", "0700", "--tmpfs", secret] if os.path.isdir(secret)
+                     else ["--ro-bind", str(self.root / "empty"), secret])
         for path in self.spec.readonly_paths:
             argv += ["--ro-bind-try", str(path), str(path)]
         argv += [
             "--dev", "/dev", "--proc", "/proc",
             "--bind", str(self.root / "tmp"), "/tmp",
             "--bind", str(self.root / "home"), "/home",
+            # Root's own HOME (empty, 0700), never the agent's directories.
+            "--perms", "0700", "--dir", "/root",
             "--bind", str(self.root / "work"), self.spec.workdir,
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session",
         ]
@@ -340,13 +425,23 @@ class LocalSandbox(BaseSandbox):
         except KeyError as exc:
             raise ExecError(f"no user {user!r} on this host: the local backend runs commands as host users") from exc
 
-    async def _exec(
-        self, command: str, *, cwd: str, env: dict[str, str], user: str | None, timeout: float | None
-    ) -> ExecResult:
+    def _command_env(self, env: dict[str, str], user: str | None) -> dict[str, str]:
+        """A command's whole environment.  Root in a hardened sandbox gets one of its own: ``HOME=/root``,
+        the system ``PATH``, no ``PYTHON*``/``LD_*``/``BASH_ENV``... from the caller, no user site
+        (``PYTHONNOUSERSITE``), so that nothing the agent wrote is loaded as root's code."""
+        if self.hardened and (user is None or self._lookup_user(user).pw_uid == 0):
+            kept = {k: v for k, v in env.items()
+                    if not k.startswith(_ROOT_ENV_DROP_PREFIXES) and k not in _ROOT_ENV_DROP}
+            return {**kept, "HOME": "/root", "PATH": DEFAULT_PATH, "PYTHONNOUSERSITE": "1", _ID_VAR: self.id}
         home = self.workdir
         if self.hardened and user is not None and self._lookup_user(user).pw_name == AGENT_USER:
             home = f"/home/{AGENT_USER}"
-        full_env = {"PATH": DEFAULT_PATH, "HOME": home, **env, _ID_VAR: self.id}
+        return {"PATH": DEFAULT_PATH, "HOME": home, **env, _ID_VAR: self.id}
+
+    async def _exec(
+        self, command: str, *, cwd: str, env: dict[str, str], user: str | None, timeout: float | None
+    ) -> ExecResult:
+        full_env = self._command_env(env, user)
         host_cwd = self._host_path(cwd)
         # A hardened sandbox's cwd is checked inside (its paths are not the host's).
         if not self.hardened and not host_cwd.is_dir():
@@ -484,7 +579,7 @@ class LocalSandbox(BaseSandbox):
     def _tar_inside(self, args: list[str], *, stdin: object = None, stdout: object = None) -> None:
         """Run ``tar`` as root inside the sandbox's namespaces (hardened transfers)."""
         proc = subprocess.run(
-            [*self._nsenter(), "tar", *args], stdin=stdin, stdout=stdout, stderr=subprocess.PIPE,  # type: ignore[call-overload]
+            [*self._nsenter(), "setpriv", *_ROOT_PRIVS, "tar", *args], stdin=stdin, stdout=stdout, stderr=subprocess.PIPE,  # type: ignore[call-overload]
             cwd=str(self.root), env={"PATH": DEFAULT_PATH}, check=False, close_fds=True,
         )
         if proc.returncode != 0:
@@ -516,7 +611,7 @@ class LocalSandbox(BaseSandbox):
                 extract_tar(out, local)
 
     def _mkdir_inside(self, path: str) -> None:
-        proc = subprocess.run([*self._nsenter(), "mkdir", "-p", "--", path], capture_output=True, check=False,
+        proc = subprocess.run([*self._nsenter(), "setpriv", *_ROOT_PRIVS, "mkdir", "-p", "--", path], capture_output=True, check=False,
                               cwd=str(self.root), env={"PATH": DEFAULT_PATH})
         if proc.returncode != 0:
             raise FileTransferError(f"creating {path} in sandbox {self.id} failed: "
@@ -580,6 +675,16 @@ class LocalSandbox(BaseSandbox):
             await asyncio.to_thread(fn)
         except OSError as exc:
             raise FileTransferError(f"file transfer for {what} in sandbox {self.id} failed: {exc}") from exc
+
+
+def _host_etc_secrets() -> list[str]:
+    """The host's password hashes and private keys under /etc, hidden from a hardened sandbox."""
+    found = [p for p in ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/ssl/private")
+             if os.path.exists(p) and not os.path.islink(p)]
+    with contextlib.suppress(OSError):
+        found += sorted(os.path.join("/etc/ssh", n) for n in os.listdir("/etc/ssh")
+                        if n.startswith("ssh_host_") and n.endswith("_key"))
+    return found
 
 
 def _root_binds(workdir: str) -> list[str]:

@@ -89,7 +89,11 @@ class SandboxSpec:
     and ``readonly_paths`` read-only; the workdir, a private ``/tmp`` and ``/home/agent`` writable; no
     host home directory, repository, dataset or socket.  An ``agent`` user (uid 1000) exists there;
     commands run as a non-root user have no capabilities and ``no_new_privs``; root (``user=None`` or
-    ``"root"``) keeps today's behaviour inside the namespaces, for installs and verifiers.
+    ``"root"``, for installs and verifiers) is not the host's root: Docker's default capabilities less
+    ``MKNOD``, ``NET_RAW`` and ``SETFCAP`` (no ``DAC_READ_SEARCH``, no ``SYS_ADMIN``), ``HOME=/root``,
+    the system ``PATH`` and none of the caller's ``PYTHON*``/``LD_*`` variables.  Every command, root's
+    too, runs under a seccomp filter that refuses new user namespaces, mounts, file handles, the
+    keyring, ptrace and module loading.
     """
 
     image: str | None = None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -21,7 +23,7 @@ from aiohttp import web
 
 import sandbox
 from sandbox import ForwardError, NotSupportedError, SandboxSpec
-from sandbox.local import bwrap_available
+from sandbox.local import _CONFINE_SCRIPT, DEFAULT_PATH, ROOT_CAPS, bwrap_available, seccomp_filter
 
 from .conftest import AGENT_IMAGE, docker_required
 
@@ -165,7 +167,7 @@ async def test_the_agent_user_has_no_capabilities_and_root_still_works(isolated_
             assert int(caps["CapBnd"], 16) == 0, caps
             nnp = await sb.exec("grep NoNewPrivs /proc/self/status", user="agent", timeout=30)
             assert nnp.stdout.split()[-1] == "1", nnp
-        # Root (installs, verifiers) keeps its powers inside the sandbox.
+        # Root (installs, verifiers) keeps the powers it needs inside the sandbox.
         root = await sb.exec("id -u; grep CapEff /proc/self/status; mkdir -p /opt/x-root-only 2>/dev/null; "
                              "mkdir -p /srv/verifier && echo ok > /srv/verifier/r && cat /srv/verifier/r",
                              timeout=30)
@@ -174,6 +176,63 @@ async def test_the_agent_user_has_no_capabilities_and_root_still_works(isolated_
         # ... and the agent cannot write where root put the verifier's files.
         forge = await sb.exec("echo 1.0 > /srv/verifier/r", user="agent", timeout=30)
         assert not forge.ok
+
+
+_HOST_HAS_SHADOW = os.path.isfile("/etc/shadow") and os.path.getsize("/etc/shadow") > 0
+
+
+async def test_hardened_local_root_is_confined_and_has_an_environment_of_its_own(tmp_path: Path) -> None:
+    """Issue 22: root (installs, the verifier) is not the host's root: a reduced bounding set, the
+    seccomp filter, HOME=/root and no caller variable that loads code from elsewhere."""
+    _local_ok()
+    planted = {"PYTHONPATH": "/workspace/evil", "PYTHONSTARTUP": "/workspace/s.py", "LD_PRELOAD": "/workspace/x.so",
+               "BASH_ENV": "/workspace/rc", "HOME": "/workspace", "PATH": "/workspace/bin:/usr/bin", "TASK_VAR": "kept"}
+    show = ("grep -E '^(CapBnd|CapEff|Seccomp):' /proc/self/status; env; "
+            "python3 -c 'import site; print(\"USER_SITE\", site.ENABLE_USER_SITE)'")
+    async with sandbox.LocalSandbox(_spec("local")) as sb:
+        root = await sb.exec(show, env=planted, timeout=60)
+        agent = await sb.exec(show, env=planted, user="agent", timeout=60)
+        for r in (root, agent):
+            assert r.ok, r
+        status = dict(line.split(":\t") for line in root.stdout.splitlines() if line.startswith(("Cap", "Seccomp")))
+        env = dict(line.split("=", 1) for line in root.stdout.splitlines() if "=" in line and ":" not in line[:8])
+        allowed = {"chown": 0, "dac_override": 1, "fowner": 3, "fsetid": 4, "kill": 5, "setgid": 6, "setuid": 7,
+                   "setpcap": 8, "net_bind_service": 10, "sys_chroot": 18, "audit_write": 29}
+        assert set(allowed) == set(ROOT_CAPS)
+        assert int(status["CapBnd"], 16) == int(status["CapEff"], 16) == sum(1 << b for b in allowed.values()), status
+        assert status["Seccomp"] == "2"
+        assert env["HOME"] == "/root" and env["PATH"] == DEFAULT_PATH and env["TASK_VAR"] == "kept", env
+        assert env["PYTHONNOUSERSITE"] == "1" and "USER_SITE False" in root.stdout
+        for var in ("PYTHONPATH", "PYTHONSTARTUP", "LD_PRELOAD", "BASH_ENV"):
+            assert var not in env, var
+        # Control: the agent's own commands keep what the caller passes (and the filter applies).
+        assert "PYTHONPATH=/workspace/evil" in agent.stdout and "Seccomp:\t2" in agent.stdout, agent
+        # Root can still do a verifier's work.
+        work = await sb.exec("mkdir -p /logs/v && chown agent /logs/v && runuser -u agent -- id -u && "
+                             "echo 1 > /logs/v/r && cat /logs/v/r && ls -ld /root", timeout=60)
+        assert work.ok and work.stdout.split()[:2] == ["1000", "1"] and "drwx------" in work.stdout, work
+        # The host's password hashes read as empty, even for root (control: /etc/passwd has content).
+        if _HOST_HAS_SHADOW:
+            etc = await sb.exec("wc -c < /etc/shadow; wc -c < /etc/passwd", timeout=30)
+            shadow, passwd = etc.stdout.split()
+            assert shadow == "0" and int(passwd) > 0, etc
+
+
+def test_the_confine_launcher_never_runs_a_command_unconfined(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.bpf"
+    bad.write_bytes(b"not a filter")
+    marker = tmp_path / "ran"
+    for filt in (bad, tmp_path / "missing.bpf"):
+        r = subprocess.run([sys.executable, "-I", "-S", str(_CONFINE_SCRIPT), str(filt), "--", "touch", str(marker)],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 126 and "ares-confine" in r.stderr, r
+        assert not marker.exists()
+    good = tmp_path / "good.bpf"
+    good.write_bytes(seccomp_filter())
+    r = subprocess.run([sys.executable, "-I", "-S", str(_CONFINE_SCRIPT), str(good), "--", "sh", "-c",
+                        "grep Seccomp: /proc/self/status; unshare -U true && echo USERNS"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and r.stdout.split() == ["Seccomp:", "2"], r
 
 
 async def test_transfers_never_follow_an_agents_symlink_onto_the_host(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@
 set -u
 VERIFIER_DIR="${ARES_VERIFIER_DIR:-/logs/verifier}"
 mkdir -p "$VERIFIER_DIR"
-python3 - "$VERIFIER_DIR/reward.txt" <<'PY'
+# -I: the agent's files are data, never code (no workdir on sys.path: a pathlib.py there would run as root).
+python3 -I - "$VERIFIER_DIR/reward.txt" <<'PY'
 import pathlib
 import sys
 

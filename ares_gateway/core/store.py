@@ -183,9 +183,10 @@ def check_data_dir(path: Path, *, min_free_bytes: int) -> None:
         )
 
 
-def _open_private(path: Path, flags: int) -> int:
+def _open_private(path: Path, flags: int, *, fix_mode: bool = True) -> int:
     """Open (``flags`` may create) a regular file of the data dir, never through a symlink, and make
-    it 0600 (it may hold session tokens): :class:`DataDirError` for a symlink or anything but a file."""
+    it 0600 unless ``fix_mode`` is false (it may hold session tokens): :class:`DataDirError` for a
+    symlink or anything but a regular file."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
@@ -197,7 +198,7 @@ def _open_private(path: Path, flags: int) -> int:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise DataDirError(f"{path} is not a regular file; move it away or pass another --data-dir")
-        if stat.S_IMODE(st.st_mode) != 0o600:
+        if fix_mode and stat.S_IMODE(st.st_mode) != 0o600:
             os.fchmod(fd, 0o600)
             if st.st_size:
                 log.warning("%s was mode %o: made 0600", path, stat.S_IMODE(st.st_mode))
@@ -457,11 +458,12 @@ class TurnStore(_Reads):
         # SQLite gives its -wal and -shm files the database file's mode, so they are 0600 from
         # their creation (they hold the same session tokens). The directory is ours and 0700, so
         # nobody can put a symlink in its place between this check and SQLite's open.
-        os.close(_open_private(db_path, os.O_RDWR | os.O_CREAT))
-        for suffix in _SIDE_FILES:
-            side = self.path / (DB_NAME + suffix)
+        # An existing file's mode is fixed only once it is known to be a gateway database.
+        os.close(_open_private(db_path, os.O_RDWR | os.O_CREAT, fix_mode=False))
+        sides = [self.path / (DB_NAME + suffix) for suffix in _SIDE_FILES]
+        for side in sides:
             if os.path.lexists(side):
-                os.close(_open_private(side, os.O_RDONLY))
+                os.close(_open_private(side, os.O_RDONLY, fix_mode=False))
         lost = inspect_wal(self.path / (DB_NAME + "-wal"))
         #: What SQLite discarded of the write-ahead log on open (``None``: nothing), in words.
         self.discarded_wal = lost
@@ -483,6 +485,9 @@ class TurnStore(_Reads):
             db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
             try:
                 _check_schema(db, db_path)
+                for f in (db_path, *sides):
+                    if os.path.lexists(f):
+                        os.close(_open_private(f, os.O_RDONLY))  # 0600, before SQLite writes a token
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute(f"PRAGMA synchronous={synchronous}")
                 # SQLite's own page cache is gateway memory; appends touch a few pages, reads are rare,

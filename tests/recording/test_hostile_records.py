@@ -431,6 +431,19 @@ async def test_a_discarded_wal_is_reported(tmp_path: Path) -> None:
     wal = data / "gateway.sqlite3-wal"
     size = wal.stat().st_size
     assert size > 0
+    # A WAL as a killed gateway leaves it is no garbage: a copy of the data dir starts with its
+    # session, and nothing is reported.
+    import shutil
+
+    intact = tmp_path / "intact"
+    shutil.copytree(data, intact)
+    proc = _serve(intact, port)
+    try:
+        await _wait_up(f"http://127.0.0.1:{port}", proc)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=20)
+    assert "(1 session(s) known)" in err and "WARNING" not in err, err
     garbage = os.urandom(size)
     wal.write_bytes(garbage)
     proc = _serve(data, port)
@@ -443,3 +456,30 @@ async def test_a_discarded_wal_is_reported(tmp_path: Path) -> None:
     assert len(warned) == 1 and "not a SQLite WAL" in warned[0] and "discard" in warned[0], err
     (copy,) = data.glob("gateway.sqlite3-wal.discarded-*")
     assert copy.read_bytes() == garbage and stat.S_IMODE(copy.stat().st_mode) == 0o600
+
+
+def test_a_torn_wal_tail_is_named_and_an_intact_wal_is_not(tmp_path: Path) -> None:
+    """:func:`inspect_wal` against SQLite's own WAL: intact, nothing to report; the last commit cut
+    short (a torn write, or damage), its frames are named."""
+    from ares_gateway.core.store import inspect_wal
+
+    db = sqlite3.connect(tmp_path / "x.sqlite3")
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("CREATE TABLE t (v BLOB)")
+    for i in range(5):
+        with db:
+            db.execute("INSERT INTO t VALUES (?)", (os.urandom(3000 + i),))
+    wal = (tmp_path / "x.sqlite3-wal").read_bytes()
+    db.close()
+    (tmp_path / "w").write_bytes(wal)
+    assert inspect_wal(tmp_path / "w") is None
+    assert inspect_wal(tmp_path / "absent") is None
+    (tmp_path / "w").write_bytes(wal[:-100])
+    torn = inspect_wal(tmp_path / "w")
+    assert torn is not None and "after the last commit" in torn
+    damaged = bytearray(wal)
+    damaged[len(wal) - 2000] ^= 0xFF
+    (tmp_path / "w").write_bytes(bytes(damaged))
+    assert "after the last commit" in (inspect_wal(tmp_path / "w") or "")
+    (tmp_path / "w").write_bytes(b"\0" * 10)
+    assert "too short" in (inspect_wal(tmp_path / "w") or "")

@@ -1,9 +1,10 @@
 """The durable turn store: every answered turn and every session, in one SQLite file in a data dir.
 
-Layout of a data directory::
+Layout of a data directory (0700, this user's; every file 0600, opened with ``O_NOFOLLOW``: the
+database and its WAL hold live session tokens)::
 
     DIR/gateway.sqlite3        sessions + turns (SQLite, WAL mode)
-    DIR/gateway.sqlite3-wal    SQLite's write-ahead log
+    DIR/gateway.sqlite3-wal    SQLite's write-ahead log (and -shm, its index)
     DIR/lock                   held with flock() by the one gateway using DIR (its pid inside)
 
 Why SQLite: it is in the standard library, one file, crash-safe by design (a torn write at the
@@ -20,6 +21,11 @@ the WAL (the OS page cache), without fsync; the WAL is fsynced at checkpoints. A
 therefore survives the gateway process dying in any way (``kill -9``, OOM kill, a crash); only a
 power loss or kernel crash may lose the last commits (never corrupting older ones).
 ``synchronous="FULL"`` (a constructor argument) fsyncs every commit instead.
+
+**Lost writes**: a batch whose commit fails (a full disk) loses its turn records, and so does a
+record that continues a lost one; each gets a tombstone (:func:`lost_record`), written with the
+next commit that succeeds, and the recorder encodes the session's next records whole
+(:meth:`TurnStore.drain_lost`), so no record ever continues one the database lacks.
 
 **Integrity**: each turn's payload carries a CRC-32. A record that fails it (a damaged disk block,
 a file edited by hand) is skipped and reported by :meth:`TurnStore.load_turns`; the rest loads.
@@ -371,7 +377,8 @@ class TurnStore(_Reads):
             for the next commit; beyond it the oldest are dropped (logged).
 
     Raises :class:`DataDirError` when the directory is not writable, is too full, is locked by
-    another gateway, or holds a file that is not a gateway database.
+    another gateway, belongs to another user, holds a symlink where its files go, or holds a file
+    that is not a gateway database of this schema version (see :func:`_check_schema`).
     """
 
     def __init__(

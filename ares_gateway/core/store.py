@@ -597,11 +597,13 @@ class TurnStore(_Reads):
     def _commit(self, batch: list[tuple[Any, ...]]) -> None:
         # A record that continues a lost one could never be decoded: it is lost too (a tombstone).
         ops: list[tuple[Any, ...]] = []
+        dropped = 0
         for op in batch:
             if op[0] == "turn" and op[5]:
                 gone = self._lost.get(op[1])
                 if gone and not gone.isdisjoint(op[5]):
                     self._mark_lost(op[1], op[2], f"it continues turn {min(gone & set(op[5]))}, which was lost")
+                    dropped += 1
                     continue
             elif op[0] == "delete":
                 self._lost.pop(op[1], None)
@@ -633,10 +635,16 @@ class TurnStore(_Reads):
                 log.error("turn store %s: %d writes waiting for space; the oldest %d are dropped", self.path,
                           len(self._retry), len(self._retry) - self.max_retry)
                 del self._retry[: len(self._retry) - self.max_retry]
+        failed: DataDirError | None = None
+        if error is not None:
+            failed = DataDirError(f"recording to {self.path} failed: {error}")
+        elif dropped:  # committed, but not every turn: a barrier must not say they all are
+            failed = DataDirError(f"recording to {self.path} failed: {dropped} turn record(s) continued one "
+                                  "that was lost")
         for item in batch:
             if item[0] == "barrier":
                 b: _Barrier = item[1]
-                err = None if error is None else DataDirError(f"recording to {self.path} failed: {error}")
+                err = failed
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                     b.loop.call_soon_threadsafe(_resolve, b.future, err)
 

@@ -483,3 +483,48 @@ def test_a_torn_wal_tail_is_named_and_an_intact_wal_is_not(tmp_path: Path) -> No
     assert "after the last commit" in (inspect_wal(tmp_path / "w") or "")
     (tmp_path / "w").write_bytes(b"\0" * 10)
     assert "too short" in (inspect_wal(tmp_path / "w") or "")
+
+
+def test_a_record_queued_against_one_that_is_then_lost_is_never_written_as_a_delta(tmp_path: Path) -> None:
+    """The race inside a failed write: turn 3 is queued and its commit fails, turn 4 (a delta against
+    3) was encoded before anyone knew. Turn 4 must not reach the database as a delta (undecodable);
+    both are tombstones, the barrier says so, and turn 5 on is whole. The failure is one commit that
+    raises SQLite's disk-full error (the full-disk test above does it for real, without the race)."""
+    import threading
+
+    class FailOnce(TurnStore):
+        fail = threading.Event()
+
+        def _apply(self, batch: list[tuple[Any, ...]]) -> None:
+            if self.fail.is_set() and any(op[0] == "turn" for op in batch):
+                self.fail.clear()
+                raise sqlite3.OperationalError("database or disk is full")
+            super()._apply(batch)
+
+    async def main() -> None:
+        with FailOnce(tmp_path) as store:
+            rec = SessionRecorder(store=store)
+            for t in range(2):
+                rec(_turn("s", t))
+            store.flush()
+            store.fail.set()
+            with store._db_lock:  # the writer takes turn 3 and waits here; turn 4 is queued behind it
+                rec(_turn("s", 2))
+                await asyncio.sleep(0.2)
+                rec(_turn("s", 3))
+                waited = store.barrier()  # queued behind turn 4: it must not say turn 4 is committed
+            with pytest.raises(DataDirError, match="continued one that was lost"):
+                await waited
+            for t in range(4, 7):
+                rec(_turn("s", t))
+            await store.barrier()
+        with TurnStore(tmp_path) as store:
+            rec = SessionRecorder(store=store)
+            rec.known({"s"})
+            assert [e["request_id"] for e in rec.turn_log("s")] == ["r0", "r1", "r4", "r5", "r6"]
+            assert [(d.seq, d.reason) for d in rec.damaged["s"]] == [
+                (3, "not recorded: writing it failed (database or disk is full)"),
+                (4, "not recorded: it continues turn 3, which was lost"),
+            ]
+
+    asyncio.run(main())

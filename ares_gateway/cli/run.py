@@ -338,6 +338,7 @@ def _run_guarded(coro: Any, *, out: Path, run_info: dict[str, Any], tasks: Any, 
     ``results.json`` is still written with the error. Raises :class:`_RunFailed`."""
     import logging
 
+    from ares_gateway.core.errors import DataDirError
     from ares_gateway.episodes.episode import one_line
     from ares_gateway.episodes.preflight import PreflightError
     from ares_gateway.episodes.rollouts import write_failed_run
@@ -345,7 +346,7 @@ def _run_guarded(coro: Any, *, out: Path, run_info: dict[str, Any], tasks: Any, 
 
     try:
         return _run_async(coro)
-    except (PreflightError, HarnessError) as exc:
+    except (PreflightError, HarnessError, DataDirError) as exc:
         message, rc = one_line(str(exc)) or type(exc).__name__, 2
     except Exception as exc:
         logging.getLogger("ares_gateway").debug("the run failed", exc_info=True)

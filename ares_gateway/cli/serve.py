@@ -9,11 +9,13 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from ares_gateway.cli._common import HelpFormatter, run_on_uvloop, tune_gc, write_admin_token
 from ares_gateway.cli.run import add_tito_arguments
 from ares_gateway.core.errors import DataDirError
+from ares_gateway.core.store import prepare_data_dir
 from ares_gateway.gateway import Gateway, GatewayConfig
 
 log = logging.getLogger("ares_gateway")
@@ -115,12 +117,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     token_file: str | None = None
     data_dir = _data_dir(args)
-    if not admin:
-        # Never an open control API (issue 17): whoever reaches the port (an agent on the host's
-        # network included) could read every request and answer or end any session. The token
-        # lives beside the data it guards (the state home when nothing is written).
-        admin, path = write_admin_token(data_dir or _state_home())
-        token_file = str(path)
+    try:
+        if data_dir is not None:
+            # Created 0700 (or checked) before anything is written in it: the admin token below
+            # would otherwise create it with the umask's mode, and fail on a file with a traceback.
+            prepare_data_dir(Path(data_dir).expanduser().resolve())
+        if not admin:
+            # Never an open control API (issue 17): whoever reaches the port (an agent on the host's
+            # network included) could read every request and answer or end any session. The token
+            # lives beside the data it guards (the state home when nothing is written).
+            admin, path = write_admin_token(data_dir or _state_home())
+            token_file = str(path)
+    except DataDirError as exc:
+        print(f"ares-gateway: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except OSError as exc:
+        print(f"ares-gateway: cannot write the admin token in {data_dir or _state_home()} "
+              f"({exc.strerror or exc}); pass a writable --data-dir or --admin-token", file=sys.stderr, flush=True)
+        return 2
     cfg = GatewayConfig(
         host=args.host,
         port=args.port,

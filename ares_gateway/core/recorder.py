@@ -38,7 +38,7 @@ import orjson
 
 from ares_gateway.core._body_layout import BodyLayout, continue_layout, layout_of
 from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta, WireProtocol
-from ares_gateway.core.store import DamagedRecord, TurnStore
+from ares_gateway.core.store import LOST_KIND, DamagedRecord, TurnStore, lost_record
 from ares_gateway.core.streaming import DeltaAccumulator
 from ares_gateway.protocols import get_adapter
 from trajectory import Sample, TrajectoryManager, TurnRecord
@@ -369,6 +369,10 @@ def _pack(header: dict[str, Any], blob: bytes) -> bytes:
     return b"R" + inner
 
 
+class LostRecordError(ValueError):
+    """A tombstone: the turn was answered, and its record could not be encoded or stored."""
+
+
 class _Decoder:
     """Reads a session's records in order, keeping each line's previous body and token ids."""
 
@@ -378,6 +382,9 @@ class _Decoder:
 
     def decode(self, seq: int, payload: bytes) -> dict[str, Any]:
         kind, data = payload[:1], payload[1:]
+        if kind == LOST_KIND:
+            info = orjson.loads(data)
+            raise LostRecordError(f"not recorded: {info.get('lost') if isinstance(info, dict) else info}")
         if kind == b"Z":
             data = zlib.decompress(data)
         elif kind != b"R":
@@ -550,11 +557,15 @@ class SessionRecorder:
         self._stored: set[str] = set()
         #: Records that could not be read back, per session (reported, skipped).
         self.damaged: dict[str, list[DamagedRecord]] = {}
+        self._lost_seen = 0  # the store's lost_version last acted on
 
     # ------------------------------------------------------------------ write
 
     def __call__(self, turn: RecordedTurn) -> None:
         sid = turn.session_id
+        store = self.store
+        if store is not None and store.lost_version != self._lost_seen:
+            self._forget_lost(store)
         state = self._states.get(sid)
         if state is None:
             state = self._load(sid) if sid in self._stored else None
@@ -562,19 +573,20 @@ class SessionRecorder:
                 state = self._states[sid] = _SessionState()
         state.seq += 1
         seq = state.seq
-        request = turn.request
-        body = turn.native_request()
-        if not isinstance(body, dict):
-            body = {"body": body}
-            raw = None
-        else:
-            raw = turn.raw_body  # the bytes ``body`` was parsed from, when the turn came over HTTP
-        tokens = turn.completion.tokens
-        line = state.lines.get(turn.side_call)
-        prev_seq = None if line is None else line.seq
-        header, line, key = _head(turn, body, state.lines, seq, self.keyframe_every, raw)
-        blob = b""
+        tree_error: Exception | None = None
         try:
+            request = turn.request
+            body = turn.native_request()
+            if not isinstance(body, dict):
+                body = {"body": body}
+                raw = None
+            else:
+                raw = turn.raw_body  # the bytes ``body`` was parsed from, when the turn came over HTTP
+            tokens = turn.completion.tokens
+            line = state.lines.get(turn.side_call)
+            prev_seq = None if line is None else line.seq
+            header, line, key = _head(turn, body, state.lines, seq, self.keyframe_every, raw)
+            blob = b""
             if tokens is not None:
                 # int32 arrays already (respond checked them): the record and the tree share them.
                 prompt = as_token_array(tokens.prompt_ids, what="prompt_ids")
@@ -587,21 +599,42 @@ class SessionRecorder:
                     line.chat, line.chat_seq = chat, seq
                     shared = _tree_turn(self._tm, sid, chat, turn.completion, prompt, output,
                                         tokens.output_logprobs, tokens.finish_reason, turn.request_id, turn.side_call)
-                except Exception:
+                except Exception as exc:
+                    # The turn is recorded whole all the same; the error is raised once it is.
+                    tree_error = exc
                     line.tseq = None  # what the tree holds now is not known: the next ids go whole
                     header["tok"], blob = _token_delta(tokens, prompt, output, line, seq, False, None, None, key=True)
-                    raise
-                prev = None if shared is not None else self._tm.last_ids(sid, side_call=turn.side_call)
-                header["tok"], blob = _token_delta(tokens, prompt, output, line, seq, shared is not None, shared, prev,
-                                                   key)
-        finally:
+                else:
+                    prev = None if shared is not None else self._tm.last_ids(sid, side_call=turn.side_call)
+                    header["tok"], blob = _token_delta(tokens, prompt, output, line, seq, shared is not None, shared,
+                                                       prev, key)
+            # Packed before anything is stored: a record that cannot be encoded (a number beyond
+            # 64 bits from a Python caller, anything else) is never half written.
             payload = _pack(header, blob)
-            state.count += 1
-            if self.store is not None:
-                # The data dir has the record; memory keeps only what the next turn is encoded against.
-                self.store.put_turn(sid, seq, payload)
-            else:
-                state.payloads.append((seq, payload))
+            deps = [b for b in (header["body"].get("base"), header.get("tok", {}).get("base")) if b is not None]
+        except Exception as exc:
+            # The lines' state may have moved on to this turn: they start afresh, so the next
+            # record of the session is whole and never continues this one, which is a tombstone.
+            state.lines.clear()
+            payload, deps = lost_record(f"it could not be encoded ({type(exc).__name__}: {exc})"), []
+            log.exception("recorder: session %s turn %d could not be encoded; recorded as lost", sid, seq)
+        state.count += 1
+        if store is not None:
+            # The data dir has the record; memory keeps only what the next turn is encoded against.
+            store.put_turn(sid, seq, payload, deps)
+        else:
+            state.payloads.append((seq, payload))
+        if tree_error is not None:
+            raise tree_error
+
+    def _forget_lost(self, store: TurnStore) -> None:
+        """Records the store lost (a failed write): those sessions' lines start afresh, so that no
+        later record is a delta against a record the data dir does not have."""
+        self._lost_seen = store.lost_version
+        for sid, _ in store.drain_lost():
+            state = self._states.get(sid)
+            if state is not None:
+                state.lines.clear()
 
     def detach_store(self) -> None:
         """Stop writing to the store (the gateway is closing it): the records of the sessions in
@@ -644,6 +677,8 @@ class SessionRecorder:
         for seq, payload in self._records(sid):
             try:
                 out.append((seq, dec.decode(seq, payload)))
+            except LostRecordError as exc:
+                broken.append(DamagedRecord(sid, seq, str(exc)))
             except (ValueError, KeyError, TypeError, zlib.error, struct.error, orjson.JSONDecodeError) as exc:
                 broken.append(DamagedRecord(sid, seq, f"cannot be decoded: {exc}"))
         self._report(sid, broken)

@@ -6,6 +6,7 @@ Private to :mod:`ares_gateway.protocols`; everything here is pure and cheap.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any, NoReturn
@@ -122,25 +123,60 @@ def opt_str(d: dict[str, Any], key: str, param: str) -> str | None:
     return v
 
 
-def opt_int(d: dict[str, Any], key: str, param: str) -> int | None:
+#: The largest token count a request may ask for: int32, as every token count downstream (engines,
+#: token ids, the record) holds it. The APIs cap it far lower (the model's context); a value beyond
+#: this is no request any model serves.
+MAX_TOKENS_LIMIT = 2**31 - 1
+#: ``seed``: what a signed 64-bit integer holds (OpenAI's bound; the record's codec packs no more).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _range_text(lo: float | None, hi: float | None) -> str:
+    if lo is not None and hi is not None:
+        return f"from {lo:g} to {hi:g}" if isinstance(lo, float) or isinstance(hi, float) else f"from {lo} to {hi}"
+    return f">= {lo}" if lo is not None else f"<= {hi}"
+
+
+def opt_int(d: dict[str, Any], key: str, param: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    """``d[key]`` as an int (``None`` when absent), in ``[lo, hi]``; else a 400 naming ``param``.
+
+    A JSON number with no fractional part (``1000.0``, ``1e3``) counts as that integer, as JSON
+    itself does not tell them apart; one outside the bounds does not (``1e308`` is no token count).
+    """
     v = d.get(key)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
         fail(f"'{param}' must be an integer, got {_json_type(v)}", param)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        fail(f"'{param}' must be an integer {_range_text(lo, hi)}, got {v!r}", param)
     return int(v)
 
 
-def opt_num(d: dict[str, Any], key: str, param: str) -> float | None:
+def opt_num(d: dict[str, Any], key: str, param: str, lo: float | None = None,
+            hi: float | None = None) -> float | None:
+    """``d[key]`` as a finite float (``None`` when absent), in ``[lo, hi]``; else a 400 naming ``param``."""
     v = d.get(key)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         fail(f"'{param}' must be a number, got {_json_type(v)}", param)
     try:
-        return float(v)  # as the float-typed canonical fields hold it after validation
+        f = float(v)  # as the float-typed canonical fields hold it after validation
     except OverflowError:  # an integer too large for a float (only from Python callers; JSON has none)
         fail(f"'{param}' is out of range", param)
+    if not math.isfinite(f) or (lo is not None and f < lo) or (hi is not None and f > hi):
+        fail(f"'{param}' must be a number {_range_text(lo, hi)}, got {v!r}", param)
+    return f
+
+
+def check_numbers(d: dict[str, Any], ints: dict[str, tuple[int, int]], nums: dict[str, tuple[float, float]]) -> None:
+    """400 for any of the named fields that is present and not a number within its bounds (fields
+    the gateway only passes on verbatim, such as OpenAI's ``n`` or ``presence_penalty``)."""
+    for key, (ilo, ihi) in ints.items():
+        opt_int(d, key, key, ilo, ihi)
+    for key, (flo, fhi) in nums.items():
+        opt_num(d, key, key, flo, fhi)
 
 
 def opt_bool(d: dict[str, Any], key: str, param: str) -> bool | None:

@@ -45,6 +45,7 @@ from ares_gateway.core.canonical import (
 )
 from ares_gateway.protocols._common import (
     MARKERS,
+    MAX_TOKENS_LIMIT,
     NO_USAGE,
     data_url,
     expect,
@@ -237,7 +238,7 @@ def parse_request(body: Any, *, require_max_tokens: bool = True) -> CanonicalReq
     if msgs is None:
         fail("messages: Field required", "messages")
     expect(msgs, list, "messages", "an array")
-    max_tokens = opt_int(b, "max_tokens", "max_tokens")
+    max_tokens = opt_int(b, "max_tokens", "max_tokens", 1, MAX_TOKENS_LIMIT)
     if max_tokens is None and require_max_tokens:
         fail("max_tokens: Field required", "max_tokens")
 
@@ -296,9 +297,9 @@ def parse_request(body: Any, *, require_max_tokens: bool = True) -> CanonicalReq
         parallel_tool_calls=None,
         sampling=mk_sampling(
             max_tokens=max_tokens,
-            temperature=opt_num(b, "temperature", "temperature"),
-            top_p=opt_num(b, "top_p", "top_p"),
-            top_k=opt_int(b, "top_k", "top_k"),
+            temperature=opt_num(b, "temperature", "temperature", 0.0, 1.0),
+            top_p=opt_num(b, "top_p", "top_p", 0.0, 1.0),
+            top_k=opt_int(b, "top_k", "top_k", 0, MAX_TOKENS_LIMIT),
             stop=stop,
             seed=None,
             extra={},

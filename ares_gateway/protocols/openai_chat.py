@@ -32,8 +32,12 @@ from ares_gateway.core.canonical import (
 )
 from ares_gateway.protocols._common import (
     MARKERS,
+    MAX_TOKENS_LIMIT,
     NO_USAGE,
+    SEED_MAX,
+    SEED_MIN,
     SSE_DONE,
+    check_numbers,
     expect,
     fail,
     int_or0,
@@ -297,15 +301,20 @@ def parse_request(body: Any) -> CanonicalRequest:
             t.extra["legacy"] = True
             tools.append(t)
 
+    # Numbers the gateway passes on verbatim, within what the API accepts (never a value a policy
+    # or the record cannot hold).
+    check_numbers(b, {"n": (1, 128), "top_logprobs": (0, 20)},
+                  {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)})
     s_extra: dict[str, Any] = {}
-    max_tokens = opt_int(b, "max_completion_tokens", "max_completion_tokens")
+    max_tokens = opt_int(b, "max_completion_tokens", "max_completion_tokens", 1, MAX_TOKENS_LIMIT)
     extra = rest(b, _REQ_KNOWN)
     if max_tokens is not None:
         s_extra["max_tokens_field"] = "max_completion_tokens"
         if "max_tokens" in b:
+            opt_int(b, "max_tokens", "max_tokens", 1, MAX_TOKENS_LIMIT)
             extra["max_tokens"] = b["max_tokens"]
     else:
-        max_tokens = opt_int(b, "max_tokens", "max_tokens")
+        max_tokens = opt_int(b, "max_tokens", "max_tokens", 1, MAX_TOKENS_LIMIT)
     stop = b.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -314,11 +323,11 @@ def parse_request(body: Any) -> CanonicalRequest:
             fail("'stop' must be a string or an array of strings", "stop")
     sampling = mk_sampling(
         max_tokens=max_tokens,
-        temperature=opt_num(b, "temperature", "temperature"),
-        top_p=opt_num(b, "top_p", "top_p"),
-        top_k=opt_int(b, "top_k", "top_k"),
+        temperature=opt_num(b, "temperature", "temperature", 0.0, 2.0),
+        top_p=opt_num(b, "top_p", "top_p", 0.0, 1.0),
+        top_k=opt_int(b, "top_k", "top_k", -1, MAX_TOKENS_LIMIT),  # vLLM's: -1 (or 0) is off
         stop=stop,
-        seed=opt_int(b, "seed", "seed"),
+        seed=opt_int(b, "seed", "seed", SEED_MIN, SEED_MAX),
         extra=s_extra,
     )
     include_usage = False

@@ -44,7 +44,9 @@ from ares_gateway.core.canonical import (
 )
 from ares_gateway.protocols._common import (
     MARKERS,
+    MAX_TOKENS_LIMIT,
     NO_USAGE,
+    check_numbers,
     expect,
     fail,
     int_or0,
@@ -276,6 +278,7 @@ def _parse_tool(t: Any, param: str) -> Tool:
 
 def parse_request(body: Any) -> CanonicalRequest:
     b = require_object(body)
+    check_numbers(b, {"top_logprobs": (0, 20)}, {})  # passed on verbatim: within what the API accepts
     messages: list[Message] = []
     instr = b.get("instructions")
     extra = rest(b, _REQ_KNOWN)
@@ -305,9 +308,9 @@ def parse_request(body: Any) -> CanonicalRequest:
         tool_choice=b.get("tool_choice"),
         parallel_tool_calls=opt_bool(b, "parallel_tool_calls", "parallel_tool_calls"),
         sampling=mk_sampling(
-            max_tokens=opt_int(b, "max_output_tokens", "max_output_tokens"),
-            temperature=opt_num(b, "temperature", "temperature"),
-            top_p=opt_num(b, "top_p", "top_p"),
+            max_tokens=opt_int(b, "max_output_tokens", "max_output_tokens", 1, MAX_TOKENS_LIMIT),
+            temperature=opt_num(b, "temperature", "temperature", 0.0, 2.0),
+            top_p=opt_num(b, "top_p", "top_p", 0.0, 1.0),
             top_k=None,
             stop=None,
             seed=None,

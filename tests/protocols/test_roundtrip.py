@@ -33,7 +33,6 @@ name = st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,8}", fullmatch=True)
 json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-1000, 1000), st.text(max_size=6))
 json_obj = st.dictionaries(name, json_scalar, max_size=3)
 cache = st.sampled_from([{}, {"cache_control": {"type": "ephemeral"}}])
-opt_float = st.one_of(st.none(), st.floats(0, 2, allow_nan=False))
 
 
 def _strip_raw(r: CanonicalRequest) -> CanonicalRequest:
@@ -52,12 +51,13 @@ def _counter() -> Any:
 
 @st.composite
 def sampling(draw: Any, *, top_k: bool = True, stop: bool = True, seed: bool = True,
-             max_tokens_required: bool = False) -> SamplingParams:
+             max_tokens_required: bool = False, max_temperature: float = 2.0) -> SamplingParams:
+    # Within what each API accepts (temperature up to 2 for OpenAI, 1 for Anthropic; top_p up to 1).
     mt = st.integers(1, 100000)
     return SamplingParams(
         max_tokens=draw(mt if max_tokens_required else st.one_of(st.none(), mt)),
-        temperature=draw(opt_float),
-        top_p=draw(opt_float),
+        temperature=draw(st.one_of(st.none(), st.floats(0, max_temperature, allow_nan=False))),
+        top_p=draw(st.one_of(st.none(), st.floats(0, 1, allow_nan=False))),
         top_k=draw(st.one_of(st.none(), st.integers(1, 100))) if top_k else None,
         stop=draw(st.one_of(st.none(), st.lists(text, min_size=1, max_size=3))) if stop else None,
         seed=draw(st.one_of(st.none(), st.integers(0, 2**31))) if seed else None,
@@ -168,7 +168,7 @@ def anthropic_request(draw: Any) -> CanonicalRequest:
     return CanonicalRequest(
         protocol=WireProtocol.ANTHROPIC_MESSAGES, model=draw(st.one_of(st.none(), name)), messages=msgs,
         tools=tools, tool_choice=draw(st.sampled_from([None, {"type": "auto"}, {"type": "any"}])),
-        sampling=draw(sampling(seed=False, max_tokens_required=True)), stream=draw(st.booleans()),
+        sampling=draw(sampling(seed=False, max_tokens_required=True, max_temperature=1.0)), stream=draw(st.booleans()),
         extra=draw(st.sampled_from([{}, {"thinking": {"type": "enabled", "budget_tokens": 1024},
                                          "metadata": {"user_id": "u"}}])),
     )

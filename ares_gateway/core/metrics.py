@@ -27,6 +27,7 @@ class GatewayMetrics:
         self._bucket_counts = [0] * (len(_LATENCY_BUCKETS) + 1)
         self._latency_sum = 0.0
         self._parked_now = 0
+        self._turns_lost = 0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
 
@@ -67,6 +68,11 @@ class GatewayMetrics:
         for status, count in sorted(self.rejected_by_status.items()):
             rejected.add_metric([str(status)], count)
         yield rejected
+        yield CounterMetricFamily(
+            "ares_gateway_turns_lost",
+            "Answered turns whose record did not reach the data dir (a full disk, an I/O error, an unencodable body)",
+            value=self._turns_lost,
+        )
         yield GaugeMetricFamily("ares_gateway_requests_parked_now", "Requests parked right now", value=self._parked_now)
         cumulative, buckets = 0, []
         for bound, count in zip((*_LATENCY_BUCKETS, float("inf")), self._bucket_counts, strict=True):
@@ -79,6 +85,7 @@ class GatewayMetrics:
             sum_value=self._latency_sum,
         )
 
-    def render(self, parked_now: int) -> bytes:
+    def render(self, parked_now: int, turns_lost: int = 0) -> bytes:
         self._parked_now = parked_now
+        self._turns_lost = turns_lost
         return generate_latest(self.registry)

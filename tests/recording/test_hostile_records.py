@@ -216,6 +216,10 @@ async def test_a_full_disk_loses_only_the_turns_answered_while_it_was_full(small
                 await turn(t)
             await gw.durable()
         before = gw.turn_log("s")
+        async with aiohttp.ClientSession() as http, http.get(
+                f"http://127.0.0.1:{gw.port}/metrics", headers={"Authorization": f"Bearer {gw.admin_token}"}) as r:
+            metrics = await r.text()
+        assert "ares_gateway_turns_lost_total 4.0" in metrics, metrics
     async with Gateway(port=0, data_dir=str(data), min_free_mb=1) as gw:
         log = gw.turn_log("s")
         kept = [e["request"]["messages"][-1]["content"].split(":")[0] + ":" for e in log]

@@ -297,23 +297,32 @@ class SandboxCgroup:
                 os.kill(pid, signal.SIGKILL)
 
     def limits_reached(self) -> set[str]:
-        """``memory`` if the OOM killer killed in the sandbox; ``pids`` if a fork was refused."""
+        """``memory`` if the OOM killer killed in the sandbox; ``pids`` if a fork was refused.
+
+        Each group and its leaves are read: v1 counts an event in the group of the task it hit
+        (a leaf), v2 in the group whose limit it hit and (newer kernels) its ancestors."""
         hit: set[str] = set()
         if self.memory_dir is not None:
-            if self.versions.get(self.memory_dir) == 2:
-                events = _read_counts(self.memory_dir / "memory.events")
-                if events.get("oom_kill", 0) > 0 or events.get("oom_group_kill", 0) > 0:
-                    hit.add("memory")
-            else:
-                control = _read_counts(self.memory_dir / "memory.oom_control")
-                if "oom_kill" in control:
-                    if control["oom_kill"] > 0:
+            for group in self._with_leaves(self.memory_dir):
+                if self.versions.get(self.memory_dir) == 2:
+                    events = _read_counts(group / "memory.events")
+                    if events.get("oom_kill", 0) > 0 or events.get("oom_group_kill", 0) > 0:
                         hit.add("memory")
-                elif _read_int(self.memory_dir / "memory.failcnt") > 0 or control.get("under_oom"):
+                    continue
+                control = _read_counts(group / "memory.oom_control")
+                if control.get("oom_kill", 0) > 0 or control.get("under_oom", 0) > 0:
+                    hit.add("memory")
+                elif "oom_kill" not in control and _read_int(group / "memory.failcnt") > 0:
                     hit.add("memory")  # an old kernel without the oom_kill count
-        if self.pids_dir is not None and _read_counts(self.pids_dir / "pids.events").get("max", 0) > 0:
-            hit.add("pids")
+        if self.pids_dir is not None:
+            for group in self._with_leaves(self.pids_dir):
+                if _read_counts(group / "pids.events").get("max", 0) > 0:
+                    hit.add("pids")
         return hit
+
+    @staticmethod
+    def _with_leaves(d: Path) -> list[Path]:
+        return [d, *(d / part for part in PARTS)]
 
     def remove(self, timeout: float = 10.0) -> list[str]:
         """Kill everything in the sandbox's groups, wait until they are empty, and remove them

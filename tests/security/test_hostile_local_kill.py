@@ -50,7 +50,7 @@ async def _wait_for(needle: str, count: int = 1, timeout: float = 20.0) -> list[
 
 def _cgroup_procs(sb: LocalSandbox) -> list[int] | None:
     """What the sandbox's command cgroups list (host PIDs), or None where it has none."""
-    group = getattr(sb, "_cgroup", None)
+    group = sb._cgroup
     if group is None:
         return None
     return sorted(group.members("cmds"))
@@ -116,7 +116,7 @@ async def test_stop_kills_a_nested_namespace_and_leaves_no_cgroup(local_root: Pa
     try:
         await sb.exec(f"setsid unshare -Urpf sleep {tag}.5 >/dev/null 2>&1 </dev/null &", timeout=30)
         await _wait_for(f"sleep {tag}.5")
-        dirs = list(getattr(sb, "_cgroup").dirs) if getattr(sb, "_cgroup", None) is not None else []
+        dirs = list(sb._cgroup.dirs) if sb._cgroup is not None else []
     finally:
         await sb.stop()
     assert _host_pids(f"sleep {tag}.5") == []

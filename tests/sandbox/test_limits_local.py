@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import sandbox
-from sandbox import Resources, SandboxSpec
+from sandbox import Resources, SandboxSpec, local
 from sandbox import _cgroup as cgroups
 from sandbox import _disk as loopdisk
 from sandbox.gc import collect_garbage
@@ -231,14 +231,18 @@ def test_gc_removes_a_dead_owners_cgroups_disk_and_processes(local_root: Path) -
         child.send_signal(signal.SIGKILL)
         child.wait(30)
     root = local_root / made["id"]
-    dirs = [Path(d) for d in made["dirs"]]
-    # SIGKILL left the cgroups and the mount behind (the keeper's PID namespace, and with it the
-    # nested one, died with its owner).
-    assert all(d.is_dir() for d in dirs) and _mounted(root)
-    report = collect_garbage(["local"])
-    assert f"local:{made['id']}" in report.removed, report
-    assert not report.errors, report
-    assert [d for d in dirs if d.exists()] == []
-    assert not _mounted(root) and not root.exists()
-    assert not (local_root / ".disks" / f"{made['id']}.img").exists()
-    assert not _pgrep("sleep 765432")
+    try:
+        dirs = [Path(d) for d in made["dirs"]]
+        # SIGKILL left the cgroups and the mount behind (the keeper's PID namespace, and with it the
+        # nested one, died with its owner).
+        assert all(d.is_dir() for d in dirs) and _mounted(root)
+        report = collect_garbage(["local"])
+        assert f"local:{made['id']}" in report.removed, report
+        assert not report.errors, report
+        assert [d for d in dirs if d.exists()] == []
+        assert not _mounted(root) and not root.exists()
+        assert not (local_root / ".disks" / f"{made['id']}.img").exists()
+        assert not _pgrep("sleep 765432")
+    finally:  # whatever failed above, nothing of it stays on this host
+        if root.exists() or any(Path(d).exists() for d in made["dirs"]):
+            local.gc_remove(made["id"])

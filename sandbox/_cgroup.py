@@ -269,13 +269,6 @@ class SandboxCgroup:
         files = [str(d / part / "cgroup.procs") for d in self.dirs]
         return ["/bin/sh", "-c", _JOIN_SCRIPT, "sh", *files, "--"]
 
-    def place(self, part: str, pids: list[int]) -> None:
-        """Move existing processes (that fork no more) into ``part``."""
-        for d in self.dirs:
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, OSError):
-                    _write(d / part / "cgroup.procs", str(pid))
-
     def members(self, part: str | None = None) -> set[int]:
         """Host PIDs of the live processes in ``part`` (``None``: every part) of every hierarchy."""
         found: set[int] = set()

@@ -242,10 +242,7 @@ class LocalSandbox(BaseSandbox):
             self._write_user_db()
         if self.isolated and os.geteuid() == 0 and shutil.which("nsenter"):
             # Spawned from the loop's own thread: bwrap --die-with-parent ties the namespace to it.
-            self._start_keeper()
-            if self._cgroup is not None and self._keeper is not None:
-                # Its three processes fork no more: moved after the fact, out of the way of kill_processes.
-                self._cgroup.place("keeper", [p for p in (self._keeper.pid, self._ns_init, self._ns_pid) if p])
+            self._start_keeper()  # in the sandbox's "keeper" cgroup: kill_processes() spares it, stop() does not
 
     def _set_up_limits(self, owner: str) -> None:
         """The cgroups (tracking; memory and pids) and the disk of this sandbox, where root and the host allow."""
@@ -290,10 +287,10 @@ class LocalSandbox(BaseSandbox):
             raise SandboxStartError(f"cannot make the {_size(disk)} disk of sandbox {self.id}: {exc}") from exc
         self._enforced["disk"] = f"{_size(disk)} (own ext4 filesystem, loop-mounted)"
 
-    def _cgroup_prefix(self) -> list[str]:
-        """What goes at the very front of a command's argv: it joins the sandbox's command cgroups
-        (before nsenter or bwrap), so everything the command starts is found and killed."""
-        return self._cgroup.join_prefix("cmds") if self._cgroup is not None else []
+    def _cgroup_prefix(self, part: str = "cmds") -> list[str]:
+        """What goes at the very front of a command's argv: it joins the sandbox's ``cmds`` cgroups (or
+        the keeper's) before nsenter or bwrap, so everything the command starts is found and killed."""
+        return self._cgroup.join_prefix(part) if self._cgroup is not None else []
 
     def _write_user_db(self) -> None:
         """The hardened sandbox's /etc/passwd and /etc/group: the host's plus the ``agent`` user."""
@@ -318,7 +315,7 @@ class LocalSandbox(BaseSandbox):
             (AGENT_USER, "x", AGENT_UID, AGENT_UID, "agent", f"/home/{AGENT_USER}", "/bin/bash"))
 
     def _start_keeper(self) -> None:
-        argv = [*self._bwrap_prefix(), "--", "sleep", "infinity"]
+        argv = [*self._cgroup_prefix("keeper"), *self._bwrap_prefix(), "--", "sleep", "infinity"]
         self._keeper = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             env={"PATH": DEFAULT_PATH, _ID_VAR: self.id}, start_new_session=True, cwd=str(self.root),

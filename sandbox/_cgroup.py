@@ -350,6 +350,13 @@ class SandboxCgroup:
         return f"processes tracked by cgroup v{version} ({how})"
 
 
+def spare_from_oom(pids: list[int]) -> None:
+    """Make these processes the OOM killer's last choice (``oom_score_adj`` -1000; root only)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            _write(Path(f"/proc/{pid}/oom_score_adj"), "-1000")
+
+
 def leftover_dirs(sandbox_id: str) -> list[Path]:
     """``<base>/<sandbox_id>`` in each hierarchy of this host's layout that still exists."""
     lay = layout()

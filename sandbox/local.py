@@ -243,6 +243,10 @@ class LocalSandbox(BaseSandbox):
         if self.isolated and os.geteuid() == 0 and shutil.which("nsenter"):
             # Spawned from the loop's own thread: bwrap --die-with-parent ties the namespace to it.
             self._start_keeper()  # in the sandbox's "keeper" cgroup: kill_processes() spares it, stop() does not
+            if self._cgroup is not None and self._cgroup.memory is not None:
+                # Never the OOM killer's pick (tiny anyway): its death would end the sandbox's namespace.
+                cgroups.spare_from_oom([p for p in (self._keeper.pid if self._keeper else 0, self._ns_init,
+                                                    self._ns_pid) if p])
 
     def _set_up_limits(self, owner: str) -> None:
         """The cgroups (tracking; memory and pids) and the disk of this sandbox, where root and the host allow."""

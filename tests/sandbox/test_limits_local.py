@@ -246,3 +246,51 @@ def test_gc_removes_a_dead_owners_cgroups_disk_and_processes(local_root: Path) -
     finally:  # whatever failed above, nothing of it stays on this host
         if root.exists() or any(Path(d).exists() for d in made["dirs"]):
             local.gc_remove(made["id"])
+
+
+def test_cgroup_v2_files_on_a_plain_directory(tmp_path: Path) -> None:
+    """The v2 path this hybrid CI host cannot take (its memory and pids controllers are v1): which files
+    a v2 sandbox group gets and how its event counters are read, on a plain directory laid out like one."""
+    base = tmp_path / "ares-sandboxes"
+    base.mkdir()
+    v2 = cgroups.Hierarchy(mount=tmp_path, version=2, controllers=frozenset({"memory", "pids"}), base=base)
+    group = cgroups.SandboxCgroup.create("abc", cgroups.Layout(track=v2, memory=v2, pids=v2),
+                                         memory=256 * MIB, pids=64)
+    d = base / "abc"
+    assert group.dirs == [d]
+    assert (d / "memory.max").read_text() == str(256 * MIB) and (d / "pids.max").read_text() == "64"
+    assert (d / "keeper").is_dir() and (d / "cmds").is_dir()
+    assert group.join_prefix("cmds")[-2:] == [str(d / "cmds" / "cgroup.procs"), "--"]
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 12\noom 1\noom_kill 0\noom_group_kill 0\n")
+    (d / "pids.events").write_text("max 0\n")
+    assert group.limits_reached() == set()  # memory.max reached and reclaimed: not an OOM kill
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 40\noom 2\noom_kill 1\noom_group_kill 0\n")
+    (d / "cmds" / "pids.events").write_text("max 3\n")
+    assert group.limits_reached() == {"memory", "pids"}
+    assert json.loads(group.record()) == {"id": "abc", "dirs": [str(d)]}
+    for leaf in (d, d / "keeper", d / "cmds"):  # what the kernel would not let exist as files
+        for f in list(leaf.glob("*.*")):
+            f.unlink()
+    assert group.remove(timeout=1) == [] and not d.exists()
+
+
+def test_mountinfo_layouts_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pure_v2 = "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
+    hybrid = ("41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"
+              "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+              "39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids\n"
+              "22 1 8:1 / / rw - ext4 /dev/vda rw\n")
+    real_read = Path.read_text
+
+    def fake(text: str) -> None:
+        monkeypatch.setattr(Path, "read_text",
+                            lambda self, *a, **k: text if str(self) == "/proc/self/mountinfo" else real_read(self))
+
+    fake(pure_v2)
+    assert [(m[1], m[2]) for m in cgroups._mounts()] == [(Path("/sys/fs/cgroup"), "cgroup2")]
+    fake(hybrid)
+    assert [(str(m[1]), m[2], "memory" in m[3], "pids" in m[3]) for m in cgroups._mounts()] == [
+        ("/sys/fs/cgroup/unified", "cgroup2", False, False),
+        ("/sys/fs/cgroup/memory", "cgroup", True, False),
+        ("/sys/fs/cgroup/pids", "cgroup", False, True),
+    ]

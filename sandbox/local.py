@@ -41,6 +41,8 @@ from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
+from . import _cgroup as cgroups
+from . import _disk as loopdisk
 from . import janitor
 from .errors import ExecError, FileTransferError, ForwardError, SandboxStartError
 from .protocol import (
@@ -58,6 +60,9 @@ _ID_VAR = "ARES_SANDBOX_ID"
 # Relays carry their own tag: kill_processes() spares them, stop() and gc remove them.
 _RELAY_VAR = "ARES_SANDBOX_RELAY"
 _OWNER_FILE = "owner.json"
+# Which cgroups a sandbox made (read by gc when its owner died), and where its disk image lives.
+_CGROUP_FILE = "cgroups.json"
+_DISK_DIR = ".disks"
 _RELAY_SCRIPT = Path(__file__).with_name("_relay.py")
 _CWD_MISSING = 201
 _CWD_MARK = "ares-exec: no such directory: "
@@ -176,6 +181,12 @@ def _kill_tagged_processes(sandbox_id: str, var: str = _ID_VAR) -> int:
 
 class LocalSandbox(BaseSandbox):
     backend = "local"
+    # Set up by _start (root and bubblewrap): the sandbox's cgroups and its disk; what of
+    # spec.resources is enforced (name -> how) and what is not (name -> why).
+    _cgroup: cgroups.SandboxCgroup | None = None
+    _disk: loopdisk.LoopDisk | None = None
+    _enforced: dict[str, str] | None = None
+    _unenforced: dict[str, str] | None = None
 
     def __init__(self, spec: SandboxSpec | None = None, *, isolate: bool | None = None) -> None:
         super().__init__(spec)
@@ -197,7 +208,7 @@ class LocalSandbox(BaseSandbox):
         return self.spec.hardened
 
     @property
-    def description(self) -> str:
+    def _isolation_description(self) -> str:
         if self.isolated and self.hardened:
             return (
                 f"local sandbox {self.id} in {self.root} (bubblewrap, hardened: only system directories and "
@@ -219,6 +230,34 @@ class LocalSandbox(BaseSandbox):
     def workdir(self) -> str:
         return self.spec.workdir if self.isolated else str(self.root / "work")
 
+    @property
+    def description(self) -> str:
+        return f"{self._isolation_description}; {self._limits_description()}"
+
+    @property
+    def limits_enforced(self) -> frozenset[str]:
+        """Which of ``memory``, ``pids`` and ``disk`` of ``spec.resources`` this sandbox enforces (after start)."""
+        return frozenset(self._enforced or ())
+
+    def _limits_description(self) -> str:
+        if self._cgroup is not None:
+            text = f"{self._cgroup.describe()}, nested namespaces included"
+        elif self.isolated and self._ns_pid is not None:
+            text = "processes tracked by PID namespace only (no cgroup: a nested PID namespace escapes kill_processes)"
+        else:
+            text = f"processes tracked by their {_ID_VAR} variable only (no cgroup)"
+        if self._enforced:
+            text += "; limits enforced: " + ", ".join(f"{k} {v}" for k, v in sorted(self._enforced.items()))
+        if self._unenforced:
+            text += "; limits NOT enforced: " + ", ".join(f"{k} ({v})" for k, v in sorted(self._unenforced.items()))
+        if self._enforced is None and any(self._wanted_limits().values()):
+            text += "; limits not set up (not started)"
+        return text
+
+    def _wanted_limits(self) -> dict[str, int | None]:
+        res = self.spec.resources
+        return {"memory": res.memory_bytes, "pids": res.pids, "disk": res.disk_bytes}
+
     # -- paths -------------------------------------------------------------------------------------
     def _host_path(self, remote: str) -> Path:
         """Where a path inside the sandbox lives on the host."""
@@ -234,16 +273,6 @@ class LocalSandbox(BaseSandbox):
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def _start(self) -> None:
-        try:
-            (self.root / "work").mkdir(parents=True, exist_ok=False)
-            (self.root / "tmp").mkdir(mode=0o1777)
-            os.chmod(self.root / "tmp", 0o1777)
-            (self.root / _OWNER_FILE).write_text(json.dumps({"id": self.id, "labels": self.labels()}))
-        except OSError as exc:
-            raise SandboxStartError(
-                f"cannot create the local sandbox directory {self.root}: {exc}; set ARES_SANDBOX_LOCAL_ROOT "
-                "to a writable directory"
-            ) from exc
         if self.spec.network not in ("host", "none"):
             raise SandboxStartError(f"the local backend supports network 'host' or 'none', not {self.spec.network!r}")
         if self.spec.network == "none" and not self.isolated:
@@ -256,13 +285,84 @@ class LocalSandbox(BaseSandbox):
                     "SandboxSpec(hardened=True) on the local backend needs root and nsenter/setpriv (util-linux): run "
                     "as root, or use the docker backend"
                 )
+        owner = json.dumps({"id": self.id, "labels": self.labels()})
+        try:
+            self.root.mkdir(parents=True, exist_ok=False)
+            (self.root / _OWNER_FILE).write_text(owner)
+        except OSError as exc:
+            raise SandboxStartError(
+                f"cannot create the local sandbox directory {self.root}: {exc}; set ARES_SANDBOX_LOCAL_ROOT "
+                "to a writable directory"
+            ) from exc
+        # Limits first: the cgroups are recorded beside owner.json (gc finds them), then the disk is
+        # mounted over the sandbox's directory, and everything it writes is made on it.
+        await asyncio.to_thread(self._set_up_limits, owner)
+        try:
+            (self.root / "work").mkdir(exist_ok=False)
+            (self.root / "tmp").mkdir(mode=0o1777)
+            os.chmod(self.root / "tmp", 0o1777)
+        except OSError as exc:
+            raise SandboxStartError(f"cannot create the local sandbox directory {self.root}: {exc}") from exc
+        if self.hardened:
             self._write_user_db()
             # The sandbox's own copy of the filter, outside every bind (the agent never sees it); built
             # here so that a missing libseccomp fails start(), saying what to install.
             (self.root / _FILTER_FILE).write_bytes(seccomp_filter())
         if self.isolated and os.geteuid() == 0 and shutil.which("nsenter"):
             # Spawned from the loop's own thread: bwrap --die-with-parent ties the namespace to it.
-            self._start_keeper()
+            self._start_keeper()  # in the sandbox's "keeper" cgroup: kill_processes() spares it, stop() does not
+            if self._cgroup is not None and self._cgroup.memory is not None:
+                # Never the OOM killer's pick (tiny anyway): its death would end the sandbox's namespace.
+                cgroups.spare_from_oom([p for p in (self._keeper.pid if self._keeper else 0, self._ns_init,
+                                                    self._ns_pid) if p])
+
+    def _set_up_limits(self, owner: str) -> None:
+        """The cgroups (tracking; memory and pids) and the disk of this sandbox, where root and the host allow."""
+        wanted = self._wanted_limits()
+        self._enforced, self._unenforced = {}, {}
+        layout = cgroups.layout() if self.isolated and os.geteuid() == 0 else None
+        if layout is not None:
+            try:
+                self._cgroup = cgroups.SandboxCgroup.create(self.id, layout, memory=wanted["memory"],
+                                                           pids=wanted["pids"])
+                (self.root / _CGROUP_FILE).write_text(self._cgroup.record())
+            except OSError as exc:
+                raise SandboxStartError(f"cannot create the cgroups of sandbox {self.id}: {exc}") from exc
+        for name in ("memory", "pids"):
+            value = wanted[name]
+            if value is None:
+                continue
+            hier = None if layout is None else (layout.memory if name == "memory" else layout.pids)
+            if hier is not None:
+                self._enforced[name] = f"{_size(value) if name == 'memory' else value} ({hier.label})"
+            elif not self.isolated:
+                self._unenforced[name] = "needs bubblewrap"
+            elif os.geteuid() != 0:
+                self._unenforced[name] = "needs root"
+            else:
+                self._unenforced[name] = f"no usable {name} cgroup controller"
+        disk = wanted["disk"]
+        if disk is None:
+            return
+        reason = "needs bubblewrap" if not self.isolated else loopdisk.unavailable_reason()
+        if reason is not None:
+            self._unenforced["disk"] = reason
+            return
+        self._disk = loopdisk.LoopDisk(_disk_image(self.id), self.root, disk)
+        try:
+            self._disk.create()
+            # The mount hides what was written beneath: again on the sandbox's own filesystem.
+            (self.root / _OWNER_FILE).write_text(owner)
+            if self._cgroup is not None:
+                (self.root / _CGROUP_FILE).write_text(self._cgroup.record())
+        except OSError as exc:
+            raise SandboxStartError(f"cannot make the {_size(disk)} disk of sandbox {self.id}: {exc}") from exc
+        self._enforced["disk"] = f"{_size(disk)} (own ext4 filesystem, loop-mounted)"
+
+    def _cgroup_prefix(self, part: str = "cmds") -> list[str]:
+        """What goes at the very front of a command's argv: it joins the sandbox's ``cmds`` cgroups (or
+        the keeper's) before nsenter or bwrap, so everything the command starts is found and killed."""
+        return self._cgroup.join_prefix(part) if self._cgroup is not None else []
 
     def _write_user_db(self) -> None:
         """The hardened sandbox's /etc/passwd and /etc/group: the host's plus the ``agent`` user."""
@@ -289,7 +389,7 @@ class LocalSandbox(BaseSandbox):
             (AGENT_USER, "x", AGENT_UID, AGENT_UID, "agent", f"/home/{AGENT_USER}", "/bin/bash"))
 
     def _start_keeper(self) -> None:
-        argv = [*self._bwrap_prefix(), "--", "sleep", "infinity"]
+        argv = [*self._cgroup_prefix("keeper"), *self._bwrap_prefix(), "--", "sleep", "infinity"]
         self._keeper = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             env={"PATH": DEFAULT_PATH, _ID_VAR: self.id}, start_new_session=True, cwd=str(self.root),
@@ -322,6 +422,8 @@ class LocalSandbox(BaseSandbox):
             with contextlib.suppress(Exception):
                 relay.wait(5)
         self._relays.clear()
+        if self._cgroup is not None:
+            self._cgroup.kill(None)
         if self._keeper is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._keeper.pid, signal.SIGKILL)
@@ -333,6 +435,14 @@ class LocalSandbox(BaseSandbox):
         self._pgids.clear()
         _kill_tagged_processes(self.id)
         _kill_tagged_processes(self.id, _RELAY_VAR)
+        left: list[str] = []
+        if self._cgroup is not None:
+            left = self._cgroup.remove()
+        if self._disk is not None:
+            self._disk.remove()
+        if left:  # keep owner.json and cgroups.json for gc (ares-gateway gc), say what is left
+            print(f"sandbox {self.id}: could not remove {left}; `ares-gateway gc` retries", file=sys.stderr)
+            return
         shutil.rmtree(self.root, ignore_errors=True)
 
     # -- exec ----------------------------------------------------------------------------------------
@@ -456,7 +566,7 @@ class LocalSandbox(BaseSandbox):
                     kwargs.update(user=info.pw_uid, group=info.pw_gid, extra_groups=[])
             elif os.geteuid() != 0 and info.pw_uid != os.geteuid():
                 raise ExecError(f"cannot run as {user!r}: the local backend needs root to switch users")
-        argv = self._argv(command, cwd, user)
+        argv = [*self._cgroup_prefix(), *self._argv(command, cwd, user)]
         started = time.monotonic()
         try:
             # Not asyncio.create_subprocess_exec: under uvloop the child inherits the parent's fds and
@@ -531,36 +641,48 @@ class LocalSandbox(BaseSandbox):
         return await asyncio.to_thread(self._kill_sync, uid, timeout)
 
     def _members(self, uid: int | None) -> list[int]:
-        """Live (non-zombie) processes of this sandbox, its keeper and the caller excepted."""
+        """Live (non-zombie) processes of this sandbox, its keeper and the caller excepted: those of its
+        command cgroups (whatever namespace they made), of its PID namespace, or tagged with its id."""
         ns: str | None = None
         keep = {os.getpid()}
         if self._ns_pid is not None:
             ns = os.readlink(f"/proc/{self._ns_pid}/ns/pid")
             keep |= {self._ns_pid, self._ns_init or 0}
+        if self._keeper is not None:
+            keep.add(self._keeper.pid)
         needle = f"{_ID_VAR}={self.id}".encode()
+        grouped = self._cgroup.members("cmds") if self._cgroup is not None else set()
         found = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) in keep:
                 continue
             base = f"/proc/{entry}"
             try:
-                if ns is not None:
+                if int(entry) in grouped:
+                    pass
+                elif ns is not None:
                     if os.readlink(f"{base}/ns/pid") != ns:
                         continue
                 else:
                     with open(f"{base}/environ", "rb") as fh:
                         if needle not in fh.read().split(b"\0"):
                             continue
-                with open(f"{base}/stat", "rb") as fh:
-                    state = fh.read().rsplit(b")", 1)[1].split()[0]
-                if state in (b"Z", b"X") or (uid is not None and os.stat(base).st_uid != uid):
+                with open(f"{base}/status", "rb") as fh:
+                    status = dict(line.split(b":", 1) for line in fh.read().splitlines() if b":" in line)
+                if status[b"State"].split()[0] in (b"Z", b"X"):
                     continue
-            except (OSError, IndexError):
+                # The real or effective uid, as the host sees it (a nested user namespace maps back to it);
+                # not the owner of /proc/PID, which a non-dumpable process sets to root.
+                if uid is not None and uid not in [int(u) for u in status[b"Uid"].split()[:2]]:
+                    continue
+            except (OSError, IndexError, KeyError, ValueError):
                 continue
             found.append(int(entry))
         return found
 
     def _kill_sync(self, uid: int | None, timeout: float) -> int:
+        if self._disk is not None:
+            self._disk.full()  # looked at before the tests run (sticky), as the agent left it
         killed: set[int] = set()
         deadline = time.monotonic() + timeout
         while True:
@@ -569,11 +691,19 @@ class LocalSandbox(BaseSandbox):
                 return len(killed)
             if time.monotonic() > deadline:
                 raise ExecError(f"processes {alive[:20]} of sandbox {self.id} survived SIGKILL for {timeout} s")
+            if uid is None and self._cgroup is not None:
+                self._cgroup.kill("cmds")  # at once, forks in flight included (cgroup v2)
+            killed.update(alive)
             for pid in alive:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-                    killed.add(pid)
             time.sleep(0.01)
+
+    async def _limits_reached(self) -> frozenset[str]:
+        hit = self._cgroup.limits_reached() if self._cgroup is not None else set()
+        if self._disk is not None and await asyncio.to_thread(self._disk.full):
+            hit.add("disk")
+        return frozenset(hit)
 
     # -- files -----------------------------------------------------------------------------------
     def _tar_inside(self, args: list[str], *, stdin: object = None, stdout: object = None) -> None:
@@ -853,6 +983,32 @@ def gc_candidates() -> list[tuple[str, dict[str, str]]]:
 
 
 def gc_remove(ref: str) -> None:
+    """Remove a leftover sandbox: its processes (by cgroup and by tag), cgroups, disk and directory."""
+    root = local_root() / ref
+    group: cgroups.SandboxCgroup | None = None
+    with contextlib.suppress(OSError, ValueError):
+        group = cgroups.SandboxCgroup.from_record(ref, json.loads((root / _CGROUP_FILE).read_text()))
+    extra = [d for d in cgroups.leftover_dirs(ref) if group is None or d not in group.dirs]
+    if extra:
+        found = cgroups.SandboxCgroup.from_record(ref, {"dirs": [*(group.dirs if group else []), *map(str, extra)]})
+        group = found
+    if group is not None:
+        group.kill(None)
     _kill_tagged_processes(ref)
     _kill_tagged_processes(ref, _RELAY_VAR)
-    shutil.rmtree(local_root() / ref, ignore_errors=True)
+    left = group.remove() if group is not None else []
+    loopdisk.remove(_disk_image(ref), root)
+    if left:
+        raise OSError(f"could not remove {left} (processes that do not die?)")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _disk_image(sandbox_id: str) -> Path:
+    return local_root() / _DISK_DIR / f"{sandbox_id}.img"
+
+
+def _size(n: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor:
+            return f"{n / factor:g} {unit}"
+    return f"{n} B"

@@ -23,8 +23,9 @@ Two calls exist for the gateway's isolation of agents (issue 17); both are on ev
 ``await sb.kill_processes(user=None)``
     Kill every process in the sandbox except its own keeper/init (and the relays), and wait until
     they are gone; with ``user``, only that user's.  Run it before a verifier so that nothing the
-    agent started (a detached loop rewriting a reward file) is left.  local: every process of the
-    sandbox's PID namespace (bubblewrap as root), else every process tagged ``ARES_SANDBOX_ID``;
+    agent started (a detached loop rewriting a reward file) is left.  local: every member of the
+    sandbox's cgroup, whatever namespace it made (bubblewrap as root), else every process of its PID
+    namespace, else every process tagged ``ARES_SANDBOX_ID``;
     docker: every process of the container but PID 1 and its ``sleep infinity``.
 """
 

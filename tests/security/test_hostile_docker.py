@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
+import sandbox
 from ares_gateway import Gateway
 from ares_gateway.episodes.episode import harness_side_call_detector
 from ares_gateway.episodes.tasks import Task
-from sandbox import DockerSandbox, Resources, SandboxSpec
+from sandbox import DockerSandbox, Resources, SandboxSpec, janitor
 from tests.prereq import docker_ok, image_present, require
 from tests.rollouts.e2e import PROVISION, require_mini
 from tests.security.test_exploits import HONEST, _run, _verifier_log
@@ -254,3 +255,20 @@ async def test_kernel_keyring_is_refused_in_the_container() -> None:
             assert set(lines) == {"add_key", "keyctl", "request_key"}, r.stdout + r.stderr
             for call, result in lines.items():
                 assert result == "-1 1", (user, call, result)  # EPERM from seccomp
+
+
+async def test_disk_limit_that_cannot_be_enforced_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the layer cannot be loop-mounted (here: as if not root) the engine's quota is asked
+    for; this engine (overlay2 on extfs) refuses it, and the sandbox does not start unlimited."""
+    _require_base()
+    from sandbox.docker import client
+
+    if "xfs" in str(client().info().get("DriverStatus")):
+        pytest.skip("an xfs data root may grant the quota")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    sb = DockerSandbox(SandboxSpec(image=BASE_IMAGE, network="none", resources=Resources(disk="64m")))
+    with pytest.raises(sandbox.SandboxStartError, match=r"cannot limit the disk .* to 64 MiB"):
+        await sb.start()
+    assert sb.state == "stopped"
+    left = client().containers.list(all=True, filters={"label": f"{janitor.SANDBOX_LABEL}={sb.id}"})
+    assert left == []

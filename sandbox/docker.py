@@ -323,8 +323,6 @@ class DockerSandbox(BaseSandbox):
     """
 
     backend = "docker"
-    default_memory: int | str | None = DEFAULT_MEMORY
-    default_pids: int | None = DEFAULT_PIDS
 
     def __init__(
         self,
@@ -708,9 +706,9 @@ def _image_config(image: str) -> tuple[str, list[str]]:
 
 
 def _parse_limits(out: str, *, memory: bool, pids: bool, disk: int | None) -> frozenset[str]:
-    """The limits hit, from the output of _LIMITS_CGROUP and _LIMITS_DF: cgroup counters that count kills and refusals
-    (``oom_kill``, pids ``max``); the disk as full when the writable layer has less than about 2 %
-    (at most 4 MiB) or no inode left, which is what a refused write leaves."""
+    """The limits hit, from the output of _LIMITS_CGROUP and _LIMITS_DF: cgroup counters that count
+    kills and refusals (``oom_kill``, pids ``max``); the disk as full when the writable layer has less
+    than about 2 % (at most 4 MiB) or no inode left, which is what a refused write leaves."""
     hit: set[str] = set()
     for line in out.splitlines():
         parts = line.split()

@@ -25,6 +25,7 @@ from ares_gateway import Gateway
 from ares_gateway.episodes.episode import harness_side_call_detector
 from ares_gateway.episodes.tasks import Task
 from sandbox import DockerSandbox, Resources, SandboxSpec, janitor
+from sandbox.docker import DEFAULT_PIDS
 from tests.prereq import docker_ok, image_present, require
 from tests.rollouts.e2e import PROVISION, require_mini
 from tests.security.test_exploits import HONEST, _run, _verifier_log
@@ -195,7 +196,7 @@ async def test_default_limits_apply_when_the_spec_gives_none() -> None:
     _require_base()
     async with DockerSandbox(SandboxSpec(image=BASE_IMAGE, network="none")) as sb:
         r = await sb.exec("cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max")
-        assert r.stdout.strip() == str(DockerSandbox.default_pids)
+        assert r.stdout.strip() == str(DEFAULT_PIDS)
     async with DockerSandbox(SandboxSpec(image=BASE_IMAGE, network="none"), default_pids=None) as sb:
         r = await sb.exec("cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max")
         assert r.stdout.strip() == "max"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Provision a real Docker engine for the sandbox tests (idempotent; quick when already done):
-#   1. Debian's docker.io, debootstrap and bubblewrap;
+#   1. Debian's docker.io, debootstrap, bubblewrap and e2fsprogs;
 #   2. dockerd with no bridge and no iptables (containers use host networking), if none answers;
 #   3. the registry-free Debian base image (docker/build-base-image.sh) and the agent base image.
 # .ci/run exports ARES_CI=1, which makes Docker-dependent tests fail instead of skip.
@@ -11,6 +11,8 @@ need=()
 command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
+# mkfs.ext4: a Docker sandbox's disk limit puts its writable layer on a loop-mounted ext4 (sandbox/docker.py).
+command -v mkfs.ext4 >/dev/null 2>&1 || need+=(e2fsprogs)
 if [ "${#need[@]}" -gt 0 ]; then
     echo "installing ${need[*]}"
     export DEBIAN_FRONTEND=noninteractive

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Provision a real Docker engine for the sandbox tests (idempotent; quick when already done):
-#   1. Debian's docker.io, debootstrap, bubblewrap (and libseccomp2, e2fsprogs, mount for hardened local sandboxes);
+#   1. Debian's docker.io, debootstrap, bubblewrap libseccomp2, e2fsprogs and mount (sandbox limits);
 #   2. dockerd with no bridge and no iptables (containers use host networking), if none answers;
 #   3. the registry-free Debian base image (docker/build-base-image.sh) and the agent base image.
 # .ci/run exports ARES_CI=1, which makes Docker-dependent tests fail instead of skip.
@@ -11,7 +11,8 @@ need=()
 command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
-# The hardened local sandbox: libseccomp (its filter), mkfs.ext4 and losetup (its disk limit).
+# The hardened local sandbox: libseccomp (its filter); mkfs.ext4 and losetup (the disk limit of local
+# sandboxes and of Docker's writable layer, a loop-mounted ext4).
 ldconfig -p | grep 'libseccomp\.so\.2' >/dev/null || need+=(libseccomp2)
 command -v mkfs.ext4 >/dev/null 2>&1 || need+=(e2fsprogs)
 command -v losetup >/dev/null 2>&1 || need+=(mount)

@@ -16,6 +16,10 @@ import functools
 import importlib
 import os
 import posixpath
+import re
+import shutil
+import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -45,7 +49,7 @@ from .protocol import (
     tar_directory,
     tar_single_file,
 )
-from .spec import SandboxSpec
+from .spec import SandboxSpec, parse_size
 
 # The SDK is imported by name at run time: the repository's own docker/ directory (Dockerfiles)
 # would otherwise shadow it for type checkers.
@@ -59,15 +63,39 @@ BUILD_TAG_PREFIX = "ares-gateway/sandbox-build"
 _API_TIMEOUT = 120
 _PIDDIR = "/tmp"
 
+#: The PATH of every command run as root: system directories only, whatever the image, the spec or
+#: the caller put on it.  The agent may write its home (~/.local/bin, ~/.npm-global/bin): a program it
+#: plants there must never be found by root (issue 22).
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_ROOT_ENV = {"PATH": SYSTEM_PATH, "HOME": "/root"}
+# What a root command never gets, from the image, the spec or the caller: what makes an interpreter
+# or the dynamic loader run code from elsewhere (PYTHON*: no PYTHONPATH, PYTHONSTARTUP, user site
+# redirection; LD_*), what a shell reads on start (BASH_ENV, ENV) or cd follows (CDPATH), and where
+# node, npm, perl, ruby, git and XDG tools look for code or configuration (the image's
+# NPM_CONFIG_PREFIX points into the agent's home).  A verifier that needs one sets it in test.sh.
+_UNSAFE_FOR_ROOT = re.compile(
+    r"PYTHON\w*|LD_\w+|BASH_ENV|ENV|CDPATH|NODE_OPTIONS|NODE_PATH|NPM_CONFIG_PREFIX|npm_config_prefix|"
+    r"PERL5LIB|PERL5OPT|PERLLIB|RUBYLIB|RUBYOPT|GIT_EXEC_PATH|GIT_CONFIG\w*|GIT_TEMPLATE_DIR|XDG_\w+"
+)
+
 # Run `command` ($2) in a new session whose leader writes its pid (= the process-group id) to $1.
-# The outer shell waits (setsid -w), removes the pid file and exits with the command's status.
+# The outer shell waits (setsid -w), removes the pid file and exits with the command's status.  First
+# it settles the environment by the uid it really runs as (read by a builtin from /proc/self/status, so
+# a user named otherwise with uid 0 counts as root too): root gets SYSTEM_PATH, HOME=/root and the
+# names of $4 unset; another user, when the caller gave no PATH ($5 = 1), gets its own bin directories
+# (~/.local/bin and the npm prefix's) before the system's, which only it runs.
 _OUTER = (
-    'p=$1; c=$2; i=$3; '
+    'p=$1; c=$2; i=$3; u=$4; up=$5; uid=; '
+    'while read -r k v _; do case $k in Uid:) uid=$v; break;; esac; done </proc/self/status; '
+    f'if [ "$uid" = 0 ]; then PATH={SYSTEM_PATH}; HOME=/root; export PATH HOME; '
+    'for n in $u; do unset "$n"; done; '
+    'elif [ "$up" = 1 ]; then for d in "$HOME/.local/bin" "${NPM_CONFIG_PREFIX:+$NPM_CONFIG_PREFIX/bin}"; do '
+    'case ":$PATH:" in *":$d:"*) ;; *) [ -n "$d" ] && PATH="$d:$PATH";; esac; done; export PATH; fi; '
     'if command -v setsid >/dev/null 2>&1; then setsid -w /bin/sh -c "$i" "$p" "$c"; rc=$?; '
     'else /bin/sh -c "$i" "$p" "$c"; rc=$?; fi; rm -f "$p"; exit $rc'
 )
 _INNER = 'echo $$ >"$0" 2>/dev/null; exec /bin/sh -c "$1"'
-_KILL = 'p=$(cat "$0" 2>/dev/null) && [ -n "$p" ] && { kill -9 -"$p" 2>/dev/null || kill -9 "$p"; }; rm -f "$0"'
+_KILL = 'p=; read -r p <"$0" 2>/dev/null; [ -n "$p" ] && { kill -9 -"$p" 2>/dev/null || kill -9 "$p"; }; rm -f "$0"'
 
 # Root-owned directory of the sandbox's own machinery: the relay script, its pid files and logs, and
 # the read-only mounts of host socket directories (/.ares/forward/<n>).
@@ -83,14 +111,14 @@ i=0; while [ ! -f "$r" ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done
 [ -f "$r" ] || { cat "$log"; exit 4; }
 """
 # $1 uid ('' = every user), $2 rounds of 50 ms.  Kills every process but PID 1, its first child (the
-# container's `sleep infinity`), the relays and itself (with the exec wrapper above it); builtins only while listing, so the script's
-# own helpers never show up.  Prints the number killed; exit 3 (and the survivors) when time runs out.
+# container's `sleep infinity`), the relays and itself (with the exec wrapper above it); builtins only
+# (but sleep), so the script's own helpers never show up and no program is looked up while listing.
+# Prints the number killed; exit 3 (and the survivors) when time runs out.
 _KILL_ALL = r"""
 want=$1; rounds=$2; self=$$; killed=0
-keeper=$(tr ' ' '
-' </proc/1/task/1/children | grep . | sort -n | head -n 1)
-relays=$(cat /.ares/relay-*.pid 2>/dev/null | tr '
-' ' ')
+kids=; read -r kids </proc/1/task/1/children || true
+keeper=; for c in $kids; do if [ -z "$keeper" ] || [ "$c" -lt "$keeper" ]; then keeper=$c; fi; done
+relays=; for f in /.ares/relay-*.pid; do r=; [ -f "$f" ] && read -r r <"$f"; relays="$relays $r"; done
 anc=""; p=$self
 while [ -n "$p" ] && [ "$p" -gt 1 ]; do
   anc="$anc $p"; pp=""
@@ -118,6 +146,31 @@ while :; do
   sleep 0.05
 done
 """
+
+
+# What limits_reached() reads inside the container (as root, builtins but df) where the host's view
+# of the container's cgroup is not at hand (a remote engine): the container's own cgroup counters
+# (v1: a hierarchy per controller; v2: one) and the writable layer's free space.
+_LIMITS_CGROUP = r"""
+for f in /sys/fs/cgroup/memory/memory.oom_control /sys/fs/cgroup/memory.events \
+         /sys/fs/cgroup/pids/pids.events /sys/fs/cgroup/pids.events; do
+  [ -r "$f" ] && while read -r k v; do echo "cg $k $v"; done <"$f"
+done
+true
+"""
+_LIMITS_DF = r"""
+df -Pk / 2>/dev/null | { read -r _; read -r _ size _ avail _ && echo "blocks $size $avail"; }
+df -Pi / 2>/dev/null | { read -r _; read -r _ size _ avail _ && echo "inodes $size $avail"; }
+true
+"""
+#: Processes root may add above the pids limit while kill_processes() runs, so that it can still
+#: start (a docker exec is a process of the container) when the agent has taken every pid.
+_KILL_PIDS_HEADROOM = 32
+#: The pids limit of a sandbox whose spec sets none: far above what an agent, its tools and a test
+#: suite use, far below the host's pid_max (32768 by default), so a fork bomb stays inside.
+DEFAULT_PIDS = 4096
+#: The memory limit (no swap beyond it) of a sandbox whose spec sets none.
+DEFAULT_MEMORY = "8g"
 
 
 def _transient(exc: BaseException) -> bool:
@@ -258,9 +311,28 @@ def _build(api: Any, spec: SandboxSpec, tag: str) -> None:
 
 
 class DockerSandbox(BaseSandbox):
+    """One container per sandbox.
+
+    Limits: ``spec.resources`` (else ``default_memory`` and ``default_pids``; ``None`` turns a default
+    off) become the container's cgroup limits: ``mem_limit`` with ``memswap_limit`` equal (no swap
+    beyond it), ``pids_limit``, ``nano_cpus``.  ``disk`` limits the container's whole writable layer:
+    on a local overlay2 engine (run as root) the layer is a loop-mounted ext4 file system of that size,
+    made sparse in ``disk_image_dir`` (default: the system's temp directory) and gone with the
+    container; elsewhere the engine's ``storage_opt`` size (overlay2 on xfs with pquota, btrfs, zfs),
+    and a clear error where the engine can do neither.  :meth:`limits_reached` reports what was hit.
+    """
+
     backend = "docker"
 
-    def __init__(self, spec: SandboxSpec | None = None, *, pull: bool = False) -> None:
+    def __init__(
+        self,
+        spec: SandboxSpec | None = None,
+        *,
+        pull: bool = False,
+        default_memory: int | str | None = DEFAULT_MEMORY,
+        default_pids: int | None = DEFAULT_PIDS,
+        disk_image_dir: str | None = None,
+    ) -> None:
         super().__init__(spec)
         self.pull = pull
         self.container_id: str | None = None
@@ -271,15 +343,45 @@ class DockerSandbox(BaseSandbox):
         for n, directory in enumerate(sorted({os.path.dirname(p) for p in self.spec.forwards.values()})):
             self._socket_dirs[directory] = f"{_ARES_DIR}/forward/{n}"
         self._relay_uploaded = False
+        res = self.spec.resources
+        if default_pids is not None and default_pids < 1:
+            raise ValueError(f"default_pids must be a positive number of processes or None, got {default_pids!r}")
+        self.memory_limit: int | None = res.memory_bytes if res.memory is not None else parse_size(default_memory)
+        self.pids_limit: int | None = res.pids if res.pids is not None else default_pids
+        self.disk_limit: int | None = res.disk_bytes
+        self.disk_image_dir = disk_image_dir or os.environ.get("ARES_DOCKER_DISK_DIR") or None
+        #: How the disk limit is enforced once started: "loop" (the writable layer is a file system
+        #: of its own), "storage-opt" (the engine's quota), or None (no disk limit).
+        self.disk_mode: str | None = None
+        #: The host mount point of the writable layer's own file system (disk_mode "loop").
+        self.disk_mount: str | None = None
+        # Names of the image's environment that root commands never get (see _UNSAFE_FOR_ROOT).
+        self._image_unsafe: tuple[str, ...] = ()
+        self._image_user = ""
 
     @property
     def description(self) -> str:
         target = self.image or self.spec.image or self.spec.dockerfile
-        return f"docker sandbox {self.id} (container {self._container_name}, image {target}, network={self.spec.network})"
+        limits = [
+            f"memory {_size(self.memory_limit)} (no swap)" if self.memory_limit else "memory unlimited",
+            f"pids {self.pids_limit}" if self.pids_limit else "pids unlimited",
+        ]
+        if self.disk_limit is None:
+            limits.append("disk unlimited")
+        elif self.disk_mode == "storage-opt":
+            limits.append(f"disk {_size(self.disk_limit)} (the engine's quota on the writable layer)")
+        else:
+            limits.append(f"disk {_size(self.disk_limit)} (the whole writable layer on a loop-mounted ext4; "
+                          "bind mounts and /dev/shm not counted)")
+        return (f"docker sandbox {self.id} (container {self._container_name}, image {target}, "
+                f"network={self.spec.network}; {', '.join(limits)}; root commands get PATH={SYSTEM_PATH}, "
+                "HOME=/root and no PYTHON*/LD_* variables)")
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def _start(self) -> None:
         self.image = await asyncio.to_thread(image_for, self.spec, pull=self.pull)
+        self._image_user, image_env = await asyncio.to_thread(_image_config, self.image)
+        self._image_unsafe = tuple(sorted(n for n in image_env if _UNSAFE_FOR_ROOT.fullmatch(n)))
         self.container_id = await asyncio.to_thread(self._create_container)
 
     @_wrap_api_errors("creating the container")
@@ -296,33 +398,52 @@ class DockerSandbox(BaseSandbox):
             "working_dir": self.spec.workdir,
             "network_mode": self.spec.network,
             "init": True,
-            "detach": True,
         }
         if self._socket_dirs:
             kwargs["volumes"] = {host: {"bind": inside, "mode": "ro"} for host, inside in self._socket_dirs.items()}
         if res.cpus:
             kwargs["nano_cpus"] = int(res.cpus * 1e9)
-        if res.memory_bytes:
-            kwargs["mem_limit"] = res.memory_bytes
-            kwargs["memswap_limit"] = res.memory_bytes
-        if res.disk_bytes:
-            kwargs["storage_opt"] = {"size": str(res.disk_bytes)}
+        if self.memory_limit:
+            kwargs["mem_limit"] = self.memory_limit
+            kwargs["memswap_limit"] = self.memory_limit
+        if self.pids_limit:
+            kwargs["pids_limit"] = self.pids_limit
         if res.gpus:
             kwargs["device_requests"] = [docker.types.DeviceRequest(count=res.gpus, capabilities=[["gpu"]])]
 
         @_retry
-        def create() -> str:
+        def create(extra: dict[str, Any]) -> Any:
             try:
-                container = api.containers.run(**kwargs)
+                return api.containers.create(**kwargs, **extra)
             except docker.errors.APIError as exc:
                 if exc.status_code == 409:  # an earlier attempt did create it: adopt it
-                    container = api.containers.get(self._container_name)
-                    container.start()
-                else:
-                    raise
-            return str(container.id)
+                    return api.containers.get(self._container_name)
+                raise
 
-        return create()
+        container = create({})
+        if self.disk_limit is not None:
+            try:
+                loop = _loop_layer(api, container.id, self.disk_limit, self.disk_image_dir)
+            except BaseException:
+                _retry(_remove_container)(api, container.id)
+                raise
+            if loop:
+                self.disk_mode, self.disk_mount = "loop", loop
+            else:  # not a local overlay2 engine we may mount on: the engine's own quota, if it has one
+                _retry(_remove_container)(api, container.id)
+                try:
+                    container = create({"storage_opt": {"size": str(self.disk_limit)}})
+                except docker.errors.APIError as exc:
+                    raise SandboxStartError(
+                        f"cannot limit the disk of sandbox {self.id} to {_size(self.disk_limit)}: the writable "
+                        "layer can be put on a loop-mounted file system only with a local overlay2 engine and "
+                        f"root on its host, and this engine refuses a storage quota ({exc.explanation or exc}). "
+                        "Run as root next to the engine, use an engine with quotas (overlay2 on xfs with "
+                        "pquota), or drop Resources.disk"
+                    ) from exc
+                self.disk_mode = "storage-opt"
+        _retry(container.start)()
+        return str(container.id)
 
     def _remove_sync(self) -> None:
         name = self.container_id or self._container_name
@@ -342,7 +463,12 @@ class DockerSandbox(BaseSandbox):
     ) -> ExecResult:
         assert self.container_id is not None
         pidfile = f"{_PIDDIR}/.ares-exec-{uuid.uuid4().hex}.pid"
-        argv = ["/bin/sh", "-c", _OUTER, "ares-exec", pidfile, command, _INNER]
+        # Names root never gets: the wrapper unsets them when it runs as uid 0 (whatever the name).
+        unsafe = " ".join(sorted({*self._image_unsafe, *(k for k in env if _UNSAFE_FOR_ROOT.fullmatch(k))}))
+        argv = ["/bin/sh", "-c", _OUTER, "ares-exec", pidfile, command, _INNER, unsafe,
+                "0" if "PATH" in env else "1"]
+        if self._runs_as_root(user):
+            env = {**{k: v for k, v in env.items() if not _UNSAFE_FOR_ROOT.fullmatch(k)}, **_ROOT_ENV}
         api = client().api
         started = time.monotonic()
         exec_id = await asyncio.to_thread(self._exec_create, api, argv, cwd, env, user)
@@ -393,11 +519,23 @@ class DockerSandbox(BaseSandbox):
             raise ExecError(f"docker exec in sandbox {self.id} failed: {exc}") from exc
         return str(res["Id"])
 
+    def _runs_as_root(self, user: str | None) -> bool:
+        """Whether ``user`` (``None``: the image's) is root by name or uid; the exec wrapper also checks
+        the real uid, so a root under another name is cleaned up there."""
+        name = (user or self._image_user or "root").split(":", 1)[0]
+        return name in ("root", "0", "")
+
+    def _root_exec_sync(self, argv: list[str]) -> tuple[int, bytes]:
+        """One of the backend's own root steps: the system PATH and HOME=/root, the output whole."""
+        api = client().api
+        exec_id = api.exec_create(self.container_id, argv, user="root", environment=_ROOT_ENV, workdir="/")["Id"]
+        output = api.exec_start(exec_id)
+        code = api.exec_inspect(exec_id).get("ExitCode")
+        return (code if code is not None else -1), output
+
     def _kill_group(self, pidfile: str) -> None:
         with contextlib.suppress(docker.errors.DockerException, requests.exceptions.RequestException):
-            client().api.exec_start(
-                client().api.exec_create(self.container_id, ["/bin/sh", "-c", _KILL, pidfile], user="root")["Id"]
-            )
+            self._root_exec_sync(["/bin/sh", "-c", _KILL, pidfile])
 
     # -- forwarding and killing -------------------------------------------------------------------
     async def _forward(self, port: int, host_socket: str) -> None:
@@ -429,11 +567,32 @@ class DockerSandbox(BaseSandbox):
             info.size, info.mode, info.uid, info.gid = len(data), 0o644, 0, 0
             tar.addfile(info, io.BytesIO(data))
         api = client().api
-        api.exec_start(api.exec_create(self.container_id, ["mkdir", "-p", "-m", "755", _ARES_DIR], user="root")["Id"])
+        self._root_exec_sync(["/bin/mkdir", "-p", "-m", "755", _ARES_DIR])
         if not api.put_archive(self.container_id, _ARES_DIR, buf.getvalue()):
             raise ForwardError(f"docker refused the relay script's copy into sandbox {self.id}")
 
     async def _kill_processes(self, user: str | None, timeout: float) -> int:
+        if not self.pids_limit:
+            return await self._kill_all(user, timeout)
+        # An agent that took every pid would keep root's exec from starting: lift the limit a little
+        # while its processes are killed (each round kills what forked in the meantime).
+        await asyncio.to_thread(self._set_pids_limit, self.pids_limit + _KILL_PIDS_HEADROOM)
+        try:
+            return await self._kill_all(user, timeout)
+        finally:
+            await asyncio.to_thread(self._set_pids_limit, self.pids_limit)
+
+    def _set_pids_limit(self, limit: int) -> None:
+        # The SDK's update_container() predates PidsLimit; the engine's API has it (1.40+).
+        api = client().api
+        url = f"{api.base_url}/v{api.api_version}/containers/{self.container_id}/update"
+        try:
+            reply = _retry(api.post)(url, json={"PidsLimit": limit}, timeout=_API_TIMEOUT)
+            reply.raise_for_status()
+        except (requests.exceptions.RequestException, docker.errors.DockerException) as exc:
+            raise ExecError(f"setting the pids limit of sandbox {self.id} to {limit} failed: {exc}") from exc
+
+    async def _kill_all(self, user: str | None, timeout: float) -> int:
         uid = ""
         if user is not None:
             if user.isdigit():
@@ -451,15 +610,30 @@ class DockerSandbox(BaseSandbox):
             raise ExecError(f"killing the processes of sandbox {self.id} failed: {(out + r.stderr).strip()[-500:]}")
         return int(out)
 
+    async def _limits_reached(self) -> frozenset[str]:
+        assert self.container_id is not None
+        # The host's view of the container's cgroup first: it needs no process in the container,
+        # which a container that used up its pids could not start.
+        out = await asyncio.to_thread(_host_cgroup_counters, self.container_id)
+        if out is None:
+            r = await self._exec(_LIMITS_CGROUP, user="root", cwd="/", env={}, timeout=30)
+            if not r.ok:  # the container is gone or stopped: what the engine kept
+                state = await asyncio.to_thread(lambda: client().api.inspect_container(self.container_id)["State"])
+                return frozenset({"memory"} if self.memory_limit and state.get("OOMKilled") else ())
+            out = r.stdout
+        if self.disk_mode == "loop" and self.disk_mount:
+            st = await asyncio.to_thread(os.statvfs, self.disk_mount)
+            out += (f"\nblocks {st.f_blocks * st.f_frsize // 1024} {st.f_bavail * st.f_frsize // 1024}"
+                    f"\ninodes {st.f_files} {st.f_favail}\n")
+        elif self.disk_mode is not None:
+            with contextlib.suppress(Exception):
+                out += "\n" + (await self._exec(_LIMITS_DF, user="root", cwd="/", env={}, timeout=30)).stdout
+        return _parse_limits(out, memory=bool(self.memory_limit), pids=bool(self.pids_limit), disk=self.disk_limit)
+
     async def _run_root(self, argv: list[str], what: str) -> None:
         assert self.container_id is not None
 
-        def run() -> tuple[int, bytes]:
-            container = client().containers.get(self.container_id)
-            code, output = container.exec_run(argv, user="root")
-            return int(code), output
-
-        code, output = await asyncio.to_thread(run)
+        code, output = await asyncio.to_thread(self._root_exec_sync, argv)
         if code != 0:
             raise FileTransferError(f"{what} in sandbox {self.id} failed: {output.decode(errors='replace').strip()}")
 
@@ -515,6 +689,120 @@ class DockerSandbox(BaseSandbox):
             extract_tar(IterStream(self._get_archive(remote_dir.rstrip("/") or "/")), local_dir, strip_top=True)  # type: ignore[arg-type]
 
         await asyncio.to_thread(fetch)
+
+
+def _size(n: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor and n % (factor // 16 or 1) == 0:
+            return f"{n / factor:g} {unit}"
+    return f"{n} bytes"
+
+
+@_retry
+def _image_config(image: str) -> tuple[str, list[str]]:
+    """The image's default user and the names of its environment variables."""
+    config = client().api.inspect_image(image).get("Config") or {}
+    return str(config.get("User") or ""), [str(e).split("=", 1)[0] for e in config.get("Env") or []]
+
+
+def _parse_limits(out: str, *, memory: bool, pids: bool, disk: int | None) -> frozenset[str]:
+    """The limits hit, from the output of _LIMITS_CGROUP and _LIMITS_DF: cgroup counters that count
+    kills and refusals (``oom_kill``, pids ``max``); the disk as full when the writable layer has less
+    than about 2 % (at most 4 MiB) or no inode left, which is what a refused write leaves."""
+    hit: set[str] = set()
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "cg" and parts[2].isdigit() and int(parts[2]) > 0:
+            if parts[1] == "oom_kill" and memory:
+                hit.add("memory")
+            elif parts[1] == "max" and pids:
+                hit.add("pids")
+        elif len(parts) == 3 and parts[0] in ("blocks", "inodes") and disk is not None:
+            if not (parts[1].isdigit() and parts[2].isdigit()):
+                continue
+            size, avail = int(parts[1]), int(parts[2])
+            if parts[0] == "blocks" and size > 0 and avail < min(4096, max(64, size // 50)):
+                hit.add("disk")
+            elif parts[0] == "inodes" and size > 0 and avail == 0:
+                hit.add("disk")
+    return frozenset(hit)
+
+
+def _host_cgroup_counters(container_id: str) -> str | None:
+    """The container's cgroup counters as _LIMITS_CGROUP prints them, read on the host through its
+    init's /proc/<pid>/cgroup (v1 or v2); None where the engine's processes are not this host's."""
+    state = client().api.inspect_container(container_id).get("State") or {}
+    pid = state.get("Pid") or 0
+    if not state.get("Running") or not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/cgroup", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    if not any(container_id in line for line in lines):  # another host's pid of that number
+        return None
+    files: list[str] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "memory":
+            files.append(f"/sys/fs/cgroup/memory{path}/memory.oom_control")
+        elif controllers == "pids":
+            files.append(f"/sys/fs/cgroup/pids{path}/pids.events")
+        elif controllers == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):  # v2 only
+            files += [f"/sys/fs/cgroup{path}/memory.events", f"/sys/fs/cgroup{path}/pids.events"]
+    out = []
+    for name in files:
+        with contextlib.suppress(OSError), open(name, encoding="utf-8") as f:
+            out += [f"cg {line}" for line in f.read().splitlines()]
+    return "\n".join(out) + "\n" if files else None
+
+
+def _mounted(path: str) -> bool:
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        return any(line.split()[4] == path for line in f if len(line.split()) > 4)
+
+
+def _loop_layer(api: Any, container_id: str, size: int, image_dir: str | None) -> str | None:
+    """Put a created (not yet started) container's writable layer on an ext4 file system of ``size``
+    bytes of its own: a sparse file, loop-mounted over the overlay2 layer directory (its ``diff`` and
+    ``work`` copied in), so every write of the container, whatever the path, fills that file system
+    and no more.  The file is unlinked once mounted: the loop device (autoclear) goes with the mount,
+    which the engine's own removal of the layer unmounts.  Returns the mount point; None where it cannot
+    be done here (another storage driver, a remote engine, not root, no mkfs.ext4)."""
+    driver = api.api.inspect_container(container_id).get("GraphDriver") or {}
+    upper = (driver.get("Data") or {}).get("UpperDir") or ""
+    tools = [shutil.which(t) for t in ("mkfs.ext4", "mount")]
+    if driver.get("Name") != "overlay2" or not upper or os.geteuid() != 0 or None in tools:
+        return None
+    layer = os.path.dirname(upper)
+    if not os.path.isdir(upper) or not os.path.isfile(os.path.join(layer, "lower")):
+        return None
+    if _mounted(layer):  # adopted from an earlier attempt that got this far
+        return layer
+    mkfs, mount = str(tools[0]), str(tools[1])
+    fd, img = tempfile.mkstemp(prefix="ares-disk-", suffix=".img", dir=image_dir)
+    try:
+        os.ftruncate(fd, size)
+        os.close(fd)
+        fd = -1
+        # -d: the layer directory's entries (diff, work, link, lower) become the new file system's;
+        # no journal, no reserved blocks: a scratch file system that lives as long as the container.
+        for argv in ([mkfs, "-q", "-F", "-m", "0", "-O", "^has_journal", "-E", "nodiscard", "-d", layer, img],
+                     [mount, "-o", "loop", img, layer]):
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+            if done.returncode != 0:
+                raise SandboxStartError(
+                    f"limiting the disk to {_size(size)} failed: {' '.join(argv[:1])} says "
+                    f"{(done.stderr or done.stdout).strip()[-400:]} (set ARES_DOCKER_DISK_DIR to a directory "
+                    "on a file system with room for the sparse image, or drop Resources.disk)"
+                )
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(img)
+    return layer
 
 
 def _drain(stream: Any, out: list[bytes], err: list[bytes]) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Provision a real Docker engine for the sandbox tests (idempotent; quick when already done):
-#   1. Debian's docker.io, debootstrap, bubblewrap libseccomp2, e2fsprogs and mount (sandbox limits);
+#   1. Debian's docker.io, debootstrap, bubblewrap, libseccomp2, e2fsprogs and mount (sandbox limits);
 #   2. dockerd with no bridge and no iptables (containers use host networking), if none answers;
 #   3. the registry-free Debian base image (docker/build-base-image.sh) and the agent base image.
 # .ci/run exports ARES_CI=1, which makes Docker-dependent tests fail instead of skip.

@@ -42,7 +42,8 @@ def check_forward(port: int, host_socket: str) -> None:
 
 @dataclass(frozen=True)
 class Resources:
-    """Limits for one sandbox. ``None`` means the backend's default (no limit for local and Docker).
+    """Limits for one sandbox. ``None`` means the backend's default: no limit on local; on Docker
+    ``DockerSandbox(default_memory=8 GiB, default_pids=4096)`` and no disk limit.
 
     ``memory`` caps the sandbox's RAM (its processes and the tmpfs pages they write), ``pids`` the
     number of processes and threads alive at once, ``disk`` what its writable directories may hold.

@@ -73,7 +73,10 @@ EXIT_REASONS = (
 )
 #: What an episode's sandbox may take when its task names no limit (Harbor's ``memory_mb`` /
 #: ``storage_mb``; ``pids`` has no task field). Enough for the four harnesses and a build; a fork
-#: bomb or a runaway allocation ends the episode (``*_limit``) instead of taking the host.
+#: bomb or a runaway allocation ends the episode (``*_limit``) instead of taking the host. The disk
+#: default applies to local sandboxes only: a Docker engine that cannot bound a writable layer (a
+#: remote one, one not on overlay2) refuses to start a sandbox with a disk limit, so there a task
+#: that wants one names it (``storage_mb``).
 DEFAULT_RESOURCES = sandbox_mod.Resources(memory="4g", pids=1024, disk="10g")
 _LOG_LIMIT = 1024 * 1024
 _ARTIFACT_LIMIT = 4 * 1024 * 1024
@@ -211,13 +214,15 @@ def last_lines(text: str, limit: int = 400) -> str:
     return " | ".join(picked)
 
 
-def with_default_resources(res: sandbox_mod.Resources) -> sandbox_mod.Resources:
-    """``res`` with :data:`DEFAULT_RESOURCES` filled in where it names no limit."""
+def with_default_resources(res: sandbox_mod.Resources, backend: str = "local") -> sandbox_mod.Resources:
+    """``res`` with :data:`DEFAULT_RESOURCES` filled in where it names no limit (the disk on the
+    local backend only)."""
+    disk = DEFAULT_RESOURCES.disk if backend == "local" else None
     return dataclasses.replace(
         res,
         memory=res.memory if res.memory is not None else DEFAULT_RESOURCES.memory,
         pids=res.pids if res.pids is not None else DEFAULT_RESOURCES.pids,
-        disk=res.disk if res.disk is not None else DEFAULT_RESOURCES.disk,
+        disk=res.disk if res.disk is not None else disk,
     )
 
 
@@ -305,7 +310,7 @@ class TaskEpisode:
             default_image=self.image,
             labels={"ares-gateway.session": session.session_id, "ares-gateway.harness": harness.name, **self.labels},
         )
-        spec = dataclasses.replace(spec, resources=with_default_resources(spec.resources))
+        spec = dataclasses.replace(spec, resources=with_default_resources(spec.resources, self.backend))
         spec, base_url = await self._isolate(spec, session)
         try:
             sb = sandbox_mod.create(spec, backend=self.backend, **self.sandbox_options)

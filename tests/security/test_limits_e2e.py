@@ -54,6 +54,9 @@ def test_default_resources_fill_only_what_the_task_leaves_open() -> None:
     assert with_default_resources(Resources()) == DEFAULT_RESOURCES
     mine = with_default_resources(Resources(memory="256m", cpus=1.0))
     assert (mine.memory, mine.cpus, mine.pids, mine.disk) == ("256m", 1.0, DEFAULT_RESOURCES.pids, DEFAULT_RESOURCES.disk)
+    docker = with_default_resources(Resources(), "docker")
+    assert (docker.memory, docker.pids, docker.disk) == (DEFAULT_RESOURCES.memory, DEFAULT_RESOURCES.pids, None)
+    assert with_default_resources(Resources(disk="1g"), "docker").disk == "1g"
 
 
 @pytest.mark.parametrize("backend", ["local", "docker"])

@@ -82,8 +82,25 @@ class ControlAPI:
             items = await self.gw.broker.poll(session, max_items=max_items, wait=wait, lease=lease)
         except GatewayError as exc:
             return control_error(exc.status, str(exc))
-        body = b"[" + b",".join(p.poll_json(canonical=with_canonical) for p in items) + b"]"
+        parts = []
+        for p in items:
+            try:
+                parts.append(p.poll_json(canonical=with_canonical))
+            except (orjson.JSONEncodeError, RecursionError, ValueError, TypeError) as exc:
+                # A body the encoder cannot hand on (nested past orjson's 255 levels in a free-form
+                # field): one agent's request must not fail every poller's batch. Its agent gets a 400.
+                self._refuse_unpollable(p.id, exc)
+        body = b"[" + b",".join(parts) + b"]"
         return Response(body=body, headers={"Content-Type": "application/json"})
+
+    def _refuse_unpollable(self, rid: str, exc: Exception) -> None:
+        log.warning("request %s cannot be encoded for /poll (%s): answered with 400", rid, type(exc).__name__)
+        message = ("the request cannot be handed to the policy: it nests objects or arrays too deeply "
+                   "(at most 128 levels); send a flatter body")
+        try:
+            self.gw.broker.respond(rid, ErrorAnswer(400, message))
+        except GatewayError:  # gone meanwhile (the agent disconnected): nothing to answer
+            pass
 
     async def respond(self, request: BaseRequest, sid: str | None) -> Response:
         body = await self._json(request)

@@ -490,3 +490,33 @@ async def test_in_process_respond_refuses_what_cannot_render() -> None:
             await asyncio.wait_for(task, 10)
         await agent.close()
         assert len(gw.turn_log(info.session_id)) == 1
+
+
+async def test_a_request_too_deep_to_poll_is_a_400_to_its_agent_and_spoils_no_batch(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An agent's body nesting 300 levels in a free-form field parses, but its canonical form cannot be
+    encoded (orjson stops at 255): /poll was a 500 for every batch it landed in, and the item stayed
+    hidden until its lease ran out. Now its agent gets a 400 and the other agents' requests are polled."""
+    async with Gateway(port=0, data_dir=False) as gw, _agent_and_poller(gw) as http:
+        deep_info, good_info = await gw.create_session(), await gw.create_session()
+        deep = openai.AsyncOpenAI(base_url=deep_info.base_url + "/v1", api_key=deep_info.token, max_retries=0)
+        good = openai.AsyncOpenAI(base_url=good_info.base_url + "/v1", api_key=good_info.token, max_retries=0)
+        deep_task = asyncio.create_task(deep.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], extra_body={"x_deep": _nested(300)}))
+        good_task = asyncio.create_task(good.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}]))
+        while gw.broker.pending_count < 2:  # noqa: ASYNC110 (nothing to wait on: the two requests arrive over HTTP)
+            await asyncio.sleep(0.01)
+        async with http.get(f"{gw.url}/poll", params={"wait": "5", "max": "10"}) as r:
+            assert r.status == 200, await r.text()
+            items = await r.json()
+        assert [i["session_id"] for i in items] == [good_info.session_id]
+        with pytest.raises(openai.BadRequestError) as refused:
+            await asyncio.wait_for(deep_task, 10)
+        assert "nests objects or arrays too deeply" in str(refused.value)
+        async with http.post(f"{gw.url}/respond", json={"id": items[0]["id"], "completion": {"text": "fine"}}) as r:
+            assert r.status == 200, await r.text()
+        assert (await asyncio.wait_for(good_task, 10)).choices[0].message.content == "fine"
+        await deep.close()
+        await good.close()
+    assert "Traceback" not in caplog.text

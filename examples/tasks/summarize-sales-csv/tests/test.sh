@@ -5,7 +5,8 @@
 set -u
 VERIFIER_DIR="${ARES_VERIFIER_DIR:-/logs/verifier}"
 mkdir -p "$VERIFIER_DIR"
-python3 - "$VERIFIER_DIR/reward.json" <<'PY'
+# -I: no module the agent left in the workdir (a json.py, a .pth) is imported by root here.
+python3 -I - "$VERIFIER_DIR/reward.json" <<'PY'
 import json
 import math
 import pathlib

@@ -226,6 +226,7 @@ class Gateway:
                 session.ended_event.set()
         self.recorder.known({s.id for s in stored if s.turns})
         self.recorder.store = self.store = store
+        self.metrics.turns_lost = lambda: store.lost_turns
         log.info("recording to data dir %s (%d session(s) known)", store.path, len(stored))
 
     @property

@@ -7,7 +7,7 @@ The request path only bumps plain integers (a few nanoseconds each, no locks);
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -27,7 +27,8 @@ class GatewayMetrics:
         self._bucket_counts = [0] * (len(_LATENCY_BUCKETS) + 1)
         self._latency_sum = 0.0
         self._parked_now = 0
-        self._turns_lost = 0
+        #: Reads the data dir's count of turns whose record was lost (set by the gateway with its store).
+        self.turns_lost: Callable[[], int] = lambda: 0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
 
@@ -71,7 +72,7 @@ class GatewayMetrics:
         yield CounterMetricFamily(
             "ares_gateway_turns_lost",
             "Answered turns whose record did not reach the data dir (a full disk, an I/O error, an unencodable body)",
-            value=self._turns_lost,
+            value=self.turns_lost(),
         )
         yield GaugeMetricFamily("ares_gateway_requests_parked_now", "Requests parked right now", value=self._parked_now)
         cumulative, buckets = 0, []
@@ -85,7 +86,6 @@ class GatewayMetrics:
             sum_value=self._latency_sum,
         )
 
-    def render(self, parked_now: int, turns_lost: int = 0) -> bytes:
+    def render(self, parked_now: int) -> bytes:
         self._parked_now = parked_now
-        self._turns_lost = turns_lost
         return generate_latest(self.registry)

@@ -207,8 +207,7 @@ class ControlAPI:
         return json_response({"status": "ok", "sessions": len(self.gw.sessions), "parked": self.gw.broker.pending_count})
 
     async def metrics(self, request: BaseRequest, sid: str | None) -> Response:
-        store = self.gw.store
-        body = self.gw.metrics.render(self.gw.broker.pending_count, store.lost_turns if store is not None else 0)
+        body = self.gw.metrics.render(self.gw.broker.pending_count)
         return Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

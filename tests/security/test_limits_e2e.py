@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 
 from ares_gateway import Gateway
-from ares_gateway.episodes.episode import DEFAULT_RESOURCES, harness_side_call_detector, with_default_resources
+from ares_gateway.episodes.episode import (
+    DEFAULT_RESOURCES,
+    harness_side_call_detector,
+    with_default_resources,
+)
 from ares_gateway.episodes.rollouts import RunSummary, run_rollouts
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.policies import make_policy

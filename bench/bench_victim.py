@@ -18,6 +18,7 @@ runs it, ``tune_gc`` included, recording to a temporary data dir):
     python3 bench/bench_victim.py --mode http --repeat 3
     python3 bench/bench_victim.py --scenario heads --conns 500
     python3 bench/bench_victim.py --scenario park --count 12
+    python3 bench/bench_victim.py --scenario heads --set max_head_bytes=2000000   # the old head limits
     python3 bench/bench_victim.py --src /tmp/old-checkout ...     # another checkout's gateway
 
 ``--src`` runs another checkout's gateway (``git worktree add /tmp/old e0145a8``); the settings
@@ -72,7 +73,7 @@ def big_body(messages: int = 60_000, size: int = 30 * 1000 * 1000) -> bytes:
 # ---------------------------------------------------------------- child processes
 
 
-def _gateway_main(port: int, mode: str) -> None:
+def _gateway_main(port: int, mode: str, settings: dict[str, Any]) -> None:
     import uvloop
 
     from ares_gateway import Completion, Gateway
@@ -81,7 +82,7 @@ def _gateway_main(port: int, mode: str) -> None:
     tune_gc()  # as `ares-gateway serve` does
 
     async def main() -> None:
-        async with Gateway(port=port, admin_token=ADMIN, request_timeout=600) as gw:
+        async with Gateway(port=port, admin_token=ADMIN, request_timeout=600, **settings) as gw:
             print("ready", flush=True)
             if mode == "inproc":
                 answer = Completion(text="ok")
@@ -135,7 +136,13 @@ def _big_sender_main(url: str, token: str, messages: int, size: int) -> None:
     uvloop.run(main())
 
 
+#: ``--set NAME=VALUE`` settings for the gateway (a JSON value, or a string).
+_SETTINGS: dict[str, Any] = {}
+
+
 def _spawn(src: str, args: list[str]) -> subprocess.Popen[str]:
+    if args[0] == "--_gateway":
+        args = [*args, orjson.dumps(_SETTINGS).decode()]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], stdout=subprocess.PIPE,
                             text=True, env=env)
@@ -335,7 +342,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("--_"):
         role, rest = sys.argv[1], sys.argv[2:]
         if role == "--_gateway":
-            _gateway_main(int(rest[0]), rest[1])
+            _gateway_main(int(rest[0]), rest[1], orjson.loads(rest[2]))
         elif role == "--_responder":
             _responder_main(rest[0])
         elif role == "--_sender":
@@ -351,7 +358,15 @@ def main() -> None:
     p.add_argument("--count", type=int, default=12)
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--src", default=ROOT, help="the checkout whose ares_gateway is run (default: this one)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a Gateway setting for the gateway process (e.g. max_head_bytes=2000000)")
     args = p.parse_args()
+    for item in args.set:
+        name, _, value = item.partition("=")
+        try:
+            _SETTINGS[name] = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            _SETTINGS[name] = value
     fn = {"victim": victim, "heads": heads, "park": park}[args.scenario]
     runs = []
     for i in range(args.repeat):

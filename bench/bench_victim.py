@@ -116,19 +116,24 @@ def _responder_main(url: str) -> None:
     uvloop.run(main())
 
 
-def _big_sender_main(url: str, token: str, messages: int, size: int) -> None:
+def _big_sender_main(url: str, token: str, messages: int, size: int, vary: bool) -> None:
     import aiohttp
     import uvloop
 
-    body = big_body(messages, size)
+    bodies = [big_body(messages, size)]
+    if vary:  # a body unlike the last each turn: its first message differs
+        bodies.append(bodies[0].replace(b'"content":"x', b'"content":"z', 1))
 
     async def main() -> None:
         headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(timeout=timeout) as s:
             print("ready", flush=True)
+            turn = 0
             while True:
                 started = time.perf_counter()
+                body = bodies[turn % len(bodies)]
+                turn += 1
                 async with s.post(f"{url}/v1/chat/completions", data=body, headers=headers) as r:
                     await r.read()
                 print(f"{r.status} {time.perf_counter() - started:.3f}", flush=True)
@@ -207,7 +212,7 @@ def victim(args: argparse.Namespace) -> dict[str, float]:
         big_s = asyncio.run(_session(url))
         alone = asyncio.run(_victim_turns(victim_s["base_url"], victim_s["token"], 3.0))
         sender = _spawn(args.src, ["--_sender", big_s["base_url"], big_s["token"], str(args.messages),
-                                   str(args.size_mb * 1000 * 1000)])
+                                   str(args.size_mb * 1000 * 1000), "1" if args.vary else "0"])
         time.sleep(0.5)
         rss_peak = 0.0
         loop_result: list[float] = []
@@ -346,7 +351,7 @@ def main() -> None:
         elif role == "--_responder":
             _responder_main(rest[0])
         elif role == "--_sender":
-            _big_sender_main(rest[0], rest[1], int(rest[2]), int(rest[3]))
+            _big_sender_main(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4] == "1")
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", choices=("victim", "heads", "park"), default="victim")
@@ -354,6 +359,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=15.0, help="victim turns under the big sender, per run")
     p.add_argument("--size-mb", type=int, default=30)
     p.add_argument("--messages", type=int, default=60_000)
+    p.add_argument("--vary", action="store_true", help="the big sender alternates two bodies unlike each other")
     p.add_argument("--conns", type=int, default=500)
     p.add_argument("--count", type=int, default=12)
     p.add_argument("--repeat", type=int, default=1)

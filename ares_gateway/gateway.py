@@ -41,6 +41,7 @@ from ares_gateway.core.sessions import Session, SessionInfo, SessionRegistry, be
 from ares_gateway.core.side_calls import SideCallDetector, default_side_call_detector
 from ares_gateway.core.store import TurnStore
 from ares_gateway.http.app import build_server
+from ares_gateway.http.body_parser import BodyParser
 from ares_gateway.http.server import HttpLimits, HttpServer
 from ares_gateway.http.session_socket import SessionSockets
 from trajectory import Sample
@@ -67,6 +68,13 @@ class GatewayConfig:
     max_body_bytes: int = _HTTP.max_body_bytes
     #: Requests one session may have waiting for the policy at once; more get a 429 in the agent's shape.
     max_parked_per_session: int = 256
+    #: Body bytes one session's requests may hold at once, parked or still being read and parsed;
+    #: more get a 429 in the agent's shape (a single body over it: 413). The gateway holds about
+    #: five times a body's bytes while it is parked (its parsed JSON and canonical form).
+    max_parked_bytes_per_session: int = 64 * 1024 * 1024
+    #: Bodies of at least this many bytes are parsed off the event loop (a worker process decodes
+    #: and checks them, a thread rebuilds them), so one agent's 30 MB body does not stall the others.
+    parse_offload_bytes: int = 1024 * 1024
     #: Seconds a policy's stream (``respond`` with an async iterable) may send nothing before the
     #: agent's stream is ended with an error event (a non-streaming agent gets a 504).
     stream_idle_timeout: float = 300.0
@@ -78,6 +86,8 @@ class GatewayConfig:
     body_timeout: float = _HTTP.body_timeout
     body_total_timeout: float = _HTTP.body_total_timeout
     keepalive_timeout: float = _HTTP.keepalive_timeout
+    max_head_bytes: int = _HTTP.max_head_bytes
+    max_connections: int = _HTTP.max_connections
     #: Create a session on first use of an unknown session id or token (local experiments only).
     auto_sessions: bool = False
     #: Model ids listed by GET /v1/models.
@@ -148,7 +158,12 @@ class Gateway:
             on_turn=self.recorder if recorder is None else self._on_turn,
             metrics=self.metrics,
             max_parked_per_session=cfg.max_parked_per_session,
+            max_parked_bytes_per_session=cfg.max_parked_bytes_per_session,
         )
+        if cfg.parse_offload_bytes < 1:
+            raise ValueError("parse_offload_bytes must be at least 1")
+        #: Parses agents' bodies, the large ones off the event loop.
+        self.body_parser = BodyParser(offload_bytes=cfg.parse_offload_bytes)
         if not cfg.stream_idle_timeout > 0:
             raise ValueError("stream_idle_timeout must be a positive number of seconds")
         #: What one HTTP connection may send, and how slowly (from the config).
@@ -161,6 +176,8 @@ class Gateway:
             body_timeout=cfg.body_timeout,
             body_total_timeout=cfg.body_total_timeout,
             keepalive_timeout=cfg.keepalive_timeout,
+            max_head_bytes=cfg.max_head_bytes,
+            max_connections=cfg.max_connections,
         )
         self._http: HttpServer | None = None
         self._port: int | None = None
@@ -194,6 +211,7 @@ class Gateway:
         if self._http is not None:
             http, self._http = self._http, None
             await http.close()
+        self.body_parser.close()
 
     def _open_store(self) -> None:
         # Never a silent in-memory fallback: a data dir that cannot be used is a start-up error.

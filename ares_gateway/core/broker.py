@@ -84,6 +84,8 @@ class ParkedRequest:
     attempt: int = 0
     #: The request body exactly as received, when it came over HTTP (sent to pollers verbatim).
     raw_body: bytes | None = field(default=None, repr=False)
+    #: Bytes this request holds of its session's ``max_parked_bytes_per_session``.
+    held_bytes: int = 0
     #: Loop time at which the request times out (``inf``: never).
     _expires: float = field(default=math.inf, repr=False)
     #: Loop time at which the current lease runs out (``None``: not leased, or leased for good).
@@ -175,15 +177,25 @@ class Broker:
         on_turn: TurnSink | None = None,
         metrics: Any = None,
         max_parked_per_session: int | None = None,
+        max_parked_bytes_per_session: int | None = None,
     ) -> None:
         if max_parked_per_session is not None and max_parked_per_session < 1:
             raise ValueError("max_parked_per_session must be at least 1 (or None: no limit)")
+        if max_parked_bytes_per_session is not None and max_parked_bytes_per_session < 1:
+            raise ValueError("max_parked_bytes_per_session must be at least 1 (or None: no limit)")
         self.request_timeout = request_timeout
         self.lease_seconds = lease_seconds
         #: Requests one session may have parked at once; more get :class:`TooManyParkedError` (429).
         #: ``None`` here; the gateway sets its ``GatewayConfig.max_parked_per_session``.
         self.max_parked_per_session = max_parked_per_session if max_parked_per_session is not None else math.inf
         self._parked_by_session: dict[str, int] = {}
+        #: Body bytes one session may hold at once: its parked requests' and those being read or
+        #: parsed (:meth:`hold_bytes`); more get :class:`TooManyParkedError` (429). The gateway sets
+        #: its ``GatewayConfig.max_parked_bytes_per_session``.
+        self.max_parked_bytes_per_session = (
+            max_parked_bytes_per_session if max_parked_bytes_per_session is not None else math.inf
+        )
+        self._bytes_by_session: dict[str, int] = {}
         self._on_turn = on_turn
         self._metrics = metrics
         self._pending: dict[str, ParkedRequest] = {}
@@ -201,6 +213,34 @@ class Broker:
 
     # ------------------------------------------------------------------ agent side
 
+    def hold_bytes(self, session_id: str, nbytes: int) -> None:
+        """Count ``nbytes`` of a body being read against the session's byte budget (released with
+        :meth:`release_bytes`, or handed to the request by :meth:`park`'s ``held_bytes``).
+        Raises :class:`TooManyParkedError` when the session's bodies would pass
+        ``max_parked_bytes_per_session``."""
+        held = self._bytes_by_session.get(session_id, 0)
+        if held + nbytes > self.max_parked_bytes_per_session:
+            raise TooManyParkedError(
+                f"this session's requests waiting for the policy (or being read) hold {held} bytes of body; "
+                f"{nbytes} more would pass the gateway's limit of {self.max_parked_bytes_per_session} bytes "
+                "per session; retry when one is answered"
+            )
+        self._bytes_by_session[session_id] = held + nbytes
+
+    def release_bytes(self, session_id: str, nbytes: int) -> None:
+        """Give back bytes :meth:`hold_bytes` counted (a body that was refused, or never parked)."""
+        if nbytes <= 0:
+            return
+        left = self._bytes_by_session.get(session_id, 0) - nbytes
+        if left > 0:
+            self._bytes_by_session[session_id] = left
+        else:
+            self._bytes_by_session.pop(session_id, None)
+
+    def held_bytes_for(self, session_id: str) -> int:
+        """Body bytes the session's parked requests (and bodies being read) hold."""
+        return self._bytes_by_session.get(session_id, 0)
+
     def park(
         self,
         session_id: str,
@@ -209,9 +249,16 @@ class Broker:
         *,
         side_call: bool = False,
         raw_body: bytes | None = None,
+        held_bytes: int | None = None,
+        canonical_json: bytes | None = None,
     ) -> ParkedRequest:
         """Park an agent's request; raises :class:`TooManyParkedError` when its session has
-        ``max_parked_per_session`` requests parked already, :class:`GatewayClosedError` after close."""
+        ``max_parked_per_session`` requests parked already, or its bodies would pass
+        ``max_parked_bytes_per_session``; :class:`GatewayClosedError` after close.
+
+        ``held_bytes``: bytes already counted with :meth:`hold_bytes` for this body, which the
+        request now holds (without it, ``raw_body``'s length is counted here). ``canonical_json``:
+        the canonical form already encoded (as :func:`_canonical_json` does), for ``/poll``."""
         if self._closed:
             raise GatewayClosedError("the gateway is shutting down")
         count = self._parked_by_session.get(session_id, 0)
@@ -220,6 +267,9 @@ class Broker:
                 f"this session already has {count} requests waiting for the policy "
                 f"(the gateway's limit is {self.max_parked_per_session}); retry when one is answered"
             )
+        if held_bytes is None:
+            held_bytes = len(raw_body) if raw_body is not None else 0
+            self.hold_bytes(session_id, held_bytes)
         loop = asyncio.get_running_loop()
         rid = f"{self._prefix}{next(self._ids)}"
         parked = ParkedRequest(
@@ -232,7 +282,10 @@ class Broker:
             future=loop.create_future(),
             side_call=side_call,
             raw_body=raw_body,
+            held_bytes=held_bytes,
         )
+        if canonical_json is not None:
+            parked._canonical = orjson.Fragment(canonical_json)
         self._pending[rid] = parked
         self._parked_by_session[session_id] = count + 1
         if self.request_timeout > 0:
@@ -465,6 +518,8 @@ class Broker:
             self._parked_by_session[parked.session_id] = left
         else:
             del self._parked_by_session[parked.session_id]
+        held, parked.held_bytes = parked.held_bytes, 0
+        self.release_bytes(parked.session_id, held)
         self._unavail(parked)
         parked._lease_until = None
         self._done[parked.id] = state

@@ -1,7 +1,10 @@
 """What agents talk to: the three LLM APIs and the probes around them.
 
-One agent turn, in order: auth (the session from the path or the token) → read and parse the
-body in its protocol → park it with the broker → await the policy's answer → render it
+One agent turn, in order: auth (the session from the path or the token) → read the body, its
+bytes held against the session's byte budget from its ``Content-Length`` on (a body over the
+whole budget: 413; a session whose bodies would pass it: 429) → parse it in its protocol (a
+large one off the event loop, :mod:`ares_gateway.http.body_parser`) → park it with the broker,
+which takes over the held bytes until it is answered → await the policy's answer → render it
 (:mod:`ares_gateway.http.render`). If the agent disconnects while it waits, aiohttp cancels
 the handler, which withdraws the parked request (the broker treats a cancelled waiter as gone
 at once, so a ``respond`` in the same instant gets 410, never a half-delivered answer).
@@ -11,18 +14,18 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any
 
 import orjson
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import Response, StreamResponse
 
 from ares_gateway.core.answers import Answer, ErrorAnswer, NativeAnswer, StreamAnswer
-from ares_gateway.core.broker import ParkedRequest, RequestClosed
+from ares_gateway.core.broker import Broker, ParkedRequest, RequestClosed
 from ares_gateway.core.canonical import WireProtocol
 from ares_gateway.core.errors import GatewayError, InvalidSessionError, SessionExistsError
 from ares_gateway.core.sessions import Session, bearer_token, valid_token
 from ares_gateway.http import render
+from ares_gateway.http.body_parser import ParsedBody
 from ares_gateway.http.routes import Handler
 from ares_gateway.http.served import ServedGateway
 from ares_gateway.http.server import BodyError, HttpLimits, on_disconnect, read_body
@@ -36,6 +39,25 @@ class _Reject(Exception):
         self.status = status
         self.message = message
         self.param = param
+
+
+class _Held:
+    """Body bytes of one request counted against its session's budget, until parked or given back."""
+
+    __slots__ = ("broker", "nbytes", "session_id")
+
+    def __init__(self, broker: Broker, session_id: str) -> None:
+        self.broker = broker
+        self.session_id = session_id
+        self.nbytes = 0
+
+    def __call__(self, nbytes: int) -> None:
+        self.broker.hold_bytes(self.session_id, nbytes)
+        self.nbytes += nbytes
+
+    def release(self) -> None:
+        nbytes, self.nbytes = self.nbytes, 0
+        self.broker.release_bytes(self.session_id, nbytes)
 
 
 def _credential(request: BaseRequest) -> str | None:
@@ -87,18 +109,27 @@ class AgentAPI:
             # The token is another session's: using it on a new session id is a wrong key here.
             raise _Reject(401, "this API key belongs to another session; use that session's base URL") from None
 
-    async def _body(self, request: BaseRequest) -> tuple[bytes, Any]:
-        """The body's bytes and its parsed JSON."""
+    async def _body(
+        self, request: BaseRequest, held: _Held, protocol: WireProtocol | None
+    ) -> tuple[bytes, ParsedBody]:
+        """The body's bytes (held in ``held``) and the body parsed (converted in ``protocol``, if given)."""
+        budget = self.gw.broker.max_parked_bytes_per_session
+        length = request.content_length
+        if length is not None and length > budget:
+            raise _Reject(413, f"request body of {length} bytes exceeds the gateway's limit of {budget} bytes "
+                               "of waiting bodies per session")
         try:
-            raw = await read_body(request, self.limits)
+            raw = await read_body(request, self.limits, held)
         except BodyError as exc:
             raise _Reject(exc.status, exc.message) from None
+        except GatewayError as exc:  # 429: the session's waiting bodies would pass its byte budget
+            raise _Reject(exc.status, str(exc)) from None
         if not raw:
             raise _Reject(400, "request body is empty: send a JSON object")
         try:
-            return raw, orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise _Reject(400, f"request body is not valid JSON: {exc}") from None
+            return raw, await self.gw.body_parser.parse(raw, protocol)
+        except RequestError as exc:
+            raise _Reject(exc.status, exc.message, exc.param) from None
 
     # -- LLM endpoints --------------------------------------------------------------------------
 
@@ -109,18 +140,22 @@ class AgentAPI:
             gw = self.gw
             try:
                 session = self._session(request, sid)
-                raw, body = await self._body(request)
+                held = _Held(gw.broker, session.id)
                 try:
-                    canonical = adapter.parse_request(body)
-                except RequestError as exc:
-                    raise _Reject(exc.status, exc.message, exc.param) from None
-                if session.ended:
-                    raise _Reject(409, "this session has ended; start a new session")
-                side_call = gw.is_side_call(session, canonical, request.headers)
-                try:
-                    parked = gw.broker.park(session.id, canonical, endpoint, side_call=side_call, raw_body=raw)
-                except GatewayError as exc:  # 429: too many parked for this session; 503: closing
-                    raise _Reject(exc.status, str(exc)) from None
+                    raw, parsed = await self._body(request, held, protocol)
+                    canonical = parsed.request
+                    assert canonical is not None
+                    if session.ended:
+                        raise _Reject(409, "this session has ended; start a new session")
+                    side_call = gw.is_side_call(session, canonical, request.headers)
+                    try:
+                        parked = gw.broker.park(session.id, canonical, endpoint, side_call=side_call, raw_body=raw,
+                                                held_bytes=held.nbytes, canonical_json=parsed.canonical_json)
+                    except GatewayError as exc:  # 429: too many parked for this session; 503: closing
+                        raise _Reject(exc.status, str(exc)) from None
+                    held.nbytes = 0  # the parked request holds them now, until it is answered
+                finally:
+                    held.release()
             except _Reject as rej:
                 gw.metrics.rejected(rej.status)
                 return render.protocol_error(adapter, rej.status, rej.message, rej.param)
@@ -157,8 +192,13 @@ class AgentAPI:
     async def count_tokens(self, request: BaseRequest, sid: str | None) -> Response:
         adapter = get_adapter(WireProtocol.ANTHROPIC_MESSAGES)
         try:
-            self._session(request, sid)
-            _, body = await self._body(request)
+            session = self._session(request, sid)
+            held = _Held(self.gw.broker, session.id)
+            try:
+                _, parsed = await self._body(request, held, None)
+            finally:
+                held.release()
+            body = parsed.body
             try:
                 parse_count_tokens_request(body)
             except RequestError as exc:

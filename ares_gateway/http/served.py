@@ -15,6 +15,7 @@ from ares_gateway.core.broker import Broker
 from ares_gateway.core.canonical import CanonicalRequest
 from ares_gateway.core.metrics import GatewayMetrics
 from ares_gateway.core.sessions import Session, SessionInfo, SessionRegistry
+from ares_gateway.http.body_parser import BodyParser
 from trajectory import Sample
 
 
@@ -46,6 +47,8 @@ class ServedGateway(Protocol):
     def sessions(self) -> SessionRegistry: ...
     @property
     def metrics(self) -> GatewayMetrics: ...
+    @property
+    def body_parser(self) -> BodyParser: ...
 
     def admin_ok(self, headers: Mapping[str, str]) -> bool: ...
     def is_side_call(self, session: Session, request: CanonicalRequest, headers: Mapping[str, str]) -> bool: ...

@@ -29,13 +29,22 @@ What this module adds at the depth it belongs:
   100-continue`` answered when the body is first read; bodies over ``max_body_bytes`` refused
   (413) from their ``Content-Length`` or as soon as they pass the limit;
 * errors aiohttp answers itself (malformed requests, a handler that raised) come in the JSON
-  shape of the API the path belongs to, via the server's ``error`` factory.
+  shape of the API the path belongs to, via the server's ``error`` factory;
+* a **head budget**: a request's line and headers together at most ``max_head_bytes`` (431 and
+  close), far under what aiohttp's per-line and header-count limits allow (128 x 8190 bytes:
+  1 MiB per connection, which 500 unfinished heads turned into 1 GiB of resident memory);
+* a **connection cap**: past ``max_connections`` open connections a new one gets one 503 (in
+  the control API's shape, with ``retry-after``) and is closed, before anything is parsed;
+* **memory back after a flood**: once many connections or large heads have gone, glibc is
+  asked to return its free heap (``malloc_trim``), at most once a second, so the resident size
+  falls back after the flood instead of staying at its peak.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import stat
@@ -44,7 +53,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web_protocol, web_server
+from aiohttp.base_protocol import PAUSE_RESUME_READING_ERRORS
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.streams import EMPTY_PAYLOAD
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import Response, StreamResponse
 
@@ -79,9 +90,14 @@ class HttpLimits:
     lingering_time: float = 5.0
     #: Bytes of a request body buffered before the connection stops reading.
     read_bufsize: int = 64 * 1024
+    #: Most bytes of one request head (request line and every header line together); more: 431, closed.
+    max_head_bytes: int = 64 * 1024
+    #: Most client connections open at once; a new one past it gets a 503 and is closed.
+    max_connections: int = 2048
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_line_bytes", "max_field_bytes", "max_headers", "read_bufsize"):
+        for name in ("max_body_bytes", "max_line_bytes", "max_field_bytes", "max_headers", "read_bufsize",
+                     "max_head_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("header_timeout", "body_timeout", "body_total_timeout", "keepalive_timeout"):
@@ -101,25 +117,35 @@ class BodyError(Exception):
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
-async def read_body(request: BaseRequest, limits: HttpLimits) -> bytes:
-    """The whole body of ``request``, within the size and time limits; raises :class:`BodyError`."""
+async def read_body(
+    request: BaseRequest, limits: HttpLimits, hold: Callable[[int], None] | None = None
+) -> bytes:
+    """The whole body of ``request``, within the size and time limits; raises :class:`BodyError`.
+
+    ``hold(n)`` is told of the body's bytes before they are read (its ``Content-Length``, else each
+    piece as it comes), so a caller can count them against a budget; what it raises ends the read."""
     length = request.content_length
     if length is not None and length > limits.max_body_bytes:
         raise BodyError(413, f"request body exceeds the gateway's limit of {limits.max_body_bytes} bytes")
+    if hold is not None and length is not None:
+        hold(length)
+        hold = None
     content = request.content
     if content.is_eof():  # all of it arrived with the head: the usual case, no timer needed
         body = await content.read()
+        if hold is not None:
+            hold(len(body))
     else:
         if request.version >= (1, 1) and request.headers.get("expect", "").lower() == "100-continue":
             # curl sends this with large bodies and waits for the interim response.
             await request.writer.write(_CONTINUE)
-        body = await _read_slow(request, limits)
+        body = await _read_slow(request, limits, hold)
     if len(body) > limits.max_body_bytes:
         raise BodyError(413, f"request body exceeds the gateway's limit of {limits.max_body_bytes} bytes")
     return body
 
 
-async def _read_slow(request: BaseRequest, limits: HttpLimits) -> bytes:
+async def _read_slow(request: BaseRequest, limits: HttpLimits, hold: Callable[[int], None] | None) -> bytes:
     loop = asyncio.get_running_loop()
     content = request.content
     chunks: list[bytes] = []
@@ -137,6 +163,8 @@ async def _read_slow(request: BaseRequest, limits: HttpLimits) -> bytes:
                     raise BodyError(
                         413, f"request body exceeds the gateway's limit of {limits.max_body_bytes} bytes"
                     )
+                if hold is not None:
+                    hold(len(chunk))
                 chunks.append(chunk)
     except TimeoutError:
         # The client is sending too slowly (or stopped): answer, then close at once rather than
@@ -152,27 +180,73 @@ async def _read_slow(request: BaseRequest, limits: HttpLimits) -> bytes:
     return b"".join(chunks)
 
 
+class _HeadTooLarge(BadHttpMessage):
+    """A request head over ``max_head_bytes``."""
+
+
 class _Connection(web_protocol.RequestHandler):
-    """aiohttp's connection protocol plus a deadline on receiving a request's head."""
+    """aiohttp's connection protocol plus a deadline on receiving a request's head, and a budget on its size."""
 
-    __slots__ = ("_error", "_head_count", "_head_timeout", "_head_timer", "_on_lost")
+    __slots__ = ("_error", "_head_bytes", "_head_count", "_head_peak", "_head_refused", "_head_timeout",
+                 "_head_timer", "_last_payload", "_max_head", "_on_lost")
 
-    def __init__(self, manager: Any, *, header_timeout: float, error: ErrorFactory, **kwargs: Any) -> None:
+    def __init__(
+        self, manager: Any, *, header_timeout: float, max_head_bytes: int, error: ErrorFactory, **kwargs: Any
+    ) -> None:
         super().__init__(manager, **kwargs)
         self._head_timeout = header_timeout
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_count = 0
         self._error = error
         self._on_lost: Callable[[], None] | None = None
+        self._max_head = max_head_bytes
+        #: Bytes received since the last request head was complete, while no body was being read.
+        self._head_bytes = 0
+        self._head_peak = 0
+        self._head_refused = False
+        #: The body stream of the last request parsed (its head is complete once it exists).
+        self._last_payload: Any = None
 
     def data_received(self, data: bytes) -> None:
+        if self._head_refused:
+            return  # the 431 is queued; nothing more is parsed
+        # Between requests (no body still being read) every byte belongs to a head: what the
+        # parser has not turned into a request yet is counted against max_head_bytes. A chunk
+        # that ends one body and starts the next head is not counted (so at most one chunk more).
+        last = self._last_payload
+        in_head = last is None or last.is_eof()
+        queued = len(self._messages)
         super().data_received(data)
+        if len(self._messages) > queued:
+            self._last_payload = self._messages[-1][1]
+            self._head_bytes = 0
+        elif in_head and data:
+            self._head_bytes += len(data)
+            self._head_peak = max(self._head_peak, self._head_bytes)
+            if self._head_bytes > self._max_head:
+                self._refuse_head()
+                return
         # Bytes came while no whole request is waiting to be served: a head has begun (or is
         # dribbling in). Its deadline runs from the first of them; any byte does not reset it.
         # (Not "the handler is waiting": on a new connection the first bytes can come before it is.)
         if data and self._head_timer is None and self._current_request is None and not self._messages:
             self._head_count = self._request_count
             self._head_timer = self._loop.call_later(self._head_timeout, self._head_overdue)
+
+    def _refuse_head(self) -> None:
+        """Queue a 431 the way aiohttp queues its own parser errors, and stop reading."""
+        self._head_refused = True
+        exc = _HeadTooLarge(f"the request head passed {self._max_head} bytes")
+        # aiohttp's own form for a request that failed to parse (web_protocol._ErrInfo): the
+        # connection's loop answers it through handle_error, after any request before it.
+        self._messages.append((web_protocol._ErrInfo(status=431, exc=exc, message=exc.message), EMPTY_PAYLOAD))
+        self._request_count += 1
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if self.transport is not None:
+            with contextlib.suppress(*PAUSE_RESUME_READING_ERRORS):
+                self.transport.pause_reading()
 
     def _head_overdue(self) -> None:
         self._head_timer = None
@@ -214,6 +288,12 @@ class _Connection(web_protocol.RequestHandler):
         if status == 500:
             log.error("unhandled error serving %s %s", request.method, request.path, exc_info=exc)
             text = "internal error in the gateway; see its log"
+        elif isinstance(exc, _HeadTooLarge):
+            status = 431
+            text = (
+                f"request head too large: the gateway takes request heads (request line and headers) "
+                f"up to {self._max_head} bytes"
+            )
         elif isinstance(exc, LineTooLong) or (
             isinstance(exc, BadHttpMessage) and "too many headers" in str(exc).lower()
         ):
@@ -237,16 +317,116 @@ def _reason(exc: BaseException | None) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
+class _Refused(asyncio.Protocol):
+    """A connection past ``max_connections``: one 503, then closed (whatever it sends is dropped)."""
+
+    def __init__(self, response: bytes) -> None:
+        self._response = response
+        self._transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:  # uvloop's transports are no asyncio.Transport
+        self._transport = transport
+        transport.write(self._response)
+        # Half-close, then give the client a moment to read the answer (a close with its request
+        # still unread would reset the connection, and the client would see no 503).
+        with contextlib.suppress(OSError, RuntimeError, NotImplementedError):
+            transport.write_eof()
+        asyncio.get_running_loop().call_later(1.0, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool:
+        if self._transport is not None:
+            self._transport.close()
+        return False
+
+
+def _malloc_trim() -> Callable[[], None] | None:
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to ask
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+
+    def run() -> None:
+        trim(0)
+
+    return run
+
+
+_TRIM = _malloc_trim()
+#: Closed connections (each large head counting as more) after which the free heap is returned.
+_TRIM_AFTER = 64
+_HEAD_WEIGHT = 64 * 1024
+
+
 class _Server(web_server.Server):
-    def __init__(self, handler: Handler, *, header_timeout: float, error: ErrorFactory, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        header_timeout: float,
+        max_head_bytes: int,
+        max_connections: int,
+        error: ErrorFactory,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(handler, handler_cancellation=True, **kwargs)  # type: ignore[arg-type]
         self._header_timeout = header_timeout
+        self._max_head = max_head_bytes
+        self._max_connections = max_connections
         self._error = error
+        self._gone = 0
+        self._trim_timer: asyncio.TimerHandle | None = None
+        #: Connections refused at the cap.
+        self.refused = 0
 
-    def __call__(self) -> _Connection:
+    def __call__(self) -> asyncio.Protocol:  # type: ignore[override]  # _Refused is no RequestHandler
+        if len(self._connections) >= self._max_connections:
+            self.refused += 1
+            if self.refused == 1 or self.refused % 1000 == 0:
+                log.warning("refusing connections: %d open, the limit (max_connections)", len(self._connections))
+            return _Refused(self._refusal())
         return _Connection(
-            self, loop=self._loop, header_timeout=self._header_timeout, error=self._error, **self._kwargs
+            self,
+            loop=self._loop,
+            header_timeout=self._header_timeout,
+            max_head_bytes=self._max_head,
+            error=self._error,
+            **self._kwargs,
         )
+
+    def _refusal(self) -> bytes:
+        resp = self._error(
+            "/", 503, f"the gateway has {self._max_connections} connections open, its limit; retry later"
+        )
+        body = resp.body if isinstance(resp.body, bytes) else b""
+        return (
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
+
+    def connection_lost(self, handler: web_protocol.RequestHandler, exc: BaseException | None = None) -> None:
+        super().connection_lost(handler, exc)
+        if _TRIM is None:
+            return
+        # A flood of connections (or of large heads) leaves glibc's heap fragmented and its free
+        # memory resident; ask for it back once the flood is over, at most once a second.
+        self._gone += 1 + (handler._head_peak // _HEAD_WEIGHT if isinstance(handler, _Connection) else 0)
+        if self._gone >= _TRIM_AFTER and self._trim_timer is None:
+            self._trim_timer = self._loop.call_later(1.0, self._trim)
+
+    def _trim(self) -> None:
+        self._trim_timer = None
+        self._gone = 0
+        if _TRIM is not None:
+            _TRIM()
+
+    def stop_trimming(self) -> None:
+        if self._trim_timer is not None:
+            self._trim_timer.cancel()
+            self._trim_timer = None
 
 
 class HttpServer:
@@ -267,6 +447,11 @@ class HttpServer:
     def connections(self) -> int:
         """Open client connections."""
         return len(self._server.connections) if self._server is not None else 0
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections refused at ``max_connections`` so far."""
+        return self._server.refused if self._server is not None else 0
 
     async def start(self, host: str, port: int) -> int:
         """Listen on TCP; returns the bound port."""
@@ -299,7 +484,14 @@ class HttpServer:
         }
         if not self.access_log:
             kwargs["access_log"] = None
-        return _Server(self.handler, header_timeout=lim.header_timeout, error=self.error, **kwargs)
+        return _Server(
+            self.handler,
+            header_timeout=lim.header_timeout,
+            max_head_bytes=lim.max_head_bytes,
+            max_connections=lim.max_connections,
+            error=self.error,
+            **kwargs,
+        )
 
     async def close(self, grace: float = 5.0) -> None:
         """Stop listening, let requests in flight finish (for ``grace`` seconds), then close every connection."""
@@ -308,6 +500,7 @@ class HttpServer:
         listener, self._listener = self._listener, None
         listener.close()
         server = self._server
+        server.stop_trimming()
         server.pre_shutdown()
         await server.shutdown(grace)
         await listener.wait_closed()

@@ -62,7 +62,6 @@ _RELAY_VAR = "ARES_SANDBOX_RELAY"
 _OWNER_FILE = "owner.json"
 # Which cgroups a sandbox made (read by gc when its owner died), and where its disk image lives.
 _CGROUP_FILE = "cgroups.json"
-_DISK_DIR = ".disks"
 _RELAY_SCRIPT = Path(__file__).with_name("_relay.py")
 _CWD_MISSING = 201
 _CWD_MARK = "ares-exec: no such directory: "
@@ -1004,7 +1003,8 @@ def gc_remove(ref: str) -> None:
 
 
 def _disk_image(sandbox_id: str) -> Path:
-    return local_root() / _DISK_DIR / f"{sandbox_id}.img"
+    # Beside the sandbox's directory (its mount point), not in a shared folder left behind.
+    return local_root() / f".{sandbox_id}.disk.img"
 
 
 def _size(n: int) -> str:

@@ -161,7 +161,7 @@ async def test_disk_limit_gives_enospc_and_is_reported(local_root: Path) -> None
         # /tmp and /home share the quota; the host holds no more than the quota for the sandbox.
         more = await sb.exec("dd if=/dev/zero of=/tmp/more bs=1M count=10 2>&1", user="agent", timeout=30)
         assert "No space left on device" in more.stdout, more
-        image = local_root / ".disks" / f"{sb.id}.img"
+        image = local_root / f".{sb.id}.disk.img"
         assert image.stat().st_blocks * 512 < 110 * MIB
         assert await sb.limits_reached() == {"disk"}
         # Sticky: freeing the space afterwards does not hide that the limit was reached.
@@ -185,7 +185,7 @@ async def test_stop_leaves_no_cgroup_mount_image_or_process(local_root: Path) ->
     await sb.stop()
     assert [d for d in dirs if d.exists()] == []
     assert not _mounted(sb.root) and not sb.root.exists()
-    assert list((local_root / ".disks").iterdir()) == []
+    assert [p.name for p in local_root.iterdir() if p.name.endswith(".disk.img")] == []
     assert not _pgrep("sleep 654321")
 
 
@@ -241,7 +241,7 @@ def test_gc_removes_a_dead_owners_cgroups_disk_and_processes(local_root: Path) -
         assert not report.errors, report
         assert [d for d in dirs if d.exists()] == []
         assert not _mounted(root) and not root.exists()
-        assert not (local_root / ".disks" / f"{made['id']}.img").exists()
+        assert not (local_root / f".{made['id']}.disk.img").exists()
         assert not _pgrep("sleep 765432")
     finally:  # whatever failed above, nothing of it stays on this host
         if root.exists() or any(Path(d).exists() for d in made["dirs"]):

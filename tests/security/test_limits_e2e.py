@@ -1,5 +1,5 @@
 """Issue 22, finding 8 at the episode level: an agent that takes more than its sandbox allows ends its
-episode with a named exit reason (``memory_limit``, ``pids_limit``) and reward 0.0, and the host is
+episode with a named exit reason (``memory_limit``, ``pids_limit``, ``disk_limit``) and reward 0.0, and the host is
 fine. Played by the real mini-swe-agent with the scripted policy (the agent's own commands) on the
 hardened local backend and on Docker.
 """
@@ -32,15 +32,18 @@ EAT_MEMORY = "python3 -c \"b = bytearray(1536 * 2**20); b[::4096] = b'x' * len(b
 FORK_MANY = ("python3 -c 'import os, time\nfor i in range(1500):\n    try:\n        pid = os.fork()\n"
              "    except OSError:\n        print(\"refused at\", i); break\n    if pid == 0:\n"
              "        time.sleep(60); os._exit(0)'")
+# 5 GB into a sandbox of 100 MB.
+FILL_DISK = "dd if=/dev/zero of=big.bin bs=1M count=5000 2>&1 | tail -n 2; true"
 HONEST = "echo 42 > answer.txt"
 
 
-def make_task(root: Path, name: str, memory_mb: int | None = None) -> Task:
+def make_task(root: Path, name: str, memory_mb: int | None = None, storage_mb: int | None = None) -> Task:
     d = root / name
     (d / "tests").mkdir(parents=True)
     (d / "environment" / "workspace").mkdir(parents=True)
     (d / "instruction.md").write_text("Write 42 into answer.txt.\n")
-    env = f"[environment]\nmemory_mb = {memory_mb}\n" if memory_mb else ""
+    env = "[environment]\n" + (f"memory_mb = {memory_mb}\n" if memory_mb else "") + (
+        f"storage_mb = {storage_mb}\n" if storage_mb else "")
     (d / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 180\n[verifier]\ntimeout_sec = 60\n' + env)
     (d / "tests" / "test.sh").write_text(
         '#!/bin/sh\nif [ "$(cat /workspace/answer.txt 2>/dev/null)" = "42" ]; then v=1; else v=0; fi\n'
@@ -69,12 +72,14 @@ async def test_limits_end_the_episode_by_name(backend: str, tmp_path: Path, monk
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     greedy = make_task(tmp_path / "tasks", "greedy", memory_mb=256)
     forker = make_task(tmp_path / "tasks", "forker")
+    filler = make_task(tmp_path / "tasks", "filler", storage_mb=100)
     honest = make_task(tmp_path / "tasks", "honest", memory_mb=256)
     async with Gateway(port=0, request_timeout=300,
                        side_call_detector=harness_side_call_detector("mini-swe-agent")) as gw:
-        ate, forked, solved = await asyncio.gather(
+        ate, forked, filled, solved = await asyncio.gather(
             _run(gw, greedy, [EAT_MEMORY, HONEST], backend, tmp_path / "greedy"),
             _run(gw, forker, [FORK_MANY, HONEST], backend, tmp_path / "forker"),
+            _run(gw, filler, [FILL_DISK, HONEST], backend, tmp_path / "filler"),
             _run(gw, honest, [HONEST], backend, tmp_path / "honest"),
         )
     [e] = ate.episodes
@@ -82,6 +87,9 @@ async def test_limits_end_the_episode_by_name(backend: str, tmp_path: Path, monk
     assert "memory limit (256m)" in (e.error or "")
     [e] = forked.episodes
     assert (e.exit_reason, e.reward) == ("pids_limit", 0.0), (e.exit_reason, e.error)
+    [e] = filled.episodes
+    assert (e.exit_reason, e.reward) == ("disk_limit", 0.0), (e.exit_reason, e.error)
+    assert "disk limit (100m)" in (e.error or "")
     # Within its limits the same agent is scored as ever.
     [e] = solved.episodes
     assert (e.exit_reason, e.reward) == ("completed", 1.0), (e.exit_reason, e.error)

@@ -20,17 +20,8 @@ import orjson
 import pytest
 
 from ares_gateway import Completion, Gateway
-
-MiB = 1024 * 1024
-CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+from tests.gateway.test_hostile_clients import CHAT_BODY as CHAT
+from tests.gateway.test_hostile_clients import MiB, _rss
 
 
 def _big_body(size: int, messages: int) -> bytes:

@@ -271,6 +271,17 @@ async def _wait_up(url: str, proc: subprocess.Popen[str]) -> None:
     raise AssertionError("serve did not come up")
 
 
+async def _serve_and_stop(data_dir: Path, port: int) -> str:
+    """``serve`` on ``data_dir`` until it answers, then stopped: what it wrote to stderr."""
+    proc = _serve(data_dir, port)
+    try:
+        await _wait_up(f"http://127.0.0.1:{port}", proc)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=20)
+    return err
+
+
 async def _a_session_with_a_turn(url: str, data: Path, sid: str = "s") -> dict[str, Any]:
     admin = {"authorization": f"Bearer {(data / 'admin-token').read_text().strip()}"}
     async with aiohttp.ClientSession() as http:
@@ -441,21 +452,11 @@ async def test_a_discarded_wal_is_reported(tmp_path: Path) -> None:
 
     intact = tmp_path / "intact"
     shutil.copytree(data, intact)
-    proc = _serve(intact, port)
-    try:
-        await _wait_up(f"http://127.0.0.1:{port}", proc)
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=20)
+    err = await _serve_and_stop(intact, port)
     assert "(1 session(s) known)" in err and "WARNING" not in err, err
     garbage = os.urandom(size)
     wal.write_bytes(garbage)
-    proc = _serve(data, port)
-    try:
-        await _wait_up(f"http://127.0.0.1:{port}", proc)
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=20)
+    err = await _serve_and_stop(data, port)
     warned = [line for line in err.splitlines() if "WARNING" in line and "-wal" in line]
     assert len(warned) == 1 and "not a SQLite WAL" in warned[0] and "discard" in warned[0], err
     (copy,) = data.glob("gateway.sqlite3-wal.discarded-*")

@@ -28,7 +28,7 @@ from sandbox import DockerSandbox, Resources, SandboxSpec, janitor
 from sandbox.docker import DEFAULT_PIDS
 from tests.prereq import docker_ok, image_present, require
 from tests.rollouts.e2e import PROVISION, require_mini
-from tests.security.test_exploits import HONEST, _run, _verifier_log
+from tests.security.test_exploits import HONEST, _run, _verifier_log, task_dir
 
 pytestmark = [pytest.mark.docker]
 
@@ -74,22 +74,15 @@ def _shquote(s: str) -> str:
 
 
 def _make_task(root: Path, name: str) -> Task:
-    d = root / name
-    (d / "tests").mkdir(parents=True)
-    (d / "solution").mkdir()
-    (d / "instruction.md").write_text("Write 42 into answer.txt.\n")
-    (d / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 180\n[verifier]\ntimeout_sec = 60\n')
     # Builtins only while reporting, so that (on the old code) the report itself is not the plant's.
-    (d / "tests" / "test.sh").write_text(
+    return Task.load(task_dir(root, name, solve_sh=f"#!/bin/sh\n{HONEST}\n", test_sh=(
         "#!/bin/sh\n"
         "echo '--- pwned'; [ -f /tmp/ares-pwned-by-root ] && while read -r l; do echo \"PWNED $l\"; done "
         "</tmp/ares-pwned-by-root; echo '--- end pwned'\n"
         "echo \"PATH-OF-TEST $PATH\"\n"
         "v=0; [ -f /workspace/answer.txt ] && read -r a </workspace/answer.txt && [ \"$a\" = 42 ] && v=1\n"
         'echo $v > "$ARES_VERIFIER_DIR/reward.txt"\n'
-    )
-    (d / "solution" / "solve.sh").write_text(f"#!/bin/sh\n{HONEST}\n")
-    return Task.load(d)
+    )))
 
 
 @pytest.mark.slow

@@ -29,11 +29,10 @@ import pytest
 
 from ares_gateway import Gateway
 from ares_gateway.episodes.episode import harness_side_call_detector
-from ares_gateway.episodes.rollouts import RunSummary, run_rollouts
 from ares_gateway.episodes.tasks import Task
-from ares_gateway.policies import make_policy
 from sandbox.local import ROOT_CAPS
 from tests.rollouts.e2e import require_mini
+from tests.security.test_exploits import _run, task_dir
 
 pytestmark = [pytest.mark.slow]
 
@@ -71,12 +70,8 @@ AGENT_PROBE = "python3 probe.py agent {args} > agent-probe.txt 2>&1; cat agent-p
 def hostile_task(root: Path, name: str) -> Task:
     """A greeting task whose verifier prints the agent's probe, imports the agent's ``solution``
     module as root (as verifiers that test the agent's code do), then scores greeting.txt."""
-    d = root / name
-    (d / "tests").mkdir(parents=True)
-    (d / "solution").mkdir()
-    (d / "instruction.md").write_text("Create greeting.txt holding 'Hello from ARES!'.\n")
-    (d / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 180\n[verifier]\ntimeout_sec = 60\n')
-    (d / "tests" / "test.sh").write_text(
+    d = task_dir(root, name, instruction="Create greeting.txt holding 'Hello from ARES!'.\n",
+                 solve_sh=f"#!/bin/sh\n{GOOD}\n", test_sh=(
         "#!/bin/sh\n"
         "echo '--- agent probe'; cat /workspace/agent-probe.txt 2>/dev/null; echo '--- root probe'\n"
         "[ -f /workspace/solution.py ] && python3 -c 'import sys; sys.path.insert(0, \"/workspace\"); import solution' 2>&1\n"
@@ -86,14 +81,8 @@ def hostile_task(root: Path, name: str) -> Task:
         "ok = pathlib.Path('greeting.txt').read_bytes() == b'Hello from ARES!\\n' if pathlib.Path('greeting.txt').is_file() else False\n"
         "pathlib.Path(sys.argv[1]).write_text('1\\n' if ok else '0\\n')\n"
         "PY\n"
-    )
-    (d / "solution" / "solve.sh").write_text(f"#!/bin/sh\n{GOOD}\n")
+    ))
     return Task.load(d)
-
-
-async def _run(gw: Gateway, task: Task, commands: list[str], out: Path) -> RunSummary:
-    return await run_rollouts([task], harness="mini-swe-agent", policy=make_policy("scripted", commands=commands),
-                              sandbox="local", gateway=gw, out=out, stats="null", time_limit=150)
 
 
 def _log(out: Path, task: Task) -> str:
@@ -137,14 +126,15 @@ async def test_hostile_agent_cannot_reach_root_the_host_or_the_next_episode(
     async with Gateway(port=0, request_timeout=300,
                        side_call_detector=harness_side_call_detector("mini-swe-agent")) as gw:
         forged, shadow, attacked, honest = await asyncio.gather(
-            _run(gw, greeting, [PLANT_PTH], tmp_path / "forged"),
-            _run(gw, shadowed, [PLANT_SHADOW], tmp_path / "shadow"),
+            _run(gw, greeting, [PLANT_PTH], "local", tmp_path / "forged"),
+            _run(gw, shadowed, [PLANT_SHADOW], "local", tmp_path / "shadow"),
             _run(gw, hostile, [PLANT_PTH, PLANT_MODULE, AGENT_PROBE.format(args=f"store {desc} {secret}")],
-                 tmp_path / "attacked"),
-            _run(gw, honest_greeting, [GOOD, PLANT_PTH], tmp_path / "honest"),
+                 "local", tmp_path / "attacked"),
+            _run(gw, honest_greeting, [GOOD, PLANT_PTH], "local", tmp_path / "honest"),
         )
         # The next episode, in a new sandbox, after the first one ended.
-        nxt = await _run(gw, reader, [PLANT_MODULE, AGENT_PROBE.format(args=f"read {desc}")], tmp_path / "next")
+        nxt = await _run(gw, reader, [PLANT_MODULE, AGENT_PROBE.format(args=f"read {desc}")], "local",
+                         tmp_path / "next")
 
     for summary in (forged, shadow, attacked, honest, nxt):
         [e] = summary.episodes

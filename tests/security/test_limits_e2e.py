@@ -17,11 +17,10 @@ from ares_gateway.episodes.episode import (
     harness_side_call_detector,
     with_default_resources,
 )
-from ares_gateway.episodes.rollouts import RunSummary, run_rollouts
 from ares_gateway.episodes.tasks import Task
-from ares_gateway.policies import make_policy
 from sandbox import Resources
 from tests.rollouts.e2e import require_mini
+from tests.security.test_exploits import HONEST, _run, task_dir
 
 pytestmark = [pytest.mark.slow]
 
@@ -34,27 +33,15 @@ FORK_MANY = ("python3 -c 'import os, time\nfor i in range(1500):\n    try:\n    
              "        time.sleep(60); os._exit(0)'")
 # 5 GB into a sandbox of 100 MB.
 FILL_DISK = "dd if=/dev/zero of=big.bin bs=1M count=5000 2>&1 | tail -n 2; true"
-HONEST = "echo 42 > answer.txt"
 
 
 def make_task(root: Path, name: str, memory_mb: int | None = None, storage_mb: int | None = None) -> Task:
-    d = root / name
-    (d / "tests").mkdir(parents=True)
-    (d / "environment" / "workspace").mkdir(parents=True)
-    (d / "instruction.md").write_text("Write 42 into answer.txt.\n")
     env = "[environment]\n" + (f"memory_mb = {memory_mb}\n" if memory_mb else "") + (
         f"storage_mb = {storage_mb}\n" if storage_mb else "")
-    (d / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 180\n[verifier]\ntimeout_sec = 60\n' + env)
-    (d / "tests" / "test.sh").write_text(
+    return Task.load(task_dir(root, name, workspace=True, toml_extra=env, test_sh=(
         '#!/bin/sh\nif [ "$(cat /workspace/answer.txt 2>/dev/null)" = "42" ]; then v=1; else v=0; fi\n'
         'echo $v > "$ARES_VERIFIER_DIR/reward.txt"\n'
-    )
-    return Task.load(d)
-
-
-async def _run(gw: Gateway, task: Task, commands: list[str], backend: str, out: Path) -> RunSummary:
-    return await run_rollouts([task], harness="mini-swe-agent", policy=make_policy("scripted", commands=commands),
-                              sandbox=backend, gateway=gw, out=out, stats="null", time_limit=150)
+    )))
 
 
 def test_default_resources_fill_only_what_the_task_leaves_open() -> None:

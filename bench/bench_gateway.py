@@ -65,7 +65,9 @@ def _rss_kib(pid: int) -> int:
 # ---------------------------------------------------------------- child processes
 
 
-def _gateway_main(port: int, mode: str) -> None:
+def _gateway_main(port: int, mode: str, max_items: int = 1024, **settings: Any) -> None:
+    """A gateway child (``settings`` go to ``Gateway``); with mode ``inproc`` its own loop answers
+    every request, up to ``max_items`` a poll; otherwise an HTTP responder does."""
     import uvloop
 
     from ares_gateway import Completion, Gateway
@@ -74,13 +76,13 @@ def _gateway_main(port: int, mode: str) -> None:
     tune_gc()  # as `ares-gateway serve` does
 
     async def main() -> None:
-        async with Gateway(port=port, admin_token=ADMIN, auto_sessions=True, request_timeout=600) as gw:
+        async with Gateway(port=port, admin_token=ADMIN, request_timeout=600, **settings) as gw:
             print("ready", flush=True)
             if mode == "inproc":
                 answer = Completion(text="ok")
                 broker = gw.broker
                 while True:
-                    for req in await broker.poll(max_items=1024, wait=3600, lease=None):
+                    for req in await broker.poll(max_items=max_items, wait=3600, lease=None):
                         broker.respond(req.id, answer)
             else:
                 await asyncio.Event().wait()
@@ -176,7 +178,7 @@ def _bare_main(port: int, mode: str, lowlevel: bool = False) -> None:
     uvloop.run(main())
 
 
-def _responder_main(url: str, canonical: str = "1") -> None:
+def _responder_main(url: str, canonical: str = "1", max_items: int = 1024) -> None:
     import aiohttp
     import uvloop
 
@@ -184,7 +186,7 @@ def _responder_main(url: str, canonical: str = "1") -> None:
         async with aiohttp.ClientSession(headers={"authorization": f"Bearer {ADMIN}"}) as s:
             print("ready", flush=True)
             while True:
-                async with s.get(f"{url}/poll", params={"wait": "30", "max": "1024", "canonical": canonical}) as r:
+                async with s.get(f"{url}/poll", params={"wait": "30", "max": str(max_items), "canonical": canonical}) as r:
                     items = orjson.loads(await r.read())
                 if not items:  # only the Go proxy's non-blocking /poll comes back empty: back off a little
                     await asyncio.sleep(0.001)
@@ -423,7 +425,7 @@ def main() -> None:
         # A child: SIGTERM ends it through exit(), so a profiler wrapping it (callgrind) reports.
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     if len(sys.argv) > 1 and sys.argv[1] == "_gateway":
-        _gateway_main(int(sys.argv[2]), sys.argv[3])
+        _gateway_main(int(sys.argv[2]), sys.argv[3], auto_sessions=True)
         return
     if len(sys.argv) > 1 and sys.argv[1] in ("_bare", "_bare-ll"):
         _bare_main(int(sys.argv[2]), sys.argv[3], lowlevel=sys.argv[1] == "_bare-ll")

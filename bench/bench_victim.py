@@ -38,10 +38,10 @@ import time
 from typing import Any
 
 import orjson
+from bench_gateway import ADMIN, _gateway_main, _responder_main  # the same gateway and poller children
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-ADMIN = "bench-admin-token-0123456789"
 MiB = 1024 * 1024
 SMALL = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
 
@@ -71,49 +71,6 @@ def big_body(messages: int = 60_000, size: int = 30 * 1000 * 1000) -> bytes:
 
 
 # ---------------------------------------------------------------- child processes
-
-
-def _gateway_main(port: int, mode: str, settings: dict[str, Any]) -> None:
-    import uvloop
-
-    from ares_gateway import Completion, Gateway
-    from ares_gateway.cli._common import tune_gc
-
-    tune_gc()  # as `ares-gateway serve` does
-
-    async def main() -> None:
-        async with Gateway(port=port, admin_token=ADMIN, request_timeout=600, **settings) as gw:
-            print("ready", flush=True)
-            if mode == "inproc":
-                answer = Completion(text="ok")
-                broker = gw.broker
-                while True:
-                    for req in await broker.poll(max_items=64, wait=3600, lease=None):
-                        broker.respond(req.id, answer)
-            else:
-                await asyncio.Event().wait()
-
-    uvloop.run(main())
-
-
-def _responder_main(url: str) -> None:
-    import aiohttp
-    import uvloop
-
-    async def main() -> None:
-        async with aiohttp.ClientSession(headers={"authorization": f"Bearer {ADMIN}"}) as s:
-            print("ready", flush=True)
-            while True:
-                async with s.get(f"{url}/poll", params={"wait": "30", "max": "64", "canonical": "1"}) as r:
-                    items = orjson.loads(await r.read())
-                if not items:
-                    continue
-                payload = [{"id": it["id"], "completion": {"text": "ok"}} for it in items]
-                async with s.post(f"{url}/respond", data=orjson.dumps(payload),
-                                  headers={"content-type": "application/json"}) as r:
-                    await r.read()
-
-    uvloop.run(main())
 
 
 def _big_sender_main(url: str, token: str, messages: int, size: int, vary: bool) -> None:
@@ -347,9 +304,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("--_"):
         role, rest = sys.argv[1], sys.argv[2:]
         if role == "--_gateway":
-            _gateway_main(int(rest[0]), rest[1], orjson.loads(rest[2]))
+            _gateway_main(int(rest[0]), rest[1], max_items=64, **orjson.loads(rest[2]))
         elif role == "--_responder":
-            _responder_main(rest[0])
+            _responder_main(rest[0], max_items=64)
         elif role == "--_sender":
             _big_sender_main(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4] == "1")
         return

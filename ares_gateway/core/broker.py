@@ -134,6 +134,12 @@ def _model_fields(value: Any) -> dict[str, Any]:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+#: Why a request whose canonical form cannot be encoded for ``/poll`` (nested past the encoders'
+#: depth in a free-form field) is refused: its agent's 400, wherever the encoding is tried.
+UNENCODABLE_REQUEST = ("the request cannot be handed to the policy: it nests objects or arrays too deeply "
+                       "(at most 128 levels); send a flatter body")
+
+
 def _canonical_json(request: CanonicalRequest) -> bytes:
     """``request.model_dump_json(exclude={"raw"})``, the same bytes at about half the cost.
 

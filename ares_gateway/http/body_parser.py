@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from ares_gateway.core.broker import _canonical_json
+from ares_gateway.core.broker import UNENCODABLE_REQUEST, _canonical_json
 from ares_gateway.core.canonical import CanonicalRequest, WireProtocol
 from ares_gateway.protocols import RequestError, get_adapter
 
@@ -141,11 +141,15 @@ def _work(raw: bytes, protocol: str | None, piece: int) -> tuple[Any, ...]:
     canonical = None
     if protocol is not None:
         try:
-            canonical = _canonical_json(get_adapter(protocol).parse_request(body))
+            request = get_adapter(protocol).parse_request(body)
         except RequestError as exc:
             return ("error", exc.status, exc.message, exc.param)
         except RecursionError:
             return ("whole",)
+        try:
+            canonical = _canonical_json(request)
+        except (ValueError, TypeError):  # nested past the encoders' depth: what /poll refuses too
+            return ("error", 400, UNENCODABLE_REQUEST, None)
     try:
         _, plan = _weigh_and_plan(body, piece)
     except RecursionError:

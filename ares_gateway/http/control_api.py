@@ -12,6 +12,7 @@ from aiohttp.web_response import Response, StreamResponse
 from pydantic import ValidationError
 
 from ares_gateway.core.answers import Answer, ErrorAnswer, read_tokens
+from ares_gateway.core.broker import UNENCODABLE_REQUEST
 from ares_gateway.core.canonical import Completion, TokenRecord
 from ares_gateway.core.errors import GatewayError, InvalidAnswerError
 from ares_gateway.http.render import control_error, json_response
@@ -95,10 +96,8 @@ class ControlAPI:
 
     def _refuse_unpollable(self, rid: str, exc: Exception) -> None:
         log.warning("request %s cannot be encoded for /poll (%s): answered with 400", rid, type(exc).__name__)
-        message = ("the request cannot be handed to the policy: it nests objects or arrays too deeply "
-                   "(at most 128 levels); send a flatter body")
         try:
-            self.gw.broker.respond(rid, ErrorAnswer(400, message))
+            self.gw.broker.respond(rid, ErrorAnswer(400, UNENCODABLE_REQUEST))
         except GatewayError:  # gone meanwhile (the agent disconnected): nothing to answer
             pass
 

@@ -492,8 +492,9 @@ async def test_in_process_respond_refuses_what_cannot_render() -> None:
         assert len(gw.turn_log(info.session_id)) == 1
 
 
+@pytest.mark.parametrize("padding", [0, 2 * 1024 * 1024], ids=["parsed-on-the-loop", "parsed-off-the-loop"])
 async def test_a_request_too_deep_to_poll_is_a_400_to_its_agent_and_spoils_no_batch(
-        caplog: pytest.LogCaptureFixture) -> None:
+        padding: int, caplog: pytest.LogCaptureFixture) -> None:
     """An agent's body nesting 300 levels in a free-form field parses, but its canonical form cannot be
     encoded (orjson stops at 255): /poll was a 500 for every batch it landed in, and the item stayed
     hidden until its lease ran out. Now its agent gets a 400 and the other agents' requests are polled."""
@@ -501,11 +502,14 @@ async def test_a_request_too_deep_to_poll_is_a_400_to_its_agent_and_spoils_no_ba
         deep_info, good_info = await gw.create_session(), await gw.create_session()
         deep = openai.AsyncOpenAI(base_url=deep_info.base_url + "/v1", api_key=deep_info.token, max_retries=0)
         good = openai.AsyncOpenAI(base_url=good_info.base_url + "/v1", api_key=good_info.token, max_retries=0)
+        # Padded past parse_offload_bytes, the body is parsed (and its canonical form encoded) in the
+        # body parser's worker process, which must refuse it the same way.
         deep_task = asyncio.create_task(deep.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], extra_body={"x_deep": _nested(300)}))
+            model="m", messages=[{"role": "user", "content": "hi" + "x" * padding}],
+            extra_body={"x_deep": _nested(300)}))
         good_task = asyncio.create_task(good.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}]))
-        while gw.broker.pending_count < 2:  # noqa: ASYNC110 (nothing to wait on: the two requests arrive over HTTP)
+        while gw.broker.pending_count < (1 if padding else 2):  # noqa: ASYNC110 (nothing to wait on: HTTP)
             await asyncio.sleep(0.01)
         async with http.get(f"{gw.url}/poll", params={"wait": "5", "max": "10"}) as r:
             assert r.status == 200, await r.text()

@@ -40,9 +40,9 @@ def _host_pids(needle: str, *, exact: bool = False) -> list[int]:
     return found
 
 
-async def _wait_for(needle: str, count: int = 1, timeout: float = 20.0) -> list[int]:
+async def _wait_for(needle: str, count: int = 1, timeout: float = 20.0, *, exact: bool = False) -> list[int]:
     deadline = asyncio.get_running_loop().time() + timeout
-    while len(pids := _host_pids(needle)) < count:
+    while len(pids := _host_pids(needle, exact=exact)) < count:
         assert asyncio.get_running_loop().time() < deadline, f"{needle!r} never started"
         await asyncio.sleep(0.05)
     return pids
@@ -77,7 +77,8 @@ async def test_kill_processes_reaches_a_nested_user_and_pid_namespace(local_root
                 f"sleep {tag}.5 & wait; done' >/dev/null 2>&1 </dev/null &")
         started = await sb.exec(loop, timeout=30)
         assert started.ok, started
-        [pid] = [p for p in await _wait_for(f"sleep {tag}.5", 2) if p in _host_pids(f"sleep {tag}.5", exact=True)]
+        # The sleep itself (its shell and unshare name it too, and may be seen before it starts).
+        [pid] = await _wait_for(f"sleep {tag}.5", exact=True)
         ns = os.readlink(f"/proc/{pid}/ns/pid")
         assert ns != os.readlink(f"/proc/{os.getpid()}/ns/pid")
         killed = await sb.kill_processes(timeout=20)

@@ -25,6 +25,7 @@ redirects them onto the host.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import json
@@ -65,6 +66,9 @@ _CGROUP_FILE = "cgroups.json"
 _RELAY_SCRIPT = Path(__file__).with_name("_relay.py")
 _CWD_MISSING = 201
 _CWD_MARK = "ares-exec: no such directory: "
+
+# The threads that set a sandbox's cgroups and disk up (start() waits for one even when cancelled).
+_LIMITS_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ares-sandbox-limits")
 
 AGENT_USER = "agent"
 AGENT_UID = 1000
@@ -295,7 +299,14 @@ class LocalSandbox(BaseSandbox):
             ) from exc
         # Limits first: the cgroups are recorded beside owner.json (gc finds them), then the disk is
         # mounted over the sandbox's directory, and everything it writes is made on it.
-        await asyncio.to_thread(self._set_up_limits, owner)
+        setup = _LIMITS_POOL.submit(self._set_up_limits, owner)
+        try:
+            await asyncio.wrap_future(setup)
+        except asyncio.CancelledError:
+            # A setup already running goes on in its thread: wait for it (a mkfs and a mount at most),
+            # else start()'s cleanup runs first and the disk it then mounts outlives the sandbox.
+            concurrent.futures.wait([setup])
+            raise
         try:
             (self.root / "work").mkdir(exist_ok=False)
             (self.root / "tmp").mkdir(mode=0o1777)

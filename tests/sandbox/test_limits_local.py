@@ -294,3 +294,21 @@ def test_mountinfo_layouts_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         ("/sys/fs/cgroup/memory", "cgroup", True, False),
         ("/sys/fs/cgroup/pids", "cgroup", False, True),
     ]
+
+
+async def test_a_start_cancelled_while_its_limits_are_set_up_leaves_nothing(local_root: Path) -> None:
+    """A run stopped (Ctrl-C) while a sandbox starts: start()'s cleanup must not run before the thread
+    setting its disk up is done, or the disk that thread then mounts (and its image) outlive the sandbox."""
+    _needs("memory", "pids", "disk")
+    for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08):
+        sb = sandbox.create(_spec(memory="256m", pids=64, disk="64m"), backend="local")
+        starting = asyncio.create_task(sb.start())
+        await asyncio.sleep(delay)
+        starting.cancel()
+        try:
+            await starting
+        except asyncio.CancelledError:
+            pass
+        await sb.stop()
+        assert not _mounted(sb.root), delay
+    assert os.listdir(local_root) == []

@@ -396,6 +396,7 @@ async def run_rollouts(
     run_info: Mapping[str, Any] | None = None,
     success_threshold: float = 1.0,
     on_episode: Callable[[EpisodeResult], None] | None = None,
+    on_samples: Callable[[EpisodeResult, list[Any]], None] | None = None,
 ) -> RunSummary:
     """Run ``attempts`` episodes of every task with at most ``concurrency`` at once (see the module docstring).
 
@@ -404,7 +405,9 @@ async def run_rollouts(
     ``gateway`` (optional) is a started gateway to use; by default one is started on 127.0.0.1 with
     the harness's side-call detector. ``console`` (a ``rich.console.Console``) shows the live progress
     bar and a line per finished episode. Setting ``stop`` stops launching, cancels what runs (each
-    episode removes its sandbox) and returns what finished.
+    episode removes its sandbox) and returns what finished. ``on_samples(result, samples)`` is called
+    with each in-process episode's :class:`trajectory.Sample` list as it finishes (the trainer adapters
+    take their samples here, without files).
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -491,6 +494,8 @@ async def run_rollouts(
             if report is not None:
                 result.fidelity = report(sid, samples)
             outputs.episode(result, samples, turns, outcome.logs)
+            if on_samples is not None:
+                on_samples(result, samples)
             return result
         finally:
             unbind = getattr(policy, "unbind", None)

@@ -1,0 +1,193 @@
+"""What every trainer adapter shares: tasks named by prompts, episodes played, one sample per episode.
+
+A trainer's batch entry is one episode: a real agent CLI in a sandbox, every LLM call it makes
+answered by the trainer's policy through the gateway, rewarded by the task's verifier. The episode's
+recorded turns give one or more :class:`trajectory.Sample` objects (more than one where the agent
+rewrote its history or made side calls); a trainer gets one of them, the **main line**
+(:func:`main_sample`), and the others are counted in :attr:`EpisodeSample.other_samples`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ares_gateway.episodes.episode import one_line
+from ares_gateway.episodes.rollouts import EpisodeResult, run_rollouts
+from ares_gateway.episodes.tasks import Dataset, Task, load_dataset
+
+__all__ = [
+    "EpisodeSample",
+    "MissingExtraError",
+    "TrainerError",
+    "UnknownTaskError",
+    "main_sample",
+    "play_episodes",
+    "require",
+    "resolve_dataset",
+    "task_name_of",
+]
+
+
+class TrainerError(Exception):
+    """Base class of the trainer adapters' errors."""
+
+
+class MissingExtraError(TrainerError, ImportError):
+    """A trainer's package is not installed; the message names the extra that installs it."""
+
+    def __init__(self, package: str, extra: str, cause: BaseException | None = None) -> None:
+        why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        super().__init__(
+            f"{package} is not installed or failed to import{why}: install it with "
+            f"python3 -m pip install 'ares-gateway[{extra}]'"
+        )
+        self.package = package
+        self.extra = extra
+
+
+class UnknownTaskError(TrainerError, ValueError):
+    """A prompt names no task of the dataset; the message lists the dataset's tasks."""
+
+
+def require(module: str, extra: str) -> Any:
+    """Import ``module`` or raise :class:`MissingExtraError` naming ``extra``."""
+    try:
+        return importlib.import_module(module)
+    except Exception as exc:  # ImportError, or a broken install's own error
+        raise MissingExtraError(module.partition(".")[0], extra, exc) from exc
+
+
+def resolve_dataset(dataset: Dataset | str | Any) -> Dataset:
+    """A task :class:`~ares_gateway.episodes.tasks.Dataset` from itself, a registered name or a folder;
+    an empty one is an error (there is nothing to train on)."""
+    ds = dataset if isinstance(dataset, Dataset) else load_dataset(dataset)
+    if len(ds) == 0:
+        raise TrainerError(f"the task dataset {ds.name!r} has no tasks: add task folders to it first")
+    return ds
+
+
+def task_name_of(prompt: Any) -> str:
+    """The task name a trainer's prompt carries: a string, or chat messages whose last one's content
+    is the name (TRL turns a ``prompt`` column of strings into either)."""
+    if isinstance(prompt, Mapping):
+        prompt = prompt.get("content", "")
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt:
+        last = prompt[-1]
+        prompt = last.get("content", "") if isinstance(last, Mapping) else last
+    if isinstance(prompt, list):  # typed content blocks
+        prompt = "".join(str(p.get("text", "")) if isinstance(p, Mapping) else str(p) for p in prompt)
+    return str(prompt).strip()
+
+
+def resolve_tasks(dataset: Dataset, prompts: Sequence[Any]) -> list[Task]:
+    """The task each prompt names, in order; one :class:`UnknownTaskError` for all that name none."""
+    names = [task_name_of(p) for p in prompts]
+    known = set(dataset.names)
+    unknown = sorted({n for n in names if n not in known})
+    if unknown:
+        listed = ", ".join(dataset.names)
+        raise UnknownTaskError(
+            f"prompt(s) {', '.join(repr(n) for n in unknown)} name no task of dataset {dataset.name!r}; "
+            f"each prompt must be one of its task names: {listed}"
+        )
+    return [dataset.task(n) for n in names]
+
+
+def main_sample(samples: Sequence[Any]) -> tuple[Any | None, int]:
+    """The episode's main-line sample and how many others there are.
+
+    The main line is the sample of the agent's own conversation (not a side call) with the most
+    trained tokens: where the agent never rewrote its history that is its only sample, every turn
+    in it. Ties go to the earliest. ``None`` when the episode recorded no token-carrying turn.
+    """
+    best = None
+    best_key = (-1, -1)
+    for s in samples:
+        key = (0 if s.metadata.get("side_call") else 1, int(s.loss_mask.sum()))
+        if key > best_key:
+            best, best_key = s, key
+    return best, (len(samples) - 1 if best is not None else len(samples))
+
+
+@dataclass
+class EpisodeSample:
+    """One played episode as a trainer sees it."""
+
+    task: str
+    reward: float
+    exit_reason: str
+    turns: int = 0
+    session_id: str = ""
+    error: str | None = None
+    #: The main-line :class:`trajectory.Sample` (``None``: the episode recorded no token-carrying turn).
+    sample: Any = None
+    #: The episode's other samples (side calls, segments after a history rewrite), not given to the trainer.
+    other_samples: int = 0
+    result: EpisodeResult | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def facts(self) -> dict[str, Any]:
+        """The plain facts a trainer logs per completion."""
+        return {"task": self.task, "session_id": self.session_id, "reward": self.reward,
+                "exit_reason": self.exit_reason, "turns": self.turns, "error": self.error,
+                "other_samples": self.other_samples}
+
+
+async def play_episodes(
+    tasks: Sequence[Task],
+    *,
+    harness: str,
+    policy: Any,
+    sandbox: str = "local",
+    concurrency: int = 4,
+    step_limit: int | None = None,
+    time_limit: float | None = None,
+    harness_options: Mapping[str, Any] | None = None,
+    out: str | None = None,
+) -> list[EpisodeSample]:
+    """One episode per entry of ``tasks`` (repeats allowed), at most ``concurrency`` at once; the
+    results in the order of ``tasks``. A failed episode is an entry with reward 0 and its error."""
+    by_session: dict[str, list[Any]] = {}
+
+    def keep(result: EpisodeResult, samples: list[Any]) -> None:
+        by_session[result.session_id] = samples
+
+    # run_rollouts plans (task, attempt) pairs; repeats of a task become its attempts.
+    unique: dict[str, Task] = {}
+    for t in tasks:
+        unique.setdefault(t.name, t)
+    plan: dict[str, list[int]] = {}
+    for i, t in enumerate(tasks):
+        plan.setdefault(t.name, []).append(i)
+    # run_rollouts gives every task the same number of attempts: tasks repeated a different number of
+    # times run in separate waves (a trainer's batch repeats every prompt alike: one wave).
+    out_list: list[EpisodeSample | None] = [None] * len(tasks)
+    by_count: dict[int, list[Task]] = {}
+    for name, idxs in plan.items():
+        by_count.setdefault(len(idxs), []).append(unique[name])
+    for count, group in sorted(by_count.items()):
+        summary = await run_rollouts(
+            group, harness=harness, policy=policy, sandbox=sandbox, concurrency=concurrency, attempts=count,
+            step_limit=step_limit, time_limit=time_limit, harness_options=harness_options, stats="null",
+            on_samples=keep, out=out,
+        )
+        for e in summary.episodes:
+            idx = plan[e.task][e.attempt]
+            sample, others = main_sample(by_session.get(e.session_id, []))
+            out_list[idx] = EpisodeSample(
+                task=e.task, reward=float(e.reward), exit_reason=e.exit_reason, turns=e.turns,
+                session_id=e.session_id, error=e.error, sample=sample, other_samples=others, result=e,
+            )
+    return [
+        o if o is not None else EpisodeSample(task=tasks[i].name, reward=0.0, exit_reason="cancelled",
+                                               error="the episode did not finish (cancelled)")
+        for i, o in enumerate(out_list)
+    ]
+
+
+def describe_failure(ep: EpisodeSample) -> str:
+    """One line for a log: the task, why it ended, its error."""
+    return one_line(f"{ep.task}: {ep.exit_reason}" + (f": {ep.error}" if ep.error else "")) or ep.task

@@ -207,8 +207,8 @@ def _build_tito(args: argparse.Namespace, *, engine_options: dict[str, Any] | No
 
 def _tito_harness_options(policy: Any, harness: str, action_regex: str | None = None) -> dict[str, Any]:
     """mini-swe-agent runs in its text-action mode for a model without a tool-call format (SmolLM2)."""
-    if getattr(policy, "kind", None) == "tito" and harness == "mini-swe-agent" and not policy.tool_calls_supported:
-        return {"action_format": "text", **({"action_regex": action_regex} if action_regex else {})}
+    if getattr(policy, "kind", None) == "tito":
+        return dict(policy.harness_options(harness, action_regex=action_regex))
     return {}
 
 

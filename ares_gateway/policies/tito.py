@@ -150,6 +150,13 @@ class TitoPolicy:
         # Hand-written renderers parse their family's tool calls; the generic template only with a parser.
         return not self.renderer.is_template or getattr(self.renderer.renderer, "_tool_parser", None) is not None
 
+    def harness_options(self, harness: str, *, action_regex: str | None = None) -> dict[str, Any]:
+        """The harness options this model needs: mini-swe-agent runs in its text-action mode for a model
+        without a tool-call format (SmolLM2)."""
+        if harness == "mini-swe-agent" and not self.tool_calls_supported:
+            return {"action_format": "text", **({"action_regex": action_regex} if action_regex else {})}
+        return {}
+
     async def __aenter__(self) -> TitoPolicy:
         """Load the engine's model now (``run`` enters the policy before any sandbox starts), so a
         missing or crashing build fails the run up front with its install command."""

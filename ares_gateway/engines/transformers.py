@@ -19,8 +19,11 @@ the last bits) and costs little on CPU, where one sequence already uses the core
 
 **Prefix cache.** The KV caches of the last ``max_cached_sequences`` calls are kept; a prompt that
 extends one (the next turn of a session) evaluates only its new tokens. Caches are dropped when the
-weights change: each is tagged with the parameters' in-place version counters, which every optimizer
-step, ``load_state_dict`` or ``copy_`` advances, so no stale cache survives a training step.
+weights change: each is tagged with the parameters' in-place version counters, which ``load_state_dict``,
+``copy_`` and the foreach / for-loop optimizers advance. Fused optimizers (``torch.optim.AdamW(fused=True)``,
+transformers' default ``adamw_torch_fused``) update the weights without advancing them: whoever updates
+weights that way calls :meth:`TransformersEngine.reset` before sampling again (the TRL adapter does, at
+every rollout call).
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ Per entry it returns what TRL wants: ``prompt_ids`` (the first turn's prompt), `
 (everything after it: the model's answers and, between them, the agent's tool outputs and the next
 turns' headers), ``logprobs`` (the sampler's, 0.0 where not sampled), ``env_mask`` (1 on tokens the model
 sampled, 0 on every tool output / observation token), and as extra keys the episode's ``reward``,
-``task``, ``session_id``, ``exit_reason``, ``turns``, ``error`` and ``other_samples``, which TRL passes to the
-reward functions; :func:`reward_from_episode` returns the verifier's reward and logs the facts as
+``task``, ``session_id``, ``exit_reason``, ``turns``, ``error``, ``other_samples``, ``sampled_tokens`` and
+``mean_logprob`` (over the sampled tokens), which TRL passes to the reward functions (it keeps
+``logprobs`` and ``env_mask`` from them); :func:`reward_from_episode` returns the verifier's reward and logs the facts as
 TRL completion-table columns.
 
 **One sample an episode.** An episode's turns can give several samples (the agent rewrote its
@@ -60,7 +61,8 @@ __all__ = ["EPISODE_KEYS", "AresRollouts", "TokenizerMismatchError", "reward_fro
 T = TypeVar("T")
 
 #: The extra keys each rollout returns per completion (TRL hands them to the reward functions).
-EPISODE_KEYS = ("reward", "task", "session_id", "exit_reason", "turns", "error", "other_samples")
+EPISODE_KEYS = ("reward", "task", "session_id", "exit_reason", "turns", "error", "other_samples",
+                "sampled_tokens", "mean_logprob")
 
 #: Texts whose ids must be the same under the trainer's tokenizer and the gateway's.
 _PROBE_TEXTS = (
@@ -150,6 +152,9 @@ class AresRollouts:
             t0 = time.perf_counter()
             tasks = resolve_tasks(self.dataset, prompts)
             policy = self._policy_for(trainer)
+            # The trainer updated the weights since the last call (a fused optimizer leaves no trace the
+            # engine could see): no KV cache of the old weights may be reused.
+            self.engine.reset()
             busy0 = self.engine.busy_s
             if self._loop is None:
                 self._loop = _Loop()
@@ -229,7 +234,11 @@ class AresRollouts:
                 batch["prompt_ids"].append(tokens[:n])
                 batch["completion_ids"].append(tokens[n:])
                 batch["logprobs"].append([float(x) for x in s.logprobs.tolist()])
-                batch["env_mask"].append([int(x) for x in s.loss_mask.tolist()])
+                mask = [int(x) for x in s.loss_mask.tolist()]
+                batch["env_mask"].append(mask)
+                picked = [lp for lp, m in zip(batch["logprobs"][-1], mask, strict=True) if m]
+                batch["sampled_tokens"].append(len(picked))
+                batch["mean_logprob"].append(sum(picked) / len(picked) if picked else 0.0)
             else:
                 # Nothing sampled: a masked one-token completion keeps TRL's batch shape; reward 0.
                 ids = self.policy.renderer.tokenizer.encode(e.task) or [int(eos)]
@@ -237,6 +246,8 @@ class AresRollouts:
                 batch["completion_ids"].append([int(eos)])
                 batch["logprobs"].append([0.0])
                 batch["env_mask"].append([0])
+                batch["sampled_tokens"].append(0)
+                batch["mean_logprob"].append(0.0)
                 if e.error is None:
                     e.error = "the episode recorded no model turn"
                 e.reward = 0.0

@@ -6,7 +6,6 @@
 * :class:`VLLMEngine` (``vllm``): vLLM's ``/inference/v1/generate`` with ``token_ids``.
 * :class:`TransformersEngine` (``transformers``): a ``transformers`` model object in process, e.g. the
   one a trainer is training (extra ``.[trl]``).
-* :class:`VerlServerEngine` (``verl``): verl's server manager inside a verl agent loop (extra ``.[verl]``).
 
 :func:`make_engine` builds one by name. See :mod:`ares_gateway.engines.base` for the protocol and
 the error hierarchy, and ``docs/tito.md``.

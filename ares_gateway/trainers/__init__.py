@@ -2,9 +2,8 @@
 
 * :mod:`ares_gateway.trainers.trl` — TRL's ``GRPOTrainer(rollout_func=...)``: :func:`~ares_gateway.trainers.trl.rollout_func`
   and :func:`~ares_gateway.trainers.trl.reward_from_episode` (extra ``.[trl]``).
-* :mod:`ares_gateway.trainers.verl` — verl's agent loop, registered as ``ares_gateway`` (extra ``.[verl]``).
 
-Each imports its trainer's package only when used: the base install needs no torch, trl or verl, and
+Each imports its trainer's package only when used: the base install needs no torch or trl, and
 a missing one is a :class:`MissingExtraError` naming the extra. What they share (tasks named by
 prompts, episodes played, the main-line sample of each) is in :mod:`ares_gateway.trainers._common`;
 see docs/training.md.

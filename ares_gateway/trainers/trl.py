@@ -82,6 +82,7 @@ class _Loop:
     rollout function synchronously, the gateway and the sandboxes live across its calls."""
 
     def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop
         try:
             import uvloop
 

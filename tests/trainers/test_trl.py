@@ -272,3 +272,18 @@ def test_without_trl_installed_the_error_names_the_extra() -> None:
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert proc.returncode == 0, proc.stderr
     assert "ERR torch is not installed" in proc.stdout and "ares-gateway[trl]" in proc.stdout
+
+
+def test_the_example_trains_a_step(tmp_path: Path) -> None:
+    """examples/train_trl.py runs as docs/training.md says, here cut to one short step."""
+    _trl()
+    _mini_installed()
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "train_trl.py"), "--steps", "1", "--step-limit", "2",
+         "--max-tokens", "16", "--tasks", "write-greeting-file", "--out", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=600, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 0: 2 episodes in" in proc.stdout and "0 failed" in proc.stdout, proc.stdout
+    assert len(list((tmp_path / "run" / "episodes").rglob("results.json"))) == 1

@@ -1,0 +1,155 @@
+"""One GRPO step of TRL on real agent episodes, split by where its time goes (issue 23).
+
+    python3 bench/bench_training.py [--steps 3] [--step-limit 3] [--max-tokens 64] [--concurrency 2] [--json]
+
+A real ``GRPOTrainer`` (TRL, CPU, fp32) trains SmolLM2-135M-Instruct (the embedded GGUF, dequantized)
+with :func:`ares_gateway.trainers.trl.rollout_func`: each step is one group of ``num_generations=2``
+real mini-swe-agent episodes in local sandboxes, sampled from the model being trained. Per step:
+
+* **step**: the trainer's wall time for the step (callback ``on_step_begin`` -> ``on_step_end``);
+* **rollout**: the rollout call (episodes: sandbox start, agent CLI, turns, verifier, sandbox removal);
+* **generation**: the engine's busy time (prefill + decode on the model, serialized);
+* **agent + sandbox**: rollout minus generation (the agent's own work, its tools, the verifier, and the
+  turns an episode waited for the engine while the other episode's turn was sampled);
+* **training**: step minus rollout (the trainer's forward, backward and optimizer step);
+* **gateway's own time**: an upper bound: the CPU time of the rollouts' event-loop thread (the gateway's
+  HTTP handling, parsing, answers, recording, and also the sandbox plumbing that shares the loop) plus the
+  prompt rendering the tito policy does in worker threads. Goal: <= 2 % of the step.
+
+Figures are medians over the steps (2 shared cores: noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+EVERY_ANSWER_IS_A_COMMAND = r"\A(.+)\Z"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--step-limit", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ares_gateway.tokens import streams as streams_mod
+    from ares_gateway.tokens.tokenizer import default_model_path
+    from ares_gateway.trainers.trl import reward_from_episode, rollout_func
+
+    folder, name = os.path.split(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.is_quantized = False
+    model.hf_quantizer = None
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+    # Rendering time of the tito policy (it runs TokenStreams.prepare in worker threads).
+    render = {"s": 0.0}
+    lock = threading.Lock()
+    real_prepare = streams_mod.TokenStreams.prepare
+
+    def timed_prepare(self: Any, *a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real_prepare(self, *a, **k)
+        finally:
+            with lock:
+                render["s"] += time.perf_counter() - t0
+
+    streams_mod.TokenStreams.prepare = timed_prepare  # type: ignore[method-assign]
+
+    out = tempfile.mkdtemp(prefix="bench-training-")
+    rollouts = rollout_func("examples", step_limit=args.step_limit, max_tokens=args.max_tokens,
+                            concurrency=args.concurrency, out=out,
+                            harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND})
+    per_call: list[dict[str, float]] = []
+
+    async def loop_cpu() -> float:
+        return time.thread_time()
+
+    def observed(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        cpu0 = rollouts._loop.run(loop_cpu()) if rollouts._loop is not None else None
+        r0 = render["s"]
+        t0 = time.perf_counter()
+        batch = rollouts(prompts, trainer)
+        wall = time.perf_counter() - t0
+        assert rollouts._loop is not None
+        cpu1 = rollouts._loop.run(loop_cpu())
+        per_call.append({"rollout_s": wall, "generation_s": rollouts.calls[-1]["generation_s"],
+                         "loop_cpu_s": cpu1 - cpu0 if cpu0 is not None else float("nan"),
+                         "render_s": render["s"] - r0, "episodes": len(batch["session_id"]),
+                         "sampled_tokens": sum(batch["sampled_tokens"]),
+                         "turns": sum(batch["turns"])})
+        return batch
+
+    steps: list[float] = []
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            steps.append(time.perf_counter() - self.t0)
+
+    cfg = GRPOConfig(output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=2, num_generations=2,
+                     max_steps=args.steps + 1, use_cpu=True, bf16=False, learning_rate=3e-4, logging_steps=1,
+                     report_to=[], save_strategy="no", beta=0.0, seed=7, disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer,
+                          reward_funcs=[reward_from_episode, lambda completions, mean_logprob, **_: mean_logprob],
+                          train_dataset=Dataset.from_dict({"prompt": ["fix-median-bug", "write-greeting-file"]}),
+                          args=cfg, rollout_func=observed, callbacks=[Clock()])
+    try:
+        trainer.train()
+    finally:
+        rollouts.close()
+    # The first call starts the loop and warms the engine: the figures are of the steps after it.
+    rows = []
+    for step_s, c in list(zip(steps, per_call, strict=False))[1:]:
+        gateway = c["loop_cpu_s"] + c["render_s"]
+        rows.append({
+            "step_s": step_s, "rollout_s": c["rollout_s"], "generation_s": c["generation_s"],
+            "agent_sandbox_s": c["rollout_s"] - c["generation_s"], "training_s": step_s - c["rollout_s"],
+            "gateway_own_s": gateway, "gateway_share": gateway / step_s,
+            "loop_cpu_s": c["loop_cpu_s"], "render_s": c["render_s"],
+            "turns": c["turns"], "sampled_tokens": c["sampled_tokens"],
+        })
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    result = {"settings": vars(args), "median": med, "steps": rows}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"GRPO step on real episodes: {args.steps} steps after a warm-up, 2 episodes a step, "
+          f"step_limit {args.step_limit}, max_tokens {args.max_tokens}, concurrency {args.concurrency}")
+    for key, label in [("step_s", "step"), ("rollout_s", "  rollout (episodes)"),
+                       ("generation_s", "    generation (engine busy)"),
+                       ("agent_sandbox_s", "    agent + sandbox + waits"),
+                       ("training_s", "  training (forward, backward, optimizer)"),
+                       ("gateway_own_s", "gateway's own time (upper bound)")]:
+        share = med[key] / med["step_s"]
+        print(f"{label:<44} {med[key]:8.2f} s  {share:6.1%}")
+    print(f"  of which event-loop CPU {med['loop_cpu_s']:.3f} s, rendering {med['render_s']:.3f} s; "
+          f"{med['turns']:.0f} turns, {med['sampled_tokens']:.0f} sampled tokens a step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -55,7 +55,7 @@ def logsumexp(z: np.ndarray[Any, Any]) -> float:
 
 async def thread_stream(
     pool: ThreadPoolExecutor, work: Callable[[Emit, threading.Event], GenerateResult]
-) -> AsyncIterator[TokenChunk | GenerateResult]:
+) -> AsyncGenerator[TokenChunk | GenerateResult, None]:
     """Run ``work(emit, stop)`` on ``pool`` and yield what it emits, then its result.
 
     ``work`` calls ``emit(TokenChunk)`` per sampled token from its thread; when the consumer leaves

@@ -257,8 +257,12 @@ class LlamaCppEngine:
         if self._closed:
             raise EngineError("the llama.cpp engine is closed")
         prompt = list(prompt_ids)
-        async for item in thread_stream(self._pool, lambda emit, stop: self._generate_sync(prompt, sampling, emit, stop)):
-            yield item
+        chunks = thread_stream(self._pool, lambda emit, stop: self._generate_sync(prompt, sampling, emit, stop))
+        try:
+            async for item in chunks:
+                yield item
+        finally:
+            await chunks.aclose()  # a consumer that left early stops the sampling now, not when collected
 
     def _generate_sync(
         self,

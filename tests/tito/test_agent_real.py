@@ -24,6 +24,9 @@ TASK = "make-slug-tests-pass"
 STEPS = 3
 
 
+EVERY_ANSWER_IS_A_COMMAND = r"\A(.+)\Z"
+
+
 @pytest.mark.slow
 async def test_mini_swe_agent_on_the_real_model(tmp_path: Path, smol_renderer) -> None:  # type: ignore[no-untyped-def]
     need_llama()
@@ -32,7 +35,6 @@ async def test_mini_swe_agent_on_the_real_model(tmp_path: Path, smol_renderer) -
     from ares_gateway.episodes.rollouts import run_rollouts
     from ares_gateway.episodes.selectors import resolve
     from ares_gateway.policies.tito import TitoPolicy
-    from harnesses.mini_swe_agent import LENIENT_ACTION_REGEX
 
     engine = Recording(LlamaCppEngine(n_ctx=4096))
     policy = TitoPolicy(engine, renderer=smol_renderer, temperature=0.0, max_tokens=96)  # type: ignore[arg-type]
@@ -42,7 +44,9 @@ async def test_mini_swe_agent_on_the_real_model(tmp_path: Path, smol_renderer) -
         summary = await run_rollouts(
             tasks, harness="mini-swe-agent", policy=policy, sandbox="local", concurrency=1, out=out,
             step_limit=STEPS, stats="null", run_info=policy.run_info(),
-            harness_options={"action_format": "text", "action_regex": LENIENT_ACTION_REGEX},
+            # The whole answer is the command: greedy SmolLM2 under llama-cpp-python 0.3.36 writes no block
+            # that even LENIENT_ACTION_REGEX takes, and mini drops unparsed answers (nothing would extend).
+            harness_options={"action_format": "text", "action_regex": EVERY_ANSWER_IS_A_COMMAND},
         )
     finally:
         await policy.aclose()

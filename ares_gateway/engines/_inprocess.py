@@ -1,20 +1,20 @@
 """What the in-process engines (llama.cpp, transformers) share: sampling one token from logits, and
-streaming the tokens a worker thread samples to the event loop."""
+the worker thread their calls run on, with ``generate`` / ``stream`` over it (:class:`WorkerThreadEngine`)."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from ares_gateway.engines.base import GenerateResult, Sampling, TokenChunk
+from ares_gateway.engines.base import EngineError, GenerateResult, Sampling, TokenChunk
 
-__all__ = ["logsumexp", "sample_token", "thread_stream"]
+__all__ = ["Emit", "WorkerThreadEngine", "logsumexp", "sample_token"]
 
 Emit = Callable[[Any], None]
 
@@ -53,37 +53,72 @@ def logsumexp(z: np.ndarray[Any, Any]) -> float:
     return m + math.log(float(np.sum(np.exp(z - m))))
 
 
-async def thread_stream(
-    pool: ThreadPoolExecutor, work: Callable[[Emit, threading.Event], GenerateResult]
-) -> AsyncGenerator[TokenChunk | GenerateResult, None]:
-    """Run ``work(emit, stop)`` on ``pool`` and yield what it emits, then its result.
+class WorkerThreadEngine:
+    """The part of an in-process engine around its sampler: one worker thread every call runs on, in
+    arrival order (the model is never entered twice at once), ``generate``, ``stream`` and closing.
 
-    ``work`` calls ``emit(TokenChunk)`` per sampled token from its thread; when the consumer leaves
-    early (the agent disconnected) ``stop`` is set and ``work`` should end at its next token. The
-    worker's exception is raised here.
+    A subclass sets :attr:`label` and implements ``_generate_sync(prompt, sampling, emit, stop)``:
+    it calls ``emit(TokenChunk)`` per sampled token when ``emit`` is given and ends at its next token
+    once ``stop`` is set (the stream's consumer left: the agent disconnected).
     """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[TokenChunk | GenerateResult | BaseException] = asyncio.Queue()
-    stop = threading.Event()
 
-    def emit(item: TokenChunk | GenerateResult | BaseException) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+    #: How errors name the engine ("the llama.cpp engine is closed").
+    label = "in-process"
 
-    def run() -> None:
+    def __init__(self, *, thread_name: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self._closed = False
+
+    def _generate_sync(self, prompt: list[int], sampling: Sampling, emit: Emit | None,
+                       stop: threading.Event | None) -> GenerateResult:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError(f"the {self.label} engine is closed")
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self._check_open()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _close(self, release: Callable[[], None]) -> None:
+        """Run ``release`` on the worker (after the calls queued before it), then stop the worker."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.get_running_loop().run_in_executor(self._pool, release)
+        self._pool.shutdown(wait=False)
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> GenerateResult:
+        result: GenerateResult = await self._run(self._generate_sync, list(prompt_ids), sampling, None, None)
+        return result
+
+    async def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
+        """Like :meth:`generate`, yielding each sampled token as a :class:`TokenChunk`, then the result."""
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenChunk | GenerateResult | BaseException] = asyncio.Queue()
+        stop = threading.Event()
+        prompt = list(prompt_ids)
+
+        def emit(item: TokenChunk | GenerateResult | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def work() -> None:
+            try:
+                emit(self._generate_sync(prompt, sampling, emit, stop))
+            except BaseException as exc:  # handed to the consumer, raised there
+                emit(exc)
+
+        fut = loop.run_in_executor(self._pool, work)  # starts now, not when awaited
         try:
-            emit(work(emit, stop))
-        except BaseException as exc:  # handed to the consumer, raised there
-            emit(exc)
-
-    fut = loop.run_in_executor(pool, run)  # starts now, not when awaited
-    try:
-        while True:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if isinstance(item, GenerateResult):
-                return
-    finally:
-        stop.set()
-        await asyncio.shield(fut)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, GenerateResult):
+                    return
+        finally:
+            stop.set()  # the consumer left early (agent gone): stop sampling at the next token
+            await asyncio.shield(fut)

@@ -32,13 +32,12 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ares_gateway.engines._inprocess import logsumexp, sample_token, thread_stream
+from ares_gateway.engines._inprocess import WorkerThreadEngine, logsumexp, sample_token
 from ares_gateway.engines.base import (
     EngineError,
     EngineUnavailableError,
@@ -157,7 +156,7 @@ def _chunks(n: int, size: int) -> list[tuple[int, int]]:
     return out
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(WorkerThreadEngine):
     """A GGUF model run in process by llama.cpp.
 
     Args:
@@ -172,6 +171,7 @@ class LlamaCppEngine:
     """
 
     name = "llama-cpp"
+    label = "llama.cpp"
 
     def __init__(
         self,
@@ -197,13 +197,12 @@ class LlamaCppEngine:
         self.n_batch = n_batch
         self.consistent_batching = consistent_batching
         self.load_timeout_s = load_timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ares-llama")
+        super().__init__(thread_name="ares-llama")
         self._llm: Any = None
         self._cached: list[int] = []  # token ids whose KV entries the context holds, in order
         self.n_ctx = 0
         self.load_s = 0.0
         self.aborted_streams = 0  # streams whose consumer left before the end (sampling stopped early)
-        self._closed = False
 
     # ------------------------------------------------------------- lifecycle
     def _load(self) -> Any:
@@ -231,38 +230,12 @@ class LlamaCppEngine:
         await asyncio.wait_for(self._run(self._load), self.load_timeout_s)
 
     async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-
         def _free() -> None:
             if self._llm is not None:
                 self._llm.close()
                 self._llm = None
 
-        await asyncio.get_running_loop().run_in_executor(self._pool, _free)
-        self._pool.shutdown(wait=False)
-
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self._closed:
-            raise EngineError("the llama.cpp engine is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    # ------------------------------------------------------------ generation
-    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> GenerateResult:
-        result: GenerateResult = await self._run(self._generate_sync, list(prompt_ids), sampling, None, None)
-        return result
-
-    async def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
-        if self._closed:
-            raise EngineError("the llama.cpp engine is closed")
-        prompt = list(prompt_ids)
-        chunks = thread_stream(self._pool, lambda emit, stop: self._generate_sync(prompt, sampling, emit, stop))
-        try:
-            async for item in chunks:
-                yield item
-        finally:
-            await chunks.aclose()  # a consumer that left early stops the sampling now, not when collected
+        await self._close(_free)
 
     def _generate_sync(
         self,

@@ -28,19 +28,17 @@ every rollout call).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from ares_gateway.engines._inprocess import Emit, logsumexp, sample_token, thread_stream
+from ares_gateway.engines._inprocess import Emit, WorkerThreadEngine, logsumexp, sample_token
 from ares_gateway.engines.base import (
     EngineError,
     EngineUnavailableError,
@@ -74,7 +72,7 @@ class _Cached:
         self.version = version
 
 
-class TransformersEngine:
+class TransformersEngine(WorkerThreadEngine):
     """Samples with a ``transformers`` causal LM in this process.
 
     Args:
@@ -87,6 +85,7 @@ class TransformersEngine:
     """
 
     name = "transformers"
+    label = "transformers"
 
     def __init__(
         self,
@@ -108,9 +107,8 @@ class TransformersEngine:
         self.n_ctx = int(context or getattr(config, "max_position_embeddings", 0) or 2048)
         self.max_cached_sequences = max_cached_sequences
         self.threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ares-transformers")
+        super().__init__(thread_name="ares-transformers")
         self._caches: list[_Cached] = []  # most recently used last
-        self._closed = False
         self.calls = 0
         self.busy_s = 0.0  # seconds the worker spent in calls (prefill + decode)
 
@@ -138,32 +136,7 @@ class TransformersEngine:
 
     async def aclose(self) -> None:
         """Stop the worker thread and drop the caches; the model itself belongs to its owner."""
-        if self._closed:
-            return
-        self._closed = True
-        await asyncio.get_running_loop().run_in_executor(self._pool, self.reset)
-        self._pool.shutdown(wait=False)
-
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self._closed:
-            raise EngineError("the transformers engine is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    # ------------------------------------------------------------ generation
-    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> GenerateResult:
-        result: GenerateResult = await self._run(self._generate_sync, list(prompt_ids), sampling, None, None)
-        return result
-
-    async def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
-        if self._closed:
-            raise EngineError("the transformers engine is closed")
-        prompt = list(prompt_ids)
-        chunks = thread_stream(self._pool, lambda emit, stop: self._generate_sync(prompt, sampling, emit, stop))
-        try:
-            async for item in chunks:
-                yield item
-        finally:
-            await chunks.aclose()  # a consumer that left early stops the sampling now, not when collected
+        await self._close(self.reset)
 
     def weights_version(self) -> int:
         """A number that changes whenever a parameter is modified in place (optimizer steps do)."""
@@ -258,8 +231,6 @@ class TransformersEngine:
                     if len(out_ids) >= max_new or (stop is not None and stop.is_set()):
                         break
                     logits = forward([tok])
-            except EngineError:
-                raise
             except Exception as exc:  # a model error: the cache may be half-written, drop it
                 raise EngineError(f"the transformers model failed: {type(exc).__name__}: {exc}") from exc
             self._keep(cached, cache, version)

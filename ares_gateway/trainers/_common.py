@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ares_gateway.episodes.episode import one_line
@@ -127,7 +127,6 @@ class EpisodeSample:
     #: The episode's other samples (side calls, segments after a history rewrite), not given to the trainer.
     other_samples: int = 0
     result: EpisodeResult | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def facts(self) -> dict[str, Any]:
         """The plain facts a trainer logs per completion."""

@@ -180,7 +180,9 @@ class TransformersEngine(WorkerThreadEngine):
             return DynamicCache(), 0
         self._caches.remove(best)
         if keep < len(best.ids):
-            best.cache.crop(keep)
+            # A negative count removes that many tokens from the end in every transformers 5.x (a
+            # positive one kept that many before 5.24, and is refused since).
+            best.cache.crop(keep - len(best.ids))
         return best.cache, keep
 
     def _keep(self, ids: list[int], cache: Any, version: int) -> None:

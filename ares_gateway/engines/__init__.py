@@ -6,6 +6,8 @@
 * :class:`VLLMEngine` (``vllm``): vLLM's ``/inference/v1/generate`` with ``token_ids``.
 * :class:`TransformersEngine` (``transformers``): a ``transformers`` model object in process, e.g. the
   one a trainer is training (extra ``.[trl]``).
+* :class:`VerlEngine` (``verl``): verl's rollout servers through an agent loop's ``server_manager``
+  (:mod:`ares_gateway.trainers.verl` makes it; not a ``--engine`` choice).
 
 :func:`make_engine` builds one by name. See :mod:`ares_gateway.engines.base` for the protocol and
 the error hierarchy, and ``docs/tito.md``.
@@ -76,6 +78,10 @@ def __getattr__(name: str) -> Any:
         from ares_gateway.engines.transformers import TransformersEngine
 
         return TransformersEngine
+    if name == "VerlEngine":
+        from ares_gateway.engines.verl import VerlEngine
+
+        return VerlEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -93,6 +99,7 @@ __all__ = [
     "TokenChunk",
     "TransformersEngine",
     "VLLMEngine",
+    "VerlEngine",
     "collect",
     "make_engine",
 ]

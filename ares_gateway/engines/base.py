@@ -24,6 +24,7 @@ Errors (one hierarchy)::
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -37,7 +38,13 @@ __all__ = [
     "Sampling",
     "TokenChunk",
     "collect",
+    "request_session",
 ]
+
+#: The gateway session whose request is being sampled, set by the policy before it calls the engine
+#: (the episode's own task: a value per concurrent episode). Engines that route by session read it:
+#: verl's server manager sends one request id to one server, whose prefix cache holds its history.
+request_session: ContextVar[str | None] = ContextVar("ares_request_session", default=None)
 
 FinishReason = Literal["stop", "length"]
 

@@ -31,7 +31,7 @@ from ares_gateway.engines import (
     Sampling,
     make_engine,
 )
-from ares_gateway.engines.base import GenerateResult, TokenChunk
+from ares_gateway.engines.base import GenerateResult, TokenChunk, request_session
 from ares_gateway.policies.base import PolicyError, PolicyRequest, canonical_of
 from ares_gateway.tokens import ChatRenderer, Prepared, RenderError, StreamStats, TokenStreams
 
@@ -256,6 +256,9 @@ class TitoPolicy:
         req, prepared, sampling = await self._prepare(request)
         if req.stream and self.stream and self._streams_text():
             return self._streamed(req, prepared, sampling)
+        # Set, not reset, where the engine is called: this task (the episode's, or the request's) samples
+        # for this session; an engine routing by session (verl's server manager) reads it.
+        request_session.set(prepared.session_id)
         try:
             result = await self.engine.generate(prepared.prompt_ids, sampling)
         except EngineError as exc:
@@ -278,6 +281,7 @@ class TitoPolicy:
         ids: list[int] = []
         sent = ""
         result: GenerateResult | None = None
+        request_session.set(prepared.session_id)
         try:
             async for item in self.engine.stream(prepared.prompt_ids, sampling):
                 if isinstance(item, GenerateResult):

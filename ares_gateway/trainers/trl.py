@@ -24,7 +24,8 @@ Per entry it returns what TRL wants: ``prompt_ids`` (the first turn's prompt), `
 turns' headers), ``logprobs`` (the sampler's, 0.0 where not sampled), ``env_mask`` (1 on tokens the model
 sampled, 0 on every tool output / observation token), and as extra keys the episode's ``reward``,
 ``task``, ``session_id``, ``exit_reason``, ``turns``, ``error``, ``other_samples``, ``sampled_tokens`` and
-``mean_logprob`` (over the sampled tokens), which TRL passes to the reward functions (it keeps
+``mean_logprob`` (over the sampled tokens) and ``truncated`` (the completion was cut to
+``max_completion_tokens``), which TRL passes to the reward functions (it keeps
 ``logprobs`` and ``env_mask`` from them); :func:`reward_from_episode` returns the verifier's reward and logs the facts as
 TRL completion-table columns.
 
@@ -62,7 +63,7 @@ T = TypeVar("T")
 
 #: The extra keys each rollout returns per completion (TRL hands them to the reward functions).
 EPISODE_KEYS = ("reward", "task", "session_id", "exit_reason", "turns", "error", "other_samples",
-                "sampled_tokens", "mean_logprob")
+                "sampled_tokens", "mean_logprob", "truncated")
 
 #: Texts whose ids must be the same under the trainer's tokenizer and the gateway's.
 _PROBE_TEXTS = (
@@ -120,9 +121,13 @@ class AresRollouts:
 
     def __init__(self, dataset: Any, *, harness: str, sandbox: str, step_limit: int | None, time_limit: float | None,
                  concurrency: int, tokenizer: str | None, renderer: str | None, sampling: Mapping[str, Any],
-                 harness_options: Mapping[str, Any] | None, out: str | None, check_tokenizer: bool) -> None:
+                 harness_options: Mapping[str, Any] | None, out: str | None, check_tokenizer: bool,
+                 max_completion_tokens: int | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        if max_completion_tokens is not None and max_completion_tokens < 1:
+            raise ValueError(f"max_completion_tokens must be at least 1 (or None: no cap), got {max_completion_tokens}")
+        self.max_completion_tokens = max_completion_tokens
         self.dataset = resolve_dataset(dataset)
         self.harness = harness
         self.sandbox = sandbox
@@ -232,11 +237,14 @@ class AresRollouts:
             if s is not None and s.response_length > 0:
                 n = s.prompt_length
                 tokens = s.tokens.tolist()
+                # TRL trains on what it is given, whole: a long episode is cut here, not by an out-of-memory.
+                cut = self.max_completion_tokens or s.response_length
                 batch["prompt_ids"].append(tokens[:n])
-                batch["completion_ids"].append(tokens[n:])
-                batch["logprobs"].append([float(x) for x in s.logprobs.tolist()])
-                mask = [int(x) for x in s.loss_mask.tolist()]
+                batch["completion_ids"].append(tokens[n:][:cut])
+                batch["logprobs"].append([float(x) for x in s.logprobs.tolist()][:cut])
+                mask = [int(x) for x in s.loss_mask.tolist()][:cut]
                 batch["env_mask"].append(mask)
+                batch["truncated"].append(s.response_length > cut)
                 picked = [lp for lp, m in zip(batch["logprobs"][-1], mask, strict=True) if m]
                 batch["sampled_tokens"].append(len(picked))
                 batch["mean_logprob"].append(sum(picked) / len(picked) if picked else 0.0)
@@ -249,6 +257,7 @@ class AresRollouts:
                 batch["env_mask"].append([0])
                 batch["sampled_tokens"].append(0)
                 batch["mean_logprob"].append(0.0)
+                batch["truncated"].append(False)
                 if e.error is None:
                     e.error = "the episode recorded no model turn"
                 e.reward = 0.0
@@ -275,6 +284,7 @@ def rollout_func(
     harness_options: Mapping[str, Any] | None = None,
     out: str | None = None,
     check_tokenizer: bool = True,
+    max_completion_tokens: int | None = None,
 ) -> AresRollouts:
     """A ``rollout_func`` for TRL's ``GRPOTrainer`` (see the module docstring).
 
@@ -293,6 +303,8 @@ def rollout_func(
             a model without a tool-call format).
         out: a folder to write each call's run files to (``out/step-N/``: results.json, trajectories, logs).
         check_tokenizer: refuse a trainer whose tokenizer gives other ids than the gateway's.
+        max_completion_tokens: cut each completion (ids, logprobs, mask) to this many tokens (``None``: whole
+            episodes; TRL does not cut what a rollout function returns). A cut entry has ``truncated`` True.
     """
     require("torch", "trl")
     require("transformers", "trl")
@@ -301,6 +313,7 @@ def rollout_func(
         concurrency=concurrency, tokenizer=tokenizer, renderer=renderer,
         sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed},
         harness_options=harness_options, out=out, check_tokenizer=check_tokenizer,
+        max_completion_tokens=max_completion_tokens,
     )
 
 

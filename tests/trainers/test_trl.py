@@ -221,8 +221,12 @@ def test_a_failed_install_and_an_engine_failure_are_reward_0_episodes_and_traini
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(TransformersEngine, "_generate_sync", failing)
-    rollouts = rollout_func("examples", step_limit=3, max_tokens=24, concurrency=1,
+    # With completions capped at 40 tokens (what TRL trains on, whole, otherwise).
+    rollouts = rollout_func("examples", step_limit=3, max_tokens=24, concurrency=1, max_completion_tokens=40,
                             harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND})
+    batches: list[dict[str, list[Any]]] = []
+    real_batch = rollouts._batch
+    monkeypatch.setattr(rollouts, "_batch", lambda *a: batches.append(real_batch(*a)) or batches[-1])
     trainer = _trainer(model, tokenizer, rollouts, tmp_path, steps=1)
     try:
         trainer.train()
@@ -233,6 +237,12 @@ def test_a_failed_install_and_an_engine_failure_are_reward_0_episodes_and_traini
     assert len(eps) == 2 and calls["n"] >= 3
     hit = [e for e in eps if e.error and "policy failed" in e.error]
     assert len(hit) == 1 and "out of memory" in hit[0].error and hit[0].reward == 0.0
+    (batch,) = batches
+    for i, e in enumerate(eps):
+        full = e.sample.response_length if e.sample is not None else 1
+        assert batch["truncated"][i] == (full > 40)
+        assert len(batch["completion_ids"][i]) == len(batch["env_mask"][i]) == len(batch["logprobs"][i]) == min(full, 40)
+    assert any(batch["truncated"])  # tool output makes a 3-turn episode longer than 40 tokens
 
 
 def test_bad_prompts_and_datasets_are_clear_errors(tmp_path: Path) -> None:

@@ -170,6 +170,9 @@ class BaseHarness(abc.ABC):
     """One agent CLI. Subclasses set ``name`` and ``default_version`` and fill in the hooks."""
 
     name: ClassVar[str]
+    #: The agent whose action format this harness speaks, where it is another's (tiny-agent: mini-swe-agent's):
+    #: what the scripted and oracle policies write for it. ``None``: its own (``name``).
+    scripted_format: ClassVar[str | None] = None
     default_version: ClassVar[str]
     #: Executable (relative to the install prefix) whose ``--version`` proves an install.
     probe: ClassVar[str]

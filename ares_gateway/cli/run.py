@@ -242,10 +242,9 @@ async def _execute(
     *, tasks: Any, harness: str, policy: Any, backend: str, args: argparse.Namespace, out: Path, console: Any,
     run_info: dict[str, Any],
 ) -> Any:
-    from ares_gateway.episodes.episode import harness_side_call_detector
+    from ares_gateway.episodes.episode import episode_gateway
     from ares_gateway.episodes.preflight import preflight
     from ares_gateway.episodes.rollouts import run_rollouts
-    from ares_gateway.gateway import Gateway
     from sandbox import janitor
 
     stop = asyncio.Event()
@@ -258,9 +257,9 @@ async def _execute(
         admin, token_path = write_admin_token(out)
         console.print(f"control API: admin token in {token_path}", highlight=False, soft_wrap=True, markup=False)
     longest = max([args.time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
-    gateway = Gateway(host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 0), admin_token=admin,
-                      request_timeout=longest + 120.0, side_call_detector=harness_side_call_detector(harness),
-                      data_dir=str(out / "gateway-data"))  # every answered turn, durably (docs/recording.md)
+    gateway = episode_gateway(harness, time_limit=longest, host=getattr(args, "host", "127.0.0.1"),
+                              port=getattr(args, "port", 0), admin_token=admin,
+                              data_dir=str(out / "gateway-data"))  # every answered turn, durably (docs/recording.md)
     entered = False
     try:
         if hasattr(policy, "__aenter__"):

@@ -6,7 +6,12 @@
 * :mod:`~ares_gateway.episodes.episode`: :class:`TaskEpisode`, the one episode loop (sandbox up,
   agent launched, agent done, verifier, sandbox down) shared by :class:`GatewayEnv` and the runner;
 * :mod:`~ares_gateway.episodes.env`: :class:`GatewayEnv`, a dm_env-style environment, one step per LLM call;
-* :mod:`~ares_gateway.episodes.rollouts`: :func:`run_rollouts`, many episodes at once, answered by a policy;
+* :mod:`~ares_gateway.episodes.rollouts`: :func:`run_rollouts`, many episodes at once, answered by a policy,
+  composed of the :mod:`~ares_gateway.episodes.scheduler` (which episode runs when), an
+  :mod:`~ares_gateway.episodes.executor` (where: :class:`LocalExecutor` by default), the
+  :mod:`~ares_gateway.episodes.driver` (one episode from sandbox to samples) and
+  :mod:`~ares_gateway.episodes.output` (results.json, episodes.jsonl, trajectories, progress, TensorBoard);
+* :mod:`~ares_gateway.episodes.installs`: agent CLIs installed once on this host for local sandboxes;
 * :mod:`~ares_gateway.episodes.stats`: where episode statistics go (TensorBoard, logging);
 * :mod:`~ares_gateway.episodes.preflight`: the start-up checks of a run.
 """

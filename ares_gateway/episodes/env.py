@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -224,12 +223,11 @@ class GatewayEnv:
         if gateway is None:
             if self._task is None:
                 raise ValueError("GatewayEnv needs a gateway (or task= and harness=, and it runs its own)")
-            from ares_gateway.episodes.episode import harness_side_call_detector
+            from ares_gateway.episodes.episode import episode_gateway
 
             # The policy is in process: the control HTTP API is closed to everyone (issue 17).
-            gateway = Gateway(port=0, request_timeout=max(900.0, time_limit or 0.0),
-                              side_call_detector=harness_side_call_detector(harness),  # type: ignore[arg-type]
-                              admin_token=secrets.token_urlsafe(32))
+            assert harness is not None and time_limit is not None
+            gateway = episode_gateway(harness, time_limit=time_limit)
         self.gateway = gateway
         self._attach_to = session_id
         self._launch = launch

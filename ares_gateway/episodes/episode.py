@@ -23,10 +23,11 @@ import dataclasses
 import logging
 import os
 import posixpath
+import secrets
 import shlex
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -154,6 +155,25 @@ def harness_side_call_detector(*harnesses: str | BaseHarness | type[BaseHarness]
         return any(check(request.raw, headers) for check in checks)
 
     return detect
+
+
+#: How long past an episode's time limit a parked request may wait for its answer.
+REQUEST_GRACE_S = 120.0
+
+
+def episode_gateway(harnesses: str | BaseHarness | Sequence[str | BaseHarness], *, time_limit: float,
+                    host: str = "127.0.0.1", port: int = 0, admin_token: str | None = None,
+                    data_dir: str | None = None) -> Any:
+    """The gateway episodes run against, built here only (``run_rollouts``, ``GatewayEnv``, the CLI and
+    the executors' nodes use it): the harnesses' side-call detector, a request timeout of the longest
+    episode's ``time_limit`` plus :data:`REQUEST_GRACE_S`, and a control API closed to everyone without
+    ``admin_token`` (a random one by default: in-process policies need none; issue 17)."""
+    from ares_gateway.gateway import Gateway
+
+    hs = [harnesses] if isinstance(harnesses, (str, BaseHarness)) else list(harnesses)
+    return Gateway(host=host, port=port, request_timeout=time_limit + REQUEST_GRACE_S,
+                   side_call_detector=harness_side_call_detector(*hs),
+                   admin_token=admin_token or secrets.token_urlsafe(32), data_dir=data_dir)
 
 
 def resolve_backend(backend: str) -> str:

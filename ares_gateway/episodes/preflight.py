@@ -98,7 +98,7 @@ async def check_harness(harness: str, backend: str, *, quiet: bool = False) -> t
     find the CLI in the image or install it in each sandbox, so nothing is checked for them."""
     if backend != "local":
         return "", {}
-    from ares_gateway.episodes.rollouts import ensure_local_install
+    from ares_gateway.episodes.installs import ensure_local_install
     from harnesses import HarnessError
 
     try:

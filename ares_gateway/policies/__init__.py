@@ -7,6 +7,9 @@
 * :class:`FunctionPolicy`: any async callable ``request -> completion``, in process.
 
 :class:`PolicyServer` serves a :class:`~ares_gateway.Gateway` with a policy under bounded concurrency.
+What an episode asks of a policy beyond answering is declared: :class:`SessionBound` (bound to each
+episode's session, agent and task), :class:`EpisodeReporter` (a per-episode report),
+:class:`ExternalPolicy` (answers outside the process).
 :func:`make_policy` builds one by name; :func:`register_policy` adds names. ``scripted`` / ``oracle``
 (:class:`SessionScriptedPolicy`) play fixed scripts or a task's solution in each agent's action format.
 """
@@ -17,12 +20,15 @@ from collections.abc import Callable
 from typing import Any
 
 from ares_gateway.policies.base import (
+    EpisodeReporter,
+    ExternalPolicy,
     Policy,
     PolicyAnswer,
     PolicyError,
     PolicyRequest,
     PolicyServer,
     ServeStats,
+    SessionBound,
     call_policy,
     canonical_of,
     is_external,
@@ -71,6 +77,8 @@ def make_policy(name: str, **options: Any) -> Any:
 
 
 __all__ = [
+    "EpisodeReporter",
+    "ExternalPolicy",
     "FunctionPolicy",
     "HttpPolicy",
     "Policy",
@@ -80,6 +88,7 @@ __all__ = [
     "PolicyServer",
     "Prices",
     "ServeStats",
+    "SessionBound",
     "SessionScriptedPolicy",
     "UpstreamConfig",
     "UpstreamError",

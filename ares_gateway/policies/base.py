@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
@@ -85,6 +85,35 @@ async def call_policy(policy: Policy, request: PolicyRequest) -> PolicyAnswer:
         f"policy {policy!r} returned {type(out).__name__}: return a Completion, an ErrorAnswer, a string, or an "
         "async iterator of CompletionDelta ending with a Completion"
     )
+
+
+@runtime_checkable
+class SessionBound(Protocol):
+    """A policy that must know each episode's session before answering it: the agent's action format and
+    the task (the scripted and oracle policies). The episode driver binds it when the agent's first
+    request arrives and unbinds it when the episode ends."""
+
+    def bind(self, session_id: str, *, agent: str, task: Any = None) -> None: ...
+
+    def unbind(self, session_id: str) -> None: ...
+
+
+@runtime_checkable
+class EpisodeReporter(Protocol):
+    """A policy with a per-episode report, written to the episode's entry in ``results.json``
+    (``tito``: turns, trained tokens, fresh renders, main-line drift)."""
+
+    def episode_report(self, session_id: str, samples: Sequence[Any]) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ExternalPolicy(Protocol):
+    """A policy that answers outside this process (``http``: a trainer on ``/poll``); ``describe`` is the
+    line telling its user where the requests wait."""
+
+    external: bool
+
+    def describe(self, gateway_url: str, *, admin_token_set: bool = False) -> str: ...
 
 
 def is_external(policy: object) -> bool:

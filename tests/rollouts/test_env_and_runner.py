@@ -238,6 +238,67 @@ async def test_runner_outputs(tmp_path: Path, sandbox_root: Path) -> None:
     assert left_behind(sandbox_root) == []
 
 
+class _CountingExecutor:
+    """Another executor through the seam: the local one, which fails one planned episode at its boundary
+    (as a lost worker would)."""
+
+    kind = "counting"
+
+    def __init__(self, fail_key: str) -> None:
+        from ares_gateway.episodes.executor import LocalExecutor
+
+        self.inner = LocalExecutor(concurrency=3)
+        self.fail_key = fail_key
+        self.ran: list[str] = []
+        self.started = self.closed = 0
+
+    @property
+    def slots(self) -> int:
+        return self.inner.slots
+
+    async def start(self, **kwargs: object) -> None:
+        self.started += 1
+        await self.inner.start(**kwargs)  # type: ignore[arg-type]
+
+    async def run(self, spec: object) -> object:
+        self.ran.append(spec.key)  # type: ignore[attr-defined]
+        if spec.key == self.fail_key:  # type: ignore[attr-defined]
+            raise ConnectionError("the worker running it went away")
+        return await self.inner.run(spec)  # type: ignore[arg-type]
+
+    def turns_answered(self) -> int:
+        return self.inner.turns_answered()
+
+    def describe(self) -> list[str]:
+        return []
+
+    async def close(self) -> None:
+        self.closed += 1
+        await self.inner.close()
+
+
+async def test_runner_runs_on_any_executor_and_records_a_failed_call(tmp_path: Path, sandbox_root: Path) -> None:
+    from ares_gateway.episodes.executor import Executor, LocalExecutor
+
+    assert isinstance(LocalExecutor(), Executor)
+    ex = _CountingExecutor(fail_key=f"{TASKS[1].name}.0")
+    assert isinstance(ex, Executor)
+    out = tmp_path / "run"
+    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
+                                 concurrency=8, out=out, executor=ex)
+    # Every planned episode went through the executor once, in plan order up to its 3 slots.
+    assert sorted(ex.ran) == sorted(f"{t.name}.0" for t in TASKS) and ex.started == ex.closed == 1
+    by_task = {e.task: e for e in summary.episodes}
+    assert by_task[TASKS[1].name].exit_reason == "error" and "went away" in (by_task[TASKS[1].name].error or "")
+    assert all(e.reward == 1.0 for t, e in by_task.items() if t != TASKS[1].name)
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["run"]["executor"] == "counting" and len(doc["episodes"]) == len(TASKS)
+    assert left_behind(sandbox_root) == []
+    with pytest.raises(ValueError, match="not both"):
+        await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"), gateway=object(),  # type: ignore[arg-type]
+                           executor=ex)
+
+
 async def test_runner_stop_cancels_and_keeps_what_finished(tmp_path: Path, sandbox_root: Path) -> None:
     stop = asyncio.Event()
     finished: list[str] = []

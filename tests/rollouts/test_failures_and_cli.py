@@ -239,7 +239,7 @@ async def test_cli_harness_install_failure_is_one_line_and_results_json(tmp_path
     results.json written; before, a raw traceback and no results.json."""
     script = textwrap.dedent(f"""
         import sys
-        import ares_gateway.episodes.rollouts as rollouts
+        import ares_gateway.episodes.installs as installs
         from ares_gateway.cli import main
         from ares_gateway.episodes.selectors import register_harness
         from harnesses import registry
@@ -252,7 +252,7 @@ async def test_cli_harness_install_failure_is_one_line_and_results_json(tmp_path
 
         registry.register("broken-agent", Broken)
         register_harness("broken-agent")
-        rollouts._install_candidates = lambda: [{str(tmp_path / 'agents')!r}]
+        installs._install_candidates = lambda: [{str(tmp_path / 'agents')!r}]
         sys.exit(main(sys.argv[1:]))
     """)
     env = {k: v for k, v in _env(tmp_path).items() if v != ""}

@@ -46,10 +46,9 @@ def _verl() -> Any:
 
 
 def _mini_installed() -> None:
-    from ares_gateway.episodes.rollouts import _install_root
+    from ares_gateway.episodes.installs import install_root  # where local sandboxes find agent installs
 
-    h = registry.create("mini-swe-agent")
-    require(_install_root(h.name, h.version) is not None,
+    require(install_root("mini-swe-agent") is not None,
             "mini-swe-agent is not installed for local sandboxes: bash .ci/provision-agents.sh")
 
 

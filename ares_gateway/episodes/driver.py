@@ -1,0 +1,222 @@
+"""One episode, from a fresh sandbox to its result and samples: what every executor runs per episode.
+
+:func:`drive_episode` runs an :class:`EpisodeSpec` (task, attempt, harness, sandbox, limits) against a
+started gateway with a policy: a :class:`~ares_gateway.GatewayEnv` over a fresh sandbox, driven by the
+policy in process, or (an external policy, ``/poll``) the agent started and waited for while the
+requests stay parked. It returns an :class:`EpisodeRecord`: the :class:`EpisodeResult` row, the
+training samples, the turn log and the agent's logs, plain data that crosses process boundaries
+(the Ray executor sends it back to the driver, which writes it, :mod:`ares_gateway.episodes.output`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ares_gateway.core.answers import ErrorAnswer
+from ares_gateway.core.broker import ParkedRequest
+from ares_gateway.core.errors import InvalidAnswerError
+from ares_gateway.episodes.env import GatewayEnv
+from ares_gateway.episodes.episode import EpisodeOutcome, EpisodeSetupError, TaskEpisode, one_line
+from ares_gateway.episodes.output import EpisodeResult
+from ares_gateway.episodes.tasks import Task
+from ares_gateway.gateway import Gateway
+from ares_gateway.policies.base import EpisodeReporter, PolicyError, SessionBound, call_policy, is_external
+from harnesses import BaseHarness, registry
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EpisodeRecord", "EpisodeSpec", "drive_episode"]
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """One planned episode: which task, which attempt, and how it runs."""
+
+    task: Task
+    attempt: int
+    harness: str
+    harness_options: Mapping[str, Any] = field(default_factory=dict)
+    sandbox: str = "auto"
+    image: str | None = None
+    model: str = "ares-policy"
+    step_limit: int | None = None
+    time_limit: float | None = None
+
+    @property
+    def key(self) -> str:
+        """``<task>.<attempt>``: the episode's name in the run's outputs."""
+        return f"{self.task.name}.{self.attempt}"
+
+    def new_harness(self) -> BaseHarness:
+        return registry.create(self.harness, **dict(self.harness_options))
+
+
+@dataclass
+class EpisodeRecord:
+    """A finished episode: its result row, training samples, turn log and the agent's logs."""
+
+    result: EpisodeResult
+    samples: list[Any] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    logs: dict[str, str] = field(default_factory=dict)
+
+
+async def drive_episode(spec: EpisodeSpec, *, policy: Any, gateway: Gateway) -> EpisodeRecord:
+    """Run one episode of ``spec`` against the started ``gateway``, answered by ``policy`` (see the module
+    docstring). The sandbox is removed whatever happens, cancellation included."""
+    t0 = time.monotonic()
+    if is_external(policy):
+        return await _passive_episode(gateway, spec, spec.new_harness(), t0)
+    env = GatewayEnv.for_task(spec.task, harness=spec.new_harness(), sandbox=spec.sandbox, gateway=gateway,
+                              image=spec.image, model=spec.model, step_limit=spec.step_limit,
+                              time_limit=spec.time_limit)
+    sid = ""
+    bound = isinstance(policy, SessionBound)
+    failures: list[dict[str, Any]] = []
+    try:
+        ts = await env.reset()
+        assert env.session is not None
+        sid = env.session.session_id
+        if bound and not ts.last():
+            h: Any = env.episode.harness if env.episode is not None else registry.get_class(spec.harness)
+            # A harness may speak another agent's action format (tiny-agent: mini-swe-agent's).
+            policy.bind(sid, agent=h.scripted_format or h.name, task=spec.task)
+        while not ts.last():
+            assert ts.observation is not None
+            request = ts.observation
+            try:
+                ts = await env.step(await _answer(policy, request, failures))
+            except InvalidAnswerError as exc:
+                # The policy's answer is unusable; the request still waits: the agent gets an error.
+                log.warning("policy gave an invalid answer to %s: %s", request.id, one_line(str(exc)))
+                answer = ErrorAnswer(502, f"the policy gave an invalid answer: {one_line(str(exc))}")
+                failures.append(_failed_turn(request, answer, 0.0))
+                ts = await env.step(answer)
+        outcome = env.outcome
+        assert outcome is not None
+        samples = env.trajectory()
+        answered = env.turn_log()
+        # Failed policy calls are turns too (the agent got an error answer): in the turn log, in time order.
+        turns = sorted([*answered, *failures], key=lambda t: float(t.get("timestamp") or 0.0))
+        result = _result(spec.task, spec.attempt, outcome, answered, samples, sid, time.monotonic() - t0, ts.info,
+                         failures=failures)
+        if isinstance(policy, EpisodeReporter):
+            result.fidelity = policy.episode_report(sid, samples)
+        return EpisodeRecord(result, samples, turns, dict(outcome.logs))
+    finally:
+        if bound and sid:
+            policy.unbind(sid)
+        await env.close()
+
+
+async def _answer(policy: Any, request: ParkedRequest, failures: list[dict[str, Any]] | None = None) -> Any:
+    """The policy's answer; a failing policy gives the agent an error answer, as PolicyServer does, and
+    the failure is appended to ``failures`` as a turn-log entry (see :func:`_failed_turn`)."""
+    started = time.monotonic()
+    try:
+        return await call_policy(policy, request)
+    except asyncio.CancelledError:
+        raise
+    except PolicyError as exc:
+        log.warning("policy failed on %s: %s", request.id, exc)
+        answer = exc.to_answer()
+    except Exception as exc:
+        # One line at WARNING (the episode's error names it too); the traceback for --log-level DEBUG.
+        log.warning("policy raised on %s: %s: %s", request.id, type(exc).__name__, one_line(str(exc)))
+        log.debug("the policy's traceback", exc_info=True)
+        answer = ErrorAnswer(502, f"the policy failed: {type(exc).__name__}: {one_line(str(exc)) or '(no message)'}")
+    if failures is not None:
+        failures.append(_failed_turn(request, answer, time.monotonic() - started))
+    return answer
+
+
+def _failed_turn(request: ParkedRequest, answer: ErrorAnswer, latency: float) -> dict[str, Any]:
+    """A turn-log entry for a request the policy failed on: the request as the agent sent it and, in
+    place of a completion, ``error`` (the status and message the agent was answered with)."""
+    return {
+        "request_id": request.id,
+        "protocol": request.protocol.value,
+        "side_call": request.side_call,
+        "timestamp": request.timestamp,
+        "latency": latency,
+        "request": request.request.raw,
+        "error": {"status": answer.status, "message": answer.message},
+    }
+
+
+async def _passive_episode(gw: Gateway, spec: EpisodeSpec, harness: BaseHarness, t0: float) -> EpisodeRecord:
+    """An episode whose requests an external policy answers: start the agent, wait for it or a limit."""
+    task, attempt, step_limit, time_limit = spec.task, spec.attempt, spec.step_limit, spec.time_limit
+    session = await gw.create_session(metadata={"task": task.name, "harness": harness.name, "attempt": attempt})
+    sid = session.session_id
+    ep = TaskEpisode(task, harness, sandbox=spec.sandbox, image=spec.image, model=spec.model, gateway=gw)
+    limit = time_limit if time_limit is not None else task.config.agent_timeout
+    try:
+        try:
+            await ep.start(session, time_budget=limit + 30.0)
+        except EpisodeSetupError:
+            outcome = await ep.finish()
+        else:
+            assert ep.agent is not None
+            truncation = None
+            launched = time.monotonic()
+            while not ep.agent.done():
+                await asyncio.wait({ep.agent}, timeout=0.5)
+                if ep.agent.done():
+                    break
+                if time.monotonic() - launched >= limit:
+                    truncation = "time_limit"
+                    break
+                if step_limit is not None and gw.sessions.get(sid).turns >= step_limit:
+                    truncation = "step_limit"
+                    break
+            outcome = await ep.finish(truncation=truncation)
+    finally:
+        await ep.close()
+    info = outcome.info()
+    await gw.end_session(sid, reward=outcome.reward, truncated=outcome.truncated,
+                   **{k: v for k, v in info.items() if k != "truncated"})
+    samples = gw.trajectory(sid)
+    turns = gw.turn_log(sid)
+    result = _result(task, attempt, outcome, turns, samples, sid, time.monotonic() - t0, info)
+    with contextlib.suppress(Exception):
+        await gw.delete_session(sid)
+    return EpisodeRecord(result, samples, turns, dict(outcome.logs))
+
+
+def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[str, Any]], samples: list[Any],
+            sid: str, duration: float, info: Mapping[str, Any], *,
+            failures: Sequence[Mapping[str, Any]] = ()) -> EpisodeResult:
+    latencies = [float(t["latency"]) for t in turns if t.get("latency") is not None]
+    error = outcome.error or outcome.verifier_error
+    if failures:
+        # The policy's failure comes first: it is usually why the agent then failed or gave up.
+        last = failures[-1]["error"]
+        said = (f"the policy failed on {len(failures)} of {len(failures) + len(turns)} request(s) "
+                f"(last: {last['status']} {last['message']})")
+        error = f"{said}; then {error}" if error else said
+    return EpisodeResult(
+        task=task.name,
+        attempt=attempt,
+        reward=outcome.reward,
+        turns=len(turns) + len(failures),
+        duration=duration,
+        exit_reason=outcome.exit_reason,
+        truncated=outcome.truncated,
+        error=one_line(error),
+        reward_parts=dict(outcome.reward_parts),
+        samples=len(samples),
+        session_id=sid,
+        setup_seconds=outcome.setup_seconds,
+        agent_seconds=outcome.agent_seconds,
+        verify_seconds=outcome.verify_seconds,
+        answer_latency=sum(latencies) / len(latencies) if latencies else None,
+    )
+
+

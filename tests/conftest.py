@@ -15,6 +15,10 @@ from typing import Any
 import pytest
 import uvloop
 
+# Ray (the scale tests; verl imports it) reads this when first imported: with it off, Ray takes
+# 127.0.0.1 as every node's address instead of the machine's own (which the network rules forbid).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "uvloop": uvloop.new_event_loop,
     "asyncio": asyncio.new_event_loop,

@@ -65,6 +65,8 @@ class EpisodeResult:
     agent_seconds: float = 0.0
     verify_seconds: float = 0.0
     answer_latency: float | None = None  # mean seconds a request of this episode waited for its answer
+    #: Where it ran: the Ray node id under a ``RayExecutor``; ``None`` in this process.
+    node: str | None = None
     #: The policy's per-episode report, where it has one (``tito``: turns, trained tokens, fresh renders,
     #: main-line drift; :meth:`~ares_gateway.policies.tito.TitoPolicy.episode_report`).
     fidelity: dict[str, Any] | None = None

@@ -11,8 +11,15 @@ from sandbox import collect_garbage
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    report = collect_garbage(args.backend or ("docker", "local"), dry_run=args.dry_run, stale_after=args.stale_after)
-    verb = "would remove" if args.dry_run else "removed"
+    backends = args.backend or ("docker", "local")
+    if args.ray:
+        return _gc_on_ray(args, tuple(backends))
+    report = collect_garbage(backends, dry_run=args.dry_run, stale_after=args.stale_after)
+    return _print_report(report, dry_run=args.dry_run)
+
+
+def _print_report(report: Any, *, dry_run: bool, where: str = "") -> int:
+    verb = "would remove" if dry_run else "removed"
     for name in report.removed:
         print(f"{verb} {name} (owner process is gone)")
     for name in report.kept:
@@ -21,8 +28,42 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"left {name} (owner on another host and no heartbeat seen)")
     for error in report.errors:
         print(f"error: {error}", file=sys.stderr)
-    print(f"gc: {len(report.removed)} {verb}, {len(report.kept)} kept, {len(report.unknown)} left alone")
+    print(f"gc{where}: {len(report.removed)} {verb}, {len(report.kept)} kept, {len(report.unknown)} left alone")
     return 1 if report.errors else 0
+
+
+def _gc_on_ray(args: argparse.Namespace, backends: tuple[str, ...]) -> int:
+    """``gc --ray``: the same collection on every alive node of a Ray cluster (what a dead driver's
+    gateway actors left there)."""
+    import asyncio
+
+    from ares_gateway.extras import MissingExtraError
+
+    try:
+        from ares_gateway.episodes.ray import _ray, collect_on_nodes
+
+        ray = _ray()
+    except MissingExtraError as exc:
+        print(f"ares-gateway: error: gc --ray: {exc}", file=sys.stderr)
+        return 2
+    try:
+        ray.init(address=args.ray, logging_level="ERROR", log_to_driver=False)
+    except Exception as exc:
+        print(f"ares-gateway: error: gc --ray: cannot connect to the Ray cluster at {args.ray}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+        reports = asyncio.run(collect_on_nodes(alive, backends=backends, dry_run=args.dry_run))
+    finally:
+        ray.shutdown()
+    rc = 0
+    for node in alive:
+        if node not in reports:
+            print(f"error: node {node[:12]} could not be reached", file=sys.stderr)
+            rc = 1
+            continue
+        rc = max(rc, _print_report(reports[node], dry_run=args.dry_run, where=f" on node {node[:12]}"))
+    return rc
 
 
 def add_gc_command(sub: Any) -> None:
@@ -38,4 +79,7 @@ def add_gc_command(sub: Any) -> None:
         "--stale-after", type=float, default=60.0,
         help="seconds without heartbeat after which an owner on another host counts as gone",
     )
+    p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                   help="collect on every alive node of a Ray cluster (auto, or its address), e.g. after a driver "
+                        "of ares-gateway run --ray died")
     p.set_defaults(handler=cmd_gc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -109,6 +110,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", default=None,
                    help="image for tasks that bring none, on container backends (default: ares-gateway/agents:latest)")
     p.add_argument("-n", "--concurrency", type=int, default=4, help="episodes at once")
+    p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                   help="run the episodes on a Ray cluster, one gateway actor per node (auto: the cluster this "
+                        "machine belongs to; or its address, e.g. 127.0.0.1:6379); needs the ray extra; "
+                        "docs/scale.md")
+    p.add_argument("--ray-per-node", type=int, default=None, metavar="N",
+                   help="--ray: episodes at once on each node (default: -n); -n still bounds the whole run")
     p.add_argument("--attempts", type=int, default=1, metavar="K", help="attempts per task, for pass@k")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: runs/PRESET-TIMESTAMP)")
     p.add_argument("--step-limit", type=int, default=None,
@@ -256,8 +263,9 @@ async def _execute(
 
         admin, token_path = write_admin_token(out)
         console.print(f"control API: admin token in {token_path}", highlight=False, soft_wrap=True, markup=False)
+    executor = _ray_executor(args, admin)
     longest = max([args.time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
-    gateway = episode_gateway(harness, time_limit=longest, host=getattr(args, "host", "127.0.0.1"),
+    gateway = None if executor is not None else episode_gateway(harness, time_limit=longest, host=getattr(args, "host", "127.0.0.1"),
                               port=getattr(args, "port", 0), admin_token=admin,
                               data_dir=str(out / "gateway-data"))  # every answered turn, durably (docs/recording.md)
     entered = False
@@ -267,24 +275,39 @@ async def _execute(
             entered = True
         # Once, before any sandbox: the upstream, the Docker engine, the harness (installed once on this
         # host for every local sandbox). A failure raises PreflightError: one line, no episode started.
+        # On Ray, each node checks its own Docker engine and harness install (RayExecutor.start).
         report = await preflight(policy=policy, backend=backend, harness=harness, tasks=tasks,
-                                 image=getattr(args, "image", None))
+                                 image=getattr(args, "image", None), host_checks=executor is None)
         for line in report.lines:
             console.print(f"preflight: {line}", highlight=False, soft_wrap=True, markup=False)
         harness_options: dict[str, Any] = dict(report.harness_options)
         harness_options.update(_tito_harness_options(policy, harness, getattr(args, "action_regex", None)))
-        async with gateway:
+        async with contextlib.AsyncExitStack() as stack:
+            if gateway is not None:
+                await stack.enter_async_context(gateway)
             return await run_rollouts(
                 tasks, harness=harness, policy=policy, sandbox=backend, concurrency=args.concurrency,
                 attempts=getattr(args, "attempts", 1), out=out, step_limit=getattr(args, "step_limit", None),
                 time_limit=args.time_limit, image=getattr(args, "image", None), harness_options=harness_options,
                 stats=getattr(args, "stats", "tensorboard"), stats_period=getattr(args, "stats_period", 10.0),
-                console=console, stop=stop, gateway=gateway, run_info=run_info,
+                console=console, stop=stop, gateway=gateway, executor=executor, run_info=run_info,
             )
     finally:
         if entered:
             await policy.__aexit__(None, None, None)
         janitor.cleanup_all(reason="run finished")  # a safety net: every episode removes its own sandbox
+
+
+def _ray_executor(args: argparse.Namespace, admin: str) -> Any:
+    """``--ray``: a :class:`~ares_gateway.episodes.ray.RayExecutor` (``None`` without the flag)."""
+    address = getattr(args, "ray", None)
+    if not address:
+        return None
+    from ares_gateway.episodes.ray import RayExecutor
+
+    per_node = getattr(args, "ray_per_node", None) or args.concurrency
+    # The control URLs are on each node's gateway: same host flag, same admin token, never printed.
+    return RayExecutor(address, per_node=per_node, host=getattr(args, "host", "127.0.0.1"), admin_token=admin)
 
 
 def _policy_run_info(policy: Any) -> dict[str, Any]:
@@ -340,12 +363,14 @@ def _run_guarded(coro: Any, *, out: Path, run_info: dict[str, Any], tasks: Any, 
     from ares_gateway.core.errors import DataDirError
     from ares_gateway.episodes.episode import one_line
     from ares_gateway.episodes.preflight import PreflightError
+    from ares_gateway.episodes.ray import NoNodesError
     from ares_gateway.episodes.rollouts import write_failed_run
+    from ares_gateway.extras import MissingExtraError
     from harnesses import HarnessError
 
     try:
         return _run_async(coro)
-    except (PreflightError, HarnessError, DataDirError) as exc:
+    except (PreflightError, HarnessError, DataDirError, NoNodesError, MissingExtraError) as exc:
         message, rc = one_line(str(exc)) or type(exc).__name__, 2
     except Exception as exc:
         logging.getLogger("ares_gateway").debug("the run failed", exc_info=True)
@@ -368,6 +393,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.concurrency < 1 or args.attempts < 1:
         return _fail("-n and --attempts must be at least 1")
+    if args.ray_per_node is not None and args.ray_per_node < 1:
+        return _fail("--ray-per-node must be at least 1")
+    if args.ray_per_node is not None and not args.ray:
+        return _fail("--ray-per-node is for --ray")
+    if args.ray:
+        from ares_gateway.extras import MissingExtraError, require_extra
+
+        try:
+            require_extra("ray", "ray")
+        except MissingExtraError as exc:
+            return _fail(f"--ray: {exc}")
     try:
         resolved = resolve(args.preset)
         policy = _build_policy(args)
@@ -380,10 +416,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     console = _console()
     console.print(
         f"[bold]ares-gateway run[/] {args.preset}: {len(resolved.tasks)} task(s) x {args.attempts} attempt(s), "
-        f"harness {resolved.preset.harness}, policy {args.policy}, sandbox {backend}, concurrency {args.concurrency}",
+        f"harness {resolved.preset.harness}, policy {args.policy}, sandbox {backend}, concurrency {args.concurrency}"
+        + (f", on Ray ({args.ray})" if args.ray else ""),
         highlight=False, soft_wrap=True,
     )
-    run_info = {"preset": args.preset, "policy": args.policy, "sandbox": backend, "model": args.model,
+    run_info = {"preset": args.preset, "policy": args.policy, "sandbox": backend, "model": args.model, "ray": args.ray,
                 "base_url": args.base_url, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 **_policy_run_info(policy)}
     try:

@@ -35,8 +35,10 @@ class Executor(Protocol):
         """How many episodes it runs at once."""
         ...
 
-    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Any, time_limit: float | None) -> None:
-        """Get ready to run episodes of ``tasks`` with ``harness``, answered by ``policy``."""
+    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Any, time_limit: float | None,
+                    sandbox: str = "auto", image: str | None = None) -> None:
+        """Get ready to run episodes of ``tasks`` with ``harness`` in ``sandbox`` sandboxes, answered by
+        ``policy``; a place that cannot run them fails here, before any episode starts."""
         ...
 
     async def run(self, spec: EpisodeSpec) -> EpisodeRecord:
@@ -79,7 +81,9 @@ class LocalExecutor:
     def slots(self) -> int:
         return self.concurrency
 
-    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Any, time_limit: float | None) -> None:
+    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Any, time_limit: float | None,
+                    sandbox: str = "auto", image: str | None = None) -> None:
+        # This host's checks (Docker engine, harness install) are the caller's preflight.
         self._policy = policy
         if self.gateway is None:
             longest = max([time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])

@@ -112,15 +112,18 @@ async def check_harness(harness: str, backend: str, *, quiet: bool = False) -> t
 
 async def preflight(
     *, policy: Any, backend: str, harness: str, tasks: Sequence[Task], image: str | None = None,
-    timeout: float = CHECK_TIMEOUT, quiet: bool = False,
+    timeout: float = CHECK_TIMEOUT, quiet: bool = False, host_checks: bool = True,
 ) -> PreflightReport:
     """Every check for a run (see the module docstring), in order; the first failure raises
-    :class:`PreflightError`."""
+    :class:`PreflightError`. ``host_checks=False`` leaves out this host's Docker and harness checks
+    (episodes that run on other machines: each of those checks itself)."""
     from ares_gateway.policies import UpstreamPolicy
 
     report = PreflightReport()
     if isinstance(policy, UpstreamPolicy):
         report.lines.append(await check_upstream(policy, timeout=timeout))
+    if not host_checks:
+        return report
     if backend == "docker":
         report.lines.append(await check_docker(tasks, image=image, timeout=timeout))
     line, options = await check_harness(harness, backend, quiet=quiet)

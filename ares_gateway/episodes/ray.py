@@ -7,9 +7,21 @@ their sandboxes on its node. The scheduler sends each episode to the least-loade
 :class:`~ares_gateway.episodes.driver.EpisodeRecord` comes back as plain data and the driver writes it
 into the same OUT layout as a local run, with the node in ``"node"``.
 
+Before any episode, each actor checks that its node can run the run's sandboxes (``docker``: the engine
+answers and has the image; ``local``: the harness's CLI is installed on the node, installed there now
+when missing); nodes that cannot are left out, and a cluster where none can is a :class:`NoNodesError`
+with each node's reason.
+
 An actor that dies mid-episode (its process or its node lost): the episode is run again on another
-actor, under the same attempt number, so it finishes once. The policy travels to each actor by value
-(cloudpickle): the scripted and oracle policies, an ``upstream`` or ``tito`` policy over HTTP engines.
+actor, under the same attempt number, so it finishes once; at close, every live node removes what a
+dead owner left (the sandbox janitor's own gc). Cancelling an episode (Ctrl-C, ``stop``) cancels it on
+its actor, and :meth:`RayExecutor.close` waits until every actor's episodes have removed their sandboxes.
+
+The policy travels to each actor by value (cloudpickle): the scripted and oracle policies, an
+``upstream`` or ``tito`` policy over HTTP engines (one engine server reached from every node), a
+``tito`` policy on in-process llama.cpp (each actor loads its own copy of the model), or an external
+policy (``http``): its requests wait on each actor's gateway, listed by :meth:`RayExecutor.describe`
+(``host=`` makes them reachable from outside the node; the admin token is given, never printed).
 
 Task directories must be readable at the same path on every node (a shared filesystem), or shipped
 with Ray's runtime environment (``RayExecutor(runtime_env={"working_dir": ...})``).
@@ -22,31 +34,30 @@ address; ``RAY_NODE_IP_ADDRESS`` / ``_node_ip_address`` alone still left its GCS
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec, drive_episode
-from ares_gateway.episodes.episode import episode_gateway
+from ares_gateway.episodes.episode import episode_gateway, one_line
 from ares_gateway.episodes.tasks import Task
+from ares_gateway.extras import require_extra
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NoNodesError", "RayExecutor"]
+__all__ = ["NoNodesError", "RayExecutor", "collect_on_nodes"]
+
+#: Seconds an actor's close may take: its episodes' cancellation removes their sandboxes first.
+CLOSE_TIMEOUT = 120.0
 
 
 class NoNodesError(RuntimeError):
-    """The Ray cluster has no alive node that can run episodes (none with a CPU); start workers first."""
+    """The Ray cluster has no alive node that can run the run's episodes; the message says why for each."""
 
 
 def _ray() -> Any:
-    try:
-        import ray
-    except Exception as exc:
-        from ares_gateway.trainers._common import MissingExtraError
-
-        raise MissingExtraError("ray", "ray", exc) from exc
-    return ray
+    return require_extra("ray", "ray")
 
 
 class _NodeGateway:
@@ -56,36 +67,97 @@ class _NodeGateway:
         self.gateway: Any = None
         self.policy: Any = None
         self.node = ""
-        self.answered = 0
+        self.options: dict[str, Any] = {}
+        self.running: set[asyncio.Task[Any]] = set()
 
-    async def start(self, harness: str, time_limit: float, policy: Any) -> str:
+    async def start(self, harness: str, time_limit: float, policy: Any, sandbox: str, image: str | None,
+                    tasks: list[Task], host: str, admin_token: str | None) -> dict[str, Any]:
+        """Check this node can run the episodes, then start its gateway; ``{"node", "ok", "why", "url"}``."""
         import ray
 
         self.node = ray.get_runtime_context().get_node_id()
+        try:
+            self.options = await _node_check(harness, sandbox, image, tasks)
+        except Exception as exc:  # PreflightError: one line saying what to do
+            return {"node": self.node, "ok": False, "why": one_line(str(exc)) or type(exc).__name__}
         self.policy = policy
-        self.gateway = episode_gateway(harness, time_limit=time_limit)
+        self.gateway = episode_gateway(harness, time_limit=time_limit, host=host, admin_token=admin_token)
         await self.gateway.start()
-        return self.node
+        return {"node": self.node, "ok": True, "why": "", "url": self.gateway.url}
 
     async def run(self, spec: EpisodeSpec) -> EpisodeRecord:
-        record = await drive_episode(spec, policy=self.policy, gateway=self.gateway)
-        record.result.node = self.node
-        return record
+        task = asyncio.current_task()
+        assert task is not None
+        self.running.add(task)
+        try:
+            if self.options:  # this node's install root, not the driver's
+                spec = dataclasses.replace(spec, harness_options={**spec.harness_options, **self.options})
+            record = await drive_episode(spec, policy=self.policy, gateway=self.gateway)
+            record.result.node = self.node
+            return record
+        finally:
+            self.running.discard(task)
 
     def turns_answered(self) -> int:
         return int(self.gateway.metrics.answered_total) if self.gateway is not None else 0
 
-    async def close(self) -> None:
+    async def close(self) -> int:
+        """Cancel what still runs and wait until each episode removed its sandbox; then the gateway.
+        Returns how many episodes were cancelled."""
+        cancelled = list(self.running)
+        for t in cancelled:
+            # One already being cancelled (ray.cancel from the driver) is removing its sandbox: a
+            # second cancel would interrupt that removal and leave the sandbox behind.
+            if not t.cancelling():
+                t.cancel()
+        if cancelled:
+            await asyncio.wait(cancelled, timeout=CLOSE_TIMEOUT)
         if self.gateway is not None:
             await self.gateway.close()
             self.gateway = None
+        return len(cancelled)
 
 
-def _collect_garbage() -> list[str]:
-    """On one node: remove the sandboxes whose owner process is gone (a dead actor's)."""
+async def _node_check(harness: str, sandbox: str, image: str | None, tasks: list[Task]) -> dict[str, Any]:
+    """On a node: what the driver's preflight checks on one host (the Docker engine and image, the
+    harness installed for local sandboxes); the harness options that node's episodes need."""
+    from ares_gateway.episodes.episode import resolve_backend
+    from ares_gateway.episodes.preflight import check_docker, check_harness
+
+    backend = resolve_backend(sandbox)
+    if backend == "docker":
+        await check_docker(tasks, image=image)
+    _, options = await check_harness(harness, backend, quiet=True)
+    return options
+
+
+def _collect_garbage(backends: tuple[str, ...], dry_run: bool) -> Any:
+    """On one node: remove the sandboxes whose owner process is gone (a dead actor's, a dead driver's)."""
     from sandbox import collect_garbage
 
-    return list(collect_garbage(("local", "docker")).removed)
+    return collect_garbage(backends, dry_run=dry_run)
+
+
+async def collect_on_nodes(nodes: Sequence[str] | None = None, *, backends: Sequence[str] = ("local", "docker"),
+                           dry_run: bool = False, timeout: float = 120.0) -> dict[str, Any]:
+    """Run the sandbox janitor's gc on ``nodes`` (default: every alive node) of the connected Ray cluster:
+    each removes the sandboxes whose owner process is gone. ``{node id: its sandbox.GcReport}``; a node
+    that cannot be reached is left out (logged)."""
+    ray = _ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if nodes is None:
+        nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    collect = ray.remote(num_cpus=0, max_retries=0)(_collect_garbage)
+    out: dict[str, list[str]] = {}
+    for node in nodes:
+        try:
+            strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+            ref = collect.options(scheduling_strategy=strategy).remote(tuple(backends), dry_run)
+            out[node] = await asyncio.wait_for(ref, timeout=timeout)
+        except Exception as exc:  # the node is gone: nothing of it to reach
+            log.warning("could not collect garbage on node %s: %s", node[:12], type(exc).__name__)
+    return out
 
 
 class RayExecutor:
@@ -97,28 +169,42 @@ class RayExecutor:
         per_node: episodes at once on each node.
         runtime_env: Ray's runtime environment for the actors (e.g. ``{"working_dir": "tasks/"}``).
         init_options: more ``ray.init`` arguments.
+        host: the address each actor's gateway listens on (``127.0.0.1``; an external policy polling
+            from another machine needs the node's own address).
+        admin_token: the actors' gateways' admin token (an external policy's ``/poll``); by default each
+            gateway generates its own.
     """
 
     kind = "ray"
 
     def __init__(self, address: str | None = None, *, per_node: int = 4, runtime_env: Mapping[str, Any] | None = None,
-                 init_options: Mapping[str, Any] | None = None) -> None:
+                 init_options: Mapping[str, Any] | None = None, host: str = "127.0.0.1",
+                 admin_token: str | None = None) -> None:
         if per_node < 1:
             raise ValueError(f"per_node must be at least 1, got {per_node}")
         self.address = address
         self.per_node = per_node
         self.runtime_env = dict(runtime_env or {})
         self.init_options = dict(init_options or {})
+        self.host = host
+        self._admin_token = admin_token
         self._actors: dict[str, Any] = {}  # node id -> actor handle
         self._load: dict[str, int] = {}
         self._answered = 0
         self._owns_ray = False
+        self._external = False
+        #: The control URL of each node's gateway (where an external policy's requests wait).
+        self.urls: dict[str, str] = {}
+        #: Nodes left out at start, and why (they could not run the run's sandboxes).
+        self.refused: dict[str, str] = {}
         #: Keys of episodes run again because the actor running them died.
         self.reruns: list[str] = []
-        #: Nodes whose actor died; :meth:`close` removes what it left there.
+        #: Nodes whose actor died.
         self.lost: list[str] = []
-        #: Sandboxes removed from those nodes at close.
+        #: Sandboxes removed at close because their owner was gone (a dead actor's).
         self.collected: list[str] = []
+        #: Episodes still running on an actor when it was closed (each removed its sandbox).
+        self.cancelled_at_close = 0
 
     @property
     def slots(self) -> int:
@@ -129,16 +215,21 @@ class RayExecutor:
         """The node ids with a live gateway actor."""
         return list(self._actors)
 
-    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Any, time_limit: float | None) -> None:
+    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Any, time_limit: float | None,
+                    sandbox: str = "auto", image: str | None = None) -> None:
         ray = _ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from ares_gateway.policies.base import is_external
 
         if not ray.is_initialized():
             ray.init(address=self.address, **self.init_options)
             self._owns_ray = True
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
         if not nodes:
-            raise NoNodesError("the Ray cluster has no alive node with a CPU to run episodes on")
+            raise NoNodesError("the Ray cluster has no alive node with a CPU to run episodes on: start workers "
+                               "(ray start --address ...) first")
+        self._external = is_external(policy)
         longest = max([time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
         actor_cls = ray.remote(num_cpus=0, max_concurrency=self.per_node + 4, max_restarts=0)(_NodeGateway)
         started = []
@@ -147,11 +238,24 @@ class RayExecutor:
             if self.runtime_env:
                 opts["runtime_env"] = self.runtime_env
             actor = actor_cls.options(**opts).remote()
-            started.append((n["NodeID"], actor, actor.start.remote(harness, longest, policy)))
+            ref = actor.start.remote(harness, longest, policy, sandbox, image, list(tasks), self.host,
+                                     self._admin_token)
+            started.append((n["NodeID"], actor, ref))
         for node_id, actor, ref in started:
-            await ref
+            try:
+                info = await ref
+            except ray.exceptions.RayError as exc:
+                info = {"ok": False, "why": f"its gateway actor failed to start: {one_line(str(exc), 300)}"}
+            if not info["ok"]:
+                self.refused[node_id] = info["why"]
+                ray.kill(actor)
+                continue
             self._actors[node_id] = actor
             self._load[node_id] = 0
+            self.urls[node_id] = info["url"]
+        if not self._actors:
+            why = "; ".join(f"node {n[:12]}: {w}" for n, w in self.refused.items())
+            raise NoNodesError(f"no node of the Ray cluster can run {sandbox} sandboxes for {harness}: {why}")
 
     async def run(self, spec: EpisodeSpec) -> EpisodeRecord:
         ray = _ray()
@@ -167,7 +271,8 @@ class RayExecutor:
                 self._answered += record.result.turns
                 return record
             except asyncio.CancelledError:
-                # Interrupted: the actor's episode is cancelled too, and removes its sandbox there.
+                # Interrupted: the actor's episode is cancelled too, and removes its sandbox there
+                # (close() waits for that).
                 ray.cancel(ref)
                 raise
             except ray.exceptions.RayActorError as exc:
@@ -176,6 +281,7 @@ class RayExecutor:
                             node[:12], spec.key, type(exc).__name__)
                 if self._actors.pop(node, None) is not None:
                     self.lost.append(node)
+                    self.urls.pop(node, None)
                 self.reruns.append(spec.key)
             finally:
                 if node in self._load:
@@ -186,27 +292,27 @@ class RayExecutor:
         return self._answered
 
     def describe(self) -> list[str]:
-        return [f"ray: {len(self._actors)} node(s), {self.per_node} episode(s) each"]
+        lines = [f"ray: {len(self._actors)} node(s), {self.per_node} episode(s) each"]
+        lines += [f"ray: node {n[:12]} left out: {why}" for n, why in self.refused.items()]
+        if self._external:
+            lines += [f"ray: node {n[:12]}: requests wait on {url}/poll" for n, url in self.urls.items()]
+        return lines
 
     async def close(self) -> None:
         ray = _ray()
         for actor in list(self._actors.values()):
             try:
-                await asyncio.wait_for(actor.close.remote(), timeout=60)
+                self.cancelled_at_close += await asyncio.wait_for(actor.close.remote(), timeout=CLOSE_TIMEOUT + 10)
             except Exception:  # a dead actor has nothing left to close
                 pass
             ray.kill(actor)
         self._actors.clear()
-        # What a dead actor left on its node (its sandboxes' owner process is gone), where the node lives.
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        collect = ray.remote(num_cpus=0, max_retries=0)(_collect_garbage)
-        for node in self.lost:
-            try:
-                ref = collect.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-                self.collected.extend(await asyncio.wait_for(ref, timeout=120))
-            except Exception as exc:  # the node itself is gone: nothing of it to reach
-                log.warning("could not clean node %s after its actor died: %s", node[:12], type(exc).__name__)
+        if self.lost:
+            # Every node still alive removes what
+            # dead actors left (their owner process is gone); a lost node's machine, where it lives on,
+            # is collected once it rejoins, or with ``ares-gateway gc --ray``.
+            found = await collect_on_nodes()
+            self.collected.extend(name for report in found.values() for name in report.removed)
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False

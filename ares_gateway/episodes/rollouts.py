@@ -150,7 +150,8 @@ async def run_rollouts(
             on_episode(result)
 
     try:
-        await executor.start(harness=harness, tasks=tasks, policy=policy, time_limit=time_limit)
+        await executor.start(harness=harness, tasks=tasks, policy=policy, time_limit=time_limit, sandbox=sandbox,
+                             image=image)
         answered_at_start = executor.turns_answered()
         for line in executor.describe():
             progress.line(line)

@@ -17,6 +17,7 @@ from typing import Any
 from ares_gateway.episodes.episode import one_line
 from ares_gateway.episodes.rollouts import EpisodeResult, run_rollouts
 from ares_gateway.episodes.tasks import Dataset, Task, load_dataset
+from ares_gateway.extras import MissingExtraError as _MissingExtra
 
 __all__ = [
     "EpisodeSample",
@@ -35,17 +36,8 @@ class TrainerError(Exception):
     """Base class of the trainer adapters' errors."""
 
 
-class MissingExtraError(TrainerError, ImportError):
+class MissingExtraError(TrainerError, _MissingExtra):
     """A trainer's package is not installed; the message names the extra that installs it."""
-
-    def __init__(self, package: str, extra: str, cause: BaseException | None = None) -> None:
-        why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
-        super().__init__(
-            f"{package} is not installed or failed to import{why}: install it with "
-            f"python3 -m pip install 'ares-gateway[{extra}]'"
-        )
-        self.package = package
-        self.extra = extra
 
 
 class UnknownTaskError(TrainerError, ValueError):

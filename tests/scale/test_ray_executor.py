@@ -1,8 +1,26 @@
-"""RayExecutor on a real Ray cluster of simulated nodes on this machine (loopback only)."""
+"""RayExecutor and ``ares-gateway run --ray`` on a real Ray cluster of simulated nodes on this machine.
+
+Ray stays on loopback: tests/conftest.py sets ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before Ray is
+imported, every node is started with ``node_ip_address="127.0.0.1"``, and each cluster asserts it held.
+Each node carries a custom resource of its own name, so where episodes ran can be asserted.
+
+* the oracle with the real mini-swe-agent on the 4 bundled tasks x 2 attempts: every node ran
+  episodes, every reward 1.0, the same OUT files and sample shapes as a :class:`LocalExecutor` run;
+* faults: a node's actor killed, and a whole node removed, mid-run: every planned episode finishes
+  exactly once and no sandbox is left; a cluster where no node can run the sandboxes: an error before
+  any episode;
+* the CLI: ``run --ray ADDRESS`` against the running cluster, Ctrl-C during it, SIGKILL of the driver
+  followed by ``gc --ray``, and ``--ray`` without Ray installed.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,71 +31,105 @@ from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
 from tests.prereq import require
+from tests.rollouts.e2e import REPO, cli, require_mini
 
 pytestmark = pytest.mark.slow
 
 TASKS = load_dataset("examples").tasks
 
 
-@pytest.fixture
-def sandbox_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "sandboxes"
-    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))  # before the cluster: its workers inherit it
-    return root
-
-
-@pytest.fixture
-def cluster(sandbox_root: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def _start_cluster(sandbox_root: Path) -> Any:
     try:
         import ray
         from ray.cluster_utils import Cluster
     except Exception as exc:
         require(False, f"ray is not installed ({exc}): python3 -m pip install -e '.[ray]'")
-    # tests/conftest.py set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray was imported: loopback only.
+    # The workers inherit this process's environment: their sandboxes go under sandbox_root.
+    os.environ["ARES_SANDBOX_LOCAL_ROOT"] = str(sandbox_root)
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node-a": 1},
-                                                      "node_ip_address": "127.0.0.1"})
+                                                      "node_ip_address": "127.0.0.1", "include_dashboard": False})
     c.add_node(num_cpus=1, resources={"node-b": 1}, node_ip_address="127.0.0.1")
-    ray.init(address=c.address)
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="ERROR")
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}  # loopback held
+    return c
+
+
+def _stop_cluster(c: Any) -> None:
+    import ray
+
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture
+def sandbox_root(tmp_path: Path) -> Iterator[Path]:
+    root = tmp_path / "sandboxes"
+    before = os.environ.get("ARES_SANDBOX_LOCAL_ROOT")
+    yield root
+    if before is None:
+        os.environ.pop("ARES_SANDBOX_LOCAL_ROOT", None)
+    else:
+        os.environ["ARES_SANDBOX_LOCAL_ROOT"] = before
+
+
+@pytest.fixture
+def cluster(sandbox_root: Path) -> Iterator[Any]:
+    c = _start_cluster(sandbox_root)
     try:
-        assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}  # loopback held
         yield c
     finally:
-        ray.shutdown()
-        c.shutdown()
+        _stop_cluster(c)
 
 
 def _files(out: Path) -> set[str]:
     return {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and "tb" not in p.parts}
 
 
-async def test_oracle_on_two_nodes_gives_a_local_runs_outputs(cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
+def _left(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def _node_names() -> dict[str, str]:
+    """Node id -> the custom resource naming it (node-a, node-b)."""
+    import ray
+
+    return {n["NodeID"]: next(r for r in n["Resources"] if r.startswith("node-")) for n in ray.nodes() if n["Alive"]}
+
+
+def _sample_shape(line: str) -> tuple[Any, ...]:
+    s = json.loads(line)
+    return (sorted(s), len(s.get("tokens") or []), sum(s.get("loss_mask") or []))
+
+
+async def test_oracle_with_mini_swe_agent_on_two_nodes_gives_a_local_runs_outputs(
+        cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
     from ares_gateway.episodes.ray import RayExecutor
 
+    require_mini()
+    names = _node_names()
     ex = RayExecutor(per_node=2)
-    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
+    summary = await run_rollouts(TASKS, harness="mini-swe-agent", policy=make_policy("oracle"), sandbox="local",
                                  attempts=2, out=tmp_path / "ray", executor=ex, stats="null")
-    assert len(summary.episodes) == 8 and all(e.reward == 1.0 for e in summary.episodes)
+    assert len(summary.episodes) == 8 and all(e.reward == 1.0 for e in summary.episodes), summary.episodes
     assert len({e.key for e in summary.episodes}) == 8
     nodes = {e.node for e in summary.episodes}
-    assert len(nodes) == 2 and None not in nodes  # both nodes ran episodes
+    assert {names[n] for n in nodes if n} == {"node-a", "node-b"}  # both nodes ran episodes
     doc = json.loads((tmp_path / "ray" / "results.json").read_text())
     assert doc["run"]["executor"] == "ray" and {e["node"] for e in doc["episodes"]} == nodes
     lines = [json.loads(x) for x in (tmp_path / "ray" / "episodes.jsonl").read_text().splitlines()]
     assert {x["node"] for x in lines} == nodes
 
-    local = await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
+    local = await run_rollouts(TASKS, harness="mini-swe-agent", policy=make_policy("oracle"), sandbox="local",
                                attempts=2, out=tmp_path / "local", concurrency=4, stats="null")
+    assert all(e.reward == 1.0 for e in local.episodes)
     assert _files(tmp_path / "ray") == _files(tmp_path / "local")
     for e in local.episodes:
         key = f"{e.task}.{e.attempt}"
         ours = (tmp_path / "ray" / "trajectories" / f"{key}.jsonl").read_text().splitlines()
         theirs = (tmp_path / "local" / "trajectories" / f"{key}.jsonl").read_text().splitlines()
-        assert len(ours) == len(theirs)
+        assert [_sample_shape(x) for x in ours] == [_sample_shape(x) for x in theirs]
     assert _left(sandbox_root) == []
-
-
-def _left(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
 async def test_a_dead_node_actor_reruns_its_episodes_elsewhere_once(cluster: Any, tmp_path: Path,
@@ -105,6 +157,149 @@ async def test_a_dead_node_actor_reruns_its_episodes_elsewhere_once(cluster: Any
     assert killed and ex.reruns and all(e.node != killed[0] for e in summary.episodes)
     doc = json.loads((tmp_path / "run" / "results.json").read_text())
     assert len(doc["episodes"]) == 8 and sorted(e["attempt"] for e in doc["episodes"]) == [0] * 4 + [1] * 4
-    # The killed actor's sandboxes were removed from its node at close (the sandbox janitor's own gc).
+    # The killed actor's sandboxes were removed at close (the sandbox janitor's own gc, on the live nodes).
     assert ex.lost == killed and len(ex.collected) == len(ex.reruns)
     assert _left(sandbox_root) == []
+
+
+async def test_a_removed_node_reruns_its_episodes_elsewhere_once(cluster: Any, tmp_path: Path,
+                                                                  sandbox_root: Path) -> None:
+    from ares_gateway.episodes.ray import RayExecutor
+
+    names = _node_names()
+    worker = next(n for n in cluster.worker_nodes)  # node-b (the head carries the driver's connection)
+    ex = RayExecutor(per_node=2)
+    removed: list[str] = []
+
+    def on_episode(result: Any) -> None:
+        if not removed and len(_left(sandbox_root)) >= 2:  # node-b is running episodes now
+            removed.append(next(n for n, name in names.items() if name == "node-b"))
+            cluster.remove_node(worker, allow_graceful=False)
+
+    policy = make_policy("scripted", commands=["sleep 3"])
+    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local", attempts=2,
+                                 out=tmp_path / "run", executor=ex, stats="null", on_episode=on_episode)
+    assert removed, "node-b was never removed mid-run"
+    keys = sorted(e.key for e in summary.episodes)
+    assert keys == sorted(f"{t.name}.{a}" for t in TASKS for a in (0, 1))  # each exactly once
+    assert all(e.exit_reason == "completed" for e in summary.episodes)
+    assert ex.lost == removed and ex.reruns
+    # Whatever finished after the loss ran on the head; nothing is recorded twice.
+    lines = (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()
+    assert len(lines) == 8
+    # The removed node's sandboxes (same disk here) were collected by the node still alive.
+    assert _left(sandbox_root) == []
+
+
+async def test_no_node_able_to_run_the_sandboxes_is_an_error_before_any_episode(
+        cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
+    from ares_gateway.episodes.ray import NoNodesError, RayExecutor
+
+    ex = RayExecutor(per_node=1)
+    started: list[Any] = []
+    with pytest.raises(NoNodesError) as err:
+        await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"), sandbox="docker",
+                           image="ares-gateway/no-such-image:none", out=tmp_path / "run", executor=ex,
+                           stats="null", on_episode=started.append)
+    message = str(err.value)
+    assert "no node of the Ray cluster can run docker sandboxes" in message
+    assert message.count("node ") >= 2 and ("no-such-image" in message or "Docker engine" in message), message
+    assert started == [] and _left(sandbox_root) == []
+
+
+# --- the CLI ------------------------------------------------------------------------------------------------
+
+
+def _cli_env(sandbox_root: Path) -> dict[str, str]:
+    return {**os.environ, "ARES_SANDBOX_LOCAL_ROOT": str(sandbox_root), "PYTHONUNBUFFERED": "1",
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def test_cli_run_on_ray(cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
+    require_mini()
+    out = tmp_path / "out"
+    proc = subprocess.run(cli("run", "examples-mswea", "--policy", "oracle", "--sandbox", "local", "-n", "4",
+                              "--ray", cluster.address, "--ray-per-node", "2", "--stats", "null", "--out", str(out)),
+                          cwd=REPO, env=_cli_env(sandbox_root), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on Ray" in proc.stdout and "ray: 2 node(s), 2 episode(s) each" in proc.stdout
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["run"]["executor"] == "ray" and doc["run"]["ray"] == cluster.address
+    assert len(doc["episodes"]) == len(TASKS) and all(e["reward"] == 1.0 for e in doc["episodes"])
+    assert len({e["node"] for e in doc["episodes"]}) == 2
+    assert _left(sandbox_root) == []
+
+
+def _wait_for_sandboxes(proc: subprocess.Popen[str], root: Path, n: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_left(root)) < n:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert time.monotonic() < deadline, "the run's sandboxes did not come up"
+        time.sleep(0.3)
+
+
+def test_cli_ctrl_c_on_ray_stops_the_episodes_and_removes_their_sandboxes(cluster: Any, tmp_path: Path,
+                                                                          sandbox_root: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen(cli("run", "examples-tiny", "--policy", "scripted", "--command", "sleep 120",
+                                "--sandbox", "local", "-n", "4", "--ray", cluster.address, "--ray-per-node", "2",
+                                "--stats", "null", "--out", str(out)),
+                            cwd=REPO, env=_cli_env(sandbox_root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        _wait_for_sandboxes(proc, sandbox_root, 4)
+        time.sleep(2)  # the agents are running their sleep
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=150)
+        stopped_in = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, output[-3000:]
+    assert "SIGINT: stopping" in output and stopped_in < 60, (stopped_in, output[-2000:])
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["summary"]["interrupted"] is True
+    assert len(doc["episodes"]) + len(doc["summary"]["cancelled"]) == len(TASKS)
+    assert _left(sandbox_root) == []  # each node's actor removed its sandboxes before the driver exited
+
+
+def test_gc_on_ray_removes_what_a_killed_driver_left_on_the_nodes(cluster: Any, tmp_path: Path,
+                                                                  sandbox_root: Path) -> None:
+    proc = subprocess.Popen(cli("run", "examples-tiny", "--policy", "scripted", "--command", "sleep 120",
+                                "--sandbox", "local", "-n", "4", "--ray", cluster.address, "--ray-per-node", "2",
+                                "--stats", "null", "--out", str(tmp_path / "out")),
+                            cwd=REPO, env=_cli_env(sandbox_root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        _wait_for_sandboxes(proc, sandbox_root, 4)
+        proc.send_signal(signal.SIGKILL)  # no chance to clean: Ray then kills the driver's actors
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # The actors die with their driver, a moment later.
+    deadline = time.monotonic() + 60
+    while True:
+        gc = subprocess.run(cli("gc", "--ray", cluster.address, "--backend", "local"), cwd=REPO,
+                            env=_cli_env(sandbox_root), capture_output=True, text=True, timeout=180)
+        assert gc.returncode == 0, gc.stdout + gc.stderr
+        if not _left(sandbox_root) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert "removed" in gc.stdout and "on node" in gc.stdout, gc.stdout
+    assert _left(sandbox_root) == [], gc.stdout
+
+
+def test_cli_ray_without_ray_installed_names_the_extra(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "from ares_gateway.cli import main\n"
+            f"sys.exit(main(['run', 'examples-tiny', '--policy', 'oracle', '--sandbox', 'local', '--ray', "
+            f"'--out', {str(tmp_path / 'out')!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ares-gateway[ray]" in lines[0] and "--ray" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -18,6 +18,8 @@ import uvloop
 # Ray (the scale tests; verl imports it) reads this when first imported: with it off, Ray takes
 # 127.0.0.1 as every node's address instead of the machine's own (which the network rules forbid).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# A node's raylet may take longer than Ray's 30 s to register on 2 busy cores (seen here under load).
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "uvloop": uvloop.new_event_loop,

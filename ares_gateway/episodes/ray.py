@@ -241,6 +241,7 @@ class RayExecutor:
             ref = actor.start.remote(harness, longest, policy, sandbox, image, list(tasks), self.host,
                                      self._admin_token)
             started.append((n["NodeID"], actor, ref))
+        urls: dict[str, str] = {}
         for node_id, actor, ref in started:
             try:
                 info = await ref
@@ -252,7 +253,8 @@ class RayExecutor:
                 continue
             self._actors[node_id] = actor
             self._load[node_id] = 0
-            self.urls[node_id] = info["url"]
+            urls[node_id] = info["url"]
+        self.urls = urls  # all at once: a poller reading them sees every node's gateway
         if not self._actors:
             why = "; ".join(f"node {n[:12]}: {w}" for n, w in self.refused.items())
             raise NoNodesError(f"no node of the Ray cluster can run {sandbox} sandboxes for {harness}: {why}")

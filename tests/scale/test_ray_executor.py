@@ -207,6 +207,61 @@ async def test_no_node_able_to_run_the_sandboxes_is_an_error_before_any_episode(
     assert started == [] and _left(sandbox_root) == []
 
 
+async def test_an_external_policy_polls_each_nodes_gateway(cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
+    """The http policy on Ray: requests wait on each node's gateway, whose control URLs the executor lists;
+    a trainer polling them all (with the admin token it gave) answers every episode."""
+    import asyncio
+
+    import aiohttp
+
+    from ares_gateway.episodes.ray import RayExecutor
+    from ares_gateway.policies import HttpPolicy
+
+    token = "t0k3n-for-the-test-" + os.urandom(8).hex()
+    ex = RayExecutor(per_node=2, admin_token=token)
+    oracle = make_policy("oracle")
+    by_name = {t.name: t for t in TASKS}
+    answered: dict[str, int] = {}
+    lines: list[str] = []
+
+    async def poll(url: str) -> None:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+            while True:
+                async with http.get(f"{url}/poll", params={"wait": "1", "max": "4"}) as r:
+                    assert r.status == 200, await r.text()
+                    items = await r.json()
+                for item in items:
+                    sid = item["session_id"]
+                    if oracle.session_policy(sid) is None:
+                        async with http.get(f"{url}/sessions/{sid}") as r:
+                            meta = (await r.json()).get("metadata") or {}
+                        oracle.bind(sid, agent="mini-swe-agent", task=by_name[meta["task"]])
+                    answer = oracle.session_policy(sid)(item["request"], {})  # type: ignore[misc]
+                    async with http.post(f"{url}/respond", json={"id": item["id"], "completion": answer}) as r:
+                        assert r.status == 200, await r.text()
+                    answered[url] = answered.get(url, 0) + 1
+
+    async def trainer() -> None:
+        while not ex.urls:
+            await asyncio.sleep(0.1)
+        lines.extend(ex.describe())
+        await asyncio.gather(*(poll(u) for u in ex.urls.values()))
+
+    poller = asyncio.create_task(trainer())
+    try:
+        summary = await run_rollouts(TASKS, harness="tiny-agent", policy=HttpPolicy(), sandbox="local",
+                                     executor=ex, out=tmp_path / "run", time_limit=120, stats="null")
+    finally:
+        poller.cancel()
+        await asyncio.gather(poller, return_exceptions=True)
+    assert [e.reward for e in summary.episodes] == [1.0] * len(TASKS), [
+        (e.key, e.exit_reason, e.error) for e in summary.episodes]
+    assert len(answered) == 2 and all(n >= 2 for n in answered.values())  # both nodes' gateways served turns
+    assert sum(1 for line in lines if "requests wait on http://127.0.0.1:" in line) == 2
+    assert not any(token in line for line in lines)
+    assert _left(sandbox_root) == []
+
+
 # --- the CLI ------------------------------------------------------------------------------------------------
 
 

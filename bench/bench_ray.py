@@ -32,11 +32,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported: loopback only
 
-from ares_gateway.episodes.executor import LocalExecutor  # noqa: E402
-from ares_gateway.episodes.ray import RayExecutor  # noqa: E402
-from ares_gateway.episodes.rollouts import run_rollouts  # noqa: E402
-from ares_gateway.episodes.tasks import load_dataset  # noqa: E402
-from ares_gateway.policies import make_policy  # noqa: E402
+from ares_gateway.episodes.executor import LocalExecutor
+from ares_gateway.episodes.ray import RayExecutor
+from ares_gateway.episodes.rollouts import run_rollouts
+from ares_gateway.episodes.tasks import load_dataset
+from ares_gateway.policies import make_policy
 
 
 class _Timed:
@@ -123,7 +123,7 @@ async def main() -> None:
                 if kind == "ray-1" and second is not None:
                     cluster.remove_node(second)
                     second = None
-                    while sum(1 for n in ray.nodes() if n["Alive"]) != 1:
+                    while sum(1 for n in ray.nodes() if n["Alive"]) != 1:  # noqa: ASYNC110 (Ray's state, no event)
                         await asyncio.sleep(0.2)
                 row = await one("local" if kind == "local" else "ray", tasks, args, tmp / f"{kind}-{r}")
                 rows[kind].append(row)
@@ -143,7 +143,8 @@ async def main() -> None:
         print(f"| {k} | {m['episodes_per_min']:.1f} | {m['episodes_per_min'] / base:.2f} | {m['start_s']:.2f} | "
               f"{m['episodes_per_min_after_start']:.1f} | {overhead} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "medians": med}, indent=2))
+        text = json.dumps({"args": vars(args), "rows": rows, "medians": med}, indent=2)
+        await asyncio.to_thread(Path(args.json).write_text, text)
 
 
 if __name__ == "__main__":

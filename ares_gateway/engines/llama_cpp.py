@@ -193,6 +193,7 @@ class LlamaCppEngine(WorkerThreadEngine):
             raise ValueError(f"n_batch must be at least 2, got {n_batch}")
         self.model = model_path
         self.n_ctx_requested = n_ctx
+        self._n_threads_requested = n_threads
         self.n_threads = n_threads or max(1, min(8, len(os.sched_getaffinity(0)) - 1))
         self.n_batch = n_batch
         self.consistent_batching = consistent_batching
@@ -203,6 +204,13 @@ class LlamaCppEngine(WorkerThreadEngine):
         self.n_ctx = 0
         self.load_s = 0.0
         self.aborted_streams = 0  # streams whose consumer left before the end (sampling stopped early)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy sent to another process (a Ray actor on another node) is a fresh engine with the same
+        # settings that loads its own model there: a loaded context and its worker thread cannot travel.
+        return (_rebuild, (self.model, {"n_ctx": self.n_ctx_requested, "n_threads": self._n_threads_requested,
+                                        "n_batch": self.n_batch, "consistent_batching": self.consistent_batching,
+                                        "load_timeout_s": self.load_timeout_s}))
 
     # ------------------------------------------------------------- lifecycle
     def _load(self) -> Any:
@@ -358,3 +366,8 @@ class LlamaCppEngine(WorkerThreadEngine):
                 out.append(float(x[ids[k]] - logsumexp(x)))
         self._cached = list(ids)
         return out
+
+
+def _rebuild(model_path: str, options: dict[str, Any]) -> LlamaCppEngine:
+    """:meth:`LlamaCppEngine.__reduce__`'s other half."""
+    return LlamaCppEngine(model_path, **options)

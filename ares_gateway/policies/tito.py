@@ -85,6 +85,11 @@ class TitoPolicy:
         max_turns_kept: int = 32,
     ) -> None:
         opts = dict(engine_options or {})
+        # What a copy in another process is built from (a Ray actor): the same settings, its own
+        # engine copy, renderer and token streams, no session of this one's.
+        self._settings = {"tokenizer": tokenizer, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                          "seed": seed, "max_tokens": max_tokens, "honor_request_sampling": honor_request_sampling,
+                          "stream": stream, "max_turns_kept": max_turns_kept}
         if isinstance(engine, str):
             if engine in ("llama-cpp", "llama_cpp", "llamacpp"):
                 if model is not None:
@@ -115,6 +120,9 @@ class TitoPolicy:
         self.streams = TokenStreams(self.renderer, max_turns_kept=max_turns_kept)
         #: The ``extra["tito"]`` record of the latest answer (for benchmarks and debugging).
         self.last_record: dict[str, Any] | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self.engine, self.renderer, self._settings))
 
     # ------------------------------------------------------------- reporting
     def stats(self, session_id: str) -> StreamStats:
@@ -334,3 +342,8 @@ def _policy_error(exc: EngineError) -> PolicyError:
     if isinstance(exc, EngineUnavailableError):
         return PolicyError(str(exc), status=503)
     return PolicyError(f"the engine failed: {exc}", status=502)
+
+
+def _rebuild(engine: Engine, renderer: ChatRenderer, settings: dict[str, Any]) -> TitoPolicy:
+    """:meth:`TitoPolicy.__reduce__`'s other half."""
+    return TitoPolicy(engine, renderer=renderer, **settings)

@@ -84,6 +84,8 @@ class ChatRenderer:
         from renderers.base import MODEL_RENDERER_MAP
 
         self.tokenizer = tokenizer if isinstance(tokenizer, ChatTokenizer) else load_tokenizer(tokenizer)
+        self._options = {"renderer": renderer, "tool_parser": tool_parser, "reasoning_parser": reasoning_parser,
+                         "role_map": None if role_map is None else dict(role_map)}
         name = renderer or MODEL_RENDERER_MAP.get(self.tokenizer.name_or_path) or "default"
         if name == "default":
             config: Any = renderers.DefaultRendererConfig(tool_parser=tool_parser, reasoning_parser=reasoning_parser)
@@ -94,6 +96,10 @@ class ChatRenderer:
         self.is_template = name == "default"
         self.role_map = dict(DEFAULT_ROLE_MAP if role_map is None else role_map)
         self.stop_token_ids: list[int] = list(self.renderer.get_stop_token_ids())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Another process builds its own renderer from the same tokenizer and options.
+        return (_rebuild_renderer, (self.tokenizer, self._options))
 
     # --------------------------------------------------------------- inputs
     def template_messages(self, messages: Sequence[Message]) -> list[dict[str, Any]]:
@@ -238,3 +244,8 @@ class ChatRenderer:
             usage=Usage(input_tokens=len(prompt_ids or ()), output_tokens=len(output_ids)),
         )
         return completion, broken
+
+
+def _rebuild_renderer(tokenizer: ChatTokenizer, options: dict[str, Any]) -> ChatRenderer:
+    """:meth:`ChatRenderer.__reduce__`'s other half."""
+    return ChatRenderer(tokenizer, **options)

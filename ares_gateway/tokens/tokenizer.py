@@ -98,6 +98,8 @@ class ChatTokenizer:
     ) -> None:
         self._tok = tokenizer
         self.chat_template = chat_template
+        #: The path :func:`load_tokenizer` loaded it from (how a pickled copy is loaded again elsewhere).
+        self.source: str | None = None
         self.name_or_path = name_or_path
         self.eos_token = eos_token
         self.bos_token = bos_token
@@ -110,6 +112,14 @@ class ChatTokenizer:
         self._template: Any = None
         self._template_lock = threading.Lock()
 
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Sent to another process (a Ray actor): loaded there from the same path (the Rust tokenizer
+        # and its locks do not travel); the path must exist on that machine too.
+        if self.source is None:
+            raise TypeError("this ChatTokenizer was not made by load_tokenizer(path): it cannot be sent to another "
+                            "process; build it with load_tokenizer")
+        return (load_tokenizer, (self.source,))
     def _id(self, token: str | None) -> int | None:
         if token is None:
             return None
@@ -235,6 +245,7 @@ def load_tokenizer(model: str | os.PathLike[str] | None = None) -> ChatTokenizer
             raise TokenizerLoadError(
                 f"no tokenizer at {path!r}: give a .gguf file or a directory with tokenizer.json and tokenizer_config.json"
             )
+        tok.source = path
         _CACHE[key] = tok
         return tok
 

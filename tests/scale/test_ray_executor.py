@@ -242,7 +242,7 @@ async def test_an_external_policy_polls_each_nodes_gateway(cluster: Any, tmp_pat
                     answered[url] = answered.get(url, 0) + 1
 
     async def trainer() -> None:
-        while not ex.urls:
+        while not ex.urls:  # noqa: ASYNC110 (the executor publishes them; a trainer polls, as here)
             await asyncio.sleep(0.1)
         lines.extend(ex.describe())
         await asyncio.gather(*(poll(u) for u in ex.urls.values()))
@@ -259,6 +259,40 @@ async def test_an_external_policy_polls_each_nodes_gateway(cluster: Any, tmp_pat
     assert len(answered) == 2 and all(n >= 2 for n in answered.values())  # both nodes' gateways served turns
     assert sum(1 for line in lines if "requests wait on http://127.0.0.1:" in line) == 2
     assert not any(token in line for line in lines)
+    assert _left(sandbox_root) == []
+
+
+async def test_tito_on_in_process_llama_cpp_loads_one_model_per_node(cluster: Any, tmp_path: Path,
+                                                                     sandbox_root: Path) -> None:
+    """The tito policy on llama.cpp travels by value: each node's actor loads its own copy of the model and
+    its episodes write token-faithful samples (ids, logprobs, loss mask) back to the driver's OUT."""
+    require_mini()
+    try:
+        from ares_gateway.policies.tito import TitoPolicy
+    except Exception as exc:  # the model extra
+        require(False, f"the model extra is not installed ({exc})")
+    from ares_gateway.episodes.ray import RayExecutor
+
+    policy = TitoPolicy("llama-cpp", max_tokens=32, engine_options={"n_ctx": 4096, "n_threads": 1})
+    ex = RayExecutor(per_node=1)
+    tasks = TASKS[:2]
+    summary = await run_rollouts(
+        tasks, harness="mini-swe-agent", policy=policy, sandbox="local", attempts=1, out=tmp_path / "run",
+        executor=ex, step_limit=2, stats="null",
+        harness_options={"action_format": "text", "action_regex": r"\A(.+)\Z"},  # every answer a command
+    )
+    names = _node_names()
+    assert [e.exit_reason for e in summary.episodes] == ["step_limit"] * 2, [(e.key, e.error) for e in summary.episodes]
+    assert {names[e.node] for e in summary.episodes if e.node} == {"node-a", "node-b"}
+    assert policy.engine._llm is None  # the driver's own copy never loaded a model: the nodes did
+    for e in summary.episodes:
+        assert e.fidelity and e.fidelity["turns"] == 2 and e.fidelity["trained_tokens"] > 0, e.fidelity
+        samples = [json.loads(x) for x in (tmp_path / "run" / "trajectories" / f"{e.key}.jsonl").read_text().splitlines()]
+        trained = sum(sum(s["loss_mask"]) for s in samples)
+        assert trained == e.fidelity["trained_tokens"]
+        for s in samples:
+            assert len(s["loss_mask"]) == len(s["logprobs"]) == s["response_length"] < len(s["tokens"])
+            assert all(lp < 0 or m == 0 for lp, m in zip(s["logprobs"], s["loss_mask"], strict=True) if m)
     assert _left(sandbox_root) == []
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,13 +70,20 @@ class _NodeGateway:
         self.node = ""
         self.options: dict[str, Any] = {}
         self.running: set[asyncio.Task[Any]] = set()
+        self.tasks_moved: tuple[str, str] | None = None
 
     async def start(self, harness: str, time_limit: float, policy: Any, sandbox: str, image: str | None,
-                    tasks: list[Task], host: str, admin_token: str | None) -> dict[str, Any]:
-        """Check this node can run the episodes, then start its gateway; ``{"node", "ok", "why", "url"}``."""
+                    tasks: list[Task], host: str, admin_token: str | None,
+                    tasks_root: str | None = None) -> dict[str, Any]:
+        """Check this node can run the episodes, then start its gateway; ``{"node", "ok", "why", "url"}``.
+        ``tasks_root``: the driver's ``working_dir``, which Ray unpacked here as this actor's cwd."""
         import ray
 
         self.node = ray.get_runtime_context().get_node_id()
+        here = os.getcwd()
+        if tasks_root and here != tasks_root:  # both real paths (getcwd, and _tasks_root on the driver)
+            self.tasks_moved = (tasks_root, here)
+            tasks = [t.moved(tasks_root, here) for t in tasks]
         try:
             self.options = await _node_check(harness, sandbox, image, tasks)
         except Exception as exc:  # PreflightError: one line saying what to do
@@ -92,6 +100,8 @@ class _NodeGateway:
         try:
             if self.options:  # this node's install root, not the driver's
                 spec = dataclasses.replace(spec, harness_options={**spec.harness_options, **self.options})
+            if self.tasks_moved:  # this node's copy of the task folders
+                spec = dataclasses.replace(spec, task=spec.task.moved(*self.tasks_moved))
             record = await drive_episode(spec, policy=self.policy, gateway=self.gateway)
             record.result.node = self.node
             return record
@@ -222,8 +232,21 @@ class RayExecutor:
 
         from ares_gateway.policies.base import is_external
 
+        actor_env = dict(self.runtime_env)
+        tasks_root = self._tasks_root()
+        if tasks_root is not None:
+            # Ray uploads a local working_dir only for a whole job (ray.init), not per actor.
+            if ray.is_initialized():
+                job_env = ray.get_runtime_context().runtime_env
+                if not job_env.get("working_dir"):
+                    raise ValueError("a local working_dir ships with the Ray job: let RayExecutor connect (address=..., "
+                                     "not connected yet) or pass the same runtime_env to your own ray.init")
+            actor_env.pop("working_dir")
         if not ray.is_initialized():
-            ray.init(address=self.address, **self.init_options)
+            init = dict(self.init_options)
+            if self.runtime_env:
+                init["runtime_env"] = dict(self.runtime_env)  # a copy: Ray puts the uploaded URI in its place
+            ray.init(address=self.address, **init)
             self._owns_ray = True
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
         if not nodes:
@@ -235,11 +258,11 @@ class RayExecutor:
         started = []
         for n in nodes:
             opts: dict[str, Any] = {"scheduling_strategy": NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)}
-            if self.runtime_env:
-                opts["runtime_env"] = self.runtime_env
+            if actor_env:
+                opts["runtime_env"] = actor_env
             actor = actor_cls.options(**opts).remote()
             ref = actor.start.remote(harness, longest, policy, sandbox, image, list(tasks), self.host,
-                                     self._admin_token)
+                                     self._admin_token, tasks_root)
             started.append((n["NodeID"], actor, ref))
         urls: dict[str, str] = {}
         for node_id, actor, ref in started:
@@ -258,6 +281,13 @@ class RayExecutor:
         if not self._actors:
             why = "; ".join(f"node {n[:12]}: {w}" for n, w in self.refused.items())
             raise NoNodesError(f"no node of the Ray cluster can run {sandbox} sandboxes for {harness}: {why}")
+
+    def _tasks_root(self) -> str | None:
+        """The driver's path of a local ``working_dir`` (task folders shipped to the nodes by Ray)."""
+        wd = self.runtime_env.get("working_dir")
+        if isinstance(wd, str | os.PathLike) and "://" not in str(wd) and os.path.isdir(wd):
+            return os.path.realpath(wd)
+        return None
 
     async def run(self, spec: EpisodeSpec) -> EpisodeRecord:
         ray = _ray()

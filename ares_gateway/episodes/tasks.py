@@ -23,6 +23,7 @@ reading the reward is :mod:`ares_gateway.episodes.verifier`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -275,6 +276,20 @@ class Task:
 
     def __hash__(self) -> int:
         return hash((self.name, self.path))
+
+    def moved(self, old_root: str | os.PathLike[str], new_root: str | os.PathLike[str]) -> Task:
+        """This task with its paths under ``old_root`` moved under ``new_root`` (the same folders at
+        another place: a Ray node's copy of a ``working_dir``); paths outside ``old_root`` stay."""
+        old, new = Path(old_root), Path(new_root)
+
+        def move(p: Path | None) -> Path | None:
+            if p is None or not p.is_relative_to(old):
+                return p
+            return new / p.relative_to(old)
+
+        return dataclasses.replace(self, path=move(self.path) or self.path, tests_dir=move(self.tests_dir) or self.tests_dir,
+                                   solution_dir=move(self.solution_dir), dockerfile=move(self.dockerfile),
+                                   workspace_dir=move(self.workspace_dir))
 
     @property
     def workdir(self) -> str:

@@ -207,6 +207,33 @@ async def test_no_node_able_to_run_the_sandboxes_is_an_error_before_any_episode(
     assert started == [] and _left(sandbox_root) == []
 
 
+async def test_task_folders_shipped_with_rays_working_dir(cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
+    """Tasks that exist only on the driver reach the nodes in Ray's runtime environment: the driver's
+    folder is removed once the actors started, and every episode still finds its tests on its node."""
+    import shutil
+
+    from ares_gateway.episodes.ray import RayExecutor
+
+    src = tmp_path / "tasks"
+    shutil.copytree(TASKS[0].path.parent, src)
+    tasks = load_dataset(str(src)).tasks
+
+    class _Gone(RayExecutor):
+        async def start(self, **kw: Any) -> None:
+            await super().start(**kw)
+            shutil.rmtree(src)  # from here on, only the nodes' copies exist
+
+    import ray
+
+    ray.shutdown()  # Ray ships a local working_dir with a job: the executor connects with it
+    ex = _Gone(cluster.address, per_node=2, runtime_env={"working_dir": str(src)})
+    summary = await run_rollouts(tasks, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
+                                 out=tmp_path / "run", executor=ex, stats="null")
+    assert not src.exists()
+    assert [e.reward for e in summary.episodes] == [1.0] * len(tasks), [(e.key, e.error) for e in summary.episodes]
+    assert _left(sandbox_root) == []
+
+
 async def test_an_external_policy_polls_each_nodes_gateway(cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
     """The http policy on Ray: requests wait on each node's gateway, whose control URLs the executor lists;
     a trainer polling them all (with the admin token it gave) answers every episode."""

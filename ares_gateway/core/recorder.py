@@ -710,6 +710,13 @@ class SessionRecorder:
         self._replay(session_id, tm)
         return tm.get_trajectory(session_id, reward=reward, max_sample_tokens=max_sample_tokens)
 
+    def tree_view(self, session_id: str, *, side_call: bool = False) -> dict[str, Any] | None:
+        """The session's message tree as plain data (:meth:`trajectory.TrajectoryManager.tree_view`),
+        rebuilt from its records into a private tree, so the live one is never touched."""
+        tm = TrajectoryManager(fork_threshold_tokens=self.fork_threshold_tokens)
+        self._replay(session_id, tm)
+        return tm.tree_view(session_id, side_call=side_call)
+
     # ------------------------------------------------------------------ memory
 
     def _replay(self, sid: str, tm: TrajectoryManager) -> list[tuple[int, dict[str, Any]]]:

@@ -13,4 +13,18 @@ admin token. See ``docs/viewer.md``.
 from ares_gateway.viewer.app import Viewer, serve_viewer
 from ares_gateway.viewer.source import RunSource
 
-__all__ = ["RunSource", "Viewer", "serve_viewer"]
+
+
+def mount_viewer(gateway: object, run_dir: object = None) -> Viewer:
+    """Serve the viewer of ``gateway`` (and of the run directory it writes, if any) at ``/ui`` on the
+    gateway's own port, behind its admin token (``serve`` and ``run`` do this)."""
+    from pathlib import Path
+
+    source = RunSource(None if run_dir is None else Path(str(run_dir)), gateway=gateway,
+                       title=str(run_dir) if run_dir is not None else "live gateway")
+    viewer = Viewer(source, admin_token=gateway.admin_token)  # type: ignore[attr-defined]
+    gateway.mount("/ui", viewer)  # type: ignore[attr-defined]
+    return viewer
+
+
+__all__ = ["RunSource", "Viewer", "mount_viewer", "serve_viewer"]

@@ -83,7 +83,7 @@ def _messages(protocol: WireProtocol, body: dict[str, Any], items: list[Any] | N
     try:
         req = get_adapter(protocol).parse_request(sub)
     except Exception as exc:  # a body the protocol refuses is still shown, raw
-        return [{"role": "unparsed", "text": cut(f"{exc}: {str(items if items is not None else body)}")}]
+        return [{"role": "unparsed", "text": cut(f"{exc}: {items if items is not None else body!s}")}]
     msgs = req.messages
     if not first:
         msgs = [m for m in msgs if m.role not in ("system", "developer")] or msgs

@@ -114,7 +114,11 @@ async def build_run(out: Path, sessions: list[tuple[str, float, Callable[[Agent]
         for task, reward, play in sessions:
             info = await gw.create_session(metadata={"task": task, "attempt": 0})
             started = time.time()
-            await play(Agent(gw, info))
+            agent = Agent(gw, info)
+            try:
+                await play(agent)
+            finally:
+                await agent.client.close()
             await gw.end_session(info.session_id, reward=reward)
             await gw.durable()
             samples = gw.trajectory(info.session_id, reward=reward)

@@ -81,7 +81,7 @@ function listen(params, handlers) {
   if (events) events.close();
   events = new EventSource("/ui/api/events" + (params ? "?" + new URLSearchParams(params) : ""));
   for (const [name, fn] of Object.entries(handlers)) events.addEventListener(name, (e) => fn(JSON.parse(e.data || "{}")));
-  events.onopen = () => { liveState.textContent = "● live"; };
+  events.onopen = () => { liveState.textContent = "● following updates"; };
   events.onerror = () => { liveState.textContent = ""; };
 }
 

@@ -155,7 +155,7 @@ def big_session(out: Path, key: str = "big-task.0", turns: int = 200, turn_kb: i
     """A Claude-Code-sized turn log: ``turns`` OpenAI-chat requests whose history grows to ~``turn_kb`` KB,
     each answered with a tool call, in the shape ``turns/*.jsonl`` has (``Gateway.turn_log`` entries)."""
     (out / "turns").mkdir(parents=True, exist_ok=True)
-    step = turn_kb * 1024 // turns // 2
+    step = turn_kb * 1024 // turns  # each turn adds one tool result of this many bytes
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are Claude Code. " + "rules " * 4000},
                                       {"role": "user", "content": "Fix the failing tests."}]
     with open(out / "turns" / f"{key}.jsonl", "w", encoding="utf-8") as fh:
@@ -176,5 +176,18 @@ def big_session(out: Path, key: str = "big-task.0", turns: int = 200, turn_kb: i
     return out
 
 
-__all__ = ["INJECTIONS", "Agent", "big_run", "big_session", "build_run", "forked_session", "injection_session",
+__all__ = ["INJECTIONS", "Agent", "big_run", "big_sample", "big_session", "build_run", "forked_session", "injection_session",
            "logprobs"]
+
+
+def big_sample(out: Path, key: str = "big-task.0", tokens: int = 157_000, response: int = 60_000) -> dict[str, Any]:
+    """One sample of a long session (``tokens`` ids, the last ``response`` of them its response, every
+    other stretch trained), in ``trajectories/KEY.jsonl`` as the run's writer leaves it."""
+    (out / "trajectories").mkdir(parents=True, exist_ok=True)
+    mask = [1 if (i // 500) % 2 == 0 else 0 for i in range(response)]
+    sample = {"tokens": [(i * 7919) % 49000 for i in range(tokens)], "response_length": response, "loss_mask": mask,
+              "logprobs": [lp if m else 0.0 for m, lp in zip(mask, logprobs(response), strict=True)], "reward": 1.0,
+              "metadata": {"session_id": "big", "side_call": False, "branch": 0, "segment": 0, "turn_ids": [1, 2],
+                           "trained_turn_ids": [1, 2]}}
+    (out / "trajectories" / f"{key}.jsonl").write_text(json.dumps(sample) + "\n")
+    return sample

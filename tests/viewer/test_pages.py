@@ -5,6 +5,7 @@ model extra is there, and an in-process run of a real gateway with a forked sess
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import math
 import os
@@ -61,8 +62,11 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | None]
 def tree_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An in-process run of a real gateway: a forked session with a side call, and a hostile one."""
     out = tmp_path_factory.mktemp("tree-run") / "run"
-    return asyncio.run(build_run(out, [("fix-median", 1.0, forked_session), (HOSTILE_TASK, 0.0, injection_session)],
-                                 error={HOSTILE_TASK: "<script>window.__pwned='error'</script> \x1b[1mboom\x1b[0m"}))
+    run = build_run(out, [("fix-median", 1.0, forked_session), (HOSTILE_TASK, 0.0, injection_session)],
+                    error={HOSTILE_TASK: "<script>window.__pwned='error'</script> \x1b[1mboom\x1b[0m"})
+    # On a thread of its own: sync Playwright keeps an event loop running on this one.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, run).result()
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +112,7 @@ def test_real_run_pages(real_run: dict[str, Path | None], browser: Any, page: An
         page.wait_for_selector("#turns .turn")
         expect(page.locator("#turns .turn")).to_have_count(len(logged))
         assert page.inner_text("#turn-count") == str(len(logged))
-        assert "policy answered" in page.inner_text("#turns")
+        assert "policy answered" in page.inner_text("#turns").lower()
         assert "PASSED" in page.inner_text("#verifier") or page.inner_text("#verifier").strip()
         shot(page, screenshots, "episode")
     finally:

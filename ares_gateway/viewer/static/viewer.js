@@ -61,7 +61,10 @@ async function getJSON(name, params) {
 
 function fmt(v, digits) {
   if (v === null || v === undefined) return "–";
-  if (typeof v === "number") return Number.isInteger(v) ? String(v) : v.toFixed(digits === undefined ? 3 : digits);
+  if (typeof v === "number") {
+    if (digits !== undefined) return v.toFixed(digits);
+    return Number.isInteger(v) ? String(v) : v.toFixed(3);
+  }
   return String(v);
 }
 
@@ -122,8 +125,8 @@ async function runPage() {
     info.textContent = clean(Object.entries(run).filter(([, v]) => v !== null && v !== undefined).map(([k, v]) => `${k}: ${v}`).join(" · ")) +
       (data.error ? "  — error: " + clean(data.error) : "");
     const s = data.summary || {};
-    const cards = [card("episodes", `${fmt(s.finished)}${s.planned ? " / " + s.planned : ""}`), card("mean reward", fmt(s.mean_reward))];
-    for (const [k, v] of Object.entries(s)) if (k.startsWith("pass@")) cards.push(card(k, fmt(v)));
+    const cards = [card("episodes", `${fmt(s.finished)}${s.planned ? " / " + s.planned : ""}`), card("mean reward", fmt(s.mean_reward, 3))];
+    for (const [k, v] of Object.entries(s)) if (k.startsWith("pass@")) cards.push(card(k, fmt(v, 3)));
     cards.push(card("episodes/min", fmt(s.episodes_per_minute, 2)));
     if (s.running) cards.push(card("running", fmt(s.running)));
     const reasons = Object.entries(s.exit_reasons || {}).map(([k, v]) => `${k} ${v}`).join(", ");
@@ -138,7 +141,7 @@ async function runPage() {
     const rows = data.rows.map((r) => el("tr", { class: r.live ? "live" : "", data: { key: r.key } },
       el("td", null, el("a", { href: epHref(r.key), text: r.key, class: "ep-link" })),
       el("td", { text: r.task }), el("td", { class: "num", text: fmt(r.attempt) }),
-      el("td", { class: "num reward " + (r.reward >= 1 ? "reward-1" : r.reward === 0 ? "reward-0" : ""), text: fmt(r.reward) }),
+      el("td", { class: "num reward " + (r.reward >= 1 ? "reward-1" : r.reward === 0 ? "reward-0" : ""), text: fmt(r.reward, 3) }),
       el("td", { class: "num", text: fmt(r.turns) }), el("td", { class: "num", text: seconds(r.duration) }),
       el("td", { text: r.exit_reason }), el("td", { class: "err", text: r.error || "", title: r.error || "" }),
       el("td", { text: r.node || "" })));
@@ -206,7 +209,7 @@ async function episodePage(key) {
   if (token !== pageToken) return;
   const e = data.episode;
   const turnCount = el("div", { class: "value", id: "turn-count", text: fmt(data.turns) });
-  const head = el("div", { class: "cards" }, card("reward", fmt(e.reward)), el("div", { class: "card" }, el("div", { class: "label", text: "turns" }), turnCount),
+  const head = el("div", { class: "cards" }, card("reward", fmt(e.reward, 3)), el("div", { class: "card" }, el("div", { class: "label", text: "turns" }), turnCount),
     card("side calls", fmt(data.side_calls)), card("duration", seconds(e.duration)), card("exit reason", e.exit_reason || "–"),
     card("attempt", fmt(e.attempt)), e.node ? card("node", e.node) : null);
   const links = el("p", null,
@@ -350,7 +353,7 @@ async function samplePage(key, index, offset) {
   app.replaceChildren(el("h1", { text: `Sample ${index}` }),
     el("div", { class: "cards" }, card("tokens", fmt(data.total)), card("prompt", fmt(data.prompt_length)),
       card("response", fmt(s.response_length)), el("div", { class: "card" }, el("div", { class: "label", text: "trained tokens" }),
-        el("div", { class: "value", id: "trained-count", text: String(data.trained) })), card("reward", fmt(s.reward)),
+        el("div", { class: "value", id: "trained-count", text: String(data.trained) })), card("reward", fmt(s.reward, 3)),
       card("leaf", fmt(s.branch)), card("turns", (s.turn_ids || []).join(", ") || "–"), card("trained turns", (s.trained_turn_ids || []).join(", ") || "–")),
     el("p", { class: "legend" }, el("span", { class: "tok trained", text: "trained (loss mask 1)" }), el("span", { class: "tok", text: "not trained" }),
       el("span", { class: "tok trained low", text: `low probability (p < ${Math.exp(low).toFixed(2)})` }),

@@ -14,7 +14,6 @@ from ares_gateway.viewer.app import Viewer, serve_viewer
 from ares_gateway.viewer.source import RunSource
 
 
-
 def mount_viewer(gateway: object, run_dir: object = None) -> Viewer:
     """Serve the viewer of ``gateway`` (and of the run directory it writes, if any) at ``/ui`` on the
     gateway's own port, behind its admin token (``serve`` and ``run`` do this)."""

@@ -28,7 +28,7 @@ from ares_gateway.core.recorder import SessionRecorder
 from ares_gateway.core.store import DB_NAME, StoreReader
 from ares_gateway.episodes.output import pass_at_k
 from ares_gateway.viewer.samples import SampleSet, TokenPieces
-from ares_gateway.viewer.turns import TurnViews, cut, page
+from ares_gateway.viewer.turns import FileTurns, TurnViews, cut
 
 #: Characters of the end of an episode's verifier log shown.
 LOG_TAIL = 20_000
@@ -322,20 +322,15 @@ class RunSource:
             out["reward_parts"] = reward_parts
         samples = self.samples(key)
         out["samples"] = samples.summaries()
-        views = self.turn_views(key)
-        out["turns"] = len(views)
-        out["side_calls"] = sum(v["side_call"] for v in views)
+        log = self.turn_log(key)
+        out["turns"] = log.count()
+        out["side_calls"] = log.side_count()
         out["has_tree"] = bool(self._session_of(row)) and (self.gateway is not None or self._store() is not None)
         return out
 
     def _entries(self, key: str, row: dict[str, Any], start: int) -> list[dict[str, Any]]:
-        """The episode's turn-log entries from ``start`` on: its ``turns/`` file, the live gateway's
-        log, or the data dir's."""
+        """The turn-log entries from ``start`` on of an episode the gateway or the data dir holds."""
         sid = self._session_of(row)
-        if self.run_dir is not None and not key.startswith(SESSION_PREFIX):
-            path = self.run_dir / "turns" / f"{key}.jsonl"
-            if path.is_file():
-                return _read_lines(path, start)
         if sid is not None and self.gateway is not None and self.gateway.sessions.find(sid) is not None:
             return self.gateway.recorder.turn_log(sid, tokens=False)[start:]  # type: ignore[no-any-return]
         rec = self._store()
@@ -357,22 +352,27 @@ class RunSource:
             return ("stored", sid)
         return None
 
-    def turn_views(self, key: str) -> list[dict[str, Any]]:
-        """The episode's turns as views, built once; a live log only adds its new turns."""
+    def turn_log(self, key: str) -> TurnViews | FileTurns:
+        """The episode's turns as views: its ``turns/`` file (indexed once, a view built when a page
+        shows it), else the gateway's or the data dir's log (built once; a live log adds its new turns)."""
         with self._lock:
             row = self.row(key)
             stamp = self._turn_log_stamp(key, row)
             cached = self._turns.get(key)
             if cached is not None and cached.stamp == stamp:
-                return cached.value.views  # type: ignore[no-any-return]
-            live = isinstance(stamp, tuple) and stamp[0] == "live"
-            if cached is not None and live and isinstance(cached.stamp, tuple) and cached.stamp[0] == "live":
-                views = cached.value  # a live session's log only grows
+                return cached.value  # type: ignore[no-any-return]
+            log: TurnViews | FileTurns
+            if isinstance(stamp, tuple) and isinstance(stamp[0], int):  # a turns/ file (size, mtime)
+                log = FileTurns(self.run_dir / "turns" / f"{key}.jsonl")  # type: ignore[operator]
             else:
-                views = TurnViews()
-            views.add(self._entries(key, row, len(views.views)))
-            self._turns[key] = _Cached(stamp, views)
-            return views.views
+                live = isinstance(stamp, tuple) and stamp[0] == "live"
+                if cached is not None and live and isinstance(cached.stamp, tuple) and cached.stamp[0] == "live":
+                    log = cached.value  # a live session's log only grows
+                else:
+                    log = TurnViews()
+                log.add(self._entries(key, row, log.count()))
+            self._turns[key] = _Cached(stamp, log)
+            return log
 
     def turn_count(self, key: str) -> int:
         """How many turns the episode has now (cheap: for the live updates)."""
@@ -386,12 +386,12 @@ class RunSource:
         stamp = self._turn_log_stamp(key, row)
         cached = self._turns.get(key)
         if cached is not None and cached.stamp == stamp:
-            return len(cached.value.views)
+            return int(cached.value.count())
         return int(row.get("turns") or 0)
 
     def turns(self, key: str, *, offset: int = 0, limit: int = 50, line: str = "all") -> dict[str, Any]:
         """One page of the episode's turn views."""
-        return page(self.turn_views(key), offset=offset, limit=max(1, min(limit, 200)), line=line)
+        return self.turn_log(key).page(offset=offset, limit=max(1, min(limit, 200)), line=line)
 
     def tree(self, key: str, *, side_call: bool = False) -> dict[str, Any]:
         """The episode's message tree (main line or side calls), with which samples come from which leaf."""

@@ -9,8 +9,14 @@ diverged. Long texts are cut (:data:`TEXT_LIMIT`), so no page ships megabytes.
 
 from __future__ import annotations
 
+import mmap
+import os
+import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 from ares_gateway.core.canonical import Message, WireProtocol
 from ares_gateway.protocols import get_adapter
@@ -114,58 +120,155 @@ def _answer(entry: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class TurnViews:
-    """Builds the display view of each turn of one episode, in order (feed it log entries as they come).
+def _protocol(entry: dict[str, Any]) -> WireProtocol:
+    try:
+        return WireProtocol(entry.get("protocol") or "openai_chat")
+    except ValueError:
+        return WireProtocol.OPENAI_CHAT
 
-    Keeps, per line, the previous request's message list (what the next request is compared with),
-    and the views built so far; nothing else of the raw log.
-    """
+
+def list_items(entry: dict[str, Any]) -> list[Any] | None:
+    """The message list of a turn-log entry's request (``messages`` / ``input``), if it has one."""
+    body = entry.get("request")
+    key = _LIST_KEY.get(_protocol(entry))
+    items = body.get(key) if isinstance(body, dict) and key else None
+    return items if isinstance(items, list) else None
+
+
+def turn_view(entry: dict[str, Any], index: int, prev: list[Any] | None) -> dict[str, Any]:
+    """The view of turn ``index`` (from 1): the messages its request added to ``prev`` (the message list
+    of the previous request on its line; ``None`` for the line's first), and the policy's answer."""
+    side = bool(entry.get("side_call"))
+    body = entry.get("request")
+    protocol = _protocol(entry)
+    view: dict[str, Any] = {"index": index, "side_call": side, "request_id": entry.get("request_id"),
+                            "timestamp": entry.get("timestamp"), "latency": entry.get("latency"),
+                            "answer": _answer(entry), "protocol": protocol.value}
+    if not isinstance(body, dict):
+        view["messages"] = [{"role": "unparsed", "text": cut(str(body))}]
+        return view
+    items = list_items(entry)
+    if items is None:  # a Responses string input, or no list at all: shown whole
+        view["messages"] = _messages(protocol, body, None, first=True)
+        return view
+    shared = 0 if prev is None else _common_prefix(prev, items)
+    if prev is not None and shared == len(prev) - 1 < len(items) and \
+            _without_cache_marks(prev[shared]) == _without_cache_marks(items[shared]):
+        shared += 1  # Claude Code moves its cache_control mark to the newest message each turn
+    view["history"] = len(items)
+    view["shared"] = shared
+    if prev is not None and shared < len(prev):
+        # The request did not continue the previous one: forked or rewritten at `shared`.
+        view["diverged_at"] = shared
+    view["messages"] = _messages(protocol, body, items[shared:], first=prev is None)
+    return view
+
+
+def _page(views: list[dict[str, Any]], total: int, side_calls: int, offset: int) -> dict[str, Any]:
+    return {"total": total, "side_calls": side_calls, "offset": offset, "turns": views}
+
+
+class TurnViews:
+    """The views of a turn log held in memory (a live gateway's, a data dir's), built in order as
+    entries are added. Keeps, per line, the previous request's message list and the views."""
 
     def __init__(self) -> None:
         self.views: list[dict[str, Any]] = []
-        self._prev: dict[bool, list[Any]] = {}
+        self._prev: dict[bool, list[Any] | None] = {}
 
     def add(self, entries: Iterable[dict[str, Any]]) -> None:
         """Append the views of ``entries`` (turn-log entries: ``request``, ``completion``, ``protocol`` ...)."""
         for entry in entries:
-            self.views.append(self._view(entry, len(self.views) + 1))
+            side = bool(entry.get("side_call"))
+            self.views.append(turn_view(entry, len(self.views) + 1, self._prev.get(side)))
+            self._prev[side] = list_items(entry)
 
-    def _view(self, entry: dict[str, Any], index: int) -> dict[str, Any]:
-        side = bool(entry.get("side_call"))
-        body = entry.get("request")
-        view: dict[str, Any] = {"index": index, "side_call": side, "request_id": entry.get("request_id"),
-                                "timestamp": entry.get("timestamp"), "latency": entry.get("latency"),
-                                "answer": _answer(entry)}
+    def count(self) -> int:
+        return len(self.views)
+
+    def side_count(self) -> int:
+        return sum(v["side_call"] for v in self.views)
+
+    def page(self, *, offset: int, limit: int, line: str = "all") -> dict[str, Any]:
+        """``limit`` views from ``offset`` of the line asked for (``main``, ``side`` or ``all``), with counts."""
+        views = self.views
+        picked = views if line == "all" else [v for v in views if v["side_call"] == (line == "side")]
+        out = _page(picked[offset: offset + limit], len(picked), self.side_count(), offset)
+        out["all"] = len(views)
+        return out
+
+
+#: Where a ``turns/*.jsonl`` line says whether it is a side call (the writer puts the field first).
+_SIDE = re.compile(rb'"side_call":\s*(true|false)')
+
+
+class FileTurns:
+    """The views of a run's ``turns/KEY.jsonl``, built only for the turns a page shows.
+
+    The file is indexed once (where each line starts, whether it is a side call: read from the line's
+    head, without parsing the request); a turn's view needs its own line and its line's previous
+    request, so a page of a 200-turn, 60 MB log parses about two pages' lines, not the file.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._starts: list[int] = []
+        self._sides: list[bool] = []
+        self._ends: list[int] = []
+        self._prev: list[int | None] = []
+        self._views: dict[int, dict[str, Any]] = {}
+        self._index()
+
+    def _index(self) -> None:
+        with open(self.path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size == 0:
+                return
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                pos = 0
+                last: dict[bool, int] = {}
+                while pos < size:
+                    end = mm.find(b"\n", pos)
+                    if end < 0:
+                        break  # a line still being written
+                    if end > pos:
+                        found = _SIDE.search(mm[pos: min(end, pos + 512)])
+                        side = found.group(1) == b"true" if found else \
+                            bool(orjson.loads(mm[pos:end]).get("side_call"))
+                        self._prev.append(last.get(side))
+                        last[side] = len(self._starts)
+                        self._starts.append(pos)
+                        self._sides.append(side)
+                    pos = end + 1
+                self._ends = [*self._starts[1:], pos]
+
+    def _entry(self, i: int) -> dict[str, Any]:
+        with open(self.path, "rb") as fh:
+            fh.seek(self._starts[i])
+            data = fh.read(self._ends[i] - self._starts[i])
         try:
-            protocol = WireProtocol(entry.get("protocol") or "openai_chat")
-        except ValueError:
-            protocol = WireProtocol.OPENAI_CHAT
-        view["protocol"] = protocol.value
-        if not isinstance(body, dict):
-            view["messages"] = [{"role": "unparsed", "text": cut(str(body))}]
-            return view
-        key = _LIST_KEY.get(protocol)
-        items = body.get(key) if key else None
-        prev = self._prev.get(side)
-        if isinstance(items, list):
-            shared = 0 if prev is None else _common_prefix(prev, items)
-            if prev is not None and shared == len(prev) - 1 < len(items) and \
-                    _without_cache_marks(prev[shared]) == _without_cache_marks(items[shared]):
-                shared += 1  # Claude Code moves its cache_control mark to the newest message each turn
-            view["history"] = len(items)
-            view["shared"] = shared
-            if prev is not None and shared < len(prev):
-                # The request did not continue the previous one: forked or rewritten at `shared`.
-                view["diverged_at"] = shared
-            self._prev[side] = items
-            view["messages"] = _messages(protocol, body, items[shared:], first=prev is None)
-        else:  # a Responses string input, or no list at all: shown whole
-            view["messages"] = _messages(protocol, body, None, first=True)
-        return view
+            entry = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            return {"request": f"(this line of {self.path.name} is not JSON: {exc})"}
+        return entry if isinstance(entry, dict) else {"request": entry}
 
+    def view(self, i: int) -> dict[str, Any]:
+        got = self._views.get(i)
+        if got is None:
+            j = self._prev[i]
+            prev = None if j is None else list_items(self._entry(j))
+            got = self._views[i] = turn_view(self._entry(i), i + 1, prev)
+        return got
 
-def page(views: list[dict[str, Any]], *, offset: int, limit: int, line: str = "all") -> dict[str, Any]:
-    """``limit`` views from ``offset`` of the line asked for (``main``, ``side`` or ``all``), with counts."""
-    picked = views if line == "all" else [v for v in views if v["side_call"] == (line == "side")]
-    return {"total": len(picked), "all": len(views), "side_calls": sum(v["side_call"] for v in views),
-            "offset": offset, "turns": picked[offset: offset + limit]}
+    def count(self) -> int:
+        return len(self._starts)
+
+    def side_count(self) -> int:
+        return sum(self._sides)
+
+    def page(self, *, offset: int, limit: int, line: str = "all") -> dict[str, Any]:
+        picked = range(len(self._starts)) if line == "all" else \
+            [i for i, side in enumerate(self._sides) if side == (line == "side")]
+        out = _page([self.view(i) for i in picked[offset: offset + limit]], len(picked), self.side_count(), offset)
+        out["all"] = self.count()
+        return out

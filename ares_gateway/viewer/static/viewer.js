@@ -88,12 +88,14 @@ function listen(params, handlers) {
   events.onerror = () => { liveState.textContent = ""; };
 }
 
+function show(...nodes) { app.replaceChildren(...nodes.filter((n) => n !== null && n !== undefined && n !== false)); }
+
 function card(label, value) {
   return el("div", { class: "card" }, el("div", { class: "label", text: label }), el("div", { class: "value", text: value }));
 }
 
 function showError(err) {
-  app.replaceChildren(el("p", { class: "error", text: "Could not load: " + err.message }), el("a", { href: "#/", text: "back to the run" }));
+  show(el("p", { class: "error", text: "Could not load: " + err.message }), el("a", { href: "#/", text: "back to the run" }));
 }
 
 // ------------------------------------------------------------------ the run
@@ -112,7 +114,7 @@ async function runPage() {
   const search = el("input", { type: "search", placeholder: "filter: task, error, node…", id: "filter", value: runState.q });
   const exitSel = el("select", { id: "exit-filter" }, el("option", { value: "", text: "every exit reason" }));
   const pager = el("div", { class: "pager" });
-  app.replaceChildren(title, info, summary, el("div", { class: "controls" }, search, exitSel), table, pager);
+  show(title, info, summary, el("div", { class: "controls" }, search, exitSel), table, pager);
   let timer = null;
   search.addEventListener("input", () => { clearTimeout(timer); timer = setTimeout(() => { runState.q = search.value; runState.offset = 0; load(); }, 200); });
   exitSel.addEventListener("change", () => { runState.exit = exitSel.value; runState.offset = 0; load(); });
@@ -221,13 +223,13 @@ async function episodePage(key) {
       ` ${s.side_call ? "side call · " : ""}leaf ${fmt(s.branch)} · ${s.tokens} tokens · ${s.trained} trained · turns ${(s.turn_ids || []).join(", ")}`))));
   } else samples.append(el("p", { class: "muted", text: "No training samples (the policy gave no token ids: scripted or oracle)." }));
   const verifier = el("div", { id: "verifier" }, el("h2", { text: "Verifier" }),
-    data.reward_parts ? el("p", { text: "reward parts: " + JSON.stringify(data.reward_parts) }) : null,
+    data.reward_parts && Object.keys(data.reward_parts).length ? el("p", { text: "reward parts: " + JSON.stringify(data.reward_parts) }) : null,
     data.verifier ? cutText(data.verifier) : el("p", { class: "muted", text: "no verifier output" }));
   const err = e.error ? el("p", { class: "error", id: "episode-error", text: "error: " + e.error }) : null;
   const tabs = el("div", { class: "tabs" });
   const list = el("div", { id: "turns" });
   const more = el("button", { id: "more-turns", text: "load more turns" });
-  app.replaceChildren(el("h1", { text: `${e.task} #${fmt(e.attempt)}`, id: "episode-title" }),
+  show(el("h1", { text: `${e.task} #${fmt(e.attempt)}`, id: "episode-title" }),
     el("p", { class: "muted", text: `session ${e.session_id || "–"}` + (e.live ? " · running" : "") }), head, err, links, samples, verifier,
     el("h2", { text: "Turns" }), tabs, list, more);
 
@@ -270,7 +272,7 @@ async function treePage(key, side) {
   const data = await getJSON("tree", { key, side: side ? 1 : 0 });
   if (token !== pageToken) return;
   const toggle = el("p", null, el("a", { href: epHref(key, "/tree" + (side ? "" : "?side=1")), text: side ? "show the main line's tree" : "show the side calls' tree" }));
-  if (!data.tree) { app.replaceChildren(el("h1", { text: "Message tree" }), toggle, el("p", { class: "muted", text: data.why })); return; }
+  if (!data.tree) { show(el("h1", { text: "Message tree" }), toggle, el("p", { class: "muted", text: data.why })); return; }
   const nodes = data.tree.nodes;
   const kids = new Map();
   const roots = [];
@@ -319,7 +321,7 @@ async function treePage(key, side) {
   }
   const tree = el("div", { class: "tree", id: "tree" });
   for (const r of roots) tree.append(branch(r));
-  app.replaceChildren(el("h1", { text: side ? "Message tree: side calls" : "Message tree" }), toggle,
+  show(el("h1", { text: side ? "Message tree: side calls" : "Message tree" }), toggle,
     el("p", { class: "muted", id: "tree-info", text: `${nodes.length} messages · ${data.tree.leaves} leaves · ${forks} fork point(s)` + (data.tree.truncated ? " · cut" : "") }),
     el("p", { class: "legend" }, el("span", { class: "badge fork", text: "fork" }), el("span", { class: "badge realign", text: "realigned" }),
       el("span", { class: "badge rewrite", text: "rewrite merged" }), el("span", { class: "badge leaf", text: "leaf → sample" })),
@@ -350,7 +352,7 @@ async function samplePage(key, index, offset) {
     el("span", { id: "window-info", text: `tokens ${data.offset}–${data.offset + data.tokens.length} of ${data.total}` }),
     el("button", { text: "next ▶", disabled: data.offset + data.tokens.length >= data.total, on: { click: page(data.offset + limit) } }),
     el("button", { text: "jump to the response", on: { click: page(data.prompt_length) } }));
-  app.replaceChildren(el("h1", { text: `Sample ${index}` }),
+  show(el("h1", { text: `Sample ${index}` }),
     el("div", { class: "cards" }, card("tokens", fmt(data.total)), card("prompt", fmt(data.prompt_length)),
       card("response", fmt(s.response_length)), el("div", { class: "card" }, el("div", { class: "label", text: "trained tokens" }),
         el("div", { class: "value", id: "trained-count", text: String(data.trained) })), card("reward", fmt(s.reward, 3)),

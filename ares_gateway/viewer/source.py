@@ -322,9 +322,9 @@ class RunSource:
             out["reward_parts"] = reward_parts
         samples = self.samples(key)
         out["samples"] = samples.summaries()
-        log = self.turn_log(key)
-        out["turns"] = log.count()
-        out["side_calls"] = log.side_count()
+        turns = self.turn_log(key)
+        out["turns"] = turns.count()
+        out["side_calls"] = turns.side_count()
         out["has_tree"] = bool(self._session_of(row)) and (self.gateway is not None or self._store() is not None)
         return out
 
@@ -366,11 +366,11 @@ class RunSource:
                 log = FileTurns(self.run_dir / "turns" / f"{key}.jsonl")  # type: ignore[operator]
             else:
                 live = isinstance(stamp, tuple) and stamp[0] == "live"
+                views: TurnViews = TurnViews()
                 if cached is not None and live and isinstance(cached.stamp, tuple) and cached.stamp[0] == "live":
-                    log = cached.value  # a live session's log only grows
-                else:
-                    log = TurnViews()
-                log.add(self._entries(key, row, log.count()))
+                    views = cached.value  # a live session's log only grows
+                views.add(self._entries(key, row, views.count()))
+                log = views
             self._turns[key] = _Cached(stamp, log)
             return log
 

@@ -252,3 +252,21 @@ def test_package_ships_the_page() -> None:
     js = (REPO / "ares_gateway" / "viewer" / "static" / "viewer.js").read_text()
     assert "innerHTML" not in js.replace("never innerHTML", "") and "insertAdjacentHTML" not in js
     assert "eval(" not in js and "document.write" not in js
+
+
+def test_view_of_a_data_dir(tree_run: Path, page: Any, screenshots: Path) -> None:
+    """``view`` on a gateway data dir alone: its sessions are the episodes, their turns and trees read
+    from the records."""
+    view = ViewProcess(tree_run / "gateway-data")
+    try:
+        page.goto(view.url)
+        rows = _rows(page)
+        assert len(rows) == 2 and all(key.startswith("session:") for key in rows)
+        forked = next(key for key, cells in rows.items() if cells[1] == "fix-median")
+        page.click(f"a.ep-link:text-is('{forked}')")
+        expect(page.locator("#turns .turn")).to_have_count(3)
+        page.click("#tree-link")
+        expect(page.locator("#tree li.branch")).to_have_count(2)
+        _assert_inert(page)
+    finally:
+        view.stop()

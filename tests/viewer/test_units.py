@@ -1,0 +1,85 @@
+"""The viewer's parts without a browser: turn views from a file equal those built in memory, the tree's
+leaf numbering is the samples' ``branch``, and a mount serves only paths the gateway does not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from ares_gateway import Gateway
+from ares_gateway.viewer.turns import FileTurns, TurnViews
+from trajectory import TrajectoryManager, TurnRecord
+
+from .runs import big_session
+
+
+def test_file_turns_equal_turns_built_in_memory(tmp_path: Path) -> None:
+    big_session(tmp_path, "t.0", turns=30, turn_kb=60)
+    path = tmp_path / "turns" / "t.0.jsonl"
+    entries = [json.loads(line) for line in path.read_text().splitlines()]
+    # A side call in the middle, and a request that rewrites the history (a fork).
+    entries.insert(5, {**entries[0], "side_call": True, "request": {"model": "m", "messages": [
+        {"role": "user", "content": "title?"}]}})
+    entries.insert(9, {**entries[8], "request": {"model": "m", "messages": entries[8]["request"]["messages"][:3]}})
+    path.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    memory = TurnViews()
+    memory.add(entries)
+    on_file = FileTurns(path)
+    assert on_file.count() == memory.count() == 32 and on_file.side_count() == memory.side_count() == 1
+    for line in ("all", "main", "side"):
+        for offset in (0, 7, 30):
+            assert on_file.page(offset=offset, limit=5, line=line) == memory.page(offset=offset, limit=5, line=line)
+    views = memory.page(offset=0, limit=40)["turns"]
+    assert views[9]["diverged_at"] == 3 and "diverged_at" not in views[10]
+    assert [m["role"] for m in views[1]["messages"]] == ["assistant", "tool"]  # only what the turn added
+
+
+def test_tree_leaves_are_the_samples_branches() -> None:
+    tm = TrajectoryManager()
+    sys_, user = {"role": "system", "content": "s"}, {"role": "user", "content": "u"}
+
+    def turn(prompt: list[int], out: list[int]) -> TurnRecord:
+        return TurnRecord(prompt, out, [-0.1] * len(out))
+
+    a1 = {"role": "assistant", "content": "a1"}
+    tm.record_turn("s", prompt_messages=[sys_, user], response_message=a1, turn=turn([1, 2, 3], [4, 5]))
+    for i, tail in enumerate(("x", "y", "z")):
+        tm.record_turn("s", prompt_messages=[sys_, user, a1, {"role": "user", "content": tail}],
+                       response_message={"role": "assistant", "content": f"r{i}"},
+                       turn=turn([1, 2, 3, 4, 5, 10 + i], [20 + i]))
+    view = tm.tree_view("s")
+    assert view is not None and view["leaves"] == 3
+    leaves = {n["leaf"]: n["preview"] for n in view["nodes"] if "leaf" in n}
+    samples = tm.samples("s")
+    assert {s.metadata["branch"]: f"r{s.metadata['turn_ids'][-1] - 2}" for s in samples} == leaves
+    assert [n.get("forks") for n in view["nodes"] if n.get("forks")] == [3]
+    assert tm.tree_view("s", side_call=True) is None and tm.tree_view("nobody") is None
+
+
+async def test_mount_serves_only_what_the_gateway_does_not() -> None:
+    seen: list[str] = []
+
+    async def ui(request: web.BaseRequest) -> web.StreamResponse:
+        seen.append(request.path)
+        return web.Response(text="ui")
+
+    async with Gateway(data_dir=False) as gw, aiohttp.ClientSession() as http:
+        with pytest.raises(ValueError):
+            gw.mount("/v1", ui)
+        with pytest.raises(ValueError):
+            gw.mount("ui/", ui)
+        gw.mount("/ui", ui)  # after start: the route table holds the mounts by reference
+        for path in ("/ui", "/ui/", "/ui/api/run"):
+            async with http.get(gw.url + path) as resp:
+                assert resp.status == 200 and await resp.text() == "ui"
+        async with http.get(gw.url + "/uix") as resp:
+            assert resp.status == 404
+        async with http.get(gw.url + "/healthz") as resp:
+            assert resp.status == 200
+        assert seen == ["/ui", "/ui/", "/ui/api/run"]
+    await asyncio.sleep(0)

@@ -191,7 +191,8 @@ class Gateway:
     def mount(self, prefix: str, handler: Callable[[BaseRequest], Awaitable[StreamResponse]]) -> None:
         """Serve ``handler`` for ``prefix`` and every path below it (``/ui``: the trajectory viewer,
         :mod:`ares_gateway.viewer`), beside the gateway's own paths, which it cannot shadow. The
-        handler does its own authentication."""
+        handler does its own authentication; its ``close()``, if it has one, is called when the gateway
+        closes, before the server waits for the requests in flight."""
         if not prefix.startswith("/") or prefix.endswith("/") or prefix in ("/s", "/sessions", "/v1"):
             raise ValueError(f"cannot mount at {prefix!r}: a prefix like /ui")
         self.mounts[prefix] = handler
@@ -220,6 +221,10 @@ class Gateway:
             shutil.rmtree(self._temp_data_dir, ignore_errors=True)
             self._temp_data_dir = None
         await self.session_sockets.close_all()
+        for mounted in self.mounts.values():
+            closer = getattr(mounted, "close", None)
+            if callable(closer):
+                closer()  # e.g. the viewer ends its live-update streams, which would hold the server's grace
         if self._http is not None:
             http, self._http = self._http, None
             await http.close()

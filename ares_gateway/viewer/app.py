@@ -106,8 +106,9 @@ class Viewer:
         self._closing = asyncio.Event()
 
     def close(self) -> None:
-        """End the live-update streams (the server is stopping)."""
+        """End the live-update streams and let the data go (the server is stopping)."""
         self._closing.set()
+        self.source.close()
 
     # ------------------------------------------------------------------ auth
 

@@ -140,6 +140,7 @@ class RunSource:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+            self._recorder = None
 
     # ------------------------------------------------------------------ the data dir
 

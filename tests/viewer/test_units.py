@@ -83,3 +83,21 @@ async def test_mount_serves_only_what_the_gateway_does_not() -> None:
             assert resp.status == 200
         assert seen == ["/ui", "/ui/", "/ui/api/run"]
     await asyncio.sleep(0)
+
+
+async def test_an_open_event_stream_does_not_hold_the_gateway_open() -> None:
+    import time
+
+    from ares_gateway.viewer import mount_viewer
+
+    gw = Gateway(data_dir=False)
+    mount_viewer(gw)
+    await gw.start()
+    async with aiohttp.ClientSession() as http:
+        resp = await http.get(gw.url + "/ui/api/events", headers={"authorization": f"Bearer {gw.admin_token}"})
+        assert resp.status == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        assert (await resp.content.readline()) == b"event: run\n"
+        t0 = time.monotonic()
+        await gw.close()
+        assert time.monotonic() - t0 < 2.0  # not the server's 5 s grace for requests in flight
+        resp.close()

@@ -41,7 +41,9 @@ def cut(text: str | None, limit: int = TEXT_LIMIT) -> dict[str, Any] | None:
 def display_message(m: Message) -> dict[str, Any]:
     """A canonical message as the page draws it: role, text, reasoning, tool calls, tool result id."""
     out: dict[str, Any] = {"role": m.role, "text": cut(m.text())}
-    others = [p.type for p in m.content if p.type != "text"] if isinstance(m.content, list) else []
+    # Thinking blocks are the message's ``reasoning``, shown as that.
+    others = [p.type for p in m.content if p.type not in ("text", "thinking", "redacted_thinking", "reasoning")] \
+        if isinstance(m.content, list) else []
     if others:
         out["parts"] = others
     if m.reasoning:

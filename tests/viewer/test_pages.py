@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import math
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,8 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | None]
                           check=False)
     oracle = out["oracle"]
     assert oracle is not None and (oracle / "results.json").is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    # `run` (and the demo's parts) served the viewer live on the gateway's port while it ran.
+    assert re.search(r"trajectory viewer: http://127\.0\.0\.1:\d+/ui/", proc.stdout), proc.stdout[-3000:]
     return out
 
 

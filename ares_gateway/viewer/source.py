@@ -298,9 +298,17 @@ class RunSource:
     # ------------------------------------------------------------------ one episode
 
     def row(self, key: str) -> dict[str, Any]:
-        for r in self.rows():
+        """The episode ``key`` names; ``session:ID`` also finds the run's row of that session once its
+        episode has ended (its key is then ``TASK.ATTEMPT``), so an open page keeps working."""
+        rows = self.rows()
+        for r in rows:
             if r["key"] == key:
                 return r
+        if key.startswith(SESSION_PREFIX):
+            sid = key[len(SESSION_PREFIX):]
+            for r in rows:
+                if r["session_id"] == sid:
+                    return r
         raise NotFound(f"no episode {key!r}")
 
     def _session_of(self, row: dict[str, Any]) -> str | None:
@@ -309,6 +317,7 @@ class RunSource:
     def episode(self, key: str) -> dict[str, Any]:
         """An episode's row, its verifier's output, its samples (no tokens) and its turn count."""
         row = self.row(key)
+        key = row["key"]
         out: dict[str, Any] = {"episode": row}
         if self.run_dir is not None and not key.startswith(SESSION_PREFIX):
             log = self.run_dir / "logs" / key / "verifier.log"
@@ -358,6 +367,7 @@ class RunSource:
         shows it), else the gateway's or the data dir's log (built once; a live log adds its new turns)."""
         with self._lock:
             row = self.row(key)
+            key = row["key"]
             stamp = self._turn_log_stamp(key, row)
             cached = self._turns.get(key)
             if cached is not None and cached.stamp == stamp:
@@ -379,6 +389,7 @@ class RunSource:
         """How many turns the episode has now (cheap: for the live updates)."""
         try:
             row = self.row(key)
+            key = row["key"]
         except NotFound:
             return 0
         sid = self._session_of(row)
@@ -397,6 +408,7 @@ class RunSource:
     def tree(self, key: str, *, side_call: bool = False) -> dict[str, Any]:
         """The episode's message tree (main line or side calls), with which samples come from which leaf."""
         row = self.row(key)
+        key = row["key"]
         sid = self._session_of(row)
         view = None
         with self._lock:
@@ -418,6 +430,7 @@ class RunSource:
         """The episode's training samples (from its ``trajectories/`` file, else rebuilt from the records)."""
         with self._lock:
             row = self.row(key)
+            key = row["key"]
             sid = self._session_of(row)
             if self.run_dir is not None and not key.startswith(SESSION_PREFIX):
                 path = self.run_dir / "trajectories" / f"{key}.jsonl"

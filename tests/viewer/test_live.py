@@ -57,7 +57,7 @@ async def test_live_episode_and_run_table(tmp_path: Path, screenshots: Path) -> 
     profile = tempfile.mkdtemp(prefix="ares-viewer-chromium-")
     try:
         async with Gateway(data_dir=str(out / "gateway-data")) as gw, async_playwright() as pw:
-            mount_viewer(gw, out)  # as `run` does
+            viewer = mount_viewer(gw, out)  # as `run` does
             info = await gw.create_session(metadata={"task": "live-task", "attempt": 0})
             agent = Agent(gw, info)
             context = await _launch(pw, profile)
@@ -91,6 +91,15 @@ async def test_live_episode_and_run_table(tmp_path: Path, screenshots: Path) -> 
             await expect(page.locator("#episodes tbody tr.live")).to_have_count(0, timeout=1000)
             assert time.monotonic() - t0 < 2.0
             await page.screenshot(path=str(screenshots / "run-live.png"))
+            # As the driver does: the episode's row and files written, its session gone from the gateway;
+            # the running episode's key still finds it (an open page keeps working).
+            outputs.episode(EpisodeResult(task="live-task", attempt=0, reward=1.0, turns=4, duration=3.0,
+                                          exit_reason="completed", session_id=info.session_id),
+                            gw.trajectory(info.session_id), gw.turn_log(info.session_id), {})
+            await gw.delete_session(info.session_id)
+            ended = viewer.source.episode("session:" + info.session_id)
+            assert ended["episode"]["key"] == "live-task.0" and ended["turns"] == 4 and len(ended["samples"]) == 1
+            await expect(page.locator("#episodes tbody tr")).to_have_count(2, timeout=1000)
             await agent.client.close()
             assert context.offsite == []
             await context.close()

@@ -35,8 +35,12 @@ async def _view(source: Any, host: str, port: int, ready: Any = None) -> None:
 def cmd_view(args: argparse.Namespace) -> int:
     from ares_gateway.viewer import RunSource
 
-    path = Path(args.dir)
     data_dir = Path(args.data_dir) if args.data_dir else None
+    if args.dir is None and data_dir is None:
+        print("ares-gateway view: name a run directory or --data-dir DIR", file=sys.stderr)
+        return 2
+    path = Path(args.dir) if args.dir is not None else data_dir
+    assert path is not None
     if not path.is_dir():
         print(f"ares-gateway view: {path} is not a directory", file=sys.stderr)
         return 2
@@ -58,9 +62,10 @@ def add_view_command(sub: Any) -> None:
                        description="Serve the trajectory viewer of a run directory (or a gateway data dir) on "
                                    "127.0.0.1 and print its URL; read-only, offline (docs/viewer.md).",
                        formatter_class=HelpFormatter)
-    p.add_argument("dir", help="a run's output directory (ares-gateway run --out) or a data dir")
+    p.add_argument("dir", nargs="?", default=None, help="a run's output directory (ares-gateway run --out) or a data dir")
     p.add_argument("--data-dir", default=None, metavar="DIR",
-                   help="the data dir whose records give the message trees (default: DIR/gateway-data)")
+                   help="a gateway data dir: alone, its sessions are the episodes; with a run directory, the "
+                        "records its message trees come from (default: DIR/gateway-data)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1: this host only)")
     p.add_argument("--port", type=int, default=8377, help="port; 0 picks a free one (default: 8377)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",

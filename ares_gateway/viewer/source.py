@@ -120,6 +120,8 @@ class RunSource:
             data_dir = self.run_dir / "gateway-data"
         self.data_dir = None if data_dir is None else Path(data_dir)
         self.gateway = gateway
+        #: When a live view started (``run`` mounts it as the run starts): episodes/min before results.json.
+        self.started = time.time() if gateway is not None else None
         self.title = title or str(self.run_dir or self.data_dir or "live gateway")
         self._episodes = None if self.run_dir is None else _Jsonl(self.run_dir / "episodes.jsonl")
         self._results: _Cached | None = None
@@ -253,11 +255,9 @@ class RunSource:
             for r in finished:
                 reasons[str(r["exit_reason"])] = reasons.get(str(r["exit_reason"]), 0) + 1
             out["exit_reasons"] = reasons
-            durations = [r["duration"] for r in finished if isinstance(r["duration"], (int, float))]
-            out["episodes_per_minute"] = None
-            if durations and self.run_dir is not None and (st := _stamp(self.run_dir / "episodes.jsonl")):
-                span = st[1] / 1e9 - (self.run_dir / "episodes.jsonl").stat().st_ctime + max(durations)
-                out["episodes_per_minute"] = round(len(finished) / span * 60, 3) if span > 0 else None
+            # Known while the viewer watches the run from its start (``run``'s mount); else not.
+            span = None if self.started is None else time.time() - self.started
+            out["episodes_per_minute"] = round(len(finished) / span * 60, 3) if span and finished else None
         out["running"] = sum(1 for r in rows if r["live"])
         return out
 

@@ -101,3 +101,28 @@ async def test_an_open_event_stream_does_not_hold_the_gateway_open() -> None:
         await gw.close()
         assert time.monotonic() - t0 < 2.0  # not the server's 5 s grace for requests in flight
         resp.close()
+
+
+def test_a_failed_policy_call_shows_its_error() -> None:
+    views = TurnViews()
+    views.add([{"protocol": "openai.chat", "request": {"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                "error": {"status": 502, "message": "upstream answered 500: injected"}}])
+    assert views.views[0]["answer"] == {"error": {"text": "upstream answered 500: injected"}, "status": 502}
+
+
+def test_view_refuses_what_it_cannot_show(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    def view(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "ares_gateway.cli", "view", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=60, check=False)
+
+    got = view()
+    assert got.returncode == 2 and "name a run directory or --data-dir DIR" in got.stderr
+    got = view(str(tmp_path))
+    assert got.returncode == 2 and "is neither a run directory" in got.stderr
+    got = view(str(tmp_path / "missing"))
+    assert got.returncode == 2 and "is not a directory" in got.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import secrets
 import signal
 import sys
 from pathlib import Path
@@ -17,13 +18,17 @@ from ares_gateway.core.store import DB_NAME
 async def _view(source: Any, host: str, port: int, ready: Any = None) -> None:
     from ares_gateway.viewer import Viewer, serve_viewer
 
-    viewer = Viewer(source)
+    # Never open, even on 127.0.0.1: any user of this host reaches that port. A token of this process,
+    # in the URL's fragment (never sent to a server, never logged; the page drops it from the history).
+    token = secrets.token_urlsafe(24)
+    viewer = Viewer(source, admin_token=token)
     runner, bound = await serve_viewer(viewer, host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"ares-gateway viewer of {source.title}: http://{host}:{bound}/ui/ (Ctrl-C stops it)", flush=True)
+    print(f"ares-gateway viewer of {source.title}: http://{host}:{bound}/ui/#token={token} (Ctrl-C stops it)",
+          flush=True)
     try:
         await stop.wait()
     finally:
@@ -60,7 +65,8 @@ def cmd_view(args: argparse.Namespace) -> int:
 def add_view_command(sub: Any) -> None:
     p = sub.add_parser("view", help="browse a run's episodes, turns, message trees and samples in the browser",
                        description="Serve the trajectory viewer of a run directory (or a gateway data dir) on "
-                                   "127.0.0.1 and print its URL; read-only, offline (docs/viewer.md).",
+                                   "127.0.0.1 and print its URL (which logs in with a token of this process, in "
+                                   "the URL's fragment); read-only, offline (docs/viewer.md).",
                        formatter_class=HelpFormatter)
     p.add_argument("dir", nargs="?", default=None, help="a run's output directory (ares-gateway run --out) or a data dir")
     p.add_argument("--data-dir", default=None, metavar="DIR",

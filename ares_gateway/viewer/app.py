@@ -6,6 +6,10 @@ by ``serve`` and ``run``, where it sits behind the admin token: ``POST /ui/login
 the form body sets an HttpOnly, SameSite=Strict cookie (a random id, never the token), so the token is
 in no URL, no history and no access log line.
 
+``ares-gateway view`` does the same with a token of its own, generated at start: the URL it prints
+carries it in the fragment (``/ui/#token=...``), which browsers never send; ``static/login.js`` takes
+it out of the address bar and history and posts it through the login form.
+
 Everything shown came from an agent or a model: the page builds its DOM with ``textContent`` only,
 and every response carries a Content-Security-Policy that allows no inline script and nothing from
 another origin. The viewer only reads.
@@ -48,12 +52,13 @@ _TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".
 
 _LOGIN = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>ares-gateway viewer: log in</title>
-<link rel="stylesheet" href="/ui/static/viewer.css"></head>
+<link rel="stylesheet" href="/ui/static/viewer.css"><script src="/ui/static/login.js" defer></script></head>
 <body><main class="login"><h1>ares-gateway viewer</h1>
-<form method="post" action="/ui/login">
+<form method="post" action="/ui/login" id="login">
 <label>Admin token <input type="password" name="token" autocomplete="current-password" autofocus></label>
 <button type="submit">Log in</button></form>
-<p class="hint">The token <code>serve</code> or <code>run</code> printed the path of (or was given).</p>
+<p class="hint">The admin token whose file <code>serve</code> or <code>run</code> printed (or the one they
+were given); <code>view</code> prints a URL that logs in by itself.</p>
 {error}</main></body></html>
 """
 
@@ -94,8 +99,8 @@ class Viewer:
 
     Args:
         source: what is shown.
-        admin_token: ``None``: open (``ares-gateway view``, on 127.0.0.1); else every page and API
-            call needs the login cookie or ``Authorization: Bearer <token>``.
+        admin_token: every page and API call needs the login cookie (``POST /ui/login`` with this
+            token) or ``Authorization: Bearer <token>``; ``None``: open (an in-process bench).
     """
 
     def __init__(self, source: RunSource, *, admin_token: str | None = None) -> None:

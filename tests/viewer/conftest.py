@@ -106,11 +106,19 @@ class ViewProcess:
                                      text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        found = re.search(r"(http://127\.0\.0\.1:\d+/ui/)", line)
+        found = re.search(r"(http://127\.0\.0\.1:\d+/ui/)#token=([A-Za-z0-9_-]+)", line)
         if not found:
             self.proc.kill()
             raise AssertionError(f"view printed no URL: {line!r} {self.proc.stderr.read() if self.proc.stderr else ''}")
-        self.url = found.group(1)
+        #: The pages' URL, and the printed one that logs in (its token in the fragment).
+        self.url, self.token = found.group(1), found.group(2)
+        self.login_url = f"{self.url}#token={self.token}"
+
+    def open(self, page: Any) -> None:
+        """Open the printed URL, as a person would: the page logs in with the fragment's token."""
+        page.goto(self.login_url)
+        page.wait_for_selector("#episodes", state="attached")
+        assert page.url == self.url and self.token not in page.url
 
     def stop(self) -> str:
         self.proc.terminate()

@@ -76,7 +76,7 @@ def tree_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tree_view(tree_run: Path) -> Iterator[ViewProcess]:
     view = ViewProcess(tree_run)
     yield view
-    view.stop()
+    assert view.token not in view.stop()  # printed once, for the person who started it; never logged
 
 
 def _rows(page: Any) -> dict[str, list[str]]:
@@ -97,7 +97,7 @@ def test_real_run_pages(real_run: dict[str, Path | None], browser: Any, page: An
     doc = json.loads((oracle / "results.json").read_text())
     view = ViewProcess(oracle)
     try:
-        page.goto(view.url)
+        view.open(page)
         rows = _rows(page)
         # Every episode with its reward.
         assert len(rows) == len(doc["episodes"]) == 4
@@ -132,6 +132,7 @@ def test_real_model_sample(real_run: dict[str, Path | None], page: Any, screensh
     key, index, sample = found[0]
     view = ViewProcess(model)
     try:
+        view.open(page)
         _check_sample_page(page, view.url, key, index, sample)
         shot(page, screenshots, "sample-model")
     finally:
@@ -166,6 +167,7 @@ def _check_sample_page(page: Any, url: str, key: str, index: int, sample: dict[s
 
 
 def test_forked_tree_and_samples(tree_run: Path, tree_view: ViewProcess, page: Any, screenshots: Path) -> None:
+    tree_view.open(page)
     page.goto(tree_view.url + "#/e/fix-median.0")
     page.wait_for_selector("#turns .turn")
     # Side calls are kept apart: the main line shows 3 turns, the side-call tab 1.
@@ -206,7 +208,7 @@ def _assert_inert(page: Any) -> None:
 
 
 def test_injections_are_text(tree_view: ViewProcess, page: Any, screenshots: Path) -> None:
-    page.goto(tree_view.url)
+    tree_view.open(page)
     rows = _rows(page)
     hostile = next(cells for key, cells in rows.items() if key.startswith("hostile"))
     assert hostile[1] == HOSTILE_TASK  # the task name, as text
@@ -230,16 +232,22 @@ def test_injections_are_text(tree_view: ViewProcess, page: Any, screenshots: Pat
 
 
 def test_headers_are_strict(tree_view: ViewProcess) -> None:
+    import urllib.error
     import urllib.request
 
-    with urllib.request.urlopen(tree_view.url) as resp:  # 127.0.0.1 only
+    # Closed without view's token, as serve's /ui/ is without the admin token.
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(tree_view.url + "api/run")
+    assert err.value.code == 401
+    bearer = {"Authorization": f"Bearer {tree_view.token}"}
+    with urllib.request.urlopen(urllib.request.Request(tree_view.url, headers=bearer)) as resp:  # 127.0.0.1 only
         csp = resp.headers["content-security-policy"]
         assert "script-src 'self'" in csp and "default-src 'none'" in csp and "unsafe-inline" not in csp
         assert resp.headers["x-content-type-options"] == "nosniff"
         page = resp.read().decode()
     assert "<script src=\"/ui/static/viewer.js\" defer></script>" in page and "<script>" not in page
     # Read-only: nothing but GET (and the login form) is served.
-    req = urllib.request.Request(tree_view.url + "api/run", method="POST", data=b"{}")
+    req = urllib.request.Request(tree_view.url + "api/run", method="POST", data=b"{}", headers=bearer)
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req)
     assert err.value.code == 405
@@ -262,7 +270,7 @@ def test_view_of_a_data_dir(tree_run: Path, page: Any, screenshots: Path) -> Non
     from the records."""
     view = ViewProcess(tree_run / "gateway-data")
     try:
-        page.goto(view.url)
+        view.open(page)
         rows = _rows(page)
         assert len(rows) == 2 and all(key.startswith("session:") for key in rows)
         forked = next(key for key, cells in rows.items() if cells[1] == "fix-median")

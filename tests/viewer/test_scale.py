@@ -64,7 +64,7 @@ def test_pages_are_small(big: Path) -> None:
 
 
 def test_browser_opens_the_big_pages(big_view: ViewProcess, page: Any, screenshots: Path) -> None:
-    page.goto(big_view.url)
+    big_view.open(page)
     expect(page.locator("#episodes tbody tr")).to_have_count(50)
     assert "1\u201350 of 1001" in page.inner_text("#page-info")
     page.click("#episodes th.col-reward")

@@ -398,5 +398,11 @@ async function route() {
   } catch (err) { showError(err); }
 }
 
-window.addEventListener("hashchange", route);
-route();
+if (/^#token=/.test(window.location.hash)) {
+  // view's printed URL, opened by a browser that has a cookie already: log in again with the token
+  // (it may be another view's cookie); the login page takes the token out of the history.
+  window.location.replace("/ui/login" + window.location.hash);
+} else {
+  window.addEventListener("hashchange", route);
+  route();
+}

@@ -335,7 +335,9 @@ class RunSource:
         turns = self.turn_log(key)
         out["turns"] = turns.count()
         out["side_calls"] = turns.side_count()
-        out["has_tree"] = bool(self._session_of(row)) and (self.gateway is not None or self._store() is not None)
+        # The tree holds the turns answered with token ids; a live one may get its first any moment.
+        out["has_tree"] = bool(self._session_of(row)) and (self.gateway is not None or self._store() is not None) \
+            and (bool(out["samples"]) or row["live"])
         return out
 
     def _entries(self, key: str, row: dict[str, Any], start: int) -> list[dict[str, Any]]:

@@ -257,7 +257,7 @@ def test_package_ships_the_page() -> None:
     from importlib import resources
 
     static = resources.files("ares_gateway.viewer").joinpath("static")
-    assert {p.name for p in static.iterdir()} >= {"index.html", "viewer.js", "viewer.css"}
+    assert {p.name for p in static.iterdir()} >= {"index.html", "viewer.js", "viewer.css", "login.js"}
     text = (REPO / "pyproject.toml").read_text()
     assert '"ares_gateway.viewer" = ["static/*.html", "static/*.css", "static/*.js"]' in text
     js = (REPO / "ares_gateway" / "viewer" / "static" / "viewer.js").read_text()

@@ -215,7 +215,7 @@ async function episodePage(key) {
     card("side calls", fmt(data.side_calls)), card("duration", seconds(e.duration)), card("exit reason", e.exit_reason || "–"),
     card("attempt", fmt(e.attempt)), e.node ? card("node", e.node) : null);
   const links = el("p", null,
-    data.has_tree ? el("a", { href: epHref(key, "/tree"), text: "message tree", id: "tree-link" }) : el("span", { class: "muted", text: "no message tree (no data dir)" }));
+    data.has_tree ? el("a", { href: epHref(key, "/tree"), text: "message tree", id: "tree-link" }) : el("span", { class: "muted", text: "no message tree (no turn answered with token ids, or no data dir)" }));
   const samples = el("div", { id: "samples" });
   if (data.samples.length) {
     samples.append(el("h2", { text: `Samples (${data.samples.length})` }), el("ul", null, ...data.samples.map((s) => el("li", null,

@@ -29,7 +29,7 @@ import logging
 import struct
 import time
 import zlib
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -531,6 +531,31 @@ def _tree_turn(tm: TrajectoryManager, sid: str, chat: list[dict[str, Any]], comp
         ),
         metadata={"side_call": True, "request_id": rid} if side else {"request_id": rid},
     )
+
+
+def tree_view_of_turn_log(entries: Iterable[dict[str, Any]], *, side_call: bool = False,
+                          fork_threshold_tokens: int = 1024) -> dict[str, Any] | None:
+    """The message tree of a turn log (:meth:`SessionRecorder.turn_log` entries with their token records,
+    as a run's ``turns/*.jsonl`` holds them), rebuilt as the recorder built it, as plain data
+    (:meth:`trajectory.TrajectoryManager.tree_view`); ``None`` when no turn had token ids. Entries
+    without a token record (a failed policy call, a scripted answer) are skipped, as the recorder skips
+    them, so the tree's turn ids are the samples' ``turn_ids``."""
+    tm = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens)
+    sid = "turn-log"
+    for entry in entries:
+        completion = entry.get("completion")
+        tokens = completion.get("tokens") if isinstance(completion, dict) else None
+        if not isinstance(tokens, dict) or tokens.get("output_ids") is None:
+            continue
+        request = get_adapter(WireProtocol(entry["protocol"])).parse_request(entry["request"])
+        answer = Completion.model_validate({k: v for k, v in completion.items() if k != "tokens"})
+        logprobs = tokens.get("output_logprobs")
+        _tree_turn(tm, sid, [m.to_chat_dict() for m in request.messages], answer,
+                   as_token_array(tokens["prompt_ids"], what="prompt_ids"),
+                   as_token_array(tokens["output_ids"], what="output_ids"),
+                   np.asarray(logprobs, dtype=np.float64) if logprobs else None,
+                   tokens.get("finish_reason"), str(entry.get("request_id")), bool(entry.get("side_call")))
+    return tm.tree_view(sid, side_call=side_call)
 
 
 class SessionRecorder:

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from ares_gateway.core.errors import DataDirError
-from ares_gateway.core.recorder import SessionRecorder
+from ares_gateway.core.recorder import SessionRecorder, tree_view_of_turn_log
 from ares_gateway.core.store import DB_NAME, StoreReader
 from ares_gateway.episodes.output import pass_at_k
 from ares_gateway.viewer.samples import SampleSet, TokenPieces
@@ -130,6 +130,7 @@ class RunSource:
         self._stored: _Cached | None = None
         self._turns: dict[str, _Cached] = {}
         self._samples: dict[str, _Cached] = {}
+        self._trees: dict[str, _Cached] = {}
         self._pieces = TokenPieces(tokenizer)
         # Offline reads run on threads (one page at a time each); the data dir's reader is one connection.
         self._lock = threading.RLock()
@@ -147,6 +148,8 @@ class RunSource:
     # ------------------------------------------------------------------ the data dir
 
     def _store(self) -> SessionRecorder | None:
+        if self.data_dir is None and self.run_dir is not None and (self.run_dir / "gateway-data" / DB_NAME).is_file():
+            self.data_dir = self.run_dir / "gateway-data"  # a live run's gateway creates it as it starts
         if self.data_dir is None:
             return None
         if self._recorder is None:
@@ -336,8 +339,7 @@ class RunSource:
         out["turns"] = turns.count()
         out["side_calls"] = turns.side_count()
         # The tree holds the turns answered with token ids; a live one may get its first any moment.
-        out["has_tree"] = bool(self._session_of(row)) and (self.gateway is not None or self._store() is not None) \
-            and (bool(out["samples"]) or row["live"])
+        out["has_tree"] = bool(out["samples"]) or row["live"]
         return out
 
     def _entries(self, key: str, row: dict[str, Any], start: int) -> list[dict[str, Any]]:
@@ -414,8 +416,18 @@ class RunSource:
         sid = self._session_of(row)
         view = None
         with self._lock:
+            turns_file = None if self.run_dir is None else self.run_dir / "turns" / f"{key}.jsonl"
             if sid is not None and self.gateway is not None and self.gateway.sessions.find(sid) is not None:
                 view = self.gateway.recorder.tree_view(sid, side_call=side_call)
+            elif turns_file is not None and not key.startswith(SESSION_PREFIX) and turns_file.is_file():
+                # A run's turn log has every answered turn with its token record (the run removes its
+                # sessions from the gateway's data dir as they end): the tree is rebuilt from it, once.
+                stamp = (_stamp(turns_file), side_call)
+                cached = self._trees.get(key)
+                if cached is None or cached.stamp != stamp:
+                    cached = self._trees[key] = _Cached(stamp, tree_view_of_turn_log(
+                        _read_lines(turns_file, 0), side_call=side_call))
+                view = cached.value
             elif sid is not None and (rec := self._store()) is not None:
                 self._stored_sessions()
                 view = rec.tree_view(sid, side_call=side_call)

@@ -105,8 +105,10 @@ async def injection_session(agent: Agent) -> None:
 
 
 async def build_run(out: Path, sessions: list[tuple[str, float, Callable[[Agent], Awaitable[None]]]],
-                    *, error: dict[str, str] | None = None) -> Path:
-    """A run directory ``out`` with one episode per ``(task, reward, play)``, written by the run's writer."""
+                    *, error: dict[str, str] | None = None, keep_sessions: bool = False) -> Path:
+    """A run directory ``out`` with one episode per ``(task, reward, play)``, written by the run's writer.
+    As the run's driver does, each session is then deleted from the gateway (and its data dir), unless
+    ``keep_sessions`` (a data dir to view alone)."""
     outputs = RunOutputs(out)
     results: list[EpisodeResult] = []
     t0 = time.time()
@@ -130,6 +132,8 @@ async def build_run(out: Path, sessions: list[tuple[str, float, Callable[[Agent]
             logs = {"verifier.log": f"\x1b[32mPASSED\x1b[0m tests for {task}\n{INJECTIONS[0]}\nreward {reward}\n"}
             outputs.episode(result, samples, turns, logs)
             results.append(result)
+            if not keep_sessions:
+                await gw.delete_session(info.session_id)
     summary = RunSummary(results, planned=len(results), attempts=1, duration=time.time() - t0)
     outputs.results({"preset": "viewer-tests", "policy": "in-process", "harness": "openai-sdk", "attempts": 1},
                     summary)

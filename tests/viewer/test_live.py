@@ -99,6 +99,9 @@ async def test_live_episode_and_run_table(tmp_path: Path, screenshots: Path) -> 
             await gw.delete_session(info.session_id)
             ended = viewer.source.episode("session:" + info.session_id)
             assert ended["episode"]["key"] == "live-task.0" and ended["turns"] == 4 and len(ended["samples"]) == 1
+            # Its tree now comes from the run's data dir, which the gateway created after the viewer was mounted.
+            tree = viewer.source.tree("session:" + info.session_id)["tree"]
+            assert tree is not None and tree["leaves"] == 1
             await expect(page.locator("#episodes tbody tr")).to_have_count(2, timeout=1000)
             await agent.client.close()
             assert context.offsite == []

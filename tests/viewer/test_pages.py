@@ -135,6 +135,11 @@ def test_real_model_sample(real_run: dict[str, Path | None], page: Any, screensh
         view.open(page)
         _check_sample_page(page, view.url, key, index, sample)
         shot(page, screenshots, "sample-model")
+        # Its tree, rebuilt from the run's turn log (the run removed the session from its data dir).
+        page.goto(f"{view.url}#/e/{key}/tree")
+        page.wait_for_selector("#tree .node")
+        assert f"sample {index}" in page.inner_text("#tree")
+        shot(page, screenshots, "tree-model")
     finally:
         view.stop()
 
@@ -265,10 +270,14 @@ def test_package_ships_the_page() -> None:
     assert "eval(" not in js and "document.write" not in js
 
 
-def test_view_of_a_data_dir(tree_run: Path, page: Any, screenshots: Path) -> None:
-    """``view`` on a gateway data dir alone: its sessions are the episodes, their turns and trees read
-    from the records."""
-    view = ViewProcess(tree_run / "gateway-data")
+def test_view_of_a_data_dir(tmp_path: Path, page: Any, screenshots: Path) -> None:
+    """``view`` on a gateway data dir alone (as ``serve`` leaves one): its sessions are the episodes,
+    their turns and trees read from the records."""
+    run = build_run(tmp_path / "run", [("fix-median", 1.0, forked_session), (HOSTILE_TASK, 0.0, injection_session)],
+                    keep_sessions=True)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, run).result()
+    view = ViewProcess(tmp_path / "run" / "gateway-data")
     try:
         view.open(page)
         rows = _rows(page)

@@ -126,3 +126,22 @@ def test_view_refuses_what_it_cannot_show(tmp_path: Path) -> None:
     assert got.returncode == 2 and "is neither a run directory" in got.stderr
     got = view(str(tmp_path / "missing"))
     assert got.returncode == 2 and "is not a directory" in got.stderr
+
+
+async def test_the_tree_rebuilt_from_a_turn_log_is_the_recorders() -> None:
+    """A run's ``turns/`` file gives the same tree as the live recorder (the run deletes its sessions)."""
+    from ares_gateway.core.recorder import tree_view_of_turn_log
+
+    from .runs import Agent, forked_session
+
+    async with Gateway(data_dir=False) as gw:
+        info = await gw.create_session()
+        agent = Agent(gw, info)
+        await forked_session(agent)
+        await agent.client.close()
+        log = json.loads(json.dumps(gw.turn_log(info.session_id)))  # as the file holds it
+        for side in (False, True):
+            live = gw.recorder.tree_view(info.session_id, side_call=side)
+            assert live is not None and tree_view_of_turn_log(log, side_call=side) == live
+        assert tree_view_of_turn_log([{**t, "completion": {k: v for k, v in t["completion"].items() if k != "tokens"}}
+                                      for t in log]) is None

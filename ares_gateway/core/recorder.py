@@ -544,7 +544,9 @@ def tree_view_of_turn_log(entries: Iterable[dict[str, Any]], *, side_call: bool 
     sid = "turn-log"
     for entry in entries:
         completion = entry.get("completion")
-        tokens = completion.get("tokens") if isinstance(completion, dict) else None
+        if not isinstance(completion, dict):
+            continue  # a failed policy call
+        tokens = completion.get("tokens")
         if not isinstance(tokens, dict) or tokens.get("output_ids") is None:
             continue
         request = get_adapter(WireProtocol(entry["protocol"])).parse_request(entry["request"])

@@ -25,6 +25,7 @@ from ares_gateway.viewer import RunSource, Viewer, serve_viewer
 from tests.viewer.runs import big_run, big_sample, big_session
 
 KEY = "big-task.0"
+TREE_KEY = "big-tree.0"
 CALLS = [
     ("run table, first page", "api/run?limit=50"),
     ("run table, sorted by reward, filtered", "api/run?limit=50&sort=reward&exit=agent_error"),
@@ -32,6 +33,7 @@ CALLS = [
     ("its first 50 turns", f"api/turns?key={KEY}&limit=50"),
     ("its turns 150-199", f"api/turns?key={KEY}&offset=150&limit=50"),
     ("157k-token sample, a 2,000-token window", f"api/sample?key={KEY}&index=0&offset=97000&limit=2000"),
+    ("message tree of a 200-turn log (token records)", f"api/tree?key={TREE_KEY}"),
 ]
 
 
@@ -85,15 +87,15 @@ async def _serve(run: Path, repeat: int, browser: bool) -> None:
     runner, port = await serve_viewer(viewer, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}/ui/"
     try:
-        print(f"{'API call':<44} {'cold ms':>8} {'warm ms':>8} {'bytes':>9}")
+        print(f"{'API call':<48} {'cold ms':>8} {'warm ms':>8} {'bytes':>9}")
         for label, cold, warm, size in await _api(url, repeat):
-            print(f"{label:<44} {cold * 1000:>8.1f} {warm * 1000:>8.1f} {size:>9,}")
+            print(f"{label:<48} {cold * 1000:>8.1f} {warm * 1000:>8.1f} {size:>9,}")
         if browser:
             source._turns.clear()  # the first open of the episode in the browser is a cold one
             source._samples.clear()
-            print(f"\n{'in Chromium: navigation to drawn':<44} {'ms':>8}")
+            print(f"\n{'in Chromium: navigation to drawn':<48} {'ms':>8}")
             for label, took in await asyncio.to_thread(_browser, url):
-                print(f"{label:<44} {took * 1000:>8.1f}")
+                print(f"{label:<48} {took * 1000:>8.1f}")
     finally:
         viewer.close()
         await runner.cleanup()
@@ -112,9 +114,10 @@ def main() -> None:
         t0 = time.perf_counter()
         big_run(run, 1000)
         big_session(run, KEY, turns=200, turn_kb=600)
+        big_session(run, TREE_KEY, turns=200, turn_kb=600, tokens=True)
         big_sample(run, KEY)
         size = sum(p.stat().st_size for p in run.rglob("*") if p.is_file())
-        print(f"run directory: 1,000 episodes + a 200-turn session, {size / 2**20:.0f} MiB, "
+        print(f"run directory: 1,000 episodes + two 200-turn sessions, {size / 2**20:.0f} MiB, "
               f"built in {time.perf_counter() - t0:.1f} s\n")
         asyncio.run(_serve(run, args.repeat, not args.no_browser))
     finally:

@@ -549,8 +549,12 @@ def tree_view_of_turn_log(entries: Iterable[dict[str, Any]], *, side_call: bool 
         tokens = completion.get("tokens")
         if not isinstance(tokens, dict) or tokens.get("output_ids") is None:
             continue
-        request = get_adapter(WireProtocol(entry["protocol"])).parse_request(entry["request"])
-        answer = Completion.model_validate({k: v for k, v in completion.items() if k != "tokens"})
+        try:
+            request = get_adapter(WireProtocol(entry.get("protocol"))).parse_request(entry.get("request"))
+            answer = Completion.model_validate({k: v for k, v in completion.items() if k != "tokens"})
+        except ValueError as exc:  # a line no gateway wrote: left out, as a damaged record is
+            log.warning("turn log: request %s left out of the tree: %s", entry.get("request_id"), exc)
+            continue
         logprobs = tokens.get("output_logprobs")
         _tree_turn(tm, sid, [m.to_chat_dict() for m in request.messages], answer,
                    as_token_array(tokens["prompt_ids"], what="prompt_ids"),

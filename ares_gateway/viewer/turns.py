@@ -124,7 +124,7 @@ def _answer(entry: dict[str, Any]) -> dict[str, Any]:
 
 def _protocol(entry: dict[str, Any]) -> WireProtocol:
     try:
-        return WireProtocol(entry.get("protocol") or "openai_chat")
+        return WireProtocol(entry.get("protocol") or WireProtocol.OPENAI_CHAT.value)
     except ValueError:
         return WireProtocol.OPENAI_CHAT
 

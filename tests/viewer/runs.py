@@ -155,9 +155,11 @@ def big_run(out: Path, episodes: int = 1000) -> Path:
     return out
 
 
-def big_session(out: Path, key: str = "big-task.0", turns: int = 200, turn_kb: int = 600) -> Path:
+def big_session(out: Path, key: str = "big-task.0", turns: int = 200, turn_kb: int = 600, *,
+                tokens: bool = False) -> Path:
     """A Claude-Code-sized turn log: ``turns`` OpenAI-chat requests whose history grows to ~``turn_kb`` KB,
-    each answered with a tool call, in the shape ``turns/*.jsonl`` has (``Gateway.turn_log`` entries)."""
+    each answered with a tool call, in the shape ``turns/*.jsonl`` has (``Gateway.turn_log`` entries);
+    with ``tokens``, each answer carries a (small, toy) token record, so the log has a message tree."""
     (out / "turns").mkdir(parents=True, exist_ok=True)
     step = turn_kb * 1024 // turns  # each turn adds one tool result of this many bytes
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are Claude Code. " + "rules " * 4000},
@@ -166,16 +168,19 @@ def big_session(out: Path, key: str = "big-task.0", turns: int = 200, turn_kb: i
         for t in range(turns):
             call = {"id": f"call_{t}", "type": "function", "function": {"name": "bash",
                                                                          "arguments": json.dumps({"command": f"cat file{t}.py"})}}
-            entry = {"request_id": f"r{t}", "protocol": "openai_chat", "side_call": False, "timestamp": 1.7e9 + t,
+            entry = {"request_id": f"r{t}", "protocol": "openai.chat", "side_call": False, "timestamp": 1.7e9 + t,
                      "latency": 0.5, "request": {"model": "m", "messages": messages},
                      "completion": {"text": f"step {t}", "tool_calls": [{"id": call["id"], "name": "bash",
                                                                          "arguments": call["function"]["arguments"]}],
                                     "finish_reason": "tool_calls"}}
+            if tokens:
+                entry["completion"]["tokens"] = {"prompt_ids": list(range(t * 10 + 5)), "output_ids": [7, 8, 9],
+                                                 "output_logprobs": [-0.1, -0.2, -3.0]}
             fh.write(json.dumps(entry) + "\n")
             messages = [*messages, {"role": "assistant", "content": f"step {t}", "tool_calls": [call]},
                         {"role": "tool", "tool_call_id": call["id"], "content": f"# file{t}.py\n" + "x = 1\n" * (step // 6)}]
     with open(out / "episodes.jsonl", "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(EpisodeResult(task="big-task", attempt=0, reward=1.0, turns=turns, duration=3600.0,
+        fh.write(json.dumps(EpisodeResult(task=key.rsplit(".", 1)[0], attempt=0, reward=1.0, turns=turns, duration=3600.0,
                                           exit_reason="completed").to_dict()) + "\n")
     return out
 

@@ -550,7 +550,7 @@ def tree_view_of_turn_log(entries: Iterable[dict[str, Any]], *, side_call: bool 
         if not isinstance(tokens, dict) or tokens.get("output_ids") is None:
             continue
         try:
-            request = get_adapter(WireProtocol(entry.get("protocol"))).parse_request(entry.get("request"))
+            request = get_adapter(WireProtocol(str(entry.get("protocol")))).parse_request(entry.get("request"))
             answer = Completion.model_validate({k: v for k, v in completion.items() if k != "tokens"})
         except ValueError as exc:  # a line no gateway wrote: left out, as a damaged record is
             log.warning("turn log: request %s left out of the tree: %s", entry.get("request_id"), exc)

@@ -145,3 +145,23 @@ async def test_the_tree_rebuilt_from_a_turn_log_is_the_recorders() -> None:
             assert live is not None and tree_view_of_turn_log(log, side_call=side) == live
         assert tree_view_of_turn_log([{**t, "completion": {k: v for k, v in t["completion"].items() if k != "tokens"}}
                                       for t in log]) is None
+
+
+def test_tree_view_marks_a_merged_rewrite_and_a_realigned_turn() -> None:
+    """A client replays the first answer rewritten and re-tokenized: the replay merges into the generated
+    node (``rewrites``), and the next turn's tokens drift inside that answer only (``link: replace``)."""
+    tm = TrajectoryManager(fork_threshold_tokens=1024)
+    sys_, user = {"role": "system", "content": "s"}, {"role": "user", "content": "u"}
+    tm.record_turn("s", prompt_messages=[sys_, user], response_message={"role": "assistant", "content": "a1"},
+                   turn=TurnRecord([1, 2, 3], [4, 5], [-0.1, -0.1]))
+    replayed = {"role": "assistant", "content": "a1 (as the client re-wrote it)"}
+    tm.record_turn("s", prompt_messages=[sys_, user, replayed, {"role": "user", "content": "go on"}],
+                   response_message={"role": "assistant", "content": "a2"},
+                   turn=TurnRecord([1, 2, 3, 4, 6, 7], [8], [-0.2]))
+    view = tm.tree_view("s")
+    assert view is not None
+    first = next(n for n in view["nodes"] if n.get("turn") == 1)
+    second = next(n for n in view["nodes"] if n.get("turn") == 2)
+    assert first["rewrites"] == [{"turn_id": 1, "replaced": "a1"}] and "forks" not in first
+    assert first["preview"] == "a1 (as the client re-wrote it)"
+    assert second["link"] == "replace" and second["leaf"] == 0 and view["leaves"] == 1

@@ -79,6 +79,7 @@ async def test_live_episode_and_run_table(tmp_path: Path, screenshots: Path) -> 
                 messages = [*messages, {"role": "assistant", "content": reply},
                             {"role": "user", "content": f"output of step {i}"}]
             assert max(took) < 1.0, took
+            print(f"new turns shown after {[round(t, 3) for t in took]} s")
             await page.screenshot(path=str(screenshots / "episode-live.png"))
             # The run table: a finished episode written by the run appears, the live one ends; within 1 s.
             await page.goto(gw.url + "/ui/#/")

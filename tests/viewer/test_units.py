@@ -165,3 +165,13 @@ def test_tree_view_marks_a_merged_rewrite_and_a_realigned_turn() -> None:
     assert first["rewrites"] == [{"turn_id": 1, "replaced": "a1"}] and "forks" not in first
     assert first["preview"] == "a1 (as the client re-wrote it)"
     assert second["link"] == "replace" and second["leaf"] == 0 and view["leaves"] == 1
+
+
+def test_episode_keys_are_the_names_the_run_gives_its_files(tmp_path: Path) -> None:
+    from ares_gateway.episodes.output import EpisodeResult, RunOutputs
+    from ares_gateway.viewer.source import file_key
+
+    for task in ("fix-median-bug", "a b/c<d>..é", "x" * 300, ""):
+        RunOutputs(tmp_path).episode(EpisodeResult(task=task, attempt=3, reward=0.0, turns=0, duration=0.0,
+                                                   exit_reason="completed"), [], [], {})
+        assert (tmp_path / "turns" / f"{file_key(task, 3)}.jsonl").is_file(), task

@@ -38,6 +38,7 @@ async def _view(source: Any, host: str, port: int, ready: Any = None) -> None:
 
 
 def cmd_view(args: argparse.Namespace) -> int:
+    """``ares-gateway view``: serve the viewer of ``args.dir`` (or ``--data-dir``) until Ctrl-C."""
     from ares_gateway.viewer import RunSource
 
     data_dir = Path(args.data_dir) if args.data_dir else None
@@ -63,6 +64,7 @@ def cmd_view(args: argparse.Namespace) -> int:
 
 
 def add_view_command(sub: Any) -> None:
+    """Register ``view`` on the CLI's subparsers."""
     p = sub.add_parser("view", help="browse a run's episodes, turns, message trees and samples in the browser",
                        description="Serve the trajectory viewer of a run directory (or a gateway data dir) on "
                                    "127.0.0.1 and print its URL (which logs in with a token of this process, in "

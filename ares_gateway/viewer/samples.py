@@ -77,6 +77,7 @@ class TokenPieces:
         self._lock = threading.Lock()
 
     def for_model(self, default: str | None) -> Callable[[int], str] | None:
+        """id -> text with the tokenizer given at construction, else ``default`` (the run's model)."""
         path = self.path or default
         if not path:
             return None

@@ -63,6 +63,7 @@ class _Jsonl:
     rows: list[dict[str, Any]] = field(default_factory=list)
 
     def read(self) -> list[dict[str, Any]]:
+        """Every row so far (what was appended since the last call parsed now)."""
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:
@@ -137,9 +138,11 @@ class RunSource:
 
     @property
     def live(self) -> bool:
+        """Whether a live gateway is shown (its data is read on its event loop)."""
         return self.gateway is not None
 
     def close(self) -> None:
+        """Close the data dir's reader (opened again if asked for more)."""
         if self._reader is not None:
             self._reader.close()
             self._reader = None

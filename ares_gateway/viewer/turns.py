@@ -186,9 +186,11 @@ class TurnViews:
             self._prev[side] = list_items(entry)
 
     def count(self) -> int:
+        """How many turns."""
         return len(self.views)
 
     def side_count(self) -> int:
+        """How many of them are side calls."""
         return sum(v["side_call"] for v in self.views)
 
     def page(self, *, offset: int, limit: int, line: str = "all") -> dict[str, Any]:
@@ -255,6 +257,7 @@ class FileTurns:
         return entry if isinstance(entry, dict) else {"request": entry}
 
     def view(self, i: int) -> dict[str, Any]:
+        """Turn ``i``'s view (from 0), built on first use."""
         got = self._views.get(i)
         if got is None:
             j = self._prev[i]
@@ -263,12 +266,15 @@ class FileTurns:
         return got
 
     def count(self) -> int:
+        """How many turns (complete lines)."""
         return len(self._starts)
 
     def side_count(self) -> int:
+        """How many of them are side calls."""
         return sum(self._sides)
 
     def page(self, *, offset: int, limit: int, line: str = "all") -> dict[str, Any]:
+        """As :meth:`TurnViews.page`, building only the views it returns."""
         picked = range(len(self._starts)) if line == "all" else \
             [i for i, side in enumerate(self._sides) if side == (line == "side")]
         out = _page([self.view(i) for i in picked[offset: offset + limit]], len(picked), self.side_count(), offset)

@@ -533,6 +533,33 @@ def _tree_turn(tm: TrajectoryManager, sid: str, chat: list[dict[str, Any]], comp
     )
 
 
+class TurnLogReader:
+    """A session's turn log read as it grows: each :meth:`new` decodes only the records added since the
+    last call (the delta decoder keeps its state), where :meth:`SessionRecorder.turn_log` decodes them
+    all; for a viewer following a live session on the gateway's event loop. Damaged records are skipped
+    (``turn_log`` reports them)."""
+
+    def __init__(self, recorder: SessionRecorder, session_id: str, *, tokens: bool = False) -> None:
+        self._recorder = recorder
+        self._sid = session_id
+        self._tokens = tokens
+        self._decoder = _Decoder()
+        self._last = 0
+
+    def new(self) -> list[dict[str, Any]]:
+        """The turn-log entries recorded since the last call, in order."""
+        out: list[dict[str, Any]] = []
+        for seq, payload in self._recorder._records(self._sid):
+            if seq <= self._last:
+                continue
+            self._last = seq
+            try:
+                out.append(_log_entry(self._decoder.decode(seq, payload), tokens=self._tokens))
+            except (LostRecordError, ValueError, KeyError, TypeError, zlib.error, struct.error):
+                continue
+        return out
+
+
 def tree_view_of_turn_log(entries: Iterable[dict[str, Any]], *, side_call: bool = False,
                           fork_threshold_tokens: int = 1024) -> dict[str, Any] | None:
     """The message tree of a turn log (:meth:`SessionRecorder.turn_log` entries with their token records,

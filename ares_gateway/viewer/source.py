@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from ares_gateway.core.errors import DataDirError
-from ares_gateway.core.recorder import SessionRecorder, tree_view_of_turn_log
+from ares_gateway.core.recorder import SessionRecorder, TurnLogReader, tree_view_of_turn_log
 from ares_gateway.core.store import DB_NAME, StoreReader
 from ares_gateway.episodes.output import pass_at_k
 from ares_gateway.viewer.samples import SampleSet, TokenPieces
@@ -132,6 +132,7 @@ class RunSource:
         self._turns: dict[str, _Cached] = {}
         self._samples: dict[str, _Cached] = {}
         self._trees: dict[str, _Cached] = {}
+        self._readers: dict[str, TurnLogReader] = {}
         self._pieces = TokenPieces(tokenizer)
         # Offline reads run on threads (one page at a time each); the data dir's reader is one connection.
         self._lock = threading.RLock()
@@ -349,7 +350,11 @@ class RunSource:
         """The turn-log entries from ``start`` on of an episode the gateway or the data dir holds."""
         sid = self._session_of(row)
         if sid is not None and self.gateway is not None and self.gateway.sessions.find(sid) is not None:
-            return self.gateway.recorder.turn_log(sid, tokens=False)[start:]  # type: ignore[no-any-return]
+            # On the gateway's event loop: decode only the records added since the last look.
+            reader = self._readers.get(key)
+            if reader is None or start == 0:
+                reader = self._readers[key] = TurnLogReader(self.gateway.recorder, sid)
+            return reader.new()
         rec = self._store()
         if sid is not None and rec is not None:
             self._stored_sessions()

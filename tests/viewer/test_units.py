@@ -175,3 +175,27 @@ def test_episode_keys_are_the_names_the_run_gives_its_files(tmp_path: Path) -> N
         RunOutputs(tmp_path).episode(EpisodeResult(task=task, attempt=3, reward=0.0, turns=0, duration=0.0,
                                                    exit_reason="completed"), [], [], {})
         assert (tmp_path / "turns" / f"{file_key(task, 3)}.jsonl").is_file(), task
+
+
+@pytest.mark.parametrize("durable", [True, False])
+async def test_turn_log_reader_decodes_only_what_is_new(tmp_path: Path, durable: bool) -> None:
+    from ares_gateway.core.recorder import TurnLogReader
+
+    from .runs import Agent
+
+    async with Gateway(data_dir=str(tmp_path / "data") if durable else False) as gw:
+        info = await gw.create_session()
+        agent = Agent(gw, info)
+        reader = TurnLogReader(gw.recorder, info.session_id)
+        messages: list[dict[str, object]] = [{"role": "user", "content": "go"}]
+        seen: list[dict[str, object]] = []
+        for i in range(5):
+            reply = await agent.turn(messages, f"step {i}", side_call=i == 2)
+            messages = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": f"out {i}"}]
+            await gw.durable()
+            got = reader.new()
+            assert len(got) == 1 and got[0]["completion"]["text"] == f"step {i}"
+            seen += got
+        assert reader.new() == []
+        assert seen == gw.turn_log(info.session_id, tokens=False)
+        await agent.client.close()

@@ -20,11 +20,13 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterable, Mapping
+from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import StreamResponse
 
 from ares_gateway.core.answers import ErrorAnswer, read_tokens
 from ares_gateway.core.broker import Broker, ParkedRequest
@@ -181,8 +183,19 @@ class Gateway:
         )
         self._http: HttpServer | None = None
         self._port: int | None = None
+        #: Applications served under a path prefix (:meth:`mount`).
+        self.mounts: dict[str, Callable[[BaseRequest], Awaitable[StreamResponse]]] = {}
         #: Per-session agent endpoints on unix sockets (:meth:`agent_socket`), for sandboxes without a network.
         self.session_sockets = SessionSockets(self, self.limits, root=cfg.runtime_dir)
+
+    def mount(self, prefix: str, handler: Callable[[BaseRequest], Awaitable[StreamResponse]]) -> None:
+        """Serve ``handler`` for ``prefix`` and every path below it (``/ui``: the trajectory viewer,
+        :mod:`ares_gateway.viewer`), beside the gateway's own paths, which it cannot shadow. The
+        handler does its own authentication; its ``close()``, if it has one, is called when the gateway
+        closes, before the server waits for the requests in flight."""
+        if not prefix.startswith("/") or prefix.endswith("/") or prefix in ("/s", "/sessions", "/v1"):
+            raise ValueError(f"cannot mount at {prefix!r}: a prefix like /ui")
+        self.mounts[prefix] = handler
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -192,7 +205,7 @@ class Gateway:
             return
         if self.store is None and self.config.data_dir is not False:
             self._open_store()
-        http = build_server(self, self.limits)
+        http = build_server(self, self.limits, self.mounts)
         self._port = await http.start(self.config.host, self.config.port)
         self._http = http
         log.info("ares-gateway listening on %s", self.url)
@@ -208,6 +221,10 @@ class Gateway:
             shutil.rmtree(self._temp_data_dir, ignore_errors=True)
             self._temp_data_dir = None
         await self.session_sockets.close_all()
+        for mounted in self.mounts.values():
+            closer = getattr(mounted, "close", None)
+            if callable(closer):
+                closer()  # e.g. the viewer ends its live-update streams, which would hold the server's grace
         if self._http is not None:
             http, self._http = self._http, None
             await http.close()

@@ -26,6 +26,9 @@ ALLOWED: list[tuple[str, tuple[str, ...]]] = [
     ("ares_gateway.core", ("trajectory", "harnesses", "ares_gateway.protocols")),
     ("ares_gateway.protocols", ("ares_gateway.core",)),
     ("ares_gateway.http", ("trajectory", "ares_gateway.core", "ares_gateway.protocols")),
+    # The viewer reads what the core records and a run writes; it knows a live gateway only by duck type.
+    ("ares_gateway.viewer", ("trajectory", "ares_gateway.core", "ares_gateway.protocols",
+                             "ares_gateway.episodes.output", "ares_gateway.tokens")),
     ("ares_gateway", PACKAGES),
 ]
 

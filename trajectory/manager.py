@@ -11,6 +11,7 @@ from .linearize import linearize
 from .normalize import MessageKey, NormalizerRegistry, default_registry, message_key
 from .tree import Tree
 from .types import Sample, TurnRecord
+from .view import tree_view
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +179,13 @@ class TrajectoryManager:
             if tree is not None:
                 tree.dispose()
         return True
+
+    def tree_view(self, session_id: str, *, side_call: bool = False) -> dict[str, Any] | None:
+        """The session's main (or side-call) message tree as plain data for display
+        (:func:`trajectory.view.tree_view`); ``None`` when it has none."""
+        session = self._sessions.get(session_id)
+        tree = None if session is None else (session.side if side_call else session.main)
+        return None if tree is None else tree_view(tree)
 
     def session_ids(self) -> list[str]:
         """Ids of the sessions currently held."""

@@ -252,6 +252,7 @@ async def _execute(
     from ares_gateway.episodes.episode import episode_gateway
     from ares_gateway.episodes.preflight import preflight
     from ares_gateway.episodes.rollouts import run_rollouts
+    from ares_gateway.viewer import mount_viewer
     from sandbox import janitor
 
     stop = asyncio.Event()
@@ -284,7 +285,9 @@ async def _execute(
         harness_options.update(_tito_harness_options(policy, harness, getattr(args, "action_regex", None)))
         async with contextlib.AsyncExitStack() as stack:
             if gateway is not None:
+                mount_viewer(gateway, out)  # the trajectory viewer at /ui/, behind the admin token (docs/viewer.md)
                 await stack.enter_async_context(gateway)
+                console.print(f"trajectory viewer: {gateway.url}/ui/", highlight=False, soft_wrap=True, markup=False)
             return await run_rollouts(
                 tasks, harness=harness, policy=policy, sandbox=backend, concurrency=args.concurrency,
                 attempts=getattr(args, "attempts", 1), out=out, step_limit=getattr(args, "step_limit", None),

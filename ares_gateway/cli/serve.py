@@ -17,6 +17,7 @@ from ares_gateway.cli.run import add_tito_arguments
 from ares_gateway.core.errors import DataDirError
 from ares_gateway.core.store import prepare_data_dir
 from ares_gateway.gateway import Gateway, GatewayConfig
+from ares_gateway.viewer import mount_viewer
 
 log = logging.getLogger("ares_gateway")
 
@@ -46,6 +47,7 @@ async def _serve(cfg: GatewayConfig, token_file: str | None = None, policy: Any 
         loop.add_signal_handler(sig, stop.set)
     try:
         gw = Gateway(cfg)
+        mount_viewer(gw)  # the trajectory viewer at /ui/, behind the admin token
         await gw.start()
     except DataDirError as exc:
         print(f"ares-gateway: {exc}", file=sys.stderr, flush=True)
@@ -58,6 +60,7 @@ async def _serve(cfg: GatewayConfig, token_file: str | None = None, policy: Any 
             f"sessions {'auto-created' if cfg.auto_sessions else 'created with POST /sessions'})",
             flush=True,
         )
+        print(f"trajectory viewer: {gw.url}/ui/ (log in with the admin token)", flush=True)
         if policy is None:
             await stop.wait()
         else:

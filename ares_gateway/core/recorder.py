@@ -29,7 +29,7 @@ import logging
 import struct
 import time
 import zlib
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -533,6 +533,64 @@ def _tree_turn(tm: TrajectoryManager, sid: str, chat: list[dict[str, Any]], comp
     )
 
 
+class TurnLogReader:
+    """A session's turn log read as it grows: each :meth:`new` decodes only the records added since the
+    last call (the delta decoder keeps its state), where :meth:`SessionRecorder.turn_log` decodes them
+    all; for a viewer following a live session on the gateway's event loop. Damaged records are skipped
+    (``turn_log`` reports them)."""
+
+    def __init__(self, recorder: SessionRecorder, session_id: str, *, tokens: bool = False) -> None:
+        self._recorder = recorder
+        self._sid = session_id
+        self._tokens = tokens
+        self._decoder = _Decoder()
+        self._last = 0
+
+    def new(self) -> list[dict[str, Any]]:
+        """The turn-log entries recorded since the last call, in order."""
+        out: list[dict[str, Any]] = []
+        for seq, payload in self._recorder._records(self._sid):
+            if seq <= self._last:
+                continue
+            self._last = seq
+            try:
+                out.append(_log_entry(self._decoder.decode(seq, payload), tokens=self._tokens))
+            except (LostRecordError, ValueError, KeyError, TypeError, zlib.error, struct.error):
+                continue
+        return out
+
+
+def tree_view_of_turn_log(entries: Iterable[dict[str, Any]], *, side_call: bool = False,
+                          fork_threshold_tokens: int = 1024) -> dict[str, Any] | None:
+    """The message tree of a turn log (:meth:`SessionRecorder.turn_log` entries with their token records,
+    as a run's ``turns/*.jsonl`` holds them), rebuilt as the recorder built it, as plain data
+    (:meth:`trajectory.TrajectoryManager.tree_view`); ``None`` when no turn had token ids. Entries
+    without a token record (a failed policy call, a scripted answer) are skipped, as the recorder skips
+    them, so the tree's turn ids are the samples' ``turn_ids``."""
+    tm = TrajectoryManager(fork_threshold_tokens=fork_threshold_tokens)
+    sid = "turn-log"
+    for entry in entries:
+        completion = entry.get("completion")
+        if not isinstance(completion, dict):
+            continue  # a failed policy call
+        tokens = completion.get("tokens")
+        if not isinstance(tokens, dict) or tokens.get("output_ids") is None:
+            continue
+        try:
+            request = get_adapter(WireProtocol(str(entry.get("protocol")))).parse_request(entry.get("request"))
+            answer = Completion.model_validate({k: v for k, v in completion.items() if k != "tokens"})
+        except ValueError as exc:  # a line no gateway wrote: left out, as a damaged record is
+            log.warning("turn log: request %s left out of the tree: %s", entry.get("request_id"), exc)
+            continue
+        logprobs = tokens.get("output_logprobs")
+        _tree_turn(tm, sid, [m.to_chat_dict() for m in request.messages], answer,
+                   as_token_array(tokens["prompt_ids"], what="prompt_ids"),
+                   as_token_array(tokens["output_ids"], what="output_ids"),
+                   np.asarray(logprobs, dtype=np.float64) if logprobs else None,
+                   tokens.get("finish_reason"), str(entry.get("request_id")), bool(entry.get("side_call")))
+    return tm.tree_view(sid, side_call=side_call)
+
+
 class SessionRecorder:
     """Records each session's answered turns incrementally; samples and the turn log on demand.
 
@@ -709,6 +767,13 @@ class SessionRecorder:
         tm = TrajectoryManager(fork_threshold_tokens=self.fork_threshold_tokens)
         self._replay(session_id, tm)
         return tm.get_trajectory(session_id, reward=reward, max_sample_tokens=max_sample_tokens)
+
+    def tree_view(self, session_id: str, *, side_call: bool = False) -> dict[str, Any] | None:
+        """The session's message tree as plain data (:meth:`trajectory.TrajectoryManager.tree_view`),
+        rebuilt from its records into a private tree, so the live one is never touched."""
+        tm = TrajectoryManager(fork_threshold_tokens=self.fork_threshold_tokens)
+        self._replay(session_id, tm)
+        return tm.tree_view(session_id, side_call=side_call)
 
     # ------------------------------------------------------------------ memory
 

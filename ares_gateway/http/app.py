@@ -9,7 +9,7 @@ from ares_gateway.core.canonical import WireProtocol
 from ares_gateway.http.agent_api import AgentAPI
 from ares_gateway.http.control_api import ControlAPI
 from ares_gateway.http.render import error_for_path
-from ares_gateway.http.routes import RouteTable
+from ares_gateway.http.routes import MountHandler, RouteTable
 from ares_gateway.http.served import ServedGateway
 from ares_gateway.http.server import HttpLimits, HttpServer
 
@@ -21,11 +21,13 @@ async def _not_routed(request: BaseRequest, allowed: frozenset[str]) -> StreamRe
     return error_for_path(request.path, status, f"{reason}: {request.method} {request.path}", headers)
 
 
-def build_routes(gateway: ServedGateway, limits: HttpLimits) -> RouteTable:
-    """Every path the gateway serves, agent-facing and policy-facing."""
+def build_routes(gateway: ServedGateway, limits: HttpLimits,
+                 mounts: dict[str, MountHandler] | None = None) -> RouteTable:
+    """Every path the gateway serves, agent-facing and policy-facing, and the applications mounted
+    under a prefix (``mounts``, kept by reference: e.g. the trajectory viewer at ``/ui``)."""
     agent = AgentAPI(gateway, limits)
     control = ControlAPI(gateway, limits)
-    routes = RouteTable(fallback=_not_routed)
+    routes = RouteTable(fallback=_not_routed, mounts={} if mounts is None else mounts)
     # Agent paths: at the root and under /s/{sid} (the session's base URL).
     for path, protocol in (
         ("/v1/chat/completions", WireProtocol.OPENAI_CHAT),
@@ -58,9 +60,10 @@ def build_routes(gateway: ServedGateway, limits: HttpLimits) -> RouteTable:
     return routes
 
 
-def build_server(gateway: ServedGateway, limits: HttpLimits) -> HttpServer:
+def build_server(gateway: ServedGateway, limits: HttpLimits,
+                 mounts: dict[str, MountHandler] | None = None) -> HttpServer:
     """The gateway's HTTP server (not yet listening)."""
-    routes = build_routes(gateway, limits)
+    routes = build_routes(gateway, limits, mounts)
 
     async def dispatch(request: BaseRequest) -> StreamResponse:
         expect = request.headers.get("expect")

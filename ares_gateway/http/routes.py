@@ -23,6 +23,8 @@ from aiohttp.web_response import StreamResponse
 
 #: A route's handler: the request and the ``{sid}`` of its path (``None`` when it has none).
 Handler = Callable[[BaseRequest, str | None], Awaitable[StreamResponse]]
+#: A mounted application: every path under its prefix (``/ui`` and ``/ui/...``), the request alone.
+MountHandler = Callable[[BaseRequest], Awaitable[StreamResponse]]
 #: Answers what no route takes: (request, allowed methods of the path, empty when the path is unknown).
 Fallback = Callable[[BaseRequest, frozenset[str]], Awaitable[StreamResponse]]
 
@@ -35,6 +37,9 @@ class RouteTable:
     agent: dict[str, dict[str, Handler]] = field(default_factory=dict)
     control: dict[str, dict[str, Handler]] = field(default_factory=dict)
     session: dict[str, dict[str, Handler]] = field(default_factory=dict)
+    #: Prefix to handler, looked at only for paths no route takes (the known paths pay nothing);
+    #: shared with its owner, so a mount added after the server started is served too.
+    mounts: dict[str, MountHandler] = field(default_factory=dict)
 
     def add_agent(self, methods: str, path: str, handler: Handler) -> None:
         """``path`` relative to the session base URL: ``""`` is the base itself, ``"/"`` its root."""
@@ -64,6 +69,9 @@ class RouteTable:
             table, key = (self.control, path) if path in self.control else (self.agent, path)
         methods = table.get(key) if sid != "" else None
         if methods is None:
+            for prefix, mounted in self.mounts.items():
+                if path == prefix or path.startswith(prefix + "/"):
+                    return mounted(request)
             return self.fallback(request, frozenset())
         handler = methods.get(request.method)
         if handler is None:

@@ -120,5 +120,7 @@ def _result(data: dict[str, Any], ids: list[int], lps: list[float], prompt_len: 
         finish_reason=finish,
         prompt_tokens=int(meta.get("prompt_tokens") or prompt_len),
         cached_tokens=int(meta.get("cached_tokens") or 0),
-        extra={"id": meta.get("id")},
+        # The seed a sampling_seed-less request was sampled with, where the server says (ares' EngineServer
+        # does; SGLang does not): the turn record keeps it, as with an in-process engine.
+        extra={"id": meta.get("id"), **({"seed": seed} if isinstance(seed := meta.get("sampling_seed"), int) else {})},
     )

@@ -18,6 +18,7 @@ from typing import Any
 from ares_gateway.engines.server import EngineServer
 from ares_gateway.engines.sglang import SGLangEngine
 from ares_gateway.policies.tito import TitoPolicy
+from ares_gateway.trainers._common import TrainerError
 
 __all__ = ["RemoteTitoPolicy", "ServedEngine"]
 
@@ -68,6 +69,10 @@ class ServedEngine:
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0,
                  server_options: Mapping[str, Any] | None = None) -> None:
+        if not host:
+            raise ValueError("engine_host must be an address to listen on (127.0.0.1, or this machine's cluster address)")
+        if not 0 <= port < 65536:
+            raise ValueError(f"engine_port must be in [0, 65535] (0: a free port), got {port}")
         self.host = host
         self.port = port
         self.server_options = dict(server_options or {})
@@ -82,7 +87,13 @@ class ServedEngine:
             return self.policy
         await self.aclose()  # a new engine (a new model object): serve that one instead
         server = EngineServer(engine, host=self.host, port=self.port, api_key=self._token, **self.server_options)
-        await server.start()
+        try:
+            await server.start()
+        except OSError as exc:  # the port is taken, the address is not this machine's
+            raise TrainerError(
+                f"could not serve the trainer's engine on {self.host}:{self.port} ({exc.strerror or exc}): give "
+                "rollout_func an engine_host that is an address of this machine (and engine_port=0 for a free port)"
+            ) from exc
         self.server = server
         self.policy = RemoteTitoPolicy(server.url, tokenizer=tokenizer, renderer=renderer,
                                        model=str(getattr(engine, "model", "")),

@@ -31,8 +31,6 @@ from tests.trainers.test_trl import (
     _turns,
 )
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -84,6 +82,7 @@ def _imported_from(node_ids: list[str]) -> dict[str, str]:
     return {n: ray.get(r, timeout=120) for n, r in refs.items()}
 
 
+@pytest.mark.slow
 def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
     import cloudpickle
     import ray
@@ -103,7 +102,7 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
     model, tokenizer = load_smollm2()
     out = tmp_path / "episodes"
     executor = RayExecutor(per_node=1)
-    rollouts = rollout_func("examples", step_limit=3, max_tokens=48, concurrency=2, out=str(out),
+    rollouts = rollout_func("examples", step_limit=2, max_tokens=32, concurrency=2, out=str(out),
                             harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND}, executor=executor)
     seen: list[dict[str, Any]] = []
 
@@ -177,3 +176,41 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
     # Closed: the server is gone, and no sandbox is left on any node.
     assert rollouts.served is not None and rollouts.served.server is None
     assert (sorted(p.name for p in sandbox_root.iterdir()) if sandbox_root.exists() else []) == []
+
+
+async def test_the_served_engine_is_one_server_per_engine_and_a_bad_address_is_a_clear_error() -> None:
+    from ares_gateway.engines.llama_cpp import LlamaCppEngine
+    from ares_gateway.episodes.ray import RayExecutor
+    from ares_gateway.tokens.tokenizer import default_model_path
+    from ares_gateway.trainers import TrainerError
+    from ares_gateway.trainers._served import ServedEngine
+    from ares_gateway.trainers.trl import rollout_func
+
+    _trl()
+    source = default_model_path()
+    sampling = {"max_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None}
+    one, two = LlamaCppEngine(), LlamaCppEngine()  # never loaded: serving does not touch the model
+    served = ServedEngine()
+    taken = ServedEngine(port=0)
+    try:
+        policy = await served.policy_for(one, tokenizer=source, renderer=None, sampling=sampling)
+        assert await served.policy_for(one, tokenizer=source, renderer=None, sampling=sampling) is policy
+        first = served.server
+        assert first is not None and policy.engine.url == first.url  # type: ignore[attr-defined]
+        # A new model object (a new engine): served instead, the old server closed.
+        other = await served.policy_for(two, tokenizer=source, renderer=None, sampling=sampling)
+        assert other is not policy and served.server is not first and served.server.engine is two  # type: ignore[union-attr]
+        with pytest.raises(RuntimeError, match="not started"):
+            _ = first.url
+        # The port is taken: a TrainerError that says what to change.
+        taken = ServedEngine(port=served.server.port)  # type: ignore[union-attr]
+        with pytest.raises(TrainerError, match=r"could not serve the trainer's engine on 127\.0\.0\.1:.*engine_host"):
+            await taken.policy_for(one, tokenizer=source, renderer=None, sampling=sampling)
+    finally:
+        await served.aclose()
+        await taken.aclose()
+    assert served.server is None and served.policy is None
+    with pytest.raises(ValueError, match="engine_port"):
+        rollout_func("examples", executor=RayExecutor(), engine_port=70000)
+    with pytest.raises(ValueError, match="engine_host"):
+        rollout_func("examples", executor=RayExecutor(), engine_host="")

@@ -17,9 +17,9 @@ import pytest
 
 from ares_gateway.core.canonical import Message
 from ares_gateway.engines import (
-    EngineResponseError,
     EngineUnavailableError,
     GenerateResult,
+    PromptTooLongError,
     Sampling,
     TokenChunk,
 )
@@ -188,9 +188,14 @@ async def test_bad_requests_are_400s_with_the_reason(served: Any, smol_renderer:
             assert resp.status == 401
         async with anon.get(server.url + "/health") as resp:
             assert resp.status == 200
-    # Through the client: a prompt longer than the engine's context is a 400 naming both sizes.
-    with pytest.raises(EngineResponseError, match=r"HTTP 400.*context holds"):
+    # Through the client: a prompt longer than the engine's context is a 400, the client's PromptTooLongError
+    # (the in-process engine's error: the policy answers the agent alike).
+    with pytest.raises(PromptTooLongError) as info:
         await client.generate([1] * (engine.n_ctx + 5), Sampling(max_tokens=4))
+    assert (info.value.prompt_tokens, info.value.context) == (engine.n_ctx + 5, engine.n_ctx)
+    async with aiohttp.ClientSession(headers=AUTH) as http:
+        async with http.post(server.url + "/generate", json={"input_ids": [1] * (engine.n_ctx + 5)}) as resp:
+            assert resp.status == 400 and "context holds" in (await resp.json())["error"]["message"]
     # The server still answers normally afterwards.
     prompt = _prompt(smol_renderer, "hi")
     s = Sampling(max_tokens=4, seed=9)

@@ -90,7 +90,7 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
 
     from ares_gateway.episodes.ray import RayExecutor
     from ares_gateway.trainers._served import RemoteTitoPolicy
-    from ares_gateway.trainers.trl import reward_from_episode, rollout_func
+    from ares_gateway.trainers.trl import EPISODE_KEYS, reward_from_episode, rollout_func
 
     _trl()
     _mini_installed()
@@ -131,6 +131,9 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
     (call,) = seen
     batch = call["batch"]
     assert len(call["prompts"]) == 2 and call["prompts"][0] == call["prompts"][1] in TASKS
+    # The local path's batch: the same columns, one entry per prompt in each.
+    assert set(batch) == {"prompt_ids", "completion_ids", "logprobs", "env_mask", *EPISODE_KEYS}
+    assert all(len(v) == 2 for v in batch.values())
 
     # Each completion is a real episode, run on a Ray node: both nodes ran one (per_node=1, 2 at once).
     episodes = call["episodes"]

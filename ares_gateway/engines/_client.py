@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from ares_gateway.engines.base import EngineResponseError, EngineUnavailableError
+from ares_gateway.engines.base import EngineError, EngineResponseError, EngineUnavailableError
 
 # Statuses worth retrying: the engine is busy, restarting, or behind a proxy that hiccupped.
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -73,6 +73,10 @@ class HttpEngineBase:
             await self._session.close()
             self._session = None
 
+    def _http_error(self, url: str, status: int, text: str) -> EngineError:
+        """The error a 4xx answer (not retried) becomes; an engine names the ones it can tell apart."""
+        return EngineResponseError(f"{self.name} at {url} answered HTTP {status}: {text[:500]}")
+
     def _retrying(self) -> AsyncRetrying:
         return AsyncRetrying(
             stop=stop_after_attempt(self.max_attempts),
@@ -101,7 +105,7 @@ class HttpEngineBase:
                 if resp.status in _RETRY_STATUSES:
                     raise _Retryable(f"HTTP {resp.status}: {text[:300]}")
                 if resp.status >= 400:
-                    raise EngineResponseError(f"{self.name} at {url} answered HTTP {resp.status}: {text[:500]}")
+                    raise self._http_error(url, resp.status, text)
         except (TimeoutError, aiohttp.ClientConnectionError) as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
         try:
@@ -132,7 +136,7 @@ class HttpEngineBase:
                     if r.status >= 400:
                         text = await r.text()
                         r.release()
-                        raise EngineResponseError(f"{self.name} at {url} answered HTTP {r.status}: {text[:500]}")
+                        raise self._http_error(url, r.status, text)
                     resp = r
         except _Retryable as exc:
             raise EngineUnavailableError(f"{self.name} at {self.url}: {exc.message} (after {self.max_attempts} attempts)") from None

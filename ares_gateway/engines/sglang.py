@@ -20,19 +20,42 @@ temperature 1 with top-k/top-p off every definition is the model's log-softmax.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ares_gateway.engines._client import HttpEngineBase
-from ares_gateway.engines.base import EngineResponseError, GenerateResult, Sampling, TokenChunk
+from ares_gateway.engines.base import (
+    EngineError,
+    EngineResponseError,
+    GenerateResult,
+    PromptTooLongError,
+    Sampling,
+    TokenChunk,
+)
 
 __all__ = ["SGLangEngine"]
+
+# A 400 for a prompt longer than the context: SGLang's wording, and ares' EngineServer's (PromptTooLongError's).
+_TOO_LONG = (
+    re.compile(r"input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)"),
+    re.compile(r"prompt has (\d+) tokens but the engine's context holds (\d+)"),
+)
 
 
 class SGLangEngine(HttpEngineBase):
     """An SGLang server (``python -m sglang.launch_server``) at ``url``. See :class:`HttpEngineBase` for options."""
 
     name = "sglang"
+
+    def _http_error(self, url: str, status: int, text: str) -> EngineError:
+        # A too-long prompt is the same error as from an in-process engine (the agent gets a 400, not a 502).
+        if status == 400:
+            for pattern in _TOO_LONG:
+                m = pattern.search(text)
+                if m:
+                    return PromptTooLongError(int(m.group(1)), int(m.group(2)))
+        return super()._http_error(url, status, text)
 
     def _body(self, prompt_ids: Sequence[int], sampling: Sampling, stream: bool) -> dict[str, Any]:
         sp: dict[str, Any] = {
@@ -120,5 +143,7 @@ def _result(data: dict[str, Any], ids: list[int], lps: list[float], prompt_len: 
         finish_reason=finish,
         prompt_tokens=int(meta.get("prompt_tokens") or prompt_len),
         cached_tokens=int(meta.get("cached_tokens") or 0),
-        extra={"id": meta.get("id")},
+        # The seed a sampling_seed-less request was sampled with, where the server says (ares' EngineServer
+        # does; SGLang does not): the turn record keeps it, as with an in-process engine.
+        extra={"id": meta.get("id"), **({"seed": seed} if isinstance(seed := meta.get("sampling_seed"), int) else {})},
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ares_gateway.episodes.episode import one_line
+from ares_gateway.episodes.executor import Executor
 from ares_gateway.episodes.rollouts import EpisodeResult, run_rollouts
 from ares_gateway.episodes.tasks import Dataset, Task, load_dataset
 from ares_gateway.extras import MissingExtraError as _MissingExtra
@@ -138,9 +139,13 @@ async def play_episodes(
     time_limit: float | None = None,
     harness_options: Mapping[str, Any] | None = None,
     out: str | None = None,
+    executor: Executor | None = None,
 ) -> list[EpisodeSample]:
     """One episode per entry of ``tasks`` (repeats allowed), at most ``concurrency`` at once; the
-    results in the order of ``tasks``. A failed episode is an entry with reward 0 and its error."""
+    results in the order of ``tasks``. A failed episode is an entry with reward 0 and its error.
+
+    ``executor`` runs the episodes (default: this process, :class:`~ares_gateway.episodes.executor.LocalExecutor`);
+    it is started and closed once per wave of :func:`~ares_gateway.episodes.rollouts.run_rollouts`."""
     by_session: dict[str, list[Any]] = {}
 
     def keep(result: EpisodeResult, samples: list[Any]) -> None:
@@ -163,7 +168,7 @@ async def play_episodes(
         summary = await run_rollouts(
             group, harness=harness, policy=policy, sandbox=sandbox, concurrency=concurrency, attempts=count,
             step_limit=step_limit, time_limit=time_limit, harness_options=harness_options, stats="null",
-            on_samples=keep, out=out,
+            on_samples=keep, out=out, executor=executor,
         )
         for e in summary.episodes:
             idx = plan[e.task][e.attempt]

@@ -31,7 +31,15 @@ TRL completion-table columns.
 
 **One sample an episode.** An episode's turns can give several samples (the agent rewrote its
 history, or made side calls); TRL gets the main line (:func:`~ares_gateway.trainers.main_sample`), the
-count of the others is ``other_samples``. **A failed episode** (the agent or its install failed, the
+count of the others is ``other_samples``.
+
+**On a Ray cluster** (``rollout_func(..., executor=RayExecutor(per_node=4))``): the episodes run on the
+cluster's nodes, their turns are still sampled here, by ``trainer.model``: the engine is served over
+HTTP (:class:`~ares_gateway.engines.server.EngineServer`, SGLang's ``/generate``, on ``engine_host``) and
+each node's gateway gets a :class:`~ares_gateway.trainers._served.RemoteTitoPolicy` over it (same
+tokenizer, renderer and sampling). The batch is the local path's, entry for entry.
+
+**A failed episode** (the agent or its install failed, the
 sandbox did not start, the engine failed) is an entry with reward 0, its error, and a one-token
 completion that is masked out (``env_mask`` 0), so the training step goes on.
 """
@@ -43,7 +51,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ares_gateway.trainers._common import (
     EpisodeSample,
@@ -54,6 +62,10 @@ from ares_gateway.trainers._common import (
     resolve_dataset,
     resolve_tasks,
 )
+
+if TYPE_CHECKING:
+    from ares_gateway.episodes.executor import Executor
+    from ares_gateway.trainers._served import ServedEngine
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +134,9 @@ class AresRollouts:
     def __init__(self, dataset: Any, *, harness: str, sandbox: str, step_limit: int | None, time_limit: float | None,
                  concurrency: int, tokenizer: str | None, renderer: str | None, sampling: Mapping[str, Any],
                  harness_options: Mapping[str, Any] | None, out: str | None, check_tokenizer: bool,
-                 max_completion_tokens: int | None = None) -> None:
+                 max_completion_tokens: int | None = None, executor: Executor | None = None,
+                 engine_host: str = "127.0.0.1", engine_port: int = 0,
+                 engine_server_options: Mapping[str, Any] | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         if max_completion_tokens is not None and max_completion_tokens < 1:
@@ -140,6 +154,13 @@ class AresRollouts:
         self.harness_options = dict(harness_options or {})
         self.out = out
         self.check_tokenizer = check_tokenizer
+        self.executor = executor
+        # Episodes in other processes reach the engine over HTTP (served at the first call).
+        self.served: ServedEngine | None = None
+        if executor is not None and executor.kind != "local":
+            from ares_gateway.trainers._served import ServedEngine
+
+            self.served = ServedEngine(host=engine_host, port=engine_port, server_options=engine_server_options)
         self.last_episodes: list[EpisodeSample] = []
         self.calls: list[dict[str, Any]] = []
         self.policy: Any = None
@@ -167,9 +188,15 @@ class AresRollouts:
             options = {**policy.harness_options(self.harness), **self.harness_options}
             step = getattr(getattr(trainer, "state", None), "global_step", None)
             out = f"{self.out}/step-{step}" if self.out and step is not None else self.out
+            episode_policy: Any = policy
+            if self.served is not None:
+                source = self.tokenizer or _default_tokenizer()
+                episode_policy = self._loop.run(self.served.policy_for(
+                    self.engine, tokenizer=source, renderer=self.renderer_name, sampling=self.sampling))
             episodes = self._loop.run(play_episodes(
-                tasks, harness=self.harness, policy=policy, sandbox=self.sandbox, concurrency=self.concurrency,
+                tasks, harness=self.harness, policy=episode_policy, sandbox=self.sandbox, concurrency=self.concurrency,
                 step_limit=self.step_limit, time_limit=self.time_limit, harness_options=options, out=out,
+                executor=self.executor,
             ))
             self.last_episodes = episodes
             batch = self._batch(episodes, prompts, trainer)
@@ -186,6 +213,8 @@ class AresRollouts:
     def close(self) -> None:
         """Stop the rollouts' event loop (the episodes' sandboxes are already gone)."""
         if self._loop is not None:
+            if self.served is not None:
+                self._loop.run(self.served.aclose())
             if self.policy is not None:
                 self._loop.run(self.policy.aclose())
             self._loop.close()
@@ -201,9 +230,8 @@ class AresRollouts:
             return self.policy
         from ares_gateway.engines.transformers import TransformersEngine
         from ares_gateway.policies.tito import TitoPolicy
-        from ares_gateway.tokens.tokenizer import default_model_path
 
-        source = self.tokenizer or default_model_path()
+        source = self.tokenizer or _default_tokenizer()
         self.engine = TransformersEngine(model)
         self.policy = TitoPolicy(self.engine, tokenizer=source, renderer=self.renderer_name, **self.sampling)
         self._model_id = id(model)
@@ -266,6 +294,12 @@ class AresRollouts:
         return batch
 
 
+def _default_tokenizer() -> str:
+    from ares_gateway.tokens.tokenizer import default_model_path
+
+    return default_model_path()
+
+
 def rollout_func(
     dataset: Any,
     *,
@@ -285,6 +319,10 @@ def rollout_func(
     out: str | None = None,
     check_tokenizer: bool = True,
     max_completion_tokens: int | None = None,
+    executor: Executor | None = None,
+    engine_host: str = "127.0.0.1",
+    engine_port: int = 0,
+    engine_server_options: Mapping[str, Any] | None = None,
 ) -> AresRollouts:
     """A ``rollout_func`` for TRL's ``GRPOTrainer`` (see the module docstring).
 
@@ -305,6 +343,13 @@ def rollout_func(
         check_tokenizer: refuse a trainer whose tokenizer gives other ids than the gateway's.
         max_completion_tokens: cut each completion (ids, logprobs, mask) to this many tokens (``None``: whole
             episodes; TRL does not cut what a rollout function returns). A cut entry has ``truncated`` True.
+        executor: where the episodes run (default: this process). One whose ``kind`` is not ``"local"``
+            (:class:`~ares_gateway.episodes.ray.RayExecutor`) runs them elsewhere: the engine is then served
+            over HTTP and the executor's workers sample ``trainer.model`` through it. ``concurrency`` still
+            caps the episodes at once (give it nodes x ``per_node``).
+        engine_host / engine_port: where the engine is served for such an executor (default: 127.0.0.1, a
+            free port). On a real cluster give the trainer machine's address that the nodes reach.
+        engine_server_options: more :class:`~ares_gateway.engines.server.EngineServer` options (its limits).
     """
     require("torch", "trl")
     require("transformers", "trl")
@@ -313,7 +358,8 @@ def rollout_func(
         concurrency=concurrency, tokenizer=tokenizer, renderer=renderer,
         sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed},
         harness_options=harness_options, out=out, check_tokenizer=check_tokenizer,
-        max_completion_tokens=max_completion_tokens,
+        max_completion_tokens=max_completion_tokens, executor=executor, engine_host=engine_host,
+        engine_port=engine_port, engine_server_options=engine_server_options,
     )
 
 

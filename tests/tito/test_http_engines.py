@@ -21,6 +21,7 @@ from ares_gateway.engines import (
     EngineResponseError,
     EngineUnavailableError,
     GenerateResult,
+    PromptTooLongError,
     Sampling,
     TokenChunk,
 )
@@ -43,6 +44,8 @@ class Fake:
         self.fail_first = 0
         self.mutate: Callable[[dict[str, Any]], None] | None = None
         self.incremental = False
+        #: Answer every request with this (status, message) instead.
+        self.reject: tuple[int, str] | None = None
 
     def _out(self, body: dict[str, Any], ids_key: str, max_key: str) -> tuple[list[int], str]:
         prompt = body[ids_key]
@@ -58,6 +61,8 @@ class Fake:
         if self.fail_first > 0:
             self.fail_first -= 1
             return web.Response(status=503, text="warming up")
+        if self.reject is not None:
+            return web.json_response({"error": {"message": self.reject[1]}}, status=self.reject[0])
         out, reason = self._out(body, "input_ids", "max_new_tokens")
         lps = [[-0.25 * (i + 1), t, None] for i, t in enumerate(out)]
         fr = {"type": reason, "length": len(out)} if reason == "length" else {"type": "stop", "matched": EOS}
@@ -194,6 +199,31 @@ async def test_retries_then_gives_up_with_a_clear_error(fake: tuple[Fake, str], 
         f.fail_first = 5
         with pytest.raises(EngineUnavailableError, match=r"HTTP 503.*after 3 attempts"):
             await eng.generate([1, 2], SAMPLING)
+    finally:
+        await eng.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_sglang_context_overflow_is_a_prompt_too_long_error(fake: tuple[Fake, str], stream: bool) -> None:
+    f, url = fake
+    eng = SGLangEngine(url, max_attempts=1)
+
+    async def call() -> None:
+        if stream:
+            async for _ in eng.stream([1, 2], SAMPLING):
+                pass
+        else:
+            await eng.generate([1, 2], SAMPLING)
+
+    try:
+        # SGLang's own wording (tokenizer_manager), as ares' EngineServer's in test_engine_server.py.
+        f.reject = (400, "The input (4100 tokens) is longer than the model's context length (4096 tokens).")
+        with pytest.raises(PromptTooLongError) as info:
+            await call()
+        assert (info.value.prompt_tokens, info.value.context) == (4100, 4096)
+        f.reject = (400, "something else is wrong")
+        with pytest.raises(EngineResponseError, match=r"HTTP 400: .*something else"):
+            await call()
     finally:
         await eng.aclose()
 

@@ -34,6 +34,7 @@ address; ``RAY_NODE_IP_ADDRESS`` / ``_node_ip_address`` alone still left its GCS
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -125,6 +126,10 @@ class _NodeGateway:
         if self.gateway is not None:
             await self.gateway.close()
             self.gateway = None
+        aclose = getattr(self.policy, "aclose", None)
+        if aclose is not None:  # this node's copy: its engine's worker thread or HTTP connections
+            with contextlib.suppress(Exception):
+                await aclose()
         return len(cancelled)
 
 

@@ -165,14 +165,15 @@ async def test_the_sdks_see_an_unaccepted_coding_as_a_415_and_do_not_retry(
     assert _server_trouble(caplog) == []
 
 
-def _bomb(inflated: int) -> bytes:
-    """A gzip body of ``inflated`` bytes of JSON-ish spaces, built without holding them."""
+def _bomb(api: str, inflated: int) -> bytes:
+    """A gzip body of the API's, its message ``inflated`` bytes of spaces, built without holding them."""
+    head, tail = json.dumps(BODIES[api]).encode().split(b"hi from a compressed body")
     z = zlib.compressobj(wbits=31)
     block = b" " * MiB
-    out = [z.compress(b'{"model": "m", "input": "')]
+    out = [z.compress(head)]
     for _ in range(inflated // MiB):
         out.append(z.compress(block))
-    out.append(z.compress(b'"}'))
+    out.append(z.compress(tail))
     out.append(z.flush())
     return b"".join(out)
 
@@ -186,7 +187,7 @@ async def test_a_gzip_bomb_is_a_413_without_inflating_it_whole(
     # The budget case: 8 MiB inflated is under max_body_bytes, over a 1 MiB budget (the compressed
     # Content-Length, about 8 KiB, is what was counted before: the body was parked whole).
     kwargs = {"max_parked_bytes_per_session": MiB} if limit == "session budget" else {"max_body_bytes": MiB}
-    bomb = _bomb(8 * MiB if limit == "session budget" else 256 * MiB)
+    bomb = _bomb(api, 8 * MiB if limit == "session budget" else 256 * MiB)
     assert len(bomb) < MiB // 2
     async with Gateway(port=0, data_dir=False, **kwargs) as gw, aiohttp.ClientSession() as http:  # type: ignore[arg-type]
         info = await gw.create_session()

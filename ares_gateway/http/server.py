@@ -214,9 +214,7 @@ class _Inflated(_Body):
             raise self._fail(exc) from None
 
     def finish(self) -> bytes:
-        if self.sent and (self._z is None or not self._z.eof):
-            if self._z is None:
-                raise self._fail("no data")
+        if self.sent and not self._z.eof:  # (a body with any bytes has a decompressor)
             raise self._fail("the data ends before its stream does (truncated)")
         return super().finish()
 

@@ -52,6 +52,12 @@ class _Held:
         self.nbytes = 0
 
     def __call__(self, nbytes: int) -> None:
+        budget = self.broker.max_parked_bytes_per_session
+        if self.nbytes + nbytes > budget:
+            # This body alone passes the whole budget (a coded one is found out as it inflates, its
+            # Content-Length being the compressed size): a 413, as from Content-Length; no retry helps.
+            raise BodyError(413, f"request body exceeds the gateway's limit of {budget} bytes "
+                                 "of waiting bodies per session")
         self.broker.hold_bytes(self.session_id, nbytes)
         self.nbytes += nbytes
 

@@ -21,6 +21,7 @@ from aiohttp.web_response import Response, StreamResponse
 from ares_gateway.core.answers import Answer, ErrorAnswer, NativeAnswer
 from ares_gateway.core.broker import ParkedRequest
 from ares_gateway.core.canonical import Completion, CompletionDelta, WireProtocol
+from ares_gateway.http.server import ACCEPTED_ENCODINGS
 from ares_gateway.protocols import ProtocolAdapter, get_adapter
 
 log = logging.getLogger(__name__)
@@ -52,11 +53,15 @@ def protocol_for_path(path: str) -> WireProtocol:
 def protocol_error(adapter: ProtocolAdapter, status: int, message: str, param: str | None = None) -> Response:
     """An error in the agent's protocol's own shape."""
     headers = {"retry-after": "1"} if status in _RETRYABLE else None
+    if status == 415:  # only a body's Content-Encoding is refused so: RFC 9110 says name the accepted ones
+        headers = {"accept-encoding": ACCEPTED_ENCODINGS}
     return json_response(adapter.error_body(status, message, param=param), status, headers)
 
 
 def control_error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     """An error of the control API: ``{"status": "error", "code", "error"}``."""
+    if status == 415 and headers is None:
+        headers = {"accept-encoding": ACCEPTED_ENCODINGS}
     return json_response({"status": "error", "code": status, "error": message}, status, headers)
 
 

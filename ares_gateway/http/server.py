@@ -28,6 +28,13 @@ What this module adds at the depth it belongs:
   last, the whole body within ``body_total_timeout`` (408 and close otherwise); ``Expect:
   100-continue`` answered when the body is first read; bodies over ``max_body_bytes`` refused
   (413) from their ``Content-Length`` or as soon as they pass the limit;
+* **request body codings** decoded here, not by aiohttp (its ``auto_decompress`` is off): a
+  ``gzip`` or ``deflate`` body is inflated piece by piece as it is read, each piece counted
+  against ``max_body_bytes`` and the caller's budget, so a small body that inflates past them is
+  a 413 once it passes, never inflated whole; one that does not decode is a 400; any other
+  coding (``br``, ``zstd``, unknown) a 415 naming the accepted ones. aiohttp's own decoder
+  raised inside the handler's read (a 500), refused ``br``/``zstd`` as a malformed request telling
+  the client to install Brotli, and passed unknown codings through undecoded;
 * errors aiohttp answers itself (malformed requests, a handler that raised) come in the JSON
   shape of the API the path belongs to, via the server's ``error`` factory;
 * a **head budget**: a request's line and headers together at most ``max_head_bytes`` (431 and
@@ -48,8 +55,10 @@ import ctypes
 import logging
 import os
 import stat
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from aiohttp import web_protocol, web_server
@@ -106,7 +115,8 @@ class HttpLimits:
 
 
 class BodyError(Exception):
-    """A request body that cannot be read: too large (413), too slow (408), unknown expectation (417)."""
+    """A request body that cannot be read: too large (413), too slow (408), not decodable (400),
+    in a coding the gateway does not take (415)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -116,40 +126,132 @@ class BodyError(Exception):
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
+#: The request body codings the gateway decodes (``Content-Encoding``), besides ``identity``.
+ACCEPTED_ENCODINGS = "gzip, deflate"
+#: Most bytes one decompress call may produce: what a bomb can add past the limit before it is refused.
+_INFLATE_PIECE = 64 * 1024
+
+
+def body_coding(request: BaseRequest) -> str | None:
+    """The body's ``Content-Encoding`` (``gzip`` or ``deflate``), ``None`` for none or ``identity``;
+    raises :class:`BodyError` 415 for any other."""
+    codings = [c.strip().lower() for v in request.headers.getall("content-encoding", ()) for c in v.split(",")]
+    codings = [c for c in codings if c and c != "identity"]
+    if not codings:
+        return None
+    if len(codings) == 1 and codings[0] in ("gzip", "x-gzip", "deflate"):
+        return "deflate" if codings[0] == "deflate" else "gzip"
+    # 415, not 400: RFC 9110 15.5.16 names it for a content coding the server does not support.
+    # The message is for the client (which coding to send), not the operator (no "install Brotli").
+    shown = ", ".join(codings)
+    shown = shown if len(shown) <= 100 else shown[:100] + "..."
+    raise BodyError(415, f"request body Content-Encoding {shown!r} is not accepted: send it uncompressed "
+                         f"(identity) or in one of: {ACCEPTED_ENCODINGS}")
+
+
+class _Body:
+    """A body's bytes as they arrive, at most ``limit`` of them, each told to ``hold`` first."""
+
+    def __init__(self, limit: int, hold: Callable[[int], None] | None) -> None:
+        self.limit = limit
+        self.hold = hold
+        self.size = 0
+        self.chunks: list[bytes] = []
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self.limit:
+            raise BodyError(413, f"request body exceeds the gateway's limit of {self.limit} bytes")
+        if self.hold is not None:
+            self.hold(len(chunk))
+        self.chunks.append(chunk)
+
+    def finish(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+class _Inflated(_Body):
+    """A ``gzip`` or ``deflate`` body, inflated as it arrives: what is counted and kept is what it
+    inflates to, ``_INFLATE_PIECE`` bytes at a time (a bomb stops at the limit, not in memory)."""
+
+    def __init__(self, coding: str, limit: int, hold: Callable[[int], None] | None) -> None:
+        super().__init__(limit, hold)
+        self.coding = coding
+        self.sent = 0
+        self._z: Any = None
+
+    def _fail(self, why: object) -> BodyError:
+        return BodyError(400, f"request body could not be decoded as {self.coding} (its Content-Encoding): {why}")
+
+    def add(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        self.sent += len(chunk)
+        if self.sent > self.limit:  # as sent, too (a body read whole skips _read_slow's count)
+            raise BodyError(413, f"request body exceeds the gateway's limit of {self.limit} bytes")
+        data = chunk
+        try:
+            while True:
+                if self._z is None:
+                    # gzip: a header of its own (wbits 31). HTTP's deflate is a zlib stream, but some
+                    # clients send raw deflate: told apart by the zlib header's method nibble (as aiohttp).
+                    wbits = 31 if self.coding == "gzip" else (15 if data[0] & 0x0F == 8 else -15)
+                    self._z = zlib.decompressobj(wbits)
+                piece = self._z.decompress(data, _INFLATE_PIECE)
+                data = self._z.unconsumed_tail
+                if piece:
+                    super().add(piece)
+                if self._z.eof:
+                    data = self._z.unused_data
+                    if not data:
+                        return
+                    if self.coding != "gzip":
+                        raise self._fail("data after the end of the stream")
+                    self._z = None  # gzip: another member follows (RFC 1952 allows several)
+                elif not data and len(piece) < _INFLATE_PIECE:
+                    return  # all input taken, no output pending
+        except zlib.error as exc:
+            raise self._fail(exc) from None
+
+    def finish(self) -> bytes:
+        if self.sent and not self._z.eof:  # (a body with any bytes has a decompressor)
+            raise self._fail("the data ends before its stream does (truncated)")
+        return super().finish()
+
 
 async def read_body(
     request: BaseRequest, limits: HttpLimits, hold: Callable[[int], None] | None = None
 ) -> bytes:
-    """The whole body of ``request``, within the size and time limits; raises :class:`BodyError`.
+    """The whole body of ``request``, decoded (:func:`body_coding`), within the size and time
+    limits; raises :class:`BodyError`.
 
-    ``hold(n)`` is told of the body's bytes before they are read (its ``Content-Length``, else each
-    piece as it comes), so a caller can count them against a budget; what it raises ends the read."""
+    ``hold(n)`` is told of the body's bytes before they are kept (an uncoded body's
+    ``Content-Length``, else each piece as it comes or is inflated), so a caller can count them
+    against a budget; what it raises ends the read."""
+    coding = body_coding(request)  # before anything is read or held: a 415 reads nothing
     length = request.content_length
     if length is not None and length > limits.max_body_bytes:
         raise BodyError(413, f"request body exceeds the gateway's limit of {limits.max_body_bytes} bytes")
-    if hold is not None and length is not None:
+    if hold is not None and length is not None and coding is None:
         hold(length)
         hold = None
+    # A coded body's Content-Length is not its size: its inflated pieces are counted instead.
+    body = (_Body if coding is None else partial(_Inflated, coding))(limits.max_body_bytes, hold)
     content = request.content
     if content.is_eof():  # all of it arrived with the head: the usual case, no timer needed
-        body = await content.read()
-        if hold is not None:
-            hold(len(body))
+        body.add(await content.read())
     else:
         if request.version >= (1, 1) and request.headers.get("expect", "").lower() == "100-continue":
             # curl sends this with large bodies and waits for the interim response.
             await request.writer.write(_CONTINUE)
-        body = await _read_slow(request, limits, hold)
-    if len(body) > limits.max_body_bytes:
-        raise BodyError(413, f"request body exceeds the gateway's limit of {limits.max_body_bytes} bytes")
-    return body
+        await _read_slow(request, limits, body)
+    return body.finish()
 
 
-async def _read_slow(request: BaseRequest, limits: HttpLimits, hold: Callable[[int], None] | None) -> bytes:
+async def _read_slow(request: BaseRequest, limits: HttpLimits, body: _Body) -> None:
     loop = asyncio.get_running_loop()
     content = request.content
-    chunks: list[bytes] = []
-    size = 0
+    sent = 0
     last = loop.time() + limits.body_total_timeout
     try:
         async with asyncio.timeout(None) as timer:
@@ -158,14 +260,12 @@ async def _read_slow(request: BaseRequest, limits: HttpLimits, hold: Callable[[i
                 chunk = await content.readany()
                 if not chunk:
                     break
-                size += len(chunk)
-                if size > limits.max_body_bytes:
+                sent += len(chunk)
+                if sent > limits.max_body_bytes:  # as sent (a coded body's inflated size is body's to count)
                     raise BodyError(
                         413, f"request body exceeds the gateway's limit of {limits.max_body_bytes} bytes"
                     )
-                if hold is not None:
-                    hold(len(chunk))
-                chunks.append(chunk)
+                body.add(chunk)
     except TimeoutError:
         # The client is sending too slowly (or stopped): answer, then close at once rather than
         # spend aiohttp's lingering time reading the rest of a body that may never come.
@@ -177,7 +277,6 @@ async def _read_slow(request: BaseRequest, limits: HttpLimits, hold: Callable[[i
             f"request body too slow: each piece must come within {limits.body_timeout:g} s "
             f"and the whole body within {limits.body_total_timeout:g} s",
         ) from None
-    return b"".join(chunks)
 
 
 class _HeadTooLarge(BadHttpMessage):
@@ -481,6 +580,8 @@ class HttpServer:
             "keepalive_timeout": lim.keepalive_timeout,
             "lingering_time": lim.lingering_time,
             "read_bufsize": lim.read_bufsize,
+            # read_body decodes bodies itself (module docs): aiohttp's decoder fails inside the read.
+            "auto_decompress": False,
         }
         if not self.access_log:
             kwargs["access_log"] = None
@@ -517,4 +618,4 @@ def on_disconnect(request: BaseRequest, callback: Callable[[], None] | None) -> 
         protocol.on_lost(callback)
 
 
-__all__ = ["BodyError", "HttpLimits", "HttpServer", "on_disconnect", "read_body"]
+__all__ = ["ACCEPTED_ENCODINGS", "BodyError", "HttpLimits", "HttpServer", "on_disconnect", "read_body"]

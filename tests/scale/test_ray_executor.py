@@ -153,8 +153,10 @@ async def test_a_dead_node_actor_reruns_its_episodes_elsewhere_once(cluster: Any
     keys = [e.key for e in summary.episodes]
     assert sorted(keys) == sorted(f"{t.name}.{a}" for t in TASKS for a in (0, 1))  # each exactly once
     assert not summary.cancelled and all(e.exit_reason == "completed" for e in summary.episodes)
-    # The episodes the dead actor was running ran again on the live node; none is recorded on the dead one.
-    assert killed and ex.reruns and all(e.node != killed[0] for e in summary.episodes)
+    # The episodes the dead actor was running ran again on the live node. (One it had finished just
+    # before it died can still be recorded as its own: its result was in Ray's object store.)
+    assert killed and ex.reruns
+    assert all(e.node != killed[0] for e in summary.episodes if e.key in ex.reruns)
     doc = json.loads((tmp_path / "run" / "results.json").read_text())
     assert len(doc["episodes"]) == 8 and sorted(e["attempt"] for e in doc["episodes"]) == [0] * 4 + [1] * 4
     # The killed actor's sandboxes were removed at close (the sandbox janitor's own gc, on the live nodes).

@@ -435,7 +435,12 @@ class Mux:
             if sid >= self.next_sid:
                 raise TunnelError(f"a {FRAME_NAMES[ftype]} frame for stream {sid}, never opened")
             if ftype == DATA and payload:
-                self._grant(None, len(payload))  # a stream just reset: drop, but keep the credit
+                # A stream just reset: the bytes still count against the channel's window (a peer
+                # cannot send more by aiming at closed streams); dropped, and their credit granted back.
+                if len(payload) > self.recv_conn_left:
+                    raise TunnelError(f"{len(payload)} bytes over the channel's window")
+                self.recv_conn_left -= len(payload)
+                self._grant(None, len(payload))
             return
         if ftype == DATA:
             if st.fin_in:

@@ -180,6 +180,12 @@ class Tunnel:
             with contextlib.suppress(BaseException):
                 await self._task
 
+    async def wait(self) -> None:
+        """Until the tunnel ends for good (closed, torn down after a violation, or given up)."""
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(self._task)
+
     async def drop(self) -> None:
         """Close the current channel as if the transport dropped (tests; the tunnel reopens)."""
         if self._channel is not None:
@@ -234,8 +240,8 @@ async def pty_channel(argv: list[str], *, env: dict[str, str] | None = None) -> 
         finally:
             os._exit(127)
     reader = asyncio.StreamReader(limit=READER_LIMIT)
-    rfile = os.fdopen(master, "rb", 0)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), rfile)
+    rtransport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                 os.fdopen(master, "rb", 0))
     wtransport, wprotocol = await loop.connect_write_pipe(
         asyncio.streams.FlowControlMixin, os.fdopen(os.dup(master), "wb", 0)  # type: ignore[attr-defined]
     )
@@ -245,8 +251,9 @@ async def pty_channel(argv: list[str], *, env: dict[str, str] | None = None) -> 
         writer.close()
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)  # a PTY has no stdin EOF to give; hang up for good
-        rfile.close()
-        await asyncio.to_thread(os.waitpid, pid, 0)
+        rtransport.close()
+        with contextlib.suppress(ChildProcessError):
+            await asyncio.to_thread(os.waitpid, pid, 0)
 
     return Channel(reader, writer, close, f"pty to {argv[0]} (pid {pid})")
 

@@ -227,9 +227,103 @@ async def pipe_channel(argv: list[str], *, env: dict[str, str] | None = None) ->
     return Channel(proc.stdout, proc.stdin, close, f"pipe to {argv[0]} (pid {proc.pid})", stderr)
 
 
+class _FdReading:
+    """Reads a non-blocking descriptor into a StreamReader with the loop's reader callbacks; the reader
+    pauses it (``pause_reading``) when it holds too much.  For a PTY master: uvloop's pipe transports
+    do not read character devices."""
+
+    def __init__(self, fd: int, reader: asyncio.StreamReader) -> None:
+        self.fd, self.reader, self.loop = fd, reader, asyncio.get_running_loop()
+        self.reading = False
+        reader.set_transport(self)  # type: ignore[arg-type]
+        self.resume_reading()
+
+    def _ready(self) -> None:
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:  # EIO: the PTY's other side is gone
+            data = b""
+        if data:
+            self.reader.feed_data(data)
+        else:
+            self.pause_reading()
+            self.reader.feed_eof()
+
+    def pause_reading(self) -> None:
+        if self.reading:
+            self.loop.remove_reader(self.fd)
+            self.reading = False
+
+    def resume_reading(self) -> None:
+        if not self.reading and not self.reader.at_eof():
+            self.loop.add_reader(self.fd, self._ready)
+            self.reading = True
+
+
+class _FdWriter:
+    """The writing half: what the descriptor does not take at once waits for the loop's writable
+    callback; ``drain()`` waits while more than ``high_water`` bytes wait."""
+
+    def __init__(self, fd: int, high_water: int = 256 * 1024) -> None:
+        self.fd, self.high_water, self.loop = fd, high_water, asyncio.get_running_loop()
+        self.buf = bytearray()
+        self.error: OSError | None = None
+        self.closed = False
+        self._drained = asyncio.Event()
+        self._drained.set()
+
+    def write(self, data: bytes) -> None:
+        if self.closed or self.error is not None:
+            return
+        if not self.buf:
+            try:
+                data = data[os.write(self.fd, data):]
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                self.error = exc
+                return
+            if not data:
+                return
+            self.loop.add_writer(self.fd, self._ready)
+        self.buf += data
+        if len(self.buf) > self.high_water:
+            self._drained.clear()
+
+    def _ready(self) -> None:
+        try:
+            del self.buf[:os.write(self.fd, self.buf)]
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self.error = exc
+            self.buf.clear()
+        if not self.buf:
+            self.loop.remove_writer(self.fd)
+        if len(self.buf) <= self.high_water:
+            self._drained.set()
+
+    async def drain(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.closed:
+            raise ConnectionResetError("the channel is closed")
+        await self._drained.wait()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.buf:
+                self.loop.remove_writer(self.fd)
+            self._drained.set()
+
+
 async def pty_channel(argv: list[str], *, env: dict[str, str] | None = None) -> Channel:
     """``argv`` on a new PTY (its stdin, stdout and stderr), e.g. a login shell that then runs the relay."""
-    loop = asyncio.get_running_loop()
     pid, master = pty.fork()
     if pid == 0:  # the child: only exec (or _exit) here
         try:
@@ -239,19 +333,24 @@ async def pty_channel(argv: list[str], *, env: dict[str, str] | None = None) -> 
                 os.execvpe(argv[0], argv, env)
         finally:
             os._exit(127)
+    os.set_blocking(master, False)
     reader = asyncio.StreamReader(limit=READER_LIMIT)
-    rtransport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
-                                                 os.fdopen(master, "rb", 0))
-    wtransport, wprotocol = await loop.connect_write_pipe(
-        asyncio.streams.FlowControlMixin, os.fdopen(os.dup(master), "wb", 0)  # type: ignore[attr-defined]
-    )
-    writer = asyncio.StreamWriter(wtransport, wprotocol, None, loop)  # type: ignore[arg-type]
+    reading = _FdReading(master, reader)
+    writer = _FdWriter(master)
 
-    async def close() -> None:
+    closed: list[bool] = []
+
+    async def close() -> None:  # idempotent: drop() and the tunnel may both close a channel
+        if closed:
+            return
+        closed.append(True)
         writer.close()
+        reading.pause_reading()
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)  # a PTY has no stdin EOF to give; hang up for good
-        rtransport.close()
+        os.close(master)
+        if not reader.at_eof():
+            reader.feed_eof()
         with contextlib.suppress(ChildProcessError):
             await asyncio.to_thread(os.waitpid, pid, 0)
 

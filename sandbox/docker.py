@@ -333,10 +333,12 @@ class DockerSandbox(BaseSandbox):
         default_memory: int | str | None = DEFAULT_MEMORY,
         default_pids: int | None = DEFAULT_PIDS,
         disk_image_dir: str | None = None,
-        tunnel: str = "mount",
+        tunnel: str | None = None,
         tunnel_max_streams: int = 256,
     ) -> None:
         super().__init__(spec)
+        # ARES_DOCKER_TUNNEL reaches sandboxes that runs and episodes create (`ares-gateway run --tunnel`).
+        tunnel = tunnel or os.environ.get("ARES_DOCKER_TUNNEL") or "mount"
         if tunnel not in ("mount", "exec"):
             raise ValueError(f"tunnel must be 'mount' (a bind-mounted socket) or 'exec' (over docker exec), got {tunnel!r}")
         self.pull = pull

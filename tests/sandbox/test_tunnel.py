@@ -578,3 +578,32 @@ async def test_docker_exec_tunnel_reaches_only_its_own_session(session: Session)
         assert tunnel.channels_opened == 1
     finally:
         await h.close()
+
+
+@pytest.mark.docker
+async def test_episode_over_the_docker_exec_tunnel_gets_full_reward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mini-swe-agent with the oracle policy, every LLM call over the exec tunnel: reward 1.0."""
+    from ares_gateway.episodes.rollouts import run_rollouts
+    from ares_gateway.episodes.tasks import load_dataset
+    from ares_gateway.policies import make_policy
+    from sandbox import tunnel as tunnel_mod
+    from tests.rollouts.e2e import require_mini
+
+    require_mini("docker")
+    monkeypatch.setenv("ARES_DOCKER_TUNNEL", "exec")
+    started: list[Tunnel] = []
+    real_start = tunnel_mod.Tunnel.start
+
+    async def counting_start(self: Tunnel) -> None:  # the real start, counted: proof the tunnel carried it
+        started.append(self)
+        await real_start(self)
+
+    monkeypatch.setattr(tunnel_mod.Tunnel, "start", counting_start)
+    task = next(t for t in load_dataset("examples").tasks if t.name == "write-greeting-file")
+    summary = await run_rollouts([task], harness="mini-swe-agent", policy=make_policy("oracle"), sandbox="docker",
+                                 out=tmp_path / "out", stats="null", time_limit=300)
+    [episode] = summary.episodes
+    assert episode.exit_reason == "completed" and episode.reward == 1.0, episode.to_dict()
+    assert len(started) == 1
+    assert started[0].mux is not None and started[0].mux.opened >= 1  # the agent's turns went through it (one kept-alive stream)
+    assert started[0].violation is None

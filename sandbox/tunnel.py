@@ -144,7 +144,8 @@ class Tunnel:
         while not self._closed:
             assert self._channel is not None and self.mux is not None
             reason = await self.mux.run()
-            await self._channel.close()
+            with contextlib.suppress(Exception):  # closing a broken channel must not end the tunnel
+                await self._channel.close()
             self.last_reason = reason
             if self.mux.violation is not None:
                 self.violation = self.mux.violation

@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import glob
 import hashlib
 import json
 import os
+import shutil
 import socket
 import struct
 import sys
@@ -53,6 +55,9 @@ from sandbox.tunnel import Channel, Tunnel, docker_exec_channel, pipe_channel, p
 from .conftest import AGENT_IMAGE, docker_required
 
 RELAY = str(Path(_relay.__file__).resolve())
+# A real 3.8 interpreter (not pyenv's shim, which refuses versions that are not selected).
+PY38 = next((p for p in [*sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.8.*/bin/python3"))),
+                         shutil.which("python3.8")] if p and "/shims/" not in p and os.access(p, os.X_OK)), None)
 SSE_EVENTS = 200
 N_CONCURRENT = 64
 
@@ -399,6 +404,8 @@ class LocalHarness(Harness):
         self.port = _free_port()
 
     def _opener(self, argv: list[str]) -> Callable[[], Awaitable[Channel]]:
+        if self.kind == "pipe-py3.8":  # the oldest python3 an image may bring runs the relay
+            return lambda: pipe_channel([PY38, *argv[1:]])
         if self.kind == "pipe":
             return lambda: pipe_channel(argv)
         shell = _NOISE + "exec " + " ".join(argv)
@@ -458,9 +465,11 @@ class DockerHarness(Harness):
             await self.sb.stop()
 
 
-@pytest.fixture(params=["pipe", "pty", "pty-line", pytest.param("docker", marks=pytest.mark.docker)])
+@pytest.fixture(params=["pipe", "pipe-py3.8", "pty", "pty-line", pytest.param("docker", marks=pytest.mark.docker)])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     h: Harness
+    if request.param == "pipe-py3.8" and not PY38:
+        pytest.skip("no python3.8 on this host (pyenv's 3.8 or python3.8 on PATH)")
     if request.param == "docker":
         docker_required("agent image")
         h = DockerHarness()

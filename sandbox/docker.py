@@ -111,6 +111,20 @@ setsid python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --unix "$sock" --re
 i=0; while [ ! -f "$r" ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done
 [ -f "$r" ] || { cat "$log"; exit 4; }
 """
+# $1 port, $2 max streams.  The relay of the exec tunnel, on the exec's stdin/stdout.  Docker does not
+# always end a dropped exec (its stdout stuck): a relay of this port left from an earlier channel is
+# killed first (checked by its command line: the pid may since be another process's), freeing the port.
+_TUNNEL_RELAY = r"""
+port=$1; r=/.ares/relay-$port.pid; p=
+[ -f "$r" ] && read -r p <"$r"
+if [ -n "$p" ]; then
+  case "$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null)" in
+    *"/.ares/relay.py --listen 127.0.0.1:$port "*) kill -9 "$p"; i=0
+      while [ -d "/proc/$p" ] && [ $i -lt 40 ]; do sleep 0.05; i=$((i+1)); done;;
+  esac
+fi
+exec python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --tunnel binary --ready-file "$r" --max-connections "$2"
+"""
 # $1 uid ('' = every user), $2 rounds of 50 ms.  Kills every process but PID 1, its first child (the
 # container's `sleep infinity`), the relays and itself (with the exec wrapper above it); builtins only
 # (but sleep), so the script's own helpers never show up and no program is looked up while listing.
@@ -583,8 +597,7 @@ class DockerSandbox(BaseSandbox):
         if code != 0:
             raise ForwardError(f"the image of sandbox {self.id} has no python3, which the exec tunnel's relay needs: "
                                "use tunnel='mount' or an image with python3")
-        argv = ["python3", "-I", f"{_ARES_DIR}/relay.py", "--listen", f"127.0.0.1:{port}", "--tunnel", "binary",
-                "--ready-file", f"{_ARES_DIR}/relay-{port}.pid", "--max-connections", str(self.tunnel_max_streams)]
+        argv = ["/bin/sh", "-c", _TUNNEL_RELAY, "ares-relay", str(port), str(self.tunnel_max_streams)]
         container = self.container_id
         tunnel = Tunnel(lambda: docker_exec_channel(container, argv), host_socket, max_streams=self.tunnel_max_streams)
         try:

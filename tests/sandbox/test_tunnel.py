@@ -518,6 +518,10 @@ async def test_transport_drop_mid_response_and_the_agents_retry_succeeds(harness
             await client.close()
         else:
             assert result["answer"] == "hello after retry" and result["attempts"] >= 2, result
+            # One relay serves the port: the dropped channel's relay is gone.
+            count = "for d in /proc/[0-9]*; do tr '\\0' ' ' <$d/cmdline; echo; done 2>/dev/null | grep -c 'relay[.]py --listen'"
+            r = await harness.sb.exec(count, user="root", cwd="/", timeout=30)  # type: ignore[attr-defined]
+            assert r.stdout.strip() == "1", r
         assert session.chat_calls >= 2
         assert tunnel.channels_opened >= 2 and tunnel.running and tunnel.violation is None
     finally:
@@ -585,6 +589,17 @@ async def test_docker_exec_tunnel_reaches_only_its_own_session(session: Session)
         got = await h.client("traffic")
         assert got["bytes"] == [200, True]
         assert tunnel.channels_opened == 1
+        # A relay that cannot exit (stopped: it never sees its stdin's EOF) keeps the port after its
+        # channel drops; the next channel's relay kills it first and serves the port.
+        r = await sb.exec("kill -STOP $(cat /.ares/relay-18080.pid)", user="root", cwd="/", timeout=30)
+        assert r.ok, r
+        await tunnel.drop()
+        for _ in range(100):
+            if tunnel.channels_opened == 2:
+                break
+            await asyncio.sleep(0.05)
+        got = await h.client("traffic")
+        assert got["bytes"] == [200, True] and tunnel.channels_opened == 2 and tunnel.running
     finally:
         await h.close()
 

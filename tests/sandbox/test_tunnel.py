@@ -556,6 +556,54 @@ async def test_hostile_relay_is_torn_down_with_bounded_memory(
     assert await session.healthy()
 
 
+_WAIT = ("import socket,sys,time\nfor _ in range(400):\n    try: socket.create_connection(('127.0.0.1', int(sys.argv[1])), 1).close(); break\n"
+         "    except OSError: time.sleep(0.05)\n")
+_PROBE = ("import socket,sys\ns=socket.socket(); s.settimeout(3)\n"
+          "try:\n s.connect(('127.0.0.1', int(sys.argv[1]))); print('connected')\n"
+          "except OSError as e: print('failed', type(e).__name__)\n")
+
+
+def _text(directory: str, name: str) -> str | None:
+    path = Path(directory, name)
+    return path.read_text() if path.exists() else None
+
+
+async def test_relay_over_a_pipe_into_a_bwrap_network_namespace(session: Session, tmp_path: Path) -> None:
+    """The relay and its client inside ``bwrap --unshare-net`` (loopback only), the channel a pipe."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("needs bubblewrap")
+    probe = await asyncio.create_subprocess_exec("bwrap", "--unshare-net", "--dev-bind", "/", "/", "true",
+                                                 stderr=asyncio.subprocess.DEVNULL)
+    if await probe.wait() != 0:
+        pytest.skip("bwrap --unshare-net is not permitted here")
+    host = socket.socket()
+    host.bind(("127.0.0.1", 0))
+    host.listen(4)
+    port, out = 18080, str(tmp_path)
+    script = ('{ "$PY" -c "$WAIT" $PORT && "$PY" -c "$CLIENT" $PORT traffic >"$OUT/client.json" 2>"$OUT/client.err"; '
+              '"$PY" -c "$PROBE" $HOSTPORT >"$OUT/probe.txt"; touch "$OUT/done"; } </dev/null & '
+              'exec "$PY" -I "$RELAY" --listen 127.0.0.1:$PORT --tunnel binary')
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PY": sys.executable, "WAIT": _WAIT, "CLIENT": CLIENT,
+           "PROBE": _PROBE, "RELAY": RELAY, "PORT": str(port), "HOSTPORT": str(host.getsockname()[1]), "OUT": out}
+    argv = ["bwrap", "--unshare-net", "--die-with-parent", "--dev-bind", "/", "/", "/bin/sh", "-c", script]
+    tunnel = Tunnel(lambda: pipe_channel(argv, env=env), session.path)
+    await tunnel.start()
+    try:
+        for _ in range(1200):
+            if _text(out, "done") is not None:
+                break
+            await asyncio.sleep(0.05)
+        got = json.loads(_text(out, "client.json") or "{}")
+        assert got.get("concurrent") == N_CONCURRENT, (_text(out, "client.err") or "")[-2000:]
+        assert got["big"][:2] == [200, True] and got["bytes"] == [200, True]
+        assert got["sse"][1] == hashlib.sha256(_sse_body()).hexdigest()
+        # The host's loopback (a listening port there) is out of reach from inside.
+        assert (_text(out, "probe.txt") or "").startswith("failed")
+    finally:
+        host.close()
+        await tunnel.close()
+
+
 @pytest.mark.docker
 async def test_docker_exec_tunnel_reaches_only_its_own_session(session: Session) -> None:
     docker_required("agent image")

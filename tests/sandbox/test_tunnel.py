@@ -679,3 +679,24 @@ async def test_episode_over_the_docker_exec_tunnel_gets_full_reward(tmp_path: Pa
     assert len(started) == 1
     assert started[0].mux is not None and started[0].mux.opened >= 1  # the agent's turns went through it (one kept-alive stream)
     assert started[0].violation is None
+
+
+@pytest.mark.docker
+def test_cli_run_tunnel_exec(tmp_path: Path) -> None:
+    """`ares-gateway run --sandbox docker --tunnel exec`: reward 1.0; --tunnel is refused for other backends."""
+    import subprocess
+
+    from tests.rollouts.e2e import REPO, cli, require_mini
+
+    require_mini("docker")
+    env = {k: v for k, v in os.environ.items() if k != "ARES_DOCKER_TUNNEL"}
+    bad = subprocess.run(cli("run", "examples-mswea", "--policy", "oracle", "--sandbox", "local", "--tunnel", "exec"),
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and "--tunnel is for --sandbox docker" in bad.stderr, bad.stderr
+    out = tmp_path / "out"
+    proc = subprocess.run(cli("run", "examples-mswea:0:1", "--policy", "oracle", "--sandbox", "docker", "--tunnel", "exec",
+                              "-n", "1", "--out", str(out), "--stats", "null"),
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [episode] = json.loads((out / "results.json").read_text())["episodes"]
+    assert episode["reward"] == 1.0 and episode["exit_reason"] == "completed", episode

@@ -23,6 +23,7 @@ import socket
 import struct
 import sys
 import tempfile
+import time
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -554,6 +555,43 @@ async def test_hostile_relay_is_torn_down_with_bounded_memory(
     assert tunnel.mux is not None and tunnel.mux.opened <= 64
     assert peak < 16 * 1024 * 1024, f"{peak / 1e6:.1f} MB held for a hostile channel"
     assert await session.healthy()
+
+
+async def test_relay_exits_on_stdin_eof_and_closes_connections_over_its_limit(session: Session) -> None:
+    port = _free_port()
+    argv = [sys.executable, "-I", RELAY, "--listen", f"127.0.0.1:{port}", "--tunnel", "binary", "--max-connections", "4"]
+    channels: list[Channel] = []
+
+    async def opener() -> Channel:
+        channels.append(await pipe_channel(argv))
+        return channels[-1]
+
+    tunnel = Tunnel(opener, session.path, max_streams=4)
+    await tunnel.start()
+    conns = []
+    try:
+        for _ in range(6):
+            conns.append(await asyncio.open_connection("127.0.0.1", port))
+        closed = []
+        for reader, _writer in conns:
+            try:
+                closed.append(await asyncio.wait_for(reader.read(1), 0.5) == b"")
+            except TimeoutError:
+                closed.append(False)
+        assert closed == [False] * 4 + [True] * 2  # over the relay's limit: closed at once, never a stream
+        assert tunnel.running and tunnel.violation is None and tunnel.mux is not None and tunnel.mux.opened == 4
+    finally:
+        for _reader, writer in conns:
+            writer.close()
+        started = time.monotonic()
+        await tunnel.close()
+    # The relay ended on its stdin's EOF by itself: pipe_channel kills it only after 5 s.
+    assert time.monotonic() - started < 4
+    proc_line = channels[0].description
+    assert "pid" in proc_line
+    pid = int(proc_line.rsplit("pid ", 1)[1].rstrip(")"))
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 _WAIT = ("import socket,sys,time\nfor _ in range(400):\n    try: socket.create_connection(('127.0.0.1', int(sys.argv[1])), 1).close(); break\n"

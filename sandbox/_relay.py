@@ -267,6 +267,8 @@ class Mux:
         self.opened = 0
         self.last_seen = time.monotonic()
         self._drain_lock = asyncio.Lock()  # Python < 3.10 allows one drain() waiter per writer
+        self._runner: asyncio.Task[Any] | None = None
+        self._stopping = False
 
     # -- sending -------------------------------------------------------------------------------------
     def _send(self, ftype: int, sid: int, payload: bytes = b"") -> None:
@@ -465,18 +467,27 @@ class Mux:
         while not self.dead:
             await asyncio.sleep(self.ping_interval)
             if time.monotonic() - self.last_seen > self.ping_interval + self.ping_timeout:
-                self.reason = f"no frame from the peer in {self.ping_interval + self.ping_timeout:.0f} s"
-                self.writer.close()  # ends run()'s read
+                self._stop_run(f"no frame from the peer in {self.ping_interval + self.ping_timeout:.0f} s")
                 return
             n += 1
             self._send(PING, 0, struct.pack(">Q", n))
 
+    def _stop_run(self, reason: str) -> None:
+        # A silent or closed channel may never deliver an EOF (a PTY, a hung exec): end run() itself.
+        self.reason = self.reason or reason
+        self._stopping = True
+        if self._runner is not None and self._runner is not asyncio.current_task():
+            self._runner.cancel()
+
     async def run(self) -> str:
         """Serve the channel until it ends; returns why (also in :attr:`reason`)."""
+        self._runner = asyncio.current_task()
         pinger = asyncio.ensure_future(self._pinger()) if self.ping_interval else None
         try:
             while True:
                 try:
+                    if self._stopping:
+                        break
                     ftype, sid, payload = await read_frame(self.reader, line=self.line)
                     self.last_seen = time.monotonic()
                     self._handle(ftype, sid, payload)
@@ -492,6 +503,10 @@ class Mux:
                 except (OSError, RuntimeError) as exc:  # a broken pipe or socket under us
                     self.reason = self.reason or f"the channel failed: {exc or type(exc).__name__}"
                     break
+                except asyncio.CancelledError:
+                    if not self._stopping:  # not ours: whoever cancelled run() wants it gone
+                        raise
+                    break
         finally:
             self.close()
             if pinger is not None:
@@ -502,8 +517,8 @@ class Mux:
         """Reset every stream (their sockets close: clients see the connection drop) and stop."""
         if self.dead:
             return
+        self._stop_run("closed")
         self.dead = True
-        self.reason = self.reason or "closed"
         for st in list(self.streams.values()):
             self._reset(st, send=False)
 

@@ -143,10 +143,9 @@ class Tunnel:
         delay = self.reopen_delay
         while not self._closed:
             assert self._channel is not None and self.mux is not None
-            reason = await self.mux.run()
+            reason = self.last_reason = await self.mux.run()
             with contextlib.suppress(Exception):  # closing a broken channel must not end the tunnel
                 await self._channel.close()
-            self.last_reason = reason
             if self.mux.violation is not None:
                 self.violation = self.mux.violation
                 log.warning("tunnel to %s torn down: %s", self.unix_path, reason)
@@ -204,8 +203,9 @@ async def _collect(stream: asyncio.StreamReader | None, into: bytearray, cap: in
             del into[:-cap]
 
 
-async def pipe_channel(argv: list[str], *, env: dict[str, str] | None = None) -> Channel:
-    """``argv`` (a relay in tunnel mode, possibly inside a sandbox's command) on pipes."""
+async def pipe_channel(argv: list[str], *, env: dict[str, str] | None = None, exit_timeout: float = 5.0) -> Channel:
+    """``argv`` (a relay in tunnel mode, possibly inside a sandbox's command) on pipes.  Closing it
+    closes the process's stdin and gives it ``exit_timeout`` s to exit before killing its group."""
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env=env, limit=READER_LIMIT, start_new_session=True,
@@ -218,7 +218,7 @@ async def pipe_channel(argv: list[str], *, env: dict[str, str] | None = None) ->
         with contextlib.suppress(Exception):
             proc.stdin.close()  # type: ignore[union-attr]
         try:
-            await asyncio.wait_for(proc.wait(), 5)  # the relay exits on its stdin's EOF
+            await asyncio.wait_for(proc.wait(), exit_timeout)  # the relay exits on its stdin's EOF
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -557,6 +557,27 @@ async def test_hostile_relay_is_torn_down_with_bounded_memory(
     assert await session.healthy()
 
 
+@pytest.mark.parametrize("kind", ["pipe", "pty"])
+async def test_a_silent_channel_is_dropped_by_the_ping_deadline_and_reopened(kind: str, session: Session) -> None:
+    # A far end that prints the marker and then never answers a ping (a hung exec, a frozen PTY).
+    # (On a PTY raw first, as the relay does: else the tty turns the marker's \\n into \\r\\n.)
+    argv = ["/bin/sh", "-c", "[ -t 0 ] && stty raw -echo; printf '\\n@@ARES-TUNNEL-1@@\\n'; exec sleep 60"]
+    opener = (lambda: pipe_channel(argv, exit_timeout=0.2)) if kind == "pipe" else (lambda: pty_channel(argv))
+    tunnel = Tunnel(opener, session.path, ping_interval=0.2, ping_timeout=0.3)
+    await tunnel.start()
+    try:
+        for _ in range(100):
+            if tunnel.channels_opened >= 2:
+                break
+            await asyncio.sleep(0.05)
+        assert tunnel.channels_opened >= 2, tunnel.last_reason
+        assert tunnel.last_reason is not None and "no frame from the peer" in tunnel.last_reason
+        assert tunnel.violation is None
+    finally:
+        await tunnel.close()
+    assert not tunnel.running
+
+
 async def test_relay_exits_on_stdin_eof_and_closes_connections_over_its_limit(session: Session) -> None:
     port = _free_port()
     argv = [sys.executable, "-I", RELAY, "--listen", f"127.0.0.1:{port}", "--tunnel", "binary", "--max-connections", "4"]

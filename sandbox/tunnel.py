@@ -369,6 +369,8 @@ class _DockerDemux(asyncio.streams.FlowControlMixin, asyncio.Protocol):  # type:
         self.buf = bytearray()
         self.kind = 0
         self.left = 0
+        #: Done once the engine closed the attach (the exec ended) or we did.
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.out.set_transport(transport)  # type: ignore[arg-type]
@@ -402,11 +404,17 @@ class _DockerDemux(asyncio.streams.FlowControlMixin, asyncio.Protocol):  # type:
             self.out.feed_eof()
         else:
             self.out.set_exception(exc)
+        if not self.closed.done():
+            self.closed.set_result(None)
         super().connection_lost(exc)
 
 
-async def docker_exec_channel(container: str, argv: list[str], *, user: str = "root", api: Any = None) -> Channel:
-    """``argv`` run by ``docker exec`` (stdin attached, no TTY) in ``container``, over the engine's socket."""
+async def docker_exec_channel(
+    container: str, argv: list[str], *, user: str = "root", api: Any = None, exit_timeout: float = 2.0
+) -> Channel:
+    """``argv`` run by ``docker exec`` (stdin attached, no TTY) in ``container``, over the engine's socket.
+    Closing it half-closes the socket (the process's stdin ends) and waits ``exit_timeout`` s for the
+    engine to end the attach before closing it."""
     # By name: the repository's own docker/ directory (Dockerfiles) would shadow the SDK for type checkers.
     docker = importlib.import_module("docker")
     owned = api is None
@@ -432,10 +440,18 @@ async def docker_exec_channel(container: str, argv: list[str], *, user: str = "r
     transport, protocol = await loop.create_connection(lambda: _DockerDemux(reader, stderr), sock=sock)
     writer = asyncio.StreamWriter(transport, protocol, None, loop)
 
+    closed: list[bool] = []
+
     async def close() -> None:
-        # Closing the attached socket closes the exec's stdin: the relay exits on its EOF.
-        writer.close()
+        if closed:
+            return
+        closed.append(True)
+        # Only a half-close ends the exec's stdin (the engine keeps it open when the socket just
+        # closes), and the relay exits on that EOF; the engine then ends the attach.
         with contextlib.suppress(Exception):
-            await writer.wait_closed()
+            if writer.can_write_eof():
+                writer.write_eof()
+            await asyncio.wait_for(asyncio.shield(protocol.closed), exit_timeout)
+        writer.close()
 
     return Channel(reader, writer, close, f"docker exec in {container[:12]}", stderr)

@@ -364,6 +364,9 @@ time.sleep(60)  # keep the channel open: the host must end it, not wait for an E
 
 # ------------------------------------------------------------------------------------ transports
 
+# Relay processes in a container (its own grep does not match the bracketed pattern).
+_COUNT_RELAYS = "for d in /proc/[0-9]*; do tr '\\0' ' ' <$d/cmdline; echo; done 2>/dev/null | grep -c 'relay[.]py --listen'"
+
 
 def _free_port() -> int:
     s = socket.socket()
@@ -520,8 +523,7 @@ async def test_transport_drop_mid_response_and_the_agents_retry_succeeds(harness
         else:
             assert result["answer"] == "hello after retry" and result["attempts"] >= 2, result
             # One relay serves the port: the dropped channel's relay is gone.
-            count = "for d in /proc/[0-9]*; do tr '\\0' ' ' <$d/cmdline; echo; done 2>/dev/null | grep -c 'relay[.]py --listen'"
-            r = await harness.sb.exec(count, user="root", cwd="/", timeout=30)  # type: ignore[attr-defined]
+            r = await harness.sb.exec(_COUNT_RELAYS, user="root", cwd="/", timeout=30)  # type: ignore[attr-defined]
             assert r.stdout.strip() == "1", r
         assert session.chat_calls >= 2
         assert tunnel.channels_opened >= 2 and tunnel.running and tunnel.violation is None
@@ -707,6 +709,10 @@ async def test_docker_exec_tunnel_reaches_only_its_own_session(session: Session)
             await asyncio.sleep(0.05)
         got = await h.client("traffic")
         assert got["bytes"] == [200, True] and tunnel.channels_opened == 2 and tunnel.running
+        # Closing the tunnel ends the relay itself (its stdin's EOF: the attach is half-closed).
+        await tunnel.close()
+        r = await sb.exec(_COUNT_RELAYS, user="root", cwd="/", timeout=30)
+        assert r.stdout.strip() == "0", r
     finally:
         await h.close()
 

@@ -401,7 +401,9 @@ class DockerSandbox(BaseSandbox):
             limits.append(f"disk {_size(self.disk_limit)} (the whole writable layer on a loop-mounted ext4; "
                           "bind mounts and /dev/shm not counted)")
         return (f"docker sandbox {self.id} (container {self._container_name}, image {target}, "
-                f"network={self.spec.network}; {', '.join(limits)}; root commands get PATH={SYSTEM_PATH}, "
+                f"network={self.spec.network}"
+                + ("; forwards over an exec tunnel" if self.tunnel == "exec" else "")
+                + f"; {', '.join(limits)}; root commands get PATH={SYSTEM_PATH}, "
                 "HOME=/root and no PYTHON*/LD_* variables)")
 
     # -- lifecycle ---------------------------------------------------------------------------------

@@ -364,8 +364,10 @@ time.sleep(60)  # keep the channel open: the host must end it, not wait for an E
 
 # ------------------------------------------------------------------------------------ transports
 
-# Relay processes in a container (its own grep does not match the bracketed pattern).
-_COUNT_RELAYS = "for d in /proc/[0-9]*; do tr '\\0' ' ' <$d/cmdline; echo; done 2>/dev/null | grep -c 'relay[.]py --listen'"
+def _count_relays(port: int) -> str:
+    """A shell line: how many relays of ``port`` run in the container (grep's own line does not match)."""
+    return ("for d in /proc/[0-9]*; do tr '\\0' ' ' <$d/cmdline; echo; done 2>/dev/null "
+            f"| grep -c 'relay[.]py --listen 127[.]0[.]0[.]1:{port} '")
 
 
 def _free_port() -> int:
@@ -523,7 +525,7 @@ async def test_transport_drop_mid_response_and_the_agents_retry_succeeds(harness
         else:
             assert result["answer"] == "hello after retry" and result["attempts"] >= 2, result
             # One relay serves the port: the dropped channel's relay is gone.
-            r = await harness.sb.exec(_COUNT_RELAYS, user="root", cwd="/", timeout=30)  # type: ignore[attr-defined]
+            r = await harness.sb.exec(_count_relays(harness.port), user="root", cwd="/", timeout=30)  # type: ignore[attr-defined]
             assert r.stdout.strip() == "1", r
         assert session.chat_calls >= 2
         assert tunnel.channels_opened >= 2 and tunnel.running and tunnel.violation is None
@@ -691,6 +693,17 @@ async def test_docker_exec_tunnel_reaches_only_its_own_session(session: Session)
             host.close()
         r = await sb.exec(["python3", "-c", probe, str(h.port)], user="agent", timeout=30)
         assert r.stdout.strip() == "connected", r
+        # After start, any socket path (nothing has to be mounted at creation).
+        other = Session()
+        await other.start()
+        try:
+            await sb.forward(h.port + 1, other.path)
+            r = await sb.exec(["python3", "-c", CLIENT, str(h.port + 1), "traffic"], user="agent", cwd="/", timeout=60)
+            assert json.loads(r.stdout)["concurrent"] == N_CONCURRENT, r
+            assert other.together.is_set() and not session.together.is_set()  # it reached the other socket
+            assert "exec tunnel" in sb.description
+        finally:
+            await other.stop()
         # The agent cannot kill the root relay; kill_processes() spares it and the tunnel keeps working.
         r = await sb.exec("kill -9 $(cat /.ares/relay-18080.pid)", user="agent", timeout=30)
         assert not r.ok
@@ -711,7 +724,7 @@ async def test_docker_exec_tunnel_reaches_only_its_own_session(session: Session)
         assert got["bytes"] == [200, True] and tunnel.channels_opened == 2 and tunnel.running
         # Closing the tunnel ends the relay itself (its stdin's EOF: the attach is half-closed).
         await tunnel.close()
-        r = await sb.exec(_COUNT_RELAYS, user="root", cwd="/", timeout=30)
+        r = await sb.exec(_count_relays(h.port), user="root", cwd="/", timeout=30)
         assert r.stdout.strip() == "0", r
     finally:
         await h.close()

@@ -143,6 +143,8 @@ FRAME_NAMES = {OPEN: "open", DATA: "data", FIN: "fin", RST: "rst", WINDOW: "wind
 STREAM_WINDOW = 256 * 1024
 #: Bytes a side may send on all streams together before the other grants more (WINDOW on stream 0).
 CONN_WINDOW = 4 * 1024 * 1024
+#: Pings are answered only while less than this waits on the channel's writer.
+PONG_BACKLOG = 1024 * 1024
 #: A reader of the channel must buffer at least one line-mode frame.
 READER_LIMIT = 256 * 1024
 _MAX_CREDIT = 2 ** 31
@@ -275,6 +277,13 @@ class Mux:
         if not self.dead:
             self.writer.write(encode_frame(ftype, sid, payload, line=self.line))
 
+    def _backlog(self) -> int:
+        """Bytes queued on the channel's writer, not yet taken by the channel."""
+        try:
+            return int(self.writer.transport.get_write_buffer_size())
+        except (AttributeError, TypeError):
+            return 0
+
     async def _drain(self) -> None:
         async with self._drain_lock:
             await self.writer.drain()
@@ -391,7 +400,8 @@ class Mux:
         if ftype == PING:
             if len(payload) != 8:
                 raise TunnelError(f"a ping of {len(payload)} bytes (8 expected)")
-            self._send(PONG, 0, payload)
+            if self._backlog() < PONG_BACKLOG:  # a peer that pings but does not read gets no more pongs
+                self._send(PONG, 0, payload)
             return
         if ftype == PONG:
             return
@@ -490,9 +500,10 @@ class Mux:
                         break
                     ftype, sid, payload = await read_frame(self.reader, line=self.line)
                     self.last_seen = time.monotonic()
+                    # Never wait for the writer here: both ends waiting to write while neither
+                    # reads is a deadlock.  What this loop queues is bounded without it: window
+                    # frames by the data received (itself bounded by credit), pongs by _handle.
                     self._handle(ftype, sid, payload)
-                    # Replies (pong, window) queue on the writer: a peer that does not read stops us.
-                    await self._drain()
                 except asyncio.IncompleteReadError:
                     self.reason = self.reason or "the channel ended"
                     break

@@ -306,6 +306,13 @@ class _FdWriter:
         if len(self.buf) <= self.high_water:
             self._drained.set()
 
+    @property
+    def transport(self) -> _FdWriter:  # what Mux asks for the write backlog
+        return self
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.buf)
+
     async def drain(self) -> None:
         if self.error is not None:
             raise self.error

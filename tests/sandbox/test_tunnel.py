@@ -264,6 +264,13 @@ class Session:
             await resp.write(body)
             return resp
 
+        async def big(request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            for _ in range(64):
+                await resp.write(b"z" * 65536)
+            return resp
+
         async def health(request: web.Request) -> web.Response:
             return web.Response(text="ok")
 
@@ -274,6 +281,7 @@ class Session:
         app.router.add_post("/together", together)
         app.router.add_post("/v1/chat/completions", chat)
         app.router.add_get("/health", health)
+        app.router.add_get("/big", big)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.UnixSite(self.runner, self.path).start()
@@ -559,6 +567,32 @@ async def test_hostile_relay_is_torn_down_with_bounded_memory(
     assert tunnel.mux is not None and tunnel.mux.opened <= 64
     assert peak < 16 * 1024 * 1024, f"{peak / 1e6:.1f} MB held for a hostile channel"
     assert await session.healthy()
+
+
+@pytest.mark.parametrize("kind", ["pipe", "pty"])
+async def test_full_duplex_load_with_stalled_readers_does_not_deadlock(kind: str, session: Session) -> None:
+    """Bodies both ways on many streams at once, with readers that stop reading: the channel's frame
+    loops must keep reading while their writers are full (both waiting to write was a deadlock)."""
+    h = LocalHarness(kind)
+    tunnel = await h.open_tunnel(session)
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=100)) as c:
+            async def echo(i: int) -> bool:
+                body = os.urandom(8 << 20)
+                async with c.post(f"http://127.0.0.1:{h.port}/echo", data=body) as r:
+                    return await r.read() == body
+
+            async def stalled() -> bool:  # its stream's window fills up; the others must not stop
+                async with c.get(f"http://127.0.0.1:{h.port}/big") as r:
+                    await asyncio.sleep(5)
+                    return await r.read() == b"z" * (64 * 65536)
+
+            results = await asyncio.wait_for(asyncio.gather(*[stalled() for _ in range(8)],
+                                                            *[echo(i) for i in range(16)]), 90)
+        assert all(results)
+        assert tunnel.running and tunnel.channels_opened == 1, tunnel.last_reason
+    finally:
+        await tunnel.close()
 
 
 @pytest.mark.parametrize("kind", ["pipe", "pty"])

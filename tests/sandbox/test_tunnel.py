@@ -125,6 +125,13 @@ class _Sink:
     def close(self) -> None:
         return None
 
+    @property
+    def transport(self) -> _Sink:  # nothing is ever taken: the backlog is all that was written
+        return self
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.data)
+
     def frames(self) -> list[tuple[int, int, bytes]]:
         out, view = [], bytes(self.data)
         while view:
@@ -165,6 +172,12 @@ async def test_host_mux_tears_down_on_hostile_frames(wire: bytes, expected: str)
     assert mux.violation is not None and expected in mux.violation, mux.violation
     assert mux.dead and not mux.streams
     assert len(connects) <= 8
+
+
+async def test_a_ping_flood_from_a_peer_that_does_not_read_stays_bounded() -> None:
+    mux, sink, _ = await _host_mux(encode_frame(PING, 0, b"12345678") * 200_000, eof=True)
+    assert mux.violation is None
+    assert _relay.PONG_BACKLOG <= len(sink.data) <= _relay.PONG_BACKLOG + MAX_FRAME  # not 200000 pongs
 
 
 async def test_host_mux_answers_pings_and_resets_streams_it_cannot_connect() -> None:

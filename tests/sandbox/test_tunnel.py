@@ -825,3 +825,19 @@ def test_cli_run_tunnel_exec(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [episode] = json.loads((out / "results.json").read_text())["episodes"]
     assert episode["reward"] == 1.0 and episode["exit_reason"] == "completed", episode
+
+
+@pytest.mark.docker
+async def test_docker_exec_tunnel_needs_python3_and_says_so(session: Session) -> None:
+    import sandbox
+    from sandbox.docker import DockerSandbox
+
+    from .conftest import BASE_IMAGE  # debootstrap's minimal Debian: no python3
+
+    sb = DockerSandbox(sandbox.SandboxSpec(image=BASE_IMAGE, network="none", forwards={18080: session.path}),
+                       tunnel="exec")
+    with pytest.raises(sandbox.ForwardError, match="has no python3, which the exec tunnel's relay needs"):
+        await sb.start()
+    assert sb.state == "stopped"
+    with pytest.raises(ValueError, match="tunnel must be"):
+        DockerSandbox(sandbox.SandboxSpec(), tunnel="ssh")

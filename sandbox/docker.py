@@ -50,6 +50,7 @@ from .protocol import (
     tar_single_file,
 )
 from .spec import SandboxSpec, parse_size
+from .tunnel import Tunnel, TunnelError, docker_exec_channel
 
 # The SDK is imported by name at run time: the repository's own docker/ directory (Dockerfiles)
 # would otherwise shadow it for type checkers.
@@ -109,6 +110,20 @@ rm -f "$r"
 setsid python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --unix "$sock" --ready-file "$r" >"$log" 2>&1 </dev/null &
 i=0; while [ ! -f "$r" ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done
 [ -f "$r" ] || { cat "$log"; exit 4; }
+"""
+# $1 port, $2 max streams.  The relay of the exec tunnel, on the exec's stdin/stdout.  Docker does not
+# always end a dropped exec (its stdout stuck): a relay of this port left from an earlier channel is
+# killed first (checked by its command line: the pid may since be another process's), freeing the port.
+_TUNNEL_RELAY = r"""
+port=$1; r=/.ares/relay-$port.pid; p=
+[ -f "$r" ] && read -r p <"$r"
+if [ -n "$p" ]; then
+  case "$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null)" in
+    *"/.ares/relay.py --listen 127.0.0.1:$port "*) kill -9 "$p"; i=0
+      while [ -d "/proc/$p" ] && [ $i -lt 40 ]; do sleep 0.05; i=$((i+1)); done;;
+  esac
+fi
+exec python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --tunnel binary --ready-file "$r" --max-connections "$2"
 """
 # $1 uid ('' = every user), $2 rounds of 50 ms.  Kills every process but PID 1, its first child (the
 # container's `sleep infinity`), the relays and itself (with the exec wrapper above it); builtins only
@@ -332,15 +347,27 @@ class DockerSandbox(BaseSandbox):
         default_memory: int | str | None = DEFAULT_MEMORY,
         default_pids: int | None = DEFAULT_PIDS,
         disk_image_dir: str | None = None,
+        tunnel: str | None = None,
+        tunnel_max_streams: int = 256,
     ) -> None:
         super().__init__(spec)
+        # ARES_DOCKER_TUNNEL reaches sandboxes that runs and episodes create (`ares-gateway run --tunnel`).
+        tunnel = tunnel or os.environ.get("ARES_DOCKER_TUNNEL") or "mount"
+        if tunnel not in ("mount", "exec"):
+            raise ValueError(f"tunnel must be 'mount' (a bind-mounted socket) or 'exec' (over docker exec), got {tunnel!r}")
         self.pull = pull
         self.container_id: str | None = None
         self.image: str | None = None
         self._container_name = f"ares-sbx-{self.id}"
+        #: How forward() reaches a host socket: "mount" (its directory bind-mounted, a relay inside
+        #: connects to it) or "exec" (sandbox.tunnel over a long-lived docker exec; nothing mounted).
+        self.tunnel = tunnel
+        self.tunnel_max_streams = tunnel_max_streams
+        self._tunnels: dict[int, Tunnel] = {}
         # Host directory of a forwarded socket -> where it is mounted inside (read-only).
         self._socket_dirs: dict[str, str] = {}
-        for n, directory in enumerate(sorted({os.path.dirname(p) for p in self.spec.forwards.values()})):
+        dirs = sorted({os.path.dirname(p) for p in self.spec.forwards.values()}) if tunnel == "mount" else []
+        for n, directory in enumerate(dirs):
             self._socket_dirs[directory] = f"{_ARES_DIR}/forward/{n}"
         self._relay_uploaded = False
         res = self.spec.resources
@@ -374,7 +401,9 @@ class DockerSandbox(BaseSandbox):
             limits.append(f"disk {_size(self.disk_limit)} (the whole writable layer on a loop-mounted ext4; "
                           "bind mounts and /dev/shm not counted)")
         return (f"docker sandbox {self.id} (container {self._container_name}, image {target}, "
-                f"network={self.spec.network}; {', '.join(limits)}; root commands get PATH={SYSTEM_PATH}, "
+                f"network={self.spec.network}"
+                + ("; forwards over an exec tunnel" if self.tunnel == "exec" else "")
+                + f"; {', '.join(limits)}; root commands get PATH={SYSTEM_PATH}, "
                 "HOME=/root and no PYTHON*/LD_* variables)")
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -539,6 +568,9 @@ class DockerSandbox(BaseSandbox):
 
     # -- forwarding and killing -------------------------------------------------------------------
     async def _forward(self, port: int, host_socket: str) -> None:
+        if self.tunnel == "exec":
+            await self._forward_exec(port, host_socket)
+            return
         directory, name = os.path.split(host_socket)
         inside = self._socket_dirs.get(directory)
         if inside is None:
@@ -555,6 +587,36 @@ class DockerSandbox(BaseSandbox):
         if not r.ok:
             raise ForwardError(f"the relay for port {port} of sandbox {self.id} did not start: "
                                f"{(r.stdout + r.stderr).strip()[-500:] or f'exit {r.exit_code}'}")
+
+    async def _forward_exec(self, port: int, host_socket: str) -> None:
+        """A relay in tunnel mode on a root exec that stays attached; its pid file spares it in
+        kill_processes().  Another exec replaces it when the attach drops (see sandbox.tunnel)."""
+        assert self.container_id is not None
+        if not self._relay_uploaded:
+            await asyncio.to_thread(self._upload_relay)
+            self._relay_uploaded = True
+        code, _ = await asyncio.to_thread(self._root_exec_sync, ["/bin/sh", "-c", "command -v python3"])
+        if code != 0:
+            raise ForwardError(f"the image of sandbox {self.id} has no python3, which the exec tunnel's relay needs: "
+                               "use tunnel='mount' or an image with python3")
+        argv = ["/bin/sh", "-c", _TUNNEL_RELAY, "ares-relay", str(port), str(self.tunnel_max_streams)]
+        container = self.container_id
+        tunnel = Tunnel(lambda: docker_exec_channel(container, argv), host_socket, max_streams=self.tunnel_max_streams)
+        try:
+            await tunnel.start()
+        except (TunnelError, OSError, docker.errors.DockerException) as exc:
+            raise ForwardError(f"the exec tunnel for port {port} of sandbox {self.id} did not start: {exc}") from exc
+        self._tunnels[port] = tunnel
+
+    def tunnel_for(self, port: int) -> Tunnel | None:
+        """The exec tunnel serving ``port`` (``tunnel="exec"``), for its counters and tests."""
+        return self._tunnels.get(port)
+
+    async def _stop(self) -> None:
+        tunnels, self._tunnels = list(self._tunnels.values()), {}
+        for tunnel in tunnels:
+            await tunnel.close()
+        await super()._stop()
 
     def _upload_relay(self) -> None:
         import io

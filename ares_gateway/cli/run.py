@@ -107,6 +107,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="scripted: a shell command the agent runs before finishing (repeatable)")
     p.add_argument("--sandbox", choices=("auto", "local", "docker", "daytona"), default="auto",
                    help="sandbox backend; auto is Docker when an engine answers, else local")
+    p.add_argument("--tunnel", choices=("mount", "exec"), default=None,
+                   help="how a Docker sandbox reaches its session: mount (a bind-mounted unix socket, default) or exec "
+                        "(multiplexed over a docker exec; nothing mounted, see docs/sandbox.md)")
     p.add_argument("--image", default=None,
                    help="image for tasks that bring none, on container backends (default: ares-gateway/agents:latest)")
     p.add_argument("-n", "--concurrency", type=int, default=4, help="episodes at once")
@@ -415,6 +418,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if not resolved.tasks:
         return _fail(f"{args.preset} selects no task")
+    if getattr(args, "tunnel", None):
+        if backend != "docker":
+            return _fail("--tunnel is for --sandbox docker")
+        os.environ["ARES_DOCKER_TUNNEL"] = args.tunnel  # read by every DockerSandbox this run creates
     out = Path(args.out or f"runs/{resolved.preset.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     console = _console()
     console.print(

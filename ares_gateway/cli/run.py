@@ -313,7 +313,11 @@ def _ray_executor(args: argparse.Namespace, admin: str) -> Any:
 
     per_node = getattr(args, "ray_per_node", None) or args.concurrency
     # The control URLs are on each node's gateway: same host flag, same admin token, never printed.
-    return RayExecutor(address, per_node=per_node, host=getattr(args, "host", "127.0.0.1"), admin_token=admin)
+    # --tunnel reaches the nodes' DockerSandboxes through the actors' environment (not the driver's).
+    tunnel = getattr(args, "tunnel", None)
+    runtime_env = {"env_vars": {"ARES_DOCKER_TUNNEL": tunnel}} if tunnel else None
+    return RayExecutor(address, per_node=per_node, host=getattr(args, "host", "127.0.0.1"), admin_token=admin,
+                       runtime_env=runtime_env)
 
 
 def _policy_run_info(policy: Any) -> dict[str, Any]:

@@ -30,12 +30,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench_relay import _wait_for, pct  # noqa: E402  (the same percentile and readiness wait)
 
 from sandbox.tunnel import Tunnel, pipe_channel, pty_channel  # noqa: E402
 
@@ -122,11 +123,6 @@ print(json.dumps({"times": times, "down": down, "up": up}))
 """
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -170,14 +166,6 @@ async def docker_client(mode: str, sock: str, args: argparse.Namespace) -> dict[
         if not r.ok:
             raise SystemExit(f"docker {mode} client failed: {r.stderr[-2000:]}")
         return dict(json.loads(r.stdout))
-
-
-def _wait_for(path: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
-    while not os.path.exists(path):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"{proc.args!r} did not start")
-        time.sleep(0.02)
 
 
 def start_host_side() -> tuple[str, int, list[subprocess.Popen[bytes]]]:

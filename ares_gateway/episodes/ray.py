@@ -134,16 +134,14 @@ class _NodeGateway:
 
 
 async def _node_check(harness: str, sandbox: str, image: str | None, tasks: list[Task]) -> dict[str, Any]:
-    """On a node: what the driver's preflight checks on one host (the Docker engine and image, the
-    harness installed for local sandboxes); the harness options that node's episodes need."""
+    """On a node: the driver's preflight of one host (the Docker engine and image, the harness
+    installed for local sandboxes); the harness options that node's episodes need."""
     from ares_gateway.episodes.episode import resolve_backend
-    from ares_gateway.episodes.preflight import check_docker, check_harness
+    from ares_gateway.episodes.preflight import preflight
 
-    backend = resolve_backend(sandbox)
-    if backend == "docker":
-        await check_docker(tasks, image=image)
-    _, options = await check_harness(harness, backend, quiet=True)
-    return options
+    report = await preflight(policy=None, backend=resolve_backend(sandbox), harness=harness, tasks=tasks,
+                             image=image, quiet=True)
+    return report.harness_options
 
 
 def _collect_garbage(backends: tuple[str, ...], dry_run: bool) -> Any:

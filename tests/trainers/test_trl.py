@@ -59,6 +59,43 @@ def _mini_installed() -> None:
             "mini-swe-agent is not installed for local sandboxes: bash .ci/provision-agents.sh")
 
 
+def recompute(trainer: Any, batch: dict[str, list[Any]]) -> list[list[float]]:
+    """The trainer's own recomputation of each completion's logprobs, on the weights that sampled it."""
+    import torch
+
+    out = []
+    for p_ids, c_ids in zip(batch["prompt_ids"], batch["completion_ids"], strict=True):
+        ids = torch.tensor([p_ids + c_ids])
+        with torch.no_grad():
+            lp = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, torch.ones_like(ids), len(c_ids), batch_size=1)[0]
+        out.append(lp[0].tolist())
+    return out
+
+
+def check_completion(batch: dict[str, list[Any]], i: int, recomputed: list[float], turns: list[dict[str, Any]]) -> None:
+    """Entry ``i`` of a rollout batch against the trainer's recomputation and the episode's recorded turns."""
+    mask, lps = batch["env_mask"][i], batch["logprobs"][i]
+    assert len(mask) == len(lps) == len(recomputed) == len(batch["completion_ids"][i])
+    # The sampler's logprobs are the trainer's own on the sampled tokens (temperature 1.0).
+    sampled = [k for k, m in enumerate(mask) if m]
+    assert sampled and max(abs(lps[k] - recomputed[k]) for k in sampled) < 1e-3
+    assert all(lps[k] == 0.0 for k, m in enumerate(mask) if not m)
+    # env_mask is 1 exactly on the ids the engine sampled, turn by turn; 0 on everything between
+    # them: the agent's tool output and the next turns' headers.
+    assert len(turns) >= 2
+    start = len(batch["prompt_ids"][i])
+    full = batch["prompt_ids"][i] + batch["completion_ids"][i]
+    expected = [0] * len(mask)
+    for t in turns:
+        tok = t["completion"]["tokens"]
+        at = len(tok["prompt_ids"])
+        assert full[:at] == tok["prompt_ids"] and full[at:at + len(tok["output_ids"])] == tok["output_ids"]
+        for k in range(at, at + len(tok["output_ids"])):
+            expected[k - start] = 1
+    assert mask == expected
+
+
 def _trainer(model: Any, tokenizer: Any, rollouts: Any, tmp_path: Path, *, steps: int,
              reward_funcs: Sequence[Any] | None = None) -> Any:
     from datasets import Dataset
@@ -116,15 +153,7 @@ def test_grpo_trains_two_steps_on_real_agent_episodes(tmp_path: Path) -> None:
     def observed(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         probe_lp = probe_logprob(trainer.model)
         batch = rollouts(prompts, trainer)
-        # The trainer's own recomputation of each completion's logprobs, on the weights that sampled it.
-        recomputed = []
-        for p_ids, c_ids in zip(batch["prompt_ids"], batch["completion_ids"], strict=True):
-            ids = torch.tensor([p_ids + c_ids])
-            with torch.no_grad():
-                lp = trainer._get_per_token_logps_and_entropies(
-                    trainer.model, ids, torch.ones_like(ids), len(c_ids), batch_size=1)[0]
-            recomputed.append(lp[0].tolist())
-        seen.append({"prompts": list(prompts), "batch": copy.deepcopy(batch), "recomputed": recomputed,
+        seen.append({"prompts": list(prompts), "batch": copy.deepcopy(batch), "recomputed": recompute(trainer, batch),
                      "probe": probe_lp, "step": trainer.state.global_step})
         return batch
 
@@ -143,26 +172,10 @@ def test_grpo_trains_two_steps_on_real_agent_episodes(tmp_path: Path) -> None:
             assert batch["session_id"][i] and batch["task"][i] == call["prompts"][i]
             assert batch["exit_reason"][i] == "step_limit", batch["error"][i]
             assert batch["reward"][i] == 0.0 and batch["error"][i] is None
-            mask, lps, rec = batch["env_mask"][i], batch["logprobs"][i], call["recomputed"][i]
-            assert len(mask) == len(lps) == len(rec) == len(batch["completion_ids"][i])
-            # The sampler's logprobs are the trainer's own on the sampled tokens (temperature 1.0).
-            sampled = [k for k, m in enumerate(mask) if m]
-            assert sampled and max(abs(lps[k] - rec[k]) for k in sampled) < 1e-3
-            assert all(lps[k] == 0.0 for k, m in enumerate(mask) if not m)
-            # env_mask is 1 exactly on the ids the engine sampled, turn by turn; 0 on everything between
-            # them: the agent's tool output and the next turns' headers.
             turns = _turns(out, batch["session_id"][i])
-            assert len(turns) >= 2
-            start = len(batch["prompt_ids"][i])
+            check_completion(batch, i, call["recomputed"][i], turns)
+            mask, start = batch["env_mask"][i], len(batch["prompt_ids"][i])
             full = batch["prompt_ids"][i] + batch["completion_ids"][i]
-            expected = [0] * len(mask)
-            for t in turns:
-                tok = t["completion"]["tokens"]
-                at = len(tok["prompt_ids"])
-                assert full[:at] == tok["prompt_ids"] and full[at:at + len(tok["output_ids"])] == tok["output_ids"]
-                for k in range(at, at + len(tok["output_ids"])):
-                    expected[k - start] = 1
-            assert mask == expected
             between = tokenizer.decode([full[start + k] for k, m in enumerate(mask) if not m])
             assert "returncode" in between or "<output>" in between or "output" in between.lower()
     # The logged extras (TRL keeps the latest generation batch's) name each completion's episode and reward.

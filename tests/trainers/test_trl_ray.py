@@ -29,6 +29,8 @@ from tests.trainers.test_trl import (
     _trainer,
     _trl,
     _turns,
+    check_completion,
+    recompute,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +88,6 @@ def _imported_from(node_ids: list[str]) -> dict[str, str]:
 def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
     import cloudpickle
     import ray
-    import torch
 
     from ares_gateway.episodes.ray import RayExecutor
     from ares_gateway.trainers._served import RemoteTitoPolicy
@@ -108,13 +109,7 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
 
     def observed(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         batch = rollouts(prompts, trainer)
-        recomputed = []
-        for p_ids, c_ids in zip(batch["prompt_ids"], batch["completion_ids"], strict=True):
-            ids = torch.tensor([p_ids + c_ids])
-            with torch.no_grad():
-                lp = trainer._get_per_token_logps_and_entropies(
-                    trainer.model, ids, torch.ones_like(ids), len(c_ids), batch_size=1)[0]
-            recomputed.append(lp[0].tolist())
+        recomputed = recompute(trainer, batch)
         served = rollouts.served
         assert served is not None and served.server is not None and served.policy is not None
         seen.append({"prompts": list(prompts), "batch": copy.deepcopy(batch), "recomputed": recomputed,
@@ -143,26 +138,11 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
         assert batch["session_id"][i] == e.session_id and batch["task"][i] == call["prompts"][i]
         assert batch["exit_reason"][i] == "step_limit", batch["error"][i]
         assert batch["reward"][i] == 0.0 and batch["error"][i] is None
-        mask, lps, rec = batch["env_mask"][i], batch["logprobs"][i], call["recomputed"][i]
-        assert len(mask) == len(lps) == len(rec) == len(batch["completion_ids"][i])
         # Sampled by the trainer's model (through the served engine): its logprobs are the trainer's own.
-        sampled = [k for k, m in enumerate(mask) if m]
-        assert sampled and max(abs(lps[k] - rec[k]) for k in sampled) < 1e-3
-        assert all(lps[k] == 0.0 for k, m in enumerate(mask) if not m)
         turns = _turns(out, e.session_id)
         turns_total += len(turns)
-        assert len(turns) >= 2
-        start = len(batch["prompt_ids"][i])
-        full = batch["prompt_ids"][i] + batch["completion_ids"][i]
-        expected = [0] * len(mask)
-        for t in turns:
-            tok = t["completion"]["tokens"]
-            at = len(tok["prompt_ids"])
-            assert full[:at] == tok["prompt_ids"] and full[at:at + len(tok["output_ids"])] == tok["output_ids"]
-            for k in range(at, at + len(tok["output_ids"])):
-                expected[k - start] = 1
-        assert mask == expected
-        tito = t["completion"]["extra"]["tito"]
+        check_completion(batch, i, call["recomputed"][i], turns)
+        tito = turns[-1]["completion"]["extra"]["tito"]
         assert tito["engine"] == "sglang"  # the nodes' engine: the HTTP client
         assert isinstance(tito["sampling"]["seed"], int)  # the served engine's drawn seed, recorded as locally
     # Every turn of every episode was sampled here, by the served engine (and only those).

@@ -53,7 +53,10 @@ _heartbeat_stop = threading.Event()
 
 
 def _proc_start_time(pid: int) -> str | None:
-    """The start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22), or ``None``."""
+    """The start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22), or ``None``
+    when there is no such process or it has exited: a zombie (state ``Z``/``X``) is dead, though its pid
+    stays taken until it is reaped, which never happens under an init that does not reap orphans (a
+    container's PID 1, a killed Ray raylet's workers)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             data = fh.read().decode(errors="replace")
@@ -61,7 +64,9 @@ def _proc_start_time(pid: int) -> str | None:
         return None
     # The command name may contain spaces and parentheses: fields start after the last ')'.
     rest = data[data.rfind(")") + 2 :].split()
-    return rest[19] if len(rest) > 19 else None
+    if len(rest) <= 19 or rest[0] in ("Z", "X"):
+        return None
+    return rest[19]
 
 
 def session_id() -> str:

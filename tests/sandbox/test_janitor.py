@@ -148,3 +148,20 @@ def test_owner_status_sees_through_pid_reuse() -> None:
     assert janitor.owner_status(reused) == "dead"
     assert janitor.owner_status({janitor.OWNER_LABEL: f"{host}:999999999:1"}) == "dead"
     assert janitor.owner_status({janitor.OWNER_LABEL: "other-host:1:1", janitor.SESSION_LABEL: "x"}) == "unknown"
+
+
+def test_an_owner_that_exited_but_was_never_reaped_is_dead() -> None:
+    # Under a container's PID 1 that reaps no orphans (and for a killed Ray raylet's workers), a dead
+    # owner stays a zombie with its pid and start time: gc must still see it gone (CI once left a
+    # removed node's sandbox behind this way).
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        labels = {janitor.OWNER_LABEL: janitor.owner_id(child.pid)}
+        assert janitor.owner_status(labels) == "alive"
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.05)
+        assert janitor.owner_status(labels) == "dead"  # not reaped yet: its /proc entry is still there
+    finally:
+        child.wait()

@@ -75,6 +75,29 @@ for path in ("/var/run/docker.sock", "/run/docker.sock", "/work", "/root/.bashrc
     print(f"EXISTS {path} -> {os.path.exists(path)}")
 print("EXISTS /tmp/ares-task-* ->", glob.glob("/tmp/ares-task-*"))
 
+# The relay carrying the agent's HTTP (root): killing it, or writing into or reading its channel's
+# pipes/sockets (the exec tunnel's stdin/stdout), would cut or forge the session's traffic.
+for p in glob.glob("/proc/[0-9]*"):
+    try:
+        with open(p + "/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        continue
+    if "relay.py" not in cmd or int(p[6:]) == os.getpid():
+        continue
+    for fd, mode in (("0", "wb"), ("1", "rb"), ("1", "wb")):
+        try:
+            with open(f"{p}/fd/{fd}", mode, buffering=0) as f:
+                f.write(b"\0" * 16) if "w" in mode else f.read(1)
+            print(f"RELAY {p} fd{fd} {mode} -> opened")
+        except OSError as exc:
+            print(f"RELAY {p} fd{fd} {mode} -> refused {type(exc).__name__}")
+    try:
+        os.kill(int(p[6:]), 9)
+        print(f"RELAY {p} kill -> killed")
+    except OSError as exc:
+        print(f"RELAY {p} kill -> refused {type(exc).__name__}")
+
 print("ENV", json.dumps(dict(os.environ)))
 for p in glob.glob("/proc/[0-9]*"):
     for what in ("environ", "cmdline"):

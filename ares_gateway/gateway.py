@@ -40,12 +40,12 @@ from ares_gateway.core.errors import InvalidSessionError, UnknownSessionError
 from ares_gateway.core.metrics import GatewayMetrics
 from ares_gateway.core.recorder import RecordedTurn, Recorder, SessionRecorder
 from ares_gateway.core.sessions import Session, SessionInfo, SessionRegistry, bearer_token, same_secret
-from ares_gateway.core.side_calls import SideCallDetector, default_side_call_detector
 from ares_gateway.core.store import TurnStore
 from ares_gateway.http.app import build_server
 from ares_gateway.http.body_parser import BodyParser
 from ares_gateway.http.server import HttpLimits, HttpServer
 from ares_gateway.http.session_socket import SessionSockets
+from ares_gateway.side_calls import SideCallDetector, default_side_call_detector
 from trajectory import Sample
 
 log = logging.getLogger(__name__)

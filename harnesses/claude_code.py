@@ -107,6 +107,5 @@ class ClaudeCodeHarness(BaseHarness):
     def artifact_paths(self, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
         return {"stream.jsonl": f"{prep.state_dir}/stdout.log"}
 
-    @staticmethod
-    def is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool:
-        return claude_code_is_side_call(body, headers)
+    # The function itself (not a wrapper): a detector that already ran it for this protocol can tell.
+    is_side_call = staticmethod(claude_code_is_side_call)

@@ -136,6 +136,5 @@ class CodexHarness(BaseHarness):
             "rollout.jsonl": f"{self.codex_home(prep)}/sessions/*/*/*/rollout-*.jsonl",
         }
 
-    @staticmethod
-    def is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool:
-        return codex_is_side_call(body, headers)
+    # The function itself (not a wrapper): a detector that already ran it for this protocol can tell.
+    is_side_call = staticmethod(codex_is_side_call)

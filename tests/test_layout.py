@@ -23,8 +23,14 @@ ALLOWED: list[tuple[str, tuple[str, ...]]] = [
     ("trajectory", ()),
     ("sandbox", ()),
     ("harnesses", ("sandbox",)),
-    ("ares_gateway.core", ("trajectory", "harnesses", "ares_gateway.protocols")),
+    # The core knows no wire protocol (the adapters are handed to it: core.wire), no harness and no policy.
+    ("ares_gateway.core", ("trajectory",)),
     ("ares_gateway.protocols", ("ares_gateway.core",)),
+    ("ares_gateway.tokens", ("trajectory", "ares_gateway.core")),
+    ("ares_gateway.engines", ("trajectory", "ares_gateway.core", "ares_gateway.tokens")),
+    # Policies know no task format: the oracle asks the task for its command (episodes computes it).
+    ("ares_gateway.policies", ("trajectory", "harnesses", "ares_gateway.core", "ares_gateway.protocols",
+                               "ares_gateway.tokens", "ares_gateway.engines")),
     ("ares_gateway.http", ("trajectory", "ares_gateway.core", "ares_gateway.protocols")),
     # The viewer reads what the core records and a run writes; it knows a live gateway only by duck type.
     ("ares_gateway.viewer", ("trajectory", "ares_gateway.core", "ares_gateway.protocols",
@@ -170,3 +176,18 @@ def test_direction_rules_catch_a_core_module_importing_http() -> None:
              "sandbox.local": {"harnesses.base"}, "harnesses.base": {"sandbox"}}
     assert direction_violations(graph) == ["ares_gateway.core.broker -> ares_gateway.http.render",
                                            "sandbox.local -> harnesses.base"]
+
+
+@pytest.mark.parametrize(("importer", "imported"), [
+    # issue 27's arrows, each removed: the core fetched adapters from protocols/, imported every harness
+    # for side calls, and the oracle policy imported the task format.
+    ("ares_gateway.core.answers", "ares_gateway.protocols"),
+    ("ares_gateway.core.recorder", "ares_gateway.protocols"),
+    ("ares_gateway.core.side_calls", "harnesses"),
+    ("ares_gateway.policies.scripted", "ares_gateway.episodes.tasks"),
+    ("ares_gateway.tokens.tokenizer", "ares_gateway.engines"),
+])
+def test_direction_rules_catch_each_removed_arrow_coming_back(importer: str, imported: str) -> None:
+    graph = import_graph()
+    graph[importer] = {*graph.get(importer, set()), imported}
+    assert f"{importer} -> {imported}" in direction_violations(graph)

@@ -35,7 +35,7 @@ from ares_gateway.core.canonical import (
 )
 from ares_gateway.core.errors import InvalidAnswerError
 from ares_gateway.core.token_ids import logprob_array, token_array
-from ares_gateway.protocols import RequestError, get_adapter
+from ares_gateway.core.wire import RequestError, adapter_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +191,7 @@ def _cannot_render(protocol: WireProtocol, exc: Exception) -> InvalidAnswerError
 
 def _prove_renders(protocol: WireProtocol, request: CanonicalRequest, completion: Completion) -> None:
     """Render ``completion`` as the agent will get it (JSON body, or the synthesized stream), or raise."""
-    adapter = get_adapter(protocol)
+    adapter = adapter_for(protocol)
     try:
         if request.stream:
             encoder = adapter.stream_encoder(request, _TRIAL_ID)
@@ -239,12 +239,12 @@ def _checked_error(protocol: WireProtocol, answer: ErrorAnswer) -> ErrorAnswer:
 def read_native(protocol: WireProtocol, request: CanonicalRequest, body: dict[str, Any]) -> tuple[Completion, bool]:
     """Read a native answer; the flag says whether the body can be sent to the agent verbatim."""
     try:
-        return get_adapter(protocol).parse_response(body, request), True
+        return adapter_for(protocol).parse_response(body, request), True
     except RequestError as first:
         # ares-proxy pollers answer every request with a chat-completions body.
         if "choices" in body and protocol is not WireProtocol.OPENAI_CHAT:
             try:
-                return get_adapter(WireProtocol.OPENAI_CHAT).parse_response(body, request), False
+                return adapter_for(WireProtocol.OPENAI_CHAT).parse_response(body, request), False
             except RequestError:
                 pass
         raise InvalidAnswerError(f"response is not a valid {protocol.value} response body: {first.message}") from None

@@ -16,8 +16,8 @@ Each maps to one HTTP status, so the in-process API and the control API (``/resp
     └── DataDirError (500)                  the data directory cannot be used (not writable, full, locked, corrupt)
 
 Two exceptions live next to the code that raises them, since no caller of the public API sees
-them: :class:`ares_gateway.protocols.RequestError` (an agent's body its protocol cannot accept;
-the agent gets a 400 in its protocol's shape) and :class:`ares_gateway.core.broker.RequestClosed`
+them: :class:`ares_gateway.core.wire.RequestError` (also ``ares_gateway.protocols.RequestError``: an
+agent's body its protocol cannot accept; the agent gets a 400 in its protocol's shape) and :class:`ares_gateway.core.broker.RequestClosed`
 (raised into an agent's handler when its request ends unanswered: timeout, session closed,
 shutdown).
 """

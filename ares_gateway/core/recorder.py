@@ -40,7 +40,7 @@ from ares_gateway.core._body_layout import BodyLayout, continue_layout, layout_o
 from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta, WireProtocol
 from ares_gateway.core.store import LOST_KIND, DamagedRecord, TurnStore, lost_record
 from ares_gateway.core.streaming import DeltaAccumulator
-from ares_gateway.protocols import get_adapter
+from ares_gateway.core.wire import adapter_for
 from trajectory import Sample, TrajectoryManager, TurnRecord
 from trajectory._tokens import as_token_array, common_prefix_len
 
@@ -101,7 +101,7 @@ class RecordedTurn:
         if self._request is not None:
             return self._request
         assert self.raw_body is not None
-        return get_adapter(self.protocol).parse_request(orjson.loads(self.raw_body))
+        return adapter_for(self.protocol).parse_request(orjson.loads(self.raw_body))
 
     def native_request(self) -> Any:
         """The request body as the agent sent it (parsed JSON)."""
@@ -508,7 +508,7 @@ def _prompt_chat(request: CanonicalRequest, line: _Line, prev_seq: int | None,
         return [m.to_chat_dict() for m in msgs]
     tail = {k: body[k] for k in ("model", "max_tokens") if k in body} | {lk: items[line.kept :]}
     try:
-        added = len(get_adapter(request.protocol).parse_request(tail).messages)
+        added = len(adapter_for(request.protocol).parse_request(tail).messages)
     except Exception:  # the items alone are no valid request (or anything else): convert them all
         return [m.to_chat_dict() for m in msgs]
     reuse = min(len(msgs) - added, len(prev)) - 1
@@ -577,7 +577,7 @@ def tree_view_of_turn_log(entries: Iterable[dict[str, Any]], *, side_call: bool 
         if not isinstance(tokens, dict) or tokens.get("output_ids") is None:
             continue
         try:
-            request = get_adapter(WireProtocol(str(entry.get("protocol")))).parse_request(entry.get("request"))
+            request = adapter_for(WireProtocol(str(entry.get("protocol")))).parse_request(entry.get("request"))
             answer = Completion.model_validate({k: v for k, v in completion.items() if k != "tokens"})
         except ValueError as exc:  # a line no gateway wrote: left out, as a damaged record is
             log.warning("turn log: request %s left out of the tree: %s", entry.get("request_id"), exc)
@@ -785,7 +785,7 @@ class SessionRecorder:
             h = d["header"]
             proto = WireProtocol(h["proto"])
             try:
-                request = get_adapter(proto).parse_request(d["body"])
+                request = adapter_for(proto).parse_request(d["body"])
                 completion = Completion.model_validate(d["completion"])
             except ValueError as exc:
                 self._report(sid, [DamagedRecord(sid, int(h.get("seq", 0)), f"cannot be replayed: {exc}")])

@@ -32,11 +32,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import sandbox as sandbox_mod
-from ares_gateway.core.canonical import CanonicalRequest
 from ares_gateway.core.sessions import SessionInfo
-from ares_gateway.core.side_calls import SideCallDetector, default_side_call_detector
 from ares_gateway.episodes.tasks import Task, prepare_workdir
 from ares_gateway.episodes.verifier import VerifierResult, run_tests
+from ares_gateway.side_calls import SideCallDetector, with_harness_checks
 from harnesses import BaseHarness, HarnessContext, HarnessError, HarnessInstallError, HarnessResult, registry
 from harnesses.base import Prepared
 from sandbox.local import HARDENED_SYSTEM_PATHS
@@ -148,13 +147,7 @@ def harness_side_call_detector(*harnesses: str | BaseHarness | type[BaseHarness]
         if isinstance(h, str):
             h = registry.get_class(h)  # type: ignore[assignment]
         checks.append(h.is_side_call)  # type: ignore[union-attr]
-
-    def detect(request: CanonicalRequest, headers: Mapping[str, str]) -> bool:
-        if default_side_call_detector(request, headers):
-            return True
-        return any(check(request.raw, headers) for check in checks)
-
-    return detect
+    return with_harness_checks(checks)
 
 
 #: How long past an episode's time limit a parked request may wait for its answer.

@@ -35,6 +35,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, overload
 
+from ares_gateway.episodes.oracle import oracle_command
 from sandbox import Sandbox, SandboxError, SandboxSpec
 from sandbox.spec import Resources
 
@@ -301,6 +302,11 @@ class Task:
             if found:
                 return found
         return DEFAULT_WORKDIR
+
+    def oracle_command(self) -> str:
+        """One shell command that plays ``solution/solve.sh`` from the agent's working directory (what
+        the oracle policy sends through the agent's shell tool; see :mod:`ares_gateway.episodes.oracle`)."""
+        return oracle_command(self.name, self.solution_dir, self.config.solution_env)
 
     @property
     def has_solution(self) -> bool:

@@ -87,6 +87,16 @@ async def call_policy(policy: Policy, request: PolicyRequest) -> PolicyAnswer:
     )
 
 
+class OracleTask(Protocol):
+    """What the oracle policy needs of a task: its name and one shell command that plays its reference
+    solution from the agent's working directory. The task format (Harbor's ``solution/solve.sh``) is
+    the episodes' business (:meth:`ares_gateway.episodes.tasks.Task.oracle_command`), not the policy's."""
+
+    name: str
+
+    def oracle_command(self) -> str: ...
+
+
 @runtime_checkable
 class SessionBound(Protocol):
     """A policy that must know each episode's session before answering it: the agent's action format and

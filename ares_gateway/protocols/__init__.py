@@ -35,21 +35,20 @@ Conventions shared by the three modules:
 from __future__ import annotations
 
 from ares_gateway.core.canonical import WireProtocol
+from ares_gateway.core.wire import adapter_for, register_adapter
 from ares_gateway.protocols.anthropic_messages import ADAPTER as ANTHROPIC_MESSAGES
 from ares_gateway.protocols.base import ProtocolAdapter, RequestError, StreamEncoder
 from ares_gateway.protocols.openai_chat import ADAPTER as OPENAI_CHAT
 from ares_gateway.protocols.openai_responses import ADAPTER as OPENAI_RESPONSES
 
-_ADAPTERS: dict[WireProtocol, ProtocolAdapter] = {
-    WireProtocol.OPENAI_CHAT: OPENAI_CHAT,
-    WireProtocol.ANTHROPIC_MESSAGES: ANTHROPIC_MESSAGES,
-    WireProtocol.OPENAI_RESPONSES: OPENAI_RESPONSES,
-}
+# Handed to the core here: it renders, reads and re-parses through these without importing this package.
+for _adapter in (OPENAI_CHAT, ANTHROPIC_MESSAGES, OPENAI_RESPONSES):
+    register_adapter(_adapter)
 
 
 def get_adapter(protocol: WireProtocol | str) -> ProtocolAdapter:
     """The adapter for ``protocol`` (a :class:`WireProtocol` or its string value)."""
-    return _ADAPTERS[WireProtocol(protocol)]
+    return adapter_for(protocol)
 
 
 __all__ = [

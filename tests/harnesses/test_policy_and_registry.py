@@ -207,3 +207,30 @@ def test_registry_builtins_custom_and_unknown() -> None:
         registry.create("nope")
     with pytest.raises(ValueError, match="no scripted action format"):
         ScriptedPolicy("nope", [Finish()])
+
+
+def test_an_episodes_side_call_detector_runs_each_check_once_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default detector already asks Claude Code's check for /v1/messages: the episode's detector
+    (default + the harness's own) must not ask it again (issue 27: it ran twice a request)."""
+    from ares_gateway import side_calls
+    from ares_gateway.core.canonical import WireProtocol
+    from ares_gateway.episodes.episode import harness_side_call_detector
+    from ares_gateway.protocols import get_adapter
+    from harnesses import ClaudeCodeHarness, CodexHarness, Terminus2Harness
+
+    for protocol, harness in ((WireProtocol.ANTHROPIC_MESSAGES, ClaudeCodeHarness),
+                              (WireProtocol.OPENAI_RESPONSES, CodexHarness), (WireProtocol.OPENAI_CHAT, Terminus2Harness)):
+        assert harness.is_side_call is side_calls._BY_PROTOCOL[protocol]  # one function: the harness's knowledge
+    calls: list[dict[str, Any]] = []
+    real = side_calls._BY_PROTOCOL[WireProtocol.ANTHROPIC_MESSAGES]
+
+    def spy(body: Any, headers: Any) -> bool:
+        calls.append(body)
+        return bool(real(body, headers))
+
+    monkeypatch.setitem(side_calls._BY_PROTOCOL, WireProtocol.ANTHROPIC_MESSAGES, spy)
+    monkeypatch.setattr(ClaudeCodeHarness, "is_side_call", staticmethod(spy))
+    detect = harness_side_call_detector("claude-code", "mini-swe-agent")
+    body = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "fix the bug"}]}
+    assert detect(get_adapter(WireProtocol.ANTHROPIC_MESSAGES).parse_request(body), {}) is False
+    assert len(calls) == 1

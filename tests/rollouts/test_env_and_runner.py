@@ -22,7 +22,7 @@ from ares_gateway.episodes.rollouts import pass_at_k, run_rollouts
 from ares_gateway.episodes.tasks import Task, load_dataset, prepare_workdir
 from ares_gateway.episodes.verifier import run_tests
 from ares_gateway.policies import HttpPolicy, PolicyError, call_policy, make_policy
-from ares_gateway.policies.scripted import SessionScriptedPolicy, oracle_command
+from ares_gateway.policies.scripted import SessionScriptedPolicy
 from harnesses.tiny_agent import TinyAgentHarness
 from tests.prereq import docker_ok, require
 
@@ -72,7 +72,7 @@ async def test_oracle_command_solves_each_task_through_a_shell(task: Task, sandb
     """The one command the oracle sends reproduces solution/solve.sh when a shell runs it in the workdir."""
     async with sandbox.LocalSandbox(task.sandbox_spec()) as sb:
         await prepare_workdir(sb, task)
-        ran = await sb.exec(["sh", "-c", oracle_command(task)], timeout=60)
+        ran = await sb.exec(["sh", "-c", task.oracle_command()], timeout=60)
         assert ran.ok and "solve.sh exited with status 0" in ran.stdout, (ran.stdout, ran.stderr)
         verdict = await run_tests(sb, task)
     assert verdict.reward.value == 1.0, verdict

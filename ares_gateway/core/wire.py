@@ -1,0 +1,88 @@
+"""The interface every wire-protocol module implements, owned by the core, and where the adapters are found.
+
+A protocol module (:mod:`ares_gateway.protocols`) holds pure functions only (no I/O): it converts a
+native request body to a :class:`CanonicalRequest` and back, a native response body to a
+:class:`Completion` and back, renders errors in the protocol's shape, and encodes a completion (whole
+or as deltas) as the protocol's real SSE stream. It hands its :class:`ProtocolAdapter` to the core
+with :func:`register_adapter` when it is imported; the core finds it with :func:`adapter_for` (to
+check that an answer renders, to read a native answer, to parse a recorded body again) and so knows
+the interface, never a protocol module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta, WireProtocol
+
+
+class RequestError(ValueError):
+    """A request body the protocol cannot accept; becomes a 400 in the protocol's error shape.
+
+    ``param`` names the offending field (e.g. ``"messages[2].content"``) when known.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+class StreamEncoder(Protocol):
+    """Turns a completion into the protocol's SSE bytes, incrementally.
+
+    ``start()`` once, then ``feed(delta)`` any number of times, then
+    ``finish(completion)`` once with the whole completion (finish reason, usage,
+    and any content not yet fed, which ``finish`` emits itself, so a caller
+    that never fed deltas gets the full synthesized stream from ``start() + finish(c)``).
+    Each call returns the bytes to write (possibly empty).
+    """
+
+    def start(self) -> bytes: ...
+
+    def feed(self, delta: CompletionDelta) -> bytes: ...
+
+    def finish(self, completion: Completion) -> bytes: ...
+
+    def error(self, status: int, message: str) -> bytes:
+        """Bytes that end the stream with an error event in the protocol's shape."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolAdapter:
+    """What each protocol module exposes as ``ADAPTER``: its pure functions, by role."""
+
+    protocol: WireProtocol
+    #: Native request body (parsed JSON) -> canonical. Raises :class:`RequestError`.
+    parse_request: Callable[[Any], CanonicalRequest]
+    #: Canonical -> native request body (to forward upstream, and for round trips).
+    render_request: Callable[[CanonicalRequest], dict[str, Any]]
+    #: ``parse_response(body, request=None)``: native non-stream response body -> canonical.
+    #: Raises :class:`RequestError`.
+    parse_response: Callable[..., Completion]
+    #: ``render_response(completion, request, response_id)`` -> native non-stream response body.
+    render_response: Callable[[Completion, CanonicalRequest, str], dict[str, Any]]
+    #: ``stream_encoder(request, response_id)``: a fresh encoder for one streamed response.
+    stream_encoder: Callable[[CanonicalRequest, str], StreamEncoder]
+    #: ``error_body(status, message, *, param=None)``: an error body in the protocol's own shape.
+    error_body: Callable[..., dict[str, Any]]
+
+
+_ADAPTERS: dict[WireProtocol, ProtocolAdapter] = {}
+
+
+def register_adapter(adapter: ProtocolAdapter) -> None:
+    """Make ``adapter`` the one for ``adapter.protocol`` (done by :mod:`ares_gateway.protocols` on import)."""
+    _ADAPTERS[adapter.protocol] = adapter
+
+
+def adapter_for(protocol: WireProtocol | str) -> ProtocolAdapter:
+    """The adapter registered for ``protocol`` (a :class:`WireProtocol` or its string value)."""
+    try:
+        return _ADAPTERS[WireProtocol(protocol)]
+    except KeyError:
+        raise LookupError(f"no adapter registered for {protocol!r}: import ares_gateway.protocols first") from None

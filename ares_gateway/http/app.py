@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
-from ares_gateway.core.canonical import WireProtocol
+from ares_gateway.http import render
 from ares_gateway.http.agent_api import AgentAPI
 from ares_gateway.http.control_api import ControlAPI
 from ares_gateway.http.render import error_for_path
@@ -29,13 +29,7 @@ def build_routes(gateway: ServedGateway, limits: HttpLimits,
     control = ControlAPI(gateway, limits)
     routes = RouteTable(fallback=_not_routed, mounts={} if mounts is None else mounts)
     # Agent paths: at the root and under /s/{sid} (the session's base URL).
-    for path, protocol in (
-        ("/v1/chat/completions", WireProtocol.OPENAI_CHAT),
-        ("/chat/completions", WireProtocol.OPENAI_CHAT),
-        ("/v1/messages", WireProtocol.ANTHROPIC_MESSAGES),
-        ("/v1/responses", WireProtocol.OPENAI_RESPONSES),
-        ("/responses", WireProtocol.OPENAI_RESPONSES),
-    ):
+    for path, protocol in render.AGENT_PATHS.items():
         routes.add_agent("POST", path, agent.completion_handler(protocol, path))
     routes.add_agent("POST", "/v1/messages/count_tokens", agent.count_tokens)
     routes.add_agent("GET", "/v1/models", agent.models)

@@ -28,11 +28,6 @@ log = logging.getLogger(__name__)
 
 _JSON = {"Content-Type": "application/json"}
 _SSE = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-_RESPONSE_ID_PREFIX = {
-    WireProtocol.OPENAI_CHAT: "chatcmpl-",
-    WireProtocol.ANTHROPIC_MESSAGES: "msg_",
-    WireProtocol.OPENAI_RESPONSES: "resp_",
-}
 #: Statuses an agent may retry; they carry ``retry-after``.
 _RETRYABLE = frozenset((429, 503, 529))
 
@@ -41,13 +36,25 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(body=orjson.dumps(body), status=status, headers={**_JSON, **headers} if headers else _JSON)
 
 
+#: The agent paths of each LLM API (at the root and under ``/s/{sid}``): the routes the gateway
+#: serves (:func:`ares_gateway.http.app.build_routes`) and the shape of errors on any path.
+AGENT_PATHS: dict[str, WireProtocol] = {
+    "/v1/chat/completions": WireProtocol.OPENAI_CHAT,
+    "/chat/completions": WireProtocol.OPENAI_CHAT,
+    "/v1/messages": WireProtocol.ANTHROPIC_MESSAGES,
+    "/v1/responses": WireProtocol.OPENAI_RESPONSES,
+    "/responses": WireProtocol.OPENAI_RESPONSES,
+}
+# An unknown path takes the shape of the API whose resource it names (``/v1/messages/batches``,
+# ``/proxy/responses``): the last segment of each API's paths; chat completions otherwise.
+_RESOURCE_OF: dict[str, WireProtocol] = {
+    "/" + p.rsplit("/", 1)[1]: proto for p, proto in AGENT_PATHS.items() if proto is not WireProtocol.OPENAI_CHAT
+}
+
+
 def protocol_for_path(path: str) -> WireProtocol:
     """The LLM API an agent path belongs to (errors on unknown paths take its shape too)."""
-    if "/messages" in path:
-        return WireProtocol.ANTHROPIC_MESSAGES
-    if "/responses" in path:
-        return WireProtocol.OPENAI_RESPONSES
-    return WireProtocol.OPENAI_CHAT
+    return next((proto for resource, proto in _RESOURCE_OF.items() if resource in path), WireProtocol.OPENAI_CHAT)
 
 
 def protocol_error(adapter: ProtocolAdapter, status: int, message: str, param: str | None = None) -> Response:
@@ -74,8 +81,9 @@ def error_for_path(path: str, status: int, message: str, headers: dict[str, str]
 
 
 def response_id(parked: ParkedRequest) -> str:
-    """The id of the agent's response: its protocol's prefix on the request's number."""
-    return _RESPONSE_ID_PREFIX[parked.protocol] + parked.id.removeprefix("req_")
+    """The id of the agent's response: the request's number, to which the protocol's renderer adds
+    its own prefix (``chatcmpl-``, ``msg_``, ``resp_``: the one place it is added)."""
+    return parked.id.removeprefix("req_")
 
 
 def whole(adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer) -> Response:
@@ -185,6 +193,7 @@ async def _aclose(items: AsyncIterator[Any]) -> None:
 
 
 __all__ = [
+    "AGENT_PATHS",
     "control_error",
     "delta_stream",
     "drained",

@@ -38,7 +38,8 @@ from ares_gateway.core.canonical import (
 )
 from ares_gateway.core.errors import InvalidSessionError, UnknownSessionError
 from ares_gateway.core.metrics import GatewayMetrics
-from ares_gateway.core.recorder import RecordedTurn, Recorder, SessionRecorder
+from ares_gateway.core.recorder import RecordedTurn, Recorder
+from ares_gateway.core.session_recorder import SessionRecorder
 from ares_gateway.core.sessions import Session, SessionInfo, SessionRegistry, bearer_token, same_secret
 from ares_gateway.core.store import TurnStore
 from ares_gateway.http.app import build_server

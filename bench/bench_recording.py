@@ -134,15 +134,24 @@ def _traced() -> int:
 
 
 #: The recorder's steps ``steps`` times (functions of ares_gateway.core.recorder, by name).
-STEPS = ("_body_delta", "continue_layout", "_prompt_chat", "_tree_turn", "_token_delta", "_pack")
+#: Each step: the module whose global the caller looks it up in, and its name there.
+STEPS = {
+    "_body_delta": "ares_gateway.core.record_codec",
+    "continue_layout": "ares_gateway.core.record_codec",
+    "_prompt_chat": "ares_gateway.core.session_recorder",
+    "_tree_turn": "ares_gateway.core.session_recorder",
+    "encode_tokens": "ares_gateway.core.session_recorder",
+    "pack": "ares_gateway.core.session_recorder",
+}
 
 
 def _timed_steps() -> dict[str, list[float]]:
     """Wrap each of :data:`STEPS` to time its calls (the wrappers add a little to each)."""
-    import ares_gateway.core.recorder as rec
+    import importlib
 
     times: dict[str, list[float]] = {n: [] for n in STEPS}
-    for name in STEPS:
+    for name, module in STEPS.items():
+        rec = importlib.import_module(module)
         fn = getattr(rec, name)
 
         def timed(*a: Any, _fn: Any = fn, _out: list[float] = times[name], **kw: Any) -> Any:

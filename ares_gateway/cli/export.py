@@ -18,7 +18,7 @@ from typing import Any
 
 from ares_gateway.cli._common import HelpFormatter
 from ares_gateway.core.errors import DataDirError
-from ares_gateway.core.recorder import SessionRecorder
+from ares_gateway.core.session_recorder import SessionRecorder
 from ares_gateway.core.store import DB_NAME, StoreReader
 from trajectory import Sample
 

@@ -8,6 +8,8 @@ It knows no HTTP and no CLI, runs no episode and holds no policy (see tests/test
 * :mod:`~ares_gateway.core.broker`: parked requests, leases to pollers, timeouts, exactly-once answers;
 * :mod:`~ares_gateway.core.sessions`: sessions, their tokens and the one turn counter;
 * :mod:`~ares_gateway.core.recorder`: the one place a turn, whole or streamed, is recorded;
+* :mod:`~ares_gateway.core.record_codec`: the turn record's written, versioned format;
+* :mod:`~ares_gateway.core.session_recorder`: the default recorder: sessions' samples, turn logs, lifecycle;
 * :mod:`~ares_gateway.core.streaming`: a stream's deltas added up into a whole completion;
 * :mod:`~ares_gateway.core.metrics`: the gateway's Prometheus counters;
 * :mod:`~ares_gateway.core.errors`: the whole exception tree.

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from ares_gateway.core.errors import DataDirError
-from ares_gateway.core.recorder import SessionRecorder, TurnLogReader, tree_view_of_turn_log
+from ares_gateway.core.session_recorder import SessionRecorder, TurnLogReader, tree_view_of_turn_log
 from ares_gateway.core.store import DB_NAME, StoreReader
 from ares_gateway.episodes.output import pass_at_k
 from ares_gateway.viewer.samples import SampleSet, TokenPieces

@@ -22,11 +22,13 @@ import orjson
 import pytest
 
 import ares_gateway.core._body_layout as layout_mod
-import ares_gateway.core.recorder as recorder_mod
+import ares_gateway.core.record_codec as recorder_mod
+import ares_gateway.core.session_recorder as session_mod
 from ares_gateway import Completion, TokenRecord
 from ares_gateway.core._body_layout import continue_layout, layout_of
 from ares_gateway.core.canonical import WireProtocol
-from ares_gateway.core.recorder import RecordedTurn, SessionRecorder
+from ares_gateway.core.recorder import RecordedTurn
+from ares_gateway.core.session_recorder import SessionRecorder
 from ares_gateway.core.store import TurnStore
 from ares_gateway.protocols import get_adapter
 
@@ -250,7 +252,7 @@ def test_token_ids_are_encoded_against_the_trees_last_turn(tmp_path: Path, monke
     bodies = _cc_bodies(12)
     full = np.zeros(0, dtype=np.int32)
     sent: list[TokenRecord] = []
-    real_tree = recorder_mod._tree_turn
+    real_tree = session_mod._tree_turn
 
     def failing(*a: Any, **kw: Any) -> bool:
         raise RuntimeError("a tree bug")
@@ -260,7 +262,7 @@ def test_token_ids_are_encoded_against_the_trees_last_turn(tmp_path: Path, monke
         for i in range(8):
             tok = _tokens(full, 3000 if i == 0 else 50, 0 if i in (2, 3) else 20)
             sent.append(tok)
-            monkeypatch.setattr(recorder_mod, "_tree_turn", failing if i in (5, 7) else real_tree)
+            monkeypatch.setattr(session_mod, "_tree_turn", failing if i in (5, 7) else real_tree)
             if i in (5, 7):
                 with pytest.raises(RuntimeError):
                     rec(_turn(orjson.dumps(bodies[i]), i, tok))
@@ -270,7 +272,7 @@ def test_token_ids_are_encoded_against_the_trees_last_turn(tmp_path: Path, monke
                 full = np.concatenate([tok.prompt_ids, tok.output_ids])
         rows, _ = store.load_turns("s")
         sizes = [len(p) for _, p in rows]
-    monkeypatch.setattr(recorder_mod, "_tree_turn", real_tree)
+    monkeypatch.setattr(session_mod, "_tree_turn", real_tree)
     with TurnStore(tmp_path / "d") as store:
         rec = SessionRecorder(store=store)
         rec.known({"s"})

@@ -27,7 +27,8 @@ import pytest
 from ares_gateway import Completion, Gateway
 from ares_gateway.core.canonical import CanonicalRequest, SamplingParams, WireProtocol
 from ares_gateway.core.errors import DataDirError
-from ares_gateway.core.recorder import RecordedTurn, SessionRecorder
+from ares_gateway.core.recorder import RecordedTurn
+from ares_gateway.core.session_recorder import SessionRecorder
 from ares_gateway.core.store import TurnStore
 
 ROOT = os.geteuid() == 0

@@ -20,11 +20,12 @@ import numpy as np
 import orjson
 import pytest
 
-import ares_gateway.core.recorder as recorder_mod
+import ares_gateway.core.record_codec as recorder_mod
 from ares_gateway import Completion, Gateway, TokenRecord
 from ares_gateway.core.canonical import CanonicalRequest, WireProtocol
 from ares_gateway.core.errors import InvalidAnswerError
-from ares_gateway.core.recorder import RecordedTurn, SessionRecorder
+from ares_gateway.core.recorder import RecordedTurn
+from ares_gateway.core.session_recorder import SessionRecorder
 from ares_gateway.core.store import TurnStore
 from ares_gateway.core.token_ids import encode_token_ids
 from ares_gateway.protocols import get_adapter
@@ -329,3 +330,31 @@ def test_the_kept_history_is_reused_across_keyframes_and_matched_by_identity() -
         raws = rec._tm._sessions["s"].main._path_raws
         assert all(raws[j] is chat[j] for j in range(len(chat))), i
         msgs += [_msg("assistant", f"step {i}"), _msg("user", f"out {i}")]
+
+
+def _repack(payload: bytes, edit: Any) -> bytes:
+    """A record with its header edited (as another version of the writer would have written it)."""
+    data = recorder_mod.zlib.decompress(payload[1:]) if payload[:1] == b"Z" else payload[1:]
+    (n,) = recorder_mod._HEADER.unpack_from(data)
+    header = orjson.loads(data[4 : 4 + n])
+    edit(header)
+    return recorder_mod.pack(header, bytes(data[4 + n :]))
+
+
+def test_records_carry_their_format_version_and_old_and_unknown_versions_are_told_apart() -> None:
+    rec = SessionRecorder(keyframe_every=0)
+    msgs = [_msg("user", "go")]
+    for i in range(3):
+        rec(_turn(_body(copy.deepcopy(msgs)), i, tokens=TokenRecord(prompt_ids=[1, 2, 3 + i], output_ids=[9])))
+        msgs += [_msg("assistant", f"step {i}"), _msg("user", f"out {i}")]
+    payloads = list(rec._records("s"))
+    decoded = [recorder_mod.Decoder().decode(seq, p) for seq, p in payloads[:1]]
+    assert decoded[0]["header"]["v"] == recorder_mod.FORMAT_VERSION == 1
+    # A record of the writer before the version key (no "v") reads as version 1, with its deltas.
+    dec = recorder_mod.Decoder()
+    old = [dec.decode(seq, _repack(p, lambda h: h.pop("v"))) for seq, p in payloads]
+    assert [d["body"] for d in old] == [t["request"] for t in rec.turn_log("s")]
+    assert old[2]["prompt_ids"].tolist() == [1, 2, 5]
+    # A version this reader does not know is refused, saying which, not misread.
+    with pytest.raises(ValueError, match="record format version 2"):
+        recorder_mod.Decoder().decode(1, _repack(payloads[0][1], lambda h: h.update(v=2)))

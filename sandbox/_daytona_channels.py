@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shlex
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -266,6 +267,27 @@ class _SSHWriter:
         self.closed = True
 
 
+class _Redact(logging.Filter):
+    """Blanks the access tokens (asyncssh logs the user name, which is the token) out of asyncssh's log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.secrets: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.secrets:
+            text = record.getMessage()
+            if any(secret in text for secret in self.secrets):
+                for secret in self.secrets:
+                    text = text.replace(secret, "<token>")
+                record.msg, record.args = text, ()
+        return True
+
+
+_redact = _Redact()
+logging.getLogger("asyncssh").addFilter(_redact)
+
+
 def parse_ssh_command(ssh_command: str) -> tuple[str, int, str]:
     """``(host, port, user)`` from Daytona's ``sshCommand`` (``ssh [-p PORT] TOKEN@HOST``).  The error
     never repeats the command: its user is the access token."""
@@ -311,6 +333,7 @@ async def ssh_exec_channel(
     """
     import asyncssh
 
+    _redact.secrets.add(username)
     conn = await asyncssh.connect(
         host, port, username=username, known_hosts=known_hosts, client_keys=None, agent_path=None,
         password=None, kbdint_auth=False, gss_host=None, preferred_auth="none,publickey,keyboard-interactive",

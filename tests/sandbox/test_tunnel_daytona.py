@@ -12,6 +12,7 @@ live test against Daytona when ``DAYTONA_API_KEY`` is set.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -145,9 +146,11 @@ async def harness(request: pytest.FixtureRequest, fake_process: FakeProcess) -> 
 
 
 @pytest.mark.parametrize("tunnel", ["pty", "ssh"])
-async def test_sandbox_life_over_the_tunnel(tunnel: str, daytona_fake: DaytonaFake, session: Session) -> None:
+async def test_sandbox_life_over_the_tunnel(tunnel: str, daytona_fake: DaytonaFake, session: Session,
+                                            caplog: pytest.LogCaptureFixture) -> None:
     """Create (network_block_all) -> the agent's HTTP over the tunnel, and nothing else reachable ->
-    stop: the SSH access revoked or the PTY session killed, the sandbox deleted."""
+    stop: the SSH access revoked or the PTY session killed, the sandbox deleted; no token in the log."""
+    caplog.set_level(logging.INFO)
     h = DaytonaHarness(daytona_fake, tunnel)
     sb = h.new({h.port: session.path})
     host = socket.socket()
@@ -189,6 +192,7 @@ async def test_sandbox_life_over_the_tunnel(tunnel: str, daytona_fake: DaytonaFa
     assert sb.remote_id in daytona_fake.deleted
     if tunnel == "ssh":
         assert token in daytona_fake.ssh_revoked and sb.ssh_revoked == 1
+        assert "Auth for user <token> succeeded" in caplog.text and token not in caplog.text
     else:
         assert pty_id in daytona_fake.pty_killed
     r_count = sum(1 for p in daytona_fake.sandboxes[sb.remote_id].procs if p.returncode is None)

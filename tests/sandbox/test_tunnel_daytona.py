@@ -226,7 +226,7 @@ async def test_ssh_gateway_refuses_forwards_and_revoked_tokens(daytona_fake: Day
         await asyncssh.connect(host, port, username=token, known_hosts=None, client_keys=None, agent_path=None)
 
 
-async def test_forward_needs_no_network_and_bad_parameters_are_refused(daytona_fake: DaytonaFake,
+async def test_bad_parameters_are_refused_and_the_ssh_command_is_parsed(daytona_fake: DaytonaFake,
                                                                        session: Session) -> None:
     with pytest.raises(ValueError, match="tunnel must be"):
         DaytonaSandbox(SandboxSpec(), api_key=API_KEY, api_url=daytona_fake.api_url, tunnel="exec")

@@ -9,12 +9,20 @@ Commands go through the toolbox ``process/execute`` call wrapped in a small POSI
 runs them in their own session (``setsid``), keeps stderr apart from stdout, switches user with
 ``runuser``/``sudo`` and records the process-group id; on timeout a second call kills the whole
 group inside the sandbox.  Directories travel as one tar archive through the batch file endpoints.
+
+A sandbox whose spec has ``network="none"`` is created with ``network_block_all=True`` and reaches its
+``forwards`` over the exec tunnel (:mod:`sandbox.tunnel`): ``_relay.py`` is uploaded (root-owned, its
+hash checked) and runs as root in tunnel mode on a long-lived channel, ``tunnel="ssh"`` (default: an
+SSH exec channel through Daytona's SSH gateway with an access token made for it, revoked when the
+sandbox stops) or ``tunnel="pty"`` (a toolbox PTY session over the SDK's WebSocket).  See
+:mod:`sandbox._daytona_channels` for what each transport guarantees.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import posixpath
 import secrets
@@ -27,9 +35,11 @@ from typing import Any
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from . import janitor
-from .errors import BackendUnavailableError, ExecError, FileTransferError, SandboxStartError
+from ._daytona_channels import MAX_WS_MESSAGE, daytona_pty_channel, parse_ssh_command, ssh_exec_channel
+from .errors import BackendUnavailableError, ExecError, FileTransferError, ForwardError, SandboxStartError
 from .protocol import BaseSandbox, ExecResult, extract_tar, tar_directory
 from .spec import SandboxSpec
+from .tunnel import Channel, Tunnel
 
 _CWD_MISSING = 201
 _GIB = 1024**3
@@ -52,6 +62,37 @@ _KILL = (
     'p=$(cat "$0" 2>/dev/null); [ -n "$p" ] || exit 0; '
     'kill -9 -"$p" 2>/dev/null || kill -9 "$p" 2>/dev/null || sudo -n kill -9 -- -"$p" 2>/dev/null; exit 0'
 )
+
+
+_RELAY_SCRIPT = Path(__file__).with_name("_relay.py")
+# Run by root on the tunnel's channel: $1 the relay's directory, $2 port, $3 max streams.  Not root
+# (Daytona's default user has passwordless sudo): again under sudo.  A relay of this port left from a
+# dropped channel is killed first (checked by its command line: the pid may since be another
+# process's), freeing the port; the pid file marks the relay as the sandbox's own machinery.
+_TUNNEL_SH = r"""
+d=$1; port=$2; n=$3
+if [ "$(id -u)" != 0 ]; then exec sudo -n /bin/sh "$0" "$@"; fi
+r="$d/relay-$port.pid"; p=
+[ -f "$r" ] && read -r p <"$r"
+if [ -n "$p" ]; then
+  case "$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null)" in
+    *"$d/relay.py --listen 127.0.0.1:$port "*) kill -9 "$p"; i=0
+      while [ -d "/proc/$p" ] && [ $i -lt 40 ]; do sleep 0.05; i=$((i+1)); done;;
+  esac
+fi
+exec python3 -I "$d/relay.py" --listen "127.0.0.1:$port" --tunnel binary --ready-file "$r" --max-connections "$n"
+"""
+# Run as root: $1, $2 the uploaded relay and tunnel script, $3 their directory.  Root-owned copies
+# (the agent must not change what root runs next), then their hashes and python3's presence.
+_INSTALL = r"""
+a=$1; b=$2; d=$3
+mkdir -p "$d" && chown 0:0 "$d" && chmod 755 "$d" && install -o 0 -g 0 -m 644 "$a" "$d/relay.py" \
+  && install -o 0 -g 0 -m 644 "$b" "$d/tunnel.sh"; rc=$?; rm -f "$a" "$b"; [ $rc = 0 ] || exit $rc
+command -v python3 >/dev/null 2>&1 || { echo "no python3"; exit 3; }
+python3 -c 'import hashlib,sys; print(*(hashlib.sha256(open(f,"rb").read()).hexdigest() for f in sys.argv[1:]))' \
+  "$d/relay.py" "$d/tunnel.sh"
+"""
+_TUNNELS = ("ssh", "pty")
 
 
 def _sdk() -> Any:
@@ -102,19 +143,53 @@ class DaytonaSandbox(BaseSandbox):
         api_url: str | None = None,
         target: str | None = None,
         create_timeout: float = 180.0,
+        tunnel: str = "ssh",
+        tunnel_max_streams: int = 256,
+        relay_dir: str = "/.ares",
+        ssh_expires_minutes: int = 60,
+        ssh_known_hosts: Any = None,
+        pty_max_message: int = MAX_WS_MESSAGE,
     ) -> None:
+        """``tunnel`` picks the channel that carries ``forwards`` (network="none"): "ssh" (an SSH exec
+        channel through Daytona's SSH gateway, flow-controlled end to end: the default) or "pty" (a
+        toolbox PTY session over the SDK's WebSocket: no SSH egress needed, but the daemon drops a
+        client that falls 256 messages behind).  ``relay_dir``: where the root-owned relay goes inside.
+        ``ssh_expires_minutes``: the lifetime of each SSH access token (a new one is made when a channel
+        is reopened near its end); ``ssh_known_hosts``: asyncssh's known_hosts for the gateway's key
+        (None: not checked).  ``pty_max_message``: the largest WebSocket message sent (the daemon's
+        read limit is 64 KiB)."""
         super().__init__(spec)
+        if tunnel not in _TUNNELS:
+            raise ValueError(f"tunnel must be 'ssh' (an SSH exec channel) or 'pty' (a toolbox PTY session), got {tunnel!r}")
+        if tunnel_max_streams < 1 or ssh_expires_minutes < 2 or not 0 < pty_max_message <= MAX_WS_MESSAGE:
+            raise ValueError(f"need tunnel_max_streams >= 1, ssh_expires_minutes >= 2 and 0 < pty_max_message <= "
+                             f"{MAX_WS_MESSAGE}")
+        if not posixpath.isabs(relay_dir):
+            raise ValueError(f"relay_dir must be an absolute path inside the sandbox, got {relay_dir!r}")
         self._config = _config(api_key, api_url, target)
         self.create_timeout = create_timeout
+        #: The channel that carries forwards: "ssh" or "pty".
+        self.tunnel = tunnel
+        self.tunnel_max_streams, self.relay_dir = tunnel_max_streams, relay_dir.rstrip("/") or "/"
+        self.ssh_expires_minutes, self.ssh_known_hosts = ssh_expires_minutes, ssh_known_hosts
+        self.pty_max_message = pty_max_message
         self._client: Any = None
         self._sandbox: Any = None
         self.remote_id: str | None = None
         self._name = f"ares-sbx-{self.id}"
+        self._tunnels: dict[int, Tunnel] = {}
+        self._relay_installed = False
+        # The SSH access in use (token, host, port, expiry) and every token made, to revoke at stop.
+        self._ssh: tuple[str, str, int, float] | None = None
+        self._ssh_tokens: list[str] = []
+        #: How many SSH accesses were revoked (tests, logs).
+        self.ssh_revoked = 0
 
     @property
     def description(self) -> str:
         where = self._config.api_url or "Daytona cloud"
-        return f"daytona sandbox {self.id} (remote id {self.remote_id}, {where}, network={self.spec.network})"
+        tunnel = f"; forwards over a {self.tunnel} tunnel" if self.spec.network == "none" else ""
+        return f"daytona sandbox {self.id} (remote id {self.remote_id}, {where}, network={self.spec.network}{tunnel})"
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def _params(self) -> Any:
@@ -170,6 +245,11 @@ class DaytonaSandbox(BaseSandbox):
             raise SandboxStartError(f"cannot create workdir {self.spec.workdir} in the Daytona sandbox: {prep[1]}")
 
     async def _stop(self) -> None:
+        tunnels, self._tunnels = list(self._tunnels.values()), {}
+        for tunnel in tunnels:
+            with contextlib.suppress(Exception):
+                await tunnel.close()
+        await self._revoke_ssh()
         try:
             if self._sandbox is not None:
                 await _retry(self._sandbox.delete)()
@@ -185,7 +265,89 @@ class DaytonaSandbox(BaseSandbox):
         """Delete through the plain synchronous REST client (safe from signal handlers and atexit)."""
         if self.remote_id is None and self._sandbox is None:
             return
+        tokens, self._ssh_tokens, self._ssh = self._ssh_tokens, [], None
+        if tokens:
+            self.ssh_revoked += _revoke_sync(self._config, self.remote_id or self._name, tokens)
         _delete_sync(self._config, self.remote_id or self._name)
+
+    # -- the exec tunnel -----------------------------------------------------------------------------
+    async def _forward(self, port: int, host_socket: str) -> None:
+        """A relay in tunnel mode, as root, on a long-lived channel (``self.tunnel``); another channel
+        replaces it when the transport drops (see sandbox.tunnel)."""
+        if self.spec.network != "none":
+            raise ForwardError(f"sandbox {self.id} has network={self.spec.network!r}: forwards need network='none'")
+        if not self._relay_installed:
+            await self._install_relay()
+            self._relay_installed = True
+        command = shlex.join(["/bin/sh", f"{self.relay_dir}/tunnel.sh", self.relay_dir, str(port),
+                              str(self.tunnel_max_streams)])
+        tunnel = Tunnel(lambda: self.open_channel(command), host_socket, max_streams=self.tunnel_max_streams)
+        try:
+            await tunnel.start()
+        except Exception as exc:  # the SDK's and asyncssh's own errors too; never the token (not in them)
+            with contextlib.suppress(Exception):
+                await tunnel.close()
+            raise ForwardError(f"the {self.tunnel} tunnel for port {port} of sandbox {self.id} did not start: "
+                               f"{_safe(exc, self._ssh_tokens)}") from None
+        self._tunnels[port] = tunnel
+
+    def tunnel_for(self, port: int) -> Tunnel | None:
+        """The tunnel serving ``port``, for its counters and tests."""
+        return self._tunnels.get(port)
+
+    async def open_channel(self, command: str) -> Channel:
+        """A new channel of this sandbox's kind (``self.tunnel``) running the shell command ``command``."""
+        if self.tunnel == "pty":
+            return await daytona_pty_channel(self._sandbox.process, command,
+                                             session_id=f"ares-tunnel-{secrets.token_hex(6)}",
+                                             max_message=self.pty_max_message)
+        token, host, port = await self._ssh_access()
+        return await ssh_exec_channel(host, port, token, command, known_hosts=self.ssh_known_hosts)
+
+    async def _ssh_access(self) -> tuple[str, str, int]:
+        """The SSH access in use, or a new one when there is none or it ends within 2 minutes."""
+        if self._ssh is not None and self._ssh[3] - time.time() > 120:
+            return self._ssh[:3]
+        if self._ssh is not None:  # near its end: the channel that used it is being replaced
+            await self._revoke_ssh()
+        access = await self._sandbox.create_ssh_access(expires_in_minutes=self.ssh_expires_minutes)
+        self._ssh_tokens.append(access.token)
+        try:
+            host, port, user = parse_ssh_command(access.ssh_command)
+        except ValueError as exc:
+            raise ForwardError(f"sandbox {self.id}: {exc}") from None
+        expires = access.expires_at.timestamp() if access.expires_at is not None else time.time() + 60
+        self._ssh = (user or access.token, host, port, expires)
+        return self._ssh[:3]
+
+    async def _revoke_ssh(self) -> None:
+        tokens, self._ssh_tokens, self._ssh = self._ssh_tokens, [], None
+        for token in tokens:
+            try:
+                await _retry(self._sandbox.revoke_ssh_access)(token)
+                self.ssh_revoked += 1
+            except Exception as exc:
+                if getattr(exc, "status_code", None) == 404:  # gone with its sandbox, or expired
+                    self.ssh_revoked += 1
+
+    async def _install_relay(self) -> None:
+        sdk = _sdk()
+        relay, script = _RELAY_SCRIPT.read_bytes(), _TUNNEL_SH.encode()
+        tmp = f"/tmp/.ares-relay-{secrets.token_hex(8)}"
+        try:
+            await self._sandbox.fs.upload_files([sdk.FileUpload(source=relay, destination=f"{tmp}.py"),
+                                                 sdk.FileUpload(source=script, destination=f"{tmp}.sh")])
+        except sdk.DaytonaError as exc:
+            raise ForwardError(f"uploading the relay into sandbox {self.id} failed: {exc}") from exc
+        r = await self._exec(shlex.join(["/bin/sh", "-c", _INSTALL, "ares-install", f"{tmp}.py", f"{tmp}.sh",
+                                         self.relay_dir]), cwd="/", env={}, user="root", timeout=120)
+        if r.exit_code == 3 and "no python3" in r.stdout:
+            raise ForwardError(f"the image of sandbox {self.id} has no python3, which the tunnel's relay needs: "
+                               "use an image with python3")
+        want = [hashlib.sha256(relay).hexdigest(), hashlib.sha256(script).hexdigest()]
+        if not r.ok or r.stdout.split() != want:
+            raise ForwardError(f"installing the relay in {self.relay_dir} of sandbox {self.id} failed: "
+                               f"{(r.stdout + r.stderr).strip()[-500:] or f'exit {r.exit_code}'}")
 
     # -- exec ----------------------------------------------------------------------------------------
     async def _raw_exec(self, script: str, timeout: float) -> tuple[int, str]:
@@ -313,6 +475,38 @@ def _rest_api(config: Any) -> Any:
     api_client = daytona_api_client.ApiClient(daytona_api_client.Configuration(host=url))
     api_client.default_headers["Authorization"] = f"Bearer {config.api_key}"
     return daytona_api_client.SandboxApi(api_client)
+
+
+def _safe(exc: BaseException, secrets_: list[str]) -> str:
+    """An exception's text with any token in it blanked out."""
+    text = str(exc) or type(exc).__name__
+    for secret in secrets_:
+        text = text.replace(secret, "<token>")
+    return text
+
+
+def _revoke_sync(config: Any, sandbox_id: str, tokens: list[str]) -> int:
+    """Revoke SSH access tokens through the synchronous REST client; how many are gone. Never raises."""
+    import daytona_api_client
+
+    done = 0
+    try:
+        api = _rest_api(config)
+    except Exception:
+        return 0
+    try:
+        for token in tokens:
+            try:
+                api.revoke_ssh_access(sandbox_id, token=token, _request_timeout=30)
+                done += 1
+            except daytona_api_client.ApiException as exc:
+                done += exc.status == 404
+            except Exception:  # the sandbox is deleted next: its accesses go with it
+                pass
+    finally:
+        with contextlib.suppress(Exception):
+            api.api_client.close()
+    return done
 
 
 def _delete_sync(config: Any, sandbox_id: str) -> None:

@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 import sandbox
-from sandbox import ForwardError, NotSupportedError, SandboxSpec
+from sandbox import ForwardError, SandboxSpec
 from sandbox.local import _CONFINE_SCRIPT, DEFAULT_PATH, ROOT_CAPS, bwrap_available, seccomp_filter
 
 from .conftest import AGENT_IMAGE, docker_required
@@ -317,14 +317,17 @@ async def test_forward_refuses_host_networking_and_unsupported_backends(tmp_path
         SandboxSpec(network="none", forwards={0: "/x.sock"})
 
 
-async def test_daytona_says_forwarding_is_not_supported(daytona_fake: Any, tmp_path: Path) -> None:
+async def test_a_daytona_sandbox_whose_tunnel_cannot_start_is_removed(daytona_fake: Any, tmp_path: Path) -> None:
+    # Daytona forwards over the exec tunnel (tests/sandbox/test_tunnel_daytona.py); when the relay cannot
+    # be installed (here: a relay directory that cannot exist) start fails and nothing is left behind.
     from .daytona_fake import API_KEY
 
     spec = SandboxSpec(image=AGENT_IMAGE, network="none", workdir=str(tmp_path), forwards={FORWARD_PORT: "/x.sock"})
-    sb = sandbox.create(spec, backend="daytona", api_key=API_KEY, api_url=daytona_fake.api_url)
-    with pytest.raises(NotSupportedError, match="cannot forward"):
+    sb = sandbox.create(spec, backend="daytona", api_key=API_KEY, api_url=daytona_fake.api_url,
+                        relay_dir="/proc/ares-no-such-dir")
+    with pytest.raises(ForwardError, match="installing the relay"):
         await sb.start()
-    assert not daytona_fake.live(), "a sandbox was created although it could not be set up"
+    assert not daytona_fake.live(), "a sandbox was left although it could not be set up"
 
 
 # ------------------------------------------------------------------------------------------- processes

@@ -143,7 +143,7 @@ class DaytonaSandbox(BaseSandbox):
         api_url: str | None = None,
         target: str | None = None,
         create_timeout: float = 180.0,
-        tunnel: str = "ssh",
+        tunnel: str | None = None,
         tunnel_max_streams: int = 256,
         relay_dir: str = "/.ares",
         ssh_expires_minutes: int = 60,
@@ -157,8 +157,9 @@ class DaytonaSandbox(BaseSandbox):
         ``ssh_expires_minutes``: the lifetime of each SSH access token (a new one is made when a channel
         is reopened near its end); ``ssh_known_hosts``: asyncssh's known_hosts for the gateway's key
         (None: not checked).  ``pty_max_message``: the largest WebSocket message sent (the daemon's
-        read limit is 64 KiB)."""
+        read limit is 64 KiB). ``tunnel=None``: ``$ARES_DAYTONA_TUNNEL`` (``ares-gateway run --tunnel``), else "ssh"."""
         super().__init__(spec)
+        tunnel = tunnel or os.environ.get("ARES_DAYTONA_TUNNEL") or "ssh"
         if tunnel not in _TUNNELS:
             raise ValueError(f"tunnel must be 'ssh' (an SSH exec channel) or 'pty' (a toolbox PTY session), got {tunnel!r}")
         if tunnel_max_streams < 1 or ssh_expires_minutes < 2 or not 0 < pty_max_message <= MAX_WS_MESSAGE:

@@ -15,10 +15,11 @@ Two calls exist for the gateway's isolation of agents (issue 17); both are on ev
     * local: the relay runs as a host process that joined only the sandbox's network namespace
       (``nsenter -n``), so it sees the host's socket and nothing of the sandbox but its loopback;
     * docker: the relay runs as root inside the container (``python3`` of the image), the socket's
-      directory mounted read-only at ``/.ares/forward/<n>`` (connect needs no write access);
-    * daytona: :class:`~sandbox.errors.NotSupportedError`.  A remote backend that cannot reach the
-      host would run the same relay inside, carrying each connection over its own channel (its
-      toolbox or a port-forwarding tunnel) instead of a mounted socket: only ``_forward`` changes.
+      directory mounted read-only at ``/.ares/forward/<n>`` (connect needs no write access); or,
+      with ``tunnel="exec"``, the same relay in tunnel mode on a long-lived ``docker exec``;
+    * a remote backend (daytona) cannot reach the host's socket: the relay runs inside in tunnel
+      mode and carries each connection over the provider's own channel (an SSH exec channel or a
+      PTY session), served by :class:`sandbox.tunnel.Tunnel` here: only ``_forward`` differs.
 
 ``await sb.kill_processes(user=None)``
     Kill every process in the sandbox except its own keeper/init (and the relays), and wait until
@@ -374,7 +375,7 @@ class BaseSandbox(abc.ABC):
         Needs ``network="none"``.  Forwarding a port again to the same socket does nothing; to another
         socket raises :class:`ForwardError`.  The socket need not exist yet (each connection opens it
         anew; one made before it exists is closed at once).  The relay lives until the sandbox stops.
-        Raises :class:`NotSupportedError` on a backend that cannot forward (Daytona).
+        Raises :class:`NotSupportedError` on a backend that cannot forward.
         """
         self._require_running("forward a port")
         try:

@@ -31,6 +31,12 @@ REAL_MODEL_HINT = (
     "--model Qwen/Qwen3-8B --sandbox auto -n 4 --attempts 4"
 )
 
+#: ``--tunnel``: each backend's choices (the first its default) and the variable its sandboxes read.
+_TUNNELS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "docker": ("ARES_DOCKER_TUNNEL", ("mount", "exec")),
+    "daytona": ("ARES_DAYTONA_TUNNEL", ("ssh", "pty")),
+}
+
 
 def run_epilog() -> str:
     """The end of ``run --help``: the presets, harnesses and datasets there are, selectors, examples."""
@@ -107,9 +113,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="scripted: a shell command the agent runs before finishing (repeatable)")
     p.add_argument("--sandbox", choices=("auto", "local", "docker", "daytona"), default="auto",
                    help="sandbox backend; auto is Docker when an engine answers, else local")
-    p.add_argument("--tunnel", choices=("mount", "exec"), default=None,
-                   help="how a Docker sandbox reaches its session: mount (a bind-mounted unix socket, default) or exec "
-                        "(multiplexed over a docker exec; nothing mounted, see docs/sandbox.md)")
+    p.add_argument("--tunnel", choices=sorted({c for _, cs in _TUNNELS.values() for c in cs}), default=None,
+                   help="how a sandbox reaches its session (docs/sandbox.md). docker: mount (a bind-mounted unix "
+                        "socket, default) or exec (multiplexed over a docker exec; nothing mounted); daytona: ssh "
+                        "(an SSH exec channel, default) or pty (a toolbox PTY session: no SSH egress needed)")
     p.add_argument("--image", default=None,
                    help="image for tasks that bring none, on container backends (default: ares-gateway/agents:latest)")
     p.add_argument("-n", "--concurrency", type=int, default=4, help="episodes at once")
@@ -313,9 +320,12 @@ def _ray_executor(args: argparse.Namespace, admin: str) -> Any:
 
     per_node = getattr(args, "ray_per_node", None) or args.concurrency
     # The control URLs are on each node's gateway: same host flag, same admin token, never printed.
-    # --tunnel reaches the nodes' DockerSandboxes through the actors' environment (not the driver's).
+    # --tunnel reaches the nodes' sandboxes through the actors' environment (not the driver's).
+    from ares_gateway.episodes.episode import resolve_backend
+
     tunnel = getattr(args, "tunnel", None)
-    runtime_env = {"env_vars": {"ARES_DOCKER_TUNNEL": tunnel}} if tunnel else None
+    env = _TUNNELS.get(resolve_backend(args.sandbox), ("", ()))[0]
+    runtime_env = {"env_vars": {env: tunnel}} if tunnel and env else None
     return RayExecutor(address, per_node=per_node, host=getattr(args, "host", "127.0.0.1"), admin_token=admin,
                        runtime_env=runtime_env)
 
@@ -423,9 +433,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not resolved.tasks:
         return _fail(f"{args.preset} selects no task")
     if getattr(args, "tunnel", None):
-        if backend != "docker":
-            return _fail("--tunnel is for --sandbox docker")
-        os.environ["ARES_DOCKER_TUNNEL"] = args.tunnel  # read by every DockerSandbox this run creates
+        env, choices = _TUNNELS.get(backend, ("", ()))
+        if args.tunnel not in choices:
+            return _fail(f"--tunnel {args.tunnel} is not a tunnel of --sandbox {backend}: "
+                         + "; ".join(f"{b}: {', '.join(cs)}" for b, (_, cs) in _TUNNELS.items()))
+        os.environ[env] = args.tunnel  # read by every sandbox of this backend the run creates
     out = Path(args.out or f"runs/{resolved.preset.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     console = _console()
     console.print(

@@ -51,9 +51,10 @@ log = logging.getLogger(__name__)
 AGENT_PORT = 18790
 #: How an episode's sandbox is networked (``EpisodeOutcome.network``).
 NETWORK_MODES = (
-    "relay",  # network "none": the sandbox reaches only its own session's LLM endpoint (the default)
+    "relay",  # network "none": the sandbox reaches only its own session's LLM endpoint (the default;
+    # remote sandboxes and Docker with --tunnel exec reach it over the exec tunnel, sandbox/tunnel.py)
     "internet",  # the task sets [environment] allow_internet = true: the host's network
-    "host",  # no relay on this backend or host (daytona; local without bubblewrap/root): today's path
+    "host",  # no relay on this host (local without bubblewrap/root): the gateway's TCP URL
 )
 #: The image container backends use for tasks that bring none (the agents image has every CLI).
 DEFAULT_IMAGE = "ares-gateway/agents:latest"
@@ -367,8 +368,10 @@ class TaskEpisode:
         By default the sandbox has no network (``network="none"``; local: hardened bubblewrap, the
         agent as an unprivileged user) and one relay: ``127.0.0.1:AGENT_PORT`` inside reaches the
         session's own unix socket, which serves only that session's LLM endpoints. A task that sets
-        ``[environment] allow_internet = true`` gets the host's network. Daytona (no relay yet) and
-        a local backend without bubblewrap and root keep the TCP URL and say so.
+        ``[environment] allow_internet = true`` gets the host's network (a remote sandbox: the
+        internet). A remote sandbox (Daytona) has no socket to mount: its backend carries the
+        forward over the provider's exec channel (``sandbox/tunnel.py``), so it too runs with its
+        network blocked. A local backend without bubblewrap and root keeps the TCP URL and says so.
         """
         task = self.task
         hardened = self.backend == "local" and _local_can_harden()
@@ -386,8 +389,6 @@ class TaskEpisode:
         reason = None
         if gw is None:
             reason = "the episode was given no gateway to serve the session's socket"
-        elif self.backend == "daytona":
-            reason = "the daytona backend has no relay yet"
         elif self.backend == "local" and not hardened:
             reason = "the local backend needs bubblewrap, root, nsenter and setpriv to isolate"
         if reason is not None or gw is None:

@@ -817,7 +817,8 @@ def test_cli_run_tunnel_exec(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "ARES_DOCKER_TUNNEL"}
     bad = subprocess.run(cli("run", "examples-mswea", "--policy", "oracle", "--sandbox", "local", "--tunnel", "exec"),
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
-    assert bad.returncode == 2 and "--tunnel is for --sandbox docker" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "--tunnel exec is not a tunnel of --sandbox local" in bad.stderr, bad.stderr
+    assert "docker: mount, exec" in bad.stderr and "daytona: ssh, pty" in bad.stderr
     out = tmp_path / "out"
     proc = subprocess.run(cli("run", "examples-mswea:0:1", "--policy", "oracle", "--sandbox", "docker", "--tunnel", "exec",
                               "-n", "1", "--out", str(out), "--stats", "null"),

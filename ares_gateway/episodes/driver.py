@@ -217,6 +217,7 @@ def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[
         agent_seconds=outcome.agent_seconds,
         verify_seconds=outcome.verify_seconds,
         answer_latency=sum(latencies) / len(latencies) if latencies else None,
+        network=outcome.network,
     )
 
 

@@ -67,6 +67,10 @@ class EpisodeResult:
     answer_latency: float | None = None  # mean seconds a request of this episode waited for its answer
     #: Where it ran: the Ray node id under a ``RayExecutor``; ``None`` in this process.
     node: str | None = None
+    #: How its sandbox was networked (``episode.NETWORK_MODES``): ``relay`` (it reached only its own
+    #: session: a relay, or the exec tunnel of a remote sandbox), ``internet`` (the task set
+    #: ``allow_internet = true``), ``host`` (no isolation on this host); "" if it never got a sandbox.
+    network: str = ""
     #: The policy's per-episode report, where it has one (``tito``: turns, trained tokens, fresh renders,
     #: main-line drift; :meth:`~ares_gateway.policies.tito.TitoPolicy.episode_report`).
     fidelity: dict[str, Any] | None = None
@@ -128,6 +132,15 @@ class RunSummary:
             counts[e.exit_reason] = counts.get(e.exit_reason, 0) + 1
         return counts
 
+    @property
+    def networks(self) -> dict[str, int]:
+        """How many episodes' sandboxes were networked each way (``EpisodeResult.network``)."""
+        counts: dict[str, int] = {}
+        for e in self.episodes:
+            if e.network:
+                counts[e.network] = counts.get(e.network, 0) + 1
+        return counts
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "planned": self.planned,
@@ -138,6 +151,7 @@ class RunSummary:
             **self.pass_at_k,
             "success_threshold": self.success_threshold,
             "exit_reasons": self.exit_reasons,
+            "networks": self.networks,
             "duration_seconds": round(self.duration, 3),
             "episodes_per_minute": round(len(self.episodes) / self.duration * 60, 3) if self.duration > 0 else None,
         }
@@ -301,6 +315,8 @@ def summary_lines(summary: RunSummary) -> list[str]:
                      + f" (reward >= {summary.success_threshold:g} passes)")
     if summary.exit_reasons:
         lines.append("exit reasons: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.exit_reasons.items())))
+    if any(n != "relay" for n in summary.networks):  # say so when a sandbox could reach more than its session
+        lines.append("networks: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.networks.items())))
     return lines
 
 

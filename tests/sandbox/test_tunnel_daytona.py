@@ -288,3 +288,66 @@ async def test_live_daytona_tunnel(tunnel: str) -> None:
             assert r.stdout.startswith("failed"), r
     finally:
         await runner.cleanup()
+
+
+def _episode_task(root: Path, work: Path, name: str, *, internet: bool) -> Any:
+    """A task whose workdir is ``work``: a sandbox of the stand-in shares the host's disk, and its agent
+    user must be able to reach the folder (pytest's own are root's alone)."""
+    from ares_gateway.episodes.tasks import Task
+
+    d = root / name
+    (d / "tests").mkdir(parents=True)
+    (d / "solution").mkdir()
+    (d / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 120\n[verifier]\ntimeout_sec = 60\n'
+                                 f'[environment]\nworkdir = "{work}"\n' + ("allow_internet = true\n" if internet else ""))
+    (d / "instruction.md").write_text("Write hello to greeting.txt\n")
+    (d / "solution" / "solve.sh").write_text("#!/bin/sh\necho hello > greeting.txt\n")
+    (d / "tests" / "test.sh").write_text(
+        f'#!/bin/sh\nv="${{ARES_VERIFIER_DIR:-/logs/verifier}}"; mkdir -p "$v"\n'
+        f'if grep -q hello {work}/greeting.txt; then echo 1 > "$v/reward.txt"; else echo 0 > "$v/reward.txt"; fi\n')
+    return Task.load(d)
+
+
+@pytest.mark.parametrize("tunnel", ["ssh", "pty"])
+async def test_episodes_on_daytona_run_with_the_network_blocked_and_say_how(
+        tunnel: str, daytona_fake: DaytonaFake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real harness episode (tiny-agent, the oracle) on the stand-in through the real SDK: its sandbox
+    is created with the network blocked, the agent's LLM calls go over the tunnel, reward 1.0, and
+    results.json says how each sandbox was networked (a task that opts into internet says so)."""
+    from ares_gateway.episodes.rollouts import run_rollouts
+    from ares_gateway.policies import make_policy
+    from sandbox import tunnel as tunnel_mod
+
+    if not netns_available():
+        pytest.skip("the stand-in needs bwrap --unshare-net and nsenter to block a sandbox's network")
+    monkeypatch.setenv("DAYTONA_API_KEY", API_KEY)
+    monkeypatch.setenv("DAYTONA_API_URL", daytona_fake.api_url)
+    monkeypatch.setenv("ARES_DAYTONA_TUNNEL", tunnel)
+    started: list[Tunnel] = []
+    real_start = tunnel_mod.Tunnel.start
+
+    async def counting_start(self: Tunnel) -> None:  # the real start, counted: proof the tunnel carried it
+        started.append(self)
+        await real_start(self)
+
+    monkeypatch.setattr(tunnel_mod.Tunnel, "start", counting_start)
+    created = len(daytona_fake.created)
+    top = Path(tempfile.mkdtemp(prefix="ares-daytona-episode-"))
+    os.chmod(top, 0o755)
+    try:
+        tasks = [_episode_task(tmp_path, top / "closed", "closed", internet=False),
+                 _episode_task(tmp_path, top / "open", "open", internet=True)]
+        # One at a time: the stand-in's sandboxes share the host's disk (the harness's own folders too).
+        summary = await run_rollouts(tasks, harness="tiny-agent", policy=make_policy("oracle"), sandbox="daytona",
+                                     out=tmp_path / "out", stats="null", time_limit=120, concurrency=1)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    by_task = {e.task: e for e in summary.episodes}
+    assert all(e.exit_reason == "completed" and e.reward == 1.0 for e in summary.episodes), summary.episodes
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {e["task"]: e["network"] for e in doc["episodes"]} == {"closed": "relay", "open": "internet"}
+    assert doc["summary"]["networks"] == {"internet": 1, "relay": 1}
+    assert by_task["closed"].turns >= 1 and len(started) == 1 and started[0].mux is not None
+    assert started[0].mux.opened >= 1 and started[0].violation is None
+    blocked = [c.get("networkBlockAll") for c in daytona_fake.created[created:]]
+    assert sorted(bool(b) for b in blocked) == [False, True]

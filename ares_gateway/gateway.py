@@ -28,7 +28,7 @@ import orjson
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
-from ares_gateway.core.answers import ErrorAnswer, read_tokens
+from ares_gateway.core.answers import AnswerLike, ErrorAnswer
 from ares_gateway.core.broker import Broker, ParkedRequest
 from ares_gateway.core.canonical import (
     CanonicalRequest,
@@ -427,15 +427,20 @@ class Gateway:
         this very loop iteration, or the request timed out) or
         :class:`~ares_gateway.core.errors.InvalidAnswerError` (400).
         """
-        if isinstance(answer, str):
-            answer = Completion(text=answer)
-        # Token ids as lists, base64 or numpy arrays; not ints, negative or mismatched: InvalidAnswerError.
-        record = read_tokens(tokens)
-        if isinstance(answer, Completion) and answer.tokens is not None:
-            answer = answer.model_copy(update={"tokens": read_tokens(answer.tokens)})
+        self.answer(request_id, answer, tokens=tokens)
+
+    def answer(
+        self,
+        request_id: str,
+        answer: AnswerLike,
+        *,
+        tokens: TokenRecord | dict[str, Any] | None = None,
+    ) -> None:
+        """:meth:`respond`, without awaiting: the one respond path, which ``/respond`` takes too. The
+        answer and its token ids are read once, by the broker (``core.answers.coerce_answer``)."""
         # No wait for the data dir here: the turn is queued and committed within milliseconds; a
         # caller that needs it on disk awaits durable() (/respond does, before its 200).
-        self.broker.respond(request_id, answer, tokens=record)
+        self.broker.respond(request_id, answer, tokens=tokens)
 
     def trajectory(
         self, session_id: str, *, reward: float | None = None, max_sample_tokens: int = 0

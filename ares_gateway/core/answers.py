@@ -78,7 +78,7 @@ class StreamAnswer:
 #: What the agent's handler is resolved with.
 Answer = Completion | NativeAnswer | ErrorAnswer | StreamAnswer
 #: What ``respond`` accepts.
-AnswerLike = Answer | dict[str, Any] | AsyncIterable[CompletionDelta | Completion]
+AnswerLike = Answer | dict[str, Any] | AsyncIterable[CompletionDelta | Completion] | str
 
 
 def read_tokens(tokens: TokenRecord | dict[str, Any] | None) -> TokenRecord | None:
@@ -129,14 +129,22 @@ def coerce_answer(
 ) -> Answer:
     """One :data:`Answer` from anything ``respond`` accepts, with ``tokens`` attached to a completion.
 
+    The one place an answer is read, for every caller (``Gateway.respond`` in process, ``/respond``
+    over HTTP): a string is a text completion; token ids are read here once (``tokens``, else the
+    completion's own ``tokens``; lists, base64 or arrays become checked int32 arrays).
+
     Raises :class:`InvalidAnswerError` for an answer of another type, a native body that is not a
     valid response of ``protocol`` (nor a chat-completions body, which ares-proxy pollers send for
     every protocol), or malformed ``tokens``.
     """
+    if isinstance(answer, str):
+        answer = Completion(text=answer)
     token_record = read_tokens(tokens)
     if isinstance(answer, Completion):
+        if token_record is None and answer.tokens is not None:
+            token_record = read_tokens(answer.tokens)
         _prove_renders(protocol, request, answer)
-        return answer.model_copy(update={"tokens": token_record}) if token_record else answer
+        return answer.model_copy(update={"tokens": token_record}) if token_record is not answer.tokens else answer
     if isinstance(answer, ErrorAnswer):
         return _checked_error(protocol, answer)
     if isinstance(answer, NativeAnswer):

@@ -31,7 +31,14 @@ from typing import Any
 import orjson
 from pydantic import BaseModel
 
-from ares_gateway.core.answers import Answer, AnswerLike, NativeAnswer, StreamAnswer, coerce_answer
+from ares_gateway.core.answers import (
+    Answer,
+    AnswerLike,
+    NativeAnswer,
+    StreamAnswer,
+    coerce_answer,
+    read_tokens,
+)
 from ares_gateway.core.canonical import CanonicalRequest, Completion, TokenRecord, WireProtocol
 from ares_gateway.core.errors import (
     AlreadyAnsweredError,
@@ -430,6 +437,9 @@ class Broker:
 
         Raises the :mod:`ares_gateway.core.errors` outcome on failure; an invalid answer leaves the
         request pending."""
+        # Malformed token ids are the caller's error whatever became of the request (400 before 404/409/410);
+        # read here once: coerce_answer takes the checked record as it is.
+        tokens = read_tokens(tokens)
         parked = self._pending.get(request_id)
         if parked is None:
             state = self._done.get(request_id)

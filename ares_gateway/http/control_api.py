@@ -11,9 +11,9 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import Response, StreamResponse
 from pydantic import ValidationError
 
-from ares_gateway.core.answers import Answer, ErrorAnswer, read_tokens
+from ares_gateway.core.answers import Answer, ErrorAnswer
 from ares_gateway.core.broker import UNENCODABLE_REQUEST
-from ares_gateway.core.canonical import Completion, TokenRecord
+from ares_gateway.core.canonical import Completion
 from ares_gateway.core.errors import GatewayError, InvalidAnswerError
 from ares_gateway.http.render import control_error, json_response
 from ares_gateway.http.routes import Handler
@@ -124,7 +124,7 @@ class ControlAPI:
             if not isinstance(rid, str):
                 raise InvalidAnswerError('each answer needs "id" (a string, as /poll returned it)')
             answer, tokens = _parse_answer(item)
-            self.gw.broker.respond(rid, answer, tokens=tokens)
+            self.gw.answer(rid, answer, tokens=tokens)
         except GatewayError as exc:
             return exc.status, {"id": rid, "status": "error", "code": exc.status, "error": str(exc)}
         except (ValueError, TypeError) as exc:  # an answer no check above caught: still this item's 400
@@ -210,12 +210,13 @@ class ControlAPI:
         return Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def _parse_answer(item: dict[str, Any]) -> tuple[Answer | dict[str, Any], TokenRecord | None]:
+def _parse_answer(item: dict[str, Any]) -> tuple[Answer | dict[str, Any], Any]:
+    """The answer and the token ids of one ``/respond`` item, as sent: the gateway reads both (once)."""
     kinds = [k for k in ("completion", "response", "error") if k in item]
     if len(kinds) != 1:
         raise InvalidAnswerError('give exactly one of "completion", "response" or "error" with each answer')
-    # prompt_ids / output_ids: a JSON list of ints or base64 of little-endian int32 (checked here: 400s).
-    tokens = read_tokens(item.get("tokens"))
+    # prompt_ids / output_ids: a JSON list of ints or base64 of little-endian int32 (read by coerce_answer).
+    tokens = item.get("tokens")
     kind = kinds[0]
     value = item[kind]
     if kind == "error":
@@ -232,11 +233,7 @@ def _parse_answer(item: dict[str, Any]) -> tuple[Answer | dict[str, Any], TokenR
             completion = Completion.model_validate(value)
         except ValidationError as exc:
             raise InvalidAnswerError(f"invalid completion: {exc}") from None
-        if completion.tokens is not None and tokens is None:
-            tokens = read_tokens(completion.tokens)
-        if tokens is not None:
-            completion = completion.model_copy(update={"tokens": tokens})
-        return completion, None
+        return completion, tokens
     return value, tokens
 
 

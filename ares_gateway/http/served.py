@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from ares_gateway.core.answers import AnswerLike
 from ares_gateway.core.broker import Broker
-from ares_gateway.core.canonical import CanonicalRequest
+from ares_gateway.core.canonical import CanonicalRequest, TokenRecord
 from ares_gateway.core.metrics import GatewayMetrics
 from ares_gateway.core.sessions import Session, SessionInfo, SessionRegistry
 from ares_gateway.http.body_parser import BodyParser
@@ -51,6 +52,7 @@ class ServedGateway(Protocol):
     def body_parser(self) -> BodyParser: ...
 
     def admin_ok(self, headers: Mapping[str, str]) -> bool: ...
+    def answer(self, request_id: str, answer: AnswerLike, *, tokens: TokenRecord | dict[str, Any] | None = None) -> None: ...
     def is_side_call(self, session: Session, request: CanonicalRequest, headers: Mapping[str, str]) -> bool: ...
     async def create_session(
         self, session_id: str | None = None, *, metadata: dict[str, Any] | None = None, token: str | None = None

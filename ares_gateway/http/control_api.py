@@ -97,7 +97,7 @@ class ControlAPI:
     def _refuse_unpollable(self, rid: str, exc: Exception) -> None:
         log.warning("request %s cannot be encoded for /poll (%s): answered with 400", rid, type(exc).__name__)
         try:
-            self.gw.broker.respond(rid, ErrorAnswer(400, UNENCODABLE_REQUEST))
+            self.gw.answer(rid, ErrorAnswer(400, UNENCODABLE_REQUEST))
         except GatewayError:  # gone meanwhile (the agent disconnected): nothing to answer
             pass
 

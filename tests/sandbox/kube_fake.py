@@ -52,6 +52,18 @@ def unavailable() -> str | None:
     return None
 
 
+def _system_binds() -> list[str]:
+    """bwrap arguments giving a pod the host's system directories, read-only (symlinks as symlinks)."""
+    argv: list[str] = []
+    for entry in _SYSTEM_DIRS:
+        host = f"/{entry}"
+        if os.path.islink(host):
+            argv += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host):
+            argv += ["--ro-bind", host, host]
+    return argv
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -59,6 +71,11 @@ def _now() -> str:
 def _status(code: int, reason: str, message: str) -> web.Response:
     return web.json_response({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                               "message": message, "reason": reason, "code": code}, status=code)
+
+
+def _bool(value: str | None) -> bool:
+    """A query parameter as the apiserver reads it (Go's strconv.ParseBool; the client sends "True")."""
+    return value in ("1", "t", "T", "TRUE", "true", "True")
 
 
 def _matches(labels: dict[str, str], selector: str) -> bool:
@@ -89,7 +106,8 @@ class FakePod:
     pid: int = 0  # the host pid of the pod's PID 1
     keeper: asyncio.subprocess.Process | None = None
     failure: str | None = None  # a waiting reason (ErrImagePull) when the pod cannot start
-    execs: set[tuple[web.WebSocketResponse, asyncio.BaseTransport | None]] = field(default_factory=set)
+    #: The open exec connections: their transport and command.
+    execs: dict[web.WebSocketResponse, tuple[asyncio.BaseTransport | None, list[str]]] = field(default_factory=dict)
 
     @property
     def env(self) -> dict[str, str]:
@@ -121,6 +139,7 @@ class KubeFake:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
+        self._reapers: set[asyncio.Future[int]] = set()
 
     # -- the fake itself -----------------------------------------------------------------------------
     @property
@@ -193,14 +212,15 @@ class KubeFake:
         if self._thread is not None:
             self._thread.join(10)
 
-    def drop_execs(self, pod_name: str | None = None) -> int:
-        """Cut every open exec connection (of one pod) without a close frame: a dropped transport."""
+    def drop_execs(self, pod_name: str | None = None, *, running: str = "") -> int:
+        """Cut the open exec connections (of one pod, whose command contains ``running``) without a
+        close frame: a dropped transport.  Returns how many."""
         async def drop() -> int:
             n = 0
             for pod in list(self.pods.values()):
                 if pod_name is None or pod.name == pod_name:
-                    for _ws, transport in list(pod.execs):
-                        if transport is not None:
+                    for transport, argv in list(pod.execs.values()):
+                        if transport is not None and running in " ".join(argv):
                             transport.abort()  # type: ignore[attr-defined]
                             n += 1
             return n
@@ -243,12 +263,7 @@ class KubeFake:
         os.chmod(pod.root / "tmp", 0o1777)
         argv = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", pod.name,
                 "--as-pid-1", "--die-with-parent", "--bind", str(pod.root), "/"]
-        for entry in _SYSTEM_DIRS:
-            host = f"/{entry}"
-            if os.path.islink(host):
-                argv += ["--symlink", os.readlink(host), host]
-            elif os.path.isdir(host):
-                argv += ["--ro-bind", host, host]
+        argv += _system_binds()
         r, w = os.pipe()
         argv += ["--proc", "/proc", "--dev", "/dev", "--info-fd", str(w), "--", *command]
         try:
@@ -267,10 +282,21 @@ class KubeFake:
                         return dict(json.loads(data))
             return dict(json.loads(data or b"{}"))
 
-        pod.pid = int((await asyncio.wait_for(asyncio.to_thread(info), 10)).get("child-pid") or 0)
+        pid = int((await asyncio.wait_for(asyncio.to_thread(info), 10)).get("child-pid") or 0)
+        # bwrap tells the pid before the child has made its mounts: running once it runs the command.
+        want = "\0".join(command).encode() + b"\0"
+        for _ in range(400):
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes() == want:  # noqa: ASYNC240 - procfs
+                    pod.pid = pid
+                    return
+            except OSError:
+                pass
+            await asyncio.sleep(0.025)
+        raise RuntimeError(f"the fake pod {pod.name} did not start its command")
 
     async def _remove(self, pod: FakePod) -> None:
-        for _ws, transport in list(pod.execs):
+        for transport, _argv in list(pod.execs.values()):
             if transport is not None:
                 transport.abort()  # type: ignore[attr-defined]
         if pod.pid:  # PID 1 gone: the kernel kills the rest of the pod's PID namespace
@@ -365,10 +391,10 @@ class KubeFake:
     async def exec(self, request: web.Request) -> web.StreamResponse:
         pod = self._find(request)
         command = request.query.getall("command", [])
-        stdin = request.query.get("stdin") in ("true", "1")
+        stdin = _bool(request.query.get("stdin"))
         if not command:
             return _status(400, "BadRequest", "you must specify at least 1 command")
-        if request.query.get("tty") in ("true", "1"):
+        if _bool(request.query.get("tty")):
             return _status(400, "BadRequest", "the fake has no TTY")
         if not pod.pid or pod.keeper is None or pod.keeper.returncode is not None:
             return _status(400, "BadRequest", f"pod {pod.name} is not running")
@@ -378,12 +404,11 @@ class KubeFake:
         await ws.prepare(request)
         protocol = ws.ws_protocol or ""
         self.execs.append((pod.name, list(command), protocol))
-        entry = (ws, request.transport)
-        pod.execs.add(entry)
+        pod.execs[ws] = (request.transport, list(command))
         try:
             await self._run_exec(pod, ws, command, stdin, protocol)
         finally:
-            pod.execs.discard(entry)
+            pod.execs.pop(ws, None)
         return ws
 
     async def _run_exec(self, pod: FakePod, ws: web.WebSocketResponse, command: list[str], stdin: bool,
@@ -429,7 +454,10 @@ class KubeFake:
                     proc.stdin.close()
 
         async def idle_watch() -> None:
-            while self.idle_timeout is not None:
+            while True:
+                if self.idle_timeout is None:
+                    await asyncio.sleep(0.1)
+                    continue
                 left = last_rx[0] + self.idle_timeout - time.monotonic()
                 if left <= 0:
                     self.idle_cuts += 1
@@ -438,13 +466,14 @@ class KubeFake:
                     return
                 await asyncio.sleep(min(left, 0.1))
 
-        request_transport = next((t for w, t in pod.execs if w is ws), None)
+        request_transport = pod.execs[ws][0]
         pumps = [asyncio.ensure_future(pump(r, ch)) for (r, _), ch in zip(readers, (1, 2), strict=True)]
         receiver = asyncio.ensure_future(receive())
         watcher = asyncio.ensure_future(idle_watch())
         done = asyncio.ensure_future(asyncio.gather(proc.wait(), *pumps))
         try:
-            await asyncio.wait({done, receiver}, return_when=asyncio.FIRST_COMPLETED)
+            waiting: set[asyncio.Future[Any]] = {done, receiver}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if done.done():
                 rc = proc.returncode if proc.returncode is not None else -1
                 code = rc if rc >= 0 else 128 - rc
@@ -462,11 +491,13 @@ class KubeFake:
             # writer left gets EPIPE), as a runtime does when the stream goes; the process lives on.
             if proc.stdin is not None:
                 proc.stdin.close()
-            for _, transport in readers:
-                transport.close()
+            for _, pipe in readers:
+                pipe.close()
             for task in (receiver, watcher, *pumps):
                 task.cancel()
             done.cancel()
             with contextlib.suppress(BaseException):
                 await asyncio.gather(receiver, watcher, *pumps, done, return_exceptions=True)
-            asyncio.ensure_future(proc.wait())  # reaped whenever it ends
+            reaper = asyncio.ensure_future(proc.wait())  # reaped whenever it ends
+            self._reapers.add(reaper)
+            reaper.add_done_callback(self._reapers.discard)

@@ -239,12 +239,30 @@ async def test_v4_fallback_runs_commands_and_moves_files(fake: KubeFake, kubecon
     src = tmp_path / "in.bin"
     src.write_bytes(os.urandom(300_000) + bytes(range(256)))
     async with _new(kubeconfig) as sb:
+        stream = await sb.open_exec(["cat"], stdin=True)
+        assert not stream.can_close_stdin  # v4 has no half-close: only closing the stream ends stdin
+        await stream.aclose()
         r = await sb.exec("echo out; echo err >&2; exit 4", timeout=30)
         assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 4)
         await sb.upload_file(src, "in.bin")
         await sb.download_file("in.bin", tmp_path / "back.bin")
         assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
     assert fake.execs[-1][2] == "v4.channel.k8s.io"
+
+
+async def test_v5_half_closes_stdin(fake: KubeFake, kubeconfig: str) -> None:
+    """``cat`` ends only when its stdin does: the v5 close signal ([255, 0]) reached it."""
+    data = os.urandom(500_000) + bytes(range(256))
+    async with _new(kubeconfig) as sb:
+        stream = await sb.open_exec(["cat"], stdin=True)
+        try:
+            assert stream.protocol == "v5.channel.k8s.io" and stream.can_close_stdin
+            stream.write(data)
+            stream.close_stdin()
+            out, err, status = await asyncio.wait_for(stream.collect(), 30)
+        finally:
+            await stream.aclose()
+        assert out == data and err == b"" and kube.exit_code(status) == 0
 
 
 async def test_kill_processes_spares_pid_1_and_the_relays(fake: KubeFake, kubeconfig: str, session: Session) -> None:
@@ -341,6 +359,9 @@ class KubeHarness(Harness):
 @pytest.fixture(params=["v5", "v4"])
 async def harness(request: pytest.FixtureRequest, fake: KubeFake, kubeconfig: str) -> AsyncIterator[KubeHarness]:
     fake.protocols = PROTOCOLS if request.param == "v5" else V4
+    # The SDK's first import (some 30 MB of API models) happens here, not inside the hostile test's
+    # memory window (whose pod starts only with its first channel): a cost per process, not per channel.
+    kube._ws_client_class()
     h = KubeHarness(kubeconfig)
     yield h
     await h.close()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -56,11 +55,11 @@ async def k8s_client(protocols: str, sock: str, args: argparse.Namespace) -> dic
     reason = unavailable()
     if reason:
         raise SystemExit(reason)
-    proc = subprocess.Popen([sys.executable, "-c", FAKE, str(ROOT), protocols], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", FAKE, str(ROOT), protocols,
+                                                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     try:
         assert proc.stdout is not None
-        port = int(proc.stdout.readline())
+        port = int(await proc.stdout.readline())
         fake = KubeFake()
         fake.port = port
         with tempfile.TemporaryDirectory() as tmp:
@@ -75,7 +74,7 @@ async def k8s_client(protocols: str, sock: str, args: argparse.Namespace) -> dic
     finally:
         if proc.stdin is not None:
             proc.stdin.close()
-        proc.wait(30)
+        await asyncio.wait_for(proc.wait(), 30)
 
 
 async def run(args: argparse.Namespace, sock: str) -> None:

@@ -946,12 +946,12 @@ def gc_candidates() -> list[tuple[str, dict[str, str]]]:
             found: dict[str, dict[str, str]] = {}
             pods = await core.list_namespaced_pod(namespace, label_selector=janitor.SANDBOX_LABEL)
             policies = await net.list_namespaced_network_policy(namespace, label_selector=janitor.SANDBOX_LABEL)
-            for item in [*policies.items, *pods.items]:
-                meta = item.metadata
-                labels = dict(meta.annotations or {})
-                if janitor.OWNER_LABEL in labels:
-                    name = meta.name[: -len("-deny")] if item in policies.items else meta.name
-                    found[f"{namespace}/{name}"] = labels
+            for items, suffix in ((policies.items, "-deny"), (pods.items, "")):
+                for item in items:
+                    meta = item.metadata
+                    labels = dict(meta.annotations or {})
+                    if janitor.OWNER_LABEL in labels and meta.name.endswith(suffix):
+                        found[f"{namespace}/{meta.name[: len(meta.name) - len(suffix)]}"] = labels
             return sorted(found.items())
         finally:
             await api.close()

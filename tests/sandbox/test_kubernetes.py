@@ -296,6 +296,14 @@ async def test_gc_removes_a_dead_owners_pod_and_keeps_a_live_ones(fake: KubeFake
         m.setattr(janitor, "owner_labels", lambda: dict(dead))
         orphan = _new(kubeconfig, network="none")
         await orphan.start()
+        # A policy whose pod was never created (its owner died in between) is garbage too.
+        lonely = _new(kubeconfig, network="none")
+        api = kube._sdk().client.ApiClient(await kube.load_configuration(kubeconfig))
+        try:
+            await kube._sdk().client.NetworkingV1Api(api).create_namespaced_network_policy(
+                NAMESPACE, lonely.policy_manifest())
+        finally:
+            await api.close()
     janitor.unregister(orphan)  # as if its process had died
     live = _new(kubeconfig, network="none")
     await live.start()
@@ -305,6 +313,8 @@ async def test_gc_removes_a_dead_owners_pod_and_keeps_a_live_ones(fake: KubeFake
         monkeypatch.setitem(gc._BACKENDS, "kubernetes", kube)  # the registry line the lead adds
         report = await asyncio.to_thread(gc.collect_garbage, ["kubernetes"])
         assert f"kubernetes:{NAMESPACE}/{orphan.pod_name}" in report.removed, report
+        assert f"kubernetes:{NAMESPACE}/{lonely.pod_name}" in report.removed, report
+        assert (NAMESPACE, kube.policy_name(lonely.pod_name)) not in fake.policies
         assert f"kubernetes:{NAMESPACE}/{live.pod_name}" in report.kept, report
         assert not report.errors, report.errors
         assert fake.pod(orphan.pod_name) is None

@@ -469,7 +469,7 @@ def _live_missing() -> str | None:
         return "live Kubernetes test: set ARES_K8S_LIVE=1 (and KUBECONFIG) to run it"
     path = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
     if not os.path.exists(path.split(os.pathsep)[0]):
-        return f"live Kubernetes test: KUBECONFIG is not set and {path} does not exist"
+        return f"live Kubernetes test: no kubeconfig at {path}: set KUBECONFIG to one"
     return None
 
 

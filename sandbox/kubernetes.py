@@ -237,7 +237,7 @@ def _ws_client_class() -> Any:
             headers = {k: v for k, v in (headers or {}).items() if k.lower() != "sec-websocket-protocol"}
             full = _sdk().stream.ws_client.get_websocket_url(url + ("?" + urlencode(params) if params else ""))
             return self.rest_client.pool_manager.ws_connect(full, headers=headers, protocols=EXEC_PROTOCOLS,
-                                                            heartbeat=self.heartbeat, max_msg_size=0)
+                                                            heartbeat=self.heartbeat)
 
     return _ExecApiClient
 

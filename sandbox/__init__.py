@@ -28,14 +28,14 @@ from .local import LocalSandbox
 from .protocol import LIMIT_NAMES, BaseSandbox, ExecResult, Sandbox
 from .spec import Resources, SandboxSpec
 
-BACKENDS = ("local", "docker", "daytona")
+BACKENDS = ("local", "docker", "daytona", "kubernetes")
 
 
 def create(spec: SandboxSpec | None = None, backend: str = "auto", **options: Any) -> BaseSandbox:
     """A new, not yet started sandbox (use ``async with`` or ``await sb.start()``).
 
-    ``backend`` is ``auto`` (Docker when an engine answers, else local), ``local``, ``docker`` or
-    ``daytona``; ``options`` go to the backend's constructor.
+    ``backend`` is ``auto`` (Docker when an engine answers, else local), ``local``, ``docker``,
+    ``daytona`` or ``kubernetes``; ``options`` go to the backend's constructor.
     """
     spec = spec or SandboxSpec()
     if backend == "auto":
@@ -52,6 +52,10 @@ def create(spec: SandboxSpec | None = None, backend: str = "auto", **options: An
         from .daytona import DaytonaSandbox
 
         return DaytonaSandbox(spec, **options)
+    if backend == "kubernetes":
+        from .kubernetes import KubernetesSandbox
+
+        return KubernetesSandbox(spec, **options)
     raise ValueError(f"unknown sandbox backend {backend!r}: use one of auto, {', '.join(BACKENDS)}")
 
 
@@ -65,6 +69,10 @@ def __getattr__(name: str) -> Any:
         from .daytona import DaytonaSandbox
 
         return DaytonaSandbox
+    if name == "KubernetesSandbox":
+        from .kubernetes import KubernetesSandbox
+
+        return KubernetesSandbox
     raise AttributeError(name)
 
 
@@ -81,6 +89,7 @@ __all__ = [
     "ForwardError",
     "GcReport",
     "ImageBuildError",
+    "KubernetesSandbox",
     "LocalSandbox",
     "NotSupportedError",
     "Resources",

@@ -495,7 +495,8 @@ async def _delete(api_client: Any, namespace: str, pod: str) -> None:
 class KubernetesSandbox(BaseSandbox):
     """A sandbox in a Kubernetes pod (see the module's docstring).
 
-    ``namespace``, ``kubeconfig`` and ``context`` select where; ``default_image`` is used when the spec
+    ``namespace`` (default ``$ARES_K8S_NAMESPACE``, else ``default``: where gc looks too), ``kubeconfig``
+    and ``context`` select where; ``default_image`` (default ``$ARES_K8S_IMAGE``) is used when the spec
     names none (a Dockerfile cannot be built here: build and push it, then name the tag).  Limits:
     ``start_timeout`` for the pod to run (pulls included), ``tunnel_max_streams`` connections per
     forwarded port, ``tunnel_ping_interval`` s between the tunnel's pings (far below any idle timeout
@@ -508,7 +509,7 @@ class KubernetesSandbox(BaseSandbox):
         self,
         spec: SandboxSpec | None = None,
         *,
-        namespace: str = "default",
+        namespace: str | None = None,
         kubeconfig: str | os.PathLike[str] | None = None,
         context: str | None = None,
         default_image: str | None = None,
@@ -522,13 +523,14 @@ class KubernetesSandbox(BaseSandbox):
         if self.spec.dockerfile is not None:
             raise ValueError("the Kubernetes backend runs images from a registry: build and push the Dockerfile, "
                              "then pass SandboxSpec(image=<tag>)")
-        self.image = self.spec.image or default_image
+        self.image = self.spec.image or default_image or os.environ.get("ARES_K8S_IMAGE")
         if not self.image:
-            raise ValueError("the Kubernetes backend needs an image: SandboxSpec(image=...) or default_image=")
+            raise ValueError("the Kubernetes backend needs an image the cluster can pull: SandboxSpec(image=...), "
+                             "default_image=, $ARES_K8S_IMAGE or `ares-gateway run --image`")
         if start_timeout <= 0 or tunnel_ping_interval <= 0 or max_message < 1024 or tunnel_max_streams < 1:
             raise ValueError("start_timeout and tunnel_ping_interval must be positive, max_message >= 1024 "
                              "and tunnel_max_streams >= 1")
-        self.namespace, self.kubeconfig, self.context = namespace, kubeconfig, context
+        self.namespace, self.kubeconfig, self.context = namespace or _gc_namespace(), kubeconfig, context
         self.start_timeout, self.max_message = start_timeout, max_message
         self.tunnel_max_streams, self.tunnel_ping_interval = tunnel_max_streams, tunnel_ping_interval
         self.pod_name = f"ares-sbx-{self.id}"

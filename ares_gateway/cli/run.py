@@ -111,7 +111,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="upstream: the environment variable holding the API key (never pass the key itself)")
     p.add_argument("--command", action="append", default=[], metavar="CMD",
                    help="scripted: a shell command the agent runs before finishing (repeatable)")
-    p.add_argument("--sandbox", choices=("auto", "local", "docker", "daytona"), default="auto",
+    p.add_argument("--sandbox", choices=("auto", "local", "docker", "daytona", "kubernetes"), default="auto",
                    help="sandbox backend; auto is Docker when an engine answers, else local")
     p.add_argument("--tunnel", choices=sorted({c for _, cs in _TUNNELS.values() for c in cs}), default=None,
                    help="how a sandbox reaches its session (docs/sandbox.md). docker: mount (a bind-mounted unix "
@@ -438,6 +438,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             return _fail(f"--tunnel {args.tunnel} is not a tunnel of --sandbox {backend}: "
                          + "; ".join(f"{b}: {', '.join(cs)}" for b, (_, cs) in _TUNNELS.items()))
         os.environ[env] = args.tunnel  # read by every sandbox of this backend the run creates
+    if backend == "kubernetes" and not args.image and not os.environ.get("ARES_K8S_IMAGE"):
+        return _fail("--sandbox kubernetes needs --image (an image the cluster can pull, with python3 for the "
+                     "tunnel's relay and the harness) or $ARES_K8S_IMAGE")
     out = Path(args.out or f"runs/{resolved.preset.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     console = _console()
     console.print(

@@ -490,3 +490,50 @@ async def test_live_kubernetes(tmp_path: Path, session: Session) -> None:
         r = await sb.exec(["python3", "-c", CLIENT, "18080", "traffic"], user="nobody", cwd="/", timeout=300)
         got = json.loads(r.stdout)
         assert got["concurrent"] == N_CONCURRENT and got["bytes"] == [200, True], r
+
+
+# -- an episode --------------------------------------------------------------------------------------------
+
+
+async def test_an_episode_runs_in_a_pod_behind_its_egress_deny_policy_over_the_tunnel(
+        fake: KubeFake, kubeconfig: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_rollouts(..., sandbox="kubernetes")` with a real harness (tiny-agent) and the oracle, through the
+    real client and the stand-in: the pod is created behind its egress-deny policy, every LLM call of the
+    agent goes over the exec tunnel, reward 1.0, results.json says the sandbox reached only its session, and
+    nothing is left behind."""
+    from ares_gateway.episodes.rollouts import run_rollouts
+    from ares_gateway.episodes.tasks import Task
+    from ares_gateway.policies import make_policy
+    from sandbox import tunnel as tunnel_mod
+
+    monkeypatch.setenv("KUBECONFIG", kubeconfig)
+    monkeypatch.setenv("ARES_K8S_NAMESPACE", NAMESPACE)
+    started: list[Tunnel] = []
+    real_start = tunnel_mod.Tunnel.start
+
+    async def counting_start(self: Tunnel) -> None:  # the real start, counted: proof the tunnel carried it
+        started.append(self)
+        await real_start(self)
+
+    monkeypatch.setattr(tunnel_mod.Tunnel, "start", counting_start)
+    d = tmp_path / "greet"
+    (d / "tests").mkdir(parents=True)
+    (d / "solution").mkdir()
+    (d / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 120\n[verifier]\ntimeout_sec = 60\n')
+    (d / "instruction.md").write_text("Write hello to greeting.txt\n")
+    (d / "solution" / "solve.sh").write_text("#!/bin/sh\necho hello > greeting.txt\n")
+    (d / "tests" / "test.sh").write_text('#!/bin/sh\nv="${ARES_VERIFIER_DIR:-/logs/verifier}"; mkdir -p "$v"\n'
+                                         'if grep -q hello /workspace/greeting.txt; then echo 1 > "$v/reward.txt"; '
+                                         'else echo 0 > "$v/reward.txt"; fi\n')
+    pods_before = len(fake.created_pods)
+    summary = await run_rollouts([Task.load(d)], harness="tiny-agent", policy=make_policy("oracle"),
+                                 sandbox="kubernetes", image=IMAGE, out=tmp_path / "out", stats="null", time_limit=120)
+    [e] = summary.episodes
+    assert e.exit_reason == "completed" and e.reward == 1.0, e
+    assert e.network == "relay" and e.turns >= 2
+    assert len(started) == 1 and started[0].mux is not None and started[0].mux.opened >= 1
+    assert started[0].violation is None
+    [pod] = fake.created_pods[pods_before:]
+    name = pod["metadata"]["name"]
+    assert f"{name}-deny" in fake.deleted_policies and name in fake.deleted_pods  # both gone at the end
+    assert not any(n == name for _, n in fake.pods) and not any(n == f"{name}-deny" for _, n in fake.policies)

@@ -153,6 +153,10 @@ def _check_sample_page(page: Any, url: str, key: str, index: int, sample: dict[s
     prompt = len(sample["tokens"]) - sample["response_length"]
     window = min(len(sample["tokens"]), 2000)
     assert shown == sum(sample["loss_mask"][: max(0, window - prompt)])
+    # Every token has a box to hover, a line break too (a bare "\n" span has none: shown as ↵).
+    boxless = page.eval_on_selector_all(
+        "#tokens .tok", "els => els.filter(e => e.getBoundingClientRect().width === 0).map(e => e.dataset.id)")
+    assert boxless == []
     # Hovering a trained token shows its id and logprob.
     first = sample["loss_mask"].index(1)
     tok = page.query_selector_all("#tokens .tok")[prompt + first]

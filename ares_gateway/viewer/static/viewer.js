@@ -342,7 +342,8 @@ async function samplePage(key, index, offset) {
   const box = el("div", { class: "tokens", id: "tokens" });
   for (const [id, piece, trained, lp] of data.tokens) {
     const lowTok = trained && lp !== null && lp < low;
-    const text = piece === null ? `[${id}]` : (piece === "" ? "∅" : piece);
+    // A line break is shown as ↵ before it: a token that is only "\n" would otherwise have no box to hover.
+    const text = piece === null ? `[${id}]` : (piece === "" ? "∅" : piece.replace(/\r/g, "␍").replace(/\n/g, "↵\n"));
     const span = el("span", { class: "tok" + (trained ? " trained" : "") + (lowTok ? " low" : ""),
       data: { id, lp: lp === null ? "" : lp, trained } }, text);
     box.append(span);

@@ -159,8 +159,9 @@ async def test_a_dead_node_actor_reruns_its_episodes_elsewhere_once(cluster: Any
     assert all(e.node != killed[0] for e in summary.episodes if e.key in ex.reruns)
     doc = json.loads((tmp_path / "run" / "results.json").read_text())
     assert len(doc["episodes"]) == 8 and sorted(e["attempt"] for e in doc["episodes"]) == [0] * 4 + [1] * 4
-    # The killed actor's sandboxes were removed at close (the sandbox janitor's own gc, on the live nodes).
-    assert ex.lost == killed and len(ex.collected) == len(ex.reruns)
+    # The killed actor's sandboxes were removed at close (the sandbox janitor's own gc, on the live nodes):
+    # at most one a rerun episode (one killed while still setting up had none yet), and none left.
+    assert ex.lost == killed and 1 <= len(ex.collected) <= len(ex.reruns)
     assert _left(sandbox_root) == []
 
 

@@ -161,7 +161,7 @@ async def test_a_dead_node_actor_reruns_its_episodes_elsewhere_once(cluster: Any
     assert len(doc["episodes"]) == 8 and sorted(e["attempt"] for e in doc["episodes"]) == [0] * 4 + [1] * 4
     # The killed actor's sandboxes were removed at close (the sandbox janitor's own gc, on the live nodes):
     # at most one a rerun episode (one killed while still setting up had none yet), and none left.
-    assert ex.lost == killed and 1 <= len(ex.collected) <= len(ex.reruns)
+    assert ex.lost == killed and len(ex.collected) <= len(ex.reruns)
     assert _left(sandbox_root) == []
 
 

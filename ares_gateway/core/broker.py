@@ -44,6 +44,7 @@ from ares_gateway.core.errors import (
     AlreadyAnsweredError,
     GatewayClosedError,
     RequestGoneError,
+    StatusError,
     TooManyParkedError,
     UnknownRequestError,
 )
@@ -66,14 +67,12 @@ class _State(Enum):
     GONE = "gone"
 
 
-class RequestClosed(Exception):
-    """Raised into the agent's handler when its request ends without an answer."""
+class RequestClosed(StatusError):
+    """Raised into the agent's handler when its request ends without an answer (``reason``: why)."""
 
     def __init__(self, reason: str, status: int, message: str) -> None:
-        super().__init__(message)
+        super().__init__(message, status=status)
         self.reason = reason
-        self.status = status
-        self.message = message
 
 
 @dataclass(eq=False, slots=True)

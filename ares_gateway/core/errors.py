@@ -1,9 +1,15 @@
-"""Every exception the gateway raises to its caller, in one tree.
+"""Every exception the gateway raises to its caller, in one tree, under one base.
+
+:class:`StatusError` is the base of every error that ends as an HTTP status: it carries the
+``status``, the ``message`` for whoever gets it and, for a bad request body, the ``param`` it names.
+The HTTP layer maps one to the wire in one place per audience (``http.render.protocol_error`` for
+agents, in their protocol's shape; ``http.render.control_error`` for the control API).
 
 Each maps to one HTTP status, so the in-process API and the control API (``/respond``,
 ``/sessions``) report the same outcomes, and an agent is told the same in its protocol's shape::
 
-    GatewayError (500)                      base class: catch this to catch them all
+    StatusError (500)                       status + message (+ param): what every error below carries
+    GatewayError (500)                      base class of the public API's errors: catch this to catch them all
     ├── UnknownRequestError (404)           no parked request has this id (also a LookupError)
     ├── UnknownSessionError (404)           no session has this id (also a LookupError)
     ├── AlreadyAnsweredError (409)          the request was answered before
@@ -15,7 +21,9 @@ Each maps to one HTTP status, so the in-process API and the control API (``/resp
     ├── GatewayClosedError (503)            the gateway is shut down
     └── DataDirError (500)                  the data directory cannot be used (not writable, full, locked, corrupt)
 
-Two exceptions live next to the code that raises them, since no caller of the public API sees
+Other StatusErrors live next to the code that raises them: ``policies.PolicyError`` (a policy could
+not answer; 502 by default) and ``http.server.BodyError`` (a body that cannot be read: 400, 408, 413,
+415). Two more, since no caller of the public API sees
 them: :class:`ares_gateway.core.wire.RequestError` (also ``ares_gateway.protocols.RequestError``: an
 agent's body its protocol cannot accept; the agent gets a 400 in its protocol's shape) and :class:`ares_gateway.core.broker.RequestClosed`
 (raised into an agent's handler when its request ends unanswered: timeout, session closed,
@@ -25,10 +33,27 @@ shutdown).
 from __future__ import annotations
 
 
-class GatewayError(Exception):
-    """Base class of every error the gateway raises to its caller."""
+class StatusError(Exception):
+    """An error that becomes an HTTP status: ``status``, ``message`` (what the receiver is told, and
+    what to do) and ``param`` (the field of a request body at fault, when known). Subclasses set their
+    default ``status``; an instance may carry another."""
 
     status: int = 500
+    param: str | None = None
+
+    def __init__(self, message: str, *, status: int | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        if param is not None:
+            self.param = param
+
+
+class GatewayError(StatusError):
+    """Base class of every error the gateway raises to its caller."""
+
+    status = 500
 
 
 class UnknownRequestError(GatewayError, LookupError):

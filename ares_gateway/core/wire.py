@@ -16,19 +16,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta, WireProtocol
+from ares_gateway.core.errors import StatusError
 
 
-class RequestError(ValueError):
+class RequestError(StatusError, ValueError):
     """A request body the protocol cannot accept; becomes a 400 in the protocol's error shape.
 
     ``param`` names the offending field (e.g. ``"messages[2].content"``) when known.
     """
 
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
+    status = 400
 
 
 class StreamEncoder(Protocol):

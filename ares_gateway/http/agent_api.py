@@ -22,23 +22,15 @@ from aiohttp.web_response import Response, StreamResponse
 from ares_gateway.core.answers import Answer, ErrorAnswer, NativeAnswer, StreamAnswer
 from ares_gateway.core.broker import Broker, ParkedRequest, RequestClosed
 from ares_gateway.core.canonical import WireProtocol
-from ares_gateway.core.errors import GatewayError, InvalidSessionError, SessionExistsError
+from ares_gateway.core.errors import InvalidSessionError, SessionExistsError, StatusError
 from ares_gateway.core.sessions import Session, bearer_token, valid_token
 from ares_gateway.http import render
 from ares_gateway.http.body_parser import ParsedBody
 from ares_gateway.http.routes import Handler
 from ares_gateway.http.served import ServedGateway
 from ares_gateway.http.server import BodyError, HttpLimits, on_disconnect, read_body
-from ares_gateway.protocols import ProtocolAdapter, RequestError, get_adapter
+from ares_gateway.protocols import ProtocolAdapter, get_adapter
 from ares_gateway.protocols.anthropic_messages import parse_count_tokens_request
-
-
-class _Reject(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
 
 
 class _Held:
@@ -72,7 +64,7 @@ def _credential(request: BaseRequest) -> str | None:
     if token is not None and not valid_token(token):
         # Not UTF-8 (aiohttp's lone surrogates), not ASCII, or too long: no session has such a token
         # (they are checked at creation), and none may be auto-created with it.
-        raise _Reject(401, "invalid API key: a session token is visible ASCII (send it exactly as it was given)")
+        raise StatusError("invalid API key: a session token is visible ASCII (send it exactly as it was given)", status=401)
     return token
 
 
@@ -93,27 +85,27 @@ class AgentAPI:
             if session is None:
                 if gw.config.auto_sessions and token:
                     return self._auto_session(sid, token)
-                raise _Reject(404, f"unknown session {sid!r}: create it with POST /sessions first")
+                raise StatusError(f"unknown session {sid!r}: create it with POST /sessions first", status=404)
             if not gw.sessions.token_matches(session, token):
-                raise _Reject(401, "invalid or missing API key for this session")
+                raise StatusError("invalid or missing API key for this session", status=401)
             return session
         if token is None:
-            raise _Reject(401, "missing API key: send the session token as x-api-key or Authorization: Bearer")
+            raise StatusError("missing API key: send the session token as x-api-key or Authorization: Bearer", status=401)
         found = gw.sessions.by_token(token)
         if found is None:
             if gw.config.auto_sessions:
                 return self._auto_session(None, token)
-            raise _Reject(401, "invalid API key: no session has this token")
+            raise StatusError("invalid API key: no session has this token", status=401)
         return found
 
     def _auto_session(self, sid: str | None, token: str) -> Session:
         try:
             return self.gw.sessions.create(sid, token=token, metadata={"auto": True})
         except InvalidSessionError as exc:
-            raise _Reject(400, str(exc)) from None
+            raise StatusError(str(exc), status=400) from None
         except SessionExistsError:
             # The token is another session's: using it on a new session id is a wrong key here.
-            raise _Reject(401, "this API key belongs to another session; use that session's base URL") from None
+            raise StatusError("this API key belongs to another session; use that session's base URL", status=401) from None
 
     async def _body(
         self, request: BaseRequest, held: _Held, protocol: WireProtocol | None
@@ -122,20 +114,14 @@ class AgentAPI:
         budget = self.gw.broker.max_parked_bytes_per_session
         length = request.content_length
         if length is not None and length > budget:
-            raise _Reject(413, f"request body of {length} bytes exceeds the gateway's limit of {budget} bytes "
-                               "of waiting bodies per session")
-        try:
-            raw = await read_body(request, self.limits, held)
-        except BodyError as exc:
-            raise _Reject(exc.status, exc.message) from None
-        except GatewayError as exc:  # 429: the session's waiting bodies would pass its byte budget
-            raise _Reject(exc.status, str(exc)) from None
+            raise StatusError(f"request body of {length} bytes exceeds the gateway's limit of {budget} bytes "
+                              "of waiting bodies per session", status=413)
+        # A BodyError (413, 408, 415, 400), or a GatewayError (429: the session's waiting bodies would
+        # pass its byte budget): the caller answers either with its status.
+        raw = await read_body(request, self.limits, held)
         if not raw:
-            raise _Reject(400, "request body is empty: send a JSON object")
-        try:
-            return raw, await self.gw.body_parser.parse(raw, protocol)
-        except RequestError as exc:
-            raise _Reject(exc.status, exc.message, exc.param) from None
+            raise StatusError("request body is empty: send a JSON object", status=400)
+        return raw, await self.gw.body_parser.parse(raw, protocol)  # a RequestError names its param
 
     # -- LLM endpoints --------------------------------------------------------------------------
 
@@ -152,17 +138,15 @@ class AgentAPI:
                     canonical = parsed.request
                     assert canonical is not None
                     if session.ended:
-                        raise _Reject(409, "this session has ended; start a new session")
+                        raise StatusError("this session has ended; start a new session", status=409)
                     side_call = gw.is_side_call(session, canonical, request.headers)
-                    try:
-                        parked = gw.broker.park(session.id, canonical, endpoint, side_call=side_call, raw_body=raw,
-                                                held_bytes=held.nbytes, canonical_json=parsed.canonical_json)
-                    except GatewayError as exc:  # 429: too many parked for this session; 503: closing
-                        raise _Reject(exc.status, str(exc)) from None
+                    # A GatewayError: 429, too many parked for this session; 503, closing.
+                    parked = gw.broker.park(session.id, canonical, endpoint, side_call=side_call, raw_body=raw,
+                                            held_bytes=held.nbytes, canonical_json=parsed.canonical_json)
                     held.nbytes = 0  # the parked request holds them now, until it is answered
                 finally:
                     held.release()
-            except _Reject as rej:
+            except StatusError as rej:
                 gw.metrics.rejected(rej.status)
                 return render.protocol_error(adapter, rej.status, rej.message, rej.param)
             # Withdrawn the moment the client goes, in aiohttp's connection_lost, before the
@@ -205,11 +189,8 @@ class AgentAPI:
             finally:
                 held.release()
             body = parsed.body
-            try:
-                parse_count_tokens_request(body)
-            except RequestError as exc:
-                raise _Reject(exc.status, exc.message, exc.param) from None
-        except _Reject as rej:
+            parse_count_tokens_request(body)
+        except StatusError as rej:
             return render.protocol_error(adapter, rej.status, rej.message, rej.param)
         # An estimate (about 4 characters a token): the gateway has no tokenizer for the policy's model.
         size = len(orjson.dumps([body.get("system"), body["messages"], body.get("tools")]))
@@ -219,7 +200,7 @@ class AgentAPI:
         adapter = get_adapter(render.protocol_for_path(request.path))
         try:
             self._session(request, sid)
-        except _Reject as rej:
+        except StatusError as rej:
             return render.protocol_error(adapter, rej.status, rej.message)
         data = [
             {

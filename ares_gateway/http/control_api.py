@@ -14,20 +14,13 @@ from pydantic import ValidationError
 from ares_gateway.core.answers import Answer, ErrorAnswer
 from ares_gateway.core.broker import UNENCODABLE_REQUEST
 from ares_gateway.core.canonical import Completion
-from ares_gateway.core.errors import GatewayError, InvalidAnswerError
+from ares_gateway.core.errors import GatewayError, InvalidAnswerError, StatusError
 from ares_gateway.http.render import control_error, json_response
 from ares_gateway.http.routes import Handler
 from ares_gateway.http.served import ServedGateway
-from ares_gateway.http.server import BodyError, HttpLimits, read_body
+from ares_gateway.http.server import HttpLimits, read_body
 
 log = logging.getLogger(__name__)
-
-
-class _BadRequest(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class ControlAPI:
@@ -46,24 +39,21 @@ class ControlAPI:
                 return control_error(401, "missing or wrong admin token: send Authorization: Bearer <admin token>")
             try:
                 return await handler(request, sid)
-            except _BadRequest as exc:
+            except StatusError as exc:  # a body that cannot be read or used, an outcome no handler answered
                 return control_error(exc.status, exc.message)
 
         return guarded
 
     async def _json(self, request: BaseRequest, default: Any = None) -> Any:
-        try:
-            raw = await read_body(request, self.limits)
-        except BodyError as exc:
-            raise _BadRequest(exc.status, exc.message) from None
+        raw = await read_body(request, self.limits)  # a BodyError: its status
         if not raw:
             if default is None:
-                raise _BadRequest(400, "request body is empty: send JSON")
+                raise StatusError("request body is empty: send JSON", status=400)
             return default
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise _BadRequest(400, f"body is not valid JSON: {exc}") from None
+            raise StatusError(f"body is not valid JSON: {exc}", status=400) from None
 
     async def poll(self, request: BaseRequest, sid: str | None) -> Response:
         q = request.query

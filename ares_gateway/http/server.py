@@ -68,6 +68,8 @@ from aiohttp.streams import EMPTY_PAYLOAD
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import Response, StreamResponse
 
+from ares_gateway.core.errors import StatusError
+
 log = logging.getLogger(__name__)
 
 #: Answers a status and a message for a path, in the shape of the API the path belongs to.
@@ -114,14 +116,12 @@ class HttpLimits:
                 raise ValueError(f"{name} must be a positive number of seconds")
 
 
-class BodyError(Exception):
+class BodyError(StatusError):
     """A request body that cannot be read: too large (413), too slow (408), not decodable (400),
     in a coding the gateway does not take (415)."""
 
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+        super().__init__(message, status=status)
 
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"

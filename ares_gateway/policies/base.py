@@ -24,7 +24,13 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 from ares_gateway.core.answers import ErrorAnswer
 from ares_gateway.core.broker import ParkedRequest
 from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta
-from ares_gateway.core.errors import GatewayClosedError, GatewayError, InvalidAnswerError, UnknownSessionError
+from ares_gateway.core.errors import (
+    GatewayClosedError,
+    GatewayError,
+    InvalidAnswerError,
+    StatusError,
+    UnknownSessionError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +57,10 @@ class Policy(Protocol):
         ...
 
 
-class PolicyError(Exception):
+class PolicyError(StatusError):
     """A policy could not answer; ``status`` is the HTTP status the agent gets (in its protocol's shape)."""
 
-    def __init__(self, message: str, *, status: int = 502) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
+    status = 502
 
     def to_answer(self) -> ErrorAnswer:
         return ErrorAnswer(self.status, self.message)

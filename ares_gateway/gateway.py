@@ -158,7 +158,7 @@ class Gateway:
             request_timeout=cfg.request_timeout,
             lease_seconds=cfg.lease_seconds,
             # Straight to the session recorder unless another one listens too (one call fewer a turn).
-            on_turn=self.recorder if recorder is None else self._on_turn,
+            on_turn=self._on_turn,
             metrics=self.metrics,
             max_parked_per_session=cfg.max_parked_per_session,
             max_parked_bytes_per_session=cfg.max_parked_bytes_per_session,
@@ -477,6 +477,11 @@ class Gateway:
         return bool(detector and detector(request, headers))
 
     def _on_turn(self, turn: RecordedTurn) -> None:
+        # The one turn counter: a turn is counted where it is recorded (an error answer is no turn;
+        # a streamed one counts once its stream ended), as a restart counts the turns it reads back.
+        session = self.sessions.find(turn.session_id)
+        if session is not None:
+            session.turns += 1
         self.recorder(turn)
         if self._extra_recorder is not None:
             self._extra_recorder(turn)

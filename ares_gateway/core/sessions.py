@@ -44,6 +44,7 @@ class Session:
     token: str
     created_at: float
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: Answered turns, counted where they are recorded (``Gateway``'s turn sink; an error answer is none).
     turns: int = 0
     ended: bool = False
     reward: float | None = None

@@ -158,7 +158,6 @@ class AgentAPI:
                 return render.protocol_error(adapter, closed.status, closed.message)
             finally:
                 on_disconnect(request, None)
-            session.turns += 1
             return await self._render(request, adapter, parked, answer)
 
         return handle

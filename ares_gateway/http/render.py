@@ -18,7 +18,7 @@ import orjson
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import Response, StreamResponse
 
-from ares_gateway.core.answers import Answer, ErrorAnswer, NativeAnswer
+from ares_gateway.core.answers import NativeAnswer
 from ares_gateway.core.broker import ParkedRequest
 from ares_gateway.core.canonical import Completion, CompletionDelta, WireProtocol
 from ares_gateway.http.server import ACCEPTED_ENCODINGS
@@ -86,10 +86,9 @@ def response_id(parked: ParkedRequest) -> str:
     return parked.id.removeprefix("req_")
 
 
-def whole(adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer) -> Response:
-    """The response to a request that did not ask for a stream, from a whole answer."""
-    if isinstance(answer, ErrorAnswer):
-        return protocol_error(adapter, answer.status, answer.message)
+def whole(adapter: ProtocolAdapter, parked: ParkedRequest, answer: Completion | NativeAnswer) -> Response:
+    """The response to a request that did not ask for a stream, from a whole answer (an
+    ``ErrorAnswer`` never gets here: the agent API answers it before choosing how to render)."""
     if isinstance(answer, NativeAnswer):
         # Encoded when the answer was accepted (core/answers.py), so it cannot fail here.
         return Response(body=answer.raw if answer.raw is not None else orjson.dumps(answer.body), headers=_JSON)

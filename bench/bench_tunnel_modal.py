@@ -12,7 +12,6 @@ Modal's own transport (its gRPC stdio to the worker) is not in this number: only
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from typing import Any
@@ -22,9 +21,9 @@ from bench_tunnel import CLIENT, ROOT, host_client, start_host_side, tunnel_clie
 
 sys.path.insert(0, str(ROOT))
 
-from sandbox import SandboxSpec  # noqa: E402
-from sandbox.modal import ModalSandbox  # noqa: E402
-from tests.sandbox.modal_fake import FakeModalSandbox  # noqa: E402
+from sandbox import SandboxSpec
+from sandbox.modal import ModalSandbox
+from tests.sandbox.modal_fake import FakeModalSandbox
 
 
 async def modal_client(sock: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -323,6 +323,14 @@ async def modal_process_channel(
         if closed:
             return
         closed.append(True)
+        # Stop reading first: the SDK's gRPC stream would otherwise keep taking what the relay sends
+        # (up to Modal's 64 MiB HTTP/2 window) while the relay is asked to exit.
+        for task in (out_task, err_task):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        if not reader.at_eof() and reader.exception() is None:
+            reader.feed_eof()
         writer.close()
         if writer.error is None:
             await writer.flush(exit_timeout)
@@ -332,12 +340,6 @@ async def modal_process_channel(
             await asyncio.wait_for(_aio(process.stdin.drain)(), exit_timeout)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(_aio(process.wait)(), exit_timeout)
-        for task in (out_task, err_task):
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-        if not reader.at_eof() and reader.exception() is None:
-            reader.feed_eof()
 
     return Channel(reader, writer, close, description, stderr)
 

@@ -114,6 +114,10 @@ class FakeProcess:
         return await self._wait()
 
 
+def _comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
 def _children(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
 
@@ -140,6 +144,7 @@ class FakeModalSandbox:
         self.exec = Aio(self._exec)
         self.terminate = Aio(self._terminate)
         self.execs = 0
+        self._procs: list[asyncio.subprocess.Process] = []
 
     async def start(self) -> None:
         argv = ["bwrap", "--unshare-net", "--unshare-pid", "--as-pid-1", "--die-with-parent",
@@ -153,16 +158,16 @@ class FakeModalSandbox:
         for _ in range(200):
             with contextlib.suppress(OSError, ValueError):
                 kids = _children(self._holder.pid)
-                if kids and os.readlink(f"/proc/{kids[0]}/ns/net") != os.readlink("/proc/self/ns/net"):
+                # Ready once the child exec'd the holder (its mounts and namespaces are all set up).
+                if kids and _comm(int(kids[0])) == "sleep":
                     self.pid = int(kids[0])
                     return
             await asyncio.sleep(0.02)
         raise RuntimeError("the fake Modal sandbox did not start")
 
-    async def _exec(self, *args: str, env: dict[str, str] | None = None, timeout: int | None = None,
-                    workdir: str | None = None, text: bool = True, **_: Any) -> FakeProcess:
-        if text:
-            raise AssertionError("the backend must exec with text=False")
+    async def spawn(self, args: list[str] | tuple[str, ...], env: dict[str, str] | None = None,
+                    workdir: str | None = None) -> asyncio.subprocess.Process:
+        """A real process in the sandbox on pipes (what both stand-ins' execs run)."""
         if not self.pid:
             raise RuntimeError("the sandbox is not running")
         self.execs += 1
@@ -177,7 +182,14 @@ class FakeModalSandbox:
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                                                     start_new_session=True)
-        return FakeProcess(proc)
+        self._procs.append(proc)
+        return proc
+
+    async def _exec(self, *args: str, env: dict[str, str] | None = None, timeout: int | None = None,
+                    workdir: str | None = None, text: bool = True, **_: Any) -> FakeProcess:
+        if text:
+            raise AssertionError("the backend must exec with text=False")
+        return FakeProcess(await self.spawn(args, env, workdir))
 
     async def _terminate(self) -> None:
         if self._holder is not None and self._holder.returncode is None:
@@ -185,3 +197,17 @@ class FakeModalSandbox:
                 os.killpg(self._holder.pid, signal.SIGKILL)
             await self._holder.wait()
         self.pid = 0
+        # Every process died with the namespace; read their pipes to EOF so that their transports
+        # close on this loop (one whose reader stopped reading would otherwise outlive it).
+        procs, self._procs = self._procs, []
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            for pipe in (proc.stdout, proc.stderr):
+                with contextlib.suppress(Exception):
+                    while pipe is not None and not pipe.at_eof():
+                        if not await asyncio.wait_for(pipe.read(1 << 20), 2):
+                            break
+            if proc.stdin is not None:
+                proc.stdin.close()
+            await proc.wait()

@@ -61,28 +61,39 @@ def _need_fake() -> None:
         pytest.skip(why)
 
 
-async def _adopted(spec: sandbox.SandboxSpec | None = None, **kwargs: Any) -> tuple[ModalSandbox, FakeModalSandbox]:
+async def _adopted(spec: sandbox.SandboxSpec | None = None, *, via: str = "stand-in",
+                   **kwargs: Any) -> tuple[ModalSandbox, Any]:
+    """A started ModalSandbox adopting the stand-in: ``via="stand-in"`` its duck-typed processes,
+    ``via="sdk"`` the SDK's own exec path and ContainerProcess over a stand-in task command router."""
     fake = FakeModalSandbox()
     await fake.start()
-    sb = ModalSandbox(spec or sandbox.SandboxSpec(network="none"), sandbox=fake, **kwargs)
+    handle: Any = fake
+    if via == "sdk":
+        from .modal_router_fake import RouterModalSandbox, RouterStandIn
+
+        # (The router's calls off the exec path are filled in after the class: not abstract.)
+        router = RouterStandIn(fake)  # type: ignore[abstract]
+        await router.start()
+        handle = RouterModalSandbox(fake, router)
+    sb = ModalSandbox(spec or sandbox.SandboxSpec(network="none"), sandbox=handle, **kwargs)
     await sb.start()
-    return sb, fake
+    return sb, handle
 
 
 class ModalHarness(Harness):
     """The tunnel over a ``ModalSandbox`` adopting the fake: the relay uploaded and run by the backend's
     own ``_forward``; clients run by ``sb.exec`` inside the sandbox's network namespace."""
 
-    kind = "modal"
-
-    def __init__(self) -> None:
+    def __init__(self, via: str = "stand-in") -> None:
+        self.kind = f"modal-{via}"
+        self.via = via
         self.port = PORT
         self.sb: ModalSandbox | None = None
-        self.fake: FakeModalSandbox | None = None
+        self.fake: Any = None
 
-    async def _ensure(self) -> tuple[ModalSandbox, FakeModalSandbox]:
+    async def _ensure(self) -> tuple[ModalSandbox, Any]:
         if self.sb is None or self.fake is None:
-            self.sb, self.fake = await _adopted()
+            self.sb, self.fake = await _adopted(via=self.via)
         return self.sb, self.fake
 
     async def open_tunnel(self, session: Session, **kwargs: Any) -> Tunnel:
@@ -111,10 +122,13 @@ class ModalHarness(Harness):
             await self.sb.stop()
 
 
-@pytest.fixture
-async def harness() -> AsyncIterator[Harness]:
+@pytest.fixture(params=["stand-in", "sdk"])
+async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     _need_fake()
-    h = ModalHarness()
+    h = ModalHarness(request.param)
+    # The sandbox and the SDK's connection to its router first, as DockerHarness's container: what the
+    # hostile test measures is the channel's memory, not the SDK's imports and set-up.
+    await h._ensure()
     yield h
     await h.close()
 

@@ -3,10 +3,12 @@ unix socket itself: p50/p99 of a kept-alive ~2 KB POST turn and MB/s, as bench/b
 
     python3 bench/bench_tunnel_modal.py [--requests 2000] [--body 2000] [--mib 64]
 
-``modal fake``: ``ModalSandbox`` adopting tests/sandbox/modal_fake.py's stand-in (a bwrap network
+``modal stand-in``: ``ModalSandbox`` adopting tests/sandbox/modal_fake.py's stand-in (a bwrap network
 namespace, needs root); the client runs inside it by ``sb.exec`` and reaches the session through
 ``sb.forward`` (the relay on a long-lived exec, its stdin/stdout behind the ContainerProcess surface).
-Modal's own transport (its gRPC stdio to the worker) is not in this number: only the adapter's cost.
+``modal sdk+router``: the same through the SDK's own exec path and ``ContainerProcess`` (gRPC to a
+stand-in task command router on 127.0.0.1, tests/sandbox/modal_router_fake.py).  Modal's network
+between the host and its worker is in neither number.
 """
 
 from __future__ import annotations
@@ -24,12 +26,18 @@ sys.path.insert(0, str(ROOT))
 from sandbox import SandboxSpec
 from sandbox.modal import ModalSandbox
 from tests.sandbox.modal_fake import FakeModalSandbox
+from tests.sandbox.modal_router_fake import RouterModalSandbox, RouterStandIn
 
 
-async def modal_client(sock: str, args: argparse.Namespace) -> dict[str, Any]:
+async def modal_client(sock: str, args: argparse.Namespace, *, via: str) -> dict[str, Any]:
     fake = FakeModalSandbox()
     await fake.start()
-    async with ModalSandbox(SandboxSpec(network="none", forwards={18080: sock}), sandbox=fake) as sb:
+    handle: Any = fake
+    if via == "sdk":
+        router = RouterStandIn(fake)  # type: ignore[abstract]
+        await router.start()
+        handle = RouterModalSandbox(fake, router)
+    async with ModalSandbox(SandboxSpec(network="none", forwards={18080: sock}), sandbox=handle) as sb:
         r = await sb.exec(["python3", "-c", CLIENT, "18080", str(args.requests), str(args.body), str(args.mib)],
                           cwd="/", timeout=900)
         if not r.ok:
@@ -39,7 +47,8 @@ async def modal_client(sock: str, args: argparse.Namespace) -> dict[str, Any]:
 
 async def run(args: argparse.Namespace, sock: str) -> None:
     results = {"direct": await host_client(sock, args), "tunnel pipe": await tunnel_client("pipe", sock, args),
-               "modal fake": await modal_client(sock, args)}
+               "modal stand-in": await modal_client(sock, args, via="stand-in"),
+               "modal sdk+router": await modal_client(sock, args, via="sdk")}
     print(f"{args.requests} sequential POSTs of {args.body} bytes on one kept-alive connection (ms); "
           f"{args.mib} MiB down and up (MB/s)")
     print("| path | p50 | p99 | added p50 vs direct | down MB/s | up MB/s |")

@@ -1,14 +1,17 @@
 """The Modal backend (sandbox/modal.py) without Modal's servers, and live behind a token.
 
 The stand-in (tests/sandbox/modal_fake.py) is a real sandbox: a bwrap holder with no network (loopback
-only), its own PID namespace and root, every exec a real process in it, shaped as ``modal``'s
-``ContainerProcess`` with ``text=False``.  ``ModalSandbox`` adopts it and runs unchanged: the exec wrapper
-(cwd, env, user, timeout killing the group), tar transfers over stdin/stdout, kill_processes, and the
-exec tunnel, on which the shared transport suite of test_tunnel.py runs (SSE byte-exact, 8 MiB, all
-256 bytes, 64 streams, a transport drop and the agent's retry, hostile frames).  A test checks every
-name the stand-in offers (and the backend uses) on the real SDK's classes.  What only the live test
-covers: sandbox creation (image, resources, block_network, tags), Modal's own exec/stdio transport
-and its timing, termination and gc listing.
+only), its own PID namespace and root, every exec a real process in it.  ``ModalSandbox`` adopts it two
+ways: ``stand-in``, its processes duck-typed as ``modal``'s ``ContainerProcess`` (``text=False``); and
+``sdk``, the SDK's own exec path (``exec_via_tcr``, ``TaskCommandRouterClient``, the synchronicity-wrapped
+``ContainerProcess`` and its ``io_streams``) speaking gRPC to a stand-in task command router
+(tests/sandbox/modal_router_fake.py).  The backend runs unchanged on both: the exec wrapper (cwd, env,
+user, a timeout killing the group), tar transfers over stdin/stdout, kill_processes, and the exec
+tunnel, on which test_tunnel.py's shared transport suite runs (SSE byte-exact, 8 MiB, all 256 bytes, 64
+streams, a transport drop and the agent's retry, hostile frames).  A test checks every name the
+stand-in offers (and the backend uses) on the SDK's classes.  Only the live test covers sandbox
+creation (image, resources, block_network, tags), Modal's control plane and network, termination and
+gc listing.
 """
 
 from __future__ import annotations

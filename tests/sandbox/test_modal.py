@@ -227,9 +227,11 @@ def test_create_arguments_follow_the_spec() -> None:
 # ------------------------------------------------------------------- the backend over the stand-in
 
 
-async def test_exec_cwd_env_user_stderr_exit_code_and_timeout_kills_the_group() -> None:
+@pytest.mark.parametrize("via", ["stand-in", "sdk"])
+async def test_exec_cwd_env_user_stderr_exit_code_and_timeout_kills_the_group(via: str) -> None:
     _need_fake()
-    sb, fake = await _adopted(sandbox.SandboxSpec(network="none", env={"FROM_SPEC": "s"}))
+    sb, handle = await _adopted(sandbox.SandboxSpec(network="none", env={"FROM_SPEC": "s"}), via=via)
+    fake: FakeModalSandbox = getattr(handle, "_sandbox", handle)
     try:
         r = await sb.exec("echo out; echo err >&2; pwd; echo $FROM_SPEC $X; exit 7", env={"X": "x y"})
         assert (r.stdout, r.stderr, r.exit_code, r.timed_out) == ("out\n/workspace\ns x y\n", "err\n", 7, False)
@@ -256,7 +258,8 @@ async def test_exec_cwd_env_user_stderr_exit_code_and_timeout_kills_the_group() 
     assert fake.pid == 0  # stop terminated the adopted sandbox
 
 
-async def test_files_travel_as_tar_over_the_exec(tmp_path: Path) -> None:
+@pytest.mark.parametrize("via", ["stand-in", "sdk"])
+async def test_files_travel_as_tar_over_the_exec(tmp_path: Path, via: str) -> None:
     _need_fake()
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
@@ -264,7 +267,7 @@ async def test_files_travel_as_tar_over_the_exec(tmp_path: Path) -> None:
     (src / "sub" / "b.txt").write_text("bee")
     (src / "run.sh").write_text("#!/bin/sh\necho ran\n")
     (src / "run.sh").chmod(0o755)
-    sb, _ = await _adopted()
+    sb, _ = await _adopted(via=via)
     try:
         await sb.upload_dir(src, "proj")
         r = await sb.exec("cat sub/b.txt; echo; ./run.sh; sha256sum a.bin | cut -c1-64", cwd="/workspace/proj")
@@ -287,9 +290,10 @@ async def test_files_travel_as_tar_over_the_exec(tmp_path: Path) -> None:
         await sb.stop()
 
 
-async def test_forward_reaches_only_its_own_session_and_survives_kill_processes(session: Session) -> None:
+@pytest.mark.parametrize("via", ["stand-in", "sdk"])
+async def test_forward_reaches_only_its_own_session_and_survives_kill_processes(session: Session, via: str) -> None:
     _need_fake()
-    h = ModalHarness()
+    h = ModalHarness(via)
     try:
         tunnel = await h.open_tunnel(session)
         sb = h.sb

@@ -412,6 +412,7 @@ class ModalSandbox(BaseSandbox):
             "env": dict(spec.env) or None,
             "timeout": self.sandbox_timeout,
             "block_network": spec.network == "none",
+            "tags": self.tags(),  # at creation: no moment in which gc could not attribute it
         }
         if res.cpus:
             kwargs["cpu"] = float(res.cpus)
@@ -428,10 +429,7 @@ class ModalSandbox(BaseSandbox):
             async def create() -> Any:
                 app = await modal.App.lookup.aio(self.app_name, create_if_missing=True)
                 # PID 1 sleeps; the sandbox lives until terminated or sandbox_timeout.
-                sb = await modal.Sandbox.create.aio("sleep", "infinity", **self._create_kwargs(modal, app))
-                # Tags right away: a crash from here on leaves a sandbox gc can attribute.
-                await sb.set_tags.aio(self.tags())
-                return sb
+                return await modal.Sandbox.create.aio("sleep", "infinity", **self._create_kwargs(modal, app))
 
             try:
                 self._sandbox = await asyncio.wait_for(create(), self.create_timeout)

@@ -183,7 +183,7 @@ async def test_the_stand_in_has_the_sdks_surface() -> None:
     for name in ("exec", "terminate"):
         assert hasattr(getattr(FakeModalSandbox(), name), "aio"), name
     params = inspect.signature(modal.Sandbox.create.aio).parameters
-    for name in ("app", "image", "env", "timeout", "cpu", "memory", "gpu", "block_network"):
+    for name in ("app", "image", "env", "timeout", "cpu", "memory", "gpu", "block_network", "tags"):
         assert name in params, name
     assert {"env", "timeout", "text"} <= set(inspect.signature(modal.Sandbox.exec.aio).parameters)
     # The channel writes at most 1 MiB between drains; the SDK's writer takes this much, as the stand-in's.
@@ -217,8 +217,8 @@ def test_create_arguments_follow_the_spec() -> None:
     assert kwargs["block_network"] is True and kwargs["cpu"] == 1.5 and kwargs["memory"] == 1536
     assert kwargs["env"] == {"A": "1"} and kwargs["timeout"] == 900 and kwargs["app"] == "APP"
     assert isinstance(kwargs["image"], modal.Image)
-    tags = sb.tags()
-    assert tags["task"] == "t1" and tags[MODAL_TAG] == "modal" and tags[sandbox.janitor.SANDBOX_LABEL] == sb.id
+    tags = kwargs["tags"]
+    assert tags == sb.tags() and tags["task"] == "t1" and tags[MODAL_TAG] == "modal" and tags[sandbox.janitor.SANDBOX_LABEL] == sb.id
     assert sandbox.janitor.OWNER_LABEL in tags
     open_sb = ModalSandbox(sandbox.SandboxSpec(), sandbox=object())
     assert open_sb._create_kwargs(modal, "APP")["block_network"] is False

@@ -28,14 +28,14 @@ from .local import LocalSandbox
 from .protocol import LIMIT_NAMES, BaseSandbox, ExecResult, Sandbox
 from .spec import Resources, SandboxSpec
 
-BACKENDS = ("local", "docker", "daytona", "kubernetes")
+BACKENDS = ("local", "docker", "daytona", "kubernetes", "modal")
 
 
 def create(spec: SandboxSpec | None = None, backend: str = "auto", **options: Any) -> BaseSandbox:
     """A new, not yet started sandbox (use ``async with`` or ``await sb.start()``).
 
     ``backend`` is ``auto`` (Docker when an engine answers, else local), ``local``, ``docker``,
-    ``daytona`` or ``kubernetes``; ``options`` go to the backend's constructor.
+    ``daytona``, ``kubernetes`` or ``modal``; ``options`` go to the backend's constructor.
     """
     spec = spec or SandboxSpec()
     if backend == "auto":
@@ -56,6 +56,10 @@ def create(spec: SandboxSpec | None = None, backend: str = "auto", **options: An
         from .kubernetes import KubernetesSandbox
 
         return KubernetesSandbox(spec, **options)
+    if backend == "modal":
+        from .modal import ModalSandbox
+
+        return ModalSandbox(spec, **options)
     raise ValueError(f"unknown sandbox backend {backend!r}: use one of auto, {', '.join(BACKENDS)}")
 
 
@@ -73,6 +77,10 @@ def __getattr__(name: str) -> Any:
         from .kubernetes import KubernetesSandbox
 
         return KubernetesSandbox
+    if name == "ModalSandbox":
+        from .modal import ModalSandbox
+
+        return ModalSandbox
     raise AttributeError(name)
 
 
@@ -91,6 +99,7 @@ __all__ = [
     "ImageBuildError",
     "KubernetesSandbox",
     "LocalSandbox",
+    "ModalSandbox",
     "NotSupportedError",
     "Resources",
     "Sandbox",

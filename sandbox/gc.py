@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from . import daytona, docker, kubernetes, local
+from . import daytona, docker, kubernetes, local, modal
 from .janitor import DEFAULT_STALE_AFTER, OWNER_LABEL, SESSION_LABEL, owner_status, state_dir
 
 
@@ -23,7 +23,7 @@ class GcReport:
     errors: list[str] = field(default_factory=list)
 
 
-_BACKENDS = {"docker": docker, "local": local, "daytona": daytona, "kubernetes": kubernetes}
+_BACKENDS = {"docker": docker, "local": local, "daytona": daytona, "kubernetes": kubernetes, "modal": modal}
 
 
 def collect_garbage(
@@ -34,8 +34,8 @@ def collect_garbage(
 ) -> GcReport:
     """Remove sandboxes (on the named backends) whose owner process is gone; keep live owners' ones.
 
-    ``docker`` is skipped silently when no engine answers; ``daytona`` and ``kubernetes`` are looked
-    at only when named (they need ``DAYTONA_API_KEY`` / a kubeconfig).
+    ``docker`` is skipped silently when no engine answers; ``daytona``, ``kubernetes`` and ``modal`` are
+    looked at only when named (they need ``DAYTONA_API_KEY``, a kubeconfig, a Modal token).
     """
     report = GcReport()
     for backend in backends:

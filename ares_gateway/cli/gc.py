@@ -71,7 +71,7 @@ def add_gc_command(sub: Any) -> None:
                        description="Remove sandboxes whose owner process is gone (never those of a live process).",
                        formatter_class=HelpFormatter)
     p.add_argument(
-        "--backend", action="append", choices=["docker", "local", "daytona", "kubernetes"],
+        "--backend", action="append", choices=["docker", "local", "daytona", "kubernetes", "modal"],
         help="backend to clean (repeatable) (default: docker and local)",
     )
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")

@@ -111,7 +111,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="upstream: the environment variable holding the API key (never pass the key itself)")
     p.add_argument("--command", action="append", default=[], metavar="CMD",
                    help="scripted: a shell command the agent runs before finishing (repeatable)")
-    p.add_argument("--sandbox", choices=("auto", "local", "docker", "daytona", "kubernetes"), default="auto",
+    p.add_argument("--sandbox", choices=("auto", "local", "docker", "daytona", "kubernetes", "modal"), default="auto",
                    help="sandbox backend; auto is Docker when an engine answers, else local")
     p.add_argument("--tunnel", choices=sorted({c for _, cs in _TUNNELS.values() for c in cs}), default=None,
                    help="how a sandbox reaches its session (docs/sandbox.md). docker: mount (a bind-mounted unix "

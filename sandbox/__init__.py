@@ -1,4 +1,4 @@
-"""Sandboxes for running agents: one async protocol, three backends, and nothing leaked.
+"""Sandboxes for running agents: one async protocol, five backends, and nothing leaked.
 
 >>> import sandbox
 >>> async with sandbox.create(sandbox.SandboxSpec(image="ares-gateway/agent-base:latest")) as sb:
@@ -10,6 +10,7 @@ This package depends on no other package of the project.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from .errors import (
@@ -29,6 +30,24 @@ from .protocol import LIMIT_NAMES, BaseSandbox, ExecResult, Sandbox
 from .spec import Resources, SandboxSpec
 
 BACKENDS = ("local", "docker", "daytona", "kubernetes", "modal")
+# Each backend's module and class, imported when first used: the container and cloud backends bring
+# their SDKs, so `import sandbox` stays cheap.
+_CLASSES = {
+    "local": ("local", "LocalSandbox"),
+    "docker": ("docker", "DockerSandbox"),
+    "daytona": ("daytona", "DaytonaSandbox"),
+    "kubernetes": ("kubernetes", "KubernetesSandbox"),
+    "modal": ("modal", "ModalSandbox"),
+}
+
+
+def backend_class(backend: str) -> type[BaseSandbox]:
+    """The sandbox class of ``backend`` (one of :data:`BACKENDS`), e.g. to read its ``remote`` flag."""
+    if backend not in _CLASSES:
+        raise ValueError(f"unknown sandbox backend {backend!r}: use one of auto, {', '.join(BACKENDS)}")
+    module, name = _CLASSES[backend]
+    cls: type[BaseSandbox] = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return cls
 
 
 def create(spec: SandboxSpec | None = None, backend: str = "auto", **options: Any) -> BaseSandbox:
@@ -42,45 +61,13 @@ def create(spec: SandboxSpec | None = None, backend: str = "auto", **options: An
         from .docker import engine_available
 
         backend = "docker" if engine_available() else "local"
-    if backend == "local":
-        return LocalSandbox(spec, **options)
-    if backend == "docker":
-        from .docker import DockerSandbox
-
-        return DockerSandbox(spec, **options)
-    if backend == "daytona":
-        from .daytona import DaytonaSandbox
-
-        return DaytonaSandbox(spec, **options)
-    if backend == "kubernetes":
-        from .kubernetes import KubernetesSandbox
-
-        return KubernetesSandbox(spec, **options)
-    if backend == "modal":
-        from .modal import ModalSandbox
-
-        return ModalSandbox(spec, **options)
-    raise ValueError(f"unknown sandbox backend {backend!r}: use one of auto, {', '.join(BACKENDS)}")
+    return backend_class(backend)(spec, **options)
 
 
 def __getattr__(name: str) -> Any:
-    # The container backends import their SDKs lazily, so `import sandbox` stays cheap.
-    if name == "DockerSandbox":
-        from .docker import DockerSandbox
-
-        return DockerSandbox
-    if name == "DaytonaSandbox":
-        from .daytona import DaytonaSandbox
-
-        return DaytonaSandbox
-    if name == "KubernetesSandbox":
-        from .kubernetes import KubernetesSandbox
-
-        return KubernetesSandbox
-    if name == "ModalSandbox":
-        from .modal import ModalSandbox
-
-        return ModalSandbox
+    for backend, (_, cls) in _CLASSES.items():
+        if cls == name:
+            return backend_class(backend)
     raise AttributeError(name)
 
 
@@ -107,6 +94,7 @@ __all__ = [
     "SandboxSpec",
     "SandboxStartError",
     "SandboxStateError",
+    "backend_class",
     "collect_garbage",
     "create",
 ]

@@ -134,6 +134,7 @@ def _config(api_key: str | None, api_url: str | None, target: str | None) -> Any
 
 class DaytonaSandbox(BaseSandbox):
     backend = "daytona"
+    remote = True
 
     def __init__(
         self,
@@ -275,8 +276,6 @@ class DaytonaSandbox(BaseSandbox):
     async def _forward(self, port: int, host_socket: str) -> None:
         """A relay in tunnel mode, as root, on a long-lived channel (``self.tunnel``); another channel
         replaces it when the transport drops (see sandbox.tunnel)."""
-        if self.spec.network != "none":
-            raise ForwardError(f"sandbox {self.id} has network={self.spec.network!r}: forwards need network='none'")
         if not self._relay_installed:
             await self._install_relay()
             self._relay_installed = True

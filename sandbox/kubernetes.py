@@ -504,6 +504,7 @@ class KubernetesSandbox(BaseSandbox):
     """
 
     backend = "kubernetes"
+    remote = True
 
     def __init__(
         self,

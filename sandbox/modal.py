@@ -357,6 +357,7 @@ class ModalSandbox(BaseSandbox):
     """
 
     backend = "modal"
+    remote = True
 
     def __init__(
         self,

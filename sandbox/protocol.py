@@ -218,6 +218,10 @@ class BaseSandbox(abc.ABC):
     """Shared lifecycle of every backend: state checks, janitor registration, ``async with``."""
 
     backend: str = "base"
+    #: A sandbox on another machine (Daytona, Kubernetes, Modal): its loopback is its own whatever its
+    #: network, so its forwards (over the exec tunnel) work with an open network too; on this host
+    #: they need ``network="none"`` (with the host's network the relay would listen on the host).
+    remote: bool = False
 
     def __init__(self, spec: SandboxSpec | None = None) -> None:
         self.spec = spec or SandboxSpec()
@@ -249,7 +253,7 @@ class BaseSandbox(abc.ABC):
             raise SandboxStateError(
                 f"sandbox {self.id} was stopped and cannot be started again: create a new one with sandbox.create()"
             )
-        if self.spec.forwards and self.spec.network != "none":
+        if self.spec.forwards and self.spec.network != "none" and not self.remote:
             raise SandboxStartError(
                 f"SandboxSpec.forwards needs network='none' (got {self.spec.network!r}): with host networking the "
                 "sandbox already shares the host's loopback"
@@ -382,7 +386,7 @@ class BaseSandbox(abc.ABC):
             check_forward(port, host_socket)
         except ValueError as exc:
             raise ForwardError(str(exc)) from exc
-        if self.spec.network != "none":
+        if self.spec.network != "none" and not self.remote:
             raise ForwardError(
                 f"forward() needs SandboxSpec(network='none'), this sandbox has network={self.spec.network!r}: with "
                 "host networking the sandbox shares the host's loopback and the relay would listen on the host"

@@ -379,13 +379,22 @@ class TaskEpisode:
         root = getattr(self.harness, "install_root", None)
         if hardened and root and not any(root == p or root.startswith(p + "/") for p in HARDENED_SYSTEM_PATHS):
             readonly = (*readonly, root)  # the install provisioned on this host, read-only inside
+        gw = self.gateway
+        remote = bool(getattr(sandbox_mod.backend_class(self.backend), "remote", False))
         if task.config.allow_internet:
             self.network = "internet"
+            spec = dataclasses.replace(spec, network="host", hardened=hardened, readonly_paths=readonly)
+            if remote and gw is not None:
+                # The internet, and its session still over the tunnel: the host's loopback URL means
+                # nothing on another machine.
+                log.warning("task %s sets [environment] allow_internet = true: its sandbox has open egress",
+                            task.name)
+                sock = await gw.agent_socket(session.session_id)
+                return dataclasses.replace(spec, forwards={AGENT_PORT: sock}), \
+                    f"http://127.0.0.1:{AGENT_PORT}/s/{session.session_id}"
             log.warning("task %s sets [environment] allow_internet = true: its sandbox shares the host's network "
                         "(the agent can reach the host's loopback services and the internet)", task.name)
-            return dataclasses.replace(spec, network="host", hardened=hardened, readonly_paths=readonly), \
-                session.base_url
-        gw = self.gateway
+            return spec, session.base_url
         reason = None
         if gw is None:
             reason = "the episode was given no gateway to serve the session's socket"

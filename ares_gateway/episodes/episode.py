@@ -369,9 +369,9 @@ class TaskEpisode:
         agent as an unprivileged user) and one relay: ``127.0.0.1:AGENT_PORT`` inside reaches the
         session's own unix socket, which serves only that session's LLM endpoints. A task that sets
         ``[environment] allow_internet = true`` gets the host's network (a remote sandbox: the
-        internet). A remote sandbox (Daytona) has no socket to mount: its backend carries the
-        forward over the provider's exec channel (``sandbox/tunnel.py``), so it too runs with its
-        network blocked. A local backend without bubblewrap and root keeps the TCP URL and says so.
+        internet). A remote sandbox (Daytona, Kubernetes, Modal) has no socket to mount: its backend
+        carries the forward over the provider's exec channel (``sandbox/tunnel.py``), so it too runs
+        with its network blocked, and reaches its session that way even with open egress. A local backend without bubblewrap and root keeps the TCP URL and says so.
         """
         task = self.task
         hardened = self.backend == "local" and _local_can_harden()
@@ -380,7 +380,7 @@ class TaskEpisode:
         if hardened and root and not any(root == p or root.startswith(p + "/") for p in HARDENED_SYSTEM_PATHS):
             readonly = (*readonly, root)  # the install provisioned on this host, read-only inside
         gw = self.gateway
-        remote = bool(getattr(sandbox_mod.backend_class(self.backend), "remote", False))
+        remote = sandbox_mod.backend_class(self.backend).remote
         if task.config.allow_internet:
             self.network = "internet"
             spec = dataclasses.replace(spec, network="host", hardened=hardened, readonly_paths=readonly)

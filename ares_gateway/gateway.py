@@ -78,6 +78,10 @@ class GatewayConfig:
     #: Bodies of at least this many bytes are parsed off the event loop (a worker process decodes
     #: and checks them, a thread rebuilds them), so one agent's 30 MB body does not stall the others.
     parse_offload_bytes: int = 1024 * 1024
+    #: Convert only what each request adds to its session's previous one (found by comparing raw
+    #: bytes): a long session's turn then costs what its new messages cost. Keeps each session's
+    #: latest canonical messages and tools between turns (about the size of one parsed body).
+    parse_reuse: bool = True
     #: Seconds a policy's stream (``respond`` with an async iterable) may send nothing before the
     #: agent's stream is ended with an error event (a non-streaming agent gets a 504).
     stream_idle_timeout: float = 300.0
@@ -366,6 +370,7 @@ class Gateway:
         the same effect, at once."""
         session = self.sessions.get(session_id)
         session.ended = True
+        session.parse_memo = None  # no request of an ended session is parsed again
         session.reward = reward
         session.truncated = truncated
         session.end_info = dict(info)
@@ -379,6 +384,7 @@ class Gateway:
         Returns how many requests were pending."""
         session = self.sessions.remove(session_id)
         session.ended = True
+        session.parse_memo = None
         session.ended_event.set()
         self.recorder.drop(session_id)
         if self.store is not None:

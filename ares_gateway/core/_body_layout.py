@@ -138,7 +138,8 @@ def layout_of(raw: bytes, key: str, count: int) -> BodyLayout | None:
     return BodyLayout(raw, offs[0], offs[1:-1], offs[-1])
 
 
-def _common_prefix(a: bytes, b: bytes) -> int:
+def common_prefix(a: bytes, b: bytes) -> int:
+    """How many leading bytes ``a`` and ``b`` share (compared four at a time, at memory speed)."""
     n = min(len(a), len(b))
     words = n // 4
     i = 4 * common_prefix_len(np.frombuffer(a, dtype=np.int32, count=words),
@@ -153,7 +154,7 @@ def continue_layout(prev: BodyLayout, raw: bytes, key: str, count: int) -> tuple
     layout of ``raw``, and whether every byte after the list is as in ``prev``. ``None``: the bodies
     differ before the list (or ``raw`` is not such a body); walk it with :func:`layout_of`."""
     old = prev.raw
-    shared = _common_prefix(raw, old)
+    shared = common_prefix(raw, old)
     if shared < prev.start:
         return None
     # The items whose bytes are all shared are the same JSON values; but a number only if it ends

@@ -96,8 +96,9 @@ class ParkedRequest:
     _expires: float = field(default=math.inf, repr=False)
     #: Loop time at which the current lease runs out (``None``: not leased, or leased for good).
     _lease_until: float | None = field(default=None, repr=False)
-    _wire: dict[str, Any] | None = field(default=None, repr=False)
-    _canonical: Any = field(default=None, repr=False)
+    _head: bytes | None = field(default=None, repr=False)
+    _body: bytes | None = field(default=None, repr=False)
+    _canonical: bytes | None = field(default=None, repr=False)
 
     def _fields(self) -> dict[str, Any]:
         return {
@@ -118,20 +119,28 @@ class ParkedRequest:
             "attempt": self.attempt,
         }
 
-    def poll_json(self, *, canonical: bool = True) -> bytes:
-        """:meth:`poll_item` encoded as JSON, cheaply: the agent's body bytes are copied, not
-        re-encoded, and the canonical form is serialized once however often it is delivered.
+    def poll_parts(self, *, canonical: bool = True) -> list[bytes]:
+        """:meth:`poll_item` encoded as JSON, in pieces whose concatenation is the item: the agent's
+        body bytes as received (never re-encoded) and the canonical form encoded once however often
+        it is delivered, so that ``/poll`` copies each only into its response.
         ``canonical=False`` leaves it out (for pollers that read only the native body)."""
-        wire = self._wire
-        if wire is None:
-            request = orjson.Fragment(self.raw_body) if self.raw_body is not None else self.request.raw
-            wire = self._wire = {**self._fields(), "request": request}
+        head = self._head
+        if head is None:
+            # Encoded first: a body that cannot be encoded raises before anything is kept.
+            self._body = self.raw_body if self.raw_body is not None else orjson.dumps(self.request.raw)
+            head = self._head = orjson.dumps(self._fields())[:-1] + b',"request":'
+        assert self._body is not None
+        tail = b',"attempt":%d}' % self.attempt
         if not canonical:
-            return orjson.dumps({**wire, "attempt": self.attempt})
-        fragment = self._canonical
-        if fragment is None:
-            fragment = self._canonical = orjson.Fragment(_canonical_json(self.request))
-        return orjson.dumps({**wire, "canonical": fragment, "attempt": self.attempt})
+            return [head, self._body, tail]
+        encoded = self._canonical
+        if encoded is None:
+            encoded = self._canonical = _canonical_json(self.request)
+        return [head, self._body, b',"canonical":', encoded, tail]
+
+    def poll_json(self, *, canonical: bool = True) -> bytes:
+        """:meth:`poll_parts` joined: the item as one JSON document."""
+        return b"".join(self.poll_parts(canonical=canonical))
 
 
 def _model_fields(value: Any) -> dict[str, Any]:
@@ -297,7 +306,7 @@ class Broker:
             held_bytes=held_bytes,
         )
         if canonical_json is not None:
-            parked._canonical = orjson.Fragment(canonical_json)
+            parked._canonical = canonical_json
         self._pending[rid] = parked
         self._parked_by_session[session_id] = count + 1
         if self.request_timeout > 0:

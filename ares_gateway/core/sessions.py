@@ -52,6 +52,9 @@ class Session:
     end_info: dict[str, Any] = field(default_factory=dict)
     #: Set when the session ends, so waiters on "next request or end" wake up.
     ended_event: asyncio.Event = field(default_factory=asyncio.Event)
+    #: What the HTTP layer keeps of this session's latest request bodies so the next one converts only
+    #: what is new (``ares_gateway.http.body_parser.ParseMemo``; opaque here, dropped when the session ends).
+    parse_memo: Any = field(default=None, repr=False)
 
     def summary(self) -> dict[str, Any]:
         """A JSON-able view without the token."""

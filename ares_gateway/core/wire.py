@@ -28,6 +28,27 @@ class RequestError(StatusError, ValueError):
     status = 400
 
 
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """What a request's parse may take over from the same session's previous request on the same line.
+
+    Found by comparing the two bodies' raw bytes (:mod:`ares_gateway.core._body_layout`), never their
+    parsed values (``1``, ``1.0`` and ``true`` compare equal in Python): an agent re-sends its history
+    as the same bytes every turn, so only what follows the shared history is converted again. The
+    objects taken over are the previous request's own: a canonical request is read-only.
+    """
+
+    #: Leading items of the body's list (``messages`` / ``input``) whose bytes are the previous body's.
+    kept: int
+    #: Every byte outside that list (``system``, ``tools``, sampling fields ...) is the previous body's.
+    outside: bool
+    #: The previous request's canonical messages and tools.
+    messages: list[Any]
+    tools: list[Any]
+    #: ``ends[0]``: how many of those messages came before the list; ``ends[i + 1]``: how many after item ``i``.
+    ends: list[int]
+
+
 class StreamEncoder(Protocol):
     """Turns a completion into the protocol's SSE bytes, incrementally.
 
@@ -54,8 +75,10 @@ class ProtocolAdapter:
     """What each protocol module exposes as ``ADAPTER``: its pure functions, by role."""
 
     protocol: WireProtocol
-    #: Native request body (parsed JSON) -> canonical. Raises :class:`RequestError`.
-    parse_request: Callable[[Any], CanonicalRequest]
+    #: Native request body (parsed JSON) -> canonical. Raises :class:`RequestError`. Also takes
+    #: ``reuse=`` (a :class:`Reuse`: what it may take over from the session's previous request) and
+    #: ``ends=`` (a list it fills as :attr:`Reuse.ends` describes, for the next request's reuse).
+    parse_request: Callable[..., CanonicalRequest]
     #: Canonical -> native request body (to forward upstream, and for round trips).
     render_request: Callable[[CanonicalRequest], dict[str, Any]]
     #: ``parse_response(body, request=None)``: native non-stream response body -> canonical.

@@ -25,7 +25,7 @@ from ares_gateway.core.canonical import WireProtocol
 from ares_gateway.core.errors import InvalidSessionError, SessionExistsError, StatusError
 from ares_gateway.core.sessions import Session, bearer_token, valid_token
 from ares_gateway.http import render
-from ares_gateway.http.body_parser import ParsedBody
+from ares_gateway.http.body_parser import ParsedBody, ParseMemo
 from ares_gateway.http.routes import Handler
 from ares_gateway.http.served import ServedGateway
 from ares_gateway.http.server import BodyError, HttpLimits, on_disconnect, read_body
@@ -108,7 +108,7 @@ class AgentAPI:
             raise StatusError("this API key belongs to another session; use that session's base URL", status=401) from None
 
     async def _body(
-        self, request: BaseRequest, held: _Held, protocol: WireProtocol | None
+        self, request: BaseRequest, session: Session, held: _Held, protocol: WireProtocol | None
     ) -> tuple[bytes, ParsedBody]:
         """The body's bytes (held in ``held``) and the body parsed (converted in ``protocol``, if given)."""
         budget = self.gw.broker.max_parked_bytes_per_session
@@ -121,7 +121,12 @@ class AgentAPI:
         raw = await read_body(request, self.limits, held)
         if not raw:
             raise StatusError("request body is empty: send a JSON object", status=400)
-        return raw, await self.gw.body_parser.parse(raw, protocol)  # a RequestError names its param
+        memo = None
+        if protocol is not None and self.gw.config.parse_reuse:
+            memo = session.parse_memo
+            if memo is None:
+                memo = session.parse_memo = ParseMemo()
+        return raw, await self.gw.body_parser.parse(raw, protocol, memo)  # a RequestError names its param
 
     # -- LLM endpoints --------------------------------------------------------------------------
 
@@ -134,7 +139,7 @@ class AgentAPI:
                 session = self._session(request, sid)
                 held = _Held(gw.broker, session.id)
                 try:
-                    raw, parsed = await self._body(request, held, protocol)
+                    raw, parsed = await self._body(request, session, held, protocol)
                     canonical = parsed.request
                     assert canonical is not None
                     if session.ended:
@@ -184,7 +189,7 @@ class AgentAPI:
             session = self._session(request, sid)
             held = _Held(self.gw.broker, session.id)
             try:
-                _, parsed = await self._body(request, held, None)
+                _, parsed = await self._body(request, session, held, None)
             finally:
                 held.release()
             body = parsed.body

@@ -31,9 +31,12 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from ares_gateway.core._body_layout import BodyLayout, common_prefix, continue_layout, layout_of
 from ares_gateway.core.broker import UNENCODABLE_REQUEST, _canonical_json
-from ares_gateway.core.canonical import CanonicalRequest, WireProtocol
+from ares_gateway.core.canonical import CanonicalRequest, Message, Tool, WireProtocol
+from ares_gateway.core.record_codec import LIST_KEYS
 from ares_gateway.protocols import RequestError, get_adapter
+from ares_gateway.protocols.base import Reuse
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +60,95 @@ def _json_error(exc: Exception) -> RequestError:
     return RequestError(f"request body is not valid JSON: {exc}")
 
 
-def parse_inline(raw: bytes, protocol: WireProtocol | None) -> ParsedBody:
-    """Decode ``raw`` and (with a ``protocol``) convert it, here and now. Raises :class:`RequestError`."""
+class _Line:
+    __slots__ = ("ends", "layout", "messages", "protocol", "tools")
+
+    def __init__(self, protocol: WireProtocol, layout: BodyLayout, request: CanonicalRequest, ends: list[int]) -> None:
+        self.protocol = protocol
+        self.layout = layout
+        self.messages: list[Message] = request.messages
+        self.tools: list[Tool] = request.tools
+        self.ends = ends
+
+
+class ParseMemo:
+    """One session's latest parses, so that its next request converts only what is new.
+
+    An agent re-sends its whole history every turn, as the same bytes. With the previous body's raw
+    bytes and where its list's items lie in them (:mod:`ares_gateway.core._body_layout`), the items a
+    new body shares with it are found by comparing bytes, and their canonical messages (and, when
+    nothing outside the list changed, the tools) are taken over instead of converted again
+    (:class:`~ares_gateway.protocols.base.Reuse`): a long session's parse then costs what its new
+    messages cost. Two lines are kept, the most recently used first, because an agent's side calls
+    (titles, summaries: other bodies) come between its main turns.
+
+    Kept per session (``Session.parse_memo``): the previous body's bytes (the same object the
+    recorder keeps for its own delta) and its canonical messages and tools.
+    """
+
+    __slots__ = ("lines",)
+
+    def __init__(self) -> None:
+        self.lines: list[_Line] = []
+
+    def _match(self, protocol: WireProtocol, raw: bytes, key: str, count: int) -> tuple[
+            _Line | None, Reuse | None, BodyLayout | None]:
+        best: _Line | None = None
+        most = -1
+        for line in self.lines:
+            if line.protocol is not protocol:
+                continue
+            lay = line.layout
+            shared = common_prefix(raw, lay.raw)
+            # A body that does not share its first item's bytes is another line's (or a new one).
+            if shared >= (lay.ends[0] if lay.ends else lay.close) and shared > most:
+                best, most = line, shared
+        if best is None:
+            return None, None, None
+        got = continue_layout(best.layout, raw, key, count)
+        if got is None:
+            return best, None, None
+        kept, layout, outside = got
+        return best, Reuse(kept, outside, best.messages, best.tools, best.ends), layout
+
+    def parse(self, protocol: WireProtocol, raw: bytes, body: Any) -> CanonicalRequest:
+        """``body`` (``raw`` decoded) converted in ``protocol``, taking over what it shares with this
+        session's previous request on its line; then remembered for the next one."""
+        adapter = get_adapter(protocol)
+        key = LIST_KEYS[protocol]
+        items = body.get(key) if isinstance(body, dict) else None
+        if not isinstance(items, list):
+            return adapter.parse_request(body)
+        line, reuse, layout = self._match(protocol, raw, key, len(items))
+        ends: list[int] = []
+        request = adapter.parse_request(body, reuse=reuse, ends=ends)
+        if layout is None:
+            layout = layout_of(raw, key, len(items))  # once per line: the whole body walked
+            if layout is None:  # not a body the layout can follow (its list's key twice, say)
+                return request
+        if line is None:
+            line = _Line(protocol, layout, request, ends)
+            if len(self.lines) >= 2:
+                self.lines.pop()
+        else:
+            self.lines.remove(line)
+            line.layout, line.messages, line.tools, line.ends = layout, request.messages, request.tools, ends
+        self.lines.insert(0, line)
+        return request
+
+
+def parse_inline(raw: bytes, protocol: WireProtocol | None, memo: ParseMemo | None = None) -> ParsedBody:
+    """Decode ``raw`` and (with a ``protocol``) convert it, here and now (with a ``memo``, taking over
+    what the session's previous request shares with it). Raises :class:`RequestError`."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise _json_error(exc) from None
-    request = get_adapter(protocol).parse_request(body) if protocol is not None else None
-    return ParsedBody(body, request, None)
+    if protocol is None:
+        return ParsedBody(body, None, None)
+    if memo is not None:
+        return ParsedBody(body, memo.parse(protocol, raw, body), None)
+    return ParsedBody(body, get_adapter(protocol).parse_request(body), None)
 
 
 # ---------------------------------------------------------------------------------- the worker process
@@ -205,11 +289,12 @@ class BodyParser:
         #: Bodies parsed off the loop so far.
         self.offloaded = 0
 
-    async def parse(self, raw: bytes, protocol: WireProtocol | None) -> ParsedBody:
-        """``raw`` decoded, and converted in ``protocol`` (``None``: decoded only).
+    async def parse(self, raw: bytes, protocol: WireProtocol | None, memo: ParseMemo | None = None) -> ParsedBody:
+        """``raw`` decoded, and converted in ``protocol`` (``None``: decoded only), with ``memo`` (the
+        session's :class:`ParseMemo`) when it is parsed on the loop.
         Raises :class:`~ares_gateway.protocols.RequestError` (the agent's 400)."""
         if len(raw) < self.offload_bytes:
-            return parse_inline(raw, protocol)
+            return parse_inline(raw, protocol, memo)
         self.offloaded += 1
         loop = asyncio.get_running_loop()
         thread = self._threads()
@@ -253,4 +338,4 @@ class BodyParser:
             thread.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["BodyParser", "ParsedBody", "parse_inline"]
+__all__ = ["BodyParser", "ParseMemo", "ParsedBody", "parse_inline"]

@@ -73,15 +73,22 @@ class ControlAPI:
             items = await self.gw.broker.poll(session, max_items=max_items, wait=wait, lease=lease)
         except GatewayError as exc:
             return control_error(exc.status, str(exc))
-        parts = []
+        # The items' pieces, joined once: a batch of Claude-Code-sized bodies is megabytes, and every
+        # copy of it costs the loop (fresh pages each time).
+        parts = [b"["]
         for p in items:
             try:
-                parts.append(p.poll_json(canonical=with_canonical))
+                item = p.poll_parts(canonical=with_canonical)
             except (orjson.JSONEncodeError, RecursionError, ValueError, TypeError) as exc:
                 # A body the encoder cannot hand on (nested past orjson's 255 levels in a free-form
                 # field): one agent's request must not fail every poller's batch. Its agent gets a 400.
                 self._refuse_unpollable(p.id, exc)
-        body = b"[" + b",".join(parts) + b"]"
+                continue
+            if len(parts) > 1:
+                parts.append(b",")
+            parts += item
+        parts.append(b"]")
+        body = b"".join(parts)
         return Response(body=body, headers={"Content-Type": "application/json"})
 
     def _refuse_unpollable(self, rid: str, exc: Exception) -> None:

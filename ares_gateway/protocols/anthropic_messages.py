@@ -70,7 +70,7 @@ from ares_gateway.protocols._common import (
     usage,
 )
 from ares_gateway.protocols._stream import StreamEncoderBase
-from ares_gateway.protocols.base import ProtocolAdapter
+from ares_gateway.protocols.base import ProtocolAdapter, Reuse
 
 PROTOCOL = WireProtocol.ANTHROPIC_MESSAGES
 
@@ -231,8 +231,12 @@ def _parse_tool(t: Any, param: str) -> Tool:
     )
 
 
-def parse_request(body: Any, *, require_max_tokens: bool = True) -> CanonicalRequest:
-    """Parse a ``/v1/messages`` body; ``require_max_tokens=False`` for ``/v1/messages/count_tokens``."""
+def parse_request(body: Any, *, require_max_tokens: bool = True, reuse: Reuse | None = None,
+                  ends: list[int] | None = None) -> CanonicalRequest:
+    """Parse a ``/v1/messages`` body; ``require_max_tokens=False`` for ``/v1/messages/count_tokens``.
+
+    ``reuse``/``ends``: see :class:`~ares_gateway.core.wire.Reuse` (each item's messages depend on
+    the item alone and on how many messages came before the list)."""
     b = require_object(body)
     msgs = b.get("messages")
     if msgs is None:
@@ -243,15 +247,27 @@ def parse_request(body: Any, *, require_max_tokens: bool = True) -> CanonicalReq
         fail("max_tokens: Field required", "max_tokens")
 
     messages: list[Message] = []
-    system = b.get("system")
-    if system is not None:
-        if isinstance(system, str):
-            messages.append(message("system", system))
-        elif isinstance(system, list):
-            messages.append(message("system", [_parse_block(x, f"system[{j}]") for j, x in enumerate(system)]))
-        else:
-            fail("'system' must be a string or an array of text blocks", "system")
-    for i, m in enumerate(msgs):
+    if reuse is not None and reuse.outside:
+        messages.extend(reuse.messages[: reuse.ends[0]])  # the same system bytes: the same messages
+    else:
+        system = b.get("system")
+        if system is not None:
+            if isinstance(system, str):
+                messages.append(message("system", system))
+            elif isinstance(system, list):
+                messages.append(message("system", [_parse_block(x, f"system[{j}]") for j, x in enumerate(system)]))
+            else:
+                fail("'system' must be a string or an array of text blocks", "system")
+    start = 0
+    if reuse is not None and reuse.kept and len(messages) == reuse.ends[0]:
+        start = reuse.kept
+        messages.extend(reuse.messages[reuse.ends[0] : reuse.ends[start]])
+        if ends is not None:
+            ends.extend(reuse.ends[: start + 1])
+    elif ends is not None:
+        ends.append(len(messages))
+    for i in range(start, len(msgs)):
+        m = msgs[i]
         param = f"messages[{i}]"
         if not isinstance(m, dict):
             fail(f"'{param}' must be an object", param)
@@ -261,22 +277,24 @@ def parse_request(body: Any, *, require_max_tokens: bool = True) -> CanonicalReq
         if "content" not in m:
             fail(f"'{param}.content' is required", f"{param}.content")
         content = m["content"]
-        if isinstance(content, list):
-            if role == "user":
-                _parse_user(m, content, f"{param}.content", messages)
-                continue
-            if role == "assistant":
-                messages.append(_parse_assistant(m, content, f"{param}.content"))
-                continue
-        elif not isinstance(content, str):
-            fail(f"'{param}.content' must be a string or an array of content blocks", f"{param}.content")
-        extra = rest(m, _MSG_KNOWN) if len(m) > 2 else {}
-        if role == "system" and not messages:
-            extra["in_messages"] = True
-        messages.append(message(role, _parse_blocks(content, f"{param}.content"), extra=extra))
+        if isinstance(content, list) and role == "user":
+            _parse_user(m, content, f"{param}.content", messages)
+        elif isinstance(content, list) and role == "assistant":
+            messages.append(_parse_assistant(m, content, f"{param}.content"))
+        else:
+            if not isinstance(content, (str, list)):
+                fail(f"'{param}.content' must be a string or an array of content blocks", f"{param}.content")
+            extra = rest(m, _MSG_KNOWN) if len(m) > 2 else {}
+            if role == "system" and not messages:
+                extra["in_messages"] = True
+            messages.append(message(role, _parse_blocks(content, f"{param}.content"), extra=extra))
+        if ends is not None:
+            ends.append(len(messages))
 
     tools: list[Tool] = []
-    if b.get("tools") is not None:
+    if reuse is not None and reuse.outside:
+        tools = reuse.tools
+    elif b.get("tools") is not None:
         expect(b["tools"], list, "tools", "an array")
         tools = [_parse_tool(t, f"tools[{i}]") for i, t in enumerate(b["tools"])]
     stop = b.get("stop_sequences")

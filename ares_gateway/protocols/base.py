@@ -4,6 +4,6 @@ re-exported here for the protocol modules."""
 
 from __future__ import annotations
 
-from ares_gateway.core.wire import ProtocolAdapter, RequestError, StreamEncoder
+from ares_gateway.core.wire import ProtocolAdapter, RequestError, Reuse, StreamEncoder
 
-__all__ = ["ProtocolAdapter", "RequestError", "StreamEncoder"]
+__all__ = ["ProtocolAdapter", "RequestError", "Reuse", "StreamEncoder"]

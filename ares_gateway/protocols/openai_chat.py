@@ -63,7 +63,7 @@ from ares_gateway.protocols._common import (
     usage,
 )
 from ares_gateway.protocols._stream import StreamEncoderBase
-from ares_gateway.protocols.base import ProtocolAdapter
+from ares_gateway.protocols.base import ProtocolAdapter, Reuse
 
 PROTOCOL = WireProtocol.OPENAI_CHAT
 
@@ -280,14 +280,7 @@ def _parse_function(fn: dict[str, Any], param: str, outer: dict[str, Any], no_ty
     )
 
 
-def parse_request(body: Any) -> CanonicalRequest:
-    b = require_object(body)
-    msgs = b.get("messages")
-    if msgs is None:
-        fail("'messages' is required", "messages")
-    expect(msgs, list, "messages", "an array")
-    messages = [_parse_message(m, i) for i, m in enumerate(msgs)]
-
+def _parse_tools(b: dict[str, Any]) -> list[Tool]:
     tools: list[Tool] = []
     if b.get("tools") is not None:
         expect(b["tools"], list, "tools", "an array")
@@ -300,6 +293,24 @@ def parse_request(body: Any) -> CanonicalRequest:
             t = _parse_function(fn, f"functions[{i}]", {})
             t.extra["legacy"] = True
             tools.append(t)
+    return tools
+
+
+def parse_request(body: Any, *, reuse: Reuse | None = None, ends: list[int] | None = None) -> CanonicalRequest:
+    """Parse a ``/v1/chat/completions`` body. ``reuse``/``ends``: see :class:`~ares_gateway.core.wire.Reuse`
+    (each message is read from its item alone)."""
+    b = require_object(body)
+    msgs = b.get("messages")
+    if msgs is None:
+        fail("'messages' is required", "messages")
+    expect(msgs, list, "messages", "an array")
+    start = reuse.kept if reuse is not None else 0
+    messages = reuse.messages[:start] if reuse is not None and start else []
+    messages.extend(_parse_message(msgs[i], i) for i in range(start, len(msgs)))
+    if ends is not None:
+        ends.extend(range(len(messages) + 1))
+    # ``tools`` and ``functions`` as bytes unchanged: the same tools.
+    tools = reuse.tools if reuse is not None and reuse.outside else _parse_tools(b)
 
     # Numbers the gateway passes on verbatim, within what the API accepts (never a value a policy
     # or the record cannot hold).

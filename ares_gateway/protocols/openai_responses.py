@@ -71,7 +71,7 @@ from ares_gateway.protocols._common import (
     usage,
 )
 from ares_gateway.protocols._stream import StreamEncoderBase
-from ares_gateway.protocols.base import ProtocolAdapter
+from ares_gateway.protocols.base import ProtocolAdapter, Reuse
 
 PROTOCOL = WireProtocol.OPENAI_RESPONSES
 
@@ -276,7 +276,9 @@ def _parse_tool(t: Any, param: str) -> Tool:
     )
 
 
-def parse_request(body: Any) -> CanonicalRequest:
+def parse_request(body: Any, *, reuse: Reuse | None = None, ends: list[int] | None = None) -> CanonicalRequest:
+    """Parse a ``/v1/responses`` body. ``reuse``: only its tools are taken over (an input item may fold
+    into the message before it, so items are always read again); ``ends`` is left empty."""
     b = require_object(body)
     check_numbers(b, {"top_logprobs": (0, 20)}, {})  # passed on verbatim: within what the API accepts
     messages: list[Message] = []
@@ -294,7 +296,9 @@ def parse_request(body: Any) -> CanonicalRequest:
     elif inp is not None:
         fail("'input' must be a string or an array of input items", "input")
     tools: list[Tool] = []
-    if b.get("tools") is not None:
+    if reuse is not None and reuse.outside:
+        tools = reuse.tools
+    elif b.get("tools") is not None:
         expect(b["tools"], list, "tools", "an array")
         tools = [_parse_tool(t, f"tools[{i}]") for i, t in enumerate(b["tools"])]
     model = b.get("model")

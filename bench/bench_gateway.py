@@ -201,6 +201,35 @@ def _responder_main(url: str, canonical: str = "1", max_items: int = 1024) -> No
 # ---------------------------------------------------------------- load generator
 
 
+#: ``--grow``: how many bodies each agent goes through, each two messages longer than the one before.
+GROW_STEPS = 20
+
+
+def _grown(kind: str, steps: int = GROW_STEPS) -> list[bytes]:
+    """The ``kind`` body and ``steps - 1`` longer ones, each adding a tool call and its result to the
+    one before (what a real agent's next turn sends): with ``--grow`` an agent sends them in turn,
+    so the gateway sees a session's history grow, then start over, as after a compaction."""
+    path, raw, _ = _bodies(kind)
+    body = json.loads(raw)
+    out = []
+    for t in range(steps):
+        out.append(json.dumps(body).encode())
+        if kind == "large":
+            body["messages"] += [
+                {"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_g{t}", "name": "Tool1",
+                                                   "input": {"arg0": f"cat file{t}.py"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_g{t}",
+                                              "content": f"line {t}\n" * 60}]},
+            ]
+        else:
+            body["messages"] += [
+                {"role": "assistant", "content": f"Step g{t}.", "tool_calls": [{"id": f"call_g{t}", "type": "function",
+                 "function": {"name": "bash", "arguments": json.dumps({"command": f"cat file{t}.py"})}}]},
+                {"role": "tool", "tool_call_id": f"call_g{t}", "content": f"line {t}\n" * 60},
+            ]
+    return out
+
+
 def _bodies(kind: str) -> tuple[str, bytes, dict[str, str]]:
     if kind == "small":
         body = {"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]}
@@ -241,10 +270,12 @@ def _bodies(kind: str) -> tuple[str, bytes, dict[str, str]]:
     return "/v1/messages", json.dumps(body).encode(), {"anthropic-version": "2023-06-01"}
 
 
-async def _load(url: str, agents: int, turns: int, body_kind: str, pids: tuple[int, ...] = ()) -> dict[str, float]:
+async def _load(url: str, agents: int, turns: int, body_kind: str, pids: tuple[int, ...] = (),
+                grow: bool = False) -> dict[str, float]:
     import aiohttp
 
     path, body, extra = _bodies(body_kind)
+    bodies = _grown(body_kind) if grow else [body]
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
 
@@ -252,9 +283,9 @@ async def _load(url: str, agents: int, turns: int, body_kind: str, pids: tuple[i
         token = f"bench-agent-token-{i:06d}"
         headers = {"authorization": f"Bearer {token}", "x-api-key": token, "content-type": "application/json", **extra}
         target = f"{url}/s/agent{i}{path}"
-        for _ in range(turns):
+        for t in range(turns):
             t0 = time.perf_counter()
-            async with session.post(target, data=body, headers=headers) as r:
+            async with session.post(target, data=bodies[(i + t) % len(bodies)], headers=headers) as r:
                 await r.read()
                 if r.status != 200:
                     raise RuntimeError(f"status {r.status}: {await r.text()}")
@@ -336,7 +367,8 @@ def _spawn(args: list[str]) -> subprocess.Popen[str]:
 
 
 def run_case(
-    mode: str, agents: int, turns: int, body: str, repeat: int, impl: str = "gateway", canonical: bool = True
+    mode: str, agents: int, turns: int, body: str, repeat: int, impl: str = "gateway", canonical: bool = True,
+    grow: bool = False,
 ) -> dict[str, Any]:
     import uvloop
 
@@ -348,7 +380,7 @@ def run_case(
         responder = _spawn(["_responder", url, "1" if canonical else "0"]) if mode == "http" else None
         try:
             pids = (gw.pid,) if responder is None else (gw.pid, responder.pid)
-            results.append(uvloop.run(_load(url, agents, turns, body, pids)))
+            results.append(uvloop.run(_load(url, agents, turns, body, pids, grow)))
         finally:
             for p in (responder, gw):
                 if p is not None:
@@ -456,6 +488,12 @@ def main() -> None:
         "what an ares-proxy poller reads (and all the Go proxy returns)",
     )
     ap.add_argument(
+        "--grow",
+        action="store_true",
+        help=f"each agent's body grows by a tool call and its result every turn, for {GROW_STEPS} turns, then "
+        "starts over (as a real session's history grows), instead of the same body every turn",
+    )
+    ap.add_argument(
         "--burn-us",
         type=float,
         default=0.0,
@@ -487,7 +525,8 @@ def main() -> None:
                         continue  # the Go proxy is answered over HTTP only
                     target = args.turn_target if body == "small" else args.turn_target // 4
                     turns = max(5, target // agents) if agents > 1 else max(200, target // 10)
-                    row = run_case(mode, agents, turns, body, args.repeat, impl, canonical=not args.no_canonical)
+                    row = run_case(mode, agents, turns, body, args.repeat, impl, canonical=not args.no_canonical,
+                                   grow=args.grow)
                     rows.append(row)
                     print(
                         f"{row['impl']:>7} {row['body']:>5} {row['mode']:>6} agents={row['agents']:>4}  "

@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--body", default="small", choices=["small", "large", "history"],
                     help="request body: small chat, a ~96 KB Claude Code body, or a 500-message chat history")
     ap.add_argument("--before", metavar="DIR", help="also run the gateway of the checkout at DIR as 'before'")
+    ap.add_argument("--grow", action="store_true",
+                    help="each agent's body grows every turn (bench_gateway.py --grow), as a real session's does")
     ap.add_argument("--no-canonical", action="store_true",
                     help="the HTTP responder polls with canonical=0: the native body only, all the Go proxy hands out")
     args = ap.parse_args()
@@ -72,7 +74,8 @@ def main() -> None:
     for i in range(args.rounds):
         got: dict[tuple[str, int], dict[str, dict[str, Any]]] = defaultdict(dict)
         for (mode, agents), extra, impls in plan:
-            extra = [*extra, "--body", args.body, *(["--no-canonical"] if args.no_canonical else [])]
+            extra = [*extra, "--body", args.body, *(["--no-canonical"] if args.no_canonical else []),
+                     *(["--grow"] if args.grow else [])]
             if args.body != "small":  # a larger body costs more per turn: fewer turns for the same time
                 extra += ["--turn-target", "5000"]
             # One run per implementation, so one that fails (the bare web.Application loop resets

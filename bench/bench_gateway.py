@@ -209,7 +209,7 @@ def _grown(kind: str, steps: int = GROW_STEPS) -> list[bytes]:
     """The ``kind`` body and ``steps - 1`` longer ones, each adding a tool call and its result to the
     one before (what a real agent's next turn sends): with ``--grow`` an agent sends them in turn,
     so the gateway sees a session's history grow, then start over, as after a compaction."""
-    path, raw, _ = _bodies(kind)
+    _, raw, _ = _bodies(kind)
     body = json.loads(raw)
     out = []
     for t in range(steps):

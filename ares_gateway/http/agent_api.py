@@ -32,6 +32,9 @@ from ares_gateway.http.server import BodyError, HttpLimits, on_disconnect, read_
 from ares_gateway.protocols import ProtocolAdapter, get_adapter
 from ares_gateway.protocols.anthropic_messages import parse_count_tokens_request
 
+#: Bodies smaller than this are converted whole, without the session's :class:`ParseMemo`.
+_REUSE_MIN_BYTES = 8 * 1024
+
 
 class _Held:
     """Body bytes of one request counted against its session's budget, until parked or given back."""
@@ -122,7 +125,8 @@ class AgentAPI:
         if not raw:
             raise StatusError("request body is empty: send a JSON object", status=400)
         memo = None
-        if protocol is not None and self.gw.config.parse_reuse:
+        # A small body converts in microseconds: comparing it with the last one would save nothing.
+        if protocol is not None and len(raw) >= _REUSE_MIN_BYTES and self.gw.config.parse_reuse:
             memo = session.parse_memo
             if memo is None:
                 memo = session.parse_memo = ParseMemo()

@@ -12,6 +12,10 @@ Conventions shared by the three modules:
   in and are rendered back verbatim; ``raw`` is the body object itself (not
   copied, never mutated). Only unusable input raises :class:`RequestError`
   (``param`` names the field, e.g. ``messages[2].content``).
+* ``parse_request(body, reuse=..., ends=...)`` takes over what the session's previous request
+  shares with this one byte for byte (:class:`~ares_gateway.core.wire.Reuse`; the gateway's
+  ``ParseMemo`` finds it): the messages of the shared leading items and, when nothing outside the
+  list changed, the tools, as the very objects. A canonical request is read-only.
 * Non-function tools (server tools, ``custom``, ``namespace``, ...) keep their
   definition verbatim in ``Tool.extra["raw"]``.
 * A few ``extra`` keys are markers that make native round trips exact:

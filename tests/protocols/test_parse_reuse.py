@@ -241,7 +241,8 @@ async def test_a_real_client_session_over_http_polls_what_a_fresh_parse_gives() 
             history: list[dict[str, Any]] = [{"role": "user", "content": "fix the bug"}]
             tools = [{"name": "Bash", "description": "run", "input_schema": {"type": "object"}}]
             for i in range(6):
-                got = await client.messages.create(model="claude-x", max_tokens=50, system="You are Claude Code.",
+                # Past the size under which a body is converted whole (a Claude Code system prompt is ~10 KB).
+                got = await client.messages.create(model="claude-x", max_tokens=50, system="You are Claude Code. " * 500,
                                                    tools=tools, messages=history)
                 history += [{"role": "assistant", "content": got.content[0].text},
                             {"role": "user", "content": f"go on {i}"}]

@@ -149,12 +149,15 @@ def common_prefix(a: bytes, b: bytes) -> int:
     return i
 
 
-def continue_layout(prev: BodyLayout, raw: bytes, key: str, count: int) -> tuple[int, BodyLayout, bool] | None:
-    """How many leading items the list in ``raw`` (``count`` of them) shares with ``prev``'s, the
-    layout of ``raw``, and whether every byte after the list is as in ``prev``. ``None``: the bodies
-    differ before the list (or ``raw`` is not such a body); walk it with :func:`layout_of`."""
+def continue_layout(prev: BodyLayout, raw: bytes, key: str, count: int | None,
+                    shared: int | None = None) -> tuple[int, BodyLayout, bool] | None:
+    """How many leading items the list in ``raw`` (``count`` of them; ``None``: not known, as before
+    ``raw`` is decoded) shares with ``prev``'s, the layout of ``raw``, and whether every byte after
+    the list is as in ``prev``. ``None``: the bodies differ before the list (or ``raw`` is not such a
+    body); walk it with :func:`layout_of`. ``shared``: :func:`common_prefix` of the two, if known."""
     old = prev.raw
-    shared = common_prefix(raw, old)
+    if shared is None:
+        shared = common_prefix(raw, old)
     if shared < prev.start:
         return None
     # The items whose bytes are all shared are the same JSON values; but a number only if it ends
@@ -167,7 +170,7 @@ def continue_layout(prev: BodyLayout, raw: bytes, key: str, count: int) -> tuple
     try:
         text = raw[pos:].decode()
         ends, close = _items(text, 0, kept > 0)
-        if kept + len(ends) != count:
+        if count is not None and kept + len(ends) != count:
             return None
         offs = _to_bytes(text, pos, [*ends, close])
         close_at = offs[-1]

@@ -61,29 +61,38 @@ def _json_error(exc: Exception) -> RequestError:
 
 
 class _Line:
-    __slots__ = ("ends", "layout", "messages", "protocol", "tools")
+    __slots__ = ("body", "ends", "items", "layout", "messages", "protocol", "tools")
 
-    def __init__(self, protocol: WireProtocol, layout: BodyLayout, request: CanonicalRequest, ends: list[int]) -> None:
+    def __init__(self, protocol: WireProtocol) -> None:
         self.protocol = protocol
-        self.layout = layout
-        self.messages: list[Message] = request.messages
-        self.tools: list[Tool] = request.tools
-        self.ends = ends
+        self.layout: BodyLayout | None = None
+        self.body: dict[str, Any] = {}
+        self.items: list[Any] = []
+        self.messages: list[Message] = []
+        self.tools: list[Tool] = []
+        self.ends: list[int] = []
+
+
+_WS = b" \t\r\n"
 
 
 class ParseMemo:
-    """One session's latest parses, so that its next request converts only what is new.
+    """One session's latest bodies, so that its next request decodes and converts only what is new.
 
     An agent re-sends its whole history every turn, as the same bytes. With the previous body's raw
     bytes and where its list's items lie in them (:mod:`ares_gateway.core._body_layout`), the items a
-    new body shares with it are found by comparing bytes, and their canonical messages (and, when
-    nothing outside the list changed, the tools) are taken over instead of converted again
-    (:class:`~ares_gateway.protocols.base.Reuse`): a long session's parse then costs what its new
-    messages cost. Two lines are kept, the most recently used first, because an agent's side calls
-    (titles, summaries: other bodies) come between its main turns.
+    new body shares with it are found by comparing bytes (at memory speed), never parsed values
+    (``1 == True`` in Python). When nothing outside the list changed, only the bytes of the new items
+    are decoded, and the new body is the previous one with those items added (the same objects:
+    neither is ever mutated); the messages of the shared items and the tools are taken over as well
+    (:class:`~ares_gateway.protocols.base.Reuse`). A long session's turn then costs what its new
+    messages cost, where decoding, converting and freeing the whole body cost what the history costs.
+    Two lines are kept, the most recently used first, because an agent's side calls (titles,
+    summaries: other bodies) come between its main turns.
 
-    Kept per session (``Session.parse_memo``): the previous body's bytes (the same object the
-    recorder keeps for its own delta) and its canonical messages and tools.
+    Kept per session (``Session.parse_memo``), for each line: the previous body's bytes (the same
+    object the recorder keeps for its own delta), its decoded list and top-level object, and its
+    canonical messages and tools. Bodies the gateway parses off the loop never come here.
     """
 
     __slots__ = ("lines",)
@@ -91,63 +100,96 @@ class ParseMemo:
     def __init__(self) -> None:
         self.lines: list[_Line] = []
 
-    def _match(self, protocol: WireProtocol, raw: bytes, key: str, count: int) -> tuple[
-            _Line | None, Reuse | None, BodyLayout | None]:
+    def _best(self, protocol: WireProtocol, raw: bytes) -> tuple[_Line | None, int]:
         best: _Line | None = None
         most = -1
         for line in self.lines:
-            if line.protocol is not protocol:
-                continue
             lay = line.layout
+            if line.protocol is not protocol or lay is None:
+                continue
             shared = common_prefix(raw, lay.raw)
             # A body that does not share its first item's bytes is another line's (or a new one).
             if shared >= (lay.ends[0] if lay.ends else lay.close) and shared > most:
                 best, most = line, shared
-        if best is None:
-            return None, None, None
-        got = continue_layout(best.layout, raw, key, count)
-        if got is None:
-            return best, None, None
-        kept, layout, outside = got
-        return best, Reuse(kept, outside, best.messages, best.tools, best.ends), layout
+        return best, most
 
-    def parse(self, protocol: WireProtocol, raw: bytes, body: Any) -> CanonicalRequest:
-        """``body`` (``raw`` decoded) converted in ``protocol``, taking over what it shares with this
-        session's previous request on its line; then remembered for the next one."""
+    def parse(self, protocol: WireProtocol, raw: bytes) -> ParsedBody:
+        """``raw`` decoded and converted in ``protocol``, taking over what it shares with this
+        session's previous request on its line; then remembered for the next one. Raises
+        :class:`RequestError`, as :func:`parse_inline` does."""
         adapter = get_adapter(protocol)
         key = LIST_KEYS[protocol]
+        line, shared = self._best(protocol, raw)
+        got = None if line is None or line.layout is None else continue_layout(line.layout, raw, key, None, shared)
+        body: Any = None
+        if line is not None and got is not None and got[2]:
+            body = self._grown(line, raw, key, got[0], got[1])
+        if body is None:
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise _json_error(exc) from None
         items = body.get(key) if isinstance(body, dict) else None
         if not isinstance(items, list):
-            return adapter.parse_request(body)
-        line, reuse, layout = self._match(protocol, raw, key, len(items))
+            return ParsedBody(body, adapter.parse_request(body), None)
+        reuse = None
+        layout: BodyLayout | None
+        if line is not None and got is not None and len(got[1].ends) == len(items):
+            kept, layout, outside = got
+            reuse = Reuse(kept, outside, line.messages, line.tools, line.ends)
+        else:
+            layout = layout_of(raw, key, len(items))  # once per line: the whole body walked
         ends: list[int] = []
         request = adapter.parse_request(body, reuse=reuse, ends=ends)
-        if layout is None:
-            layout = layout_of(raw, key, len(items))  # once per line: the whole body walked
-            if layout is None:  # not a body the layout can follow (its list's key twice, say)
-                return request
-        if line is None:
-            line = _Line(protocol, layout, request, ends)
+        if layout is None:  # not a body the layout can follow (its list's key twice, say)
+            return ParsedBody(body, request, None)
+        if reuse is None or line is None:
+            line = _Line(protocol)
             if len(self.lines) >= 2:
                 self.lines.pop()
         else:
             self.lines.remove(line)
-            line.layout, line.messages, line.tools, line.ends = layout, request.messages, request.tools, ends
+        line.layout, line.body, line.items = layout, body, items
+        line.messages, line.tools, line.ends = request.messages, request.tools, ends
         self.lines.insert(0, line)
-        return request
+        return ParsedBody(body, request, None)
+
+    @staticmethod
+    def _grown(line: _Line, raw: bytes, key: str, kept: int, layout: BodyLayout) -> dict[str, Any] | None:
+        """The new body from the previous one and the new items' bytes alone (``None``: decode it whole).
+
+        Every byte outside the list is the previous body's and the first ``kept`` items are its
+        items' bytes, so the body is that one with ``kept`` items and then the new ones, decoded by
+        orjson (a region it refuses, such as a NaN the scanner let through, is decoded whole instead,
+        for orjson's own error)."""
+        prev = line.layout
+        assert prev is not None
+        pos = prev.ends[kept - 1] if kept else prev.start
+        region = raw[pos : layout.close].lstrip(_WS)
+        if kept and region[:1] == b",":
+            region = region[1:]
+        try:
+            new = orjson.loads(b"[" + region + b"]")
+        except orjson.JSONDecodeError:
+            return None
+        if kept + len(new) != len(layout.ends):
+            return None
+        body = dict(line.body)
+        body[key] = line.items[:kept] + new
+        return body
 
 
 def parse_inline(raw: bytes, protocol: WireProtocol | None, memo: ParseMemo | None = None) -> ParsedBody:
     """Decode ``raw`` and (with a ``protocol``) convert it, here and now (with a ``memo``, taking over
     what the session's previous request shares with it). Raises :class:`RequestError`."""
+    if memo is not None and protocol is not None:
+        return memo.parse(protocol, raw)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise _json_error(exc) from None
     if protocol is None:
         return ParsedBody(body, None, None)
-    if memo is not None:
-        return ParsedBody(body, memo.parse(protocol, raw, body), None)
     return ParsedBody(body, get_adapter(protocol).parse_request(body), None)
 
 

@@ -257,3 +257,39 @@ async def test_a_real_client_session_over_http_polls_what_a_fresh_parse_gives() 
             fresh = get_adapter(A).parse_request(item["request"])
             assert item["canonical"] == _dump(fresh)
         assert isinstance(gw.sessions.get(info.session_id).parse_memo, ParseMemo)
+
+
+def test_only_the_new_items_are_decoded_and_the_body_shares_the_old_ones() -> None:
+    memo = ParseMemo()
+    first = parse_inline(json.dumps(_chat(3)).encode(), C, memo)
+    raw = json.dumps(_chat(4)).encode()
+    second = parse_inline(raw, C, memo)
+    assert second.body == orjson.loads(raw)
+    assert second.body["messages"][2] is first.body["messages"][2]  # not decoded again
+    assert second.body["tools"] is first.body["tools"]
+    assert second.request is not None and second.request.raw is second.body
+    assert first.body["messages"] is not second.body["messages"] and len(first.body["messages"]) == 8
+
+
+@pytest.mark.parametrize("token", [
+    "NaN", "Infinity", "-Infinity", "1e999", "123456789012345678901234567890", '"\\ud800"', '"\\udc00x"',
+    '{"a": 1, "a": 2}', "-0", "1.0", "[" * 300 + "]" * 300, '"caf\u00e9 \U0001f600"', "tru", '"unterminated',
+])
+def test_a_new_item_decodes_as_orjson_decodes_the_whole_body(token: str) -> None:
+    """The scanner that finds the items' ends accepts what orjson refuses (NaN, lone surrogates):
+    every new item must come out as a whole-body decode does, value or error."""
+    memo = ParseMemo()
+    base = _chat(3)
+    parse_inline(json.dumps(base).encode(), C, memo)
+    text = json.dumps(base)
+    raw = (text[: text.index("]", text.rindex('"out 2"'))] + ', {"role": "user", "content": ' + token + "}"
+           + text[text.index("]", text.rindex('"out 2"')):]).encode()
+    try:
+        want: Any = _dump(parse_inline(raw, C).request)  # type: ignore[arg-type]
+    except RequestError as exc:
+        want = ("error", exc.message, exc.param)
+    try:
+        got: Any = _dump(parse_inline(raw, C, memo).request)  # type: ignore[arg-type]
+    except RequestError as exc:
+        got = ("error", exc.message, exc.param)
+    assert got == want

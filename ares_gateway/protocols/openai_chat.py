@@ -305,8 +305,11 @@ def parse_request(body: Any, *, reuse: Reuse | None = None, ends: list[int] | No
         fail("'messages' is required", "messages")
     expect(msgs, list, "messages", "an array")
     start = reuse.kept if reuse is not None else 0
-    messages = reuse.messages[:start] if reuse is not None and start else []
-    messages.extend(_parse_message(msgs[i], i) for i in range(start, len(msgs)))
+    if reuse is not None and start:
+        messages = reuse.messages[:start]
+        messages.extend(_parse_message(msgs[i], i) for i in range(start, len(msgs)))
+    else:
+        messages = [_parse_message(m, i) for i, m in enumerate(msgs)]
     if ends is not None:
         ends.extend(range(len(messages) + 1))
     # ``tools`` and ``functions`` as bytes unchanged: the same tools.

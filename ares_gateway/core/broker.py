@@ -99,6 +99,7 @@ class ParkedRequest:
     _head: bytes | None = field(default=None, repr=False)
     _body: bytes | None = field(default=None, repr=False)
     _canonical: bytes | None = field(default=None, repr=False)
+    _encoder: CanonicalEncoder | None = field(default=None, repr=False)
 
     def _fields(self) -> dict[str, Any]:
         return {
@@ -135,7 +136,8 @@ class ParkedRequest:
             return [head, self._body, tail]
         encoded = self._canonical
         if encoded is None:
-            encoded = self._canonical = _canonical_json(self.request)
+            enc = self._encoder
+            encoded = self._canonical = _canonical_json(self.request) if enc is None else enc.encode(self.request)
         return [head, self._body, b',"canonical":', encoded, tail]
 
     def poll_json(self, *, canonical: bool = True) -> bytes:
@@ -169,6 +171,44 @@ def _canonical_json(request: CanonicalRequest) -> bytes:
         return orjson.dumps(fields, default=_model_fields)
     except TypeError:  # orjson.JSONEncodeError is a TypeError
         return request.model_dump_json(exclude={"raw"}).encode()
+
+
+class CanonicalEncoder:
+    """Encodes one line of a session's canonical requests for ``/poll`` (as :func:`_canonical_json`,
+    the same bytes), reusing the encoding of the messages and tools each shares with the last one
+    it encoded: the very objects, which the HTTP layer's parse takes over from the previous request
+    of the line. A long session's canonical form then costs what its new messages cost.
+
+    Keeps the last request's messages and their encodings (about the size of its canonical form).
+    """
+
+    __slots__ = ("_messages", "_pieces", "_tools", "_tools_json")
+
+    def __init__(self) -> None:
+        self._messages: list[Any] = []
+        self._pieces: list[bytes] = []
+        self._tools: list[Any] | None = None
+        self._tools_json = b""
+
+    def encode(self, request: CanonicalRequest) -> bytes:
+        msgs = request.messages
+        prev = self._messages
+        k = 0
+        n = min(len(prev), len(msgs))
+        while k < n and msgs[k] is prev[k]:
+            k += 1
+        try:
+            pieces = self._pieces[:k] + [orjson.dumps(m, default=_model_fields) for m in msgs[k:]]
+            tools = request.tools
+            tools_json = self._tools_json if tools is self._tools else orjson.dumps(tools, default=_model_fields)
+            fields = {k: v for k, v in request.__dict__.items() if k != "raw"}
+            fields["messages"] = orjson.Fragment(b"[" + b",".join(pieces) + b"]")
+            fields["tools"] = orjson.Fragment(tools_json)
+            out = orjson.dumps(fields, default=_model_fields)
+        except TypeError:  # what orjson cannot encode: pydantic's way (or its error), and nothing kept
+            return _canonical_json(request)
+        self._messages, self._pieces, self._tools, self._tools_json = list(msgs), pieces, tools, tools_json
+        return out
 
 
 class _Waiter:
@@ -272,6 +312,7 @@ class Broker:
         raw_body: bytes | None = None,
         held_bytes: int | None = None,
         canonical_json: bytes | None = None,
+        encoder: CanonicalEncoder | None = None,
     ) -> ParkedRequest:
         """Park an agent's request; raises :class:`TooManyParkedError` when its session has
         ``max_parked_per_session`` requests parked already, or its bodies would pass
@@ -279,7 +320,8 @@ class Broker:
 
         ``held_bytes``: bytes already counted with :meth:`hold_bytes` for this body, which the
         request now holds (without it, ``raw_body``'s length is counted here). ``canonical_json``:
-        the canonical form already encoded (as :func:`_canonical_json` does), for ``/poll``."""
+        the canonical form already encoded (as :func:`_canonical_json` does), for ``/poll``;
+        ``encoder``: the :class:`CanonicalEncoder` of the request's line, to encode it when polled."""
         if self._closed:
             raise GatewayClosedError("the gateway is shutting down")
         count = self._parked_by_session.get(session_id, 0)
@@ -307,6 +349,7 @@ class Broker:
         )
         if canonical_json is not None:
             parked._canonical = canonical_json
+        parked._encoder = encoder
         self._pending[rid] = parked
         self._parked_by_session[session_id] = count + 1
         if self.request_timeout > 0:

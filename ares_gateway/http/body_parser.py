@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from ares_gateway.core._body_layout import BodyLayout, common_prefix, continue_layout, layout_of
-from ares_gateway.core.broker import UNENCODABLE_REQUEST, _canonical_json
+from ares_gateway.core.broker import UNENCODABLE_REQUEST, CanonicalEncoder, _canonical_json
 from ares_gateway.core.canonical import CanonicalRequest, Message, Tool, WireProtocol
 from ares_gateway.core.record_codec import LIST_KEYS
 from ares_gateway.protocols import RequestError, get_adapter
@@ -49,11 +49,13 @@ _Plan = Any
 
 class ParsedBody(NamedTuple):
     """A body as parsed JSON, its canonical request, and (when parsed off the loop) the canonical
-    form already encoded for ``/poll``."""
+    form already encoded for ``/poll``, or (through a session's :class:`ParseMemo`) the encoder of
+    the request's line."""
 
     body: Any
     request: CanonicalRequest | None
     canonical_json: bytes | None
+    encoder: CanonicalEncoder | None = None
 
 
 def _json_error(exc: Exception) -> RequestError:
@@ -61,10 +63,11 @@ def _json_error(exc: Exception) -> RequestError:
 
 
 class _Line:
-    __slots__ = ("body", "ends", "items", "layout", "messages", "protocol", "tools")
+    __slots__ = ("body", "encoder", "ends", "items", "layout", "messages", "protocol", "tools")
 
     def __init__(self, protocol: WireProtocol) -> None:
         self.protocol = protocol
+        self.encoder = CanonicalEncoder()
         self.layout: BodyLayout | None = None
         self.body: dict[str, Any] = {}
         self.items: list[Any] = []
@@ -90,9 +93,13 @@ class ParseMemo:
     Two lines are kept, the most recently used first, because an agent's side calls (titles,
     summaries: other bodies) come between its main turns.
 
+    Each line also has a :class:`~ares_gateway.core.broker.CanonicalEncoder`, which encodes its
+    requests' canonical form for ``/poll`` reusing what the last one shared (the same objects).
+
     Kept per session (``Session.parse_memo``), for each line: the previous body's bytes (the same
-    object the recorder keeps for its own delta), its decoded list and top-level object, and its
-    canonical messages and tools. Bodies the gateway parses off the loop never come here.
+    object the recorder keeps for its own delta), its decoded list and top-level object, its
+    canonical messages and tools, and their encoding once polled. Bodies the gateway parses off the
+    loop never come here.
     """
 
     __slots__ = ("lines",)
@@ -152,7 +159,7 @@ class ParseMemo:
         line.layout, line.body, line.items = layout, body, items
         line.messages, line.tools, line.ends = request.messages, request.tools, ends
         self.lines.insert(0, line)
-        return ParsedBody(body, request, None)
+        return ParsedBody(body, request, None, line.encoder)
 
     @staticmethod
     def _grown(line: _Line, raw: bytes, key: str, kept: int, layout: BodyLayout) -> dict[str, Any] | None:

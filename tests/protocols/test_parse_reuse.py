@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ares_gateway.core.canonical import CanonicalRequest, WireProtocol
+from ares_gateway.core.canonical import CanonicalRequest, Message, WireProtocol
 from ares_gateway.http.body_parser import ParseMemo, parse_inline
 from ares_gateway.protocols import RequestError, get_adapter
 
@@ -33,9 +33,13 @@ def _dump(req: CanonicalRequest) -> Any:
 
 def _through(memo: ParseMemo, protocol: WireProtocol, body: dict[str, Any], **dumps: Any) -> CanonicalRequest:
     raw = json.dumps(body, **dumps).encode()
-    got = parse_inline(raw, protocol, memo).request
+    parsed = parse_inline(raw, protocol, memo)
+    got = parsed.request
     assert got is not None
     assert _dump(got) == _dump(_fresh(protocol, raw))
+    # Polled: the line's encoder gives pydantic's bytes, whatever it reused from the last request.
+    assert parsed.encoder is not None
+    assert parsed.encoder.encode(got) == got.model_dump_json(exclude={"raw"}).encode()
     return got
 
 
@@ -293,3 +297,23 @@ def test_a_new_item_decodes_as_orjson_decodes_the_whole_body(token: str) -> None
     except RequestError as exc:
         got = ("error", exc.message, exc.param)
     assert got == want
+
+
+def test_the_canonical_form_of_a_growing_line_reuses_the_encoding_of_what_it_shares() -> None:
+    memo = ParseMemo()
+    first = parse_inline(json.dumps(_anthropic(30)).encode(), A, memo)
+    assert first.encoder is not None and first.request is not None
+    first.encoder.encode(first.request)
+    pieces = list(first.encoder._pieces)
+    second = parse_inline(json.dumps(_anthropic(31)).encode(), A, memo)
+    assert second.encoder is first.encoder and second.request is not None
+    out = second.encoder.encode(second.request)
+    assert out == second.request.model_dump_json(exclude={"raw"}).encode()
+    now = second.encoder._pieces
+    assert len(now) == len(second.request.messages) > len(pieces)
+    assert all(a is b for a, b in zip(pieces, now, strict=False))
+    # An integer orjson cannot hold (put there in process): pydantic's encoding, the cache untouched.
+    big = second.request.model_copy(update={"messages": [
+        *second.request.messages, Message(role="user", content="x", extra={"big": 2**70})]})
+    assert second.encoder.encode(big) == big.model_dump_json(exclude={"raw"}).encode()
+    assert second.encoder._pieces is now

@@ -19,7 +19,7 @@ import re
 from bisect import bisect_right
 from collections.abc import Callable
 from json.scanner import make_scanner
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,6 +46,16 @@ class BodyLayout:
         self.ends = ends
         #: At the list's ``]``.
         self.close = close
+
+
+class LayoutHint(NamedTuple):
+    """What the parse of a body found of its layout, handed on to the recorder so that it need not
+    compare the bodies again: the layout of ``layout.raw``, and (``continued``) what
+    :func:`continue_layout` gave against the body ``prev`` (``None``: not compared)."""
+
+    layout: BodyLayout
+    prev: bytes | None = None
+    continued: tuple[int, BodyLayout, bool] | None = None
 
 
 def _ws(text: str, i: int) -> int:

@@ -31,6 +31,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel
 
+from ares_gateway.core._body_layout import LayoutHint
 from ares_gateway.core.answers import (
     Answer,
     AnswerLike,
@@ -92,6 +93,8 @@ class ParkedRequest:
     raw_body: bytes | None = field(default=None, repr=False)
     #: Bytes this request holds of its session's ``max_parked_bytes_per_session``.
     held_bytes: int = 0
+    #: Where the body's list lies in ``raw_body``, as its parse found (for the recorder), if known.
+    layout: LayoutHint | None = field(default=None, repr=False)
     #: Loop time at which the request times out (``inf``: never).
     _expires: float = field(default=math.inf, repr=False)
     #: Loop time at which the current lease runs out (``None``: not leased, or leased for good).
@@ -313,6 +316,7 @@ class Broker:
         held_bytes: int | None = None,
         canonical_json: bytes | None = None,
         encoder: CanonicalEncoder | None = None,
+        layout: LayoutHint | None = None,
     ) -> ParkedRequest:
         """Park an agent's request; raises :class:`TooManyParkedError` when its session has
         ``max_parked_per_session`` requests parked already, or its bodies would pass
@@ -321,7 +325,8 @@ class Broker:
         ``held_bytes``: bytes already counted with :meth:`hold_bytes` for this body, which the
         request now holds (without it, ``raw_body``'s length is counted here). ``canonical_json``:
         the canonical form already encoded (as :func:`_canonical_json` does), for ``/poll``;
-        ``encoder``: the :class:`CanonicalEncoder` of the request's line, to encode it when polled."""
+        ``encoder``: the :class:`CanonicalEncoder` of the request's line, to encode it when polled;
+        ``layout``: where the body's list lies in ``raw_body``, as its parse found."""
         if self._closed:
             raise GatewayClosedError("the gateway is shutting down")
         count = self._parked_by_session.get(session_id, 0)
@@ -346,6 +351,7 @@ class Broker:
             side_call=side_call,
             raw_body=raw_body,
             held_bytes=held_bytes,
+            layout=layout,
         )
         if canonical_json is not None:
             parked._canonical = canonical_json

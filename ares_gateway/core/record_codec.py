@@ -55,7 +55,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from ares_gateway.core._body_layout import BodyLayout, continue_layout, layout_of
+from ares_gateway.core._body_layout import BodyLayout, LayoutHint, continue_layout, layout_of
 from ares_gateway.core.canonical import WireProtocol
 from ares_gateway.core.recorder import RecordedTurn
 from ares_gateway.core.store import LOST_KIND
@@ -149,8 +149,11 @@ def _list_delta(items: list[Any], line: Line, fresh: bool) -> int:
 
 
 def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: Line, seq: int, key: bool = False,
-                raw: bytes | None = None) -> dict[str, Any]:
-    """The body as a delta against the line's previous turn (``raw``: the bytes it was parsed from)."""
+                raw: bytes | None = None, hint: LayoutHint | None = None) -> dict[str, Any]:
+    """The body as a delta against the line's previous turn (``raw``: the bytes it was parsed from;
+    ``hint``: what the parse found of its layout, taken when it is of these very bytes)."""
+    if hint is not None and (raw is None or hint.layout.raw is not raw):
+        hint = None
     lk = LIST_KEYS.get(protocol)
     items = body.get(lk) if lk is not None else None
     if not isinstance(items, list):
@@ -159,7 +162,10 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: Line, seq: i
     # case: its cost does not grow with the history); else from the parsed body.
     shared = None
     if lk is not None and items is not None and raw is not None and line.layout is not None:
-        shared = continue_layout(line.layout, raw, lk, len(items))
+        if hint is not None and hint.continued is not None and hint.prev is line.layout.raw:
+            shared = hint.continued  # the parse compared these bytes with the same previous body
+        else:
+            shared = continue_layout(line.layout, raw, lk, len(items))
     if shared is not None and shared[2]:
         top = line.top  # every byte outside the list as before: so is every other field
     else:
@@ -180,7 +186,7 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: Line, seq: i
             line.hashes.extend(_digest(x) for x in items[keep:])
         else:
             keep = _list_delta(items, line, fresh=line.seq is None)
-            line.layout = None if raw is None else layout_of(raw, lk, len(items))
+            line.layout = None if raw is None else hint.layout if hint is not None else layout_of(raw, lk, len(items))
         line.kept = keep if same_top else -1
         if key:
             keep = 0  # the line's state moves on as usual; the record holds the whole list
@@ -245,7 +251,7 @@ def encode_head(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, Line
         "side": turn.side_call,
         "ts": turn.timestamp,
         "lat": turn.latency,
-        "body": _body_delta(turn.protocol, body, line, seq, key, raw),
+        "body": _body_delta(turn.protocol, body, line, seq, key, raw, turn.layout),
         "completion": comp,
     }
     request = turn._request

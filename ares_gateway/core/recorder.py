@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from ares_gateway.core._body_layout import LayoutHint
 from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta, WireProtocol
 from ares_gateway.core.streaming import DeltaAccumulator
 from ares_gateway.core.wire import adapter_for
@@ -39,6 +40,7 @@ class RecordedTurn:
         "_request",
         "completion",
         "latency",
+        "layout",
         "protocol",
         "raw_body",
         "request_id",
@@ -59,6 +61,7 @@ class RecordedTurn:
         latency: float,
         raw_body: bytes | None = None,
         request: CanonicalRequest | None = None,
+        layout: LayoutHint | None = None,
     ) -> None:
         if raw_body is None and request is None:
             raise ValueError("a recorded turn needs the request's body or its canonical form")
@@ -70,6 +73,8 @@ class RecordedTurn:
         self.timestamp = timestamp
         self.latency = latency
         self.raw_body = raw_body
+        #: Where the body's list lies in :attr:`raw_body`, as the request's parse found (if known).
+        self.layout = layout
         # Both are kept: a RecordedTurn lives only while it is being recorded (the recorder keeps
         # its compact encoding), and the parsed request saves parsing the body again.
         self._request = request
@@ -117,6 +122,8 @@ class Answered(Protocol):
     def side_call(self) -> bool: ...
     @property
     def timestamp(self) -> float: ...
+    @property
+    def layout(self) -> LayoutHint | None: ...
 
 
 def record_turn(sink: TurnSink | None, parked: Answered, completion: Completion, latency: float | None = None) -> None:
@@ -138,6 +145,7 @@ def record_turn(sink: TurnSink | None, parked: Answered, completion: Completion,
         side_call=parked.side_call,
         timestamp=parked.timestamp,
         latency=latency,
+        layout=parked.layout,
     )
     try:
         sink(turn)

@@ -152,7 +152,7 @@ class AgentAPI:
                     # A GatewayError: 429, too many parked for this session; 503, closing.
                     parked = gw.broker.park(session.id, canonical, endpoint, side_call=side_call, raw_body=raw,
                                             held_bytes=held.nbytes, canonical_json=parsed.canonical_json,
-                                            encoder=parsed.encoder)
+                                            encoder=parsed.encoder, layout=parsed.layout)
                     held.nbytes = 0  # the parked request holds them now, until it is answered
                 finally:
                     held.release()

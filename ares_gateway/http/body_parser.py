@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from ares_gateway.core._body_layout import BodyLayout, common_prefix, continue_layout, layout_of
+from ares_gateway.core._body_layout import BodyLayout, LayoutHint, common_prefix, continue_layout, layout_of
 from ares_gateway.core.broker import UNENCODABLE_REQUEST, CanonicalEncoder, _canonical_json
 from ares_gateway.core.canonical import CanonicalRequest, Message, Tool, WireProtocol
 from ares_gateway.core.record_codec import LIST_KEYS
@@ -56,6 +56,7 @@ class ParsedBody(NamedTuple):
     request: CanonicalRequest | None
     canonical_json: bytes | None
     encoder: CanonicalEncoder | None = None
+    layout: LayoutHint | None = None
 
 
 def _json_error(exc: Exception) -> RequestError:
@@ -150,16 +151,19 @@ class ParseMemo:
         request = adapter.parse_request(body, reuse=reuse, ends=ends)
         if layout is None:  # not a body the layout can follow (its list's key twice, say)
             return ParsedBody(body, request, None)
+        hint = LayoutHint(layout)
         if reuse is None or line is None:
             line = _Line(protocol)
             if len(self.lines) >= 2:
                 self.lines.pop()
         else:
+            assert line.layout is not None and got is not None
+            hint = LayoutHint(layout, line.layout.raw, got)
             self.lines.remove(line)
         line.layout, line.body, line.items = layout, body, items
         line.messages, line.tools, line.ends = request.messages, request.tools, ends
         self.lines.insert(0, line)
-        return ParsedBody(body, request, None, line.encoder)
+        return ParsedBody(body, request, None, line.encoder, hint)
 
     @staticmethod
     def _grown(line: _Line, raw: bytes, key: str, kept: int, layout: BodyLayout) -> dict[str, Any] | None:

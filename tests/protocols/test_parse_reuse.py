@@ -221,12 +221,23 @@ def test_any_sequence_of_bodies_parses_as_a_fresh_parse(steps: list[str], pretty
         _through(memo, C, chat, **({"indent": 1} if pretty else {}))
 
 
-async def test_a_real_client_session_over_http_polls_what_a_fresh_parse_gives() -> None:
+async def test_a_real_client_session_over_http_polls_what_a_fresh_parse_gives(monkeypatch: pytest.MonkeyPatch) -> None:
     """Turns of the anthropic SDK over loopback, history growing with a side call between: every
-    polled canonical form is what a fresh parse of the polled body gives, with the memo on."""
+    polled canonical form is what a fresh parse of the polled body gives, with the memo on, and the
+    recorder takes the parse's layout instead of comparing the bodies again."""
     import anthropic
 
     from ares_gateway import Completion, Gateway
+    from ares_gateway.core import record_codec
+
+    compared: list[int] = []
+    real = record_codec.continue_layout
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        compared.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(record_codec, "continue_layout", spy)
 
     async with Gateway(port=0, data_dir=False, request_timeout=30) as gw:
         info = await gw.create_session()
@@ -250,17 +261,23 @@ async def test_a_real_client_session_over_http_polls_what_a_fresh_parse_gives() 
                                                    tools=tools, messages=history)
                 history += [{"role": "assistant", "content": got.content[0].text},
                             {"role": "user", "content": f"go on {i}"}]
-                if i % 2:
+                if i == 2:  # three main turns in a row: the recorder compared nothing itself
+                    assert compared == []
+                if i >= 3 and i % 2:
                     await client.messages.create(model="claude-haiku", max_tokens=5,
                                                  messages=[{"role": "user", "content": "a title"}])
         finally:
             task.cancel()
             await client.close()
-        assert len(polled) == 9
+        assert len(polled) == 8
         for item in polled:
             fresh = get_adapter(A).parse_request(item["request"])
             assert item["canonical"] == _dump(fresh)
         assert isinstance(gw.sessions.get(info.session_id).parse_memo, ParseMemo)
+        log = gw.turn_log(info.session_id)
+        assert [orjson.loads(t["request"]) if isinstance(t["request"], bytes) else t["request"] for t in log] \
+            == [item["request"] for item in polled]
+    assert compared  # after a side call on its line, it does compare
 
 
 def test_only_the_new_items_are_decoded_and_the_body_shares_the_old_ones() -> None:

@@ -2,8 +2,10 @@
 
 :class:`StatusError` is the base of every error that ends as an HTTP status: it carries the
 ``status``, the ``message`` for whoever gets it and, for a bad request body, the ``param`` it names.
-The HTTP layer maps one to the wire in one place per audience (``http.render.protocol_error`` for
-agents, in their protocol's shape; ``http.render.control_error`` for the control API).
+The HTTP layer's handlers raise them, and each audience's errors meet the wire in one place:
+``http.agent_api.AgentAPI.in_shape`` for agents (in their protocol's shape, with
+``http.render.protocol_error``) and ``http.control_api.ControlAPI.guard`` for the control API
+(``http.render.control_error``).
 
 Each maps to one HTTP status, so the in-process API and the control API (``/respond``,
 ``/sessions``) report the same outcomes, and an agent is told the same in its protocol's shape::

@@ -20,7 +20,7 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import Response, StreamResponse
 
 from ares_gateway.core.answers import Answer, ErrorAnswer, NativeAnswer, StreamAnswer
-from ares_gateway.core.broker import Broker, ParkedRequest, RequestClosed
+from ares_gateway.core.broker import Broker, ParkedRequest
 from ares_gateway.core.canonical import WireProtocol
 from ares_gateway.core.errors import InvalidSessionError, SessionExistsError, StatusError
 from ares_gateway.core.sessions import Session, bearer_token, valid_token
@@ -132,9 +132,28 @@ class AgentAPI:
                 memo = session.parse_memo = ParseMemo()
         return raw, await self.gw.body_parser.parse(raw, protocol, memo)  # a RequestError names its param
 
+    # -- errors ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def in_shape(handler: Handler, protocol: WireProtocol | None = None) -> Handler:
+        """``handler`` with every :class:`StatusError` it raises (a missing key, a body that cannot be
+        read or used, a request closed unanswered, a policy's error answer) answered here, the one
+        place agent errors meet the wire: in the shape of ``protocol`` (``None``: the path's API)."""
+        fixed = None if protocol is None else get_adapter(protocol)
+
+        async def shaped(request: BaseRequest, sid: str | None) -> StreamResponse:
+            try:
+                return await handler(request, sid)
+            except StatusError as exc:
+                adapter = fixed or get_adapter(render.protocol_for_path(request.path))
+                return render.protocol_error(adapter, exc.status, exc.message, exc.param)
+
+        return shaped
+
     # -- LLM endpoints --------------------------------------------------------------------------
 
     def completion_handler(self, protocol: WireProtocol, endpoint: str) -> Handler:
+        """The handler of one LLM endpoint; its errors are raised (wrap it in :meth:`in_shape`)."""
         adapter = get_adapter(protocol)
 
         async def handle(request: BaseRequest, sid: str | None) -> StreamResponse:
@@ -158,14 +177,12 @@ class AgentAPI:
                     held.release()
             except StatusError as rej:
                 gw.metrics.rejected(rej.status)
-                return render.protocol_error(adapter, rej.status, rej.message, rej.param)
+                raise
             # Withdrawn the moment the client goes, in aiohttp's connection_lost, before the
             # handler's cancellation is even delivered: nothing can answer it after that.
             on_disconnect(request, partial(gw.broker.withdraw, parked, "agent disconnected"))
             try:
-                answer = await gw.broker.wait(parked)
-            except RequestClosed as closed:
-                return render.protocol_error(adapter, closed.status, closed.message)
+                answer = await gw.broker.wait(parked)  # a RequestClosed: timed out, session closed
             finally:
                 on_disconnect(request, None)
             return await self._render(request, adapter, parked, answer)
@@ -177,7 +194,7 @@ class AgentAPI:
     ) -> StreamResponse:
         idle = self.gw.config.stream_idle_timeout
         if isinstance(answer, ErrorAnswer):
-            return render.protocol_error(adapter, answer.status, answer.message)
+            raise StatusError(answer.message, status=answer.status)
         if isinstance(answer, StreamAnswer):
             items = aiter(answer.source)
             if parked.request.stream:
@@ -189,28 +206,20 @@ class AgentAPI:
         return await render.synthesized_stream(request, adapter, parked, completion)
 
     async def count_tokens(self, request: BaseRequest, sid: str | None) -> Response:
-        adapter = get_adapter(WireProtocol.ANTHROPIC_MESSAGES)
+        session = self._session(request, sid)
+        held = _Held(self.gw.broker, session.id)
         try:
-            session = self._session(request, sid)
-            held = _Held(self.gw.broker, session.id)
-            try:
-                _, parsed = await self._body(request, session, held, None)
-            finally:
-                held.release()
-            body = parsed.body
-            parse_count_tokens_request(body)
-        except StatusError as rej:
-            return render.protocol_error(adapter, rej.status, rej.message, rej.param)
+            _, parsed = await self._body(request, session, held, None)
+        finally:
+            held.release()
+        body = parsed.body
+        parse_count_tokens_request(body)
         # An estimate (about 4 characters a token): the gateway has no tokenizer for the policy's model.
         size = len(orjson.dumps([body.get("system"), body["messages"], body.get("tools")]))
         return render.json_response({"input_tokens": max(1, math.ceil(size / 4))})
 
     async def models(self, request: BaseRequest, sid: str | None) -> Response:
-        adapter = get_adapter(render.protocol_for_path(request.path))
-        try:
-            self._session(request, sid)
-        except StatusError as rej:
-            return render.protocol_error(adapter, rej.status, rej.message)
+        self._session(request, sid)
         data = [
             {
                 "id": m,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
+from ares_gateway.core.canonical import WireProtocol
 from ares_gateway.http import render
 from ares_gateway.http.agent_api import AgentAPI
 from ares_gateway.http.control_api import ControlAPI
@@ -29,11 +30,14 @@ def build_routes(gateway: ServedGateway, limits: HttpLimits,
     control = ControlAPI(gateway, limits)
     routes = RouteTable(fallback=_not_routed, mounts={} if mounts is None else mounts)
     # Agent paths: at the root and under /s/{sid} (the session's base URL).
+    # Each handler raises its errors; in_shape answers them in the agent's protocol's shape.
+    shaped = agent.in_shape
     for path, protocol in render.AGENT_PATHS.items():
-        routes.add_agent("POST", path, agent.completion_handler(protocol, path))
-    routes.add_agent("POST", "/v1/messages/count_tokens", agent.count_tokens)
-    routes.add_agent("GET", "/v1/models", agent.models)
-    routes.add_agent("GET", "/models", agent.models)
+        routes.add_agent("POST", path, shaped(agent.completion_handler(protocol, path), protocol))
+    routes.add_agent("POST", "/v1/messages/count_tokens",
+                     shaped(agent.count_tokens, WireProtocol.ANTHROPIC_MESSAGES))
+    routes.add_agent("GET", "/v1/models", shaped(agent.models))
+    routes.add_agent("GET", "/models", shaped(agent.models))
     routes.add_agent("GET", "/v1/responses", agent.responses_websocket)
     # Claude Code probes HEAD <base>/ at start-up.
     routes.add_agent("GET,HEAD", "", agent.probe)

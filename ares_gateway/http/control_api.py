@@ -31,7 +31,9 @@ class ControlAPI:
         self.limits = limits
 
     def guard(self, handler: Handler) -> Handler:
-        """Require the admin token (every gateway has one); a body that cannot be read is its error."""
+        """Require the admin token (every gateway has one), and answer what the handler raises: every
+        :class:`StatusError` of the control API (a bad query or body, a body that cannot be read, a
+        gateway outcome such as an unknown session) meets the wire here, in the control API's shape."""
         gw = self.gw
 
         async def guarded(request: BaseRequest, sid: str | None) -> StreamResponse:
@@ -39,7 +41,7 @@ class ControlAPI:
                 return control_error(401, "missing or wrong admin token: send Authorization: Bearer <admin token>")
             try:
                 return await handler(request, sid)
-            except StatusError as exc:  # a body that cannot be read or used, an outcome no handler answered
+            except StatusError as exc:
                 return control_error(exc.status, exc.message)
 
         return guarded
@@ -62,17 +64,14 @@ class ControlAPI:
             max_items = int(q.get("max", "100"))
             lease = float(q["lease"]) if "lease" in q else -1.0
         except ValueError:
-            return control_error(400, "wait and lease must be numbers of seconds, max an integer")
+            raise StatusError("wait and lease must be numbers of seconds, max an integer", status=400) from None
         if not (0 <= wait <= 3600) or not (1 <= max_items <= 10_000) or (lease != -1.0 and not 0 < lease <= 86_400):
-            return control_error(400, "wait must be 0..3600 s, max 1..10000, lease 0..86400 s")
+            raise StatusError("wait must be 0..3600 s, max 1..10000, lease 0..86400 s", status=400)
         with_canonical = q.get("canonical", "1") not in ("0", "false", "no")
         session = q.get("session") or None
         if session is not None and self.gw.sessions.find(session) is None:
-            return control_error(404, f"no session {session!r}")
-        try:
-            items = await self.gw.broker.poll(session, max_items=max_items, wait=wait, lease=lease)
-        except GatewayError as exc:
-            return control_error(exc.status, str(exc))
+            raise StatusError(f"no session {session!r}", status=404)
+        items = await self.gw.broker.poll(session, max_items=max_items, wait=wait, lease=lease)
         # The items' pieces, joined once: a batch of Claude-Code-sized bodies is megabytes, and every
         # copy of it costs the loop (fresh pages each time).
         parts = [b"["]
@@ -112,7 +111,7 @@ class ControlAPI:
             try:
                 await self.gw.durable()
             except GatewayError as exc:
-                return control_error(exc.status, f"answered, but recording the turn failed: {exc}")
+                raise StatusError(f"answered, but recording the turn failed: {exc}", status=exc.status) from None
         return json_response(results if isinstance(body, list) else results[0], status)
 
     def _respond_one(self, item: Any) -> tuple[int, dict[str, Any]]:
@@ -131,13 +130,10 @@ class ControlAPI:
     async def create_session(self, request: BaseRequest, sid: str | None) -> Response:
         body = await self._json(request, default={})
         if not isinstance(body, dict):
-            return control_error(400, "body must be a JSON object")
-        try:
-            info = await self.gw.create_session(
-                session_id=body.get("session_id"), metadata=body.get("metadata"), token=body.get("token")
-            )
-        except GatewayError as exc:
-            return control_error(exc.status, str(exc))
+            raise StatusError("body must be a JSON object", status=400)
+        info = await self.gw.create_session(
+            session_id=body.get("session_id"), metadata=body.get("metadata"), token=body.get("token")
+        )
         return json_response(info.to_dict(), 201)
 
     async def list_sessions(self, request: BaseRequest, sid: str | None) -> Response:
@@ -145,35 +141,26 @@ class ControlAPI:
 
     async def get_session(self, request: BaseRequest, sid: str | None) -> Response:
         assert sid is not None
-        try:
-            return json_response(self.gw.session_summary(sid))
-        except GatewayError as exc:
-            return control_error(exc.status, str(exc))
+        return json_response(self.gw.session_summary(sid))
 
     async def delete_session(self, request: BaseRequest, sid: str | None) -> Response:
         assert sid is not None
-        try:
-            cancelled = await self.gw.delete_session(sid)
-        except GatewayError as exc:
-            return control_error(exc.status, str(exc))
+        cancelled = await self.gw.delete_session(sid)
         return json_response({"status": "ok", "cancelled": cancelled})
 
     async def end_session(self, request: BaseRequest, sid: str | None) -> Response:
         assert sid is not None
         body = await self._json(request, default={})
         if not isinstance(body, dict):
-            return control_error(400, "body must be a JSON object")
+            raise StatusError("body must be a JSON object", status=400)
         reward = body.get("reward")
         # Strictly JSON types: a bool is not a reward, and "no" is not false.
         if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
-            return control_error(400, '"reward" must be a JSON number (or null)')
+            raise StatusError('"reward" must be a JSON number (or null)', status=400)
         truncated = body.get("truncated", False)
         if not isinstance(truncated, bool):
-            return control_error(400, '"truncated" must be true or false')
-        try:
-            await self.gw.end_session(sid, reward=reward, truncated=truncated)
-        except GatewayError as exc:
-            return control_error(exc.status, str(exc))
+            raise StatusError('"truncated" must be true or false', status=400)
+        await self.gw.end_session(sid, reward=reward, truncated=truncated)
         return json_response({"status": "ok"})
 
     async def trajectory(self, request: BaseRequest, sid: str | None) -> Response:
@@ -183,20 +170,14 @@ class ControlAPI:
             reward = float(q.get("reward", "nan"))
             max_tokens = int(q.get("max_sample_tokens", "0"))
         except ValueError:
-            return control_error(400, "reward must be a number and max_sample_tokens an integer")
-        try:
-            samples = self.gw.trajectory(sid, reward=None if math.isnan(reward) else reward, max_sample_tokens=max_tokens)
-        except GatewayError as exc:
-            return control_error(exc.status, str(exc))
+            raise StatusError("reward must be a number and max_sample_tokens an integer", status=400) from None
+        samples = self.gw.trajectory(sid, reward=None if math.isnan(reward) else reward, max_sample_tokens=max_tokens)
         return json_response([s.to_dict() for s in samples])
 
     async def turns(self, request: BaseRequest, sid: str | None) -> Response:
         assert sid is not None
         with_tokens = request.query.get("tokens", "1") not in ("0", "false", "no")
-        try:
-            turns = self.gw.turn_log(sid, tokens=with_tokens)
-        except GatewayError as exc:
-            return control_error(exc.status, str(exc))
+        turns = self.gw.turn_log(sid, tokens=with_tokens)
         return json_response(turns)
 
     async def healthz(self, request: BaseRequest, sid: str | None) -> Response:

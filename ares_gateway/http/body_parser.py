@@ -66,10 +66,10 @@ def _json_error(exc: Exception) -> RequestError:
 class _Line:
     __slots__ = ("body", "encoder", "ends", "items", "layout", "messages", "protocol", "tools")
 
-    def __init__(self, protocol: WireProtocol) -> None:
+    def __init__(self, protocol: WireProtocol, layout: BodyLayout) -> None:
         self.protocol = protocol
         self.encoder = CanonicalEncoder()
-        self.layout: BodyLayout | None = None
+        self.layout = layout
         self.body: dict[str, Any] = {}
         self.items: list[Any] = []
         self.messages: list[Message] = []
@@ -113,7 +113,7 @@ class ParseMemo:
         most = -1
         for line in self.lines:
             lay = line.layout
-            if line.protocol is not protocol or lay is None:
+            if line.protocol is not protocol:
                 continue
             shared = common_prefix(raw, lay.raw)
             # A body that does not share its first item's bytes is another line's (or a new one).
@@ -128,7 +128,7 @@ class ParseMemo:
         adapter = get_adapter(protocol)
         key = LIST_KEYS[protocol]
         line, shared = self._best(protocol, raw)
-        got = None if line is None or line.layout is None else continue_layout(line.layout, raw, key, None, shared)
+        got = None if line is None else continue_layout(line.layout, raw, key, None, shared)
         body: Any = None
         if line is not None and got is not None and got[2]:
             body = self._grown(line, raw, key, got[0], got[1])
@@ -153,11 +153,11 @@ class ParseMemo:
             return ParsedBody(body, request, None)
         hint = LayoutHint(layout)
         if reuse is None or line is None:
-            line = _Line(protocol)
+            line = _Line(protocol, layout)
             if len(self.lines) >= 2:
                 self.lines.pop()
         else:
-            assert line.layout is not None and got is not None
+            assert got is not None
             hint = LayoutHint(layout, line.layout.raw, got)
             self.lines.remove(line)
         line.layout, line.body, line.items = layout, body, items
@@ -174,7 +174,6 @@ class ParseMemo:
         orjson (a region it refuses, such as a NaN the scanner let through, is decoded whole instead,
         for orjson's own error)."""
         prev = line.layout
-        assert prev is not None
         pos = prev.ends[kept - 1] if kept else prev.start
         region = raw[pos : layout.close].lstrip(_WS)
         if kept and region[:1] == b",":

@@ -155,7 +155,8 @@ class Gateway:
         self.store: TurnStore | None = None
         self._temp_data_dir: str | None = None
         self.metrics = GatewayMetrics()
-        self.recorder = SessionRecorder(fork_threshold_tokens=cfg.fork_threshold_tokens)
+        # Turns are recorded after their answer went out (defer): reads, durable() and close() drain first.
+        self.recorder = SessionRecorder(fork_threshold_tokens=cfg.fork_threshold_tokens, defer=True)
         self._extra_recorder = recorder
         self._side_call_detector = side_call_detector
         self.broker = Broker(
@@ -279,6 +280,7 @@ class Gateway:
 
         Raises :class:`~ares_gateway.core.errors.DataDirError` when writing failed (the disk is full).
         """
+        self.recorder.drain()  # the turns answered in this loop iteration go to the store first
         if self.store is not None:
             await self.store.barrier()
 

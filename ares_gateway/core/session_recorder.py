@@ -21,7 +21,9 @@ The session's lifecycle: an ended session's in-memory state is released once its
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -176,12 +178,19 @@ class SessionRecorder:
             memory; then :meth:`release` keeps the session, since nothing else has it).
         keyframe_every: every this many records of a line one is stored whole (see
             :func:`encode_head`; 0: only the first), bounding what a damaged record takes with it.
+        defer: on an event loop, record each turn at the end of the loop iteration it was answered
+            in, after the agent's handler has sent the answer, instead of inside ``respond``: the
+            encoding is then off the agent's critical path. Every read (and :meth:`drain`) records
+            what waits first, so nothing read ever misses a turn; without a running loop a turn is
+            recorded at once.
     """
 
     def __init__(self, *, fork_threshold_tokens: int = 1024, store: TurnStore | None = None,
-                 keyframe_every: int = 128) -> None:
+                 keyframe_every: int = 128, defer: bool = False) -> None:
         if keyframe_every < 0:
             raise ValueError("keyframe_every must be >= 0")
+        self.defer = defer
+        self._waiting: deque[RecordedTurn] = deque()
         self.fork_threshold_tokens = fork_threshold_tokens
         self.keyframe_every = keyframe_every
         self.store = store
@@ -196,6 +205,32 @@ class SessionRecorder:
     # ------------------------------------------------------------------ write
 
     def __call__(self, turn: RecordedTurn) -> None:
+        if self.defer:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+            else:
+                # The answered request's handler was woken first (its future was set before this
+                # call), so it sends the answer before the loop gets to drain().
+                self._waiting.append(turn)
+                if len(self._waiting) == 1:
+                    loop.call_soon(self.drain)
+                return
+        self._record(turn)
+
+    def drain(self) -> None:
+        """Record the turns waiting (``defer``), in the order they were answered. A turn that fails
+        is logged, never raised: a recorder bug must not break a turn."""
+        waiting = self._waiting
+        while waiting:
+            turn = waiting.popleft()
+            try:
+                self._record(turn)
+            except Exception:
+                log.exception("recorder failed for %s", turn.request_id)
+
+    def _record(self, turn: RecordedTurn) -> None:
         sid = turn.session_id
         store = self.store
         if store is not None and store.lost_version != self._lost_seen:
@@ -273,6 +308,7 @@ class SessionRecorder:
     def detach_store(self) -> None:
         """Stop writing to the store (the gateway is closing it): the records of the sessions in
         memory are read back first, so their turn log stays available."""
+        self.drain()
         if self.store is None:
             return
         for sid, state in self._states.items():
@@ -286,6 +322,7 @@ class SessionRecorder:
     # ------------------------------------------------------------------ read
 
     def _records(self, sid: str) -> list[tuple[int, bytes]]:
+        self.drain()
         state = self._states.get(sid)
         if self.store is None:
             return state.payloads if state is not None else []
@@ -328,6 +365,7 @@ class SessionRecorder:
         return [log_entry(d, tokens=tokens) for _, d in self._decoded(session_id)]
 
     def turn_count(self, session_id: str) -> int:
+        self.drain()
         state = self._states.get(session_id)
         if state is not None:
             return state.count
@@ -335,6 +373,7 @@ class SessionRecorder:
 
     def samples(self, session_id: str, *, reward: float = 0.0, max_sample_tokens: int = 0) -> list[Sample]:
         """Training samples of a session's token-recorded turns (turns without token ids are skipped)."""
+        self.drain()
         if session_id in self._states:
             return self._tm.samples(session_id, reward=reward, max_sample_tokens=max_sample_tokens)
         if session_id not in self._stored:
@@ -397,6 +436,7 @@ class SessionRecorder:
     def release(self, session_id: str) -> bool:
         """Free a session's in-memory state; the data dir keeps it (a memory-only recorder keeps it
         too, since nothing else has it). Returns whether anything was freed."""
+        self.drain()
         if self.store is None or session_id not in self._states:
             return False
         self.store.flush()
@@ -407,6 +447,7 @@ class SessionRecorder:
 
     def drop(self, session_id: str) -> None:
         """Forget a session everywhere (memory and, through the caller, the store)."""
+        self.drain()
         self._states.pop(session_id, None)
         self._tm.drop_session(session_id)
         self._stored.discard(session_id)
@@ -414,4 +455,5 @@ class SessionRecorder:
 
     def in_memory(self) -> list[str]:
         """Ids of the sessions whose state is in memory."""
+        self.drain()
         return list(self._states)

@@ -10,9 +10,11 @@ database and its WAL hold live session tokens)::
 Why SQLite: it is in the standard library, one file, crash-safe by design (a torn write at the
 end of the WAL is ignored on open), and readable by any tool (``sqlite3 DIR/gateway.sqlite3``).
 
-**Writes** happen on one writer thread: the event loop only encodes a turn and puts it on a queue;
-the thread commits whatever has queued up in one transaction (many turns of many sessions share a
-commit under load). :meth:`TurnStore.barrier` is a future that is done once everything queued
+**Writes** happen on one writer thread: the event loop only encodes a turn and gathers it; what a
+loop iteration gathered goes to the thread at once (at its end, or at a barrier), and the thread
+commits whatever has queued up in one transaction (many turns of many sessions share a commit).
+Unless someone waits for it (a barrier), a commit waits ``commit_delay`` (5 ms) for more writes to
+join it: one agent's turns, a few hundred a second, then share commits too. :meth:`TurnStore.barrier` is a future that is done once everything queued
 before it is committed; ``respond`` awaits it, so a 200 from ``/respond`` (or a returned
 ``Gateway.respond``) means the turn is in the database.
 
@@ -371,7 +373,11 @@ class TurnStore(_Reads):
         min_free_bytes: refuse to start with less free space than this in ``path``.
         synchronous: SQLite's ``synchronous`` pragma: ``"NORMAL"`` (default; see the module
             docstring) or ``"FULL"`` (an fsync per commit).
-        max_batch: most queued writes committed in one transaction.
+        commit_delay: seconds the writer waits after a write arrives, for more to share its commit
+            (a commit costs the same for one turn or a hundred); a barrier (``/respond``'s 200,
+            :meth:`barrier`, :meth:`flush`) does not wait for it. ``0`` commits at once.
+        max_batch: most queued writes committed in one transaction (a loop iteration's writes go
+            together, so one batch may pass it by those).
         cache_kib: SQLite's page cache for the connection, in KiB (memory the gateway holds).
         max_retry: most small writes (session rows, tombstones of lost turns) a failed batch keeps
             for the next commit; beyond it the oldest are dropped (logged).
@@ -388,6 +394,7 @@ class TurnStore(_Reads):
         min_free_bytes: int = 64 * 2**20,
         synchronous: str = "NORMAL",
         max_batch: int = 512,
+        commit_delay: float = 0.005,
         cache_kib: int = 512,
         max_retry: int = 100_000,
     ) -> None:
@@ -395,6 +402,9 @@ class TurnStore(_Reads):
             raise ValueError('synchronous must be "NORMAL" or "FULL"')
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if not 0 <= commit_delay <= 1:
+            raise ValueError("commit_delay must be between 0 and 1 second")
+        self.commit_delay = commit_delay
         if cache_kib < 64:
             raise ValueError("cache_kib must be >= 64")
         self.cache_kib = cache_kib
@@ -407,9 +417,16 @@ class TurnStore(_Reads):
         except BaseException:
             self._release_lock()
             raise
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        #: Lists of writes for the writer thread (``None``: stop).
+        self._queue: queue.SimpleQueue[list[tuple[Any, ...]] | None] = queue.SimpleQueue()
         self._pending = 0  # writes queued and not yet committed (read on the loop thread)
         self._pending_lock = threading.Lock()
+        # Writes made on an event loop gather here and go to the writer once per loop iteration
+        # (or at a barrier): one wake-up and one transaction for all of them, where a hand-off per
+        # write woke the thread for each, and each wake-up took the GIL from the loop.
+        self._buf: list[tuple[Any, ...]] = []
+        self._buf_loop: asyncio.AbstractEventLoop | None = None
+        self._urgent = threading.Event()  # someone waits for a commit: do not wait for more writes
         self._idle = threading.Event()
         self._idle.set()
         #: The first write error since start (disk full, I/O error); later writes keep trying.
@@ -518,10 +535,31 @@ class TurnStore(_Reads):
     def _put(self, op: tuple[Any, ...]) -> None:
         if self._closed:
             raise DataDirError("the turn store is closed")
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        gathered = first = False
         with self._pending_lock:
             self._pending += 1
-            self._idle.clear()
-        self._queue.put(op)
+            if self._pending == 1:
+                self._idle.clear()
+            if loop is not None and (not self._buf or loop is self._buf_loop):
+                first, gathered = not self._buf, True
+                self._buf_loop = loop
+                self._buf.append(op)
+        if first:
+            assert loop is not None
+            loop.call_soon(self._hand_off)
+        elif not gathered:  # no loop here, or another loop's: straight to the writer
+            self._queue.put([op])
+
+    def _hand_off(self) -> None:
+        """Give the writer what the loop has gathered (thread-safe; a no-op when nothing has)."""
+        with self._pending_lock:
+            buf, self._buf = self._buf, []
+        if buf:
+            self._queue.put(buf)
 
     def put_session(self, sid: str, token: str, created_at: float, metadata: dict[str, Any]) -> None:
         self._put(("session", sid, token, created_at, orjson.dumps(metadata, default=str)))
@@ -563,22 +601,29 @@ class TurnStore(_Reads):
             b.future.set_result(None)
             return b.future
         self._put(("barrier", b))
+        self._hand_off()  # its waiter waits for the commit: no need to wait for the loop's next turn too
+        self._urgent.set()
         return b.future
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Block until every queued write is committed; False if that took longer than ``timeout``."""
+        self._hand_off()  # on the loop's thread, the loop cannot hand off what it gathered while we wait
+        self._urgent.set()
         return self._idle.wait(timeout)
 
     # ------------------------------------------------------------------ the writer thread
 
     def _write_loop(self) -> None:
         while True:
-            op = self._queue.get()
-            if op is None:
+            ops = self._queue.get()
+            if ops is None:
                 if self._retry:
                     self._commit([])  # a last try for what a failed batch left
                 return
-            batch = [op]
+            batch = list(ops)
+            if self.commit_delay and not any(op[0] == "barrier" for op in batch):
+                self._urgent.wait(self.commit_delay)
+            self._urgent.clear()  # set again by a barrier queued after this: the next wait is short
             while len(batch) < self.max_batch:
                 try:
                     nxt = self._queue.get_nowait()
@@ -587,7 +632,7 @@ class TurnStore(_Reads):
                 if nxt is None:
                     self._queue.put(None)  # stop after this batch
                     break
-                batch.append(nxt)
+                batch.extend(nxt)
             self._commit(batch)
             with self._pending_lock:
                 self._pending -= len(batch)
@@ -651,11 +696,16 @@ class TurnStore(_Reads):
     def _apply(self, batch: list[tuple[Any, ...]]) -> None:
         db = self._db
         db.execute("BEGIN")
+        turns: list[tuple[Any, ...]] = []  # consecutive turns go in one executemany
         for op in batch:
             kind = op[0]
             if kind == "turn":
-                db.execute("INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?)", op[1:5])
-            elif kind == "tomb":
+                turns.append(op[1:5])
+                continue
+            if turns:
+                db.executemany("INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?)", turns)
+                turns = []
+            if kind == "tomb":
                 db.execute("INSERT OR IGNORE INTO turns VALUES (?, ?, ?, ?)", op[1:5])
             elif kind == "session":
                 db.execute(
@@ -670,6 +720,8 @@ class TurnStore(_Reads):
             elif kind == "delete":
                 db.execute("DELETE FROM turns WHERE session_id=?", (op[1],))
                 db.execute("DELETE FROM sessions WHERE id=?", (op[1],))
+        if turns:
+            db.executemany("INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?)", turns)
         db.execute("COMMIT")
 
     def prune(self, *, ended_before: float | None = None, session_ids: Iterable[str] = ()) -> list[str]:
@@ -701,7 +753,9 @@ class TurnStore(_Reads):
         if self._closed:
             return
         self._closed = True
+        self._hand_off()
         self._queue.put(None)
+        self._urgent.set()
         self._writer.join(timeout=60)
         with self._db_lock, contextlib.suppress(sqlite3.Error):
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -1,0 +1,222 @@
+"""Issue 27: the turn store gathers a loop iteration's writes into one hand-off and lets a commit wait
+briefly for more, and the recorder records a turn after its answer went out. Nothing read or made
+durable may miss a turn because of either."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import http_writer
+from aiohttp.client_proto import ResponseHandler
+
+from ares_gateway import Completion, Gateway
+from ares_gateway.core.store import DB_NAME, TurnStore
+
+
+def _rows(path: Path) -> list[tuple[str, int]]:
+    """The turns in the database, read through a connection of its own (what a restart would see)."""
+    db = sqlite3.connect(f"file:{path / DB_NAME}?mode=ro", uri=True)
+    try:
+        return [
+            (r[0], r[1]) for r in db.execute("SELECT session_id, seq FROM turns ORDER BY session_id, seq")
+        ]
+    finally:
+        db.close()
+
+
+async def test_the_writes_of_one_loop_iteration_share_one_commit(tmp_path: Path) -> None:
+    store = TurnStore(tmp_path / "d", commit_delay=0)
+    try:
+        await store.barrier()
+        before = store.commits
+        for seq in range(1, 21):
+            store.put_turn("s", seq, b"R" + bytes([seq]))
+            time.sleep(0.002)  # noqa: ASYNC251 -- blocks the loop on purpose, the GIL free for the writer
+        await store.barrier()
+        assert store.commits - before == 1
+        assert _rows(tmp_path / "d") == [("s", seq) for seq in range(1, 21)]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+async def test_without_a_waiter_a_commit_waits_commit_delay_for_more_writes(
+    tmp_path: Path, delay: float
+) -> None:
+    store = TurnStore(tmp_path / "d", commit_delay=delay)
+    try:
+        await store.barrier()
+        before = store.commits
+        store.put_turn("s", 1, b"R1")
+        await asyncio.sleep(0.1)  # another loop iteration, well within the delay
+        store.put_turn("s", 2, b"R2")
+        deadline = time.monotonic() + 5
+        while len(_rows(tmp_path / "d")) < 2 and time.monotonic() < deadline:  # noqa: ASYNC110 -- another thread commits
+            await asyncio.sleep(0.02)
+        assert _rows(tmp_path / "d") == [("s", 1), ("s", 2)]  # committed without anybody waiting
+        assert store.commits - before == (1 if delay else 2)
+    finally:
+        store.close()
+
+
+async def test_a_barrier_does_not_wait_for_the_commit_delay(tmp_path: Path) -> None:
+    store = TurnStore(tmp_path / "d", commit_delay=1.0)
+    try:
+        await store.barrier()
+        store.put_turn("s", 1, b"R1")
+        await asyncio.sleep(0.05)  # the writer has it, and waits for more
+        store.put_turn("s", 2, b"R2")
+        t0 = time.monotonic()
+        await store.barrier()
+        assert time.monotonic() - t0 < 0.5
+        assert _rows(tmp_path / "d") == [("s", 1), ("s", 2)]
+    finally:
+        store.close()
+
+
+async def test_flush_and_close_on_the_loop_thread_take_what_the_loop_gathered(tmp_path: Path) -> None:
+    store = TurnStore(tmp_path / "d", commit_delay=1.0)
+    store.put_turn("s", 1, b"R1")
+    t0 = time.monotonic()
+    # The loop is blocked in flush(): it cannot hand off at the end of this iteration.
+    assert store.flush(timeout=5) and time.monotonic() - t0 < 0.5
+    store.put_turn("s", 2, b"R2")
+    store.close()  # in the same iteration as the write
+    assert _rows(tmp_path / "d") == [("s", 1), ("s", 2)]
+
+
+async def test_writes_from_other_threads_and_the_loop_all_land(tmp_path: Path) -> None:
+    store = TurnStore(tmp_path / "d", commit_delay=0.002)
+    try:
+
+        def writer(name: str) -> None:
+            for seq in range(1, 301):
+                store.put_turn(name, seq, b"R")
+
+        threads = [threading.Thread(target=writer, args=(f"t{i}",)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for seq in range(1, 301):
+            store.put_turn("loop", seq, b"R")
+            if seq % 7 == 0:
+                await asyncio.sleep(0)
+        for t in threads:
+            await asyncio.to_thread(t.join)
+        await store.barrier()
+        rows = _rows(tmp_path / "d")
+        assert len(rows) == 1200 and len(set(rows)) == 1200
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------- the recorder, after the answer
+
+
+async def _one_turn(gw: Gateway, http: aiohttp.ClientSession, info: Any, text: str) -> asyncio.Future[Any]:
+    """An agent's request over HTTP, answered in process with ``text``; the agent's call, not awaited."""
+    call = asyncio.ensure_future(
+        http.post(
+            f"{info.base_url}/v1/chat/completions",
+            headers={"authorization": f"Bearer {info.token}"},
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        )
+    )
+    req = await gw.next_request(info.session_id, timeout=10)
+    assert req is not None
+    await gw.respond(req.id, Completion(text=text))
+    return call
+
+
+async def test_a_turn_is_recorded_after_its_answer_is_sent_and_every_read_sees_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events: list[str] = []
+    for name in ("_write", "_writelines"):
+        real = getattr(http_writer.StreamWriter, name)
+
+        def spy(self: Any, *a: Any, _real: Any = real, **k: Any) -> Any:
+            if not isinstance(self._protocol, ResponseHandler):  # the gateway's writes, not the client's
+                events.append("sent")
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(http_writer.StreamWriter, name, spy)
+    async with Gateway(data_dir=False) as gw, aiohttp.ClientSession() as http:
+        real_record = gw.recorder._record
+
+        def record(turn: Any) -> None:
+            events.append("recorded")
+            real_record(turn)
+
+        monkeypatch.setattr(gw.recorder, "_record", record)
+        info = await gw.create_session()
+        call = await _one_turn(gw, http, info, "first")
+        # Answered: counted at once; read at once (the read records what waits first).
+        assert gw.sessions.get(info.session_id).turns == 1
+        log = gw.turn_log(info.session_id, tokens=False)
+        assert [e["completion"]["text"] for e in log] == ["first"] and events == ["recorded"]
+        resp = await call
+        assert (await resp.json())["choices"][0]["message"]["content"] == "first"
+
+        events.clear()
+        call = await _one_turn(gw, http, info, "second")
+        resp = await call
+        await resp.read()
+        assert events[:2] == ["sent", "recorded"]  # nobody read: the answer went out first
+        assert [e["completion"]["text"] for e in gw.turn_log(info.session_id, tokens=False)] == [
+            "first",
+            "second",
+        ]
+
+
+async def test_durable_takes_the_turns_still_waiting_to_be_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with Gateway(data_dir=str(tmp_path / "data")) as gw, aiohttp.ClientSession() as http:
+        assert gw.store is not None
+        waiting_at_barrier: list[int] = []
+        real_barrier = gw.store.barrier
+
+        def barrier() -> Any:
+            waiting_at_barrier.append(len(gw.recorder._waiting))
+            return real_barrier()
+
+        monkeypatch.setattr(gw.store, "barrier", barrier)
+        info = await gw.create_session()
+        call = await _one_turn(gw, http, info, "kept")
+        await gw.durable()
+        assert waiting_at_barrier == [0]
+        assert _rows(tmp_path / "data") == [(info.session_id, 1)]
+        (await call).release()
+
+
+async def test_a_turn_that_fails_to_record_is_logged_and_the_next_records(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with Gateway(data_dir=False) as gw, aiohttp.ClientSession() as http:
+        real_record = gw.recorder._record
+        calls = {"n": 0}
+
+        def record(turn: Any) -> None:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("recorder bug")
+            real_record(turn)
+
+        monkeypatch.setattr(gw.recorder, "_record", record)
+        info = await gw.create_session()
+        with caplog.at_level(logging.ERROR):
+            for text in ("lost", "kept"):
+                call = await _one_turn(gw, http, info, text)
+                resp = await call
+                assert resp.status == 200  # the agent's turn is not broken by the recorder
+                resp.release()
+        assert "recorder failed for" in caplog.text and "recorder bug" in caplog.text
+        assert [e["completion"]["text"] for e in gw.turn_log(info.session_id, tokens=False)] == ["kept"]

@@ -83,8 +83,13 @@ CREATE TABLE IF NOT EXISTS turns (
     payload BLOB NOT NULL,
     crc INTEGER NOT NULL,
     PRIMARY KEY (session_id, seq)
-) WITHOUT ROWID;
+);
 """
+# A rowid table: records are appended in the order they come (a commit dirties the last page or two
+# and a few pages of the small (session, seq) index), where the WITHOUT ROWID table of earlier
+# versions kept each record inside its session's part of the key order, so a commit of many sessions'
+# turns rewrote a page per session into the WAL: 2-4x the writer's CPU per turn (bench/bench_store.py).
+# Data dirs made with that table keep it and are read and written as before: same columns, same key.
 
 
 @dataclass(frozen=True, slots=True)

@@ -220,3 +220,59 @@ async def test_a_turn_that_fails_to_record_is_logged_and_the_next_records(
                 resp.release()
         assert "recorder failed for" in caplog.text and "recorder bug" in caplog.text
         assert [e["completion"]["text"] for e in gw.turn_log(info.session_id, tokens=False)] == ["kept"]
+
+
+# ---------------------------------------------------------------- the turns table's layout
+
+
+def _turns_sql(path: Path) -> str:
+    db = sqlite3.connect(f"file:{path / DB_NAME}?mode=ro", uri=True)
+    try:
+        return str(db.execute("SELECT sql FROM sqlite_master WHERE name='turns'").fetchone()[0])
+    finally:
+        db.close()
+
+
+async def test_records_are_appended_to_a_rowid_table_and_a_rewrite_replaces(tmp_path: Path) -> None:
+    store = TurnStore(tmp_path / "d")
+    try:
+        store.put_turn("b", 1, b"R-b1")
+        store.put_turn("a", 1, b"R-a1")
+        store.put_turn("a", 1, b"R-a1-again")  # a tombstone's or a retry's rewrite: one row, the last
+        await store.barrier()
+        assert "WITHOUT ROWID" not in _turns_sql(tmp_path / "d").upper()
+        rows, damaged = store.load_turns("a")
+        assert rows == [(1, b"R-a1-again")] and damaged == []
+    finally:
+        store.close()
+
+
+async def test_a_data_dir_with_the_earlier_without_rowid_table_is_read_and_written(tmp_path: Path) -> None:
+    import zlib
+
+    from ares_gateway.core.store import SCHEMA_VERSION
+
+    path = tmp_path / "old"
+    path.mkdir(mode=0o700)
+    db = sqlite3.connect(path / DB_NAME)
+    db.executescript(
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+        "CREATE TABLE sessions (id TEXT PRIMARY KEY, token TEXT NOT NULL, created_at REAL NOT NULL, metadata BLOB"
+        " NOT NULL, ended INTEGER NOT NULL DEFAULT 0, ended_at REAL, reward REAL, truncated INTEGER NOT NULL"
+        " DEFAULT 0, end_info BLOB);"
+        "CREATE TABLE turns (session_id TEXT NOT NULL, seq INTEGER NOT NULL, payload BLOB NOT NULL,"
+        " crc INTEGER NOT NULL, PRIMARY KEY (session_id, seq)) WITHOUT ROWID;"
+    )
+    db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+    db.execute("INSERT INTO turns VALUES ('s', 1, ?, ?)", (b"R-old", zlib.crc32(b"R-old")))
+    db.commit()
+    db.close()
+    (path / DB_NAME).chmod(0o600)
+    store = TurnStore(path)
+    try:
+        store.put_turn("s", 2, b"R-new")
+        await store.barrier()
+        assert store.load_turns("s") == ([(1, b"R-old"), (2, b"R-new")], [])
+    finally:
+        store.close()
+    assert "WITHOUT ROWID" in _turns_sql(path).upper()  # left as it was made

@@ -87,10 +87,18 @@ def check_completion(batch: dict[str, list[Any]], i: int, recomputed: list[float
     start = len(batch["prompt_ids"][i])
     full = batch["prompt_ids"][i] + batch["completion_ids"][i]
     expected = [0] * len(mask)
-    for t in turns:
+    for k, t in enumerate(turns):
         tok = t["completion"]["tokens"]
         at = len(tok["prompt_ids"])
-        assert full[:at] == tok["prompt_ids"] and full[at:at + len(tok["output_ids"])] == tok["output_ids"]
+        got = full[:at + len(tok["output_ids"])]
+        want = tok["prompt_ids"] + tok["output_ids"]
+        if got != want:  # say where, and what the turn was, so a rare failure can be read from CI's log
+            d = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+            raise AssertionError(
+                f"turn {k} of {len(turns)} ({t.get('request_id')}, side call {t.get('side_call')}) is not the sample's "
+                f"prefix: first difference at id {d} of {len(want)} (prompt {at}); sample {got[max(0, d - 8):d + 8]}, "
+                f"turn {want[max(0, d - 8):d + 8]}; tito {t['completion'].get('extra', {}).get('tito')}; the "
+                f"sample's length {len(full)}, the turns' prompt lengths {[len(x['completion']['tokens']['prompt_ids']) for x in turns]}")
         for k in range(at, at + len(tok["output_ids"])):
             expected[k - start] = 1
     assert mask == expected

@@ -191,6 +191,7 @@ class SessionRecorder:
             raise ValueError("keyframe_every must be >= 0")
         self.defer = defer
         self._waiting: deque[RecordedTurn] = deque()
+        self._drain_loop: asyncio.AbstractEventLoop | None = None  # the loop a drain() is scheduled on
         self.fork_threshold_tokens = fork_threshold_tokens
         self.keyframe_every = keyframe_every
         self.store = store
@@ -211,10 +212,13 @@ class SessionRecorder:
             except RuntimeError:
                 pass
             else:
+                if self._waiting and self._drain_loop is not loop:
+                    self.drain()  # turns of a loop that ended before it drained them: theirs come first
                 # The answered request's handler was woken first (its future was set before this
                 # call), so it sends the answer before the loop gets to drain().
                 self._waiting.append(turn)
                 if len(self._waiting) == 1:
+                    self._drain_loop = loop
                     loop.call_soon(self.drain)
                 return
         self._record(turn)

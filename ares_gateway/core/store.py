@@ -545,14 +545,19 @@ class TurnStore(_Reads):
         except RuntimeError:
             loop = None
         gathered = first = False
+        stale: list[tuple[Any, ...]] = []
         with self._pending_lock:
             self._pending += 1
             if self._pending == 1:
                 self._idle.clear()
+            if self._buf and self._buf_loop is not None and self._buf_loop.is_closed():
+                stale, self._buf = self._buf, []  # its loop ended before it handed them off
             if loop is not None and (not self._buf or loop is self._buf_loop):
                 first, gathered = not self._buf, True
                 self._buf_loop = loop
                 self._buf.append(op)
+        if stale:
+            self._queue.put(stale)
         if first:
             assert loop is not None
             loop.call_soon(self._hand_off)

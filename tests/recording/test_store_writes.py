@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import http_writer
 from aiohttp.client_proto import ResponseHandler
@@ -276,3 +277,62 @@ async def test_a_data_dir_with_the_earlier_without_rowid_table_is_read_and_writt
     finally:
         store.close()
     assert "WITHOUT ROWID" in _turns_sql(path).upper()  # left as it was made
+
+
+# ---------------------------------------------------------------- a loop that ends before its iteration does
+
+
+def _stopped_loop(work: Any) -> None:
+    """Run ``work`` on a loop that stops at the end of that iteration and closes: what it scheduled
+    with ``call_soon`` never runs."""
+    loop = asyncio.new_event_loop()
+
+    def step() -> None:
+        work()
+        loop.stop()
+
+    loop.call_soon(step)
+    loop.run_forever()
+    loop.close()
+
+
+def test_writes_gathered_by_a_loop_that_ended_go_with_the_next_write(tmp_path: Path) -> None:
+    store = TurnStore(tmp_path / "d", commit_delay=0)
+    try:
+        _stopped_loop(lambda: store.put_turn("s", 1, b"R1"))
+
+        async def next_loop() -> None:
+            store.put_turn("s", 2, b"R2")
+            await asyncio.sleep(0.3)  # no barrier: the writer commits on its own
+
+        asyncio.run(next_loop())
+        assert _rows(tmp_path / "d") == [("s", 1), ("s", 2)]
+    finally:
+        store.close()
+
+
+def test_turns_waiting_on_a_loop_that_ended_are_recorded_before_the_next(tmp_path: Path) -> None:
+    from ares_gateway.core.canonical import WireProtocol
+    from ares_gateway.core.recorder import RecordedTurn
+    from ares_gateway.core.session_recorder import SessionRecorder
+
+    def turn(i: int) -> RecordedTurn:
+        body = {"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]}
+        return RecordedTurn(session_id="s", request_id=f"req_{i}", protocol=WireProtocol.OPENAI_CHAT,
+                            completion=Completion(text=f"a{i}"), side_call=False, timestamp=0.0, latency=0.0,
+                            raw_body=orjson.dumps(body))
+
+    store = TurnStore(tmp_path / "d", commit_delay=0)
+    rec = SessionRecorder(store=store, defer=True)
+    try:
+        _stopped_loop(lambda: rec(turn(1)))
+
+        async def next_loop() -> None:
+            rec(turn(2))
+            await asyncio.sleep(0.3)  # the loop drains; the writer commits; nobody reads the recorder
+
+        asyncio.run(next_loop())
+        assert _rows(tmp_path / "d") == [("s", 1), ("s", 2)]
+        assert [e["completion"]["text"] for e in rec.turn_log("s")] == ["a1", "a2"]
+    finally:
+        store.close()

@@ -14,9 +14,9 @@ end of the WAL is ignored on open), and readable by any tool (``sqlite3 DIR/gate
 loop iteration gathered goes to the thread at once (at its end, or at a barrier), and the thread
 commits whatever has queued up in one transaction (many turns of many sessions share a commit).
 Unless someone waits for it (a barrier), a commit waits ``commit_delay`` (5 ms) for more writes to
-join it: one agent's turns, a few hundred a second, then share commits too. :meth:`TurnStore.barrier` is a future that is done once everything queued
-before it is committed; ``respond`` awaits it, so a 200 from ``/respond`` (or a returned
-``Gateway.respond``) means the turn is in the database.
+join it: one agent's turns, a few hundred a second, then share commits too.
+:meth:`TurnStore.barrier` is a future that is done once everything queued before it is committed;
+``/respond`` awaits it (``Gateway.durable``), so its 200 means the turn is in the database.
 
 **fsync policy**: ``journal_mode=WAL`` with ``synchronous=NORMAL``. A commit is a ``write()`` into
 the WAL (the OS page cache), without fsync; the WAL is fsynced at checkpoints. A committed turn

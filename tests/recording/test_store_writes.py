@@ -282,6 +282,13 @@ async def test_a_data_dir_with_the_earlier_without_rowid_table_is_read_and_writt
 # ---------------------------------------------------------------- a loop that ends before its iteration does
 
 
+async def _committed(path: Path, count: int, within: float = 5.0) -> None:
+    """Wait until ``count`` turns are in the database, or ``within`` seconds have passed."""
+    deadline = time.monotonic() + within
+    while len(_rows(path)) < count and time.monotonic() < deadline:  # noqa: ASYNC110 -- another thread commits
+        await asyncio.sleep(0.02)
+
+
 def _stopped_loop(work: Any) -> None:
     """Run ``work`` on a loop that stops at the end of that iteration and closes: what it scheduled
     with ``call_soon`` never runs."""
@@ -303,7 +310,7 @@ def test_writes_gathered_by_a_loop_that_ended_go_with_the_next_write(tmp_path: P
 
         async def next_loop() -> None:
             store.put_turn("s", 2, b"R2")
-            await asyncio.sleep(0.3)  # no barrier: the writer commits on its own
+            await _committed(tmp_path / "d", 2)  # no barrier: the writer commits on its own
 
         asyncio.run(next_loop())
         assert _rows(tmp_path / "d") == [("s", 1), ("s", 2)]
@@ -329,7 +336,7 @@ def test_turns_waiting_on_a_loop_that_ended_are_recorded_before_the_next(tmp_pat
 
         async def next_loop() -> None:
             rec(turn(2))
-            await asyncio.sleep(0.3)  # the loop drains; the writer commits; nobody reads the recorder
+            await _committed(tmp_path / "d", 2)  # the loop drains, the writer commits; nobody reads the recorder
 
         asyncio.run(next_loop())
         assert _rows(tmp_path / "d") == [("s", 1), ("s", 2)]

@@ -33,6 +33,13 @@ def _rows(path: Path) -> list[tuple[str, int]]:
         db.close()
 
 
+async def _committed(path: Path, count: int, within: float = 5.0) -> None:
+    """Wait until ``count`` turns are in the database, or ``within`` seconds have passed."""
+    deadline = time.monotonic() + within
+    while len(_rows(path)) < count and time.monotonic() < deadline:  # noqa: ASYNC110 -- another thread commits
+        await asyncio.sleep(0.02)
+
+
 async def test_the_writes_of_one_loop_iteration_share_one_commit(tmp_path: Path) -> None:
     store = TurnStore(tmp_path / "d", commit_delay=0)
     try:
@@ -59,9 +66,7 @@ async def test_without_a_waiter_a_commit_waits_commit_delay_for_more_writes(
         store.put_turn("s", 1, b"R1")
         await asyncio.sleep(0.1)  # another loop iteration, well within the delay
         store.put_turn("s", 2, b"R2")
-        deadline = time.monotonic() + 5
-        while len(_rows(tmp_path / "d")) < 2 and time.monotonic() < deadline:  # noqa: ASYNC110 -- another thread commits
-            await asyncio.sleep(0.02)
+        await _committed(tmp_path / "d", 2)
         assert _rows(tmp_path / "d") == [("s", 1), ("s", 2)]  # committed without anybody waiting
         assert store.commits - before == (1 if delay else 2)
     finally:
@@ -280,13 +285,6 @@ async def test_a_data_dir_with_the_earlier_without_rowid_table_is_read_and_writt
 
 
 # ---------------------------------------------------------------- a loop that ends before its iteration does
-
-
-async def _committed(path: Path, count: int, within: float = 5.0) -> None:
-    """Wait until ``count`` turns are in the database, or ``within`` seconds have passed."""
-    deadline = time.monotonic() + within
-    while len(_rows(path)) < count and time.monotonic() < deadline:  # noqa: ASYNC110 -- another thread commits
-        await asyncio.sleep(0.02)
 
 
 def _stopped_loop(work: Any) -> None:

@@ -37,6 +37,11 @@ def _texts(content: Any) -> list[str]:
     return out
 
 
+#: How a sub-agent's system prompt introduces itself (2.1.332), and how far into a system block it may.
+_SUBAGENT_INTRO = "You are an agent for Claude Code"
+_INTRO_WINDOW = 1024
+
+
 def claude_code_is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool:
     """Claude Code requests that are not the agent's main line.
 
@@ -44,7 +49,8 @@ def claude_code_is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]
     * a conversation summary (``/compact`` or auto-compaction): the last user message asks to
       "create a detailed summary of the conversation";
     * a sub-agent (the ``Agent``/``Task`` tool): its requests carry the ``x-claude-code-agent-id``
-      header and a system prompt that introduces "an agent for Claude Code" (seen with 2.1.332).
+      header and a system block that opens (within its first KiB) with "You are an agent for Claude
+      Code" (seen with 2.1.332).
     """
     if header_value(headers, "x-claude-code-agent-id"):
         return True
@@ -59,8 +65,11 @@ def claude_code_is_side_call(body: Mapping[str, Any], headers: Mapping[str, str]
         last = " ".join(_texts(messages[-1].get("content"))).lower()
         if "detailed summary of the conversation" in last:
             return True
-    system = " ".join(_texts(body.get("system")))
-    return "You are an agent for Claude Code" in system
+    # Only where a block opens: a sub-agent's prompt starts with its introduction (after at most the
+    # identity line), while the main prompt's later parts carry text the agent can write (project
+    # instructions, environment), which must not turn its turns into side calls. Searching a
+    # window, not the whole 10-25 KB prompt, also keeps this check from growing with it.
+    return any(_SUBAGENT_INTRO in text[:_INTRO_WINDOW] for text in _texts(body.get("system")))
 
 
 class ClaudeCodeHarness(BaseHarness):

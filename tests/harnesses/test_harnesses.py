@@ -18,7 +18,7 @@ import pytest
 
 import sandbox
 from ares_gateway import Completion, ErrorAnswer, Gateway, GatewayEnv, ParkedRequest
-from harnesses import HarnessContext, HarnessInstallError, HarnessResult, registry
+from harnesses import HarnessContext, HarnessInstallError, HarnessResult, claude_code_is_side_call, registry
 from harnesses.scripted import CallTool, Finish, RunCommand, ScriptedPolicy, Step
 from harnesses.terminus2 import SUMMARY_MARKERS
 
@@ -246,6 +246,10 @@ async def test_claude_code_subagent_is_a_tagged_side_call() -> None:
     assert len(side) >= 1 and policy.side_turns == len(side)
     assert len(main) == 2
     assert [t["side_call"] for t in turns].count(True) == len(side)
+    # Told by the body alone too, without the agent-id header: the real sub-agent's system prompt
+    # opens a block with its introduction, and the main line's does not.
+    assert all(claude_code_is_side_call(r.request.raw, {}) for r in side)
+    assert not any(claude_code_is_side_call(r.request.raw, {}) for r in main)
     assert_one_main_path(main)
     # The sub-agent's answer (the policy's side-call text) comes back to the main line as the tool result.
     tool_msgs = [m for m in main[1].request.messages if m.role == "tool"]

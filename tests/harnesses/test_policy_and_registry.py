@@ -177,6 +177,20 @@ def test_detectors_on_main_and_side_shapes() -> None:
                                                  "You are about to hand off your work to another AI agent."}]}, {})
 
 
+def test_claude_code_sub_agent_is_told_by_where_a_system_block_opens() -> None:
+    intro = "You are an agent for Claude Code, Anthropic's official CLI for Claude."
+    identity = {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude."}
+    # The introduction in its own block after the identity line, or after it in the same block: a sub-agent.
+    assert claude_code_is_side_call({**CLAUDE_MAIN, "system": [identity, {"type": "text", "text": intro}]}, {})
+    assert claude_code_is_side_call({**CLAUDE_MAIN, "system": identity["text"] + "\n\n" + intro}, {})
+    # The main prompt quoting it far into a block (a repository's notes, a commit message in the
+    # environment section): the agent's own turns, not a side call it could hide them as.
+    quoted = "You are Claude Code. " + "Follow the project's conventions. " * 200 + f"Notes: '{intro}'"
+    assert len(quoted) > 4096
+    assert not claude_code_is_side_call({**CLAUDE_MAIN, "system": [identity, {"type": "text", "text": quoted}]}, {})
+    assert not claude_code_is_side_call({**CLAUDE_MAIN, "system": quoted}, {})
+
+
 def test_registry_builtins_custom_and_unknown() -> None:
     assert set(registry.names()) >= {"claude-code", "codex", "mini-swe-agent", "terminus-2"}
     h = registry.create("codex", version="1.2.3")

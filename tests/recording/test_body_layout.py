@@ -163,6 +163,69 @@ def test_a_body_it_cannot_vouch_for_gets_no_layout() -> None:
     assert continue_layout(lay, b'{"model":"n","messages":[{"a":1},{"b":2}]}', "messages", 2) is None
 
 
+def test_common_prefix_is_the_shared_leading_bytes() -> None:
+    rng = random.Random(7)
+    for n in [0, 1, 63, 64, 65, 8191, 8192, 8193, 20000, 3 * 8192 + 17]:
+        a = rng.randbytes(n)
+        for cut in sorted({0, n // 3, n - 1, n} - {-1}):
+            b = a[:cut] + bytes([(a[cut] + 1) % 256]) + a[cut + 1 :] if cut < n else a + b"more"
+            want = cut
+            assert layout_mod.common_prefix(a, b) == want, (n, cut)
+            assert layout_mod.common_prefix(b, a) == want, (n, cut)
+        assert layout_mod.common_prefix(a, a[: n // 2]) == n // 2
+        assert layout_mod.common_prefix(a, bytes(a)) == n
+
+
+def test_an_unchanged_tail_walks_only_the_new_items(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claude Code sends its system prompt and tools after the messages: when they are as before, only
+    the new items' bytes are decoded and walked, and the layout is the one a whole walk gives."""
+    walked: list[int] = []
+    real = layout_mod._items
+
+    def items(text: str, i: int, after: bool) -> Any:
+        walked.append(len(text) - i)
+        return real(text, i, after)
+
+    monkeypatch.setattr(layout_mod, "_items", items)
+    tail = {"system": [{"type": "text", "text": "You are Claude Code. ✓ " * 2000}], "tools": [{"name": "Bash"}] * 50,
+            "max_tokens": 32000}
+    msgs: list[Any] = [{"role": "user", "content": "fix it"}]
+    for write in WRITERS.values():
+        raw = write({"model": "m", "messages": msgs, **tail})
+        lay = layout_of(raw, "messages", len(msgs))
+        assert lay is not None
+        for t in range(5):
+            new_msgs = [*msgs, {"role": "assistant", "content": "step " + str(t) + " ]},"}, {"role": "user", "content": f"out {t}"}]
+            new = write({"model": "m", "messages": new_msgs, **tail})
+            walked.clear()
+            got = continue_layout(lay, new, "messages", len(new_msgs))
+            assert got is not None and got[0] == len(msgs) and got[2]
+            assert walked and max(walked) < 400 < len(new) // 100, walked  # the new items, not the 60 KB tail
+            whole = layout_of(new, "messages", len(new_msgs))
+            assert whole is not None and (got[1].start, got[1].ends, got[1].close) == (whole.start, whole.ends, whole.close)
+            msgs, lay = new_msgs, got[1]
+
+
+@pytest.mark.parametrize(("old", "new", "count"), [
+    # The new body ends with the old tail, but its list closes before: another list, or the key again.
+    (b'{"messages":[1],"x":3}', b'{"messages":[1],"y":[2],"x":3}', 1),
+    (b'{"messages":[1],"x":3}', b'{"messages":[1],"messages":[5],"x":3}', 1),
+    (b'{"messages":[1],"x":3}', b'{"messages":[1,"a\\"],\\"x\\":3}"],"x":3}', 2),
+    # A number item that runs on into what looks like the tail.
+    (b'{"messages":[12],"x":3}', b'{"messages":[123],"x":3}', 1),
+])
+def test_a_tail_that_only_looks_unchanged_is_walked_whole(old: bytes, new: bytes, count: int) -> None:
+    lay = layout_of(old, "messages", len(orjson.loads(old)["messages"]))
+    assert lay is not None
+    got = continue_layout(lay, new, "messages", count)
+    whole = layout_of(new, "messages", count)
+    if whole is None:
+        assert got is None
+    else:
+        assert got is not None and (got[1].ends, got[1].close) == (whole.ends, whole.close)
+        assert got[0] == _lcp(orjson.loads(old)["messages"], orjson.loads(new)["messages"])
+
+
 def _turn(raw: bytes, i: int, tokens: TokenRecord | None = None, side: bool = False) -> RecordedTurn:
     body = orjson.loads(raw)
     return RecordedTurn(session_id="s", request_id=f"r{i}", protocol=ANTH, raw_body=raw,

@@ -258,14 +258,15 @@ def _bodies(kind: str) -> tuple[str, bytes, dict[str, str]]:
     for i in range(12):
         messages.append({"role": "assistant", "content": [{"type": "text", "text": f"step {i}"}, {"type": "tool_use", "id": f"toolu_{i}", "name": "Tool1", "input": {"arg0": "ls -la " * 5}}]})
         messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": "file.txt\n" * 120}]})
+    # In the order Claude Code 2.1.332 writes its fields: the messages first, then the system prompt and tools.
     body = {
         "model": "claude-x",
-        "max_tokens": 32000,
-        "stream": False,
+        "messages": messages,
         "system": [{"type": "text", "text": "You are Claude Code. " * 300, "cache_control": {"type": "ephemeral"}}],
         "tools": tools,
-        "messages": messages,
         "metadata": {"user_id": json.dumps({"device": "x"})},
+        "max_tokens": 32000,
+        "stream": False,
     }
     return "/v1/messages", json.dumps(body).encode(), {"anthropic-version": "2023-06-01"}
 

@@ -384,6 +384,11 @@ class _Connection(web_protocol.RequestHandler):
         message: str | None = None,
     ) -> StreamResponse:
         """Errors aiohttp answers itself, in the API's JSON shape; the connection then closes."""
+        if status == 500 and isinstance(exc, ConnectionError) and _client_gone(request):
+            # A write to a client that hung up (an agent killed mid-stream, a poller gone mid-batch):
+            # nothing to answer and nothing wrong here. aiohttp drops the connection on this error.
+            log.debug("%s %s: the client went away before its answer was written", request.method, request.path)
+            raise exc
         if status == 500:
             log.error("unhandled error serving %s %s", request.method, request.path, exc_info=exc)
             text = "internal error in the gateway; see its log"
@@ -408,6 +413,11 @@ class _Connection(web_protocol.RequestHandler):
         resp = self._error(request.path, status, text)
         resp.force_close()
         return resp
+
+
+def _client_gone(request: BaseRequest) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def _reason(exc: BaseException | None) -> str:

@@ -234,6 +234,21 @@ async def test_a_failing_handler_is_500_and_the_server_goes_on() -> None:
         await server.close()
 
 
+async def test_a_connection_error_of_the_handlers_own_is_still_a_500(caplog: pytest.LogCaptureFixture) -> None:
+    """Only a client that went away is let go quietly (tests/gateway/test_hang_ups.py): a handler's own
+    ConnectionError (a policy's server refused, say) with the client still there is a logged 500."""
+    async def handler(request: BaseRequest) -> Response:
+        raise ConnectionRefusedError("the policy's server refused")
+
+    server, port = await _serve(handler)
+    try:
+        responses, _ = await _exchange(port, _get("/x"), expect=1)
+        assert responses[0][0] == 500 and "internal error" in json.loads(responses[0][2])["error"]
+        assert any("unhandled error serving GET /x" in r.getMessage() for r in caplog.records if r.levelno >= 40)
+    finally:
+        await server.close()
+
+
 async def test_stream_writes_wait_for_a_slow_reader() -> None:
     """Back-pressure: a client that does not read stalls the writer instead of growing its buffer."""
     written: list[int] = []

@@ -22,6 +22,10 @@ from ares_gateway.http.server import HttpLimits, read_body
 
 log = logging.getLogger(__name__)
 
+#: A ``/poll`` piece this large (an agent's body) is written to the socket by itself, never copied.
+_SENT_AS_IS = 32 * 1024
+_JSON = {"Content-Type": "application/json"}
+
 
 class ControlAPI:
     """Handlers for the policy-facing paths of one gateway (all but /healthz behind :meth:`guard`)."""
@@ -72,8 +76,6 @@ class ControlAPI:
         if session is not None and self.gw.sessions.find(session) is None:
             raise StatusError(f"no session {session!r}", status=404)
         items = await self.gw.broker.poll(session, max_items=max_items, wait=wait, lease=lease)
-        # The items' pieces, joined once: a batch of Claude-Code-sized bodies is megabytes, and every
-        # copy of it costs the loop (fresh pages each time).
         parts = [b"["]
         for p in items:
             try:
@@ -87,8 +89,31 @@ class ControlAPI:
                 parts.append(b",")
             parts += item
         parts.append(b"]")
-        body = b"".join(parts)
-        return Response(body=body, headers={"Content-Type": "application/json"})
+        # A batch of Claude-Code-sized bodies is megabytes: joined, it would be a fresh allocation
+        # of that size each poll, every page of it faulted in, copied into, then unmapped. The
+        # agents' bodies (the bytes as they came) go to the socket as they are instead, and only the
+        # small pieces between them are joined.
+        chunks: list[bytes] = []
+        run: list[bytes] = []
+        for part in parts:
+            if len(part) < _SENT_AS_IS:
+                run.append(part)
+                continue
+            if run:
+                chunks.append(b"".join(run))
+                run = []
+            chunks.append(part)
+        if run:
+            chunks.append(b"".join(run))
+        if len(chunks) == 1:
+            return Response(body=chunks[0], headers=_JSON)
+        resp = StreamResponse(headers=_JSON)
+        resp.content_length = sum(map(len, chunks))
+        await resp.prepare(request)
+        for chunk in chunks:
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
 
     def _refuse_unpollable(self, rid: str, exc: Exception) -> None:
         log.warning("request %s cannot be encoded for /poll (%s): answered with 400", rid, type(exc).__name__)

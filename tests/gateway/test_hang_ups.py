@@ -130,7 +130,10 @@ async def test_a_hang_up_at_any_point_around_the_answer_loses_and_leaks_nothing(
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])
-async def test_a_hang_up_mid_stream_records_nothing_and_closes_the_policys_stream(tmp_path: Path) -> None:
+async def test_a_hang_up_mid_stream_records_nothing_and_closes_the_policys_stream(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
     async with Gateway(port=0, data_dir=str(tmp_path / "data"), request_timeout=30) as gw:
         info = await gw.create_session()
         for turn in range(10):
@@ -159,3 +162,53 @@ async def test_a_hang_up_mid_stream_records_nothing_and_closes_the_policys_strea
             await _settled(gw, info.session_id)
         await gw.durable()
         assert gw.turn_log(info.session_id) == []  # an abandoned stream is no turn
+    bad = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not bad, [r.getMessage() for r in bad]  # an agent gone is no error of the gateway's
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])
+async def test_a_poller_that_hangs_up_mid_batch_loses_no_leased_request(caplog: pytest.LogCaptureFixture) -> None:
+    """/poll writes a batch of Claude-Code-sized bodies piece by piece (never joined into one
+    allocation); a poller gone halfway through gets nothing more, its leased items come back when
+    the lease ends, and the next poller answers every one. Nothing is logged as an error."""
+    caplog.set_level(logging.WARNING)
+    admin = "hang-up-admin-token-0123456789"
+    async with Gateway(port=0, admin_token=admin, request_timeout=60, lease_seconds=30) as gw:
+        infos = [await gw.create_session() for _ in range(12)]
+        agents = []
+        for i, info in enumerate(infos):
+            r, w = await asyncio.open_connection("127.0.0.1", gw.port)
+            body = {"model": "m", "messages": [{"role": "user", "content": f"agent {i} " + "y" * 96_000}]}
+            w.write(_request(info, body))
+            agents.append((r, w))
+        for _ in range(200):
+            if gw.broker.pending_count == len(infos):
+                break
+            await asyncio.sleep(0.01)
+        assert gw.broker.pending_count == len(infos)
+        # A poller that reads the head and a little of a ~1.2 MB batch, then resets.
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(f"GET /poll?max=100&lease=0.5 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {admin}\r\n\r\n".encode())
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"Content-Length" in head, head
+        await reader.readexactly(50_000)
+        _reset(writer)
+        await asyncio.sleep(0.7)  # the lease ends: the items are pollable again
+        import aiohttp
+
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {admin}"}) as s:
+            async with s.get(f"{gw.url}/poll", params={"max": "100", "wait": "5"}) as r:
+                assert r.status == 200
+                items = await r.json()
+            assert sorted(it["session_id"] for it in items) == sorted(i.session_id for i in infos)
+            assert all(len(it["request"]["messages"][0]["content"]) > 96_000 for it in items)
+            async with s.post(f"{gw.url}/respond", json=[{"id": it["id"], "completion": {"text": "ok"}}
+                                                        for it in items]) as r:
+                assert r.status == 200 and all(x["status"] == "ok" for x in await r.json())
+        for r, w in agents:
+            assert (await r.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            w.close()
+        assert gw.broker.pending_count == 0
+    bad = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not bad, [r.getMessage() for r in bad]

@@ -61,7 +61,7 @@ class ControlAPI:
         except orjson.JSONDecodeError as exc:
             raise StatusError(f"body is not valid JSON: {exc}", status=400) from None
 
-    async def poll(self, request: BaseRequest, sid: str | None) -> Response:
+    async def poll(self, request: BaseRequest, sid: str | None) -> StreamResponse:
         q = request.query
         try:
             wait = float(q.get("wait", "0"))

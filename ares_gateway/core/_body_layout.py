@@ -26,9 +26,9 @@ _WS = re.compile(r"[ \t\n\r]*")
 # (typeshed types make_scanner as a class taking itself.)
 _scan: Callable[[str, int], tuple[Any, int]] = make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 _DIGITS = frozenset(b"0123456789")
+_NUMBER = frozenset(b"0123456789.eE+-")
 #: The run of bytes :func:`common_prefix` compares at a time once the whole differs.
 _RUN = 8192
-_NUMBER = frozenset(b"0123456789.eE+-")
 
 
 class BodyLayout:

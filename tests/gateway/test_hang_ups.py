@@ -1,4 +1,4 @@
-"""An agent that hangs up the instant its answer arrives (a hostile or crashing client).
+"""Clients that hang up at the worst moment: an agent around its answer, a poller in the middle of a batch.
 
 The gateway records a turn at the end of the loop iteration it was answered in, after the agent's
 handler has sent the answer (``SessionRecorder(defer=True)``). These tests put the agent's hang-up
@@ -6,7 +6,8 @@ at each point around that: in the iteration the policy answers, before and after
 the answer is being written, and in the middle of a stream. Whatever the timing: an answer the
 policy was told went through is in the record exactly once and durable, one it was refused (the
 agent was already gone) is not, and nothing is left parked, held, leased or running; the session
-goes on with its next request.
+goes on with its next request. A poller gone mid-batch loses no leased request. None of it is
+logged as an error of the gateway's.
 """
 
 from __future__ import annotations

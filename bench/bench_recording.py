@@ -61,14 +61,15 @@ def cc_body(turn: int) -> dict[str, Any]:
         messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": f"file{i}.txt\n" * 180}]})
     # Claude Code marks only the last message for caching, so last turn's last message changes.
     messages[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
+    # In the order Claude Code 2.1.332 writes its fields: the messages first, then the system prompt and tools.
     return {
         "model": "claude-x",
-        "max_tokens": 32000,
-        "stream": False,
+        "messages": messages,
         "system": [{"type": "text", "text": "You are Claude Code. " * 300, "cache_control": {"type": "ephemeral"}}],
         "tools": tools,
-        "messages": messages,
         "metadata": {"user_id": json.dumps({"device": "x"})},
+        "max_tokens": 32000,
+        "stream": False,
     }
 
 

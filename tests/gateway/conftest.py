@@ -32,6 +32,11 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
+def handler_tasks() -> list[asyncio.Task[Any]]:
+    """The gateway's request handlers still running (aiohttp's ``_handle_request`` tasks)."""
+    return [t for t in asyncio.all_tasks() if "_handle_request" in getattr(t.get_coro(), "__qualname__", "")]
+
+
 Answerer = Callable[[dict[str, Any]], Awaitable[dict[str, Any]] | dict[str, Any]]
 
 

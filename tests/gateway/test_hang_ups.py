@@ -21,10 +21,13 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 
 from ares_gateway import Completion, CompletionDelta, Gateway, RequestGoneError
+
+from .conftest import handler_tasks
 
 CHAT = "/v1/chat/completions"
 
@@ -44,16 +47,12 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-def _handler_tasks() -> list[asyncio.Task[Any]]:
-    return [t for t in asyncio.all_tasks() if "_handle_request" in getattr(t.get_coro(), "__qualname__", "")]
-
-
 async def _settled(gw: Gateway, sid: str) -> None:
     for _ in range(200):
-        if gw.broker.pending_count == 0 and not _handler_tasks() and gw.broker.held_bytes_for(sid) == 0:
+        if gw.broker.pending_count == 0 and not handler_tasks() and gw.broker.held_bytes_for(sid) == 0:
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"not settled: {gw.broker.pending_count} parked, {len(_handler_tasks())} handlers, "
+    raise AssertionError(f"not settled: {gw.broker.pending_count} parked, {len(handler_tasks())} handlers, "
                          f"{gw.broker.held_bytes_for(sid)} bytes held")
 
 
@@ -196,8 +195,6 @@ async def test_a_poller_that_hangs_up_mid_batch_loses_no_leased_request(caplog: 
         await reader.readexactly(50_000)
         _reset(writer)
         await asyncio.sleep(0.7)  # the lease ends: the items are pollable again
-        import aiohttp
-
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {admin}"}) as s:
             async with s.get(f"{gw.url}/poll", params={"max": "100", "wait": "5"}) as r:
                 assert r.status == 200

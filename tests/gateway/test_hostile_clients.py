@@ -28,6 +28,8 @@ from ares_gateway import (
     SessionInfo,
 )
 
+from .conftest import handler_tasks
+
 MiB = 1024 * 1024
 CHAT_BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
 
@@ -270,10 +272,6 @@ async def test_pipelined_large_bodies_behind_a_parked_request_are_not_buffered(
 # ---------------------------------------------------------------------------------- respond vs disconnect
 
 
-def _handler_tasks() -> list[asyncio.Task[Any]]:
-    return [t for t in asyncio.all_tasks() if "_handle_request" in getattr(t.get_coro(), "__qualname__", "")]
-
-
 async def test_respond_in_the_iteration_the_agent_is_cancelled_is_gone(gateway: Gateway, session: SessionInfo) -> None:
     """The agent's handler is cancelled and respond() runs in the same loop iteration, before
     the handler's task can run again: RequestGoneError, never InvalidStateError, and nothing leaks."""
@@ -284,7 +282,7 @@ async def test_respond_in_the_iteration_the_agent_is_cancelled_is_gone(gateway: 
         )
         req = await gateway.next_request(session=session.session_id, timeout=5)
         assert req is not None
-        (task,) = _handler_tasks()
+        (task,) = handler_tasks()
         task.cancel()  # what aiohttp does when the client disconnects
         with pytest.raises(RequestGoneError):
             await gateway.respond(req.id, "too late")
@@ -310,7 +308,7 @@ async def test_a_batch_with_one_gone_item_answers_each_on_its_own(
             async with http.get(f"{gateway.url}/poll", params={"wait": "1", "max": "2"}) as r:
                 items += await r.json()
         assert len(items) == 2
-        for task in _handler_tasks()[:1]:
+        for task in handler_tasks()[:1]:
             task.cancel()  # one agent goes away
         await asyncio.sleep(0.05)
         answers = [{"id": it["id"], "completion": {"text": "ok"}} for it in items]
@@ -428,10 +426,10 @@ async def test_disconnecting_agents_under_load_in_process_never_break_respond(ga
     assert len(answered) == 160 and outcomes["ok"] >= 160
     assert gateway.broker.pending_count == 0
     for _ in range(100):  # every agent handler has finished, none is left suspended
-        if not _handler_tasks():
+        if not handler_tasks():
             break
         await asyncio.sleep(0.05)
-    assert not _handler_tasks()
+    assert not handler_tasks()
 
 
 # ---------------------------------------------------------------------------------- sessions and answers

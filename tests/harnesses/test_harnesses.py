@@ -12,12 +12,16 @@ import itertools
 import json
 import shutil
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 import sandbox
 from ares_gateway import Completion, ErrorAnswer, Gateway, GatewayEnv, ParkedRequest
+from ares_gateway.core import _body_layout
+from ares_gateway.http.body_parser import parse_inline
 from harnesses import HarnessContext, HarnessInstallError, HarnessResult, claude_code_is_side_call, registry
 from harnesses.scripted import CallTool, Finish, RunCommand, ScriptedPolicy, Step
 from harnesses.terminus2 import SUMMARY_MARKERS
@@ -48,6 +52,7 @@ async def drive(
     check: Callable[[sandbox.BaseSandbox], Awaitable[None]] | None = None,
     script: list[Step] | None = None,
     prompt: str = PROMPT,
+    gateway_options: dict[str, Any] | None = None,
 ) -> tuple[HarnessResult, list[ParkedRequest], list[dict[str, Any]], ScriptedPolicy]:
     """Run harness ``name`` in a ``backend`` sandbox against a fresh gateway session.
 
@@ -58,7 +63,8 @@ async def drive(
     policy = ScriptedPolicy(name, script or [RunCommand(COMMAND), Finish("The marker is written.")])
     seen: list[ParkedRequest] = []
     async with Gateway(port=0, request_timeout=300,
-                       side_call_detector=lambda req, headers: harness.is_side_call(req.raw, headers)) as gw:
+                       side_call_detector=lambda req, headers: harness.is_side_call(req.raw, headers),
+                       **(gateway_options or {})) as gw:
         info = await gw.create_session()
         async with sandbox.create(_spec(), backend=backend) as sb:
             ctx = HarnessContext(workdir=sb.workdir, session_id=info.session_id, base_url=info.base_url,
@@ -254,6 +260,56 @@ async def test_claude_code_subagent_is_a_tagged_side_call() -> None:
     # The sub-agent's answer (the policy's side-call text) comes back to the main line as the tool result.
     tool_msgs = [m for m in main[1].request.messages if m.role == "tool"]
     assert tool_msgs and "Scripted task" in _text_of(tool_msgs[-1].to_chat_dict())
+
+
+#: Main-line turns of the long Claude Code session (a real session's length: its body grows each turn).
+LONG_TURNS = 200
+
+
+@pytest.mark.slow
+async def test_claude_code_long_session_is_parsed_and_recorded_as_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real traffic at a real session's length: 200 Claude Code turns on one session, each body the
+    last one's plus a tool call and its result. Every body the session's parse memo took over from
+    the one before converts as a fresh parse of the same bytes does, its /poll encoding is pydantic's,
+    the main line's turns take the unchanged-tail path (Claude Code writes its system prompt and tools
+    after the messages), and the data dir, read back by a fresh gateway, holds every request as sent."""
+    require_backend("local", "claude-code")
+    tail_path = 0
+    walk = _body_layout._continue_to_same_tail
+
+    def counted(*args: Any) -> Any:
+        nonlocal tail_path
+        got = walk(*args)
+        tail_path += got is not None
+        return got
+
+    monkeypatch.setattr(_body_layout, "_continue_to_same_tail", counted)
+    data = tmp_path / "data"
+    script: list[Step] = [RunCommand(f"echo step {i}; seq {i} {i + 150}") for i in range(LONG_TURNS - 1)]
+    result, seen, turns, policy = await drive(
+        "claude-code", "local", script=[*script, Finish("Every step ran.")], time_budget=1500,
+        prompt="Run the shell commands you are given, one at a time, then stop.",
+        gateway_options={"data_dir": str(data)})
+    assert result.exit_code == 0, result.stderr_tail
+    main = [r for r in seen if not r.side_call]
+    assert len(main) == policy.main_turns == LONG_TURNS
+    assert_one_main_path(main)
+    assert main[0].raw_body is not None and main[-1].raw_body is not None
+    assert len(main[-1].raw_body) > len(main[0].raw_body) + 150_000, "the session's body did not grow"
+    for req in seen:
+        assert req.raw_body is not None
+        fresh = parse_inline(req.raw_body, req.protocol).request
+        assert fresh is not None
+        assert req.request.model_dump(mode="json", exclude={"raw"}) == fresh.model_dump(mode="json", exclude={"raw"})
+        assert orjson.loads(req.poll_json())["canonical"] == fresh.model_dump(mode="json", exclude={"raw"})
+    # Every main-line body after the first ends with the one before's system prompt and tools.
+    assert tail_path >= LONG_TURNS - 1, (tail_path, len(seen))
+    sent = [orjson.loads(req.raw_body) for req in seen if req.raw_body is not None]
+    assert [t["request"] for t in turns] == sent
+    async with Gateway(port=0, data_dir=str(data)) as again:
+        assert [t["request"] for t in again.turn_log(seen[0].session_id)] == sent
 
 
 @pytest.mark.slow

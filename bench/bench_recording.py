@@ -192,19 +192,21 @@ def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False, s
                 traced0 = _traced()
                 marks = {n: 0 for n in (50, 100, 200) if n <= turns} | {turns: 0}
                 timings: list[float] = []
-                # The recorder's own time per turn (encoding the record, the message tree, queueing the write).
-                recorder = gw.broker._on_turn
+                # The recorder's own time per turn (encoding the record, the message tree, queueing the
+                # write): its _record, which the gateway runs after the answer went out (deferred to the
+                # end of the loop iteration), not the broker's on_turn, which only queues the turn.
+                record = gw.recorder._record
                 record_s: list[float] = []
 
                 def timed(turn: Any) -> None:
                     t0 = time.perf_counter()
-                    recorder(turn)
+                    record(turn)
                     record_s.append(time.perf_counter() - t0)
 
-                gw.broker._on_turn = timed
+                gw.recorder._record = timed  # type: ignore[method-assign]
                 before = {n: len(v) for n, v in step_s.items()}  # the warm-up session's calls
                 sid = await _session(gw, http, turns, tokens, timings, marks, sid="measured")
-                gw.broker._on_turn = recorder
+                del gw.recorder._record
                 end_raw = rss_bytes()
                 trim()
                 end = rss_bytes()

@@ -54,6 +54,13 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _idle_jiffies() -> tuple[int, int]:
+    """The machine's idle (and iowait) and total CPU time so far, in jiffies, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return fields[3] + fields[4], sum(fields)
+
+
 def _rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -297,15 +304,21 @@ async def _load(url: str, agents: int, turns: int, body_kind: str, pids: tuple[i
         await asyncio.gather(*(agent(i, s, 1) for i in range(agents)))
         latencies.clear()
         cpu0 = [_cpu_seconds(p) for p in pids]
+        own0, idle0 = time.process_time(), _idle_jiffies()
         t0 = time.perf_counter()
         await asyncio.gather(*(agent(i, s, turns) for i in range(agents)))
         elapsed = time.perf_counter() - t0
         cpu = [_cpu_seconds(p) - c for p, c in zip(pids, cpu0, strict=True)]
+        own, idle1 = time.process_time() - own0, _idle_jiffies()
     latencies.sort()
     n = len(latencies)
     return {
         "gateway_cpu_us": cpu[0] / n * 1e6 if cpu else float("nan"),
         "responder_cpu_us": cpu[1] / n * 1e6 if len(cpu) > 1 else 0.0,
+        # The load generator (this process) and the share of the machine's CPU time left idle: which
+        # process limits a row (with the Go proxy it is usually this one, not the server).
+        "loadgen_cpu_us": own / n * 1e6,
+        "idle": (idle1[0] - idle0[0]) / max(1, idle1[1] - idle0[1]),
         "turns_per_s": n / elapsed,
         "p50_ms": latencies[len(latencies) // 2] * 1000,
         "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000,
@@ -397,6 +410,8 @@ def run_case(
         "p99_ms": statistics.median(r["p99_ms"] for r in results),
         "gateway_cpu_us": statistics.median(r["gateway_cpu_us"] for r in results),
         "responder_cpu_us": statistics.median(r["responder_cpu_us"] for r in results),
+        "loadgen_cpu_us": statistics.median(r["loadgen_cpu_us"] for r in results),
+        "idle": statistics.median(r["idle"] for r in results),
         "runs": len(results),
     }
 
@@ -460,6 +475,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_gateway":
         _gateway_main(int(sys.argv[2]), sys.argv[3], auto_sessions=True)
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "_gateway-mem":
+        _gateway_main(int(sys.argv[2]), sys.argv[3], auto_sessions=True, data_dir=False)
+        return
     if len(sys.argv) > 1 and sys.argv[1] in ("_bare", "_bare-ll"):
         _bare_main(int(sys.argv[2]), sys.argv[3], lowlevel=sys.argv[1] == "_bare-ll")
         return
@@ -476,8 +494,8 @@ def main() -> None:
     ap.add_argument(
         "--impl",
         action="append",
-        choices=["gateway", "bare", "bare-ll", "go"],
-        help="gateway (default), bare (aiohttp web.Application parking on futures with no parsing: the floor "
+        choices=["gateway", "gateway-mem", "bare", "bare-ll", "go"],
+        help="gateway (default), gateway-mem (the gateway with data_dir=False: turns recorded in memory only), bare (aiohttp web.Application parking on futures with no parsing: the floor "
         "to compare with), bare-ll (the same on aiohttp's low-level web.Server, which the gateway serves on), "
         "go (bench/go_proxy, the "
         "ares-proxy design in Go: destructive non-blocking /poll; HTTP mode only; needs `go`)",
@@ -532,7 +550,8 @@ def main() -> None:
                     print(
                         f"{row['impl']:>7} {row['body']:>5} {row['mode']:>6} agents={row['agents']:>4}  "
                         f"{row['turns_per_s']:8.0f} turns/s  p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  "
-                        f"gateway CPU {row['gateway_cpu_us']:6.0f} us/turn  responder CPU {row['responder_cpu_us']:5.0f} us/turn",
+                        f"gateway CPU {row['gateway_cpu_us']:6.0f} us/turn  responder CPU {row['responder_cpu_us']:5.0f} us/turn  "
+                        f"load generator CPU {row['loadgen_cpu_us']:5.0f} us/turn  idle {row['idle']:4.0%}",
                         flush=True,
                     )
     if args.memory:

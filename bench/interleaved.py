@@ -37,7 +37,8 @@ ROWS: dict[str, list[tuple[tuple[str, int], list[str], list[str]]]] = {
     "inproc64": [(("inproc", 64), [], ["bare-ll", "bare", "gateway"])],
     "http": [(("http", a), [], ["go", "gateway", "bare", "bare-ll"]) for a in (1, 64, 512)],
 }
-RATIOS = [("gateway", "go"), ("gateway", "bare"), ("gateway", "bare-ll"), ("gateway", "before"), ("before", "go")]
+RATIOS = [("gateway", "go"), ("gateway", "bare"), ("gateway", "bare-ll"), ("gateway", "before"), ("before", "go"),
+          ("gateway-mem", "go"), ("gateway", "gateway-mem")]
 
 
 def _run(mode: str, agents: int, extra: list[str], impls: list[str], before: str | None = None) -> list[dict[str, Any]]:
@@ -66,6 +67,9 @@ def main() -> None:
     ap.add_argument("--before", metavar="DIR", help="also run the gateway of the checkout at DIR as 'before'")
     ap.add_argument("--grow", action="store_true",
                     help="each agent's body grows every turn (bench_gateway.py --grow), as a real session's does")
+    ap.add_argument("--impl", action="append", dest="impls", metavar="IMPL",
+                    help="the implementations each row runs (bench_gateway.py --impl; e.g. gateway-mem, the "
+                         "gateway recording in memory only), instead of the row's own list")
     ap.add_argument("--no-canonical", action="store_true",
                     help="the HTTP responder polls with canonical=0: the native body only, all the Go proxy hands out")
     args = ap.parse_args()
@@ -80,8 +84,8 @@ def main() -> None:
                 extra += ["--turn-target", "5000"]
             # One run per implementation, so one that fails (the bare web.Application loop resets
             # connections at 512 agents with large bodies) leaves the others' rows.
-            jobs = [(impl, None) for impl in impls]
-            if args.before and "gateway" in impls:
+            jobs = [(impl, None) for impl in (args.impls or impls)]
+            if args.before and "gateway" in (args.impls or impls):
                 jobs.append(("gateway", args.before))
             for impl, before in jobs:
                 try:
@@ -106,6 +110,10 @@ def main() -> None:
                 f"  p50 {statistics.median(x['p50_ms'] for x in rows):7.3f} ms"
                 f"  p99 {statistics.median(x['p99_ms'] for x in rows):7.3f} ms"
                 f"  server CPU {statistics.median(x['gateway_cpu_us'] for x in rows):4.0f} µs/turn"
+                + (f"  responder {statistics.median(x['responder_cpu_us'] for x in rows):4.0f} µs"
+                   f"  load generator {statistics.median(x['loadgen_cpu_us'] for x in rows):4.0f} µs"
+                   f"  idle {statistics.median(x['idle'] for x in rows):4.0%}"
+                   if all("idle" in x for x in rows) else "")
             )
         for a, b in RATIOS:
             both = [r[(mode, agents)] for r in rounds if a in r[(mode, agents)] and b in r[(mode, agents)]]

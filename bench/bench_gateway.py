@@ -12,7 +12,9 @@ gateway process through ``Gateway.next_request`` / ``respond``.
     python3 bench/bench_gateway.py --impl bare --impl go --impl gateway   # against the floors and the Go proxy
     python3 bench/bench_gateway.py --impl bare-ll --burn-us 50 --agents 1 --mode inproc   # latency per µs of server CPU
 
-Reports turns/s, per-turn latency p50/p99 (agent side), and memory per parked request;
+Reports turns/s, per-turn latency p50/p99 (agent side), CPU per turn of the server, the responder
+and the load generator with the machine's idle share (which process limits a row), and memory per
+parked request;
 with ``--instructions``, the server process's instruction count per turn at one agent
 (callgrind), which does not move with the machine's load.
 """

@@ -74,6 +74,8 @@ def main() -> None:
                     help="the HTTP responder polls with canonical=0: the native body only, all the Go proxy hands out")
     args = ap.parse_args()
     plan = [row for group in (args.only or list(ROWS)) for row in ROWS[group]]
+    if args.impls:  # the same implementations in every row
+        plan = [(row, extra, args.impls) for row, extra, _ in plan]
     rounds: list[dict[tuple[str, int], dict[str, dict[str, Any]]]] = []
     for i in range(args.rounds):
         got: dict[tuple[str, int], dict[str, dict[str, Any]]] = defaultdict(dict)
@@ -84,8 +86,8 @@ def main() -> None:
                 extra += ["--turn-target", "5000"]
             # One run per implementation, so one that fails (the bare web.Application loop resets
             # connections at 512 agents with large bodies) leaves the others' rows.
-            jobs = [(impl, None) for impl in (args.impls or impls)]
-            if args.before and "gateway" in (args.impls or impls):
+            jobs = [(impl, None) for impl in impls]
+            if args.before and "gateway" in impls:
                 jobs.append(("gateway", args.before))
             for impl, before in jobs:
                 try:

@@ -302,8 +302,9 @@ async def test_claude_code_long_session_is_parsed_and_recorded_as_sent(
         assert req.raw_body is not None
         fresh = parse_inline(req.raw_body, req.protocol).request
         assert fresh is not None
-        assert req.request.model_dump(mode="json", exclude={"raw"}) == fresh.model_dump(mode="json", exclude={"raw"})
-        assert orjson.loads(req.poll_json())["canonical"] == fresh.model_dump(mode="json", exclude={"raw"})
+        want = fresh.model_dump(mode="json", exclude={"raw"})
+        assert req.request.model_dump(mode="json", exclude={"raw"}) == want
+        assert orjson.loads(req.poll_json())["canonical"] == want
     # Every main-line body after the first ends with the one before's system prompt and tools.
     assert tail_path >= LONG_TURNS - 1, (tail_path, len(seen))
     sent = [orjson.loads(req.raw_body) for req in seen if req.raw_body is not None]

@@ -35,7 +35,7 @@ from ares_gateway.core.canonical import (
 )
 from ares_gateway.core.errors import InvalidAnswerError
 from ares_gateway.core.token_ids import logprob_array, token_array
-from ares_gateway.core.wire import RequestError, adapter_for
+from ares_gateway.core.wire import MAX_JSON_DEPTH, RequestError, adapter_for, nests_deeper
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +46,9 @@ class ErrorAnswer:
     message: str
 
 
-#: Deepest nesting of objects and arrays accepted in a native answer body (the body itself is level 1).
-#: Real responses nest under 10 levels, tool inputs a few more; the JSON encoder (orjson) stops at 255.
-MAX_ANSWER_DEPTH = 128
+#: Deepest nesting of objects and arrays accepted in a native answer body (the body itself is level 1):
+#: the wire's one rule, :data:`~ares_gateway.core.wire.MAX_JSON_DEPTH`.
+MAX_ANSWER_DEPTH = MAX_JSON_DEPTH
 # A response id to render a Completion with when it is only being proven to render.
 _TRIAL_ID = "req_trial"
 
@@ -158,7 +158,7 @@ def coerce_answer(
             f"cannot answer with {type(answer).__name__}: give a Completion, a native response body, "
             "an ErrorAnswer, or an async iterable of CompletionDelta"
         )
-    if _too_deep(answer, MAX_ANSWER_DEPTH):
+    if nests_deeper(answer, MAX_ANSWER_DEPTH):
         raise _too_deep_error()
     try:
         completion, verbatim = read_native(protocol, request, answer)
@@ -172,18 +172,6 @@ def coerce_answer(
         return _checked_native(protocol, request, NativeAnswer(answer, completion))
     _prove_renders(protocol, request, completion)
     return completion
-
-
-def _too_deep(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests dicts and lists more than ``limit`` levels (iteratively: no recursion to exhaust)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = v.values() if isinstance(v, dict) else v
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | tuple))
-    return False
 
 
 def _too_deep_error() -> InvalidAnswerError:
@@ -220,7 +208,7 @@ def _checked_native(protocol: WireProtocol, request: CanonicalRequest, answer: N
         return answer
     if not isinstance(answer.body, dict):
         raise InvalidAnswerError("NativeAnswer.body must be a dict (the response body)")
-    if _too_deep(answer.body, MAX_ANSWER_DEPTH):
+    if nests_deeper(answer.body, MAX_ANSWER_DEPTH):
         raise _too_deep_error()
     try:
         raw = orjson.dumps(answer.body)

@@ -50,6 +50,7 @@ from ares_gateway.core.errors import (
     UnknownRequestError,
 )
 from ares_gateway.core.recorder import TurnSink, record_stream, record_turn
+from ares_gateway.core.wire import MAX_JSON_DEPTH
 
 log = logging.getLogger(__name__)
 
@@ -154,10 +155,11 @@ def _model_fields(value: Any) -> dict[str, Any]:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-#: Why a request whose canonical form cannot be encoded for ``/poll`` (nested past the encoders'
-#: depth in a free-form field) is refused: its agent's 400, wherever the encoding is tried.
+#: Why a request nested past :data:`~ares_gateway.core.wire.MAX_JSON_DEPTH` (in a free-form field) is
+#: refused: its agent's 400, from the body parser, before it is parked (the turn could be neither
+#: recorded nor handed on; ``/poll`` refuses one it cannot encode the same way).
 UNENCODABLE_REQUEST = ("the request cannot be handed to the policy: it nests objects or arrays too deeply "
-                       "(at most 128 levels); send a flatter body")
+                       f"(at most {MAX_JSON_DEPTH} levels); send a flatter body")
 
 
 def _canonical_json(request: CanonicalRequest) -> bytes:

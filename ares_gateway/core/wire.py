@@ -28,6 +28,36 @@ class RequestError(StatusError, ValueError):
     status = 400
 
 
+#: Deepest nesting of objects and arrays the gateway takes in a body from the wire, an agent's request
+#: or a policy's native answer (the body itself is level 1). Real bodies nest under 20 levels (tool
+#: schemas, tool inputs); every encoder a body goes through again (the turn record, ``/poll``'s canonical
+#: form, the answer sent) is orjson, which stops at 255 levels, and each wraps the body in a few of its own.
+MAX_JSON_DEPTH = 128
+
+
+def nests_deeper(value: Any, limit: int = MAX_JSON_DEPTH, depth: int = 1) -> bool:
+    """Whether ``value`` (at nesting level ``depth``) nests objects and arrays past level ``limit``;
+    iterative, so that no depth exhausts the stack. Its cost is the number of containers and their
+    members, never their strings' lengths."""
+    if not isinstance(value, _CONTAINERS):
+        return False
+    stack: list[tuple[Any, int]] = [(value, depth)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        v, d = pop()
+        if d > limit:
+            return True
+        for child in v.values() if isinstance(v, dict) else v:
+            t = type(child)
+            # Exact types first: a decoded body holds only these, and strings are most of its members.
+            if t is dict or t is list or (t is not str and isinstance(child, _CONTAINERS)):
+                push((child, d + 1))
+    return False
+
+
+_CONTAINERS = (dict, list, tuple)
+
+
 @dataclass(frozen=True, slots=True)
 class Reuse:
     """What a request's parse may take over from the same session's previous request on the same line.

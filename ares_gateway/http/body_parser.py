@@ -35,6 +35,7 @@ from ares_gateway.core._body_layout import BodyLayout, LayoutHint, common_prefix
 from ares_gateway.core.broker import UNENCODABLE_REQUEST, CanonicalEncoder, _canonical_json
 from ares_gateway.core.canonical import CanonicalRequest, Message, Tool, WireProtocol
 from ares_gateway.core.record_codec import LIST_KEYS
+from ares_gateway.core.wire import nests_deeper
 from ares_gateway.protocols import RequestError, get_adapter
 from ares_gateway.protocols.base import Reuse
 
@@ -61,6 +62,14 @@ class ParsedBody(NamedTuple):
 
 def _json_error(exc: Exception) -> RequestError:
     return RequestError(f"request body is not valid JSON: {exc}")
+
+
+def _check_depth(value: Any, depth: int = 1) -> None:
+    """A body (or, at ``depth``, the part of one not seen before) nested past what the gateway can
+    record and hand on is the agent's 400 here, before it is parked: answered, its turn would be
+    recorded as lost, whatever the policy polled it with."""
+    if nests_deeper(value, depth=depth):
+        raise RequestError(UNENCODABLE_REQUEST)
 
 
 class _Line:
@@ -137,6 +146,7 @@ class ParseMemo:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError as exc:
                 raise _json_error(exc) from None
+            _check_depth(body)
         items = body.get(key) if isinstance(body, dict) else None
         if not isinstance(items, list):
             return ParsedBody(body, adapter.parse_request(body), None)
@@ -184,6 +194,7 @@ class ParseMemo:
             return None
         if kept + len(new) != len(layout.ends):
             return None
+        _check_depth(new, depth=2)  # the list's level in the body; the rest was checked when it came
         body = dict(line.body)
         body[key] = line.items[:kept] + new
         return body
@@ -200,6 +211,7 @@ def parse_inline(raw: bytes, protocol: WireProtocol | None, memo: ParseMemo | No
         raise _json_error(exc) from None
     if protocol is None:
         return ParsedBody(body, None, None)
+    _check_depth(body)
     return ParsedBody(body, get_adapter(protocol).parse_request(body), None)
 
 
@@ -276,6 +288,8 @@ def _work(raw: bytes, protocol: str | None, piece: int) -> tuple[Any, ...]:
         return ("error", 400, str(_json_error(exc)), None)
     canonical = None
     if protocol is not None:
+        if nests_deeper(body):
+            return ("error", 400, UNENCODABLE_REQUEST, None)
         try:
             request = get_adapter(protocol).parse_request(body)
         except RequestError as exc:

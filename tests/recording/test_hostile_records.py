@@ -119,6 +119,112 @@ async def test_a_number_no_protocol_allows_is_a_400_in_its_shape_and_erases_noth
         assert "damaged_records" not in gw.session_summary("s")
 
 
+# ------------------------------------------------ a body nested too deep to record: 400, nothing erased
+
+
+def _deep(depth: int) -> Any:
+    """A JSON value nesting ``depth`` arrays (the innermost holds a string)."""
+    value: Any = "deep"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@contextlib.asynccontextmanager
+async def _answering_over_poll(gw: Gateway) -> AsyncIterator[list[str]]:
+    """A policy polling over HTTP for the native body only (``canonical=0``), as the Go proxy's pollers
+    do; yields the request ids it answered."""
+    answered: list[str] = []
+
+    async def loop(http: aiohttp.ClientSession) -> None:
+        while True:
+            async with http.get(f"{gw.url}/poll", params={"wait": "5", "canonical": "0"}) as r:
+                assert r.status == 200, await r.text()
+                items = await r.json()
+            if not items:
+                continue
+            answers = [{"id": it["id"], "completion": {"text": f"answer {len(answered) + i + 1}"}}
+                       for i, it in enumerate(items)]
+            answered.extend(it["id"] for it in items)  # before the agent has its answer, as in process
+            async with http.post(f"{gw.url}/respond", json=answers) as r:
+                assert r.status == 200, await r.text()
+                assert all(x["status"] == "ok" for x in await r.json())
+
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {gw.admin_token}"}) as http:
+        task = asyncio.ensure_future(loop(http))
+        try:
+            yield answered
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+@pytest.mark.parametrize("policy", ["native-poll", "in-process"])
+async def test_a_body_nested_too_deep_to_record_is_a_400_in_its_shape_and_erases_nothing(
+        policy: str, tmp_path: Path) -> None:
+    """A body nesting 300 levels parses (orjson reads 1,000), but no record of it can be encoded
+    (orjson writes 254): a policy that polled the native body (``canonical=0``), or took it in process,
+    answered it, and its turn went to the data dir as a tombstone. An agent could hide any turn so.
+    Now the body parser refuses it before it is parked, in each protocol's shape and on each of its
+    paths: a small body parsed whole, a long session's new message (the parse memo) or changed field
+    (decoded whole); a body nested to the limit is recorded as sent."""
+    from ares_gateway.core.wire import MAX_JSON_DEPTH
+
+    data = tmp_path / "data"
+    async with Gateway(port=0, data_dir=str(data)) as gw:
+        info = await gw.create_session("s")
+        oa = openai.AsyncOpenAI(base_url=f"{info.base_url}/v1", api_key=info.token, max_retries=0)
+        an = anthropic.AsyncAnthropic(base_url=info.base_url, api_key=info.token, max_retries=0)
+        answering = _answering_over_poll(gw) if policy == "native-poll" else _answering(gw, "s")
+        async with answering as answered:
+            # 9 KiB of system prompt: every turn of this conversation goes through the session's parse memo.
+            messages: list[dict[str, Any]] = [{"role": "system", "content": "be brief. " * 900}]
+            for t in range(10):
+                messages = _chat(messages, t)
+                if t == 3:
+                    refused: list[str] = []
+                    attacks: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
+                        ("new message", [*messages[:-1], {**messages[-1], "x": _deep(300)}], {}),
+                        ("changed field", messages, {"metadata_x": _deep(300)}),
+                        ("one level past the limit", messages, {"x": _deep(MAX_JSON_DEPTH)}),
+                        ("small body", [{"role": "user", "content": "hi", "x": _deep(300)}], {}),
+                    ]
+                    for what, msgs, extra in attacks:
+                        with pytest.raises(openai.BadRequestError) as err:
+                            await oa.chat.completions.create(model="m", messages=msgs,  # type: ignore[arg-type]
+                                                             extra_body=extra)
+                        body = err.value.body
+                        assert isinstance(body, dict) and body.get("type") == "invalid_request_error", (what, body)
+                        assert "nests objects or arrays too deeply" in body["message"], (what, body)
+                        refused.append(what)
+                    with pytest.raises(anthropic.BadRequestError) as aerr:
+                        await an.messages.create(model="m", max_tokens=10, messages=[{"role": "user", "content": "hi"}],
+                                                 tools=[{"name": "t", "input_schema": {"type": "object", "x": _deep(300)}}])
+                    assert aerr.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+                    with pytest.raises(openai.BadRequestError) as rerr:
+                        await oa.responses.create(model="m", input="hi", extra_body={"x": _deep(300)})
+                    assert rerr.value.status_code == 400 and "too deeply" in str(rerr.value)
+                    assert len(refused) == 4 and gw.broker.pending_count == 0
+                    # At the limit it is taken, answered and recorded.
+                    at_limit = await oa.chat.completions.create(model="m", messages=messages,  # type: ignore[arg-type]
+                                                                extra_body={"x": _deep(MAX_JSON_DEPTH - 1)})
+                    assert at_limit.choices[0].message.content
+                resp = await oa.chat.completions.create(model="m", messages=messages)  # type: ignore[arg-type]
+                messages.append({"role": "assistant", "content": resp.choices[0].message.content})
+            await gw.durable()
+            assert len(answered) == 11
+        before = gw.turn_log("s")
+        assert gw.recorder.store is not None and gw.recorder.store.lost_turns == 0
+    async with Gateway(port=0, data_dir=str(data)) as gw:
+        log = gw.turn_log("s")
+        assert len(log) == 11 and log == before
+        assert log[3]["request"]["x"] == _deep(MAX_JSON_DEPTH - 1)
+        assert [t["request"]["messages"][-1]["content"].split(":")[0] + ":" for t in log if "x" not in t["request"]] == [
+            f"turn {t}:" for t in range(10)]
+        assert "damaged_records" not in gw.session_summary("s")
+
+
 # ---------------------------------------------------------- finding 6: a record that cannot be encoded
 
 

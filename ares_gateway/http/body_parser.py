@@ -209,9 +209,9 @@ def parse_inline(raw: bytes, protocol: WireProtocol | None, memo: ParseMemo | No
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise _json_error(exc) from None
+    _check_depth(body)  # a body not parked (count_tokens) is still read and encoded again
     if protocol is None:
         return ParsedBody(body, None, None)
-    _check_depth(body)
     return ParsedBody(body, get_adapter(protocol).parse_request(body), None)
 
 
@@ -286,10 +286,10 @@ def _work(raw: bytes, protocol: str | None, piece: int) -> tuple[Any, ...]:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         return ("error", 400, str(_json_error(exc)), None)
+    if nests_deeper(body):
+        return ("error", 400, UNENCODABLE_REQUEST, None)
     canonical = None
     if protocol is not None:
-        if nests_deeper(body):
-            return ("error", 400, UNENCODABLE_REQUEST, None)
         try:
             request = get_adapter(protocol).parse_request(body)
         except RequestError as exc:

@@ -421,3 +421,12 @@ async def test_count_tokens_validates_like_messages(gateway: Gateway, session: S
     assert code == 200 and out["input_tokens"] > 20
     code, out = await post(url, json.dumps({"model": "m", "messages": []}), "nope-not-a-token", anthropic_style=True)
     assert code == 401 and is_anthropic_error(out)
+    # Nested past what the gateway encodes again (its size is measured as JSON): a 400, was a 500.
+    deep: object = "x"
+    for _ in range(300):
+        deep = [deep]
+    code, out = await post(url, json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                            "tools": [{"name": "t", "input_schema": {"x": deep}}]}),
+                           session.token, anthropic_style=True)
+    assert code == 400 and is_anthropic_error(out), (code, out)
+    assert "nests objects or arrays too deeply" in out["error"]["message"]

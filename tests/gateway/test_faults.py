@@ -22,6 +22,7 @@ from ares_gateway import (
 )
 
 from .conftest import ADMIN
+from .test_edges import _nested
 
 CHAT = "/v1/chat/completions"
 MSGS = "/v1/messages"
@@ -422,11 +423,8 @@ async def test_count_tokens_validates_like_messages(gateway: Gateway, session: S
     code, out = await post(url, json.dumps({"model": "m", "messages": []}), "nope-not-a-token", anthropic_style=True)
     assert code == 401 and is_anthropic_error(out)
     # Nested past what the gateway encodes again (its size is measured as JSON): a 400, was a 500.
-    deep: object = "x"
-    for _ in range(300):
-        deep = [deep]
     code, out = await post(url, json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                            "tools": [{"name": "t", "input_schema": {"x": deep}}]}),
+                                            "tools": [{"name": "t", "input_schema": {"x": _nested(300)}}]}),
                            session.token, anthropic_style=True)
     assert code == 400 and is_anthropic_error(out), (code, out)
     assert "nests objects or arrays too deeply" in out["error"]["message"]

@@ -14,7 +14,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from ares_gateway.core.errors import DataDirError
 from ares_gateway.core.recorder import RecordedTurn
 from ares_gateway.core.session_recorder import SessionRecorder
 from ares_gateway.core.store import TurnStore
+from tests.gateway.test_edges import _nested
 
 ROOT = os.geteuid() == 0
 
@@ -55,9 +56,16 @@ async def _answering(gw: Gateway, sid: str) -> AsyncIterator[list[str]]:
                                      "output_ids": np.array([7, 8, 9], dtype=np.int32)})
             answered.append(req.id)
 
-    task = asyncio.ensure_future(loop())
-    try:
+    async with _running(loop()):
         yield answered
+
+
+@contextlib.asynccontextmanager
+async def _running(coro: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
+    """``coro`` as a task for the block's length, cancelled and awaited at its end."""
+    task = asyncio.ensure_future(coro)
+    try:
+        yield
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -122,14 +130,6 @@ async def test_a_number_no_protocol_allows_is_a_400_in_its_shape_and_erases_noth
 # ------------------------------------------------ a body nested too deep to record: 400, nothing erased
 
 
-def _deep(depth: int) -> Any:
-    """A JSON value nesting ``depth`` arrays (the innermost holds a string)."""
-    value: Any = "deep"
-    for _ in range(depth):
-        value = [value]
-    return value
-
-
 @contextlib.asynccontextmanager
 async def _answering_over_poll(gw: Gateway) -> AsyncIterator[list[str]]:
     """A policy polling over HTTP for the native body only (``canonical=0``), as the Go proxy's pollers
@@ -150,14 +150,9 @@ async def _answering_over_poll(gw: Gateway) -> AsyncIterator[list[str]]:
                 assert r.status == 200, await r.text()
                 assert all(x["status"] == "ok" for x in await r.json())
 
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {gw.admin_token}"}) as http:
-        task = asyncio.ensure_future(loop(http))
-        try:
-            yield answered
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {gw.admin_token}"}) as http, \
+            _running(loop(http)):
+        yield answered
 
 
 @pytest.mark.parametrize("policy", ["native-poll", "in-process"])
@@ -185,10 +180,10 @@ async def test_a_body_nested_too_deep_to_record_is_a_400_in_its_shape_and_erases
                 if t == 3:
                     refused: list[str] = []
                     attacks: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
-                        ("new message", [*messages[:-1], {**messages[-1], "x": _deep(300)}], {}),
-                        ("changed field", messages, {"metadata_x": _deep(300)}),
-                        ("one level past the limit", messages, {"x": _deep(MAX_JSON_DEPTH)}),
-                        ("small body", [{"role": "user", "content": "hi", "x": _deep(300)}], {}),
+                        ("new message", [*messages[:-1], {**messages[-1], "x": _nested(300)}], {}),
+                        ("changed field", messages, {"metadata_x": _nested(300)}),
+                        ("one level past the limit", messages, {"x": _nested(MAX_JSON_DEPTH)}),
+                        ("small body", [{"role": "user", "content": "hi", "x": _nested(300)}], {}),
                     ]
                     for what, msgs, extra in attacks:
                         with pytest.raises(openai.BadRequestError) as err:
@@ -200,15 +195,15 @@ async def test_a_body_nested_too_deep_to_record_is_a_400_in_its_shape_and_erases
                         refused.append(what)
                     with pytest.raises(anthropic.BadRequestError) as aerr:
                         await an.messages.create(model="m", max_tokens=10, messages=[{"role": "user", "content": "hi"}],
-                                                 tools=[{"name": "t", "input_schema": {"type": "object", "x": _deep(300)}}])
+                                                 tools=[{"name": "t", "input_schema": {"type": "object", "x": _nested(300)}}])
                     assert aerr.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
                     with pytest.raises(openai.BadRequestError) as rerr:
-                        await oa.responses.create(model="m", input="hi", extra_body={"x": _deep(300)})
+                        await oa.responses.create(model="m", input="hi", extra_body={"x": _nested(300)})
                     assert rerr.value.status_code == 400 and "too deeply" in str(rerr.value)
                     assert len(refused) == 4 and gw.broker.pending_count == 0
                     # At the limit it is taken, answered and recorded.
                     at_limit = await oa.chat.completions.create(model="m", messages=messages,  # type: ignore[arg-type]
-                                                                extra_body={"x": _deep(MAX_JSON_DEPTH - 1)})
+                                                                extra_body={"x": _nested(MAX_JSON_DEPTH - 1)})
                     assert at_limit.choices[0].message.content
                 resp = await oa.chat.completions.create(model="m", messages=messages)  # type: ignore[arg-type]
                 messages.append({"role": "assistant", "content": resp.choices[0].message.content})
@@ -219,7 +214,7 @@ async def test_a_body_nested_too_deep_to_record_is_a_400_in_its_shape_and_erases
     async with Gateway(port=0, data_dir=str(data)) as gw:
         log = gw.turn_log("s")
         assert len(log) == 11 and log == before
-        assert log[3]["request"]["x"] == _deep(MAX_JSON_DEPTH - 1)
+        assert log[3]["request"]["x"] == _nested(MAX_JSON_DEPTH - 1)
         assert [t["request"]["messages"][-1]["content"].split(":")[0] + ":" for t in log if "x" not in t["request"]] == [
             f"turn {t}:" for t in range(10)]
         assert "damaged_records" not in gw.session_summary("s")

@@ -474,11 +474,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):
         # A child: SIGTERM ends it through exit(), so a profiler wrapping it (callgrind) reports.
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    if len(sys.argv) > 1 and sys.argv[1] == "_gateway":
-        _gateway_main(int(sys.argv[2]), sys.argv[3], auto_sessions=True)
-        return
-    if len(sys.argv) > 1 and sys.argv[1] == "_gateway-mem":
-        _gateway_main(int(sys.argv[2]), sys.argv[3], auto_sessions=True, data_dir=False)
+    if len(sys.argv) > 1 and sys.argv[1] in ("_gateway", "_gateway-mem"):
+        memory_only = {"data_dir": False} if sys.argv[1] == "_gateway-mem" else {}
+        _gateway_main(int(sys.argv[2]), sys.argv[3], auto_sessions=True, **memory_only)
         return
     if len(sys.argv) > 1 and sys.argv[1] in ("_bare", "_bare-ll"):
         _bare_main(int(sys.argv[2]), sys.argv[3], lowlevel=sys.argv[1] == "_bare-ll")

@@ -1,12 +1,9 @@
 #!/bin/sh
-# Verifier: checks stats.py in the current directory (the task's workdir) and writes reward.txt
-# (1 or 0) to $ARES_VERIFIER_DIR (default /logs/verifier).
+# Verifier: runs the agent's stats.py in a process of its own (as uid 65534 when root) on fixed and
+# random lists, checks its answers against grade.py's reference, and writes reward.txt (1 or 0) to
+# $ARES_VERIFIER_DIR (default /logs/verifier). -I: nothing the agent left is imported here.
 set -u
 VERIFIER_DIR="${ARES_VERIFIER_DIR:-/logs/verifier}"
 TESTS_DIR=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$VERIFIER_DIR"
-if PYTHONDONTWRITEBYTECODE=1 python3 "$TESTS_DIR/check_stats.py"; then
-    echo 1 > "$VERIFIER_DIR/reward.txt"
-else
-    echo 0 > "$VERIFIER_DIR/reward.txt"
-fi
+exec python3 -I -B "$TESTS_DIR/grade.py" "$VERIFIER_DIR"

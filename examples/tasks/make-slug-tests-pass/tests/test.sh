@@ -1,18 +1,10 @@
 #!/bin/sh
-# Verifier: runs the original visible tests (a pristine copy, so editing test_slug.py does not help)
-# and hidden tests against the agent's slug.py; writes reward.json {"visible_tests", "hidden_tests"}
-# to $ARES_VERIFIER_DIR (default /logs/verifier).
+# Verifier: runs the agent's slug.py in a process of its own (as uid 65534 when root) on the visible
+# tests' cases (grade.py's own copy, so editing test_slug.py does not help), hidden cases and random
+# titles, and writes reward.json {"visible_tests", "hidden_tests"} to $ARES_VERIFIER_DIR
+# (default /logs/verifier). -I: nothing the agent left is imported here.
 set -u
 VERIFIER_DIR="${ARES_VERIFIER_DIR:-/logs/verifier}"
 TESTS_DIR=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$VERIFIER_DIR"
-WORK=$(mktemp -d)
-cp slug.py "$WORK/" 2>/dev/null
-cp "$TESTS_DIR/test_slug.py" "$TESTS_DIR/test_hidden.py" "$WORK/"
-cd "$WORK" || exit 1
-visible=0
-hidden=0
-PYTHONDONTWRITEBYTECODE=1 python3 -m unittest test_slug && visible=1
-PYTHONDONTWRITEBYTECODE=1 python3 -m unittest test_hidden && hidden=1
-printf '{"visible_tests": %s, "hidden_tests": %s}\n' "$visible" "$hidden" > "$VERIFIER_DIR/reward.json"
-rm -rf "$WORK"
+exec python3 -I -B "$TESTS_DIR/grade.py" "$VERIFIER_DIR"

@@ -8,10 +8,16 @@ sandbox, the install or the agent did:
    write its config, and launch it detached, as an asyncio task that ends when the agent exits.
    A failure raises :class:`EpisodeSetupError` with an exit reason (``sandbox_error``,
    ``install_error``, ``agent_error``).
+   While the agent runs, a second sandbox for grading starts from the same spec (no relay, nothing
+   of the agent's in it), unless the task sets ``[verifier] sandbox = "agent"``.
 2. :meth:`~TaskEpisode.finish`: stop the agent when it is still running (a limit was hit), read its
    logs, run the task's tests with their own timeout and read the reward (not after a setup failure
-   or an agent crash: reward 0.0 with the error), and return an :class:`EpisodeOutcome`.
-3. :meth:`~TaskEpisode.close`: stop the agent and remove the sandbox (idempotent, also after a
+   or an agent crash: reward 0.0 with the error), and return an :class:`EpisodeOutcome`. By default
+   the tests run in the grading sandbox, into which only a copy of the agent's final workdir goes
+   (:func:`~ares_gateway.episodes.verifier.copy_workspace`): no process, file outside the workdir,
+   environment or pid the agent left is there. ``[verifier] sandbox = "agent"`` runs them in the
+   agent's own sandbox with its processes still running (a service it started).
+3. :meth:`~TaskEpisode.close`: stop the agent and remove both sandboxes (idempotent, also after a
    cancellation).
 """
 
@@ -34,7 +40,13 @@ from typing import TYPE_CHECKING, Any
 import sandbox as sandbox_mod
 from ares_gateway.core.sessions import SessionInfo
 from ares_gateway.episodes.tasks import Task, prepare_workdir
-from ares_gateway.episodes.verifier import VerifierResult, run_tests
+from ares_gateway.episodes.verifier import (
+    VerifierResult,
+    WorkspaceCopyError,
+    copy_workspace,
+    run_tests,
+    workspace_limit,
+)
 from ares_gateway.side_calls import SideCallDetector, with_harness_checks
 from harnesses import BaseHarness, HarnessContext, HarnessError, HarnessInstallError, HarnessResult, registry
 from harnesses.base import Prepared
@@ -72,6 +84,8 @@ EXIT_REASONS = (
     "pids_limit",  # the sandbox refused a fork at its process limit: reward 0.0, no tests
     "disk_limit",  # the sandbox's writable space filled up: reward 0.0, no tests
 )
+#: The label that marks an episode's grading sandbox (it carries the episode's other labels too).
+GRADING_LABEL = "ares-gateway.role"
 #: What an episode's sandbox may take when its task names no limit (Harbor's ``memory_mb`` /
 #: ``storage_mb``; ``pids`` has no task field). Enough for the four harnesses and a build; a fork
 #: bomb or a runaway allocation ends the episode (``*_limit``) instead of taking the host. The disk
@@ -113,6 +127,13 @@ class EpisodeOutcome:
     sandbox: str = ""
     #: One of :data:`NETWORK_MODES`.
     network: str = ""
+    #: Where the tests ran: ``fresh`` (a new sandbox holding a copy of the workdir), ``agent`` (the
+    #: agent's own sandbox, ``[verifier] sandbox = "agent"``), or ``""`` (they did not run).
+    grading: str = ""
+    #: How long the fresh grading sandbox took to start (while the agent ran).
+    grading_setup_seconds: float = 0.0
+    #: The size of the workdir's archive copied into it.
+    workspace_bytes: int | None = None
     #: Harness and verifier logs: ``stdout.log``, ``stderr.log``, the harness's artifacts, ``verifier.log``.
     logs: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -132,6 +153,9 @@ class EpisodeOutcome:
             "install_reused": self.install_reused,
             "sandbox": self.sandbox,
             "network": self.network,
+            "grading": self.grading,
+            "grading_setup_seconds": round(self.grading_setup_seconds, 3),
+            "workspace_bytes": self.workspace_bytes,
         }
         if self.error is not None:
             out["error"] = self.error
@@ -254,6 +278,22 @@ def _refused(error: str) -> VerifierResult:
     return VerifierResult(Reward(0.0), None, error)
 
 
+#: How long :meth:`TaskEpisode.close` waits for a grading sandbox still starting before cancelling it.
+GRADER_START_WAIT = 120.0
+
+
+async def _remove(sb: sandbox_mod.BaseSandbox) -> None:
+    """Stop and remove a sandbox; never raises (a failure falls back to the synchronous removal)."""
+    try:
+        await sb.stop()
+    except BaseException as exc:
+        log.warning("removing sandbox %s failed (%s); removing it synchronously", sb.id, exc)
+        with contextlib.suppress(Exception):
+            sb.stop_and_remove()
+        if not isinstance(exc, Exception):
+            raise
+
+
 def _describe(exc: BaseException) -> str:
     """What an exception says, never empty: a harness error without detail says so."""
     if isinstance(exc, HarnessError) and not exc.detail.strip():
@@ -289,6 +329,13 @@ class TaskEpisode:
         self.labels = dict(labels or {})
         self.sandbox_options = dict(sandbox_options or {})
         self.sandbox: sandbox_mod.BaseSandbox | None = None
+        #: The sandbox the tests run in by default (``[verifier] sandbox = "fresh"``): started while
+        #: the agent runs, from the agent's spec without its relay; ``None`` until then.
+        self.grading_sandbox: sandbox_mod.BaseSandbox | None = None
+        self._grader: asyncio.Task[None] | None = None
+        self._grader_seconds = 0.0
+        #: The agent user's uid in its sandbox, read before the agent ran (the copy's owner).
+        self._agent_uid: str | None = None
         self.ctx: HarnessContext | None = None
         self.prep: Prepared | None = None
         self.agent: asyncio.Task[HarnessResult] | None = None
@@ -325,6 +372,7 @@ class TaskEpisode:
             labels={"ares-gateway.session": session.session_id, "ares-gateway.harness": harness.name, **self.labels},
         )
         spec = dataclasses.replace(spec, resources=with_default_resources(spec.resources, self.backend))
+        plain = spec
         spec, base_url = await self._isolate(spec, session)
         try:
             sb = sandbox_mod.create(spec, backend=self.backend, **self.sandbox_options)
@@ -355,10 +403,25 @@ class TaskEpisode:
             await harness.write_config(sb, ctx)
         except (HarnessError, sandbox_mod.SandboxError) as exc:
             raise EpisodeSetupError("agent_error", f"writing the agent's config failed: {exc}") from exc
+        if task.config.grading == "fresh" and self.prep.user not in (None, "root", "0"):
+            # Read now, before the agent ran: what its sandbox says later is the agent's to say.
+            uid = await sb.exec("id -u", user=self.prep.user, cwd="/", timeout=30)
+            self._agent_uid = uid.stdout.strip() if uid.ok and uid.stdout.strip().isdigit() else None
+            if self._agent_uid is None:
+                raise EpisodeSetupError("sandbox_error", f"cannot read the uid of the agent's user {self.prep.user!r}: "
+                                                         f"{(uid.stderr or uid.stdout).strip()[-300:]}")
         self._launched_at = time.monotonic()
         self.agent = asyncio.create_task(
             harness.launch_and_wait(sb, ctx, task.instruction, time_budget), name=f"ares-agent-{session.session_id}"
         )
+        if task.config.grading == "fresh":
+            # The grading sandbox: the agent's spec (its image, resources and network mode) without the
+            # relay to the session and without the agent's install mounted; it starts while the agent runs.
+            grading_spec = dataclasses.replace(
+                spec, forwards={}, readonly_paths=plain.readonly_paths,
+                labels={**spec.labels, GRADING_LABEL: "grading"})
+            self._grader = asyncio.create_task(self._start_grader(grading_spec),
+                                               name=f"ares-grader-{session.session_id}")
 
     async def _isolate(
         self, spec: sandbox_mod.SandboxSpec, session: SessionInfo
@@ -411,6 +474,15 @@ class TaskEpisode:
         spec = dataclasses.replace(spec, network="none", hardened=hardened, readonly_paths=readonly,
                                    forwards={AGENT_PORT: sock})
         return spec, f"http://127.0.0.1:{AGENT_PORT}/s/{session.session_id}"
+
+    async def _start_grader(self, spec: sandbox_mod.SandboxSpec) -> None:
+        started = time.monotonic()
+        try:
+            gsb = sandbox_mod.create(spec, backend=self.backend, **self.sandbox_options)
+            self.grading_sandbox = gsb
+            await gsb.start()
+        finally:
+            self._grader_seconds = time.monotonic() - started
 
     # ------------------------------------------------------------------ finish
 
@@ -481,10 +553,21 @@ class TaskEpisode:
         await self._read_logs(out)
         if out.exit_reason in ("completed", "step_limit", "time_limit"):
             started = time.monotonic()
-            # Nothing the agent started may run while the verifier does (a detached loop rewriting
-            # the reward, a watcher swapping tests/test.sh): every process goes first (issue 17).
-            quiet_error = await self.kill_agent_processes()
-            verdict = await self.verify() if quiet_error is None else _refused(quiet_error)
+            out.grading = self.task.config.grading
+            if out.grading == "fresh":
+                grader_error = await self._grader_ready()
+                out.grading_setup_seconds = self._grader_seconds
+                if grader_error is not None:
+                    out.exit_reason, out.error = "sandbox_error", one_line(grader_error)
+                    out.verify_seconds = time.monotonic() - started
+                    return out
+                # Nothing the agent started runs while its workdir is archived (the tests run elsewhere).
+                quiet_error = await self.kill_agent_processes()
+                verdict = await self.verify(out) if quiet_error is None else _refused(quiet_error)
+            else:
+                # [verifier] sandbox = "agent": the tests need what the agent left running, so nothing is
+                # killed; its processes can act while the tests run (docs/rollouts.md says what that costs).
+                verdict = await self.verify(out)
             out.verify_seconds = time.monotonic() - started
             out.reward = verdict.reward.value
             out.reward_parts = dict(verdict.reward.parts)
@@ -538,13 +621,55 @@ class TaskEpisode:
             log.info("killed %d process(es) left in sandbox %s before the tests", killed, sb.id)
         return None
 
-    async def verify(self) -> VerifierResult:
-        """Run the task's tests in the sandbox (their own timeout) and read the reward; never raises."""
-        if self.sandbox is None or self.sandbox.state != "running":
-            from ares_gateway.episodes.verifier import Reward
+    async def _grader_ready(self) -> str | None:
+        """Wait for the grading sandbox to be started; why it is not usable, or ``None``."""
+        if self._grader is None:
+            return "the grading sandbox was never started"
+        try:
+            await asyncio.shield(self._grader)
+        except asyncio.CancelledError:
+            if not self._grader.cancelled():
+                raise  # we are being cancelled ourselves
+            return "starting the grading sandbox was cancelled"
+        except Exception as exc:
+            return f"starting the {self.backend} grading sandbox failed: {_describe(exc)}"
+        return None
 
+    async def verify(self, out: EpisodeOutcome | None = None) -> VerifierResult:
+        """Run the task's tests (their own timeout) and read the reward; never raises.
+
+        ``[verifier] sandbox = "fresh"`` (the default): copy the agent's workdir into the grading
+        sandbox (the agent's processes must be gone: :meth:`kill_agent_processes`) and run them there;
+        ``"agent"``: run them in the agent's sandbox. ``out`` gets the copy's size.
+        """
+        from ares_gateway.episodes.verifier import Reward
+
+        sb = self.sandbox
+        if sb is None or sb.state != "running":
             return VerifierResult(Reward(0.0), None, "the sandbox is not running")
-        return await run_tests(self.sandbox, self.task)
+        verifier_user = self.task.config.verifier_user
+        if verifier_user is not None and self.prep is not None and verifier_user in {self.prep.user, self._agent_uid}:
+            return VerifierResult(Reward(0.0), None, (
+                f"task {self.task.name}: [verifier] user = {verifier_user!r} is the agent's user; the tests never run "
+                "as the user whose work they judge: drop that line of task.toml (root runs them) or name another user"))
+        if self.task.config.grading == "agent":
+            return await run_tests(sb, self.task)
+        gsb, ctx = self.grading_sandbox, self.ctx
+        if gsb is None or gsb.state != "running" or ctx is None:
+            return VerifierResult(Reward(0.0), None, "the grading sandbox is not running")
+        workdir = gsb.workdir if self.task.workdir == gsb.spec.workdir else self.task.workdir
+        try:
+            size = await copy_workspace(sb, gsb, src_workdir=ctx.workdir, dst_workdir=workdir, user=self._agent_uid,
+                                        limit=workspace_limit(self.task),
+                                        timeout=max(60.0, self.task.config.verifier_timeout))
+        except WorkspaceCopyError as exc:
+            return VerifierResult(Reward(0.0), None, str(exc))
+        except sandbox_mod.SandboxError as exc:
+            return VerifierResult(Reward(0.0), None,
+                                  f"copying the workdir into the grading sandbox failed: {_describe(exc)}")
+        if out is not None:
+            out.workspace_bytes = size
+        return await run_tests(gsb, self.task)
 
     async def _read_logs(self, out: EpisodeOutcome) -> None:
         """The agent's stdout/stderr and the harness's artifacts, read from the sandbox (best effort)."""
@@ -581,11 +706,15 @@ class TaskEpisode:
         except Exception as exc:
             log.warning("stopping the agent failed: %s", exc)
         finally:
-            sb = self.sandbox
-            if sb is not None:
-                try:
-                    await sb.stop()
-                except Exception as exc:
-                    log.warning("removing sandbox %s failed (%s); removing it synchronously", sb.id, exc)
-                    with contextlib.suppress(Exception):
-                        sb.stop_and_remove()
+            grader = self._grader
+            try:
+                if grader is not None and not grader.done():
+                    # Let a start under way finish (a backend's thread may still be creating the
+                    # sandbox), then remove it; cancel it only when it hangs.
+                    await asyncio.wait({grader}, timeout=GRADER_START_WAIT)
+                    if not grader.done():
+                        grader.cancel()
+                if grader is not None:
+                    await asyncio.gather(grader, return_exceptions=True)
+            finally:
+                await asyncio.gather(*(_remove(s) for s in (self.sandbox, self.grading_sandbox) if s is not None))

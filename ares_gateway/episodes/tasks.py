@@ -37,6 +37,7 @@ from typing import Any, overload
 
 from ares_gateway.episodes.oracle import oracle_command
 from sandbox import Sandbox, SandboxError, SandboxSpec
+from sandbox.local import AGENT_UID, AGENT_USER
 from sandbox.spec import Resources
 
 #: Where Harbor tasks write their reward; ``tests/test.sh`` reads ``$ARES_VERIFIER_DIR`` with this default.
@@ -48,6 +49,16 @@ DEFAULT_WORKDIR = "/workspace"
 DEFAULT_AGENT_TIMEOUT = 600.0
 DEFAULT_VERIFIER_TIMEOUT = 600.0
 DEFAULT_BUILD_TIMEOUT = 600.0
+#: Where a task's tests run (``[verifier] sandbox``): ``fresh``, a new sandbox from the task's image
+#: holding a copy of the agent's final workdir and nothing else of the agent's (the default), or
+#: ``agent``, the agent's own sandbox with the processes it left still running (for tests that need
+#: a service the agent started; those processes can act while the tests run).
+GRADING_MODES = ("fresh", "agent")
+#: The range a reward must lie in when ``[verifier] reward_range`` names none.
+DEFAULT_REWARD_RANGE = (0.0, 1.0)
+#: The user every harness runs the agent as by default (``harnesses.BaseHarness(user=...)``): the
+#: tests never run as it.
+DEFAULT_AGENT_USER = AGENT_USER
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -106,6 +117,11 @@ class TaskConfig:
     setup_timeout: float | None = None
     verifier_timeout: float = DEFAULT_VERIFIER_TIMEOUT
     verifier_user: str | None = None
+    #: Where the tests run: one of :data:`GRADING_MODES`.
+    grading: str = "fresh"
+    #: ``(lo, hi)``: every part of the reward and the reward itself must lie in it, else the
+    #: verifier failed (reward 0.0 with ``verifier_error``).
+    reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE
     verifier_env: Mapping[str, str] = field(default_factory=_empty, hash=False)
     solution_env: Mapping[str, str] = field(default_factory=_empty, hash=False)
     build_timeout: float = DEFAULT_BUILD_TIMEOUT
@@ -191,6 +207,25 @@ class _Reader:
             raise self._fail(f"[{section}] env", 'a table of strings (env = { NAME = "value" })', v)
         return MappingProxyType(dict(v))
 
+    def choice(self, table: Mapping[str, Any], section: str, key: str, choices: tuple[str, ...]) -> str | None:
+        if key not in table:
+            return None
+        v = table[key]
+        if v not in choices:
+            raise self._fail(f"[{section}] {key}", " or ".join(repr(c).replace("'", '"') for c in choices), v)
+        return str(v)
+
+    def number_range(self, table: Mapping[str, Any], section: str, key: str) -> tuple[float, float] | None:
+        if key not in table:
+            return None
+        v = table[key]
+        ok = (isinstance(v, list) and len(v) == 2
+              and all(not isinstance(x, bool) and isinstance(x, int | float) and math.isfinite(x) for x in v)
+              and v[0] < v[1])
+        if not ok:
+            raise self._fail(f"[{section}] {key}", "two finite numbers [lo, hi] with lo < hi, such as [0, 1]", v)
+        return float(v[0]), float(v[1])
+
     def size_mb(self, table: Mapping[str, Any], section: str, mb_key: str, size_key: str) -> int | None:
         """``memory_mb = 2048`` (Harbor) or ``memory = "2G"`` (older Harbor / Terminal-Bench)."""
         mb = self.integer(table, section, mb_key)
@@ -223,13 +258,22 @@ def parse_task_config(text: str, *, path: Path | str = "task.toml") -> TaskConfi
     if workdir is not None and not workdir.startswith("/"):
         raise r._fail("[environment] workdir", "an absolute path such as /workspace", workdir)
     gpus = r.integer(env_t, "environment", "gpus")
+    agent_user = r.string(agent, "agent", "user")
+    verifier_user = r.string(verifier, "verifier", "user")
+    if verifier_user is not None and verifier_user in {DEFAULT_AGENT_USER, str(AGENT_UID), agent_user}:
+        raise TaskConfigError(
+            f"{path}: [verifier] user = {verifier_user!r} is the agent's user: the tests must never run as the "
+            "user whose files and processes they judge; drop the line (root runs them) or name another user",
+            path=path)
     return TaskConfig(
         version=version,
         agent_timeout=r.number(agent, "agent", "timeout_sec") or DEFAULT_AGENT_TIMEOUT,
-        agent_user=r.string(agent, "agent", "user"),
+        agent_user=agent_user,
         setup_timeout=r.number(agent, "agent", "setup_timeout_sec"),
         verifier_timeout=r.number(verifier, "verifier", "timeout_sec") or DEFAULT_VERIFIER_TIMEOUT,
-        verifier_user=r.string(verifier, "verifier", "user"),
+        verifier_user=verifier_user,
+        grading=r.choice(verifier, "verifier", "sandbox", GRADING_MODES) or "fresh",
+        reward_range=r.number_range(verifier, "verifier", "reward_range") or DEFAULT_REWARD_RANGE,
         verifier_env=r.env(verifier, "verifier"),
         solution_env=r.env(solution, "solution"),
         build_timeout=r.number(env_t, "environment", "build_timeout_sec") or DEFAULT_BUILD_TIMEOUT,

@@ -10,10 +10,13 @@ says where a task's files go in each backend.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import os
 import posixpath
 import shlex
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,12 +58,33 @@ def _finite(value: Any, where: str) -> float:
     return f
 
 
-def parse_reward(reward_json: str | bytes | None = None, reward_txt: str | bytes | None = None) -> Reward:
+def check_range(reward: Reward, reward_range: tuple[float, float]) -> Reward:
+    """``reward`` when each of its parts and its value lie in ``reward_range`` (``[lo, hi]``, ends
+    included); else :class:`RewardError` naming the first value outside it."""
+    lo, hi = reward_range
+    named = [(f"{reward.source or 'the reward'}[{k!r}]", v) for k, v in reward.parts.items()]
+    for where, value in [*named, (reward.source or "the reward", reward.value)]:
+        if not lo <= value <= hi:
+            raise RewardError(
+                f"reward {value!r} is outside the task's range [{lo:g}, {hi:g}]: {where} is {value!r}; make "
+                "tests/test.sh write values in that range, or declare the task's range in task.toml "
+                "([verifier] reward_range = [lo, hi])")
+    return reward
+
+
+def parse_reward(reward_json: str | bytes | None = None, reward_txt: str | bytes | None = None, *,
+                 reward_range: tuple[float, float] | None = None) -> Reward:
     """The reward from the contents of ``reward.json`` and/or ``reward.txt`` (reward.json preferred).
 
     reward.json is a JSON object of named numbers (the reward is their mean, the parts are kept) or a
-    bare number; reward.txt is one number. Raises :class:`RewardError` saying what is wrong.
+    bare number; reward.txt is one number. With ``reward_range``, each part and the reward must lie in
+    it (:func:`check_range`). Raises :class:`RewardError` saying what is wrong.
     """
+    reward = _parse_reward(reward_json, reward_txt)
+    return check_range(reward, reward_range) if reward_range is not None else reward
+
+
+def _parse_reward(reward_json: str | bytes | None, reward_txt: str | bytes | None) -> Reward:
     if reward_json is not None:
         text = reward_json.decode("utf-8", "replace") if isinstance(reward_json, bytes) else reward_json
         try:
@@ -94,12 +118,14 @@ _READ_MARK = "@@ares-reward@@"
 
 
 async def read_reward(
-    sb: Sandbox, verifier_dir: str = DEFAULT_VERIFIER_DIR, *, timeout: float = 30.0, user: str | None = None
+    sb: Sandbox, verifier_dir: str = DEFAULT_VERIFIER_DIR, *, timeout: float = 30.0, user: str | None = None,
+    reward_range: tuple[float, float] | None = None,
 ) -> Reward:
     """Read the reward a verifier left in ``verifier_dir`` of a sandbox (reward.json preferred).
 
     One ``exec`` reads both files (they are tiny), so this costs one round trip on remote backends.
-    Raises :class:`RewardError` when neither file is there or it is unreadable.
+    Raises :class:`RewardError` when neither file is there, it is unreadable, or (with
+    ``reward_range``) a value lies outside that range.
     """
     d = shlex.quote(verifier_dir.rstrip("/") or "/")
     # A marker line tells which file followed; the reward files themselves are never shell-parsed.
@@ -116,9 +142,9 @@ async def read_reward(
         )
     kind, _, body = result.stdout.partition(f"{_READ_MARK}\n")
     if kind == "json":
-        return parse_reward(reward_json=body)
+        return parse_reward(reward_json=body, reward_range=reward_range)
     if kind == "txt":
-        return parse_reward(reward_txt=body)
+        return parse_reward(reward_txt=body, reward_range=reward_range)
     return parse_reward()
 
 
@@ -238,7 +264,8 @@ async def run_tests(
 
     Never raises for what the verifier or sandbox did: a timeout, a missing or bad reward file or a
     sandbox error gives reward 0.0 with ``error`` set (a non-zero exit of test.sh with a reward file
-    is not an error: many verifiers exit 1 when tests fail). ``ARES_VERIFIER_DIR`` is set for the script.
+    is not an error: many verifiers exit 1 when tests fail), and so does a reward outside the task's
+    ``[verifier] reward_range`` (default ``[0, 1]``). ``ARES_VERIFIER_DIR`` is set for the script.
     """
     paths = paths or task_paths(sb)
     zero = Reward(0.0)
@@ -266,9 +293,118 @@ async def run_tests(
         if r.timed_out:
             return VerifierResult(zero, script, f"tests/test.sh timed out after {r.duration:.0f}s")
         try:
-            reward = await read_reward(sb, paths.verifier_dir, user=root)
+            reward = await read_reward(sb, paths.verifier_dir, user=root, reward_range=task.config.reward_range)
         except RewardError as exc:
             return VerifierResult(zero, script, f"{exc} (test.sh exit code {r.exit_code})")
         return VerifierResult(reward, script)
     except SandboxError as exc:
         return VerifierResult(zero, None, f"sandbox failure while verifying: {exc}")
+
+
+# ============================================================================ grading in a fresh sandbox
+
+#: The largest archive of an agent's workdir copied into a grading sandbox when the task declares no
+#: ``[environment] storage_mb`` (with one, that size is the bound).
+MAX_WORKSPACE_BYTES = 2 * 1024**3
+#: What a copied workdir keeps: regular files, directories and symbolic links (as links, never followed).
+#: FIFOs, sockets and device nodes are left out.
+_KEPT_TYPES = r"\( -type f -o -type d -o -type l \)"
+_SPECIAL_TYPES = r"\( -type p -o -type s -o -type b -o -type c \)"
+
+
+class WorkspaceCopyError(Exception):
+    """The agent's workdir could not be copied into the grading sandbox; the message says why."""
+
+
+def workspace_limit(task: Task) -> int:
+    """The most bytes an archive of ``task``'s workdir may hold: its ``storage_mb``, else
+    :data:`MAX_WORKSPACE_BYTES`."""
+    mb = task.config.storage_mb
+    return mb * 1024 * 1024 if mb is not None else MAX_WORKSPACE_BYTES
+
+
+def _scratch(sb: Sandbox) -> tuple[str, str | None]:
+    """Where a sandbox's temporary directories for the copy go (a host-side directory of the sandbox's
+    own for a local backend without isolation, whose /tmp is the host's), and who runs root's steps."""
+    root = getattr(sb, "root", None)
+    if sb.backend == "local" and getattr(sb, "isolated", True) is False and root is not None:
+        return str(Path(root) / "grade"), None
+    return "/tmp", None if sb.backend == "local" else "root"
+
+
+def _tail(text: str, n: int = 300) -> str:
+    return " ".join(text.strip().split())[-n:]
+
+
+async def copy_workspace(
+    src: Sandbox,
+    dst: Sandbox,
+    *,
+    src_workdir: str,
+    dst_workdir: str,
+    user: str | None,
+    limit: int = MAX_WORKSPACE_BYTES,
+    timeout: float = 600.0,
+) -> int:
+    """Replace ``dst_workdir`` of the grading sandbox ``dst`` with a copy of ``src_workdir`` of the
+    agent's sandbox ``src``; returns the archive's size in bytes.
+
+    The archive is made inside ``src`` by root (after the agent's processes are gone) with ``tar``,
+    which stores symbolic links as links and follows none; FIFOs, sockets and device nodes are left
+    out. It travels as one opaque file (never unpacked on this host) and is unpacked inside ``dst`` as
+    ``user`` (the agent's uid: the files end up its own, and nothing in the archive can be written
+    where that user could not write; ``None``: the sandbox's default user), before anything of the
+    task's is put there; special files and set-id bits that still arrive are removed. An archive over
+    ``limit`` bytes, or one ``tar`` fails on, raises :class:`WorkspaceCopyError`.
+    """
+    src_base, src_root = _scratch(src)
+    dst_base, dst_root = _scratch(dst)
+    w, qw = shlex.quote(src_workdir), shlex.quote(dst_workdir)
+    pack = (
+        f"mkdir -p {shlex.quote(src_base)} && d=$(mktemp -d {shlex.quote(src_base)}/ares-grade.XXXXXXXX) || exit 3\n"
+        f'cd {w} || {{ echo "the workdir {src_workdir} is gone" >&2; exit 4; }}\n'
+        f'{{ find . {_KEPT_TYPES} -print0 2>"$d/find.err" | tar --null --no-recursion -T - -cf - 2>"$d/tar.err"; '
+        f'echo $? > "$d/rc"; }} | head -c {limit + 1} > "$d/ws.tar"\n'
+        f'printf "%s %s %s\\n" "$d" "$(wc -c < "$d/ws.tar")" "$(cat "$d/rc" 2>/dev/null || echo 141)"\n'
+        f'cat "$d/tar.err" "$d/find.err" >&2\n'
+    )
+    owner = f"chown {shlex.quote(user)} {qw} \"$d\" && " if user is not None else ""
+    make_room = (
+        f"mkdir -p {shlex.quote(dst_base)} && d=$(mktemp -d {shlex.quote(dst_base)}/ares-grade.XXXXXXXX) || exit 3\n"
+        f"mkdir -p {qw} && find {qw} -mindepth 1 -maxdepth 1 -exec rm -rf -- {{}} + && {owner}"
+        f'chmod 0755 "$d" && printf "%s\\n" "$d"\n'
+    )
+    packed, room = await asyncio.gather(src.exec(pack, cwd="/", user=src_root, timeout=timeout),
+                                        dst.exec(make_room, cwd="/", user=dst_root, timeout=timeout))
+    if not room.ok:
+        raise WorkspaceCopyError(f"preparing {dst_workdir} in the grading sandbox failed: {_tail(room.stderr)}")
+    fields = packed.stdout.split()
+    if packed.timed_out or len(fields) != 3 or not fields[1].isdigit():
+        raise WorkspaceCopyError(f"archiving the workdir {src_workdir} failed (exit {packed.exit_code}, timed out: "
+                                 f"{packed.timed_out}): {_tail(packed.stderr or packed.stdout)}")
+    archive_dir, size, tar_rc = fields[0], int(fields[1]), fields[2]
+    if size > limit:
+        raise WorkspaceCopyError(
+            f"the workdir {src_workdir} is too large to grade: its archive passes {limit} bytes (the task's "
+            f"storage_mb, else {MAX_WORKSPACE_BYTES} bytes); the agent left too much in it")
+    if tar_rc != "0":
+        raise WorkspaceCopyError(f"archiving the workdir {src_workdir} failed (tar exit {tar_rc}): "
+                                 f"{_tail(packed.stderr) or 'no error output'}")
+    dst_dir = room.stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="ares-grade-") as tmp:
+        local = Path(tmp) / "ws.tar"
+        await src.download_file(posixpath.join(archive_dir, "ws.tar"), local)
+        os.chmod(local, 0o644)  # the unpacking user reads it; the directory it lands in is root's or its own
+        await dst.upload_file(local, posixpath.join(dst_dir, "ws.tar"))
+    qd = shlex.quote(dst_dir)
+    unpack = (
+        f"cd {qw} || exit 4\n"
+        f"tar -x --no-same-owner --no-same-permissions -f {qd}/ws.tar; rc=$?\n"
+        f"find . {_SPECIAL_TYPES} -exec rm -f -- {{}} + ; find . ! -type l -perm /6000 -exec chmod ug-s -- {{}} +\n"
+        f"rm -rf {qd} 2>/dev/null; exit $rc\n"  # the directory is the unpacking user's
+    )
+    unpacked = await dst.exec(unpack, cwd="/", user=user if user is not None else dst_root, timeout=timeout)
+    if not unpacked.ok:
+        raise WorkspaceCopyError(f"unpacking the workdir in the grading sandbox failed (exit {unpacked.exit_code}, "
+                                 f"timed out: {unpacked.timed_out}): {_tail(unpacked.stderr or unpacked.stdout)}")
+    return size

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from sandbox import ExecResult, Sandbox, SandboxError, SandboxStateError
+from sandbox.protocol import USER_SWITCH
 
 #: Where CLIs are installed (and found preinstalled): ``<root>/<harness>/<version>``.
 INSTALL_ROOT = "/opt/ares-agents"
@@ -164,6 +165,11 @@ class Prepared:
     #: The current run's time budget (seconds), set by ``launch_and_wait`` before the agent's
     #: environment and command are built, so a harness can size its per-command limits from it.
     time_budget: float | None = None
+    #: The current run's launcher directory: its pid record and exit code (root's, 0700, where
+    #: ``control_is_root``; else in the run user's state directory, when the agent runs as the
+    #: sandbox's own user and nothing is out of its reach anyway).
+    control: str | None = None
+    control_is_root: bool = False
 
 
 class BaseHarness(abc.ABC):
@@ -395,29 +401,37 @@ class BaseHarness(abc.ABC):
         script = "\n".join(
             [
                 "#!/bin/sh",
+                # The environment a command of the run user gets in this sandbox, as it was captured.
+                f". {st}/env.sh",
                 f"cd {shlex.quote(ctx.workdir)} || exit 97",
                 *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
                 f'export PATH={shlex.quote(bin_dir)}:"$PATH"',
-                # A subshell, so an ``exit`` in the agent's command still reaches the exit-code line.
+                # A subshell, so an ``exit`` in the agent's command still ends run.sh with its status.
                 f"( {self._wrapped(self.agent_command(ctx, prep, prompt))} ) >{st}/stdout.log 2>{st}/stderr.log </dev/null",
-                f"echo $? >{st}/exit_code.tmp && mv {st}/exit_code.tmp {st}/exit_code",
                 "",
             ]
         )
         write = await sandbox.exec(
-            ["sh", "-c", f"rm -f {st}/exit_code {st}/pid && printf %s {shlex.quote(script)} >{st}/run.sh"
-                         f" && chmod 700 {st}/run.sh"],
+            ["sh", "-c", f"rm -f {st}/exit_code {st}/pid && export -p >{st}/env.sh && "
+                         f"printf %s {shlex.quote(script)} >{st}/run.sh && chmod 700 {st}/run.sh"],
             user=prep.user, cwd=ctx.workdir, timeout=30,
         )
         if not write.ok:
             raise HarnessLaunchError(self.name, "writing the launch script", _exec_failure(write))
+        # Who watches the agent: root, where the agent runs as a user of its own. Root starts it, keeps
+        # its pid (with its start time) and its exit code in a directory only root can write, and
+        # polls and kills by that record; nothing the agent writes (its state directory) is read back
+        # to decide whether it lives, how it ended or what to kill.
+        root = prep.user is not None and prep.user != "root"
+        control = f"/tmp/.ares-run-{uuid.uuid4().hex}" if root else f"{st}/run-{run_id}"
+        switch = _user_switch(sandbox, prep.user) if root else []
+        prep.control = control
+        prep.control_is_root = root
         started = time.monotonic()
-        # setsid: a new session and process group whose id is the agent's pid, detached from this exec.
-        launch = await sandbox.exec(
-            ["sh", "-c", f"setsid sh {st}/run.sh >/dev/null 2>&1 </dev/null & echo $! >{st}/pid; echo {run_id}"],
-            user=prep.user, cwd=ctx.workdir, timeout=30,
-        )
-        if not launch.ok:
+        launch = await self._control_exec(
+            sandbox, prep, ["sh", "-c", _LAUNCH, "ares-launch", control, "1" if root else "0",
+                            *switch, "env", "-i", "/bin/sh", f"{st}/run.sh"], timeout=30)
+        if not launch.ok or launch.stdout.strip() != "launched":
             raise HarnessLaunchError(self.name, "launching the agent", _exec_failure(launch))
         try:
             exit_code, timed_out = await self._wait(sandbox, prep, started, time_budget)
@@ -445,8 +459,9 @@ class BaseHarness(abc.ABC):
         )
 
     async def _wait(self, sandbox: Sandbox, prep: Prepared, started: float, time_budget: float) -> tuple[int | None, bool]:
-        """Poll for the exit-code file until the budget runs out: ``(exit_code, timed_out)``."""
-        st = prep.state_dir
+        """Poll the launcher's record until the budget runs out: ``(exit_code, timed_out)``."""
+        control = prep.control
+        assert control is not None
         while True:
             remaining = time_budget - (time.monotonic() - started)
             if remaining <= 0:
@@ -454,30 +469,27 @@ class BaseHarness(abc.ABC):
             chunk = min(remaining, 20.0)
             # Wait inside the sandbox (cheap), in short chunks: a dropped exec costs at most one chunk.
             try:
-                waited = await sandbox.exec(
-                    ["sh", "-c", f"i=0; while [ ! -f {st}/exit_code ] && [ $i -lt {int(chunk * 5)} ]; do "
-                                 f"kill -0 $(cat {st}/pid) 2>/dev/null || {{ sleep 0.3; break; }}; sleep 0.2; "
-                                 f"i=$((i+1)); done; cat {st}/exit_code 2>/dev/null || echo running"],
-                    user=prep.user, cwd="/", timeout=chunk + 15,
-                )
+                waited = await self._control_exec(
+                    sandbox, prep, ["sh", "-c", _POLL, "ares-poll", control, str(int(chunk * 5))],
+                    timeout=chunk + 15)
                 out = waited.stdout.strip()
-                if out.lstrip("-").isdigit():
-                    return int(out), False
-                if out == "running" and waited.ok:
-                    alive = await sandbox.exec(["sh", "-c", f"kill -0 $(cat {st}/pid) 2>/dev/null"],
-                                               user=prep.user, cwd="/", timeout=15)
-                    if not alive.ok:  # the wrapper died without writing its exit code (killed from outside)
-                        again = await sandbox.exec(["sh", "-c", f"cat {st}/exit_code 2>/dev/null"],
-                                                   user=prep.user, cwd="/", timeout=15)
-                        code = again.stdout.strip()
-                        return (int(code) if code.lstrip("-").isdigit() else None), False
-                elif not waited.ok and not waited.timed_out:
+                if out.startswith("exit ") and out[5:].lstrip("-").isdigit():
+                    return int(out[5:]), False
+                if out == "gone" and waited.ok:  # the launcher died without an exit code (killed from outside)
+                    return None, False
+                if not waited.ok and not waited.timed_out:
                     await asyncio.sleep(0.5)
             except SandboxStateError:
                 raise  # the sandbox is gone: nothing left to wait for
             except SandboxError:
                 # A failed exec (a dropped connection, a busy daemon) is not the agent's end: poll again.
                 await asyncio.sleep(1.0)
+
+    async def _control_exec(self, sandbox: Sandbox, prep: Prepared, argv: list[str], *, timeout: float) -> ExecResult:
+        """One step of the launcher's: as root where the agent runs as a user of its own, else as the run user."""
+        if prep.control_is_root:
+            return await self._root_exec(sandbox, shlex.join(argv), timeout=timeout)
+        return await sandbox.exec(argv, user=prep.user, cwd="/", timeout=timeout)
 
     def _wrapped(self, command: str) -> str:
         if not self.wrapper:
@@ -486,13 +498,11 @@ class BaseHarness(abc.ABC):
 
     async def kill(self, sandbox: Sandbox, prep: Prepared) -> None:
         """Kill the agent's process group and session (and the harness's extra processes)."""
-        st = prep.state_dir
+        if prep.control:
+            await self._control_exec(sandbox, prep, ["sh", "-c", _KILL, "ares-kill", prep.control], timeout=30)
         extra = self.cleanup_command(prep)
-        cmd = (
-            f"p=$(cat {st}/pid 2>/dev/null) || exit 0; kill -TERM -$p 2>/dev/null; sleep 1; "
-            f"kill -KILL -$p 2>/dev/null; pkill -KILL -s $p 2>/dev/null; {extra or 'true'}; true"
-        )
-        await sandbox.exec(["sh", "-c", cmd], user=prep.user, cwd="/", timeout=30)
+        if extra:
+            await sandbox.exec(["sh", "-c", f"{extra}; true"], user=prep.user, cwd="/", timeout=30)
 
     async def _collect(self, sandbox: Sandbox, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
         st = prep.state_dir
@@ -501,8 +511,10 @@ class BaseHarness(abc.ABC):
         for name, path in wanted.items():
             limit = _TAIL if name.startswith("_") else _ARTIFACT_LIMIT
             # A glob picks the newest match (Codex names its session log by date and id).
+            # Regular files only: a FIFO or a device the agent put there would block the read.
             r = await sandbox.exec(
-                ["sh", "-c", f"f=$(ls -t {path} 2>/dev/null | head -n 1); [ -n \"$f\" ] && tail -c {limit} \"$f\""],
+                ["sh", "-c", f"f=$(ls -t {path} 2>/dev/null | head -n 1); [ -n \"$f\" ] && [ -f \"$f\" ] && "
+                             f"[ ! -h \"$f\" ] && tail -c {limit} \"$f\" </dev/null"],
                 user=prep.user, cwd=ctx.workdir, timeout=60,
             )
             if r.ok:
@@ -513,6 +525,58 @@ class BaseHarness(abc.ABC):
         # The local backend runs as the host user (root in CI); container backends take a user name.
         return await sandbox.exec(["sh", "-c", command], user=None if sandbox.backend == "local" else "root",
                                   cwd="/", timeout=timeout)
+
+
+#: ``_ares_start LINE`` sets ``t`` to the start time in a line of /proc/PID/stat; ``_ares_same PID
+#: START`` succeeds while /proc/PID is the process recorded as ``PID START``.
+_SAME = (
+    '_ares_start() { _s=${1##*) }; set -- $_s; t=${20}; }; '
+    '_ares_same() { _l=; [ -n "$1" ] && [ -n "$2" ] || return 1; read -r _l <"/proc/$1/stat" 2>/dev/null '
+    '|| return 1; _ares_start "$_l"; [ "$t" = "$2" ]; }; '
+    # A record is read only when it is a regular file (never a FIFO, a device or a symlink) and only
+    # its first 64 bytes: the launcher's directory is root's, but not where the agent is the sandbox's user.
+    '_rd() { v=; [ -f "$1" ] && [ ! -h "$1" ] || return 1; v=$(head -c 64 "$1" </dev/null 2>/dev/null); }; '
+)
+# $1 the launcher's directory, $2 1 = made by root and 0700 (it must not exist yet), then the argv of
+# the agent's run.  The launcher is the leader of a new session: it records "<pid> <start time>",
+# runs the argv (which switches to the agent's user) and records its exit status.  A TERM (the first
+# of kill()) runs a handler: the launcher lives on until the KILL of its whole group.
+_LAUNCH = _SAME + (
+    'c=$1; own=$2; shift 2; '
+    'if [ "$own" = 1 ]; then mkdir -m 700 "$c" || exit 3; else mkdir -p "$c" || exit 3; fi; '
+    'setsid /bin/sh -c \'c=$0; trap : TERM; ' + '_ares_start() { _s=${1##*) }; set -- $_s; t=${20}; }; '
+    'l=; read -r l </proc/self/stat; _ares_start "$l"; echo "$$ $t" >"$c/pid.tmp" && mv -f "$c/pid.tmp" "$c/pid" '
+    '|| exit 3; "$@"; echo $? >"$c/exit_code.tmp" && mv -f "$c/exit_code.tmp" "$c/exit_code"\' "$c" "$@" '
+    '>/dev/null 2>&1 </dev/null & '
+    'i=0; while [ ! -f "$c/pid" ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done; '
+    '[ -f "$c/pid" ] && echo launched'
+)
+# $1 the launcher's directory, $2 rounds of 0.2 s.  Prints "exit N" once the launcher recorded the
+# agent's exit status, "gone" when the launcher died without one, else "running".
+_POLL = _SAME + (
+    'c=$1; n=$2; _rd "$c/pid"; set -- $v; p=$1; t0=$2; '
+    'i=0; while [ ! -f "$c/exit_code" ] && [ $i -lt "$n" ]; do _ares_same "$p" "$t0" || { sleep 0.3; break; }; '
+    'sleep 0.2; i=$((i+1)); done; '
+    'x=; _rd "$c/exit_code" && x=$v; '
+    'case $x in ""|*[!0-9-]*) if _ares_same "$p" "$t0"; then echo running; else echo gone; fi;; *) echo "exit $x";; esac'
+)
+# $1 the launcher's directory.  TERM, then (a second later) KILL to the launcher's process group and
+# to what is left of its session, each only while the launcher is still the process recorded.
+_KILL = _SAME + (
+    'c=$1; _rd "$c/pid" || exit 0; set -- $v; p=$1; t0=$2; '
+    '_ares_same "$p" "$t0" || exit 0; kill -TERM -"$p" 2>/dev/null; sleep 1; '
+    '_ares_same "$p" "$t0" || exit 0; kill -KILL -"$p" 2>/dev/null; '
+    'command -v pkill >/dev/null 2>&1 && pkill -KILL -s "$p" 2>/dev/null; exit 0'
+)
+
+
+def _user_switch(sandbox: Sandbox, user: str | None) -> list[str]:
+    """The sandbox's argv prefix that runs the rest as ``user`` (see ``BaseSandbox.user_switch_argv``)."""
+    assert user is not None
+    switch = getattr(sandbox, "user_switch_argv", None)
+    if switch is None:
+        return ["/bin/sh", "-c", USER_SWITCH, "ares-switch", user]
+    return list(switch(user))
 
 
 def _host_ca_bundle() -> str | None:

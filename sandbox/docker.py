@@ -31,6 +31,7 @@ import requests.exceptions
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from . import janitor
+from ._procid import EXEC_DIR, KEEP_RECORDED, KILL_RECORDED, RECORD_AND_EXEC, RELAY_RECORD, START_FN
 from .errors import (
     BackendUnavailableError,
     ExecError,
@@ -46,6 +47,7 @@ from .protocol import (
     command_to_shell,
     extract_single_file,
     extract_tar,
+    filter_tar,
     tar_directory,
     tar_single_file,
 )
@@ -62,7 +64,6 @@ T = TypeVar("T")
 
 BUILD_TAG_PREFIX = "ares-gateway/sandbox-build"
 _API_TIMEOUT = 120
-_PIDDIR = "/tmp"
 
 #: The PATH of every command run as root: system directories only, whatever the image, the spec or
 #: the caller put on it.  The agent may write its home (~/.local/bin, ~/.npm-global/bin): a program it
@@ -79,61 +80,91 @@ _UNSAFE_FOR_ROOT = re.compile(
     r"PERL5LIB|PERL5OPT|PERLLIB|RUBYLIB|RUBYOPT|GIT_EXEC_PATH|GIT_CONFIG\w*|GIT_TEMPLATE_DIR|XDG_\w+"
 )
 
-# Run `command` ($2) in a new session whose leader writes its pid (= the process-group id) to $1.
-# The outer shell waits (setsid -w), removes the pid file and exits with the command's status.  First
-# it settles the environment by the uid it really runs as (read by a builtin from /proc/self/status, so
-# a user named otherwise with uid 0 counts as root too): root gets SYSTEM_PATH, HOME=/root and the
-# names of $4 unset; another user, when the caller gave no PATH ($5 = 1), gets its own bin directories
-# (~/.local/bin and the npm prefix's) before the system's, which only it runs.
-_OUTER = (
-    'p=$1; c=$2; i=$3; u=$4; up=$5; uid=; '
-    'while read -r k v _; do case $k in Uid:) uid=$v; break;; esac; done </proc/self/status; '
-    f'if [ "$uid" = 0 ]; then PATH={SYSTEM_PATH}; HOME=/root; export PATH HOME; '
-    'for n in $u; do unset "$n"; done; '
-    'elif [ "$up" = 1 ]; then for d in "$HOME/.local/bin" "${NPM_CONFIG_PREFIX:+$NPM_CONFIG_PREFIX/bin}"; do '
-    'case ":$PATH:" in *":$d:"*) ;; *) [ -n "$d" ] && PATH="$d:$PATH";; esac; done; export PATH; fi; '
-    'if command -v setsid >/dev/null 2>&1; then setsid -w /bin/sh -c "$i" "$p" "$c"; rc=$?; '
-    'else /bin/sh -c "$i" "$p" "$c"; rc=$?; fi; rm -f "$p"; exit $rc'
+# Every command runs as root first: the exec itself is root's, and so is the record of the command's
+# session leader (``<pid> <start time>``, in the root-only EXEC_DIR), written before it switches to the
+# command's user.  A timeout or a cancellation kills by that record, never by a file the agent can
+# write (an agent that named the relay's pid in a pid file of its own had root kill the relay).
+#
+# _OUTER: $1 record file, $2 command, $3 user ('' = root; name, uid, name:group or uid:gid, as
+# `docker exec --user`), $4 names unset for root, $5 1 when the caller gave no PATH, $6 RECORD_AND_EXEC,
+# $7 _USER_PART.  The caller's environment comes as ARES_UENV_<i>="NAME=value" (set again only where the
+# command runs: root's own steps here never see it).  The user is looked up in the image's /etc/passwd
+# by builtins; uid 0 under any name is root: SYSTEM_PATH, HOME=/root and the names of $4 unset.  Another
+# user is switched to with setpriv (util-linux; runuser where only that exists) and gets, when the
+# caller gave no PATH, its own bin directories (~/.local/bin and the npm prefix's) before the image's.
+_RESTORE = (
+    'i=0; while eval "v=\\${ARES_UENV_$i-}; s=\\${ARES_UENV_$i+x}"; [ -n "$s" ]; do '
+    'unset "ARES_UENV_$i"; export "$v"; i=$((i+1)); done; '
 )
-_INNER = 'echo $$ >"$0" 2>/dev/null; exec /bin/sh -c "$1"'
-_KILL = 'p=; read -r p <"$0" 2>/dev/null; [ -n "$p" ] && { kill -9 -"$p" 2>/dev/null || kill -9 "$p"; }; rm -f "$0"'
+_USER_PART = (
+    'c=$0; PATH=$ARES_UPATH; HOME=$ARES_UHOME; up=$ARES_UP; unset ARES_UPATH ARES_UHOME ARES_UP; export PATH HOME; '
+    + _RESTORE
+    + 'if [ "$up" = 1 ]; then for d in "$HOME/.local/bin" "${NPM_CONFIG_PREFIX:+$NPM_CONFIG_PREFIX/bin}"; do '
+    'case ":$PATH:" in *":$d:"*) ;; *) [ -n "$d" ] && PATH="$d:$PATH";; esac; done; export PATH; fi; '
+    'exec /bin/sh -c "$c"'
+)
+_OUTER = (
+    'p=$1; c=$2; u=$3; un=$4; up=$5; rec=$6; usr=$7; '
+    f'opath=${{PATH:-{SYSTEM_PATH}}}; PATH={SYSTEM_PATH}; export PATH; '
+    '[ -d "${p%/*}" ] || mkdir -p -m 700 "${p%/*}" || exit 125; '
+    'uid=0; gid=0; name=; home=/; g=; '
+    'if [ -n "$u" ]; then n=${u%%:*}; case $u in *:*) g=${u#*:};; esac; found=; '
+    'while IFS=: read -r pn _ pu pg _ ph _; do '
+    'case $n in *[!0-9]*) [ "$pn" = "$n" ];; *) [ "$pu" = "$n" ];; esac && { found=1; name=$pn; uid=$pu; gid=$pg; home=$ph; break; }; '
+    'done </etc/passwd; '
+    'if [ -z "$found" ]; then case $n in ""|*[!0-9]*) '
+    'echo "ares-exec: unable to find user $n: no matching entries in passwd file" >&2; exit 126;; esac; uid=$n; fi; '
+    'if [ -n "$g" ]; then case $g in *[!0-9]*) gg=; '
+    'while IFS=: read -r gn _ gi _; do [ "$gn" = "$g" ] && { gg=$gi; break; }; done </etc/group; '
+    '[ -n "$gg" ] || { echo "ares-exec: unable to find group $g" >&2; exit 126; }; gid=$gg;; *) gid=$g;; esac; fi; fi; '
+    'if [ "$uid" = 0 ]; then '
+    + _RESTORE
+    + f'PATH={SYSTEM_PATH}; HOME=/root; export PATH HOME; for n in $un; do unset "$n"; done; set -- /bin/sh -c "$c"; '
+    'else ARES_UPATH=$opath; ARES_UHOME=$home; ARES_UP=$up; export ARES_UPATH ARES_UHOME ARES_UP; '
+    'if command -v setpriv >/dev/null 2>&1; then '
+    'if [ -n "$name" ]; then set -- --init-groups; else set -- --clear-groups; fi; '
+    'set -- setpriv --reuid="$uid" --regid="$gid" "$@" -- /bin/sh -c "$usr" "$c"; '
+    'elif [ -n "$name" ] && command -v runuser >/dev/null 2>&1; then '
+    'if [ -n "$g" ]; then set -- -g "$g"; else set --; fi; set -- runuser -u "$name" "$@" -- /bin/sh -c "$usr" "$c"; '
+    'else echo "ares-exec: running a command as $u needs setpriv or runuser (util-linux) in the image" >&2; exit 126; fi; '
+    'fi; '
+    'if command -v setsid >/dev/null 2>&1; then setsid -w /bin/sh -c "$rec" "$p" "$@"; rc=$?; '
+    'else /bin/sh -c "$rec" "$p" "$@"; rc=$?; fi; rm -f "$p"; exit $rc'
+)
+_KILL = KILL_RECORDED
 
 # Root-owned directory of the sandbox's own machinery: the relay script, its pid files and logs, and
 # the read-only mounts of host socket directories (/.ares/forward/<n>).
 _ARES_DIR = "/.ares"
 _RELAY_SCRIPT = Path(__file__).with_name("_relay.py")
-# $1 port, $2 socket path inside.  Starts the relay detached and waits for its pid (ready) file.
-_START_RELAY = r"""
-port=$1; sock=$2; r=/.ares/relay-$port.pid; log=/.ares/relay-$port.log
+# $1 port, $2 socket path inside.  Starts the relay detached, waits for its pid (ready) file and
+# records it as root's (/.ares/relay-$port.id: pid and start time, checked by kill_processes()).
+_START_RELAY = START_FN + r"""
+port=$1; sock=$2; r=/.ares/relay-$port.pid; id=/.ares/relay-$port.id; log=/.ares/relay-$port.log
 command -v python3 >/dev/null 2>&1 || { echo "the image has no python3, which the relay needs"; exit 3; }
-rm -f "$r"
+rm -f "$r" "$id"
 setsid python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --unix "$sock" --ready-file "$r" >"$log" 2>&1 </dev/null &
 i=0; while [ ! -f "$r" ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done
 [ -f "$r" ] || { cat "$log"; exit 4; }
+p=; read -r p <"$r"; l=; read -r l <"/proc/$p/stat" || { cat "$log"; exit 4; }
+_ares_start "$l"; echo "$p $t" >"$id.tmp" && mv -f "$id.tmp" "$id"
 """
 # $1 port, $2 max streams.  The relay of the exec tunnel, on the exec's stdin/stdout.  Docker does not
 # always end a dropped exec (its stdout stuck): a relay of this port left from an earlier channel is
-# killed first (checked by its command line: the pid may since be another process's), freeing the port.
-_TUNNEL_RELAY = r"""
-port=$1; r=/.ares/relay-$port.pid; p=
-[ -f "$r" ] && read -r p <"$r"
-if [ -n "$p" ]; then
-  case "$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null)" in
-    *"/.ares/relay.py --listen 127.0.0.1:$port "*) kill -9 "$p"; i=0
-      while [ -d "/proc/$p" ] && [ $i -lt 40 ]; do sleep 0.05; i=$((i+1)); done;;
-  esac
-fi
-exec python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --tunnel binary --ready-file "$r" --max-connections "$2"
-"""
-# $1 uid ('' = every user), $2 rounds of 50 ms.  Kills every process but PID 1, its first child (the
-# container's `sleep infinity`), the relays and itself (with the exec wrapper above it); builtins only
-# (but sleep), so the script's own helpers never show up and no program is looked up while listing.
-# Prints the number killed; exit 3 (and the survivors) when time runs out.
+# killed first (only while its record still names that very process), freeing the port.
+_TUNNEL_RELAY = f'PATH={SYSTEM_PATH}; export PATH; port=$1; d=/.ares; ' + RELAY_RECORD + (
+    'exec python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --tunnel binary '
+    '--ready-file "$d/relay-$port.pid" --max-connections "$2"'
+)
+# $1 uid ('' = every user), $2 rounds of 50 ms, $3 the keeper's record ("<pid> <start>", taken by the
+# host when the container started).  Kills every process but PID 1, the container's `sleep infinity`
+# and the relays (each only while it is the very process recorded: start time, uid 0) and itself
+# (with the exec wrapper above it); builtins only (but sleep), so the script's own helpers never show
+# up and no program is looked up while listing.  Prints the number killed; exit 3 (and the survivors)
+# when time runs out.
 _KILL_ALL = r"""
-want=$1; rounds=$2; self=$$; killed=0
-kids=; read -r kids </proc/1/task/1/children || true
-keeper=; for c in $kids; do if [ -z "$keeper" ] || [ "$c" -lt "$keeper" ]; then keeper=$c; fi; done
-relays=; for f in /.ares/relay-*.pid; do r=; [ -f "$f" ] && read -r r <"$f"; relays="$relays $r"; done
+want=$1; rounds=$2; keeper_record=$3; self=$$; killed=0
+""" + KEEP_RECORDED + r"""
 anc=""; p=$self
 while [ -n "$p" ] && [ "$p" -gt 1 ]; do
   anc="$anc $p"; pp=""
@@ -181,6 +212,13 @@ true
 #: Processes root may add above the pids limit while kill_processes() runs, so that it can still
 #: start (a docker exec is a process of the container) when the agent has taken every pid.
 _KILL_PIDS_HEADROOM = 32
+_SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Prints "<pid> <start time>" of the container's keeper (`sleep infinity`, the first child of its init).
+_KEEPER_RECORD = START_FN + (
+    'i=0; k=; while :; do read -r k </proc/1/task/1/children; [ -n "$k" ] && break; i=$((i+1)); '
+    '[ $i -gt 250 ] && exit 3; sleep 0.02; done; set -- $k; l=; read -r l <"/proc/$1/stat" || exit 3; '
+    '_ares_start "$l"; echo "$1 $t"'
+)
 #: The pids limit of a sandbox whose spec sets none: far above what an agent, its tools and a test
 #: suite use, far below the host's pid_max (32768 by default), so a fork bomb stays inside.
 DEFAULT_PIDS = 4096
@@ -385,6 +423,8 @@ class DockerSandbox(BaseSandbox):
         # Names of the image's environment that root commands never get (see _UNSAFE_FOR_ROOT).
         self._image_unsafe: tuple[str, ...] = ()
         self._image_user = ""
+        # "<pid> <start time>" of the container's `sleep infinity`, recorded at start.
+        self._keeper_record = ""
 
     @property
     def description(self) -> str:
@@ -412,6 +452,7 @@ class DockerSandbox(BaseSandbox):
         self._image_user, image_env = await asyncio.to_thread(_image_config, self.image)
         self._image_unsafe = tuple(sorted(n for n in image_env if _UNSAFE_FOR_ROOT.fullmatch(n)))
         self.container_id = await asyncio.to_thread(self._create_container)
+        self._keeper_record = await asyncio.to_thread(self._record_keeper)
 
     @_wrap_api_errors("creating the container")
     def _create_container(self) -> str:
@@ -474,6 +515,15 @@ class DockerSandbox(BaseSandbox):
         _retry(container.start)()
         return str(container.id)
 
+    def _record_keeper(self) -> str:
+        """The container's keeper as "<pid> <start time>", taken before any command of the agent ran:
+        kill_processes() spares it only while /proc still shows that very process."""
+        code, out = self._root_exec_sync(["/bin/sh", "-c", _KEEPER_RECORD])
+        record = out.decode(errors="replace").strip()
+        if code != 0 or len(record.split()) != 2 or not all(f.isdigit() for f in record.split()):
+            raise SandboxStartError(f"sandbox {self.id}: cannot find the container's keeper process ({record[-200:]!r})")
+        return record
+
     def _remove_sync(self) -> None:
         name = self.container_id or self._container_name
         # A fresh client: this may run in a signal handler while another call holds the shared one.
@@ -491,16 +541,23 @@ class DockerSandbox(BaseSandbox):
         self, command: str, *, cwd: str, env: dict[str, str], user: str | None, timeout: float | None
     ) -> ExecResult:
         assert self.container_id is not None
-        pidfile = f"{_PIDDIR}/.ares-exec-{uuid.uuid4().hex}.pid"
-        # Names root never gets: the wrapper unsets them when it runs as uid 0 (whatever the name).
+        pidfile = f"{EXEC_DIR}/{uuid.uuid4().hex}.pid"
+        # Names root never gets: the wrapper unsets them when the command runs as uid 0 (whatever the name).
         unsafe = " ".join(sorted({*self._image_unsafe, *(k for k in env if _UNSAFE_FOR_ROOT.fullmatch(k))}))
-        argv = ["/bin/sh", "-c", _OUTER, "ares-exec", pidfile, command, _INNER, unsafe,
-                "0" if "PATH" in env else "1"]
         if self._runs_as_root(user):
             env = {**{k: v for k, v in env.items() if not _UNSAFE_FOR_ROOT.fullmatch(k)}, **_ROOT_ENV}
+        for key in env:
+            if not _SHELL_NAME.fullmatch(key):
+                raise ExecError(f"environment variable name {key!r} cannot be passed to a docker command: use "
+                                "letters, digits and underscores (not starting with a digit)")
+        # The exec is root's; the caller's environment rides along as carriers, set again only where
+        # the command runs (as its user), so root's own steps in the wrapper never run with it.
+        carriers = {f"ARES_UENV_{i}": f"{k}={v}" for i, (k, v) in enumerate(env.items())}
+        argv = ["/bin/sh", "-c", _OUTER, "ares-exec", pidfile, command, user or self._image_user, unsafe,
+                "0" if "PATH" in env else "1", RECORD_AND_EXEC, _USER_PART]
         api = client().api
         started = time.monotonic()
-        exec_id = await asyncio.to_thread(self._exec_create, api, argv, cwd, env, user)
+        exec_id = await asyncio.to_thread(self._exec_create, api, argv, cwd, carriers)
         stream = await asyncio.to_thread(api.exec_start, exec_id, stream=True, demux=True)
         out: list[bytes] = []
         err: list[bytes] = []
@@ -528,6 +585,8 @@ class DockerSandbox(BaseSandbox):
         stderr = b"".join(err).decode("utf-8", "replace")
         if code in (126, 127) and "OCI runtime exec failed" in stdout + stderr:
             raise ExecError(f"docker could not run the command in sandbox {self.id}: {(stdout + stderr).strip()}")
+        if code in (125, 126) and stderr.startswith("ares-exec: "):
+            raise ExecError(f"docker could not run the command in sandbox {self.id}: {stderr.strip()[11:]}")
         return ExecResult(
             stdout=stdout,
             stderr=stderr,
@@ -536,11 +595,11 @@ class DockerSandbox(BaseSandbox):
             duration=time.monotonic() - started,
         )
 
-    def _exec_create(self, api: Any, argv: list[str], cwd: str, env: dict[str, str], user: str | None) -> str:
+    def _exec_create(self, api: Any, argv: list[str], cwd: str, env: dict[str, str]) -> str:
         try:
             res = api.exec_create(
                 self.container_id, argv, stdout=True, stderr=True, stdin=False, tty=False,
-                environment=env, workdir=cwd, user=user or "",
+                environment=env, workdir=cwd, user="root",
             )
         except docker.errors.NotFound as exc:
             raise ExecError(f"container of sandbox {self.id} is gone ({exc}); create a new sandbox") from exc
@@ -665,7 +724,8 @@ class DockerSandbox(BaseSandbox):
                     raise ExecError(f"no user {user!r} in sandbox {self.id}: {r.stderr.strip()}")
                 uid = r.stdout.strip()
         rounds = max(1, int(timeout / 0.05))
-        r = await self._exec(command_to_shell(["sh", "-c", _KILL_ALL, "ares-kill", uid, str(rounds)]), user="root",
+        r = await self._exec(command_to_shell(["sh", "-c", _KILL_ALL, "ares-kill", uid, str(rounds),
+                                               self._keeper_record]), user="root",
                              cwd="/", env={}, timeout=timeout + 30)
         out = r.stdout.strip()
         if not r.ok or not out.isdigit():
@@ -751,6 +811,21 @@ class DockerSandbox(BaseSandbox):
             extract_tar(IterStream(self._get_archive(remote_dir.rstrip("/") or "/")), local_dir, strip_top=True)  # type: ignore[arg-type]
 
         await asyncio.to_thread(fetch)
+
+    async def _archive_dir(self, remote_dir: str, local_path: Path, limit: int) -> int:
+        # The engine's own archive of the directory (made outside every process of the container,
+        # links stored as links), filtered as it streams in.
+        def fetch() -> int:
+            stream = self._get_archive(remote_dir.rstrip("/") or "/")
+            try:
+                with open(local_path, "wb") as out:
+                    return filter_tar(IterStream(stream), out, limit=limit, strip_top=True)  # type: ignore[arg-type]
+            finally:
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    close()
+
+        return await asyncio.to_thread(fetch)
 
 
 def _size(n: int) -> str:

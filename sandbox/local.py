@@ -51,6 +51,7 @@ from .protocol import (
     ExecResult,
     extract_single_file,
     extract_tar,
+    filter_tar,
     tar_directory,
     tar_single_file,
 )
@@ -478,6 +479,14 @@ class LocalSandbox(BaseSandbox):
             ]
         return [*self._bwrap_prefix(), "--chdir", cwd, *switch, *inner]
 
+    def user_switch_argv(self, user: str) -> list[str]:
+        """What ``exec(user=user)`` puts between the sandbox's namespaces and the command (setpriv), for
+        a root process inside; the host's own ``setpriv`` when not isolated."""
+        info = self._lookup_user(user)
+        if self.hardened and info.pw_uid != 0:
+            return ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", *_DROP_PRIVS, "--"]
+        return ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", "--init-groups", "--"]
+
     def _nsenter(self) -> list[str]:
         assert self._ns_pid is not None
         return [*self._confine_prefix(), "nsenter", "-t", str(self._ns_pid), "-m", "-p", "-i", "-u", "-r",
@@ -809,6 +818,41 @@ class LocalSandbox(BaseSandbox):
             shutil.copytree(src, local_dir, symlinks=True, dirs_exist_ok=True)
 
         await self._files(copy, remote_dir)
+
+    async def _archive_dir(self, remote_dir: str, local_path: Path, limit: int) -> int:
+        if self.hardened:  # tar as root inside: paths and links resolve in the sandbox's view only
+            argv = [*self._nsenter(), "setpriv", *_ROOT_PRIVS, "tar", "-c", "-f", "-", "-C", remote_dir, "."]
+        else:  # the host's view is the sandbox's (read-only bubblewrap binds, or no isolation)
+            argv = ["tar", "-c", "-f", "-", "-C", str(self._host_path(remote_dir)), "."]
+
+        def stream() -> int:
+            with tempfile.TemporaryFile() as err:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                                        cwd=str(self.root), env={"PATH": DEFAULT_PATH}, close_fds=True,
+                                        start_new_session=True)
+                assert proc.stdout is not None
+                try:
+                    with open(local_path, "wb") as out:
+                        size = filter_tar(proc.stdout, out, limit=limit)  # type: ignore[arg-type]
+                    while proc.stdout.read(1 << 16):  # the end-of-archive padding
+                        pass
+                    code = proc.wait(60)
+                finally:
+                    if proc.poll() is None:
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                    proc.stdout.close()
+                if code != 0:
+                    err.seek(0)
+                    raise FileTransferError(f"tar of {remote_dir} in sandbox {self.id} failed (exit {code}): "
+                                            f"{err.read().decode(errors='replace').strip()[-500:]}")
+                return size
+
+        try:
+            return await asyncio.to_thread(stream)
+        except OSError as exc:
+            raise FileTransferError(f"archiving {remote_dir} of sandbox {self.id} failed: {exc}") from exc
 
     async def _files(self, fn: Callable[[], None], what: str) -> None:
         try:

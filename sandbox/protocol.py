@@ -114,6 +114,8 @@ class Sandbox(Protocol):
 
     async def download_dir(self, remote_dir: str, local_dir: str | os.PathLike[str]) -> None: ...
 
+    async def archive_dir(self, remote_dir: str, local_path: str | os.PathLike[str], *, limit: int) -> int: ...
+
     async def forward(self, port: int, host_socket: str) -> None: ...
 
     async def kill_processes(self, *, user: str | None = None, timeout: float = 30.0) -> int: ...
@@ -129,6 +131,15 @@ class Sandbox(Protocol):
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None: ...
+
+
+#: ``sh -c USER_SWITCH NAME USER ARGV...`` run by root: ARGV as USER (see BaseSandbox.user_switch_argv).
+USER_SWITCH = (
+    'u=$1; shift; uid=$(id -u "$u") && gid=$(id -g "$u") || { echo "no user $u in this sandbox" >&2; exit 126; }; '
+    'if command -v setpriv >/dev/null 2>&1; then exec setpriv --reuid="$uid" --regid="$gid" --init-groups -- "$@"; '
+    'elif command -v runuser >/dev/null 2>&1; then exec runuser -u "$u" -- "$@"; fi; '
+    'echo "switching to $u needs setpriv or runuser (util-linux) in this sandbox" >&2; exit 126'
+)
 
 
 def command_to_shell(command: str | list[str]) -> str:
@@ -174,6 +185,79 @@ def extract_tar(stream: IO[bytes], dest: Path, *, strip_top: bool = False) -> No
                     continue
                 member.name = parts[1]
             tar.extract(member, dest, filter="data")
+
+
+class ArchiveTooLargeError(FileTransferError):
+    """An archive (:func:`filter_tar`, :meth:`BaseSandbox.archive_dir`) would pass its size limit."""
+
+
+#: What :func:`filter_tar` keeps: regular files, directories, symbolic links and hard links.
+_KEPT_TAR_TYPES = frozenset({tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE})
+
+
+def filter_tar(src: IO[bytes], dst: IO[bytes], *, limit: int, strip_top: bool = False) -> int:
+    """Copy a tar stream from ``src`` to ``dst`` keeping regular files, directories, symbolic links
+    and hard links (their targets as written, never resolved here), with owners and set-id bits
+    cleared; FIFOs, sockets, device nodes, other types, and names that are absolute or hold ``..``
+    are left out. Nothing is written to disk but ``dst``. ``strip_top`` drops each name's first
+    component. Returns the bytes written; raises :class:`ArchiveTooLargeError` once the archive would
+    pass ``limit`` bytes, :class:`FileTransferError` when ``src`` is not a whole tar archive."""
+    try:
+        return _filter_tar(src, _Bounded(dst, limit), strip_top)
+    except tarfile.TarError as exc:
+        raise FileTransferError(f"not a complete tar archive: {exc}") from None
+
+
+def _filter_tar(src: IO[bytes], out: _Bounded, strip_top: bool) -> int:
+    def unsafe(name: str) -> bool:
+        return name.startswith("/") or ".." in name.split("/")
+
+    with tarfile.open(fileobj=src, mode="r|") as tin, tarfile.open(fileobj=out, mode="w|", format=tarfile.GNU_FORMAT) as tout:  # type: ignore[call-overload]
+        for member in tin:
+            if member.type not in _KEPT_TAR_TYPES:
+                continue
+            if strip_top:
+                parts = member.name.split("/", 1)
+                if len(parts) == 1 or not parts[1]:
+                    continue
+                member.name = parts[1]
+                if member.type == tarfile.LNKTYPE:
+                    member.linkname = member.linkname.split("/", 1)[-1]
+            if unsafe(member.name) or (member.type == tarfile.LNKTYPE and unsafe(member.linkname)):
+                continue
+            size = member.size if member.type in (tarfile.REGTYPE, tarfile.AREGTYPE) else 0
+            out.reserve(size)
+            member.mode &= 0o777
+            member.uid = member.gid = 0
+            member.uname = member.gname = ""
+            member.pax_headers = {}
+            tout.addfile(member, tin.extractfile(member) if size else None)
+    return out.written
+
+
+def filter_tar_file(src: Path, dst: Path, *, limit: int, strip_top: bool = False) -> int:
+    """:func:`filter_tar` from the file ``src`` into the file ``dst``."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        return filter_tar(fin, fout, limit=limit, strip_top=strip_top)
+
+
+class _Bounded(io.RawIOBase):
+    """A write-only file object that counts what passes to ``dst`` and refuses more than ``limit`` bytes."""
+
+    def __init__(self, dst: IO[bytes], limit: int) -> None:
+        self.dst, self.limit, self.written = dst, limit, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def reserve(self, n: int) -> None:
+        if self.written + n > self.limit:
+            raise ArchiveTooLargeError(f"the archive passes {self.limit} bytes")
+
+    def write(self, b: bytes) -> int:  # type: ignore[override]
+        self.reserve(len(b))
+        self.written += len(b)
+        return self.dst.write(b)
 
 
 def extract_single_file(stream: IO[bytes], local_path: Path) -> None:
@@ -368,6 +452,15 @@ class BaseSandbox(abc.ABC):
         self._require_running("download a directory")
         await self._download_dir(self._abs(remote_dir), Path(local_dir))
 
+    async def archive_dir(self, remote_dir: str, local_path: str | os.PathLike[str], *, limit: int) -> int:
+        """Write an uncompressed tar of ``remote_dir``'s contents to the local file ``local_path``, as
+        :func:`filter_tar` keeps them: made inside the sandbox (symbolic links stored as links, none
+        followed), streamed here, never unpacked on this host. Returns its size; raises
+        :class:`ArchiveTooLargeError` when it would pass ``limit`` bytes, :class:`FileTransferError`
+        when it cannot be made."""
+        self._require_running("archive a directory")
+        return await self._archive_dir(self._abs(remote_dir), Path(local_path), limit)
+
     @property
     def forwards(self) -> dict[int, str]:
         """The ports forwarded so far: sandbox port -> host unix socket."""
@@ -448,6 +541,30 @@ class BaseSandbox(abc.ABC):
     @abc.abstractmethod
     async def _download_dir(self, remote_dir: str, local_dir: Path) -> None: ...
 
+    async def _archive_dir(self, remote_dir: str, local_path: Path, limit: int) -> int:
+        """Any backend: ``tar`` into a temporary directory of root's inside (it takes the sandbox's
+        disk while it exists), then :meth:`download_file` and :func:`filter_tar`."""
+        import shlex
+
+        root = None if self.backend == "local" else "root"
+        q = shlex.quote(remote_dir)
+        made = await self.exec(
+            f'd=$(mktemp -d) && cd {q} && {{ tar -cf - . | head -c {limit + 1024 * 1024} > "$d/a.tar"; }} '
+            '&& printf "%s" "$d"',
+            cwd="/", user=root, timeout=600)
+        if not made.ok:
+            raise FileTransferError(f"archiving {remote_dir} in sandbox {self.id} failed: {made.stderr.strip()[-300:]}")
+        inside = made.stdout.strip()
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                raw = Path(tmp) / "a.tar"
+                await self.download_file(posixpath.join(inside, "a.tar"), raw)
+                import asyncio
+
+                return await asyncio.to_thread(filter_tar_file, raw, local_path, limit=limit)
+        finally:
+            await self.exec(f"rm -rf {shlex.quote(inside)}", cwd="/", user=root, timeout=60)
+
     async def _forward(self, port: int, host_socket: str) -> None:
         raise NotSupportedError(
             f"the {self.backend} backend cannot forward ports yet: use the local or docker backend (or network "
@@ -456,6 +573,15 @@ class BaseSandbox(abc.ABC):
 
     async def _kill_processes(self, user: str | None, timeout: float) -> int:
         raise NotSupportedError(f"the {self.backend} backend cannot kill all processes yet: use local or docker")
+
+    def user_switch_argv(self, user: str) -> list[str]:
+        """An argv prefix that, run by root inside this sandbox, runs the rest as ``user``: its uid, gid
+        and groups (``setpriv``, else ``runuser``), with the privileges ``exec(user=user)`` gives it.
+
+        For a root process that must outlive and watch what it starts (a launcher recording an exit
+        code where the user cannot write); the environment is the caller's to set.
+        """
+        return ["/bin/sh", "-c", USER_SWITCH, "ares-switch", user]
 
     async def _stop(self) -> None:
         import asyncio

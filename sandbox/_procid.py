@@ -1,0 +1,66 @@
+"""Who a process is, as root inside a sandbox sees it: its pid *and* its start time.
+
+Root never signals (or spares) a pid it read from a place the agent can write, and never trusts a
+pid alone: a pid file outlives its process, and an agent that cycles pids can take the number.  Each
+record root keeps is ``<pid> <start time>`` (field 22 of ``/proc/<pid>/stat``, clock ticks since
+boot), written by root into a directory only root can write; before it acts, it checks that
+``/proc/<pid>`` is still that process (same start time and, where it matters, uid 0).  These are
+POSIX shell snippets (builtins only), shared by the backends that run them inside a container.
+"""
+
+from __future__ import annotations
+
+#: Where the root side of each command keeps its record (0700, root's): never the agent's /tmp.
+EXEC_DIR = "/.ares/exec"
+
+#: ``_ares_start "$(line of /proc/PID/stat)"`` sets ``t`` to that process's start time.  The command
+#: name (field 2) may hold spaces and parentheses: everything up to the last ``) `` is dropped.
+START_FN = '_ares_start() { _s=${1##*) }; set -- $_s; t=${20}; }; '
+
+#: ``_ares_same PID START [1]`` succeeds when ``/proc/PID`` is the process recorded as ``PID START``
+#: (and, with ``1``, runs with every uid 0: a setuid program the agent started is not root's).
+SAME_FN = (
+    START_FN
+    + '_ares_same() { _l=; [ -n "$1" ] && [ -n "$2" ] || return 1; '
+    'read -r _l <"/proc/$1/stat" 2>/dev/null || return 1; _ares_start "$_l"; [ "$t" = "$2" ] || return 1; '
+    '[ "$3" = 1 ] || return 0; _u=; while read -r _k _a _b _c _d; do case $_k in Uid:) _u="$_a $_b $_c $_d"; break;; '
+    'esac; done <"/proc/$1/status" 2>/dev/null; [ "$_u" = "0 0 0 0" ]; }; '
+)
+
+#: Run as ``sh -c RECORD_AND_EXEC RECORD-FILE ARGV...`` by root: writes ``<its pid> <its start time>``
+#: to the record file, then execs ARGV (which switches to the command's user), keeping pid and start
+#: time, so the record names the command's session leader.
+RECORD_AND_EXEC = (
+    START_FN
+    + 'l=; read -r l </proc/self/stat; _ares_start "$l"; r=$0; echo "$$ $t" >"$r" || exit 125; exec "$@"'
+)
+
+#: ``sh -c KILL_RECORDED RECORD-FILE``, as root: SIGKILL the process group of the recorded session
+#: leader, only while that very process still lives (same start time); removes the record.
+KILL_RECORDED = (
+    SAME_FN
+    + 'p=; t0=; read -r p t0 <"$0" 2>/dev/null; rm -f "$0"; '
+    'if _ares_same "$p" "$t0"; then kill -9 -"$p" 2>/dev/null || kill -9 "$p" 2>/dev/null; fi; exit 0'
+)
+
+#: In a kill-everything script: ``relays`` becomes the pids of the relays that are still the processes
+#: their root-written ``/.ares/relay-<port>.id`` records name (start time and uid 0); ``keeper`` the
+#: container's own keeper when ``$1`` (``"<pid> <start>"``, the host's record taken at start) still
+#: names it.  A pid that merely sits in a file is spared by nothing.
+KEEP_RECORDED = (
+    SAME_FN
+    + 'relays=; for f in /.ares/relay-*.id; do [ -f "$f" ] || continue; r=; rt=; read -r r rt <"$f" 2>/dev/null; '
+    '_ares_same "$r" "$rt" 1 && relays="$relays $r"; done; '
+    'keeper=; set -- $keeper_record; _ares_same "$1" "$2" 1 && keeper=$1; '
+)
+
+#: Run by root in front of a relay it starts by ``exec`` (same pid and start time): records it as
+#: ``/.ares/relay-$port.id``; a relay of the port recorded earlier (a dropped channel's, still
+#: holding the port) is killed first, only while it is that very process.
+RELAY_RECORD = (
+    SAME_FN
+    + 'id="$d/relay-$port.id"; p=; t0=; [ -f "$id" ] && read -r p t0 <"$id"; '
+    'if _ares_same "$p" "$t0" 1; then kill -9 "$p"; i=0; '
+    'while [ -d "/proc/$p" ] && [ $i -lt 40 ]; do sleep 0.05; i=$((i+1)); done; fi; '
+    'l=; read -r l </proc/self/stat; _ares_start "$l"; echo "$$ $t" >"$id.tmp" && mv -f "$id.tmp" "$id"; '
+)

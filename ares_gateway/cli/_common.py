@@ -26,6 +26,27 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+def refuse_secret_flag(parser: argparse.ArgumentParser, flag: str, instead: str) -> None:
+    """Make ``flag`` (a secret's value on the command line) exit 2 with one line saying to do ``instead``.
+
+    A command line is public: every user of the host reads it in ``ps`` and ``/proc/<pid>/cmdline``, so
+    a secret is never taken there. The flag is kept, hidden, only to be refused: without it argparse
+    would take it as an abbreviation of a longer flag (``--admin-token`` of ``--admin-token-file``) and
+    read the secret as that flag's value. The value given is never shown.
+    """
+    line = f"ares-gateway: {flag} is not accepted: a command line is visible to every user of this host (ps); {instead}"
+
+    class _Refuse(argparse.Action):
+        def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                     option_string: str | None = None) -> None:
+            import sys
+
+            print(line, file=sys.stderr, flush=True)
+            raise SystemExit(2)
+
+    parser.add_argument(flag, nargs="?", action=_Refuse, help=argparse.SUPPRESS)
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Help with every option's default (when its help does not say it already) and descriptions and
     epilogs kept as written (their line breaks are lists)."""

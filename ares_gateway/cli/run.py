@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ares_gateway.cli._common import HelpFormatter, run_on_uvloop, tune_gc
+from ares_gateway.cli._common import HelpFormatter, refuse_secret_flag, run_on_uvloop, tune_gc
 
 POLICIES = ("oracle", "scripted", "upstream", "tito", "http")
 ENGINES = ("llama-cpp", "sglang", "vllm")
@@ -139,6 +139,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="gateway port (default: a free one; set it for --policy http)")
     p.add_argument("--admin-token-env", default=None, metavar="VAR",
                    help="http: the environment variable holding the admin token guarding /poll and /respond")
+    refuse_secret_flag(p, "--admin-token", "put the token in an environment variable and pass its name with "
+                                           "--admin-token-env VAR")
     p.add_argument("--log-level", default="WARNING", help="log level (DEBUG, INFO, WARNING, ERROR)")
 
 

@@ -12,7 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ares_gateway.cli._common import HelpFormatter, run_on_uvloop, tune_gc, write_admin_token
+from ares_gateway.cli._common import (
+    HelpFormatter,
+    refuse_secret_flag,
+    run_on_uvloop,
+    tune_gc,
+    write_admin_token,
+)
 from ares_gateway.cli.run import add_tito_arguments
 from ares_gateway.core.errors import DataDirError
 from ares_gateway.core.store import prepare_data_dir
@@ -104,15 +110,9 @@ def read_admin_token_file(path: str) -> str:
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:
-    """The admin token from --admin-token-file, --admin-token or $ARES_GATEWAY_ADMIN_TOKEN, in that order."""
+    """The admin token from --admin-token-file, else $ARES_GATEWAY_ADMIN_TOKEN (never the command line)."""
     if args.admin_token_file:
         return read_admin_token_file(args.admin_token_file)
-    if args.admin_token:
-        # A command line is public: every user of the host reads it in ps and /proc/<pid>/cmdline.
-        print("ares-gateway: warning: --admin-token puts the token on the command line, where every user "
-              f"of this host sees it (ps); use --admin-token-file PATH or ${ADMIN_TOKEN_ENV}",
-              file=sys.stderr, flush=True)
-        return str(args.admin_token)
     return os.environ.get(ADMIN_TOKEN_ENV) or None
 
 
@@ -140,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     except OSError as exc:
         print(f"ares-gateway: cannot write the admin token in {data_dir or _state_home()} "
-              f"({exc.strerror or exc}); pass a writable --data-dir or --admin-token", file=sys.stderr, flush=True)
+              f"({exc.strerror or exc}); pass a writable --data-dir or --admin-token-file", file=sys.stderr, flush=True)
         return 2
     cfg = GatewayConfig(
         host=args.host,
@@ -186,13 +186,8 @@ def add_serve_command(sub: Any) -> None:
              f"{ADMIN_TOKEN_ENV}; without either a random token is generated and written to a 0600 file "
              "whose path is printed",
     )
-    p.add_argument(
-        "--admin-token",
-        default=None,
-        metavar="TOKEN",
-        help="the admin token itself: visible to every user of the host in ps, so prefer --admin-token-file "
-             f"or {ADMIN_TOKEN_ENV}",
-    )
+    refuse_secret_flag(p, "--admin-token", f"put the token in a file and pass --admin-token-file PATH, or set "
+                                           f"${ADMIN_TOKEN_ENV}")
     p.add_argument("--request-timeout", type=float, default=900.0, help="seconds a request waits for its answer")
     p.add_argument("--lease", type=float, default=120.0, help="seconds before an unanswered polled request is redelivered")
     p.add_argument("--max-body-mb", type=int, default=32, help="largest request body accepted, in MiB")

@@ -35,9 +35,10 @@ def test_serve_process_round_trip_and_clean_shutdown() -> None:
     port = _free_port()
     admin = "cli-admin-secret-abcdef0123"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--admin-token", admin, "--access-log"],
+        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--access-log"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        env={**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": admin},
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -84,8 +85,35 @@ def test_serve_help_lists_flags() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "ares_gateway.cli", "serve", "--help"], capture_output=True, text=True, check=True, env={**os.environ}
     ).stdout
-    for flag in ("--host", "--port", "--admin-token", "--request-timeout", "--auto-sessions"):
+    for flag in ("--host", "--port", "--admin-token-file", "ARES_GATEWAY_ADMIN_TOKEN", "--request-timeout",
+                 "--auto-sessions"):
         assert flag in out
+    assert "--admin-token " not in out and "--admin-token TOKEN" not in out  # no flag takes the token itself
+
+
+SECRET = "on-the-command-line-0123456789"
+
+
+def test_a_token_on_the_command_line_is_refused_in_one_line() -> None:
+    """``--admin-token TOKEN`` would show the token to every user of the host (ps): every command that
+    takes an admin token refuses the flag, exit 2, one line saying where the token goes instead."""
+    cases = [
+        (["serve", "--port", "0", "--in-memory", "--admin-token", SECRET], "--admin-token-file PATH"),
+        (["serve", "--port", "0", "--in-memory", f"--admin-token={SECRET}"], "$ARES_GATEWAY_ADMIN_TOKEN"),
+        (["serve", "--admin-token"], "--admin-token-file PATH"),
+        (["run", "no-such-preset", "--admin-token", SECRET], "--admin-token-env VAR"),
+    ]
+    for argv, instead in cases:
+        try:
+            r = subprocess.run([sys.executable, "-m", "ares_gateway.cli", *argv], capture_output=True, text=True,
+                               timeout=30, env={**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": ""})
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"{argv}: still running after 30 s (the token was taken)") from exc
+        lines = r.stderr.splitlines()
+        assert r.returncode == 2, (argv, r.returncode, r.stderr)
+        assert len(lines) == 1 and lines[0].startswith("ares-gateway: --admin-token is not accepted"), (argv, r.stderr)
+        assert "ps" in lines[0] and instead in lines[0], (argv, lines)
+        assert SECRET not in r.stderr + r.stdout, argv
 
 
 def test_serve_limit_flags_reach_the_server() -> None:

@@ -365,9 +365,10 @@ def test_serve_admin_token_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert capsys.readouterr().err == ""
     (tmp_path / "t").write_text("from-a-file-0123456789\nignored\n")
     assert _admin_token(_serve_args("--admin-token-file", str(tmp_path / "t"))) == "from-a-file-0123456789"
-    assert _admin_token(_serve_args("--admin-token", "on-the-command-line-0123")) == "on-the-command-line-0123"
+    with pytest.raises(SystemExit) as exit_info:  # never the command line, where ps shows it
+        _serve_args("--admin-token", "on-the-command-line-0123")
     err = capsys.readouterr().err
-    assert "warning" in err and "ps" in err and "on-the-command-line-0123" not in err
+    assert exit_info.value.code == 2 and "--admin-token-file" in err and "on-the-command-line-0123" not in err
     (tmp_path / "empty").write_text("\n")
     for bad in (tmp_path / "empty", tmp_path / "missing"):
         with pytest.raises(ValueError, match="admin token file"):

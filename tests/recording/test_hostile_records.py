@@ -353,7 +353,7 @@ def _env() -> dict[str, str]:
 
 
 def _serve(data_dir: Path, port: int = 0) -> subprocess.Popen[str]:
-    """``serve`` as it is run by default: no ``--admin-token``, so it writes one into the data dir."""
+    """``serve`` as it is run by default: no token file or variable, so it writes one into the data dir."""
     return subprocess.Popen(
         [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--data-dir", str(data_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),

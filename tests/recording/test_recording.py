@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import sqlite3
@@ -35,9 +36,8 @@ def _port() -> int:
 
 def _serve(data_dir: Path, port: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--admin-token", ADMIN,
-         "--data-dir", str(data_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--data-dir", str(data_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": ADMIN},
     )
 
 
@@ -140,8 +140,9 @@ def test_data_dir_not_writable_or_full_is_a_start_up_error(tmp_path: Path) -> No
         asyncio.run(start(data_dir=str(tmp_path / "file" / "sub")))
     with pytest.raises(DataDirError, match="MiB free"):
         asyncio.run(start(data_dir=str(tmp_path / "d"), min_free_mb=10**9))
-    r = subprocess.run([sys.executable, "-m", "ares_gateway.cli", "serve", "--port", "0", "--admin-token", ADMIN,
-                        "--data-dir", str(tmp_path / "file")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "ares_gateway.cli", "serve", "--port", "0",
+                        "--data-dir", str(tmp_path / "file")], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": ADMIN})
     assert r.returncode == 2 and "cannot create data dir" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -33,9 +34,9 @@ def test_serve_answers_with_the_tito_policy() -> None:
 
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--in-memory", "--admin-token", ADMIN,
+        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--in-memory",
          "--policy", "tito", "--max-tokens", "12", "--seed", "7"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": ADMIN},
     )
     url = f"http://127.0.0.1:{port}"
     try:

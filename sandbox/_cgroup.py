@@ -350,11 +350,16 @@ class SandboxCgroup:
         return f"processes tracked by cgroup v{version} ({how})"
 
 
-def spare_from_oom(pids: list[int]) -> None:
-    """Make these processes the OOM killer's last choice (``oom_score_adj`` -1000; root only)."""
+def spare_from_oom(pids: list[int]) -> list[str]:
+    """Make these processes the OOM killer's last choice (``oom_score_adj`` -1000; lowering it needs
+    CAP_SYS_RESOURCE).  Returns what failed, one ``"PID: error"`` each (empty: all spared)."""
+    failed = []
     for pid in pids:
-        with contextlib.suppress(OSError):
+        try:
             _write(Path(f"/proc/{pid}/oom_score_adj"), "-1000")
+        except OSError as exc:
+            failed.append(f"{pid}: {exc.strerror or exc}")
+    return failed
 
 
 def leftover_dirs(sandbox_id: str) -> list[Path]:

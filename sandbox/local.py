@@ -29,6 +29,7 @@ import concurrent.futures
 import contextlib
 import errno
 import json
+import logging
 import os
 import posixpath
 import pwd
@@ -56,6 +57,8 @@ from .protocol import (
     tar_single_file,
 )
 from .spec import SandboxSpec
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _ID_VAR = "ARES_SANDBOX_ID"
@@ -206,6 +209,11 @@ class LocalSandbox(BaseSandbox):
         self._ns_init: int | None = None
         self._relays: list[subprocess.Popen[bytes]] = []
         self._users: dict[str, pwd.struct_passwd] = {}
+        # The keeper's processes (bwrap, the namespace's init, its sleep) as the host started them:
+        # pid -> start time.  kill_processes() spares a pid only while it is still that very process.
+        self._keeper_ids: dict[int, int] = {}
+        #: Why the keeper could not be spared from the OOM killer (None: it was, or there was no need).
+        self.oom_note: str | None = None
 
     @property
     def hardened(self) -> bool:
@@ -256,6 +264,8 @@ class LocalSandbox(BaseSandbox):
             text += "; limits NOT enforced: " + ", ".join(f"{k} ({v})" for k, v in sorted(self._unenforced.items()))
         if self._enforced is None and any(self._wanted_limits().values()):
             text += "; limits not set up (not started)"
+        if self.oom_note:
+            text += f"; {self.oom_note}"
         return text
 
     def _wanted_limits(self) -> dict[str, int | None]:
@@ -324,8 +334,12 @@ class LocalSandbox(BaseSandbox):
             self._start_keeper()  # in the sandbox's "keeper" cgroup: kill_processes() spares it, stop() does not
             if self._cgroup is not None and self._cgroup.memory is not None:
                 # Never the OOM killer's pick (tiny anyway): its death would end the sandbox's namespace.
-                cgroups.spare_from_oom([p for p in (self._keeper.pid if self._keeper else 0, self._ns_init,
-                                                    self._ns_pid) if p])
+                failed = cgroups.spare_from_oom(list(self._keeper_ids))
+                if failed:
+                    self.oom_note = (f"its keeper is NOT spared from the OOM killer (writing oom_score_adj failed: "
+                                     f"{failed}; lowering it needs CAP_SYS_RESOURCE): an agent that fills the memory "
+                                     "limit may end the sandbox's namespace")
+                    log.warning("sandbox %s: %s", self.id, self.oom_note)
 
     def _set_up_limits(self, owner: str) -> None:
         """The cgroups (tracking; memory and pids) and the disk of this sandbox, where root and the host allow."""
@@ -422,6 +436,10 @@ class LocalSandbox(BaseSandbox):
                     if grandchildren:
                         self._ns_init = int(pids[0])
                         self._ns_pid = int(grandchildren[0])
+                        for pid in (self._keeper.pid, self._ns_init, self._ns_pid):
+                            start = _start_time(pid)
+                            if start is not None:
+                                self._keeper_ids[pid] = start
                         return
             time.sleep(0.01)
         raise SandboxStartError("bubblewrap did not start the sandbox namespace within 10 s")
@@ -601,13 +619,13 @@ class LocalSandbox(BaseSandbox):
             out, err = await proc.communicate(timeout)
         except TimeoutError:
             timed_out = True
-            proc.kill_group()
+            await asyncio.to_thread(self._kill_group, proc)
             try:
                 out, err = await proc.communicate(5)
             except TimeoutError:  # a process that left the group still holds the pipes
                 out, err = proc.abandon()
         except asyncio.CancelledError:
-            proc.kill_group()
+            self._kill_group(proc)
             proc.abandon()
             raise
         finally:
@@ -655,6 +673,17 @@ class LocalSandbox(BaseSandbox):
                 start_new_session=True, cwd=str(self.root), env={"PATH": DEFAULT_PATH, _RELAY_VAR: self.id},
             )
 
+    def _kill_group(self, proc: _Process) -> None:
+        """Kill a command's process group: by its id while its leader is not reaped (the id is then
+        still its own); else only the sandbox's processes in a group of that id (the id may be reused)."""
+        if proc.returncode is None:
+            proc.kill_group()
+            return
+        for pid in self._members(None):
+            with contextlib.suppress(OSError):
+                if os.getpgid(pid) == proc.pid:
+                    os.kill(pid, signal.SIGKILL)
+
     async def _kill_processes(self, user: str | None, timeout: float) -> int:
         uid = None if user is None else self._lookup_user(user).pw_uid
         return await asyncio.to_thread(self._kill_sync, uid, timeout)
@@ -662,13 +691,14 @@ class LocalSandbox(BaseSandbox):
     def _members(self, uid: int | None) -> list[int]:
         """Live (non-zombie) processes of this sandbox, its keeper and the caller excepted: those of its
         command cgroups (whatever namespace they made), of its PID namespace, or tagged with its id."""
+        # The keeper's processes are spared only while /proc shows the very processes started (a pid
+        # the keeper had may be another's by now); with the keeper gone (OOM-killed) its namespace is
+        # gone too, and the sandbox's processes are found by cgroup and by tag.
+        keep = {os.getpid(), *(pid for pid, start in self._keeper_ids.items() if _start_time(pid) == start)}
         ns: str | None = None
-        keep = {os.getpid()}
-        if self._ns_pid is not None:
-            ns = os.readlink(f"/proc/{self._ns_pid}/ns/pid")
-            keep |= {self._ns_pid, self._ns_init or 0}
-        if self._keeper is not None:
-            keep.add(self._keeper.pid)
+        if self._ns_pid is not None and self._ns_pid in keep:
+            with contextlib.suppress(OSError):
+                ns = os.readlink(f"/proc/{self._ns_pid}/ns/pid")
         needle = f"{_ID_VAR}={self.id}".encode()
         grouped = self._cgroup.members("cmds") if self._cgroup is not None else set()
         found = []
@@ -1005,6 +1035,15 @@ class _PipeReader:
             self._fd = -1
         if not self.closed.done():
             self.closed.set_result(None)
+
+
+def _start_time(pid: int) -> int | None:
+    """A process's start time (clock ticks since boot, field 22 of /proc/PID/stat); None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _group_alive(pgid: int) -> bool:

@@ -13,9 +13,17 @@ After every turn the accumulated tokens equal that turn's prompt + output, so a 
 tokens are simply full(last turn of the sample) and each kept turn's output sits at
 ``[prompt_len, prompt_len + output_len)``; no incremental splicing is needed.
 
-Dedup: a generated turn is trained (loss 1) by the first sample, in leaf order, that
-keeps it; a path that masks it does not claim it, so the claim passes to the next leaf
-that keeps it.  Samples without a trained token are dropped.
+Main line: of a main tree's leaves whose path extends the tree's first request (see
+:attr:`trajectory.tree.Tree.first_mount`), the one whose path holds the most generated
+turns (ties: the earliest leaf) is the *main line*; its samples carry
+``metadata["main_line"]``. A leaf whose path does not extend the first request is
+*foreign* (``metadata["foreign"]``): a conversation that does not continue the one the
+session began with (a request sent by something other than the client that began it).
+
+Dedup: a generated turn is trained (loss 1) by the main line when it keeps the turn,
+else by the first sample, in leaf order, that keeps it; a path that masks it does not
+claim it, so the claim passes to the next leaf that keeps it.  Samples without a
+trained token are dropped.  Samples come out in leaf order whatever claimed first.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .tree import BREAK, FIRST, REPLACE, StoredTurn, Tree
+from .tree import BREAK, FIRST, REPLACE, Node, StoredTurn, Tree
 from .types import Sample
 
 
@@ -36,6 +44,29 @@ def _path_turns(last: StoredTurn) -> list[StoredTurn]:
         t = t.base
     out.reverse()
     return out
+
+
+def _main_leaf(leaves: list[Node]) -> int:
+    """Index of the leaf whose path extends the first request and holds the most turns (ties: the
+    earliest); -1 when none does. Each turn's path length is counted once (iteratively, memoized)."""
+    count: dict[int, int] = {}
+    best, longest = -1, 0
+    for i, leaf in enumerate(leaves):
+        last = leaf.turn_anc
+        if last is None or last.foreign:
+            continue
+        chain: list[StoredTurn] = []
+        t: StoredTurn | None = last
+        while t is not None and id(t) not in count:
+            chain.append(t)
+            t = t.base
+        n = 0 if t is None else count[id(t)]
+        for c in reversed(chain):
+            n += 1
+            count[id(c)] = n
+        if count[id(last)] > longest:
+            best, longest = i, count[id(last)]
+    return best
 
 
 def linearize(
@@ -55,12 +86,17 @@ def linearize(
     copying it (the tree must not be used afterwards).
     """
     leaves = tree.leaves()
+    main_idx = -1 if side_call else _main_leaf(leaves)
+    # The main line claims its turns first, then the other leaves in order.
+    order = list(range(len(leaves)))
+    if main_idx > 0:
+        order.insert(0, order.pop(main_idx))
     claimed: set[int] = set()
     samples: list[Sample] = []
     # (leaf index, segment index, turns, masked seqs, trained turns) for samples to build.
     plan: list[tuple[int, int, list[StoredTurn], set[int], list[StoredTurn]]] = []
-    for leaf_idx, leaf in enumerate(leaves):
-        last = leaf.turn_anc
+    for leaf_idx in order:
+        last = leaves[leaf_idx].turn_anc
         if last is None:
             continue
         path = _path_turns(last)
@@ -89,6 +125,7 @@ def linearize(
             seg_start = i
             seg_idx += 1
 
+    plan.sort(key=lambda entry: (entry[0], entry[1]))
     for k, (leaf_idx, seg_idx, seg, masked, trained) in enumerate(plan):
         first, last = seg[0], seg[-1]
         start = first.prompt_len
@@ -115,6 +152,8 @@ def linearize(
         meta: dict[str, Any] = {
             "session_id": session_id,
             "side_call": side_call,
+            "foreign": seg[-1].foreign,
+            "main_line": leaf_idx == main_idx,
             "truncated": cut < total,
             "ill_formed": any(t.ill_formed for t in seg),
             "used_tools": tools,

@@ -88,6 +88,7 @@ class StoredTurn:
         "base",
         "depth",
         "finish_reason",
+        "foreign",
         "ill_formed",
         "keep",
         "link",
@@ -131,6 +132,8 @@ class StoredTurn:
         self.ill_formed = ill_formed
         self.link = link
         self.tools = tools
+        #: Its prompt does not extend the tree's first request (see :attr:`Tree.first_mount`).
+        self.foreign = False
         self.node: Node | None = None
         self.arena: _Arena | None = None
         self.off = 0
@@ -311,6 +314,11 @@ class Tree:
         self._scratch_turn: StoredTurn | None = None
         #: The turn stored last (what a continuing prompt extends).
         self.last: StoredTurn | None = None
+        #: Where the tree's first request mounted (its last prompt message), and that node's index
+        #: in a root path. A turn whose prompt does not pass through it is *foreign*: it is not a
+        #: continuation of the conversation the first request started.
+        self.first_mount: Node | None = None
+        self._first_at = -1
 
     # ----------------------------------------------------------------- tokens
     def load(self, turn: StoredTurn) -> TokenArray:
@@ -518,6 +526,11 @@ class Tree:
         before it (0 for the first), or ``None`` when it stored no tokens (an empty generation)."""
         mount = self._walk(prompt, key_of)
         self.turns_recorded += 1
+        nodes = self._path_nodes  # the root path to ``mount``: the check is one index, not a walk
+        if self.first_mount is None:
+            self.first_mount, self._first_at = mount, len(nodes) - 1
+        at = self._first_at
+        foreign = not (at < len(nodes) and nodes[at] is self.first_mount)
         if response is None:
             mount.meta().setdefault("empty_turns", []).append(
                 {
@@ -531,6 +544,7 @@ class Tree:
         key = key_of(response)
         before = self.last
         turn = self._store(record, mount.turn_anc, seq, tool_names(key))
+        turn.foreign = foreign
         node = Node(key, copy_message(response), mount)
         node.turn = turn
         node.turn_anc = turn
@@ -567,6 +581,7 @@ class Tree:
         self._scratch_turn = None
         self._tip = None
         self.last = None
+        self.first_mount = None
 
     # ------------------------------------------------------------------ views
     def leaves(self) -> list[Node]:

@@ -33,6 +33,8 @@ class RNode:
     parent: RNode | None
     children: list[RNode] = field(default_factory=list)
     turn: RTurn | None = None
+    #: On the root: where the session's first request mounted.
+    first_mount: RNode | None = None
 
 
 @dataclass
@@ -62,8 +64,19 @@ def reference_samples(root: RNode, threshold: int, max_tokens: int) -> list[dict
         elif n is not root:
             leaves.append(n)
     claimed: set[int] = set()
-    out: list[dict[str, Any]] = []
-    for leaf in leaves:
+    out: list[tuple[int, dict[str, Any]]] = []
+    # The main line: the leaf through the first request's mount with the most turns (ties: the
+    # earliest); it claims its turns first, the samples still come out in leaf order.
+    turn_counts = [
+        len([n for n in path_of(leaf) if n.turn is not None]) if root.first_mount in path_of(leaf) else 0
+        for leaf in leaves
+    ]
+    main = max(range(len(leaves)), key=lambda i: (turn_counts[i], -i), default=-1)
+    order = list(range(len(leaves)))
+    if main > 0 and turn_counts[main]:
+        order.insert(0, order.pop(main))
+    for leaf_idx in order:
+        leaf = leaves[leaf_idx]
         turns = [n.turn for n in path_of(leaf) if n.turn is not None]
         segments: list[tuple[list[int], int, list[RTurn]]] = []  # (tokens, prompt_len, turns)
         masked: set[int] = set()
@@ -108,7 +121,7 @@ def reference_samples(root: RNode, threshold: int, max_tokens: int) -> list[dict
                     lps[k - start] = t.logprobs[k - a] if t.logprobs else 0.0
             if trained:
                 out.append(
-                    {
+                    (leaf_idx, {
                         "tokens": tokens[:cut],
                         "response_length": cut - start,
                         "loss_mask": mask,
@@ -116,9 +129,11 @@ def reference_samples(root: RNode, threshold: int, max_tokens: int) -> list[dict
                         "trained": trained,
                         "turns": [t.seq for t in seg],
                         "masked": [t.seq for t in seg if t.seq in masked],
-                    }
+                        "main_line": leaf_idx == main and turn_counts[main] > 0,
+                        "foreign": root.first_mount not in path_of(leaf),
+                    })
                 )
-    return out
+    return [entry for _, entry in sorted(out, key=lambda e: e[0])]
 
 
 @st.composite
@@ -144,6 +159,8 @@ def sessions(draw: st.DrawFn) -> tuple[list[dict[str, Any]], RNode, int, int]:
             nodes.append(child)
             cur = child
         prompt_nodes = path_of(cur)
+        if root.first_mount is None:
+            root.first_mount = cur
         prompt = [tok for n in prompt_nodes for tok in n.tokens] + [GEN]
         # Random drift: substitute, insert or delete a token somewhere in the prompt.
         drift = draw(st.sampled_from(["none", "none", "sub", "ins", "del"]))
@@ -206,6 +223,8 @@ def test_random_sessions_match_reference(session: Any, as_arrays: bool) -> None:
     assert [s.metadata["trained_turn_ids"] for s in got] == [w["trained"] for w in want]
     assert [s.metadata["turn_ids"] for s in got] == [w["turns"] for w in want]
     assert [s.metadata["masked_turn_ids"] for s in got] == [w["masked"] for w in want]
+    assert [s.metadata["main_line"] for s in got] == [w["main_line"] for w in want]
+    assert [s.metadata["foreign"] for s in got] == [w["foreign"] for w in want]
 
     # Every generated turn is trained at most once ...
     trained = [t for s in got for t in s.metadata["trained_turn_ids"]]

@@ -32,6 +32,7 @@ from ares_gateway.episodes.tasks import (
     _empty,
 )
 from sandbox import Sandbox, SandboxError
+from sandbox.protocol import ArchiveTooLargeError
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -306,12 +307,6 @@ async def run_tests(
 #: The largest archive of an agent's workdir copied into a grading sandbox when the task declares no
 #: ``[environment] storage_mb`` (with one, that size is the bound).
 MAX_WORKSPACE_BYTES = 2 * 1024**3
-#: What a copied workdir keeps: regular files, directories and symbolic links (as links, never followed).
-#: FIFOs, sockets and device nodes are left out.
-_KEPT_TYPES = r"\( -type f -o -type d -o -type l \)"
-_SPECIAL_TYPES = r"\( -type p -o -type s -o -type b -o -type c \)"
-
-
 class WorkspaceCopyError(Exception):
     """The agent's workdir could not be copied into the grading sandbox; the message says why."""
 
@@ -349,62 +344,50 @@ async def copy_workspace(
     """Replace ``dst_workdir`` of the grading sandbox ``dst`` with a copy of ``src_workdir`` of the
     agent's sandbox ``src``; returns the archive's size in bytes.
 
-    The archive is made inside ``src`` by root (after the agent's processes are gone) with ``tar``,
-    which stores symbolic links as links and follows none; FIFOs, sockets and device nodes are left
-    out. It travels as one opaque file (never unpacked on this host) and is unpacked inside ``dst`` as
-    ``user`` (the agent's uid: the files end up its own, and nothing in the archive can be written
-    where that user could not write; ``None``: the sandbox's default user), before anything of the
-    task's is put there; special files and set-id bits that still arrive are removed. An archive over
-    ``limit`` bytes, or one ``tar`` fails on, raises :class:`WorkspaceCopyError`.
+    The archive is made inside ``src`` (after the agent's processes are gone) and streamed out by
+    :meth:`~sandbox.BaseSandbox.archive_dir`: symbolic links stored as links, none followed, FIFOs,
+    sockets and device nodes left out, set-id bits and owners cleared. It travels as one opaque file
+    (never unpacked on this host) and is unpacked inside ``dst`` as ``user`` (the agent's uid: the
+    files end up its own, and nothing in the archive can land where that user could not write;
+    ``None``: the sandbox's default user), before anything of the task's is put there. An archive over
+    ``limit`` bytes, or one that cannot be made or unpacked, raises :class:`WorkspaceCopyError`.
     """
-    src_base, src_root = _scratch(src)
-    dst_base, dst_root = _scratch(dst)
-    w, qw = shlex.quote(src_workdir), shlex.quote(dst_workdir)
-    pack = (
-        f"mkdir -p {shlex.quote(src_base)} && d=$(mktemp -d {shlex.quote(src_base)}/ares-grade.XXXXXXXX) || exit 3\n"
-        f'cd {w} || {{ echo "the workdir {src_workdir} is gone" >&2; exit 4; }}\n'
-        f'{{ find . {_KEPT_TYPES} -print0 2>"$d/find.err" | tar --null --no-recursion -T - -cf - 2>"$d/tar.err"; '
-        f'echo $? > "$d/rc"; }} | head -c {limit + 1} > "$d/ws.tar"\n'
-        f'printf "%s %s %s\\n" "$d" "$(wc -c < "$d/ws.tar")" "$(cat "$d/rc" 2>/dev/null || echo 141)"\n'
-        f'cat "$d/tar.err" "$d/find.err" >&2\n'
-    )
+    base, root = _scratch(dst)
+    qw = shlex.quote(dst_workdir)
     owner = f"chown {shlex.quote(user)} {qw} \"$d\" && " if user is not None else ""
     make_room = (
-        f"mkdir -p {shlex.quote(dst_base)} && d=$(mktemp -d {shlex.quote(dst_base)}/ares-grade.XXXXXXXX) || exit 3\n"
+        f"mkdir -p {shlex.quote(base)} && d=$(mktemp -d {shlex.quote(base)}/ares-grade.XXXXXXXX) || exit 3\n"
         f"mkdir -p {qw} && find {qw} -mindepth 1 -maxdepth 1 -exec rm -rf -- {{}} + && {owner}"
         f'chmod 0755 "$d" && printf "%s\\n" "$d"\n'
     )
-    packed, room = await asyncio.gather(src.exec(pack, cwd="/", user=src_root, timeout=timeout),
-                                        dst.exec(make_room, cwd="/", user=dst_root, timeout=timeout))
-    if not room.ok:
-        raise WorkspaceCopyError(f"preparing {dst_workdir} in the grading sandbox failed: {_tail(room.stderr)}")
-    fields = packed.stdout.split()
-    if packed.timed_out or len(fields) != 3 or not fields[1].isdigit():
-        raise WorkspaceCopyError(f"archiving the workdir {src_workdir} failed (exit {packed.exit_code}, timed out: "
-                                 f"{packed.timed_out}): {_tail(packed.stderr or packed.stdout)}")
-    archive_dir, size, tar_rc = fields[0], int(fields[1]), fields[2]
-    if size > limit:
-        raise WorkspaceCopyError(
-            f"the workdir {src_workdir} is too large to grade: its archive passes {limit} bytes (the task's "
-            f"storage_mb, else {MAX_WORKSPACE_BYTES} bytes); the agent left too much in it")
-    if tar_rc != "0":
-        raise WorkspaceCopyError(f"archiving the workdir {src_workdir} failed (tar exit {tar_rc}): "
-                                 f"{_tail(packed.stderr) or 'no error output'}")
-    dst_dir = room.stdout.strip()
     with tempfile.TemporaryDirectory(prefix="ares-grade-") as tmp:
         local = Path(tmp) / "ws.tar"
-        await src.download_file(posixpath.join(archive_dir, "ws.tar"), local)
-        os.chmod(local, 0o644)  # the unpacking user reads it; the directory it lands in is root's or its own
+        packed, room = await asyncio.gather(src.archive_dir(src_workdir, local, limit=limit),
+                                            dst.exec(make_room, cwd="/", user=root, timeout=timeout),
+                                            return_exceptions=True)
+        if isinstance(packed, ArchiveTooLargeError):
+            raise WorkspaceCopyError(
+                f"the workdir {src_workdir} is too large to grade: its archive passes {limit} bytes (the task's "
+                f"storage_mb, else {MAX_WORKSPACE_BYTES} bytes); the agent left too much in it")
+        if isinstance(packed, BaseException):
+            if isinstance(packed, SandboxError):
+                raise WorkspaceCopyError(f"archiving the workdir {src_workdir} failed: {packed}")
+            raise packed
+        if isinstance(room, BaseException):
+            raise room
+        if not room.ok:
+            raise WorkspaceCopyError(f"preparing {dst_workdir} in the grading sandbox failed: {_tail(room.stderr)}")
+        dst_dir = room.stdout.strip()
+        os.chmod(local, 0o644)  # the unpacking user reads it; the directory it lands in is its own
         await dst.upload_file(local, posixpath.join(dst_dir, "ws.tar"))
     qd = shlex.quote(dst_dir)
     unpack = (
         f"cd {qw} || exit 4\n"
         f"tar -x --no-same-owner --no-same-permissions -f {qd}/ws.tar; rc=$?\n"
-        f"find . {_SPECIAL_TYPES} -exec rm -f -- {{}} + ; find . ! -type l -perm /6000 -exec chmod ug-s -- {{}} +\n"
         f"rm -rf {qd} 2>/dev/null; exit $rc\n"  # the directory is the unpacking user's
     )
-    unpacked = await dst.exec(unpack, cwd="/", user=user if user is not None else dst_root, timeout=timeout)
+    unpacked = await dst.exec(unpack, cwd="/", user=user if user is not None else root, timeout=timeout)
     if not unpacked.ok:
         raise WorkspaceCopyError(f"unpacking the workdir in the grading sandbox failed (exit {unpacked.exit_code}, "
                                  f"timed out: {unpacked.timed_out}): {_tail(unpacked.stderr or unpacked.stdout)}")
-    return size
+    return int(packed)

@@ -7,7 +7,7 @@
 
 Each imports its trainer's package only when used: the base install needs no torch, trl or verl, and
 a missing one is a :class:`MissingExtraError` naming the extra. What they share (tasks named by
-prompts, episodes played, the main-line sample of each) is in :mod:`ares_gateway.trainers._common`;
+prompts, episodes played, the main-line sample of each: the harness CLI's own conversation) is in :mod:`ares_gateway.trainers._common`;
 see docs/training.md.
 """
 
@@ -16,6 +16,7 @@ from ares_gateway.trainers._common import (
     MissingExtraError,
     TrainerError,
     UnknownTaskError,
+    foreign_count,
     main_sample,
     play_episodes,
     resolve_dataset,
@@ -27,6 +28,7 @@ __all__ = [
     "MissingExtraError",
     "TrainerError",
     "UnknownTaskError",
+    "foreign_count",
     "main_sample",
     "play_episodes",
     "resolve_dataset",

@@ -3,8 +3,10 @@
 A trainer's batch entry is one episode: a real agent CLI in a sandbox, every LLM call it makes
 answered by the trainer's policy through the gateway, rewarded by the task's verifier. The episode's
 recorded turns give one or more :class:`trajectory.Sample` objects (more than one where the agent
-rewrote its history or made side calls); a trainer gets one of them, the **main line**
-(:func:`main_sample`), and the others are counted in :attr:`EpisodeSample.other_samples`.
+rewrote its history, made side calls, or something else sent requests with the session's credentials);
+a trainer gets one of them, the **main line** (:func:`main_sample`: the harness CLI's own conversation),
+and the others are counted in :attr:`EpisodeSample.other_samples` (the foreign ones also in
+:attr:`EpisodeSample.foreign_samples`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ __all__ = [
     "MissingExtraError",
     "TrainerError",
     "UnknownTaskError",
+    "foreign_count",
     "main_sample",
     "play_episodes",
     "require",
@@ -92,17 +95,33 @@ def resolve_tasks(dataset: Dataset, prompts: Sequence[Any]) -> list[Task]:
 def main_sample(samples: Sequence[Any]) -> tuple[Any | None, int]:
     """The episode's main-line sample and how many others there are.
 
-    The main line is the sample of the agent's own conversation (not a side call) with the most
-    trained tokens: where the agent never rewrote its history that is its only sample, every turn
-    in it. Ties go to the earliest. ``None`` when the episode recorded no token-carrying turn.
+    The main line is the harness CLI's own conversation: the line of the session's message tree
+    that extends the session's first request (the only request no tool command can have sent: the
+    agent's commands run only after an answer) and holds the most turns, marked
+    ``metadata["main_line"]`` by :mod:`trajectory`; of its samples (more than one where the CLI's
+    tokens drifted) the one with the most trained tokens, ties to the earliest. Side calls
+    (``metadata["side_call"]``) and conversations that do not extend the first request
+    (``metadata["foreign"]``, such as a request a tool command sent with the session's credentials)
+    are never chosen, whatever their size. Samples recorded before the main line was marked (no
+    ``main_line`` key) fall back to the non-side-call, non-foreign sample with the most trained
+    tokens. ``None`` when the episode recorded no token-carrying turn of the main line.
     """
+    candidates = [s for s in samples if not s.metadata.get("side_call") and not s.metadata.get("foreign")]
+    if any("main_line" in s.metadata for s in samples):
+        candidates = [s for s in candidates if s.metadata.get("main_line")]
     best = None
-    best_key = (-1, -1)
-    for s in samples:
-        key = (0 if s.metadata.get("side_call") else 1, int(s.loss_mask.sum()))
-        if key > best_key:
-            best, best_key = s, key
+    best_tokens = -1
+    for s in candidates:
+        n = int(s.loss_mask.sum())
+        if n > best_tokens:
+            best, best_tokens = s, n
     return best, (len(samples) - 1 if best is not None else len(samples))
+
+
+def foreign_count(samples: Sequence[Any]) -> int:
+    """How many of an episode's samples are foreign: conversations that do not extend the session's
+    first request (see :func:`main_sample`), never trained by the adapters."""
+    return sum(1 for s in samples if s.metadata.get("foreign"))
 
 
 @dataclass
@@ -117,15 +136,19 @@ class EpisodeSample:
     error: str | None = None
     #: The main-line :class:`trajectory.Sample` (``None``: the episode recorded no token-carrying turn).
     sample: Any = None
-    #: The episode's other samples (side calls, segments after a history rewrite), not given to the trainer.
+    #: The episode's other samples (side calls, segments and branches of a history rewrite, foreign
+    #: conversations), not given to the trainer.
     other_samples: int = 0
+    #: Of :attr:`other_samples`, the foreign ones: conversations that do not extend the session's first
+    #: request (sent by something other than the harness CLI, such as one of the agent's tool commands).
+    foreign_samples: int = 0
     result: EpisodeResult | None = None
 
     def facts(self) -> dict[str, Any]:
         """The plain facts a trainer logs per completion."""
         return {"task": self.task, "session_id": self.session_id, "reward": self.reward,
                 "exit_reason": self.exit_reason, "turns": self.turns, "error": self.error,
-                "other_samples": self.other_samples}
+                "other_samples": self.other_samples, "foreign_samples": self.foreign_samples}
 
 
 async def play_episodes(
@@ -172,10 +195,12 @@ async def play_episodes(
         )
         for e in summary.episodes:
             idx = plan[e.task][e.attempt]
-            sample, others = main_sample(by_session.get(e.session_id, []))
+            samples = by_session.get(e.session_id, [])
+            sample, others = main_sample(samples)
             out_list[idx] = EpisodeSample(
                 task=e.task, reward=float(e.reward), exit_reason=e.exit_reason, turns=e.turns,
-                session_id=e.session_id, error=e.error, sample=sample, other_samples=others, result=e,
+                session_id=e.session_id, error=e.error, sample=sample, other_samples=others,
+                foreign_samples=foreign_count(samples), result=e,
             )
     return [
         o if o is not None else EpisodeSample(task=tasks[i].name, reward=0.0, exit_reason="cancelled",

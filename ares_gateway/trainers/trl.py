@@ -23,15 +23,17 @@ Per entry it returns what TRL wants: ``prompt_ids`` (the first turn's prompt), `
 (everything after it: the model's answers and, between them, the agent's tool outputs and the next
 turns' headers), ``logprobs`` (the sampler's, 0.0 where not sampled), ``env_mask`` (1 on tokens the model
 sampled, 0 on every tool output / observation token), and as extra keys the episode's ``reward``,
-``task``, ``session_id``, ``exit_reason``, ``turns``, ``error``, ``other_samples``, ``sampled_tokens`` and
+``task``, ``session_id``, ``exit_reason``, ``turns``, ``error``, ``other_samples``, ``foreign_samples``, ``sampled_tokens`` and
 ``mean_logprob`` (over the sampled tokens) and ``truncated`` (the completion was cut to
 ``max_completion_tokens``), which TRL passes to the reward functions (it keeps
 ``logprobs`` and ``env_mask`` from them); :func:`reward_from_episode` returns the verifier's reward and logs the facts as
 TRL completion-table columns.
 
 **One sample an episode.** An episode's turns can give several samples (the agent rewrote its
-history, or made side calls); TRL gets the main line (:func:`~ares_gateway.trainers.main_sample`), the
-count of the others is ``other_samples``.
+history, made side calls, or one of its tool commands sent requests with the session's credentials);
+TRL gets the main line, the harness CLI's own conversation (:func:`~ares_gateway.trainers.main_sample`),
+the count of the others is ``other_samples``, of them the foreign ones (conversations that do not
+extend the session's first request) ``foreign_samples``.
 
 **On a Ray cluster** (``rollout_func(..., executor=RayExecutor(per_node=4))``): the episodes run on the
 cluster's nodes, their turns are still sampled here, by ``trainer.model``: the engine is served over
@@ -75,7 +77,7 @@ T = TypeVar("T")
 
 #: The extra keys each rollout returns per completion (TRL hands them to the reward functions).
 EPISODE_KEYS = ("reward", "task", "session_id", "exit_reason", "turns", "error", "other_samples",
-                "sampled_tokens", "mean_logprob", "truncated")
+                "foreign_samples", "sampled_tokens", "mean_logprob", "truncated")
 
 #: Texts whose ids must be the same under the trainer's tokenizer and the gateway's.
 _PROBE_TEXTS = (

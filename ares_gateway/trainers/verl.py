@@ -20,8 +20,8 @@ with the trainer's own tokenizer (``actor_rollout_ref.model.path``, checked agai
 through ``self.server_manager.generate`` (:class:`~ares_gateway.engines.verl.VerlEngine`, the episode's
 session as the sticky request id), rewarded by the task's verifier.
 
-**The output** is the :class:`AgentLoopOutput` of the episode's main-line sample
-(:func:`~ares_gateway.trainers.main_sample`): ``prompt_ids`` the first turn's prompt (left-cut to
+**The output** is the :class:`AgentLoopOutput` of the episode's main-line sample, the harness CLI's own
+conversation (:func:`~ares_gateway.trainers.main_sample`; side calls and foreign conversations are never it): ``prompt_ids`` the first turn's prompt (left-cut to
 ``rollout.prompt_length`` by verl's own rule), ``response_ids`` / ``response_mask`` / ``response_logprobs``
 everything after it (the model's answers 1, tool outputs and the next turns' headers 0), cut to
 ``rollout.response_length`` (verl pads); ``reward_score`` the verifier's reward; ``num_turns`` the
@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 __all__ = ["EPISODE_INFO_KEYS", "AresAgentLoop"]
 
 #: The episode facts each output carries in ``reward_extra_info`` (verl logs them per sample).
-EPISODE_INFO_KEYS = ("exit_reason", "turns", "other_samples", "episode_failed")
+EPISODE_INFO_KEYS = ("exit_reason", "turns", "other_samples", "foreign_samples", "episode_failed")
 
 # One renderer per (tokenizer source, renderer name) and one resolved dataset per name, per worker
 # process: verl builds a loop object for every row.
@@ -216,7 +216,7 @@ class AresAgentLoop(AgentLoopBase):
         failed = s is None or s.response_length == 0
         facts = {k: v for k, v in e.facts().items() if k != "reward"}  # the reward is reward_score
         info = {"exit_reason": e.exit_reason, "turns": e.turns, "other_samples": e.other_samples,
-                "episode_failed": failed}
+                "foreign_samples": e.foreign_samples, "episode_failed": failed}
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
             response_ids=response_ids,

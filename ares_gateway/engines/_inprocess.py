@@ -29,7 +29,13 @@ def sample_token(logits: np.ndarray[Any, Any], sampling: Sampling, rng: np.rando
     if sampling.temperature == 0:
         tok = int(np.argmax(x))
         return tok, float(x[tok] - logsumexp(x))
-    z = x / sampling.temperature
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = x / sampling.temperature
+    if np.isnan(z).any() or np.isposinf(z).any():
+        # A temperature so small that the logits overflow: the same distribution, shifted below 0 first
+        # (softmax ignores the shift), so that it samples the top tokens instead of drawing from NaN.
+        with np.errstate(over="ignore", invalid="ignore"):
+            z = (x - np.max(x)) / sampling.temperature
     if 0 < sampling.top_k < z.shape[0]:
         kth = np.partition(z, -sampling.top_k)[-sampling.top_k]
         z = np.where(z >= kth, z, -np.inf)

@@ -29,24 +29,33 @@ Not served (a request for them is a 400, not silently ignored): text prompts (th
 tokenizer: the gateway renders), batches, input-token and top-k logprobs, and sampling options the
 engine does not implement (penalties, ``min_p``, string stops, constrained decoding), unless set to
 their neutral value. A request that breaks the schema is a 400 JSON error (``{"error": {"message",
-"type"}}``), an oversized body a 413, a prompt longer than the engine's context a 400 (as SGLang),
-a missing or wrong bearer token a 401, too many requests at once a 503 (the client retries), and an
-engine failure a 500. Once a stream has started, an engine failure ends it with a last event whose
+"type"}}``): a body that is not a JSON object, nests objects or arrays deeper than
+:data:`~ares_gateway.core.wire.MAX_JSON_DEPTH` levels (as the gateway's), holds a token id outside the
+vocabulary, or sets a sampling value out of range (``temperature`` a finite number in ``[0,``
+:data:`MAX_TEMPERATURE` ``]``, ``top_p`` in ``(0, 1]``, ``top_k`` -1, 0 or at least 1, ``max_new_tokens``
+from 1 to the server's ``max_new_tokens``: a request past that cap is refused, never cut short
+silently). An oversized body is a 413, a prompt longer than the engine's context a 400 (as SGLang),
+any bad credential (none, another scheme, a wrong token, bytes that are not UTF-8) a 401 and never a
+traceback in the log, too many requests at once a 503 (the client retries), and an engine failure a
+500. Once a stream has started, an engine failure ends it with a last event whose
 ``finish_reason`` is ``{"type": "abort", "message": ...}`` (the client raises it).
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+import orjson
 from aiohttp import web
 
+from ares_gateway.core.sessions import bearer_token, same_secret
+from ares_gateway.core.wire import MAX_JSON_DEPTH, nests_deeper
 from ares_gateway.engines.base import (
     Engine,
     EngineError,
@@ -62,6 +71,14 @@ __all__ = ["EngineServer", "GenerateRequest", "RequestError", "parse_generate_re
 
 #: SGLang's default ``max_new_tokens`` when a request sets none.
 DEFAULT_MAX_NEW_TOKENS = 128
+#: The most new tokens one request may ask for, by default (:class:`EngineServer`'s ``max_new_tokens``).
+MAX_NEW_TOKENS_CAP = 32768
+#: The highest ``temperature`` served: far past the point where sampling is uniform over the vocabulary.
+MAX_TEMPERATURE = 100.0
+#: The largest ``top_k`` taken (past the vocabulary size it means "off"); bounds what reaches the engine.
+MAX_TOP_K = 2**31 - 1
+_DEPTH_ERROR = (f"the body nests objects or arrays deeper than {MAX_JSON_DEPTH} levels: a /generate body "
+                "is a flat object of token ids and sampling values")
 
 # Sampling options the client sends that do not change what is sampled (the server returns ids).
 _IGNORED_SAMPLING = frozenset({"skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"})
@@ -104,12 +121,24 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut short: an error message never echoes a megabyte of the request back."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _neutral(value: Any, neutral: Any) -> bool:
     return value is None or value == neutral or value in ((), [], {}, "", False)
 
 
-def parse_generate_request(body: Any, *, vocab_size: int | None = None) -> GenerateRequest:
-    """Validate a decoded ``/generate`` body (see the module docstring); raises :class:`RequestError`."""
+def parse_generate_request(body: Any, *, vocab_size: int | None = None,
+                           max_new_tokens: int = MAX_NEW_TOKENS_CAP) -> GenerateRequest:
+    """Validate a decoded ``/generate`` body (see the module docstring); raises :class:`RequestError`.
+
+    ``max_new_tokens`` is the most new tokens a request may ask for (more: a :class:`RequestError`).
+    """
+    if nests_deeper(body):
+        raise RequestError(_DEPTH_ERROR)
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, got {type(body).__name__}")
     if body.get("text") is not None:
@@ -122,13 +151,13 @@ def parse_generate_request(body: Any, *, vocab_size: int | None = None) -> Gener
     for i, t in enumerate(ids):
         if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
             bound = f" below the vocabulary size {vocab_size}" if vocab_size is not None else ""
-            raise RequestError(f"input_ids[{i}] is {t!r}: token ids are integers >= 0{bound}")
+            raise RequestError(f"input_ids[{i}] is {_shown(t)}: token ids are integers >= 0{bound}")
     for key, value in body.items():
         if key in ("text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "stream", "rid",
                    "top_logprobs_num"):
             continue
         if key not in _IGNORED_TOP or not _neutral(value, None):
-            raise RequestError(f"{key!r} is not supported by this server")
+            raise RequestError(f"{_shown(key)} is not supported by this server")
     if body.get("top_logprobs_num") not in (None, 0):
         raise RequestError("top_logprobs_num is not supported: only the sampled tokens' logprobs are returned")
     start = body.get("logprob_start_len", -1)
@@ -136,16 +165,16 @@ def parse_generate_request(body: Any, *, vocab_size: int | None = None) -> Gener
         raise RequestError("logprob_start_len must be -1: input-token logprobs are not served")
     for key in ("stream", "return_logprob"):
         if body.get(key) is not None and not isinstance(body[key], bool):
-            raise RequestError(f"{key} must be true or false, got {body[key]!r}")
+            raise RequestError(f"{key} must be true or false, got {_shown(body[key])}")
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise RequestError(f"rid must be a string, got {type(rid).__name__}")
-    return GenerateRequest(list(ids), _sampling(body.get("sampling_params"), vocab_size),
+    return GenerateRequest(list(ids), _sampling(body.get("sampling_params"), vocab_size, max_new_tokens),
                            stream=bool(body.get("stream")), return_logprob=bool(body.get("return_logprob")),
                            rid=rid or uuid.uuid4().hex)
 
 
-def _sampling(sp: Any, vocab_size: int | None) -> Sampling:
+def _sampling(sp: Any, vocab_size: int | None, cap: int) -> Sampling:
     if sp is None:
         sp = {}
     if not isinstance(sp, dict):
@@ -156,39 +185,51 @@ def _sampling(sp: Any, vocab_size: int | None) -> Sampling:
         if key in _IGNORED_SAMPLING:
             continue
         if key not in _NEUTRAL_SAMPLING:
-            raise RequestError(f"sampling_params.{key} is not supported by this server")
+            raise RequestError(f"sampling_params.{key[:80]} is not supported by this server")
         if not _neutral(value, _NEUTRAL_SAMPLING[key]):
-            raise RequestError(f"sampling_params.{key}={value!r} is not supported by this server (only "
+            raise RequestError(f"sampling_params.{key}={_shown(value)} is not supported by this server (only "
                                f"{_NEUTRAL_SAMPLING[key]!r}, its neutral value)")
 
-    def number(key: str, default: float) -> float:
+    def number(key: str, default: float, low: float, high: float, low_open: bool, what: str) -> float:
         v = sp.get(key)
         if v is None:
             return default
-        if not _is_number(v):
-            raise RequestError(f"sampling_params.{key} must be a number, got {v!r}")
-        return float(v)
+        try:
+            f = float(v) if _is_number(v) else math.nan
+        except OverflowError:  # an integer too large for a float (a Python caller's; JSON brings none)
+            f = math.nan
+        # NaN and the infinities fail every check below (the engine would sample garbage with them).
+        if not (math.isfinite(f) and (f > low if low_open else f >= low) and f <= high):
+            raise RequestError(f"sampling_params.{key} must be {what}, got {_shown(v)}")
+        return f
 
     max_new = sp.get("max_new_tokens")
     if max_new is None:
-        max_new = DEFAULT_MAX_NEW_TOKENS
+        max_new = min(DEFAULT_MAX_NEW_TOKENS, cap)
     if not _is_int(max_new) or max_new < 1:
-        raise RequestError(f"sampling_params.max_new_tokens must be an integer >= 1, got {max_new!r}")
+        raise RequestError(f"sampling_params.max_new_tokens must be an integer >= 1, got {_shown(max_new)}")
+    if max_new > cap:
+        raise RequestError(f"sampling_params.max_new_tokens is {max_new}, more than this server's limit of {cap}: "
+                           "ask for fewer (or start the EngineServer with a larger max_new_tokens)")
     top_k = sp.get("top_k")
     if top_k is None or top_k == -1:
         top_k = 0
-    if not _is_int(top_k) or top_k < 0:
-        raise RequestError(f"sampling_params.top_k must be -1 (off) or an integer >= 1, got {sp.get('top_k')!r}")
+    if not _is_int(top_k) or not 0 <= top_k <= MAX_TOP_K:
+        raise RequestError(f"sampling_params.top_k must be -1 or 0 (off) or an integer from 1 to {MAX_TOP_K}, "
+                           f"got {_shown(sp.get('top_k'))}")
     seed = sp.get("sampling_seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-        raise RequestError(f"sampling_params.sampling_seed must be an integer in [0, 2**63), got {seed!r}")
+        raise RequestError(f"sampling_params.sampling_seed must be an integer in [0, 2**63), got {_shown(seed)}")
     stops = sp.get("stop_token_ids") or []
     if not isinstance(stops, list) or not all(_is_int(t) and t >= 0 for t in stops):
         raise RequestError("sampling_params.stop_token_ids must be a list of token ids")
     if vocab_size is not None and any(t >= vocab_size for t in stops):
         raise RequestError(f"sampling_params.stop_token_ids must be below the vocabulary size {vocab_size}")
     try:
-        return Sampling(max_tokens=int(max_new), temperature=number("temperature", 1.0), top_p=number("top_p", 1.0),
+        return Sampling(max_tokens=int(max_new),
+                        temperature=number("temperature", 1.0, 0.0, MAX_TEMPERATURE, False,
+                                           f"a number from 0 (greedy) to {MAX_TEMPERATURE:g}"),
+                        top_p=number("top_p", 1.0, 0.0, 1.0, True, "a number in (0, 1]"),
                         top_k=int(top_k), seed=seed, stop_token_ids=tuple(stops))
     except ValueError as exc:  # Sampling's own range checks
         raise RequestError(f"sampling_params: {exc}") from None
@@ -228,6 +269,9 @@ class EngineServer:
         api_key: when set, every request but ``/health`` needs ``Authorization: Bearer <api_key>``
             (SGLang's ``--api-key``; :class:`SGLangEngine` sends it with ``headers=``).
         max_body_bytes: the largest request body (a prompt of 100k ids is ~700 KB of JSON).
+        max_new_tokens: the most new tokens one request may ask for (``sampling_params.max_new_tokens``);
+            a request asking for more is a 400 saying so, not cut short (the sampler's configured
+            ``max_tokens`` must fit under it). In-process engines also stop at their context's end.
         max_requests: requests admitted at once (running or waiting for the engine); more get a 503.
         incremental_streaming: stream only each event's new tokens (default: cumulative, SGLang's default).
         vocab_size: token ids must be below it (default: the engine's, where it can tell).
@@ -241,6 +285,7 @@ class EngineServer:
         port: int = 0,
         api_key: str | None = None,
         max_body_bytes: int = 8 * 1024 * 1024,
+        max_new_tokens: int = MAX_NEW_TOKENS_CAP,
         max_requests: int = 256,
         incremental_streaming: bool = False,
         vocab_size: int | None = None,
@@ -249,6 +294,8 @@ class EngineServer:
             raise ValueError(f"max_body_bytes must be at least 1024, got {max_body_bytes}")
         if max_requests < 1:
             raise ValueError(f"max_requests must be at least 1, got {max_requests}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer of at least 1, got {max_new_tokens!r}")
         if not 0 <= port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {port}")
         if api_key is not None and not api_key:
@@ -257,6 +304,7 @@ class EngineServer:
         self.host = host
         self.port = port
         self.max_body_bytes = max_body_bytes
+        self.max_new_tokens = max_new_tokens
         self.max_requests = max_requests
         self.incremental_streaming = incremental_streaming
         self.vocab_size = vocab_size
@@ -321,10 +369,10 @@ class EngineServer:
                      handler: Callable[[web.Request], Any]) -> web.StreamResponse:
         self.requests += 1
         if self._api_key is not None and request.path != "/health":
-            auth = request.headers.get("Authorization", "")
-            scheme, _, token = auth.partition(" ")
-            # Constant time: the token is the only thing between the cluster network and the model.
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+            # Constant time, and total over what aiohttp hands over (header bytes that are not UTF-8
+            # arrive as lone surrogates): the token is all that stands between the network and the model.
+            token = bearer_token(request.headers)
+            if token is None or not same_secret(token, self._api_key):
                 return self._error(401, "missing or wrong API key: send Authorization: Bearer <api key>",
                                    "Unauthorized")
         try:
@@ -352,11 +400,17 @@ class EngineServer:
             return self._error(413, f"the body is larger than the server's max_body_bytes ({self.max_body_bytes})",
                                "PayloadTooLarge")
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+            # orjson, as the gateway: no recursion (any depth is an error, not a RecursionError), and no
+            # NaN, Infinity or number that overflows to one.
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            if "depth" in str(exc):
+                return self._error(400, _DEPTH_ERROR, "BadRequestError")
             return self._error(400, f"the body is not JSON: {exc}", "BadRequestError")
+        if self.vocab_size is None:  # an engine that loads lazily tells once loaded
+            self.vocab_size = vocab_size_of(self.engine)
         try:
-            req = parse_generate_request(body, vocab_size=self.vocab_size)
+            req = parse_generate_request(body, vocab_size=self.vocab_size, max_new_tokens=self.max_new_tokens)
         except RequestError as exc:
             return self._error(400, str(exc), "BadRequestError")
         if self._active >= self.max_requests:

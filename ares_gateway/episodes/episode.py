@@ -555,14 +555,14 @@ class TaskEpisode:
             started = time.monotonic()
             out.grading = self.task.config.grading
             if out.grading == "fresh":
-                grader_error = await self._grader_ready()
+                # Nothing the agent started runs while its workdir is archived (the tests run elsewhere);
+                # the grading sandbox, started while the agent ran, is usually up by now.
+                grader_error, quiet_error = await asyncio.gather(self._grader_ready(), self.kill_agent_processes())
                 out.grading_setup_seconds = self._grader_seconds
                 if grader_error is not None:
                     out.exit_reason, out.error = "sandbox_error", one_line(grader_error)
                     out.verify_seconds = time.monotonic() - started
                     return out
-                # Nothing the agent started runs while its workdir is archived (the tests run elsewhere).
-                quiet_error = await self.kill_agent_processes()
                 verdict = await self.verify(out) if quiet_error is None else _refused(quiet_error)
             else:
                 # [verifier] sandbox = "agent": the tests need what the agent left running, so nothing is

@@ -201,8 +201,10 @@ async def test_env_reset_mid_episode_cleans_the_old_one(sandbox_root: Path) -> N
         again = await env.reset()
         assert again.first() and env.session.session_id != old_sid  # type: ignore[union-attr]
         assert old_sb.state == "stopped" and gw.sessions.find(old_sid) is None
-        # The new episode's sandbox (and its disk image beside it) only.
-        assert len([n for n in left_behind(sandbox_root) if not n.endswith(".disk.img")]) == 1
+        # The new episode's sandbox and its grading sandbox, started beside it (and their disk images) only.
+        left = [n for n in left_behind(sandbox_root) if not n.endswith(".disk.img")]
+        assert env.episode is not None and env.episode.sandbox is not None
+        assert env.episode.sandbox.id in left and old_sb.id not in left and len(left) <= 2, left
         await env.close()
         assert left_behind(sandbox_root) == []
 

@@ -28,7 +28,16 @@ import pytest
 
 import sandbox
 from ares_gateway.episodes.tasks import Task, load_dataset, prepare_workdir
-from ares_gateway.episodes.verifier import VerifierResult, parse_reward, run_solution, run_tests
+from ares_gateway.episodes.verifier import (
+    Reward,
+    VerifierResult,
+    WorkspaceCopyError,
+    copy_workspace,
+    parse_reward,
+    run_solution,
+    run_tests,
+    workspace_limit,
+)
 from tests.prereq import docker_ok, image_present, require
 
 REPO = Path(__file__).resolve().parents[2]
@@ -183,6 +192,11 @@ class Hostile:
     parts: dict[str, float] | None = None
     log_has: tuple[str, ...] = ()
     slow: bool = False
+    #: Why grading in a fresh sandbox refuses it before any test runs (reward 0.0 with that error).
+    copy_refused: str | None = None
+
+
+_TOO_LARGE = "too large to grade"
 
 
 def _median_module(body: str) -> str:
@@ -229,7 +243,7 @@ FIX_MEDIAN = [
     Hostile("symlink-to-a-right-answer", (put("real.py", "import statistics\nmedian = statistics.median\n"
                                               "mean = statistics.mean\n"), "ln -sf real.py stats.py"),
             log_has=("a symlink",)),
-    Hostile("huge-sparse-file", ("truncate -s 4G stats.py",), log_has=("more than",)),
+    Hostile("huge-sparse-file", ("truncate -s 4G stats.py",), log_has=("more than",), copy_refused=_TOO_LARGE),
     Hostile("workspace-pth-and-sitecustomize", (*plant_loaders(), put("stats.py", BUGGY_MEDIAN))),
 ]
 
@@ -272,7 +286,7 @@ MAKE_SLUG = [
                                             + DAEMON + _FORGED_SLUGS),)),
     Hostile("fifo", ("rm slug.py && mkfifo slug.py",), log_has=("a FIFO",)),
     Hostile("symlink-to-dev-zero", ("ln -sf /dev/zero slug.py",), log_has=("a symlink",)),
-    Hostile("huge-sparse-file", ("truncate -s 4G slug.py",), log_has=("more than",)),
+    Hostile("huge-sparse-file", ("truncate -s 4G slug.py",), log_has=("more than",), copy_refused=_TOO_LARGE),
     Hostile("workspace-pth-and-sitecustomize", (*plant_loaders(), put("slug.py", _slug_module("")))),
 ]
 
@@ -286,7 +300,7 @@ SUMMARIZE = [
     Hostile("symlink-to-a-right-answer", (f"printf '%s' '{_RIGHT_SUMMARY}' > .real && ln -sf .real summary.json",),
             log_has=("a symlink",)),
     Hostile("fifo", ("mkfifo summary.json",), log_has=("a FIFO",)),
-    Hostile("huge-sparse-file", ("truncate -s 8G summary.json",), log_has=("more than",)),
+    Hostile("huge-sparse-file", ("truncate -s 8G summary.json",), log_has=("more than",), copy_refused=_TOO_LARGE),
     Hostile("right-answer-padded-past-the-limit", (
         f"{{ printf '%s' '{_RIGHT_SUMMARY}'; head -c 200000 /dev/zero | tr '\\0' ' '; }} > summary.json",),
         log_has=("more than",)),
@@ -314,7 +328,7 @@ GREETING = [
     Hostile("symlink-to-dev-zero", ("ln -sf /dev/zero greeting.txt",), log_has=("a symlink",)),
     Hostile("symlink-to-proc", ("ln -sf /proc/1/cmdline greeting.txt",), log_has=("a symlink",)),
     Hostile("fifo", ("mkfifo greeting.txt",), log_has=("a FIFO",)),
-    Hostile("huge-sparse-file", ("truncate -s 8G greeting.txt",), log_has=("more than",)),
+    Hostile("huge-sparse-file", ("truncate -s 8G greeting.txt",), log_has=("more than",), copy_refused=_TOO_LARGE),
     Hostile("right-line-then-more", ("{ printf 'Hello from ARES!\\n'; head -c 100000 /dev/zero; } > greeting.txt",)),
     Hostile("directory", ("mkdir greeting.txt",), log_has=("a directory",)),
     Hostile("writes-the-reward", (put("forge.py", FORGE_REWARD), "python3 forge.py")),
@@ -342,6 +356,8 @@ def _require(backend: str) -> None:
 
 @dataclass
 class Played:
+    """One grading of a played solution: the verdict, the verifier's output, what of uid 65534 is left."""
+
     result: VerifierResult
     log: str
     left: list[str] = field(default_factory=list)
@@ -351,14 +367,23 @@ class Played:
 _LEFT = "for s in /proc/[0-9]*/status; do grep -qE '^Uid:\\s+65534\\s' $s 2>/dev/null && echo $s; done; true"
 
 
-async def play(task: Task, commands: tuple[str, ...], backend: str, *, oracle: bool = False) -> Played:
+async def _grade(sb: sandbox.BaseSandbox, task: Task) -> Played:
+    result = await run_tests(sb, task)
+    left = (await sb.exec(_LEFT, cwd="/", timeout=30)).stdout.split()
+    script = result.script
+    return Played(result, f"{script.stdout}\n{script.stderr}" if script is not None else "", left)
+
+
+async def play(task: Task, commands: tuple[str, ...], backend: str, *, oracle: bool = False) -> dict[str, Played]:
     """The episode's order: workspace, the agent's commands as the agent's user, every process killed,
-    the tests as root."""
+    then the tests as root, both ways an episode grades: ``fresh`` (the default: the workdir copied
+    into a second sandbox, ``copy_workspace``) and ``agent`` (the opt-out: in the agent's sandbox)."""
     spec = task.sandbox_spec(default_image=AGENT_IMAGE)
     if backend == "local":
         spec = dataclasses.replace(spec, hardened=True)
-    async with sandbox.create(spec, backend=backend) as sb:
+    async with sandbox.create(spec, backend=backend) as sb, sandbox.create(spec, backend=backend) as gsb:
         await prepare_workdir(sb, task, user=AGENT)
+        uid = (await sb.exec("id -u", user=AGENT, cwd="/", timeout=30)).stdout.strip()
         if oracle:
             solved = await run_solution(sb, task, user=AGENT)
             assert solved.ok, (solved.stdout, solved.stderr)
@@ -366,29 +391,37 @@ async def play(task: Task, commands: tuple[str, ...], backend: str, *, oracle: b
             # What the agent's command printed does not matter: only that it ran as the agent.
             await sb.exec(command, cwd=task.workdir, user=AGENT, timeout=120)
         await sb.kill_processes(timeout=30)
-        result = await run_tests(sb, task)
-        left = (await sb.exec(_LEFT, cwd="/", timeout=30)).stdout.split()
-    script = result.script
-    log = f"{script.stdout}\n{script.stderr}" if script is not None else ""
-    return Played(result, log, left)
+        try:
+            await copy_workspace(sb, gsb, src_workdir=task.workdir, dst_workdir=task.workdir, user=uid,
+                                 limit=workspace_limit(task))
+        except WorkspaceCopyError as exc:  # what the episode makes of it
+            fresh = Played(VerifierResult(Reward(0.0), None, str(exc)), "")
+        else:
+            fresh = await _grade(gsb, task)
+        return {"fresh": fresh, "agent": await _grade(sb, task)}
 
 
-def _check(played: Played, hostile: Hostile, task: Task) -> None:
-    result = played.result
-    assert result.error is None, (result.error, played.log[-2000:])
-    parts = dict(result.reward.parts)
-    want = hostile.parts
-    if want is None:
-        assert result.reward.value == 0.0, (hostile.name, parts, played.log[-2000:])
-        assert all(v == 0.0 for v in parts.values()), (hostile.name, parts)
-    else:
-        assert parts == want, (hostile.name, parts, played.log[-2000:])
+def _check(played: dict[str, Played], hostile: Hostile) -> None:
+    for grading, p in played.items():
+        result = p.result
+        where = (hostile.name, grading)
+        if grading == "fresh" and hostile.copy_refused is not None:
+            assert result.reward.value == 0.0 and hostile.copy_refused in (result.error or ""), (*where, result)
+            continue
+        assert result.error is None, (*where, result.error, p.log[-2000:])
+        parts = dict(result.reward.parts)
+        if hostile.parts is None:
+            assert result.reward.value == 0.0, (*where, parts, p.log[-2000:])
+            assert all(v == 0.0 for v in parts.values()), (*where, parts)
+        else:
+            assert parts == hostile.parts, (*where, parts, p.log[-2000:])
+        for marker in ("FORGED", "WORKSPACE CODE RAN", "TESTS READ", "TESTS LISTED", "GRADER environ READ",
+                       "GRADER mem READ"):
+            assert marker not in p.log, (*where, marker, p.log[-3000:])
+        assert p.left == [], (*where, "processes of the agent's code outlived the verdict", p.left)
+    # What was refused, as the verifier saw it where the agent left it (the copy leaves FIFOs out).
     for line in hostile.log_has:
-        assert line in played.log, (hostile.name, line, played.log[-3000:])
-    for marker in ("FORGED", "WORKSPACE CODE RAN", "TESTS READ", "TESTS LISTED", "GRADER environ READ",
-                   "GRADER mem READ"):
-        assert marker not in played.log, (hostile.name, marker, played.log[-3000:])
-    assert played.left == [], (hostile.name, "processes of the agent's code outlived the verdict", played.left)
+        assert line in played["agent"].log, (hostile.name, line, played["agent"].log[-3000:])
 
 
 _BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
@@ -401,8 +434,7 @@ async def test_hostile_solution_scores_zero(task_name: str, hostile: Hostile, ba
     _require(backend)
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     task = DATASET.task(task_name)
-    played = await play(task, hostile.commands, backend)
-    _check(played, hostile, task)
+    _check(await play(task, hostile.commands, backend), hostile)
 
 
 @pytest.mark.parametrize("backend", _BACKENDS)
@@ -415,11 +447,11 @@ async def test_oracle_scores_one_among_planted_loaders(task_name: str, backend: 
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     task = DATASET.task(task_name)
     for commands in ((), tuple(plant_loaders())):
-        played = await play(task, commands, backend, oracle=True)
-        assert played.result.error is None, (played.result.error, played.log[-2000:])
-        assert played.result.reward.value == 1.0, (commands, played.result, played.log[-2000:])
-        assert all(v == 1.0 for v in played.result.reward.parts.values())
-        assert "WORKSPACE CODE RAN" not in played.log and played.left == []
+        for grading, p in (await play(task, commands, backend, oracle=True)).items():
+            assert p.result.error is None, (grading, p.result.error, p.log[-2000:])
+            assert p.result.reward.value == 1.0, (grading, commands, p.result, p.log[-2000:])
+            assert all(v == 1.0 for v in p.result.reward.parts.values())
+            assert "WORKSPACE CODE RAN" not in p.log and p.left == []
 
 
 def test_every_bundled_task_has_hostile_solutions_and_one_grading_module() -> None:

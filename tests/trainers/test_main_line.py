@@ -11,10 +11,20 @@ from __future__ import annotations
 from typing import Any
 
 from ares_gateway.trainers import foreign_count, main_sample
-from tests.trajectory.helpers import Episode, ast, show, sys, tool, usr
+from tests.trajectory.helpers import Episode as _Episode
+from tests.trajectory.helpers import ast, show, sys, tool, usr
 
 TASK = [sys("S"), usr("u:task")]
 LONG = " ".join(f"r:j{i}" for i in range(40)) + " </ast>"
+
+
+class Episode(_Episode):
+    """The golden tests' episode; every turn here has an answer, which ``turn`` returns."""
+
+    def turn(self, prompt: list[dict[str, Any]], reply: dict[str, Any] | None, **kw: Any) -> dict[str, Any]:
+        out = super().turn(prompt, reply, **kw)
+        assert out is not None
+        return out
 
 
 def _cli(ep: Episode, turns: int = 3) -> list[dict[str, Any]]:

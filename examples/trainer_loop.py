@@ -3,7 +3,8 @@
 Each episode runs a real agent CLI (mini-swe-agent by default) on a bundled task in its own sandbox;
 every LLM call it makes is one env step, answered by ``ToyModel``. At the end the env's reward is the
 task's tests' and ``env.trajectory()`` gives token-faithful training samples, which a trainer would
-turn into a gradient step (here: printed).
+turn into a gradient step (here: printed); the foreign ones, conversations that do not extend the
+session's first request, are left out.
 
 ``ToyModel`` stands in for an inference engine: it decides with the oracle policy (the task's reference
 solution, played through the agent's own tools) and attaches byte-level token ids and logprobs to each
@@ -66,7 +67,9 @@ async def run_episode(gw: Gateway, model: ToyModel, task: Task, args: argparse.N
         while not ts.last():
             assert ts.observation is not None
             ts = await env.step(await model.generate(ts.observation))
-        samples = env.trajectory()
+        # A foreign sample is a conversation that does not extend the session's first request (one the
+        # agent's own tool commands sent with the session's credentials): never trained.
+        samples = [s for s in env.trajectory() if not s.metadata.get("foreign")]
         return {"task": task.name, "reward": ts.reward, "steps": ts.info.get("steps"), "samples": samples,
                 "exit_reason": ts.info.get("exit_reason"), "seconds": time.monotonic() - started}
     finally:

@@ -126,7 +126,9 @@ class TrajectoryManager:
     ) -> list[Sample]:
         """Linearize the session into samples and drop it (drains; an unknown session gives []).
 
-        Main-line samples come first, then side-call samples (``metadata["side_call"]``).
+        The main tree's samples come first (the main line's marked ``metadata["main_line"]``, those of
+        conversations that do not extend the first request ``metadata["foreign"]``), then side-call
+        samples (``metadata["side_call"]``).
         ``max_sample_tokens > 0`` truncates each sample to that many tokens (flagged
         ``metadata["truncated"]``).
         """

@@ -72,7 +72,7 @@ class Sample:
             is 0 or the engine gave none.
         reward: the episode reward given to ``get_trajectory``.
         metadata: plain data about the sample (see ``docs/trajectory.md``): ``session_id``,
-            ``side_call``, ``truncated``, ``ill_formed``, ``used_tools``, ``branch``,
+            ``side_call``, ``foreign``, ``main_line``, ``truncated``, ``ill_formed``, ``used_tools``, ``branch``,
             ``num_branches``, ``segment``, ``start_reason``, ``turn_ids``, ``trained_turn_ids``,
             ``masked_turn_ids``, ``finish_reason``, ``rewritten``.
     """

@@ -35,13 +35,25 @@ RECORD_AND_EXEC = (
     + 'l=; read -r l </proc/self/stat; _ares_start "$l"; r=$0; echo "$$ $t" >"$r" || exit 125; exec "$@"'
 )
 
+#: Sets ``_ed`` to the directory of the records of the user it runs as (root: EXEC_DIR; a backend's
+#: non-root default user with sudo: its own ``~/.ares-exec``), made 0700 when missing; builtins only.
+EXEC_DIR_SH = (
+    '_uid=; while read -r _k _v _; do case $_k in Uid:) _uid=$_v; break;; esac; done </proc/self/status; '
+    f'if [ "$_uid" = 0 ]; then _ed={EXEC_DIR}; else _ed="${{HOME:-/tmp}}/.ares-exec"; fi; '
+    '[ -d "$_ed" ] || mkdir -p -m 700 "$_ed" || exit 125; '
+)
+
+_KILL_BODY = (
+    SAME_FN
+    + 'p=; t0=; read -r p t0 <"$rec" 2>/dev/null; rm -f "$rec"; '
+    'if _ares_same "$p" "$t0"; then kill -9 -"$p" 2>/dev/null || kill -9 "$p" 2>/dev/null '
+    '|| sudo -n kill -9 -- -"$p" 2>/dev/null; fi; exit 0'
+)
 #: ``sh -c KILL_RECORDED RECORD-FILE``, as root: SIGKILL the process group of the recorded session
 #: leader, only while that very process still lives (same start time); removes the record.
-KILL_RECORDED = (
-    SAME_FN
-    + 'p=; t0=; read -r p t0 <"$0" 2>/dev/null; rm -f "$0"; '
-    'if _ares_same "$p" "$t0"; then kill -9 -"$p" 2>/dev/null || kill -9 "$p" 2>/dev/null; fi; exit 0'
-)
+KILL_RECORDED = 'rec=$0; ' + _KILL_BODY
+#: ``sh -c KILL_TOKEN TOKEN``: the same for the record ``<EXEC_DIR_SH's directory>/TOKEN.pid``.
+KILL_TOKEN = EXEC_DIR_SH + 'rec="$_ed/$0.pid"; ' + _KILL_BODY
 
 #: In a kill-everything script: ``relays`` becomes the pids of the relays that are still the processes
 #: their root-written ``/.ares/relay-<port>.id`` records name (start time and uid 0); ``keeper`` the

@@ -36,6 +36,7 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 
 from . import janitor
 from ._daytona_channels import MAX_WS_MESSAGE, daytona_pty_channel, parse_ssh_command, ssh_exec_channel
+from ._procid import EXEC_DIR_SH, KILL_TOKEN, RECORD_AND_EXEC, RELAY_RECORD
 from .errors import BackendUnavailableError, ExecError, FileTransferError, ForwardError, SandboxStartError
 from .protocol import BaseSandbox, ExecResult, extract_tar, tar_directory
 from .spec import SandboxSpec
@@ -44,44 +45,38 @@ from .tunnel import Channel, Tunnel
 _CWD_MISSING = 201
 _GIB = 1024**3
 
-# $1 pid file, $2 stderr file, $3 boundary, $4 cwd, $5 user ('' = default), $6 command.
-_WRAPPER = r"""
-p=$1; e=$2; b=$3; d=$4; u=$5; c=$6
+# $1 token, $2 boundary, $3 cwd, $4 user ('' = default), $5 command, $6 RECORD_AND_EXEC.  The record of
+# the command's session leader (pid and start time) and its stderr go to a directory only the
+# wrapper's own user (root, or the default user that sudoes) can write, the record written before the
+# command switches user: the agent can neither point a later kill at another process nor block the
+# wrapper on a FIFO of its own.
+_WRAPPER = EXEC_DIR_SH + r"""
+p="$_ed/$1.pid"; e="$_ed/$1.err"; b=$2; d=$3; u=$4; c=$5; rec=$6
 if ! cd -- "$d" 2>/dev/null; then printf '%s' "$b"; echo "ares-exec: no such directory: $d"; exit 201; fi
 if [ -z "$u" ]; then set -- /bin/sh -c "$c"
-elif [ "$(id -u)" = 0 ]; then set -- runuser -u "$u" -- /bin/sh -c "$c"
+elif [ "$_uid" = 0 ]; then set -- runuser -u "$u" -- /bin/sh -c "$c"
 else set -- sudo -n -u "$u" -- /bin/sh -c "$c"; fi
 if command -v setsid >/dev/null 2>&1; then
-  setsid -w /bin/sh -c 'echo $$ >"$0"; exec "$@"' "$p" "$@" 2>"$e" </dev/null; rc=$?
+  setsid -w /bin/sh -c "$rec" "$p" "$@" 2>"$e" </dev/null; rc=$?
 else
-  /bin/sh -c 'echo $$ >"$0"; exec "$@"' "$p" "$@" 2>"$e" </dev/null; rc=$?
+  /bin/sh -c "$rec" "$p" "$@" 2>"$e" </dev/null; rc=$?
 fi
 printf '%s' "$b"; cat "$e" 2>/dev/null; rm -f "$e" "$p"; exit $rc
 """
-_KILL = (
-    'p=$(cat "$0" 2>/dev/null); [ -n "$p" ] || exit 0; '
-    'kill -9 -"$p" 2>/dev/null || kill -9 "$p" 2>/dev/null || sudo -n kill -9 -- -"$p" 2>/dev/null; exit 0'
-)
+_KILL = KILL_TOKEN
 
 
 _RELAY_SCRIPT = Path(__file__).with_name("_relay.py")
 # Run by root on the tunnel's channel: $1 the relay's directory, $2 port, $3 max streams.  Not root
 # (Daytona's default user has passwordless sudo): again under sudo.  A relay of this port left from a
-# dropped channel is killed first (checked by its command line: the pid may since be another
-# process's), freeing the port; the pid file marks the relay as the sandbox's own machinery.
-_TUNNEL_SH = r"""
-d=$1; port=$2; n=$3
-if [ "$(id -u)" != 0 ]; then exec sudo -n /bin/sh "$0" "$@"; fi
-r="$d/relay-$port.pid"; p=
-[ -f "$r" ] && read -r p <"$r"
-if [ -n "$p" ]; then
-  case "$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null)" in
-    *"$d/relay.py --listen 127.0.0.1:$port "*) kill -9 "$p"; i=0
-      while [ -d "/proc/$p" ] && [ $i -lt 40 ]; do sleep 0.05; i=$((i+1)); done;;
-  esac
-fi
-exec python3 -I "$d/relay.py" --listen "127.0.0.1:$port" --tunnel binary --ready-file "$r" --max-connections "$n"
-"""
+# dropped channel is killed first, only while its record ($d/relay-$port.id: pid and start time,
+# written here as root) still names that very process, freeing the port.
+_TUNNEL_SH = (
+    'd=$1; port=$2; n=$3\nif [ "$(id -u)" != 0 ]; then exec sudo -n /bin/sh "$0" "$@"; fi\n'
+    + RELAY_RECORD
+    + '\nexec python3 -I "$d/relay.py" --listen "127.0.0.1:$port" --tunnel binary --ready-file "$d/relay-$port.pid" '
+    '--max-connections "$n"\n'
+)
 # Run as root: $1, $2 the uploaded relay and tunnel script, $3 their directory.  Root-owned copies
 # (the agent must not change what root runs next), then their hashes and python3's presence.
 _INSTALL = r"""
@@ -358,10 +353,10 @@ class DaytonaSandbox(BaseSandbox):
         self, command: str, *, cwd: str, env: dict[str, str], user: str | None, timeout: float | None
     ) -> ExecResult:
         token = secrets.token_hex(12)
-        pidfile, errfile = f"/tmp/.ares-exec-{token}.pid", f"/tmp/.ares-exec-{token}.err"
+        pidfile = token  # the record's name in the wrapper's own directory
         boundary = f"\n<<ares-stderr-{token}>>\n"
         exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in env.items())
-        args = [pidfile, errfile, boundary, cwd, user or "", exports + command]
+        args = [token, boundary, cwd, user or "", exports + command, RECORD_AND_EXEC]
         script = shlex.join(["/bin/sh", "-c", _WRAPPER, "ares-exec", *args])
         backstop = int(timeout + 60) if timeout else 24 * 3600
         started = time.monotonic()

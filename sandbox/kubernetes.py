@@ -50,6 +50,7 @@ from typing import IO, Any, TypeVar
 from urllib.parse import urlencode
 
 from . import janitor
+from ._procid import EXEC_DIR_SH, KEEP_RECORDED, KILL_TOKEN, RECORD_AND_EXEC, RELAY_RECORD, START_FN
 from ._relay import READER_LIMIT
 from .errors import (
     BackendUnavailableError,
@@ -87,9 +88,11 @@ _WAITING_FAILURES = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "Cr
 # ends at once on SIGTERM so that deleting the pod is quick.
 _KEEPER = "trap 'exit 0' TERM INT; while :; do sleep 2147483647 & wait; done"
 
-# $1 pid file, $2 cwd, $3 user ('' = the container's, root), $4 command.
-_WRAPPER = r"""
-p=$1; d=$2; u=$3; c=$4
+# $1 token, $2 cwd, $3 user ('' = the container's, root), $4 command, $5 RECORD_AND_EXEC.  Root
+# records the command's session leader (pid and start time) in the root-only EXEC_DIR before the
+# command switches user; a timeout kills by that record, never by a file the agent can write.
+_WRAPPER = EXEC_DIR_SH + r"""
+p="$_ed/$1.pid"; d=$2; u=$3; c=$4; rec=$5
 cd -- "$d" 2>/dev/null || { echo "ares-exec: no such directory: $d" >&2; exit 201; }
 case "$u" in
   ""|root|0) set -- /bin/sh -c "$c";;
@@ -97,37 +100,30 @@ case "$u" in
      else set -- su -s /bin/sh "$u" -c "$c"; fi;;
 esac
 if command -v setsid >/dev/null 2>&1; then
-  setsid -w /bin/sh -c 'echo $$ >"$0"; exec "$@"' "$p" "$@" </dev/null; rc=$?
+  setsid -w /bin/sh -c "$rec" "$p" "$@" </dev/null; rc=$?
 else
-  /bin/sh -c 'echo $$ >"$0"; exec "$@"' "$p" "$@" </dev/null; rc=$?
+  /bin/sh -c "$rec" "$p" "$@" </dev/null; rc=$?
 fi
 rm -f "$p"; exit $rc
 """
-_KILL = 'p=; read -r p <"$0" 2>/dev/null; [ -n "$p" ] && { kill -9 -"$p" 2>/dev/null || kill -9 "$p"; }; rm -f "$0"; exit 0'
+_KILL = KILL_TOKEN
 # $1 dir, $2 bytes: unpack exactly $2 bytes of tar from stdin (v4 cannot end stdin: the length does).
 _PUT = 'mkdir -p -- "$1" && head -c "$2" | tar -xof - -C "$1"'
 # $1 port, $2 max streams: the exec tunnel's relay; a relay of this port left from a dropped channel
-# (its exec not ended) is killed first, checked by its command line (the pid may be another's by now).
-_TUNNEL_RELAY = r"""
-port=$1; r=/.ares/relay-$port.pid; p=
-command -v python3 >/dev/null 2>&1 || { echo "the image has no python3, which the exec tunnel's relay needs" >&2; exit 3; }
-[ -f "$r" ] && read -r p <"$r"
-if [ -n "$p" ]; then
-  case "$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null)" in
-    *"/.ares/relay.py --listen 127.0.0.1:$port "*) kill -9 "$p"; i=0
-      while [ -d "/proc/$p" ] && [ $i -lt 40 ]; do sleep 0.05; i=$((i+1)); done;;
-  esac
-fi
-exec python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --tunnel binary --ready-file "$r" --max-connections "$2"
-"""
-# $1 uid ('' = every user), $2 rounds of 50 ms.  Kills every process of the pod but PID 1, its first
-# child (the keeper's sleep), the relays and itself with its ancestors; builtins only (but sleep).
-# Prints the number killed; exit 3 (and the survivors) when time runs out.
+# (its exec not ended) is killed first, only while its record still names that very process.
+_TUNNEL_RELAY = (
+    'port=$1; d=/.ares; command -v python3 >/dev/null 2>&1 || { echo "the image has no python3, which the exec '
+    'tunnel\'s relay needs" >&2; exit 3; }; ' + RELAY_RECORD
+    + 'exec python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --tunnel binary '
+    '--ready-file "$d/relay-$port.pid" --max-connections "$2"'
+)
+# $1 uid ('' = every user), $2 rounds of 50 ms, $3 the keeper's record ("<pid> <start>", taken when the
+# pod started).  Kills every process of the pod but PID 1, the keeper's sleep and the relays (each
+# only while it is the very process recorded: start time, uid 0) and itself with its ancestors;
+# builtins only (but sleep).  Prints the number killed; exit 3 (and the survivors) when time runs out.
 _KILL_ALL = r"""
-want=$1; rounds=$2; self=$$; killed=0
-kids=; read -r kids </proc/1/task/1/children || true
-keeper=; for c in $kids; do if [ -z "$keeper" ] || [ "$c" -lt "$keeper" ]; then keeper=$c; fi; done
-relays=; for f in /.ares/relay-*.pid; do r=; [ -f "$f" ] && read -r r <"$f"; relays="$relays $r"; done
+want=$1; rounds=$2; keeper_record=$3; self=$$; killed=0
+""" + KEEP_RECORDED + r"""
 anc=""; p=$self
 while [ -n "$p" ] && [ "$p" -gt 1 ]; do
   anc="$anc $p"; pp=""
@@ -155,6 +151,12 @@ while :; do
   sleep 0.05
 done
 """
+# Prints "<pid> <start time>" of the pod's keeper (the sleep of PID 1's loop), once it has one.
+_KEEPER_RECORD = START_FN + (
+    'i=0; k=; while :; do read -r k </proc/1/task/1/children; [ -n "$k" ] && break; i=$((i+1)); '
+    '[ $i -gt 250 ] && exit 3; sleep 0.02; done; set -- $k; l=; read -r l <"/proc/$1/stat" || exit 3; '
+    '_ares_start "$l"; echo "$1 $t"'
+)
 
 
 def _sdk() -> Any:
@@ -541,6 +543,8 @@ class KubernetesSandbox(BaseSandbox):
         self._tunnels: dict[int, Tunnel] = {}
         self._relay_uploaded = False
         self._created: list[str] = []  # "policy", "pod": what to delete
+        # "<pid> <start time>" of the pod's keeper sleep, recorded at start (before any command of the agent).
+        self._keeper_record = ""
 
     @property
     def description(self) -> str:
@@ -634,6 +638,12 @@ class KubernetesSandbox(BaseSandbox):
         r = await self._exec(f"mkdir -p {shlex.quote(self.spec.workdir)}", cwd="/", env={}, user=None, timeout=60)
         if not r.ok:
             raise SandboxStartError(f"cannot create workdir {self.spec.workdir} in pod {self.pod_name}: {r.stderr.strip()}")
+        code, out, err = await self._root(["/bin/sh", "-c", _KEEPER_RECORD], timeout=60)
+        record = out.decode(errors="replace").strip()
+        if code != 0 or len(record.split()) != 2 or not all(f.isdigit() for f in record.split()):
+            raise SandboxStartError(f"cannot find the keeper process of pod {self.pod_name}: "
+                                    f"{(record + err.decode(errors='replace')).strip()[-300:] or f'exit {code}'}")
+        self._keeper_record = record
 
     async def _wait_running(self, core: Any) -> None:
         deadline = time.monotonic() + self.start_timeout
@@ -718,9 +728,9 @@ class KubernetesSandbox(BaseSandbox):
     async def _exec(
         self, command: str, *, cwd: str, env: dict[str, str], user: str | None, timeout: float | None
     ) -> ExecResult:
-        pidfile = f"/tmp/.ares-exec-{secrets.token_hex(12)}.pid"
+        pidfile = secrets.token_hex(12)  # the record's name in the root-only EXEC_DIR
         exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in env.items())
-        argv = ["/bin/sh", "-c", _WRAPPER, "ares-exec", pidfile, cwd, user or "", exports + command]
+        argv = ["/bin/sh", "-c", _WRAPPER, "ares-exec", pidfile, cwd, user or "", exports + command, RECORD_AND_EXEC]
         started = time.monotonic()
         stream = await self.open_exec(argv, stdin=False, stderr_cap=None)
         collect = asyncio.ensure_future(stream.collect())
@@ -915,7 +925,10 @@ class KubernetesSandbox(BaseSandbox):
                     raise ExecError(f"no user {user!r} in sandbox {self.id}: {r.stderr.strip()}")
                 uid = r.stdout.strip()
         rounds = max(1, int(timeout / 0.05))
-        code, out, err = await self._root(["/bin/sh", "-c", _KILL_ALL, "ares-kill", uid, str(rounds)], timeout=timeout + 30)
+        if not self._keeper_record:
+            raise ExecError(f"sandbox {self.id}: the pod's keeper was never recorded; kill_processes() needs it")
+        code, out, err = await self._root(["/bin/sh", "-c", _KILL_ALL, "ares-kill", uid, str(rounds),
+                                           self._keeper_record], timeout=timeout + 30)
         text = out.decode(errors="replace").strip()
         if code != 0 or not text.isdigit():
             raise ExecError(f"killing the processes of sandbox {self.id} failed: {(text + err.decode(errors='replace')).strip()[-500:]}")

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from . import janitor
+from ._procid import EXEC_DIR_SH, KEEP_RECORDED, KILL_TOKEN, RECORD_AND_EXEC, RELAY_RECORD
 from ._relay import READER_LIMIT
 from .errors import BackendUnavailableError, ExecError, FileTransferError, ForwardError, SandboxStartError
 from .protocol import (
@@ -60,45 +61,38 @@ _ARES_DIR = "/.ares"
 _RELAY_SCRIPT = Path(__file__).with_name("_relay.py")
 _STREAM_CHUNK = 1 * _MIB
 
-# $1 pid file, $2 cwd, $3 user ('' = the sandbox's default), $4 command.  The pid file is written by
-# the shell before it switches user, so the agent cannot point a later kill at another process.
-_WRAPPER = r"""
-p=$1; d=$2; u=$3; c=$4
+# $1 token, $2 cwd, $3 user ('' = the sandbox's default), $4 command, $5 RECORD_AND_EXEC.  The record
+# of the command's session leader (pid and start time) is written by the wrapper's own user (root, or the default user
+# that sudoes) into a directory only it can write, before the command switches user: the agent can
+# neither point a later kill at another process nor block or forge the record.
+_WRAPPER = EXEC_DIR_SH + r"""
+p="$_ed/$1.pid"; d=$2; u=$3; c=$4; rec=$5
 if ! cd -- "$d" 2>/dev/null; then echo "ares-exec: no such directory: $d" >&2; exit 201; fi
 if [ -z "$u" ]; then set -- /bin/sh -c "$c"
-elif [ "$(id -u)" = 0 ]; then set -- runuser -u "$u" -- /bin/sh -c "$c"
+elif [ "$_uid" = 0 ]; then set -- runuser -u "$u" -- /bin/sh -c "$c"
 else set -- sudo -n -u "$u" -- /bin/sh -c "$c"; fi
 if command -v setsid >/dev/null 2>&1; then
-  setsid -w /bin/sh -c 'echo $$ >"$0"; exec "$@"' "$p" "$@" </dev/null; rc=$?
+  setsid -w /bin/sh -c "$rec" "$p" "$@" </dev/null; rc=$?
 else
-  /bin/sh -c 'echo $$ >"$0"; exec "$@"' "$p" "$@" </dev/null; rc=$?
+  /bin/sh -c "$rec" "$p" "$@" </dev/null; rc=$?
 fi
 rm -f "$p"; exit $rc
 """
-_KILL = (
-    'p=$(cat "$0" 2>/dev/null); [ -n "$p" ] || exit 0; '
-    'kill -9 -"$p" 2>/dev/null || kill -9 "$p" 2>/dev/null || sudo -n kill -9 -- -"$p" 2>/dev/null; exit 0'
-)
+_KILL = KILL_TOKEN
 # $1 port, $2 max streams.  The relay of the exec tunnel on the exec's stdin/stdout.  A relay of this
-# port left from an earlier channel (its exec never saw EOF) is killed first, checked by its command
-# line (the pid may since be another process's), freeing the port.  (As sandbox/docker.py's.)
-_TUNNEL_RELAY = r"""
-port=$1; r=/.ares/relay-$port.pid; p=
-[ -f "$r" ] && read -r p <"$r"
-if [ -n "$p" ]; then
-  case "$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null)" in
-    *"/.ares/relay.py --listen 127.0.0.1:$port "*) kill -9 "$p"; i=0
-      while [ -d "/proc/$p" ] && [ $i -lt 40 ]; do sleep 0.05; i=$((i+1)); done;;
-  esac
-fi
-exec python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --tunnel binary --ready-file "$r" --max-connections "$2"
-"""
+# port left from an earlier channel (its exec never saw EOF) is killed first, only while its record
+# still names that very process, freeing the port.  (As sandbox/docker.py's.)
+_TUNNEL_RELAY = 'port=$1; d=/.ares; ' + RELAY_RECORD + (
+    'exec python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --tunnel binary '
+    '--ready-file "$d/relay-$port.pid" --max-connections "$2"'
+)
 # $1 uid ('' = every user), $2 rounds of 50 ms.  Kills every process but PID 1 (the sandbox's
-# entrypoint: killing it ends the sandbox), the relays and this script's own ancestors; builtins only
-# (but sleep).  Prints the number killed; exit 3 (and the survivors) when time runs out.
+# entrypoint: killing it ends the sandbox), the relays (only while each is the very process its
+# root-written record names: start time, uid 0) and this script's own ancestors; builtins only (but
+# sleep).  Prints the number killed; exit 3 (and the survivors) when time runs out.
 _KILL_ALL = r"""
-want=$1; rounds=$2; self=$$; killed=0
-relays=; for f in /.ares/relay-*.pid; do r=; [ -f "$f" ] && read -r r <"$f"; relays="$relays $r"; done
+want=$1; rounds=$2; keeper_record=; self=$$; killed=0
+""" + KEEP_RECORDED + r"""
 anc=""; p=$self
 while [ -n "$p" ] && [ "$p" -gt 1 ]; do
   anc="$anc $p"; pp=""
@@ -509,8 +503,8 @@ class ModalSandbox(BaseSandbox):
     async def _exec(
         self, command: str, *, cwd: str, env: dict[str, str], user: str | None, timeout: float | None
     ) -> ExecResult:
-        pidfile = f"/tmp/.ares-exec-{secrets.token_hex(12)}.pid"
-        argv = ["/bin/sh", "-c", _WRAPPER, "ares-exec", pidfile, cwd, user or "", command]
+        pidfile = secrets.token_hex(12)  # the record's name in the wrapper's own directory
+        argv = ["/bin/sh", "-c", _WRAPPER, "ares-exec", pidfile, cwd, user or "", command, RECORD_AND_EXEC]
         started = time.monotonic()
         # Modal's own deadline is only a backstop: ours kills the group inside first.
         proc = await self._spawn(argv, env=env, timeout=timeout + 60 if timeout else None)

@@ -368,12 +368,13 @@ def rollout_func(
 def reward_from_episode(completions: Sequence[Any] | None = None, *, reward: Sequence[float] | None = None,
                         log_extra: Callable[[str, list[Any]], None] | None = None, **facts: Any) -> list[float]:
     """A TRL reward function: each completion's episode reward (the task verifier's), as the rollout
-    returned it. Logs ``session_id``, ``exit_reason``, ``turns`` and ``error`` as completion-table columns."""
+    returned it. Logs ``task``, ``session_id``, ``exit_reason``, ``turns``, ``error``, ``other_samples`` and
+    ``foreign_samples`` as completion-table columns."""
     if reward is None:
         raise TrainerError("reward_from_episode needs the rollout's 'reward' column: use it with "
                            "ares_gateway.trainers.trl.rollout_func")
     if log_extra is not None:
-        for key in ("task", "session_id", "exit_reason", "turns", "error"):
+        for key in ("task", "session_id", "exit_reason", "turns", "error", "other_samples", "foreign_samples"):
             if key in facts:
                 log_extra(key, list(facts[key]))
     return [float(r) for r in reward]

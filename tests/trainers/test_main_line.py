@@ -158,3 +158,13 @@ def test_samples_recorded_before_the_main_line_was_marked_fall_back_to_the_large
         del s.metadata["main_line"], s.metadata["foreign"]
     best, others = main_sample(samples)
     assert best is samples[0] and not best.metadata["side_call"] and others == 1
+
+
+def test_the_trl_reward_function_logs_the_counts_of_samples_not_trained() -> None:
+    from ares_gateway.trainers.trl import reward_from_episode
+
+    logged: dict[str, list[Any]] = {}
+    out = reward_from_episode(["c"], reward=[0.5], task=["t"], other_samples=[2], foreign_samples=[1],
+                              log_extra=lambda key, values: logged.__setitem__(key, values))
+    assert out == [0.5]
+    assert logged == {"task": ["t"], "other_samples": [2], "foreign_samples": [1]}

@@ -537,3 +537,35 @@ async def test_an_episode_runs_in_a_pod_behind_its_egress_deny_policy_over_the_t
     name = pod["metadata"]["name"]
     assert f"{name}-deny" in fake.deleted_policies and name in fake.deleted_pods  # both gone at the end
     assert not any(n == name for _, n in fake.pods) and not any(n == f"{name}-deny" for _, n in fake.policies)
+
+
+@pytest.mark.parametrize("how", ["start time", "owner"])
+async def test_a_relay_record_naming_another_process_spares_nothing(fake: KubeFake, kubeconfig: str, session: Session,
+                                                                   how: str) -> None:
+    """The pid a dead relay's files still name, taken by another user's process (as pid reuse would
+    have it): kill_processes() kills it.  The record differs from it by start time, or by owner."""
+    async with _new(kubeconfig, network="none", forwards={18080: session.path}) as sb:
+        r = await sb.exec("setsid sleep 4321 >/dev/null 2>&1 </dev/null & echo $!", user="nobody", timeout=30)
+        other = int(r.stdout.strip())
+        relay = int((await sb.exec("cat /.ares/relay-18080.pid", timeout=30)).stdout.strip())
+        stat = await sb.exec(f"cat /proc/{other}/stat /proc/{relay}/stat", timeout=30)
+        other_start, relay_start = (line.rsplit(")", 1)[1].split()[19] for line in stat.stdout.splitlines())
+        start = relay_start if how == "start time" else other_start
+        forged = await sb.exec(f"echo {other} >/.ares/relay-18080.pid; echo '{other} {start}' >/.ares/relay-18080.id",
+                               timeout=30)
+        assert forged.ok, forged
+        await sb.kill_processes(timeout=20)
+        left = await sb.exec(f"s=$(cut -d')' -f2 /proc/{other}/stat 2>/dev/null | cut -d' ' -f2); "
+                             "case $s in ''|Z|X) echo gone;; *) echo alive;; esac", timeout=30)
+        assert left.stdout.strip() == "gone", left
+
+
+async def test_a_timed_out_command_is_killed_by_roots_record(fake: KubeFake, kubeconfig: str) -> None:
+    """The record of the command's session leader is root's (the agent cannot read or write it), and
+    the timeout kills the command's group by it."""
+    async with _new(kubeconfig, network="none") as sb:
+        r = await sb.exec("ls /.ares/exec 2>&1; sleep 4322", user="nobody", timeout=2)
+        assert r.timed_out and "Permission denied" in r.stdout, r
+        left = await sb.exec("for d in /proc/[0-9]*; do cat $d/cmdline 2>/dev/null | tr '\\0' ' '; echo; done "
+                             "| grep -c '^sleep 4322' || true", timeout=30)
+        assert left.stdout.strip() == "0", left

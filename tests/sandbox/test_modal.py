@@ -404,3 +404,30 @@ async def test_live_modal_block_network_and_the_exec_tunnel(session: Session) ->
         tunnel = sb.tunnel_for(PORT)
         assert tunnel is not None and tunnel.violation is None
     assert sb.state == "stopped"
+
+
+@pytest.mark.parametrize("how", ["start time", "owner"])
+async def test_a_relay_record_naming_another_process_spares_nothing(session: Session, how: str) -> None:
+    """The pid a dead relay's files still name, taken by another user's process (as pid reuse would
+    have it): kill_processes() kills it.  The record differs from it by start time, or by owner."""
+    _need_fake()
+    h = ModalHarness("stand-in")
+    try:
+        await h.open_tunnel(session)
+        sb = h.sb
+        assert sb is not None
+        r = await sb.exec("setsid sleep 4323 >/dev/null 2>&1 </dev/null & echo $!", user="nobody", cwd="/")
+        other = int(r.stdout.strip())
+        relay = int((await sb.exec(f"cat /.ares/relay-{PORT}.pid", cwd="/")).stdout.strip())
+        stat = await sb.exec(f"cat /proc/{other}/stat /proc/{relay}/stat", cwd="/")
+        other_start, relay_start = (line.rsplit(")", 1)[1].split()[19] for line in stat.stdout.splitlines())
+        start = relay_start if how == "start time" else other_start
+        forged = await sb.exec(f"echo {other} >/.ares/relay-{PORT}.pid; echo '{other} {start}' >/.ares/relay-{PORT}.id",
+                               cwd="/")
+        assert forged.ok, forged
+        await sb.kill_processes(timeout=20)
+        left = await sb.exec(f"s=$(cut -d')' -f2 /proc/{other}/stat 2>/dev/null | cut -d' ' -f2); "
+                             "case $s in ''|Z|X) echo gone;; *) echo alive;; esac", cwd="/")
+        assert left.stdout.strip() == "gone", left
+    finally:
+        await h.close()

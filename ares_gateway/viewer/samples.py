@@ -26,13 +26,16 @@ class SampleSet:
         self._summaries: list[dict[str, Any]] | None = None
 
     def summaries(self) -> list[dict[str, Any]]:
-        """Per sample: index, line, branch (the tree's leaf), sizes, trained tokens, reward, turns."""
+        """Per sample: index, line (side call; the main line the trainer adapters train; foreign: a
+        conversation that does not extend the session's first request), branch (the tree's leaf), sizes,
+        trained tokens, reward, turns."""
         if self._summaries is None:
             out = []
             for i, s in enumerate(self.rows):
                 meta = s.get("metadata") or {}
                 mask = s.get("loss_mask") or []
                 out.append({"index": i, "side_call": bool(meta.get("side_call")), "branch": meta.get("branch"),
+                            "main_line": bool(meta.get("main_line")), "foreign": bool(meta.get("foreign")),
                             "segment": meta.get("segment"), "tokens": len(s.get("tokens") or []),
                             "response_length": s.get("response_length"), "trained": int(sum(mask)),
                             "reward": s.get("reward"), "turn_ids": meta.get("turn_ids"),

@@ -220,7 +220,7 @@ async function episodePage(key) {
   if (data.samples.length) {
     samples.append(el("h2", { text: `Samples (${data.samples.length})` }), el("ul", null, ...data.samples.map((s) => el("li", null,
       el("a", { href: epHref(key, "/s/" + s.index), text: `sample ${s.index}`, class: "sample-link" }),
-      ` ${s.side_call ? "side call · " : ""}leaf ${fmt(s.branch)} · ${s.tokens} tokens · ${s.trained} trained · turns ${(s.turn_ids || []).join(", ")}`))));
+      ` ${s.side_call ? "side call · " : ""}${s.main_line ? "main line · " : ""}${s.foreign ? "foreign · " : ""}leaf ${fmt(s.branch)} · ${s.tokens} tokens · ${s.trained} trained · turns ${(s.turn_ids || []).join(", ")}`))));
   } else samples.append(el("p", { class: "muted", text: e.live ? "No training samples yet (they come from the turns answered with token ids)."
     : "No training samples (the policy gave no token ids: scripted or oracle)." }));
   const verifier = el("div", { id: "verifier" }, el("h2", { text: "Verifier" }),

@@ -152,7 +152,7 @@ def linearize(
         meta: dict[str, Any] = {
             "session_id": session_id,
             "side_call": side_call,
-            "foreign": seg[-1].foreign,
+            "foreign": not side_call and seg[-1].foreign,  # a side call is told apart by the harness instead
             "main_line": leaf_idx == main_idx,
             "truncated": cut < total,
             "ill_formed": any(t.ill_formed for t in seg),

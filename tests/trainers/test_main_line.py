@@ -85,12 +85,15 @@ def test_side_calls_are_never_the_main_line_however_large() -> None:
     _cli(ep, 2)
     ep.turn([sys("S:title"), usr("u:name this")], ast("r:title"), output_tokens=LONG,
             metadata={"side_call": True})
+    # A second side call of another kind: a conversation of its own in the side-call tree, still a
+    # side call and not foreign.
+    ep.turn([sys("S:summary"), usr("u:summarize")], ast("r:summary"), metadata={"side_call": True})
     samples = ep.samples()
     best, others = main_sample(samples)
     assert best is not None and not best.metadata["side_call"] and best.metadata["turn_ids"] == [1, 2]
     side = [s for s in samples if s.metadata["side_call"]]
-    assert len(side) == 1 and not side[0].metadata["main_line"] and not side[0].metadata["foreign"]
-    assert others == 1 and foreign_count(samples) == 0
+    assert len(side) == 2 and not any(s.metadata["main_line"] or s.metadata["foreign"] for s in side)
+    assert others == 2 and foreign_count(samples) == 0
 
 
 def test_the_cli_dropping_an_answer_keeps_its_line_the_main_one() -> None:

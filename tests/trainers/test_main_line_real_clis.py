@@ -45,7 +45,7 @@ def _samples(turns: list[dict[str, Any]]) -> list[Any]:
 ])
 async def test_a_cli_s_own_requests_are_never_foreign(name: str, options: dict[str, Any] | None) -> None:
     require_backend("local", name)
-    result, seen, turns, policy = await drive(name, "local", script=list(SCRIPT), harness_options=options)
+    result, _, turns, _ = await drive(name, "local", script=list(SCRIPT), harness_options=options)
     assert result.exit_code == 0, result.stderr_tail
     samples = _samples(turns)
     assert foreign_count(samples) == 0, [s.metadata for s in samples]

@@ -46,6 +46,13 @@ def _gc_on_ray(args: argparse.Namespace, backends: tuple[str, ...]) -> int:
     except MissingExtraError as exc:
         print(f"ares-gateway: error: gc --ray: {exc}", file=sys.stderr)
         return 2
+    from ares_gateway.episodes.ray import CONNECT_TIMEOUT, ClusterUnreachableError, check_cluster_reachable
+
+    try:  # bounded: Ray's own connect loop retries an address that does not answer for many minutes
+        check_cluster_reachable(args.ray, CONNECT_TIMEOUT)
+    except ClusterUnreachableError as exc:
+        print(f"ares-gateway: error: gc --ray: {exc}", file=sys.stderr)
+        return 2
     try:
         ray.init(address=args.ray, logging_level="ERROR", log_to_driver=False)
     except Exception as exc:

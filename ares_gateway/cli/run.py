@@ -126,6 +126,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "docs/scale.md")
     p.add_argument("--ray-per-node", type=int, default=None, metavar="N",
                    help="--ray: episodes at once on each node (default: -n); -n still bounds the whole run")
+    p.add_argument("--ray-connect-timeout", type=float, default=None, metavar="S",
+                   help="--ray: seconds to reach the cluster's address before giving up (default: 20)")
     p.add_argument("--attempts", type=int, default=1, metavar="K", help="attempts per task, for pass@k")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: runs/PRESET-TIMESTAMP)")
     p.add_argument("--step-limit", type=int, default=None,
@@ -329,7 +331,14 @@ def _ray_executor(args: argparse.Namespace, admin: str) -> Any:
     env = _TUNNELS.get(resolve_backend(args.sandbox), ("", ()))[0]
     runtime_env = {"env_vars": {env: tunnel}} if tunnel and env else None
     return RayExecutor(address, per_node=per_node, host=getattr(args, "host", "127.0.0.1"), admin_token=admin,
-                       runtime_env=runtime_env)
+                       runtime_env=runtime_env, connect_timeout=_ray_connect_timeout(args))
+
+
+def _ray_connect_timeout(args: argparse.Namespace) -> float:
+    from ares_gateway.episodes.ray import CONNECT_TIMEOUT
+
+    value = getattr(args, "ray_connect_timeout", None)
+    return CONNECT_TIMEOUT if value is None else float(value)
 
 
 def _policy_run_info(policy: Any) -> dict[str, Any]:
@@ -385,14 +394,15 @@ def _run_guarded(coro: Any, *, out: Path, run_info: dict[str, Any], tasks: Any, 
     from ares_gateway.core.errors import DataDirError
     from ares_gateway.episodes.episode import one_line
     from ares_gateway.episodes.preflight import PreflightError
-    from ares_gateway.episodes.ray import NoNodesError
+    from ares_gateway.episodes.ray import ClusterUnreachableError, NoNodesError
     from ares_gateway.episodes.rollouts import write_failed_run
     from ares_gateway.extras import MissingExtraError
     from harnesses import HarnessError
 
     try:
         return _run_async(coro)
-    except (PreflightError, HarnessError, DataDirError, NoNodesError, MissingExtraError) as exc:
+    except (PreflightError, HarnessError, DataDirError, NoNodesError, ClusterUnreachableError,
+            MissingExtraError) as exc:
         message, rc = one_line(str(exc)) or type(exc).__name__, 2
     except Exception as exc:
         logging.getLogger("ares_gateway").debug("the run failed", exc_info=True)
@@ -419,6 +429,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail("--ray-per-node must be at least 1")
     if args.ray_per_node is not None and not args.ray:
         return _fail("--ray-per-node is for --ray")
+    if args.ray_connect_timeout is not None and not args.ray:
+        return _fail("--ray-connect-timeout is for --ray")
+    if args.ray_connect_timeout is not None and not 0 < args.ray_connect_timeout < float("inf"):
+        return _fail("--ray-connect-timeout must be a positive number of seconds")
     if args.ray:
         from ares_gateway.extras import MissingExtraError, require_extra
 
@@ -426,6 +440,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             require_extra("ray", "ray")
         except MissingExtraError as exc:
             return _fail(f"--ray: {exc}")
+        from ares_gateway.episodes.ray import ClusterUnreachableError, check_cluster_reachable
+
+        try:  # before anything is written: Ray's own connect loop would retry for many minutes, silently
+            check_cluster_reachable(args.ray, _ray_connect_timeout(args))
+        except ClusterUnreachableError as exc:
+            return _fail(str(exc))
     try:
         resolved = resolve(args.preset)
         policy = _build_policy(args)

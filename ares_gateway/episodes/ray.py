@@ -38,6 +38,8 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,14 +50,98 @@ from ares_gateway.extras import require_extra
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NoNodesError", "RayExecutor", "collect_on_nodes"]
+__all__ = ["ClusterUnreachableError", "NoNodesError", "RayExecutor", "check_cluster_reachable", "collect_on_nodes"]
 
 #: Seconds an actor's close may take: its episodes' cancellation removes their sandboxes first.
 CLOSE_TIMEOUT = 120.0
+#: Seconds to reach the cluster's address before giving up (:class:`RayExecutor`'s ``connect_timeout``,
+#: ``run --ray-connect-timeout``). ``ray.init`` itself retries an address that does not answer for many
+#: minutes, saying nothing.
+CONNECT_TIMEOUT = 20.0
+
+# An HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server (Ray's GCS, the Ray
+# Client server) answers with a SETTINGS frame of its own (frame type 4, the header's fourth byte).
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 
 
 class NoNodesError(RuntimeError):
     """The Ray cluster has no alive node that can run the run's episodes; the message says why for each."""
+
+
+class ClusterUnreachableError(ConnectionError):
+    """The Ray cluster's address did not answer as a Ray cluster in time; the message names it and why."""
+
+    def __init__(self, address: str | None, timeout: float, why: str) -> None:
+        super().__init__(f"cannot reach the Ray cluster at {address or 'auto'} within {timeout:g} s: {why}")
+        self.address = address
+        self.timeout = timeout
+
+
+def _gcs_endpoint(address: str) -> tuple[str, int] | None:
+    """Where ``ray.init(address=...)`` connects: ``(host, port)``, or ``None`` when it starts a cluster of
+    its own. Ray's own resolution (``auto``: ``RAY_ADDRESS`` or the last ``ray start``; ``localhost``: the
+    node's address, 127.0.0.1 under ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``), so the probe reaches what
+    Ray would."""
+    if address == "local":
+        return None
+    if address.startswith("ray://"):
+        hostport: str | None = address[len("ray://"):].split("/", 1)[0]
+    else:
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+        except ImportError:  # a Ray without it: the address as given
+            hostport = None if address == "auto" else address
+        else:
+            hostport = canonicalize_bootstrap_address(address)  # ConnectionError: no cluster for "auto"
+    if hostport is None:
+        return None
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{hostport!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def check_cluster_reachable(address: str | None, timeout: float = CONNECT_TIMEOUT) -> None:
+    """Raise :class:`ClusterUnreachableError` unless the Ray cluster at ``address`` answers within
+    ``timeout`` seconds: a TCP connection to its GCS (or Ray Client server, ``ray://``) that answers as a
+    gRPC server does. ``None`` and ``"local"`` have nothing to reach (``ray.init`` starts a cluster)."""
+    if address is None:
+        return
+    started = time.monotonic()
+    try:
+        endpoint = _gcs_endpoint(address)
+    except ConnectionError as exc:  # "auto" without a cluster
+        raise ClusterUnreachableError(address, timeout, one_line(str(exc), 300) or type(exc).__name__) from None
+    except ValueError as exc:
+        raise ClusterUnreachableError(address, timeout, f"{one_line(str(exc), 200)}: give HOST:PORT (e.g. "
+                                                        "127.0.0.1:6379), ray://HOST:PORT or auto") from None
+    if endpoint is None:
+        return
+    host, port = endpoint
+    hint = "start it (ray start --head) or give the address `ray status` shows on its head node"
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as conn:
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+                return  # TLS first: the gRPC check below would need the cluster's certificates
+            conn.settimeout(max(0.05, timeout - (time.monotonic() - started)))
+            conn.sendall(_H2_PREFACE)
+            head = b""
+            while len(head) < 9:
+                piece = conn.recv(9 - len(head))
+                if not piece:
+                    break
+                head += piece
+    except TimeoutError:
+        raise ClusterUnreachableError(address, timeout, f"{host}:{port} did not answer; {hint}") from None
+    except ConnectionRefusedError:
+        raise ClusterUnreachableError(address, timeout, f"connection refused at {host}:{port} (nothing listens "
+                                                        f"there); {hint}") from None
+    except OSError as exc:
+        raise ClusterUnreachableError(address, timeout, f"{host}:{port}: {exc.strerror or exc}; {hint}") from None
+    if len(head) < 9 or head[3] != 4:
+        raise ClusterUnreachableError(address, timeout, f"{host}:{port} answers, but not as a Ray cluster's GCS "
+                                                        "(a gRPC server): give the GCS port (6379 by default), not "
+                                                        "the dashboard's or another service's")
 
 
 def _ray() -> Any:
@@ -182,6 +268,9 @@ class RayExecutor:
         per_node: episodes at once on each node.
         runtime_env: Ray's runtime environment for the actors (e.g. ``{"working_dir": "tasks/"}``).
         init_options: more ``ray.init`` arguments.
+        connect_timeout: seconds to reach ``address`` before :meth:`start` raises
+            :class:`ClusterUnreachableError` (``ray.init`` alone retries an address that does not answer
+            for many minutes).
         host: the address each actor's gateway listens on (``127.0.0.1``; an external policy polling
             from another machine needs the node's own address).
         admin_token: the actors' gateways' admin token (an external policy's ``/poll``); by default each
@@ -192,14 +281,17 @@ class RayExecutor:
 
     def __init__(self, address: str | None = None, *, per_node: int = 4, runtime_env: Mapping[str, Any] | None = None,
                  init_options: Mapping[str, Any] | None = None, host: str = "127.0.0.1",
-                 admin_token: str | None = None) -> None:
+                 admin_token: str | None = None, connect_timeout: float = CONNECT_TIMEOUT) -> None:
         if per_node < 1:
             raise ValueError(f"per_node must be at least 1, got {per_node}")
+        if not connect_timeout > 0:
+            raise ValueError(f"connect_timeout must be a positive number of seconds, got {connect_timeout}")
         self.address = address
         self.per_node = per_node
         self.runtime_env = dict(runtime_env or {})
         self.init_options = dict(init_options or {})
         self.host = host
+        self.connect_timeout = connect_timeout
         self._admin_token = admin_token
         self._actors: dict[str, Any] = {}  # node id -> actor handle
         self._load: dict[str, int] = {}
@@ -249,7 +341,12 @@ class RayExecutor:
             init = dict(self.init_options)
             if self.runtime_env:
                 init["runtime_env"] = dict(self.runtime_env)  # a copy: Ray puts the uploaded URI in its place
-            ray.init(address=self.address, **init)
+            address = init.pop("address", self.address)
+            check_cluster_reachable(address, self.connect_timeout)
+            try:
+                ray.init(address=address, **init)
+            except ConnectionError as exc:  # "auto" without a cluster, a cluster gone since the check
+                raise ClusterUnreachableError(address, self.connect_timeout, one_line(str(exc), 300) or type(exc).__name__) from None
             self._owns_ray = True
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
         if not nodes:

@@ -171,3 +171,20 @@ def test_the_trl_reward_function_logs_the_counts_of_samples_not_trained() -> Non
                               log_extra=lambda key, values: logged.__setitem__(key, values))
     assert out == [0.5]
     assert logged == {"task": ["t"], "other_samples": [2], "foreign_samples": [1]}
+
+
+def test_a_replayed_branch_with_more_turns_is_the_main_line_and_still_trains_the_cli_turns_it_copied() -> None:
+    """What a tool command can still do (docs/training.md): outnumber the CLI's later turns. The turns
+    it copied stay trained, by it; the CLI's later turns are recorded, not trained by the adapters."""
+    ep = Episode()
+    a1 = ep.turn(TASK, ast("", calls=[("bash", {"cmd": "c0"})]))
+    forged = [*TASK, a1, tool("t:forged")]
+    f1 = ep.turn(forged, ast("r:f1"))
+    f2 = ep.turn([*forged, f1, usr("u:f")], ast("r:f2"))
+    ep.turn([*forged, f1, usr("u:f"), f2, usr("u:g")], ast("r:f3"))
+    ep.turn([*TASK, a1, tool("t:out0")], ast("r:done"))
+    samples = ep.samples()
+    best, _ = main_sample(samples)
+    assert best is not None and best.metadata["trained_turn_ids"] == [1, 2, 3, 4]
+    cli = next(s for s in samples if s.metadata["turn_ids"] == [1, 5])
+    assert cli.metadata["trained_turn_ids"] == [5] and not cli.metadata["main_line"]

@@ -156,7 +156,9 @@ _HONEST = "echo 42 > answer.txt"
 
 @pytest.mark.slow
 @pytest.mark.docker
-async def test_a_fifo_and_a_forged_exit_code_in_the_state_directory_change_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tunnel", ["mount", "exec"])
+async def test_a_fifo_and_a_forged_exit_code_in_the_state_directory_change_nothing(
+        tunnel: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ares_gateway import Gateway
     from ares_gateway.episodes.episode import harness_side_call_detector
     from ares_gateway.episodes.tasks import Task
@@ -164,6 +166,7 @@ async def test_a_fifo_and_a_forged_exit_code_in_the_state_directory_change_nothi
     from tests.security.test_exploits import _run, task_dir
 
     require_mini("docker")
+    monkeypatch.setenv("ARES_DOCKER_TUNNEL", tunnel)
     task = Task.load(task_dir(tmp_path / "tasks", "fifo", solve_sh=f"#!/bin/sh\n{_HONEST}\n", test_sh=(
         "#!/bin/sh\nv=0; [ \"$(cat /workspace/answer.txt 2>/dev/null)\" = 42 ] && v=1\n"
         'echo $v > "$ARES_VERIFIER_DIR/reward.txt"\n')))

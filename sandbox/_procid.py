@@ -35,6 +35,14 @@ RECORD_AND_EXEC = (
     + 'l=; read -r l </proc/self/stat; _ares_start "$l"; r=$0; echo "$$ $t" >"$r" || exit 125; exec "$@"'
 )
 
+#: Sets ``u`` (a user name or a numeric uid, as ``exec(user=...)`` takes it) to the name
+#: ``/etc/passwd`` gives a numeric uid, builtins only: ``runuser -u`` and ``su`` take names alone.
+#: A uid with no entry stays a number (``sudo -u '#UID'`` takes it; ``runuser`` then says no such user).
+USER_NAME_SH = (
+    'case $u in ""|*[!0-9]*) ;; *) while IFS=: read -r _n _ _i _; do [ "$_i" = "$u" ] && { u=$_n; break; }; '
+    'done 2>/dev/null </etc/passwd;; esac; '
+)
+
 #: Sets ``_ed`` to the directory of the records of the user it runs as (root: EXEC_DIR; a backend's
 #: non-root default user with sudo: its own ``~/.ares-exec``), made 0700 when missing; builtins only.
 EXEC_DIR_SH = (

@@ -36,7 +36,7 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 
 from . import janitor
 from ._daytona_channels import MAX_WS_MESSAGE, daytona_pty_channel, parse_ssh_command, ssh_exec_channel
-from ._procid import EXEC_DIR_SH, KILL_TOKEN, RECORD_AND_EXEC, RELAY_RECORD
+from ._procid import EXEC_DIR_SH, KILL_TOKEN, RECORD_AND_EXEC, RELAY_RECORD, USER_NAME_SH
 from .errors import BackendUnavailableError, ExecError, FileTransferError, ForwardError, SandboxStartError
 from .protocol import BaseSandbox, ExecResult, extract_tar, tar_directory
 from .spec import SandboxSpec
@@ -52,10 +52,12 @@ _GIB = 1024**3
 # wrapper on a FIFO of its own.
 _WRAPPER = EXEC_DIR_SH + r"""
 p="$_ed/$1.pid"; e="$_ed/$1.err"; b=$2; d=$3; u=$4; c=$5; rec=$6
+""" + USER_NAME_SH + r"""
+case $u in ""|*[!0-9]*) sudo_u=$u;; *) sudo_u="#$u";; esac
 if ! cd -- "$d" 2>/dev/null; then printf '%s' "$b"; echo "ares-exec: no such directory: $d"; exit 201; fi
 if [ -z "$u" ]; then set -- /bin/sh -c "$c"
 elif [ "$_uid" = 0 ]; then set -- runuser -u "$u" -- /bin/sh -c "$c"
-else set -- sudo -n -u "$u" -- /bin/sh -c "$c"; fi
+else set -- sudo -n -u "$sudo_u" -- /bin/sh -c "$c"; fi
 if command -v setsid >/dev/null 2>&1; then
   setsid -w /bin/sh -c "$rec" "$p" "$@" 2>"$e" </dev/null; rc=$?
 else

@@ -50,7 +50,15 @@ from typing import IO, Any, TypeVar
 from urllib.parse import urlencode
 
 from . import janitor
-from ._procid import EXEC_DIR_SH, KEEP_RECORDED, KILL_TOKEN, RECORD_AND_EXEC, RELAY_RECORD, START_FN
+from ._procid import (
+    EXEC_DIR_SH,
+    KEEP_RECORDED,
+    KILL_TOKEN,
+    RECORD_AND_EXEC,
+    RELAY_RECORD,
+    START_FN,
+    USER_NAME_SH,
+)
 from ._relay import READER_LIMIT
 from .errors import (
     BackendUnavailableError,
@@ -93,6 +101,7 @@ _KEEPER = "trap 'exit 0' TERM INT; while :; do sleep 2147483647 & wait; done"
 # command switches user; a timeout kills by that record, never by a file the agent can write.
 _WRAPPER = EXEC_DIR_SH + r"""
 p="$_ed/$1.pid"; d=$2; u=$3; c=$4; rec=$5
+""" + USER_NAME_SH + r"""
 cd -- "$d" 2>/dev/null || { echo "ares-exec: no such directory: $d" >&2; exit 201; }
 case "$u" in
   ""|root|0) set -- /bin/sh -c "$c";;

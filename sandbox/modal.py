@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from . import janitor
-from ._procid import EXEC_DIR_SH, KEEP_RECORDED, KILL_TOKEN, RECORD_AND_EXEC, RELAY_RECORD
+from ._procid import EXEC_DIR_SH, KEEP_RECORDED, KILL_TOKEN, RECORD_AND_EXEC, RELAY_RECORD, USER_NAME_SH
 from ._relay import READER_LIMIT
 from .errors import BackendUnavailableError, ExecError, FileTransferError, ForwardError, SandboxStartError
 from .protocol import (
@@ -67,10 +67,12 @@ _STREAM_CHUNK = 1 * _MIB
 # neither point a later kill at another process nor block or forge the record.
 _WRAPPER = EXEC_DIR_SH + r"""
 p="$_ed/$1.pid"; d=$2; u=$3; c=$4; rec=$5
+""" + USER_NAME_SH + r"""
+case $u in ""|*[!0-9]*) sudo_u=$u;; *) sudo_u="#$u";; esac
 if ! cd -- "$d" 2>/dev/null; then echo "ares-exec: no such directory: $d" >&2; exit 201; fi
 if [ -z "$u" ]; then set -- /bin/sh -c "$c"
 elif [ "$_uid" = 0 ]; then set -- runuser -u "$u" -- /bin/sh -c "$c"
-else set -- sudo -n -u "$u" -- /bin/sh -c "$c"; fi
+else set -- sudo -n -u "$sudo_u" -- /bin/sh -c "$c"; fi
 if command -v setsid >/dev/null 2>&1; then
   setsid -w /bin/sh -c "$rec" "$p" "$@" </dev/null; rc=$?
 else

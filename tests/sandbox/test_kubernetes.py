@@ -533,10 +533,16 @@ async def test_an_episode_runs_in_a_pod_behind_its_egress_deny_policy_over_the_t
     assert e.network == "relay" and e.turns >= 2
     assert len(started) == 1 and started[0].mux is not None and started[0].mux.opened >= 1
     assert started[0].violation is None
-    [pod] = fake.created_pods[pods_before:]
-    name = pod["metadata"]["name"]
-    assert f"{name}-deny" in fake.deleted_policies and name in fake.deleted_pods  # both gone at the end
-    assert not any(n == name for _, n in fake.pods) and not any(n == f"{name}-deny" for _, n in fake.policies)
+    # Two pods: the agent's and the fresh one the tests ran in (labelled as grading), each behind its
+    # own egress-deny policy, both gone at the end.
+    pods = fake.created_pods[pods_before:]
+    roles = sorted((p["metadata"].get("labels") or {}).get("ares-gateway.role", "agent") for p in pods)
+    assert roles == ["agent", "grading"], roles
+    assert e.to_dict()["grading"] == "fresh"
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        assert f"{name}-deny" in fake.deleted_policies and name in fake.deleted_pods
+        assert not any(n == name for _, n in fake.pods) and not any(n == f"{name}-deny" for _, n in fake.policies)
 
 
 @pytest.mark.parametrize("how", ["start time", "owner"])

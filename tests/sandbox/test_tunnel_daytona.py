@@ -344,7 +344,8 @@ async def test_episodes_on_daytona_run_with_the_network_blocked_and_say_how(
     finally:
         shutil.rmtree(top, ignore_errors=True)
     by_task = {e.task: e for e in summary.episodes}
-    assert all(e.exit_reason == "completed" and e.reward == 1.0 for e in summary.episodes), summary.episodes
+    assert all(e.exit_reason == "completed" and e.reward == 1.0 for e in summary.episodes), \
+        [(e.task, e.exit_reason, e.reward, e.error) for e in summary.episodes]
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     assert {e["task"]: e["network"] for e in doc["episodes"]} == {"closed": "relay", "open": "internet"}
     assert doc["summary"]["networks"] == {"internet": 1, "relay": 1}
@@ -352,5 +353,10 @@ async def test_episodes_on_daytona_run_with_the_network_blocked_and_say_how(
     # means nothing on another machine).
     assert by_task["closed"].turns >= 1 and len(started) == 2
     assert all(t.mux is not None and t.mux.opened >= 1 and t.violation is None for t in started)
-    blocked = [c.get("networkBlockAll") for c in daytona_fake.created[created:]]
-    assert sorted(bool(b) for b in blocked) == [False, True]
+    # Each episode made two sandboxes, the agent's and the fresh one its tests ran in, networked alike.
+    made = daytona_fake.created[created:]
+    roles = sorted((c.get("labels") or {}).get("ares-gateway.role", "agent") for c in made)
+    assert roles == ["agent", "agent", "grading", "grading"], roles
+    blocked = [bool(c.get("networkBlockAll")) for c in made]
+    assert sorted(blocked) == [False, False, True, True]
+    assert {e["grading"] for e in doc["episodes"]} == {"fresh"}

@@ -218,6 +218,8 @@ def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[
         verify_seconds=outcome.verify_seconds,
         answer_latency=sum(latencies) / len(latencies) if latencies else None,
         network=outcome.network,
+        grading=outcome.grading,
+        grading_setup_seconds=round(outcome.grading_setup_seconds, 3),
     )
 
 

@@ -370,6 +370,34 @@ async def test_the_grading_sandbox_goes_after_success_failure_and_cancellation(
     assert _left(root) == []
 
 
+async def test_a_grading_sandbox_that_cannot_start_is_a_sandbox_error_and_nothing_is_left(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend refuses the grading sandbox (as a cloud quota or a full disk would): the episode ends
+    as ``sandbox_error`` with reward 0.0 and the backend's reason, never as a reward, and the agent's
+    sandbox is removed."""
+    _need("local")
+    root = tmp_path / "sandboxes"
+    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))
+    real_start = sandbox_mod.LocalSandbox._start
+
+    async def refuse_grading(self: Any) -> None:
+        if self.spec.labels.get("ares-gateway.role") == "grading":
+            raise sandbox_mod.SandboxStartError("no room for another sandbox on this host")
+        await real_start(self)
+
+    monkeypatch.setattr(sandbox_mod.LocalSandbox, "_start", refuse_grading)
+    task = _task(tmp_path / "tasks", "answer", ANSWER_TEST_SH)
+    env = GatewayEnv(task=task, harness=TinyAgentHarness(), sandbox="local")
+    try:
+        ts = await _play(env, ["echo 42 > answer.txt"], task)
+    finally:
+        await env.close()
+    assert ts.reward == 0.0
+    assert ts.info["exit_reason"] == "sandbox_error", ts.info
+    assert "grading sandbox failed" in ts.info["error"] and "no room for another sandbox" in ts.info["error"], ts.info
+    assert _left(root) == []
+
+
 # ---------------------------------------------------------------------------------------------- rewards
 
 

@@ -14,6 +14,7 @@ import importlib
 from typing import Any
 
 from .errors import (
+    ArchiveTooLargeError,
     BackendUnavailableError,
     ExecError,
     FileTransferError,
@@ -74,6 +75,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BACKENDS",
     "LIMIT_NAMES",
+    "ArchiveTooLargeError",
     "BackendUnavailableError",
     "BaseSandbox",
     "DaytonaSandbox",

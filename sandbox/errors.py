@@ -35,6 +35,10 @@ class FileTransferError(SandboxError):
     """Copying a file or directory into or out of the sandbox failed."""
 
 
+class ArchiveTooLargeError(FileTransferError):
+    """An archive (``protocol.filter_tar``, ``BaseSandbox.archive_dir``) would pass its size limit."""
+
+
 class ForwardError(SandboxError):
     """A port could not be forwarded into the sandbox (see ``BaseSandbox.forward``)."""
 

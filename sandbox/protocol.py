@@ -49,6 +49,7 @@ from typing import IO, Protocol, Self, runtime_checkable
 
 from . import janitor
 from .errors import (
+    ArchiveTooLargeError,
     ExecError,
     FileTransferError,
     ForwardError,
@@ -185,10 +186,6 @@ def extract_tar(stream: IO[bytes], dest: Path, *, strip_top: bool = False) -> No
                     continue
                 member.name = parts[1]
             tar.extract(member, dest, filter="data")
-
-
-class ArchiveTooLargeError(FileTransferError):
-    """An archive (:func:`filter_tar`, :meth:`BaseSandbox.archive_dir`) would pass its size limit."""
 
 
 #: What :func:`filter_tar` keeps: regular files, directories, symbolic links and hard links.

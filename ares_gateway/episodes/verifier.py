@@ -32,7 +32,7 @@ from ares_gateway.episodes.tasks import (
     _empty,
 )
 from sandbox import Sandbox, SandboxError
-from sandbox.protocol import ArchiveTooLargeError
+from sandbox.errors import ArchiveTooLargeError
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 

@@ -59,6 +59,8 @@ from .protocol import (
 from .spec import SandboxSpec
 
 log = logging.getLogger(__name__)
+#: Whether this process has said that a keeper could not be spared from the OOM killer.
+_oom_warned = False
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _ID_VAR = "ARES_SANDBOX_ID"
@@ -339,7 +341,12 @@ class LocalSandbox(BaseSandbox):
                     self.oom_note = (f"its keeper is NOT spared from the OOM killer (writing oom_score_adj failed: "
                                      f"{failed}; lowering it needs CAP_SYS_RESOURCE): an agent that fills the memory "
                                      "limit may end the sandbox's namespace")
-                    log.warning("sandbox %s: %s", self.id, self.oom_note)
+                    # Once per process at warning level (it is the host's doing, the same for every
+                    # sandbox); each sandbox's description says it too.
+                    global _oom_warned
+                    log.log(logging.DEBUG if _oom_warned else logging.WARNING, "sandbox %s: %s", self.id,
+                            self.oom_note)
+                    _oom_warned = True
 
     def _set_up_limits(self, owner: str) -> None:
         """The cgroups (tracking; memory and pids) and the disk of this sandbox, where root and the host allow."""

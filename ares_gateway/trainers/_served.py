@@ -15,7 +15,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from ares_gateway.engines.server import EngineServer
+from ares_gateway.engines.server import MAX_NEW_TOKENS_CAP, EngineServer
 from ares_gateway.engines.sglang import SGLangEngine
 from ares_gateway.policies.tito import TitoPolicy
 from ares_gateway.trainers._common import TrainerError
@@ -86,7 +86,10 @@ class ServedEngine:
         if self.server is not None and self.server.engine is engine and self.policy is not None:
             return self.policy
         await self.aclose()  # a new engine (a new model object): serve that one instead
-        server = EngineServer(engine, host=self.host, port=self.port, api_key=self._token, **self.server_options)
+        options = dict(self.server_options)
+        # The server's cap on new tokens must admit what the trainer's own sampling asks for.
+        options.setdefault("max_new_tokens", max(MAX_NEW_TOKENS_CAP, int(sampling.get("max_tokens") or 0)))
+        server = EngineServer(engine, host=self.host, port=self.port, api_key=self._token, **options)
         try:
             await server.start()
         except OSError as exc:  # the port is taken, the address is not this machine's

@@ -1,12 +1,13 @@
 """Throughput of ``ares-gateway run``: episodes per minute with local sandboxes and a trivial agent.
 
-    python3 bench/bench_rollouts.py [--levels 1,8,32] [--episodes 8,32,64] [--json out.json]
+    python3 bench/bench_rollouts.py [--levels 1,8,32] [--episodes 8,32,64] [--grading fresh|agent] [--json out.json]
 
 Each level runs :func:`ares_gateway.episodes.rollouts.run_rollouts` (what ``run`` calls) over the bundled
 example tasks with the ``tiny-agent`` harness (a python3 stdlib chat-completions agent: no start-up
 cost to hide the runner's) and the ``scripted`` policy (one ``true`` command, then finish: two LLM
 calls per episode). Every episode is complete: a fresh local sandbox, workdir upload, agent install,
-launch, two turns, the task's tests, removal.
+launch, two turns, the task's tests (by default in a fresh grading sandbox started beside the agent's;
+``--grading agent`` runs them in the agent's own sandbox, to see what the second sandbox costs), removal.
 
 The gateway's share of the per-turn time: per-turn time is the agent's wall time (launch to exit)
 divided by its turns; the gateway's part is the median round trip of the same chat-completions
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -36,8 +38,9 @@ from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
 
 
-async def level(concurrency: int, episodes: int, out: Path) -> dict[str, Any]:
-    tasks = list(load_dataset("examples").tasks)
+async def level(concurrency: int, episodes: int, out: Path, grading: str = "fresh") -> dict[str, Any]:
+    tasks = [dataclasses.replace(t, config=dataclasses.replace(t.config, grading=grading))
+             for t in load_dataset("examples").tasks]
     attempts = -(-episodes // len(tasks))
     started = time.monotonic()
     summary = await run_rollouts(tasks, harness="tiny-agent", policy=make_policy("scripted", commands=["true"]),
@@ -95,7 +98,7 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     with TemporaryDirectory() as tmp:
         for c, n in zip(levels, counts, strict=True):
             out = Path(tmp) / f"c{c}"
-            row = await level(c, n, out)
+            row = await level(c, n, out, args.grading)
             turns_file = next((out / "turns").glob("*.jsonl"))
             bodies = [json.loads(line)["request"] for line in turns_file.read_text().splitlines()]
             rtt = await gateway_round_trip(bodies)
@@ -117,6 +120,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--levels", default="1,8,32")
     ap.add_argument("--episodes", default="8,32,64", help="episodes per level (rounded up to whole attempts)")
+    ap.add_argument("--grading", choices=("fresh", "agent"), default="fresh",
+                    help="where the tests run ([verifier] sandbox): a fresh sandbox (the default) or the agent's")
     ap.add_argument("--json", default=None)
     cli_args = ap.parse_args()
     results = asyncio.run(main(cli_args))

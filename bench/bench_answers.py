@@ -1,5 +1,5 @@
 """What accepting an answer costs: ``coerce_answer`` (what ``respond`` / ``/respond`` run before the
-agent is resolved), split into the render proof it makes (issue 22) and the rest.
+agent is resolved), split into the render proof it makes and the rest.
 
     PYTHONPATH=. python3 bench/bench_answers.py [--repeat 7] [--number 2000]
 

@@ -1,4 +1,4 @@
-"""What confining hardened local commands costs (issue 22): median ``exec("true")`` round trip on a
+"""What confining hardened local commands costs: median ``exec("true")`` round trip on a
 hardened local sandbox, as root and as ``agent``, with the seccomp launcher (``sandbox/_confine.py``)
 in front of ``nsenter`` and, for comparison, without it (the launcher patched out: measurement only).
 

@@ -1,4 +1,4 @@
-"""Docker sandbox start and exec cost with the resource limits of issue 22.
+"""Docker sandbox start and exec cost with resource limits (memory, pids, disk).
 
     python3 bench/bench_docker_limits.py [--starts 10] [--execs 30] [--image ares-gateway/agent-base:latest]
 

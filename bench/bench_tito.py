@@ -1,4 +1,4 @@
-"""Benchmarks of the token-in/token-out layer (issue 16), printed as a table (``--json`` for JSON).
+"""Benchmarks of the token-in/token-out layer, printed as a table (``--json`` for JSON).
 
     python3 bench/bench_tito.py [--turns 1,32,128] [--repeat N] [--no-engine]
 

@@ -1,4 +1,4 @@
-"""One GRPO step of TRL on real agent episodes, split by where its time goes (issue 23).
+"""One GRPO step of TRL on real agent episodes, split by where its time goes.
 
     python3 bench/bench_training.py [--steps 3] [--step-limit 3] [--max-tokens 64] [--concurrency 2] [--json]
 

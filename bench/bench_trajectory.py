@@ -1,4 +1,4 @@
-"""Benchmarks for the trajectory package (issue 3), printed as a table.
+"""Benchmarks for the trajectory package, printed as a table.
 
     python3 bench/bench_trajectory.py [--repeat N] [--quick]
 
@@ -10,8 +10,8 @@
 (c) ``get_trajectory`` of a 200-turn session with 100k-token prompts: time and memory.
 
 Same-machine baselines are printed next to the figures (a pure-Python chunked list
-compare, a list-based record/linearize design, a dict-equality tree walk) because the
-issue's reference figures come from a different, faster-or-slower machine.
+compare, a list-based record/linearize design, a dict-equality tree walk) because absolute
+figures depend on the machine; the ratios against them carry over.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ then downloads and uploads ``--mib`` MiB once each.  Paths:
   client as the agent, reaching the socket through the bind-mounted relay / the exec tunnel.
 
 Prints a table: p50/p99 per turn, added p50/p99 against ``direct`` (``docker exec``: against
-``docker mount``), MB/s down and up.  Goal (issue 25): <= +1 ms p50 over Docker's exec channel and
+``docker mount``), MB/s down and up.  Goal: <= +1 ms p50 over Docker's exec channel and
 >= 50 MB/s.
 """
 

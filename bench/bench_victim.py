@@ -1,4 +1,4 @@
-"""One hostile agent against the others (issue 22, finding 7), over real loopback HTTP.
+"""One hostile agent against the others, over real loopback HTTP.
 
 Three scenarios, each against a gateway in its own process on uvloop (as ``ares-gateway serve``
 runs it, ``tune_gc`` included, recording to a temporary data dir):
@@ -18,10 +18,10 @@ runs it, ``tune_gc`` included, recording to a temporary data dir):
     python3 bench/bench_victim.py --mode http --repeat 3
     python3 bench/bench_victim.py --scenario heads --conns 500
     python3 bench/bench_victim.py --scenario park --count 12
-    python3 bench/bench_victim.py --scenario heads --set max_head_bytes=2000000   # the old head limits
+    python3 bench/bench_victim.py --scenario heads --set max_head_bytes=2000000   # a looser head budget
     python3 bench/bench_victim.py --src /tmp/old-checkout ...     # another checkout's gateway
 
-``--src`` runs another checkout's gateway (``git worktree add /tmp/old e0145a8``); the settings
+``--src`` runs another checkout's gateway (``git worktree add /tmp/old <commit>``); the settings
 this script passes exist in both.
 """
 

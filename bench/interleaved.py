@@ -1,4 +1,4 @@
-"""Issue 2's speed targets, judged on interleaved rounds of bench_gateway.py.
+"""The gateway's speed targets, judged on interleaved rounds of bench_gateway.py.
 
 One run of a row moves by 10-30% with what else this shared machine does, and its speed drifts
 over the day, so every round runs each implementation once per row, one right after the other,

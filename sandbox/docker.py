@@ -67,7 +67,7 @@ _API_TIMEOUT = 120
 
 #: The PATH of every command run as root: system directories only, whatever the image, the spec or
 #: the caller put on it.  The agent may write its home (~/.local/bin, ~/.npm-global/bin): a program it
-#: plants there must never be found by root (issue 22).
+#: plants there must never be found by root.
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _ROOT_ENV = {"PATH": SYSTEM_PATH, "HOME": "/root"}
 # What a root command never gets, from the image, the spec or the caller: what makes an interpreter

@@ -1,6 +1,6 @@
 """The :class:`Sandbox` protocol, :class:`ExecResult`, and :class:`BaseSandbox`, which backends extend.
 
-Two calls exist for the gateway's isolation of agents (issue 17); both are on every backend's API:
+Two calls exist for the gateway's isolation of agents; both are on every backend's API:
 
 ``await sb.forward(port, host_socket)``
     Inside the sandbox, ``127.0.0.1:port`` (the sandbox's *own* loopback) now reaches the unix socket

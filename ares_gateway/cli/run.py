@@ -273,7 +273,7 @@ async def _execute(
     _install_signals(stop, console)
     admin = os.environ.get(args.admin_token_env) if getattr(args, "admin_token_env", None) else None
     if not admin:
-        # The control API is never open (issue 17): a generated token, in a 0600 file of the run's directory.
+        # The control API is never open: a generated token, in a 0600 file of the run's directory.
         from ares_gateway.cli._common import write_admin_token
 
         admin, token_path = write_admin_token(out)

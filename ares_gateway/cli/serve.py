@@ -130,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # would otherwise create it with the umask's mode, and fail on a file with a traceback.
             prepare_data_dir(Path(data_dir).expanduser().resolve())
         if not admin:
-            # Never an open control API (issue 17): whoever reaches the port (an agent on the host's
+            # Never an open control API: whoever reaches the port (an agent on the host's
             # network included) could read every request and answer or end any session. The token
             # lives beside the data it guards (the state home when nothing is written).
             admin, path = write_admin_token(data_dir or _state_home())

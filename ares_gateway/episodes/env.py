@@ -225,7 +225,7 @@ class GatewayEnv:
                 raise ValueError("GatewayEnv needs a gateway (or task= and harness=, and it runs its own)")
             from ares_gateway.episodes.episode import episode_gateway
 
-            # The policy is in process: the control HTTP API is closed to everyone (issue 17).
+            # The policy is in process: the control HTTP API is closed to everyone.
             assert harness is not None and time_limit is not None
             gateway = episode_gateway(harness, time_limit=time_limit)
         self.gateway = gateway

@@ -185,7 +185,7 @@ def episode_gateway(harnesses: str | BaseHarness | Sequence[str | BaseHarness], 
     """The gateway episodes run against, built here only (``run_rollouts``, ``GatewayEnv``, the CLI and
     the executors' nodes use it): the harnesses' side-call detector, a request timeout of the longest
     episode's ``time_limit`` plus :data:`REQUEST_GRACE_S`, and a control API closed to everyone without
-    ``admin_token`` (a random one by default: in-process policies need none; issue 17)."""
+    ``admin_token`` (a random one by default: in-process policies need none)."""
     from ares_gateway.gateway import Gateway
 
     hs = [harnesses] if isinstance(harnesses, (str, BaseHarness)) else list(harnesses)
@@ -426,7 +426,7 @@ class TaskEpisode:
     async def _isolate(
         self, spec: sandbox_mod.SandboxSpec, session: SessionInfo
     ) -> tuple[sandbox_mod.SandboxSpec, str]:
-        """The sandbox's network (issue 17) and the base URL the agent gets.
+        """The sandbox's network and the base URL the agent gets.
 
         By default the sandbox has no network (``network="none"``; local: hardened bubblewrap, the
         agent as an unprivileged user) and one relay: ``127.0.0.1:AGENT_PORT`` inside reaches the

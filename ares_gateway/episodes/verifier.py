@@ -274,7 +274,7 @@ async def run_tests(
     try:
         # Fresh, root-owned directories made after the agent's processes are gone (the episode kills
         # them first): a reward file or a test.sh the agent left is removed, and no one but root (and
-        # the verifier's own user) can write what is read back (issue 17).
+        # the verifier's own user) can write what is read back.
         prep = await sb.exec(_fresh_dirs_cmd(paths, task.config.verifier_user), cwd="/", user=root, timeout=60)
         if not prep.ok:
             return VerifierResult(zero, None, f"cannot create {paths.verifier_dir}: {prep.stderr.strip()[-300:]}")

@@ -179,8 +179,8 @@ def test_direction_rules_catch_a_core_module_importing_http() -> None:
 
 
 @pytest.mark.parametrize(("importer", "imported"), [
-    # issue 27's arrows, each removed: the core fetched adapters from protocols/, imported every harness
-    # for side calls, and the oracle policy imported the task format.
+    # Arrows that must not come back: the core fetching adapters from protocols/, importing every
+    # harness for side calls, and the oracle policy importing the task format.
     ("ares_gateway.core.answers", "ares_gateway.protocols"),
     ("ares_gateway.core.recorder", "ares_gateway.protocols"),
     ("ares_gateway.core.side_calls", "harnesses"),

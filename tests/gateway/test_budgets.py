@@ -1,10 +1,9 @@
-"""Budgets per session and per connection, and large bodies parsed off the event loop (issue 22, finding 7).
+"""Budgets per session and per connection, and large bodies parsed off the event loop.
 
-Each attack runs for real against a gateway on loopback. On the gateway before these budgets
-(e0145a8) each failed: one session parked every 25 MB body it sent; the connection cap and the
-byte budget were unknown settings; 200 unfinished 1 MiB heads were all held (no answer until the
-header deadline) with about 2 MiB of memory each; and a 30 MB body was parsed on the event loop,
-so another session's turn waited until the big request was parked.
+Each attack runs for real against a gateway on loopback: a session's 25 MB bodies past its byte
+budget get a 429 while other sessions work; connections past the cap get a 503; unfinished 1 MiB
+heads are refused early, with bounded memory, instead of held until the header deadline; and a
+30 MB body is parsed off the event loop, so another session's turn does not wait for it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 22, the gateway's edges: session ids that name directories, credentials that are not
+"""The gateway's edges: session ids that name directories, credentials that are not
 UTF-8, an in-process gateway's control API, and answers the gateway cannot render.
 
 Each attack runs over real HTTP on loopback (aiohttp, httpx with raw header bytes, the official
@@ -90,7 +90,7 @@ async def _poll_one(http: aiohttp.ClientSession, gw: Gateway) -> dict[str, Any]:
     return items[0]
 
 
-# ------------------------------------------------------------------------- finding 10: session ids
+# ------------------------------------------------------------------------------------- session ids
 
 BAD_IDS = [".", "..", "a/b", "../x", "a.b", "x" * 129, "café", "١٢٣", "a b", "a\nb", "a\x00b", "a%2Fb"]
 
@@ -169,7 +169,7 @@ async def test_auto_sessions_refuse_bad_ids_in_the_agents_shape(raw_sid: str) ->
         assert sentinel.read_text() == "still here"
 
 
-# ------------------------------------------------------------------ finding 12: non-UTF-8 credentials
+# ------------------------------------------------------------------------------ non-UTF-8 credentials
 
 def _server_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name.startswith(("ares_gateway", "aiohttp"))]
@@ -262,7 +262,7 @@ async def test_control_api_answers_401_to_a_non_utf8_admin_token(caplog: pytest.
     assert not [r for r in _server_records(caplog) if r.levelno >= logging.WARNING or r.exc_info]
 
 
-# ------------------------------------------------------------ finding 13: an in-process control API
+# ------------------------------------------------------------------------ an in-process control API
 
 
 async def test_an_in_process_gateway_generates_an_admin_token() -> None:
@@ -375,7 +375,7 @@ def test_serve_admin_token_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             _admin_token(_serve_args("--admin-token-file", str(bad)))
 
 
-# ------------------------------------------------------------ finding 14: answers that cannot render
+# ------------------------------------------------------------------------ answers that cannot render
 
 
 def _chat_response(content: Any = "fine") -> dict[str, Any]:

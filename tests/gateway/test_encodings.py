@@ -1,4 +1,4 @@
-"""Issue 27: request bodies with a ``Content-Encoding``, on each of the three agent APIs.
+"""Request bodies with a ``Content-Encoding``, on each of the three agent APIs.
 
 A real gateway on loopback; the agent is aiohttp sending raw bytes with the header (as an agent
 that compresses its bodies does), or the official openai and anthropic SDKs. A gzip or deflate body

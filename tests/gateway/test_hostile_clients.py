@@ -1,4 +1,4 @@
-"""Clients that attack or misbehave, against a real gateway on loopback (issue 14's list).
+"""Clients that attack or misbehave, against a real gateway on loopback.
 
 Each test failed on the home-made HTTP server (``_http.py``) this replaced: floods of headers
 grew its memory without bound, slow clients kept connections open forever, a client that

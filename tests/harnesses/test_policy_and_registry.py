@@ -225,7 +225,7 @@ def test_registry_builtins_custom_and_unknown() -> None:
 
 def test_an_episodes_side_call_detector_runs_each_check_once_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default detector already asks Claude Code's check for /v1/messages: the episode's detector
-    (default + the harness's own) must not ask it again (issue 27: it ran twice a request)."""
+    (default + the harness's own) must not ask it again (once a request, not twice)."""
     from ares_gateway import side_calls
     from ares_gateway.core.canonical import WireProtocol
     from ares_gateway.episodes.episode import harness_side_call_detector

@@ -1,4 +1,4 @@
-"""The shared history found in the raw bytes (issue 15: a per-turn recording cost that stays flat).
+"""The shared history found in the raw bytes, so that a turn's recording cost stays flat.
 
 :mod:`ares_gateway.core._body_layout` compares a body's bytes with the previous turn's and reads
 only the bytes after the shared items. These tests check it against the items compared as values,

@@ -1,4 +1,4 @@
-"""Records no agent can erase, and a data dir no one else can read (issue 22, findings 5, 6, 11, 15).
+"""Records no agent can erase, and a data dir no one else can read.
 
 Each test runs the attack for real: the official SDKs over loopback HTTP, a real tmpfs filled to
 the last byte, the real ``ares-gateway serve`` in a subprocess.
@@ -76,13 +76,13 @@ def _chat(messages: list[dict[str, Any]], t: int) -> list[dict[str, Any]]:
     return [*messages, {"role": "user", "content": f"turn {t}: " + "x" * 200}]
 
 
-# ------------------------------------------------------------------- finding 6: numbers, 400
+# ------------------------------------------------------------------------------ numbers, 400
 
 
 async def test_a_number_no_protocol_allows_is_a_400_in_its_shape_and_erases_nothing(tmp_path: Path) -> None:
-    """Finding 6: one ``"max_tokens": 1e308`` made a 309-digit integer the record codec could not pack,
-    after the delta base had moved: of 10 answered turns 1 stayed readable. Now it is a 400, in each
-    protocol's shape, and every answered turn survives a restart whole."""
+    """One ``"max_tokens": 1e308`` (a 309-digit integer the record codec cannot pack, which would
+    break the delta base of the turns after it) is a 400 in each protocol's shape, and every
+    answered turn survives a restart whole."""
     data = tmp_path / "data"
     async with Gateway(port=0, data_dir=str(data)) as gw:
         info = await gw.create_session("s")
@@ -220,7 +220,7 @@ async def test_a_body_nested_too_deep_to_record_is_a_400_in_its_shape_and_erases
         assert "damaged_records" not in gw.session_summary("s")
 
 
-# ---------------------------------------------------------- finding 6: a record that cannot be encoded
+# --------------------------------------------------------------------- a record that cannot be encoded
 
 
 def _turn(sid: str, t: int, *, max_tokens: int = 16) -> RecordedTurn:
@@ -253,7 +253,7 @@ def test_a_record_that_cannot_be_encoded_is_a_tombstone_and_the_next_is_whole(tm
         assert [e["request_id"] for e in rec.turn_log("s")][-2:] == ["r9", "r10"]
 
 
-# ----------------------------------------------------------------------- finding 6: a full disk
+# ---------------------------------------------------------------------------------- a full disk
 
 
 @pytest.fixture
@@ -284,9 +284,9 @@ def _fill(path: Path) -> None:
 
 
 async def test_a_full_disk_loses_only_the_turns_answered_while_it_was_full(small_fs: Path) -> None:
-    """Finding 6: a batch that failed for a full disk was dropped and the turns after it were
-    deltas against it: every turn answered after the space came back was damaged. Now the failed
-    turns are reported one by one (a tombstone each) and every turn after is whole, through a restart."""
+    """A batch that fails for a full disk is reported turn by turn (a tombstone each), and every
+    turn answered after the space comes back (a delta against the turns before) is whole, through
+    a restart."""
     data = small_fs / "data"
     filler = small_fs / "filler"
     async with Gateway(port=0, data_dir=str(data), min_free_mb=1) as gw:
@@ -335,7 +335,7 @@ async def test_a_full_disk_loses_only_the_turns_answered_while_it_was_full(small
     assert refused == 4  # each turn's wait for the disk said so
 
 
-# ------------------------------------------------------------ finding 5: modes of the data dir
+# ----------------------------------------------------------------------- modes of the data dir
 
 
 def _port() -> int:
@@ -406,8 +406,8 @@ def _modes(d: Path) -> dict[str, str]:
 
 
 async def test_the_data_dir_is_0700_and_every_file_in_it_0600(tmp_path: Path) -> None:
-    """Finding 5: ``serve`` created the data dir 0755 and SQLite's -wal and -shm 0644: any local user
-    read live session tokens from the WAL. Checked while the gateway runs, the WAL holding a session."""
+    """``serve`` makes the data dir 0700 and SQLite's -wal and -shm 0600, so no other local user reads
+    live session tokens from the WAL. Checked while the gateway runs, the WAL holding a session."""
     old = os.umask(0o022)  # the usual umask, whatever the test runner's
     try:
         data = tmp_path / "fresh" / "data"
@@ -440,7 +440,7 @@ async def test_the_data_dir_is_0700_and_every_file_in_it_0600(tmp_path: Path) ->
     assert "made 0700" in err and "made 0600" in err, err
 
 
-# ------------------------------------------------- findings 11 and 15: unusable data dirs, one line
+# --------------------------------------------------------------------- unusable data dirs, one line
 
 
 def _start_fails(data: Path) -> str:
@@ -468,8 +468,8 @@ def _gateway_db(data: Path, sessions: list[tuple[str, str]]) -> None:
 
 
 def test_symlinks_in_the_data_dir_are_refused_never_followed(tmp_path: Path) -> None:
-    """Finding 11: the lock file and the database were opened through symlinks (the lock's target
-    truncated and overwritten with a pid, the database's chmodded)."""
+    """The lock file and the database are never opened through symlinks (which would truncate the
+    lock's target and overwrite it with a pid, and chmod the database's)."""
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
     os.chmod(victim, 0o644)
@@ -492,7 +492,7 @@ def test_symlinks_in_the_data_dir_are_refused_never_followed(tmp_path: Path) -> 
 
 
 def test_every_unusable_data_dir_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    """Finding 15: these exited 1 with a traceback (or, for a foreign database, altered it)."""
+    """Each is one line and exit 2, never a traceback, and a foreign database is left unaltered."""
     (tmp_path / "a-file").write_text("x")
     assert "a file of that name" in _start_fails(tmp_path / "a-file")
 
@@ -532,8 +532,8 @@ def test_every_unusable_data_dir_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 
 async def test_a_discarded_wal_is_reported(tmp_path: Path) -> None:
-    """Finding 15: a WAL full of garbage was discarded in silence: the gateway started with 0 sessions.
-    Now one warning line names what SQLite discards, and a copy of the WAL is kept."""
+    """A WAL full of garbage is not discarded in silence: one warning line names what SQLite
+    discards, and a copy of the WAL is kept."""
     data = tmp_path / "data"
     port = _port()
     proc = _serve(data, port)

@@ -1,4 +1,4 @@
-"""Incremental recording (issue 15): bodies stored as what is new, token ids kept as int32 arrays.
+"""Incremental recording: bodies stored as what is new, token ids kept as int32 arrays.
 
 Each turn's body is encoded against the previous turn of its line; these tests check that the
 turn log gives back every body exactly through appends, edits inside the history, compactions,

@@ -1,4 +1,4 @@
-"""Durable, incremental recording (issue 15): restart after kill -9, faults, token ids on the wire, memory."""
+"""Durable, incremental recording: restart after kill -9, faults, token ids on the wire, memory."""
 
 from __future__ import annotations
 
@@ -214,8 +214,8 @@ def test_a_200_turn_claude_code_session_is_small_in_memory() -> None:
     # The old recorder kept every whole body and token lists: 712 MB for this session.
     r = bench._sub("_memory_main", turns=200, tokens=True, durable=True)
     assert r["turn_log_turns"] == 200 and r["samples"] == 1 and r["sample_tokens"] == 25_000 + 199 * 600 + 200 * 64
-    # The issue's goal: at most 8 MB for the session (measured 4.9 MB at issue 27, 6.8-7.4 MB at issue 15; 9.5 MB before token ids
-    # stayed int32 arrays, 712 MB before incremental recording).
+    # The goal: at most 8 MB for the session (measured 4.9 MB; 9.5 MB with token ids as lists, 712 MB
+    # with whole bodies).
     assert r["rss_growth_mb"] <= 8, r
     assert r["rss_at_mb"]["200"] <= 8, r
 

@@ -1,4 +1,4 @@
-"""Issue 27: the turn store gathers a loop iteration's writes into one hand-off and lets a commit wait
+"""The turn store gathers a loop iteration's writes into one hand-off and lets a commit wait
 briefly for more, and the recorder records a turn after its answer went out. Nothing read or made
 durable may miss a turn because of either."""
 

@@ -1,4 +1,4 @@
-"""What a user sees when things go wrong, and the CLI around it (issue 13), with real parts: the real
+"""What a user sees when things go wrong, and the CLI around it, with real parts: the real
 ``ares-gateway`` CLI in a subprocess (stdout a pipe, as in CI), a real aiohttp upstream on 127.0.0.1,
 the tiny agent (a real process) in real local sandboxes.
 

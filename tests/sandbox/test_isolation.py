@@ -1,4 +1,4 @@
-"""Exploits a policy-written agent would try from inside a sandbox; each must fail (issue 17).
+"""Exploits a policy-written agent would try from inside a sandbox; each must fail.
 
 Local sandboxes are ``hardened`` with ``network="none"``; Docker ones use the agent image with
 ``network="none"``.  The agent runs as the unprivileged ``agent`` user.  Every probe also has a
@@ -182,7 +182,7 @@ _HOST_HAS_SHADOW = os.path.isfile("/etc/shadow") and os.path.getsize("/etc/shado
 
 
 async def test_hardened_local_root_is_confined_and_has_an_environment_of_its_own(tmp_path: Path) -> None:
-    """Issue 22: root (installs, the verifier) is not the host's root: a reduced bounding set, the
+    """Root (installs, the verifier) is not the host's root: a reduced bounding set, the
     seccomp filter, HOME=/root and no caller variable that loads code from elsewhere."""
     _local_ok()
     planted = {"PYTHONPATH": "/workspace/evil", "PYTHONSTARTUP": "/workspace/s.py", "LD_PRELOAD": "/workspace/x.so",

@@ -1,4 +1,4 @@
-"""Issue 22, finding 8: the local backend enforces ``spec.resources`` (memory, pids, disk) and says so.
+"""The local backend enforces ``spec.resources`` (memory, pids, disk) and says so.
 
 Real processes, real cgroups (v2, hybrid or v1, as the host has them), a real loop-mounted ext4:
 hardened bubblewrap sandboxes, as root.  Each limit is hit for real by the unprivileged agent user,

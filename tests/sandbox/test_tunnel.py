@@ -1,4 +1,4 @@
-"""The exec tunnel (issue 25): sandbox/_relay.py's multiplexing mode and its host end, sandbox/tunnel.py.
+"""The exec tunnel: sandbox/_relay.py's multiplexing mode and its host end, sandbox/tunnel.py.
 
 Unit tests drive the codec and a host-side Mux with hand-made frames.  End-to-end tests run a real
 relay process over each local transport (a pipe, a PTY whose shell prints noise first, in binary and

@@ -1,4 +1,4 @@
-"""The exec tunnel on Daytona (issue 25): over a toolbox PTY session and over an SSH exec channel.
+"""The exec tunnel on Daytona: over a toolbox PTY session and over an SSH exec channel.
 
 The real ``daytona`` SDK drives the fake of tests/sandbox/daytona_fake.py: its PTY WebSocket (a host
 PTY whose shell prints noise first) and its SSH gateway (an in-process asyncssh server that refuses

@@ -1,4 +1,4 @@
-"""Issue 17: the control plane opens only with the admin token, the per-session agent socket serves
+"""The control plane opens only with the admin token, the per-session agent socket serves
 one session's LLM endpoints and nothing else, and ``serve`` never runs open."""
 
 from __future__ import annotations

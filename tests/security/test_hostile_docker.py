@@ -1,4 +1,4 @@
-"""Issue 22, Docker backend: a hostile agent against the root steps and the host's resources.
+"""Docker backend: a hostile agent against the root steps and the host's resources.
 
 * An agent that plants programs named like the system's own (``tr``, ``chmod``, ``bash``,
   ``python3``...) in the directories it can write and that were on the image's PATH

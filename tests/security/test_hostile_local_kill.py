@@ -1,6 +1,6 @@
-"""Issue 22, finding 3: ``kill_processes()`` on the local backend kills every process the sandbox
-started, whatever namespace it made (a nested user + PID namespace from ``unshare -Urpf`` escaped the
-old PID-namespace walk and rewrote the workspace during verification).
+"""``kill_processes()`` on the local backend kills every process the sandbox
+started, whatever namespace it made (a nested user + PID namespace from ``unshare -Urpf`` escapes a
+PID-namespace walk and could rewrite the workspace during verification).
 
 Real processes, real namespaces, real cgroups: hardened bubblewrap sandboxes, as root.
 """

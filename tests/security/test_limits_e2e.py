@@ -1,4 +1,4 @@
-"""Issue 22, finding 8 at the episode level: an agent that takes more than its sandbox allows ends its
+"""Resource limits at the episode level: an agent that takes more than its sandbox allows ends its
 episode with a named exit reason (``memory_limit``, ``pids_limit``, ``disk_limit``) and reward 0.0, and the host is
 fine. Played by the real mini-swe-agent with the scripted policy (the agent's own commands) on the
 hardened local backend and on Docker.

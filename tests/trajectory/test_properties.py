@@ -1,7 +1,7 @@
 """Property tests: random sessions with random token drift against a direct reference model.
 
 The reference keeps its own message tree and linearizes with plain lists, applying the
-rules of issue 3 literally (accumulate, compare prefixes, replace or close).  The
+rules of docs/trajectory.md literally (accumulate, compare prefixes, replace or close).  The
 implementation must produce exactly the same samples, in the same order.
 """
 

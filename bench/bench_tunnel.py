@@ -1,4 +1,4 @@
-"""The exec tunnel (sandbox/tunnel.py) against today's unix-socket relay: latency of a kept-alive agent
+"""The exec tunnel (sandbox/tunnel.py) against the unix-socket relay: latency of a kept-alive agent
 turn and throughput, per local transport.
 
     python3 bench/bench_tunnel.py [--requests 2000] [--body 2000] [--mib 64] [--no-docker]
@@ -9,7 +9,7 @@ POSTs of ``--body`` bytes on one kept-alive connection (answered with the same s
 then downloads and uploads ``--mib`` MiB once each.  Paths:
 
 * ``direct``: the client on the unix socket itself;
-* ``relay``: today's relay (``_relay.py --unix``) on the host's 127.0.0.1;
+* ``relay``: the unix-socket relay (``_relay.py --unix``) on the host's 127.0.0.1;
 * ``tunnel pipe``, ``tunnel pty``, ``tunnel pty-line``: ``_relay.py --tunnel`` on a pipe / a PTY
   (binary / base64 line mode), served by :class:`sandbox.tunnel.Tunnel` in this process;
 * ``docker mount`` / ``docker exec``: a ``network_mode=none`` container of the agents image, the
@@ -169,7 +169,7 @@ async def docker_client(mode: str, sock: str, args: argparse.Namespace) -> dict[
 
 
 def start_host_side() -> tuple[str, int, list[subprocess.Popen[bytes]]]:
-    """The session's server on a unix socket and today's relay to it on 127.0.0.1, both ready."""
+    """The session's server on a unix socket and the relay to it on 127.0.0.1, both ready."""
     tmp = tempfile.mkdtemp(prefix="ares-bench-tunnel-", dir="/tmp")
     os.chmod(tmp, 0o755)
     sock = os.path.join(tmp, "session.sock")

@@ -1,5 +1,5 @@
 """The exec tunnel over Daytona's transports (the toolbox PTY WebSocket, an SSH exec channel) against
-today's unix-socket relay: latency of a kept-alive agent turn and throughput.
+the unix-socket relay: latency of a kept-alive agent turn and throughput.
 
     python3 bench/bench_tunnel_daytona.py [--requests 2000] [--body 2000] [--mib 64]
 

@@ -35,8 +35,14 @@ from ares_gateway.core.canonical import (
     Completion,
     CompletionDelta,
     TokenRecord,
+    read_policy_version,
 )
-from ares_gateway.core.errors import InvalidSessionError, UnknownSessionError
+from ares_gateway.core.errors import (
+    InvalidPolicyVersionError,
+    InvalidSessionError,
+    PolicyVersionBackwardsError,
+    UnknownSessionError,
+)
 from ares_gateway.core.metrics import GatewayMetrics
 from ares_gateway.core.recorder import RecordedTurn, Recorder
 from ares_gateway.core.session_recorder import SessionRecorder
@@ -402,6 +408,32 @@ class Gateway:
 
     # ------------------------------------------------------------------ policy API
 
+    @property
+    def policy_version(self) -> int | None:
+        """The version of the weights the policy samples with now, as the trainer last set it with
+        :meth:`set_policy_version` (``None``: never set). Each request is stamped with it when it is
+        handed to the policy; a turn whose engine or policy reports a version of its own keeps that."""
+        return self.broker.policy_version
+
+    def set_policy_version(self, version: int) -> None:
+        """Say which weights the policy samples with from now on: a non-negative integer, never lower
+        than the last one set (the same again is a no-op). Requests already handed to the policy keep
+        the version they were stamped with. Raises
+        :class:`~ares_gateway.core.errors.InvalidPolicyVersionError` (400) for anything but a
+        non-negative integer and :class:`~ares_gateway.core.errors.PolicyVersionBackwardsError` (409)
+        for a version lower than the current one."""
+        if version is None:
+            raise InvalidPolicyVersionError("version must be a non-negative integer, not None", param="version")
+        checked = read_policy_version(version, "version")
+        assert checked is not None
+        current = self.broker.policy_version
+        if current is not None and checked < current:
+            raise PolicyVersionBackwardsError(
+                f"policy version {checked} is lower than the gateway's current version {current}: versions only "
+                "go up; set the version of the weights now loaded"
+            )
+        self.broker.policy_version = checked
+
     async def next_request(
         self, session: str | None = None, *, timeout: float | None = None, lease: float | None = None
     ) -> ParkedRequest | None:
@@ -422,6 +454,7 @@ class Gateway:
         answer: Completion | dict[str, Any] | ErrorAnswer | AsyncIterable[CompletionDelta | Completion] | str,
         *,
         tokens: TokenRecord | dict[str, Any] | None = None,
+        policy_version: int | None = None,
     ) -> None:
         """Answer a parked request.
 
@@ -434,8 +467,14 @@ class Gateway:
         :class:`~ares_gateway.core.errors.RequestGoneError` (410: the agent disconnected, even in
         this very loop iteration, or the request timed out) or
         :class:`~ares_gateway.core.errors.InvalidAnswerError` (400).
+
+        ``policy_version``: the version of the weights that sampled the answer, when the policy
+        knows it (a non-negative integer; else
+        :class:`~ares_gateway.core.errors.InvalidPolicyVersionError`, 400). A completion's own
+        ``policy_version`` comes first; without either the turn takes the gateway's
+        :attr:`policy_version` as it was when the request was handed to the policy.
         """
-        self.answer(request_id, answer, tokens=tokens)
+        self.answer(request_id, answer, tokens=tokens, policy_version=policy_version)
 
     def answer(
         self,
@@ -443,12 +482,13 @@ class Gateway:
         answer: AnswerLike,
         *,
         tokens: TokenRecord | dict[str, Any] | None = None,
+        policy_version: int | None = None,
     ) -> None:
         """:meth:`respond`, without awaiting: the one respond path, which ``/respond`` takes too. The
         answer and its token ids are read once, by the broker (``core.answers.coerce_answer``)."""
         # No wait for the data dir here: the turn is queued and committed within milliseconds; a
         # caller that needs it on disk awaits durable() (/respond does, before its 200).
-        self.broker.respond(request_id, answer, tokens=tokens)
+        self.broker.respond(request_id, answer, tokens=tokens, policy_version=policy_version)
 
     def trajectory(
         self, session_id: str, *, reward: float | None = None, max_sample_tokens: int = 0

@@ -142,10 +142,13 @@ def linearize(
         # int32, not int8: Python's sum() over an int8 mask wraps at 128 trained tokens.
         loss_mask = np.zeros(rlen, dtype=np.int32)
         logprobs = np.zeros(rlen, dtype=np.float32)
+        # Which weights sampled each trained response: a span of token positions per turn.
+        spans: list[list[int | None]] = []
         for t in trained:
             a = t.prompt_len
             b = min(t.full_len, cut)
             loss_mask[a - start : b - start] = 1
+            spans.append([a, b, t.policy_version])
             if t.logprobs is not None:
                 logprobs[a - start : b - start] = t.logprobs[: b - a]
         tools = sorted({name for t in seg for name in t.tools})
@@ -168,6 +171,9 @@ def linearize(
             "rewritten": sum(
                 1 for t in seg if t.node is not None and t.node.metadata and t.node.metadata.get("rewrites")
             ),
+            "policy_versions": spans,
+            # None (no version known) counts as a version of its own: it cannot be shown to match.
+            "mixed_versions": len({v for _, _, v in spans}) > 1,
         }
         samples.append(
             Sample(

@@ -96,6 +96,7 @@ class StoredTurn:
         "node",
         "off",
         "output_len",
+        "policy_version",
         "prompt_len",
         "seq",
         "shared",
@@ -118,6 +119,7 @@ class StoredTurn:
         ill_formed: bool,
         link: int,
         tools: tuple[str, ...],
+        policy_version: int | None = None,
     ) -> None:
         self.seq = seq
         self.base = base
@@ -132,6 +134,8 @@ class StoredTurn:
         self.ill_formed = ill_formed
         self.link = link
         self.tools = tools
+        #: The version of the weights that sampled its output (``None``: none known).
+        self.policy_version = policy_version
         #: Its prompt does not extend the tree's first request (see :attr:`Tree.first_mount`).
         self.foreign = False
         self.node: Node | None = None
@@ -404,6 +408,7 @@ class Tree:
             ill_formed=record.ill_formed,
             link=link,
             tools=tools,
+            policy_version=record.policy_version,
         )
         suffix = prompt[keep:]
         own_len = turn.full_len - keep

@@ -21,18 +21,22 @@ class TurnRecord:
         finish_reason: the engine's finish reason ("stop", "length", "tool_calls", ...).
         ill_formed: set by the gateway when the output could not be parsed cleanly
             (for example a broken tool call); carried into sample metadata.
+        policy_version: the version of the weights that sampled the output (a non-negative
+            integer), or ``None`` when none is known; carried into sample metadata
+            (``policy_versions``, ``mixed_versions``).
 
     Token ids are held as int32 arrays; an int32 numpy array is used without copying, so
     do not mutate it while the record is in use.  The manager copies what it keeps.
     """
 
-    __slots__ = ("finish_reason", "ill_formed", "output_ids", "output_logprobs", "prompt_ids")
+    __slots__ = ("finish_reason", "ill_formed", "output_ids", "output_logprobs", "policy_version", "prompt_ids")
 
     prompt_ids: TokenArray
     output_ids: TokenArray
     output_logprobs: LogprobArray | None
     finish_reason: str
     ill_formed: bool
+    policy_version: int | None
 
     def __init__(
         self,
@@ -41,18 +45,24 @@ class TurnRecord:
         output_logprobs: Any = (),
         finish_reason: str = "stop",
         ill_formed: bool = False,
+        policy_version: int | None = None,
     ) -> None:
         self.prompt_ids = as_token_array(prompt_ids, what="prompt_ids")
         self.output_ids = as_token_array(output_ids, what="output_ids")
         self.output_logprobs = as_logprob_array(output_logprobs, int(self.output_ids.shape[0]))
         self.finish_reason = str(finish_reason)
         self.ill_formed = bool(ill_formed)
+        if policy_version is not None and (
+            isinstance(policy_version, bool) or not isinstance(policy_version, int) or policy_version < 0
+        ):
+            raise ValueError(f"policy_version must be a non-negative integer or None, not {policy_version!r}")
+        self.policy_version = policy_version
 
     def __repr__(self) -> str:
         return (
             f"TurnRecord(prompt={self.prompt_ids.shape[0]} tokens, output={self.output_ids.shape[0]} tokens, "
             f"logprobs={'yes' if self.output_logprobs is not None else 'no'}, "
-            f"finish_reason={self.finish_reason!r}, ill_formed={self.ill_formed})"
+            f"finish_reason={self.finish_reason!r}, ill_formed={self.ill_formed}, policy_version={self.policy_version})"
         )
 
 
@@ -74,7 +84,10 @@ class Sample:
         metadata: plain data about the sample (see ``docs/trajectory.md``): ``session_id``,
             ``side_call``, ``foreign``, ``main_line``, ``truncated``, ``ill_formed``, ``used_tools``, ``branch``,
             ``num_branches``, ``segment``, ``start_reason``, ``turn_ids``, ``trained_turn_ids``,
-            ``masked_turn_ids``, ``finish_reason``, ``rewritten``.
+            ``masked_turn_ids``, ``finish_reason``, ``rewritten``, ``policy_versions`` (a
+            ``[start, end, version]`` list of ``tokens`` positions per trained response; version
+            ``None`` where none is known), ``mixed_versions`` (the trained tokens carry more than
+            one version).
     """
 
     tokens: TokenArray

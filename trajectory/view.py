@@ -38,7 +38,7 @@ def preview(message: Any, limit: int = PREVIEW_CHARS) -> str:
 def tree_view(tree: Tree, *, max_nodes: int = 20000) -> dict[str, Any]:
     """Every node of ``tree`` in depth-first order (children in insertion order, as the linearizer
     visits them): ``id``, ``parent`` (``None`` for the root's children), ``role``, ``preview``, and for
-    a generated node its ``turn`` id, ``output_tokens``, ``link`` (``first``/``clean``/``replace``: its
+    a generated node its ``turn`` id, ``output_tokens``, ``policy_version`` (``None``: none known), ``link`` (``first``/``clean``/``replace``: its
     tokens realigned and masked/``break``: a new sample starts) and ``rewrites`` (replays merged into
     it); ``leaf`` is the leaf's index, which samples name as ``metadata["branch"]``; ``forks`` counts
     the children of a node with more than one. Past ``max_nodes`` the rest is cut (``truncated``)."""
@@ -67,6 +67,7 @@ def tree_view(tree: Tree, *, max_nodes: int = 20000) -> dict[str, Any]:
             entry["turn"] = turn.seq
             entry["output_tokens"] = turn.output_len
             entry["link"] = LINK_NAMES.get(turn.link, str(turn.link))
+            entry["policy_version"] = turn.policy_version
         meta = node.metadata or {}
         if meta.get("rewrites"):
             entry["rewrites"] = [{"turn_id": r.get("turn_id"), "replaced": preview(r.get("replaced_message"))}

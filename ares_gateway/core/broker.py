@@ -40,7 +40,13 @@ from ares_gateway.core.answers import (
     coerce_answer,
     read_tokens,
 )
-from ares_gateway.core.canonical import CanonicalRequest, Completion, TokenRecord, WireProtocol
+from ares_gateway.core.canonical import (
+    CanonicalRequest,
+    Completion,
+    TokenRecord,
+    WireProtocol,
+    read_policy_version,
+)
 from ares_gateway.core.errors import (
     AlreadyAnsweredError,
     GatewayClosedError,
@@ -96,6 +102,9 @@ class ParkedRequest:
     held_bytes: int = 0
     #: Where the body's list lies in ``raw_body``, as its parse found (for the recorder), if known.
     layout: LayoutHint | None = field(default=None, repr=False)
+    #: The gateway's policy version when the request was handed to the policy (taken, or answered
+    #: untaken), or the one the answer gave; the turn's version unless its completion reports one.
+    policy_version: int | None = None
     #: Loop time at which the request times out (``inf``: never).
     _expires: float = field(default=math.inf, repr=False)
     #: Loop time at which the current lease runs out (``None``: not leased, or leased for good).
@@ -275,6 +284,9 @@ class Broker:
         self._timer_at = math.inf
         #: Passes the deadline timer has made over the pending requests (each costs O(pending)).
         self.deadline_passes = 0
+        #: The version of the weights the policy samples with now (``Gateway.set_policy_version``),
+        #: stamped on each request as it is handed to the policy; ``None``: none set.
+        self.policy_version: int | None = None
         self._prefix = f"req_{os.getpid():x}{int(time.time()) & 0xFFFFFF:x}_"
 
     # ------------------------------------------------------------------ agent side
@@ -434,9 +446,11 @@ class Broker:
         if out:
             seconds = self.lease_seconds if lease == -1.0 else lease
             until = asyncio.get_running_loop().time() + seconds if seconds is not None and seconds > 0 else None
+            version = self.policy_version
             for parked in out:
                 parked.attempt += 1
                 parked._lease_until = until
+                parked.policy_version = version
             if until is not None and until < self._timer_at:
                 self._arm(until)
         return out
@@ -491,11 +505,17 @@ class Broker:
         answer: AnswerLike,
         *,
         tokens: TokenRecord | dict[str, Any] | None = None,
+        policy_version: int | None = None,
     ) -> ParkedRequest:
         """Answer a parked request (anything :func:`~ares_gateway.core.answers.coerce_answer` reads).
 
+        ``policy_version``: the version of the weights that sampled the answer, as its policy reports
+        it (checked: a non-negative integer); without it, the turn's version is its completion's
+        ``policy_version``, else the gateway's when the request was handed to the policy.
+
         Raises the :mod:`ares_gateway.core.errors` outcome on failure; an invalid answer leaves the
         request pending."""
+        policy_version = read_policy_version(policy_version)
         # Malformed token ids are the caller's error whatever became of the request (400 before 404/409/410);
         # read here once: coerce_answer takes the checked record as it is.
         tokens = read_tokens(tokens)
@@ -515,6 +535,10 @@ class Broker:
             self.withdraw(parked, "agent disconnected")
             raise RequestGoneError(f"request {request_id} is gone: its agent disconnected")
         resolved = coerce_answer(parked.protocol, parked.request, answer, tokens)
+        if policy_version is not None:
+            parked.policy_version = policy_version
+        elif parked.attempt == 0:  # answered without being taken: handed over now
+            parked.policy_version = self.policy_version
         if isinstance(resolved, StreamAnswer):
             resolved = StreamAnswer(record_stream(self._on_turn, parked, resolved.source))
         self._finish(parked, _State.ANSWERED)

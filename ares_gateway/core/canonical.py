@@ -30,6 +30,7 @@ from pydantic import (
     model_validator,
 )
 
+from ares_gateway.core.errors import InvalidPolicyVersionError
 from ares_gateway.core.token_ids import logprob_array, token_array
 
 
@@ -254,6 +255,35 @@ class TokenRecord(_Model):
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
 
 
+def read_policy_version(value: object, what: str = "policy_version") -> int | None:
+    """A policy version as given (``None``: none), checked: a non-negative integer, never a bool, a
+    float or a string. Raises :class:`~ares_gateway.core.errors.InvalidPolicyVersionError` (400)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidPolicyVersionError(
+            f"{what} must be a non-negative integer (the version of the weights that sampled the answer) "
+            f"or null, not {value!r}",
+            param=what,
+        )
+    return int(value)
+
+
+def _policy_version_in(value: Any) -> int | None:
+    try:
+        return read_policy_version(value)
+    except InvalidPolicyVersionError as exc:
+        raise ValueError(exc.message) from None
+
+
+#: A policy version: a non-negative integer, or ``None`` (no version known).
+PolicyVersion = Annotated[
+    int | None,
+    PlainValidator(_policy_version_in),
+    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]}),
+]
+
+
 class Completion(_Model):
     """The policy's answer to one request, in canonical form.
 
@@ -269,6 +299,9 @@ class Completion(_Model):
     usage: Usage | None = None
     tokens: TokenRecord | None = None
     model: str | None = None
+    #: The version of the weights that sampled this answer, as the engine or policy reports it
+    #: (``None``: it does not say; the turn then takes the gateway's version, docs/training.md).
+    policy_version: PolicyVersion = None
     #: Protocol specifics to carry back (e.g. a thinking ``signature``).
     extra: dict[str, Any] = Field(default_factory=dict)
 

@@ -19,6 +19,8 @@ Each maps to one HTTP status, so the in-process API and the control API (``/resp
     ├── RequestGoneError (410)              the agent stopped waiting: disconnected, timed out, session closed
     ├── InvalidAnswerError (400)            an answer given to ``respond`` is malformed (also a ValueError)
     ├── InvalidSessionError (400)           a session id or token that cannot be used (also a ValueError)
+    ├── InvalidPolicyVersionError (400)     a policy version that is not a non-negative integer (also a ValueError)
+    ├── PolicyVersionBackwardsError (409)   a policy version lower than the one the gateway has
     ├── TooManyParkedError (429)            a session has ``max_parked_per_session`` requests waiting already
     ├── GatewayClosedError (503)            the gateway is shut down
     └── DataDirError (500)                  the data directory cannot be used (not writable, full, locked, corrupt)
@@ -98,6 +100,19 @@ class InvalidSessionError(GatewayError, ValueError):
     """A session id, token or metadata that cannot be used; the message says which rule it breaks."""
 
     status = 400
+
+
+class InvalidPolicyVersionError(GatewayError, ValueError):
+    """A policy version that is not a non-negative integer (``null``: none, where one may be omitted)."""
+
+    status = 400
+
+
+class PolicyVersionBackwardsError(GatewayError):
+    """The policy version given is lower than the gateway's: versions only go up. Set the version of
+    the weights now loaded, which is at least the last one set."""
+
+    status = 409
 
 
 class TooManyParkedError(GatewayError):

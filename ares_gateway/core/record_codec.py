@@ -28,7 +28,10 @@ The header (JSON object; version 1). Unknown keys are ignored by readers of the 
                    lk     the key of the growing list (``messages`` / ``input``), when the body has one
                    keep   how many leading items of that list are ``base``'s
                    new    the list's items after those
-    completion   the canonical completion (JSON, ``exclude_none``), without its token record
+    completion   the canonical completion (JSON, ``exclude_none``), without its token record and
+                 its ``policy_version`` (which ``pv`` holds)
+    pv           the version of the weights that sampled the answer (absent: none known, as in
+                 records written before it was added)
     sampling     the request's sampling parameters that are not defaults (when known)
     tok          the token record, when the answer had one:
                    base   the seq whose prompt + output ids this prompt continues (null: none)
@@ -243,7 +246,7 @@ def encode_head(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, Line
     line = lines.setdefault(turn.side_call, Line())
     key = line.seq is None or 0 < keyframe_every <= line.since_key
     line.since_key = 1 if key else line.since_key + 1
-    comp = turn.completion.model_dump(mode="json", exclude_none=True, exclude={"tokens"})
+    comp = turn.completion.model_dump(mode="json", exclude_none=True, exclude={"tokens", "policy_version"})
     header: dict[str, Any] = {
         "v": FORMAT_VERSION,
         "rid": turn.request_id,
@@ -254,6 +257,8 @@ def encode_head(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, Line
         "body": _body_delta(turn.protocol, body, line, seq, key, raw, turn.layout),
         "completion": comp,
     }
+    if turn.policy_version is not None:
+        header["pv"] = turn.policy_version
     request = turn._request
     if request is not None:
         header["sampling"] = request.sampling.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
@@ -370,6 +375,8 @@ def log_entry(d: dict[str, Any], *, tokens: bool) -> dict[str, Any]:
         "latency": h["lat"],
         "request": d["body"],
         "completion": completion,
+        # null where none is known (never 0): a record without "pv" had none.
+        "policy_version": h.get("pv"),
     }
     if "sampling" in h:
         entry["sampling"] = h["sampling"]

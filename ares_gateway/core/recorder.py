@@ -41,6 +41,7 @@ class RecordedTurn:
         "completion",
         "latency",
         "layout",
+        "policy_version",
         "protocol",
         "raw_body",
         "request_id",
@@ -62,6 +63,7 @@ class RecordedTurn:
         raw_body: bytes | None = None,
         request: CanonicalRequest | None = None,
         layout: LayoutHint | None = None,
+        policy_version: int | None = None,
     ) -> None:
         if raw_body is None and request is None:
             raise ValueError("a recorded turn needs the request's body or its canonical form")
@@ -75,6 +77,8 @@ class RecordedTurn:
         self.raw_body = raw_body
         #: Where the body's list lies in :attr:`raw_body`, as the request's parse found (if known).
         self.layout = layout
+        #: The version of the weights that sampled the answer (``None``: none known).
+        self.policy_version = policy_version
         # Both are kept: a RecordedTurn lives only while it is being recorded (the recorder keeps
         # its compact encoding), and the parsed request saves parsing the body again.
         self._request = request
@@ -124,10 +128,15 @@ class Answered(Protocol):
     def timestamp(self) -> float: ...
     @property
     def layout(self) -> LayoutHint | None: ...
+    @property
+    def policy_version(self) -> int | None: ...
 
 
 def record_turn(sink: TurnSink | None, parked: Answered, completion: Completion, latency: float | None = None) -> None:
     """Record one answered turn (a whole answer, or a stream once it ended) into ``sink``.
+
+    The turn's policy version is the completion's own (the engine's or policy's report), else the
+    one the request carries (the answer's, or the gateway's when it was handed to the policy).
 
     A recorder that raises is logged, never passed on: a recorder bug must not break the agent's turn.
     """
@@ -146,6 +155,7 @@ def record_turn(sink: TurnSink | None, parked: Answered, completion: Completion,
         timestamp=parked.timestamp,
         latency=latency,
         layout=parked.layout,
+        policy_version=parked.policy_version if completion.policy_version is None else completion.policy_version,
     )
     try:
         sink(turn)

@@ -94,7 +94,8 @@ def _prompt_chat(request: CanonicalRequest, line: Line, prev_seq: int | None,
 
 
 def _tree_turn(tm: TrajectoryManager, sid: str, chat: list[dict[str, Any]], completion: Completion,
-               prompt: Any, output: Any, logprobs: Any, finish_reason: str | None, rid: str, side: bool) -> int | None:
+               prompt: Any, output: Any, logprobs: Any, finish_reason: str | None, rid: str, side: bool,
+               version: int | None = None) -> int | None:
     return tm.record_turn(
         sid,
         prompt_messages=chat,
@@ -104,9 +105,15 @@ def _tree_turn(tm: TrajectoryManager, sid: str, chat: list[dict[str, Any]], comp
             output_ids=output,
             output_logprobs=() if logprobs is None else logprobs,
             finish_reason=finish_reason or completion.finish_reason,
+            policy_version=version,
         ),
         metadata={"side_call": True, "request_id": rid} if side else {"request_id": rid},
     )
+
+
+def _version_of(value: Any) -> int | None:
+    """A policy version read back from a record or a turn log: anything but a non-negative integer is none."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 class TurnLogReader:
@@ -165,7 +172,8 @@ def tree_view_of_turn_log(entries: Iterable[dict[str, Any]], *, side_call: bool 
                    as_token_array(tokens["prompt_ids"], what="prompt_ids"),
                    as_token_array(tokens["output_ids"], what="output_ids"),
                    np.asarray(logprobs, dtype=np.float64) if logprobs else None,
-                   tokens.get("finish_reason"), str(entry.get("request_id")), bool(entry.get("side_call")))
+                   tokens.get("finish_reason"), str(entry.get("request_id")), bool(entry.get("side_call")),
+                   _version_of(entry.get("policy_version")))
     return tm.tree_view(sid, side_call=side_call)
 
 
@@ -271,7 +279,8 @@ class SessionRecorder:
                     chat = _prompt_chat(request, line, prev_seq, body)
                     line.chat, line.chat_seq = chat, seq
                     shared = _tree_turn(self._tm, sid, chat, turn.completion, prompt, output,
-                                        tokens.output_logprobs, tokens.finish_reason, turn.request_id, turn.side_call)
+                                        tokens.output_logprobs, tokens.finish_reason, turn.request_id, turn.side_call,
+                                        turn.policy_version)
                 except Exception as exc:
                     # The turn is recorded whole all the same; the error is raised once it is.
                     tree_error = exc
@@ -411,7 +420,7 @@ class SessionRecorder:
                 continue
             _tree_turn(tm, sid, [m.to_chat_dict() for m in request.messages], completion, d["prompt_ids"],
                        d["output_ids"], d["logprobs"],
-                       d["finish_reason"], h["rid"], bool(h["side"]))
+                       d["finish_reason"], h["rid"], bool(h["side"]), _version_of(h.get("pv")))
         return decoded
 
     def _load(self, sid: str) -> _SessionState | None:

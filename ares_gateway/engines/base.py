@@ -129,6 +129,9 @@ class GenerateResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The version of the weights that sampled it, where the engine reports one (SGLang's
+    #: ``meta_info.weight_version`` when it is a decimal integer); ``None``: it does not say.
+    weight_version: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.output_ids):

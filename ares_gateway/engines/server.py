@@ -20,7 +20,8 @@ SGLang), ``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``stop_token_ids`
 ``{"output_ids", "meta_info": {"id", "finish_reason": {"type": "stop", "matched": id} | {"type":
 "length", "length": n}, "prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs":
 [[logprob, id, null], ...], "e2e_latency", "sampling_seed"}}``; ``"sampling_seed"`` is the seed the
-engine sampled with (drawn when the request set none; SGLang itself does not send it). Streaming
+engine sampled with (drawn when the request set none; SGLang itself does not send it), and
+``"weight_version"`` (SGLang's key) the engine's weight version as a decimal string, when its result has one. Streaming
 answers are server-sent events, one per sampled token, cumulative like SGLang's default (or incremental:
 ``incremental_streaming=True``, SGLang's ``--incremental-streaming-output``), the last one carrying the
 finish reason, then ``data: [DONE]``. ``GET /health`` and ``GET /get_model_info`` answer as SGLang's.
@@ -427,7 +428,8 @@ class EngineServer:
             self._active -= 1
 
     def _answer(self, req: GenerateRequest, ids: list[int], lps: list[float], *, prompt_tokens: int,
-                cached: int, finish: dict[str, Any] | None, t0: float, seed: Any = None) -> dict[str, Any]:
+                cached: int, finish: dict[str, Any] | None, t0: float, seed: Any = None,
+                version: int | None = None) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": req.rid, "finish_reason": finish, "prompt_tokens": prompt_tokens,
             "completion_tokens": len(ids), "cached_tokens": cached,
@@ -437,6 +439,8 @@ class EngineServer:
             meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(ids, lps, strict=True)]
         if seed is not None:
             meta["sampling_seed"] = seed
+        if version is not None:  # as SGLang's label: a string
+            meta["weight_version"] = str(version)
         return {"output_ids": ids, "meta_info": meta}
 
     def _failure(self, exc: EngineError) -> web.Response:
@@ -453,7 +457,8 @@ class EngineServer:
         self.generations += 1
         return web.json_response(self._answer(
             req, list(result.output_ids), list(result.logprobs), prompt_tokens=result.prompt_tokens or len(req.prompt_ids),
-            cached=result.cached_tokens, finish=_finish(result), t0=t0, seed=result.extra.get("seed")))
+            cached=result.cached_tokens, finish=_finish(result), t0=t0, seed=result.extra.get("seed"),
+            version=result.weight_version))
 
     async def _streamed(self, request: web.Request, req: GenerateRequest) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -466,7 +471,8 @@ class EngineServer:
             nonlocal sent
             start = sent if self.incremental_streaming else 0
             data = self._answer(req, ids[start:], lps[start:], prompt_tokens=extra.pop("prompt_tokens", len(req.prompt_ids)),
-                                cached=extra.pop("cached", 0), finish=finish, t0=t0, seed=extra.pop("seed", None))
+                                cached=extra.pop("cached", 0), finish=finish, t0=t0, seed=extra.pop("seed", None),
+                                version=extra.pop("version", None))
             # completion_tokens is the total so far in both modes (the client tells them apart by it).
             data["meta_info"]["completion_tokens"] = len(ids)
             assert resp is not None
@@ -486,7 +492,7 @@ class EngineServer:
                         raise EngineError("the engine's result does not extend the tokens it streamed")
                     ids, lps = list(item.output_ids), list(item.logprobs)
                     await write(_finish(item), prompt_tokens=item.prompt_tokens or len(req.prompt_ids),
-                                cached=item.cached_tokens, seed=item.extra.get("seed"))
+                                cached=item.cached_tokens, seed=item.extra.get("seed"), version=item.weight_version)
                     self.generations += 1
                     break
                 # One event behind the engine: the last tokens go out with the finish reason, as SGLang's.

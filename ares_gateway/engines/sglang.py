@@ -7,7 +7,8 @@ Request (SGLang ``GenerateReqInput``)::
      "return_logprob": true, "logprob_start_len": -1, "stream": false}
 
 Answer: ``{"text", "output_ids": [...], "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
-"prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs": [[logprob, token_id, text], ...]}}``.
+"prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs": [[logprob, token_id, text], ...],
+"weight_version"}}``.
 Streaming answers are server-sent events (``data: {...}`` ... ``data: [DONE]``) with the same
 objects; their ``output_token_logprobs`` are cumulative (or incremental under
 ``--incremental-streaming-output``): both are handled, by comparing with ``completion_tokens``.
@@ -16,6 +17,13 @@ The ids are taken from ``output_token_logprobs`` (one entry per sampled token, s
 logprobs cannot disagree) and checked against ``output_ids`` when the answer has both.
 Which distribution SGLang's logprobs are taken under depends on its version and flags; at
 temperature 1 with top-k/top-p off every definition is the model's log-softmax.
+
+``meta_info.weight_version`` is SGLang's label of the weights it serves (a string: ``--weight-version``
+at launch, default ``"default"``; the ``weight_version`` of ``/update_weights_from_*`` or
+``/update_weight_version`` after). When it is a decimal integer (``"7"``, or a number) it is the
+turn's policy version (:attr:`GenerateResult.weight_version`); any other label is no version, and
+the turn takes the gateway's. SGLang stamps the version it serves when the answer is built, so a
+generation that an update overtook carries the newer one: fence updates (pause sampling) to be exact.
 """
 
 from __future__ import annotations
@@ -146,4 +154,15 @@ def _result(data: dict[str, Any], ids: list[int], lps: list[float], prompt_len: 
         # The seed a sampling_seed-less request was sampled with, where the server says (ares' EngineServer
         # does; SGLang does not): the turn record keeps it, as with an in-process engine.
         extra={"id": meta.get("id"), **({"seed": seed} if isinstance(seed := meta.get("sampling_seed"), int) else {})},
+        weight_version=_weight_version(meta.get("weight_version")),
     )
+
+
+def _weight_version(value: Any) -> int | None:
+    """SGLang's ``weight_version`` as a policy version: a non-negative integer, or a string of decimal
+    digits; any other label (its default ``"default"``, ``"v5"``) is none."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value >= 0 else None
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 18:
+        return int(value)
+    return None

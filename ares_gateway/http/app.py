@@ -50,6 +50,8 @@ def build_routes(gateway: ServedGateway, limits: HttpLimits,
     routes.add_control("POST", "/sessions", guard(control.create_session))
     routes.add_control("GET,HEAD", "/sessions", guard(control.list_sessions))
     routes.add_control("GET,HEAD", "/metrics", guard(control.metrics))
+    routes.add_control("GET,HEAD", "/policy_version", guard(control.get_policy_version))
+    routes.add_control("POST", "/policy_version", guard(control.set_policy_version))
     routes.add_session("GET,HEAD", "", guard(control.get_session))
     routes.add_session("DELETE", "", guard(control.delete_session))
     routes.add_session("POST", "/end", guard(control.end_session))

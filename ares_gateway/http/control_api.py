@@ -1,4 +1,5 @@
-"""What the trainer / policy side talks to: sessions, ``/poll``, ``/respond``, health and metrics."""
+"""What the trainer / policy side talks to: sessions, ``/poll``, ``/respond``, the policy version, health
+and metrics."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pydantic import ValidationError
 
 from ares_gateway.core.answers import Answer, ErrorAnswer
 from ares_gateway.core.broker import UNENCODABLE_REQUEST
-from ares_gateway.core.canonical import Completion
+from ares_gateway.core.canonical import Completion, read_policy_version
 from ares_gateway.core.errors import GatewayError, InvalidAnswerError, StatusError
 from ares_gateway.http.render import control_error, json_response
 from ares_gateway.http.routes import Handler
@@ -145,12 +146,24 @@ class ControlAPI:
             if not isinstance(rid, str):
                 raise InvalidAnswerError('each answer needs "id" (a string, as /poll returned it)')
             answer, tokens = _parse_answer(item)
-            self.gw.answer(rid, answer, tokens=tokens)
+            # Checked before the request is looked up (a 400 whatever became of it), as the tokens are.
+            version = read_policy_version(item.get("policy_version"))
+            self.gw.answer(rid, answer, tokens=tokens, policy_version=version)
         except GatewayError as exc:
             return exc.status, {"id": rid, "status": "error", "code": exc.status, "error": str(exc)}
         except (ValueError, TypeError) as exc:  # an answer no check above caught: still this item's 400
             return 400, {"id": rid, "status": "error", "code": 400, "error": f"invalid answer: {exc}"}
         return 200, {"id": rid, "status": "ok"}
+
+    async def get_policy_version(self, request: BaseRequest, sid: str | None) -> Response:
+        return json_response({"version": self.gw.policy_version})
+
+    async def set_policy_version(self, request: BaseRequest, sid: str | None) -> Response:
+        body = await self._json(request)
+        if not isinstance(body, dict) or "version" not in body:
+            raise StatusError('body must be a JSON object {"version": N}, N a non-negative integer', status=400)
+        self.gw.set_policy_version(body["version"])  # 400 for a bad version, 409 for one going back
+        return json_response({"version": self.gw.policy_version})
 
     async def create_session(self, request: BaseRequest, sid: str | None) -> Response:
         body = await self._json(request, default={})

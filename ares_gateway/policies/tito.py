@@ -254,6 +254,8 @@ class TitoPolicy:
                 }),
                 "model": req.model or self.engine.model,
                 "extra": {**completion.extra, "tito": tito},
+                # The engine's own word on which weights sampled it; without it the gateway's applies.
+                "policy_version": result.weight_version,
             }
         )
         self.streams.commit(prepared, result.output_ids, completion.to_message())

@@ -72,7 +72,7 @@ async def test_kill_processes_reaches_a_nested_user_and_pid_namespace(local_root
     spec = SandboxSpec(hardened=False, network="none")
     async with sandbox.create(spec, backend="local") as sb:
         assert isinstance(sb, LocalSandbox)
-        # The escape of the red-team report: a new user and PID namespace, detached, rewriting a file.
+        # The escape: a new user and PID namespace, detached, rewriting a file.
         loop = (f"setsid unshare -Urpf sh -c 'while :; do echo forged > /workspace/out.txt; "
                 f"sleep {tag}.5 & wait; done' >/dev/null 2>&1 </dev/null &")
         started = await sb.exec(loop, timeout=30)
@@ -128,14 +128,14 @@ async def test_stop_kills_a_nested_namespace_and_leaves_no_cgroup(local_root: Pa
     assert not (local_root / sb.id).exists()
 
 
-# What the red team's agent ran: the forging loops of test_exploits, each in a nested user + PID
-# namespace, which the old PID-namespace walk of kill_processes() never saw.
+# The forging loops of test_exploits, each in a nested user + PID namespace, which a walk of the
+# sandbox's PID namespace alone would never see.
 NESTED_FORGE_LOOP = (
     "setsid nohup unshare -Urpf sh -c 'while :; do for d in /logs/verifier /tmp/ares-task-*/logs/verifier; do "
     "mkdir -p $d 2>/dev/null; echo \"{\\\"tests\\\": 1.0}\" > $d/reward.json 2>/dev/null; "
     "echo 1 > $d/reward.txt 2>/dev/null; done; sleep 0.02; done' >/dev/null 2>&1 < /dev/null & echo started"
 )
-# The red team's: once the verifier uploads /tests (root's, readable), copy the hidden tests out and
+# Once the verifier uploads /tests (root's, readable), copy the hidden tests out and
 # write the answer into the workspace while test.sh runs.
 NESTED_CHEAT = (
     "setsid nohup unshare -Urpf sh -c 'while :; do if [ -f /tests/test.sh ]; then "

@@ -1,17 +1,18 @@
 """Root never acts on what the agent wrote: pid files, exit codes and the records root kills (or spares) by.
 
-What the red team's agent did, each replayed here against real sandboxes:
+What a hostile agent tries, each replayed here against real sandboxes:
 
-* Docker: each command's pid file was written by the command's own shell, as the agent for the agent's
-  commands, and root killed whatever pid it named on a timeout or a cancellation: the agent named the
-  relay that carries its session (and its own timed-out command escaped the kill).
-* The harness polled ``kill -0 $(cat $STATE/pid)`` and ``cat $STATE/exit_code`` in the agent's own
-  directory: a FIFO at ``$STATE/pid`` blocked the poll until it timed out (and root killed the relay),
-  and an ``exit_code`` of the agent's made the run "completed" while the agent still ran.
-* ``kill_processes()`` spared any pid ``/.ares/relay-<port>.pid`` named: an agent process that took a
-  dead relay's pid ran on through the verifier.
-* Local: ``kill_processes()`` raised when the sandbox's keeper was gone (OOM-killed), and sparing the
-  keeper from the OOM killer failed silently without CAP_SYS_RESOURCE.
+* Docker: a command's pid file written by the command's own shell (as the agent, for the agent's
+  commands) would let the agent name the relay that carries its session as the pid root kills on a
+  timeout or a cancellation (and let its own timed-out command escape the kill): the pid files root
+  kills by are root's.
+* The harness's poll (``kill -0 $(cat $STATE/pid)``, ``cat $STATE/exit_code``) reads root's records,
+  never the agent's directory, where a FIFO at ``$STATE/pid`` would block the poll until it timed out
+  and an ``exit_code`` of the agent's would mark the run "completed" while the agent still ran.
+* ``kill_processes()`` spares a relay by pid and start time, so an agent process that takes a dead
+  relay's pid does not run on through the verifier.
+* Local: ``kill_processes()`` does not raise when the sandbox's keeper is gone (OOM-killed), and a
+  keeper that cannot be spared from the OOM killer (no CAP_SYS_RESOURCE) is a warning.
 """
 
 from __future__ import annotations
@@ -140,10 +141,10 @@ async def test_docker_root_steps_and_records_are_out_of_the_agents_reach() -> No
 
 # -- the harness's own polling, in a real episode -------------------------------------------------
 
-# The red team's agent: a FIFO where the harness read the agent's pid (its poll then blocked until it
-# timed out), a loop naming the relay in every pid file it owns (root then killed the relay), and,
-# once that was done, an exit code of its own: the run was recorded "completed" at once, the agent's
-# real work (the answer, written after) never seen.
+# A hostile agent: a FIFO where a harness reading the agent's pid would block until it timed out, a
+# loop naming the relay in every pid file it owns (for root to kill the relay), and, once that is
+# done, an exit code of its own, which would record the run "completed" at once, the agent's real
+# work (the answer, written after) never seen.
 _FIFO_AND_NAME = (
     "st=$(ls -d $HOME/.ares/mini-swe-agent/*/ | head -n 1); rm -f $st/pid; mkfifo $st/pid; "
     "setsid nohup sh -c 'while :; do r=$(cat /.ares/relay-*.pid 2>/dev/null | head -n 1); "

@@ -497,9 +497,8 @@ async def test_in_process_respond_refuses_what_cannot_render() -> None:
 async def test_a_request_too_deep_to_poll_is_a_400_to_its_agent_and_spoils_no_batch(
         padding: int, caplog: pytest.LogCaptureFixture) -> None:
     """An agent's body nesting 300 levels in a free-form field parses, but its canonical form cannot be
-    encoded (orjson stops at 255): /poll was a 500 for every batch it landed in, and the item stayed
-    hidden until its lease ran out. Now its agent gets a 400 (from the body parser, before it is
-    parked) and the other agents' requests are polled."""
+    encoded (orjson stops at 255), which would make /poll a 500 for every batch it landed in. Its agent
+    gets a 400 (from the body parser, before it is parked) and the other agents' requests are polled."""
     async with Gateway(port=0, data_dir=False) as gw, _agent_and_poller(gw) as http:
         deep_info, good_info = await gw.create_session(), await gw.create_session()
         deep = openai.AsyncOpenAI(base_url=deep_info.base_url + "/v1", api_key=deep_info.token, max_retries=0)

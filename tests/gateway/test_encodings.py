@@ -184,8 +184,8 @@ async def test_a_gzip_bomb_is_a_413_without_inflating_it_whole(
     api: str, limit: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    # The budget case: 8 MiB inflated is under max_body_bytes, over a 1 MiB budget (the compressed
-    # Content-Length, about 8 KiB, is what was counted before: the body was parked whole).
+    # The budget case: 8 MiB inflated is under max_body_bytes, over a 1 MiB budget (the inflated size
+    # counts, not the compressed Content-Length of about 8 KiB, which would park the body whole).
     kwargs = {"max_parked_bytes_per_session": MiB} if limit == "session budget" else {"max_body_bytes": MiB}
     bomb = _bomb(api, 8 * MiB if limit == "session budget" else 256 * MiB)
     assert len(bomb) < MiB // 2

@@ -181,8 +181,8 @@ async def test_a_head_within_the_budget_is_served() -> None:
 async def test_another_sessions_turn_completes_while_a_30mb_body_is_parsed(protocol_path: str) -> None:
     """A 30 MB, 60,000-message body arrives whole; right after, another session takes a turn. That
     turn is parked and answered before the big request is parked (its parsing is off the event
-    loop); the big one is then answered too. On the old gateway the event loop was parsing the big
-    body (about 0.6 s), so the other turn came after it."""
+    loop); the big one is then answered too. Parsed on the event loop, the big body (about 0.6 s)
+    would hold the other turn back until it was done."""
     body = _big_body(30 * 1000 * 1000, 60_000)
     async with Gateway(port=0, request_timeout=120) as gw:
         big, small = await gw.create_session(), await gw.create_session()

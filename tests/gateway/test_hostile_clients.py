@@ -1,9 +1,9 @@
 """Clients that attack or misbehave, against a real gateway on loopback.
 
-Each test failed on the home-made HTTP server (``_http.py``) this replaced: floods of headers
-grew its memory without bound, slow clients kept connections open forever, a client that
-pipelines and never reads made it buffer answers without limit, and a disconnect racing a
-``respond`` answered 500. Every loop here is bounded in count and in time.
+Floods of headers must not grow the gateway's memory without bound, slow clients must not keep
+connections open forever, a client that pipelines and never reads must not make it buffer answers
+without limit, and a disconnect racing a ``respond`` must not answer 500. Every loop here is bounded
+in count and in time.
 """
 
 from __future__ import annotations

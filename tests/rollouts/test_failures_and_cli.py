@@ -236,7 +236,7 @@ async def test_cli_missing_docker_image_is_reported_once_at_start(tmp_path: Path
 
 async def test_cli_harness_install_failure_is_one_line_and_results_json(tmp_path: Path) -> None:
     """A harness whose install fails (as Terminus-2's did without Python 3.12): one line, exit code 2,
-    results.json written; before, a raw traceback and no results.json."""
+    results.json written, never a raw traceback."""
     script = textwrap.dedent(f"""
         import sys
         import ares_gateway.episodes.installs as installs

@@ -74,7 +74,7 @@ def _shquote(s: str) -> str:
 
 
 def _make_task(root: Path, name: str) -> Task:
-    # Builtins only while reporting, so that (on the old code) the report itself is not the plant's.
+    # Builtins only while reporting, so that (were root to find the plant) the report itself is not the plant's.
     return Task.load(task_dir(root, name, solve_sh=f"#!/bin/sh\n{HONEST}\n", test_sh=(
         "#!/bin/sh\n"
         "echo '--- pwned'; [ -f /tmp/ares-pwned-by-root ] && while read -r l; do echo \"PWNED $l\"; done "

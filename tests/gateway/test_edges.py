@@ -147,7 +147,7 @@ async def test_auto_sessions_refuse_bad_ids_in_the_agents_shape(raw_sid: str) ->
     with _short_dir() as parent:
         sentinel = parent / "keep-me"
         sentinel.write_text("still here")
-        # request_timeout: where an id were accepted, the request would be parked, unanswered.
+        # request_timeout: were such an id accepted, the request would be parked, unanswered.
         async with Gateway(port=0, auto_sessions=True, runtime_dir=str(parent / "rt"), request_timeout=3) as gw, \
                 aiohttp.ClientSession() as http:
             for name, path in PATHS.items():

@@ -271,7 +271,7 @@ def mk_completion(*, text: str | None, reasoning: str | None, tool_calls: list[T
                   extra: dict[str, Any]) -> Completion:
     return _build(Completion, {"text": text, "reasoning": reasoning, "tool_calls": tool_calls,
                                "finish_reason": finish_reason, "usage": usage, "tokens": tokens, "model": model,
-                               "extra": extra})
+                               "policy_version": None, "extra": extra})
 
 
 def mk_tokens(*, prompt_ids: list[int], output_ids: list[int], output_logprobs: list[float],

@@ -2,9 +2,11 @@
 
 The JSONL shape is the one ``trajectories/*.jsonl`` of a run has (``Sample.to_dict()`` per line:
 ``tokens``, ``response_length``, ``loss_mask``, ``logprobs``, ``reward``, ``metadata`` with
-``session_id`` and ``turn_ids``). Parquet (``pip install 'ares-gateway[export]'``, pyarrow) has one
-row per sample: ``session_id``, ``sample_index``, ``tokens``, ``response_length``, ``loss_mask``,
-``logprobs``, ``reward``, ``side_call``, ``turn_ids``, ``trained_turn_ids`` and ``metadata`` (JSON).
+``session_id``, ``turn_ids`` and ``policy_versions``). Parquet (``pip install 'ares-gateway[export]'``,
+pyarrow) has one row per sample: ``session_id``, ``sample_index``, ``tokens``, ``response_length``,
+``loss_mask``, ``logprobs``, ``reward``, ``side_call``, ``turn_ids``, ``trained_turn_ids``,
+``policy_versions`` (``start``, ``end``, ``version`` per trained response; ``version`` null where none
+is known), ``mixed_versions`` and ``metadata`` (JSON).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def _write_parquet(rows: Iterator[tuple[str, int, Sample]], out: Path) -> int:
         ("side_call", pa.bool_()),
         ("turn_ids", pa.list_(pa.int32())),
         ("trained_turn_ids", pa.list_(pa.int32())),
+        ("policy_versions", pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32()), ("version", pa.int64())]))),
+        ("mixed_versions", pa.bool_()),
         ("metadata", pa.string()),
     ])
     n = 0
@@ -95,6 +99,9 @@ def _write_parquet(rows: Iterator[tuple[str, int, Sample]], out: Path) -> int:
             batch["side_call"].append(bool(s.metadata.get("side_call")))
             batch["turn_ids"].append(list(s.metadata.get("turn_ids", [])))
             batch["trained_turn_ids"].append(list(s.metadata.get("trained_turn_ids", [])))
+            batch["policy_versions"].append([{"start": a, "end": b, "version": v}
+                                             for a, b, v in s.metadata.get("policy_versions", [])])
+            batch["mixed_versions"].append(bool(s.metadata.get("mixed_versions")))
             batch["metadata"].append(json.dumps(s.metadata, default=str))
             n += 1
             if len(batch["session_id"]) >= 256:

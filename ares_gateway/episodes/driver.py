@@ -194,6 +194,7 @@ def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[
             sid: str, duration: float, info: Mapping[str, Any], *,
             failures: Sequence[Mapping[str, Any]] = ()) -> EpisodeResult:
     latencies = [float(t["latency"]) for t in turns if t.get("latency") is not None]
+    versions = [v for t in turns if isinstance(v := t.get("policy_version"), int)]
     error = outcome.error or outcome.verifier_error
     if failures:
         # The policy's failure comes first: it is usually why the agent then failed or gave up.
@@ -220,6 +221,8 @@ def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[
         network=outcome.network,
         grading=outcome.grading,
         grading_setup_seconds=round(outcome.grading_setup_seconds, 3),
+        first_version=versions[0] if versions else None,
+        last_version=versions[-1] if versions else None,
     )
 
 

@@ -79,6 +79,10 @@ class EpisodeResult:
     #: The policy's per-episode report, where it has one (``tito``: turns, trained tokens, fresh renders,
     #: main-line drift; :meth:`~ares_gateway.policies.tito.TitoPolicy.episode_report`).
     fidelity: dict[str, Any] | None = None
+    #: The policy version of the episode's first and last turn that has one, in answer order (the
+    #: version of the weights that sampled it, docs/training.md); ``None`` when no turn has one.
+    first_version: int | None = None
+    last_version: int | None = None
 
     @property
     def key(self) -> str:

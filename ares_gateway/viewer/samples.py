@@ -28,7 +28,7 @@ class SampleSet:
     def summaries(self) -> list[dict[str, Any]]:
         """Per sample: index, line (side call; the main line the trainer adapters train; foreign: a
         conversation that does not extend the session's first request), branch (the tree's leaf), sizes,
-        trained tokens, reward, turns."""
+        trained tokens, reward, turns, the policy versions of its trained responses."""
         if self._summaries is None:
             out = []
             for i, s in enumerate(self.rows):
@@ -40,7 +40,9 @@ class SampleSet:
                             "response_length": s.get("response_length"), "trained": int(sum(mask)),
                             "reward": s.get("reward"), "turn_ids": meta.get("turn_ids"),
                             "trained_turn_ids": meta.get("trained_turn_ids"),
-                            "start_reason": meta.get("start_reason"), "truncated": meta.get("truncated")})
+                            "start_reason": meta.get("start_reason"), "truncated": meta.get("truncated"),
+                            "policy_versions": meta.get("policy_versions"),
+                            "mixed_versions": bool(meta.get("mixed_versions"))})
             self._summaries = out
         return self._summaries
 

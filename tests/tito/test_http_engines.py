@@ -46,6 +46,8 @@ class Fake:
         self.incremental = False
         #: Answer every request with this (status, message) instead.
         self.reject: tuple[int, str] | None = None
+        #: SGLang's ``meta_info.weight_version`` (its label of the weights served: a string); ``None``: left out.
+        self.weight_version: Any = None
 
     def _out(self, body: dict[str, Any], ids_key: str, max_key: str) -> tuple[list[int], str]:
         prompt = body[ids_key]
@@ -75,6 +77,7 @@ class Fake:
                     "id": "rid-1", "prompt_tokens": len(body["input_ids"]), "completion_tokens": upto,
                     "cached_tokens": 3, "output_token_logprobs": lps[start:upto],
                     "finish_reason": fr if upto == len(out) else None,
+                    **({} if self.weight_version is None else {"weight_version": self.weight_version}),
                 },
             }
 
@@ -147,6 +150,27 @@ async def test_sglang_request_and_answer_follow_the_schema(fake: tuple[Fake, str
     assert res.output_ids == _continuation([5, 6, 7], 4)
     assert res.logprobs == [-0.25, -0.5, -0.75, -1.0]
     assert (res.finish_reason, res.prompt_tokens, res.cached_tokens) == ("stop", 3, 3)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_sglang_weight_version_is_the_results_version(fake: tuple[Fake, str], stream: bool) -> None:
+    f, url = fake
+    eng = SGLangEngine(url, model="m")
+    got = []
+    try:
+        # A decimal label (or a number) is a version; SGLang's default label and any other are none.
+        for label in ("12", 5, "default", "v5", "-1", None):
+            f.weight_version = label
+            if stream:
+                items = [x async for x in eng.stream([5, 6, 7], SAMPLING)]
+                res = items[-1]
+                assert isinstance(res, GenerateResult)
+            else:
+                res = await eng.generate([5, 6, 7], SAMPLING)
+            got.append(res.weight_version)
+    finally:
+        await eng.aclose()
+    assert got == [12, 5, None, None, None, None]
 
 
 @pytest.mark.parametrize("incremental", [False, True])

@@ -193,11 +193,27 @@ function answerBlock(a) {
   return box;
 }
 
+// A policy version as shown: none known is "none", never 0.
+function versionText(v) {
+  return v === null || v === undefined ? "policy version: none" : `policy version ${v}`;
+}
+
+// The distinct versions of a sample's trained responses ([start, end, version] spans), in order.
+function sampleVersions(s) {
+  const seen = [];
+  for (const span of s.policy_versions || []) {
+    const v = span[2] === null || span[2] === undefined ? "none" : String(span[2]);
+    if (!seen.includes(v)) seen.push(v);
+  }
+  return (seen.join(", ") || "–") + (s.mixed_versions ? " (mixed)" : "");
+}
+
 function turnCard(t) {
   const head = el("div", { class: "turn-head" }, el("span", { class: "n", text: `turn ${t.index}` }),
     t.side_call ? el("span", { class: "badge side", text: "side call" }) : null,
     el("span", { text: t.timestamp ? new Date(t.timestamp * 1000).toLocaleTimeString() : "" }),
     el("span", { text: typeof t.latency === "number" ? `answered in ${t.latency.toFixed(2)} s` : "" }),
+    el("span", { class: "version", text: versionText(t.policy_version) }),
     el("span", { text: t.history !== undefined ? `${t.history} messages sent, ${t.history - t.shared} new` : "" }),
     t.diverged_at !== undefined ? el("span", { class: "badge fork", text: `history diverged at message ${t.diverged_at + 1}` }) : null);
   return el("div", { class: "turn" + (t.side_call ? " side" : ""), data: { index: t.index } }, head,
@@ -358,7 +374,8 @@ async function samplePage(key, index, offset) {
     el("div", { class: "cards" }, card("tokens", fmt(data.total)), card("prompt", fmt(data.prompt_length)),
       card("response", fmt(s.response_length)), el("div", { class: "card" }, el("div", { class: "label", text: "trained tokens" }),
         el("div", { class: "value", id: "trained-count", text: String(data.trained) })), card("reward", fmt(s.reward, 3)),
-      card("leaf", fmt(s.branch)), card("turns", (s.turn_ids || []).join(", ") || "–"), card("trained turns", (s.trained_turn_ids || []).join(", ") || "–")),
+      card("leaf", fmt(s.branch)), card("turns", (s.turn_ids || []).join(", ") || "–"), card("trained turns", (s.trained_turn_ids || []).join(", ") || "–"),
+      card("policy versions", sampleVersions(s))),
     el("p", { class: "legend" }, el("span", { class: "tok trained", text: "trained (loss mask 1)" }), el("span", { class: "tok", text: "not trained" }),
       el("span", { class: "tok trained low", text: `low probability (p < ${Math.exp(low).toFixed(2)})` }),
       el("span", { class: "muted", text: data.pieces ? "hover a token for its id and logprob" : "no tokenizer: tokens shown as [id]; hover for the logprob" })),

@@ -22,7 +22,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from ares_gateway import Completion, Gateway
+from ares_gateway import Completion, CompletionDelta, Gateway
 from ares_gateway.core.broker import ParkedRequest
 from ares_gateway.core.canonical import TokenRecord
 from ares_gateway.core.errors import InvalidPolicyVersionError, PolicyVersionBackwardsError
@@ -82,6 +82,41 @@ async def test_versions_set_mid_session_give_a_sample_with_two_versions(tmp_path
         view = gw.recorder.tree_view("mixed")
         assert view is not None
         assert [n["policy_version"] for n in view["nodes"] if "turn" in n] == [1, 2]
+
+
+async def test_a_streamed_answer_keeps_the_version_it_was_handed_over_with() -> None:
+    async with Gateway(port=0, admin_token=ADMIN, data_dir=False) as gw:
+        gw.set_policy_version(4)
+        info = await gw.create_session("stream")
+
+        async def agent() -> str:
+            client = openai.AsyncOpenAI(base_url=f"{info.base_url}/v1", api_key=info.token, max_retries=0)
+            text = ""
+            try:
+                stream = await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        text += chunk.choices[0].delta.content
+            finally:
+                await client.close()
+            return text
+
+        task = asyncio.create_task(agent())
+        req = await gw.next_request(session="stream", timeout=10)
+        assert req is not None
+
+        async def answer() -> AsyncIterator[CompletionDelta | Completion]:
+            yield CompletionDelta(text="he")
+            gw.set_policy_version(5)  # the weights move on mid-stream: this turn was handed over at 4
+            yield CompletionDelta(text="llo")
+            yield Completion(text="hello", tokens=_tokens([1, 2], [3, 4]))
+
+        await gw.respond(req.id, answer())
+        assert await asyncio.wait_for(task, 10) == "hello"
+        assert [t["policy_version"] for t in gw.turn_log("stream")] == [4]
+        (sample,) = gw.trajectory("stream")
+        assert sample.metadata["policy_versions"] == [[2, 4, 4]]
 
 
 async def test_no_version_is_null_never_zero(tmp_path: Path) -> None:

@@ -28,6 +28,15 @@ import bench_recording as bench  # noqa: E402
 ADMIN = "admin-token-for-recording-tests"
 
 
+
+def _first_difference(before: list[dict], after: list[dict]) -> str:
+    """Where two turn lists first differ, briefly (turn index and keys), for a failing assertion."""
+    for i, (b, a) in enumerate(zip(before, after)):
+        if b != a:
+            keys = sorted(k for k in set(b) | set(a) if b.get(k) != a.get(k))
+            return f"turn {i} differs after the restart in {keys}"
+    return f"{len(before)} turns before the restart, {len(after)} after"
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,7 +123,9 @@ async def test_serve_killed_with_sigkill_restarts_with_every_answered_turn(tmp_p
         assert summary["turns"] == 12
         after_turns = await _get(url, "/sessions/cc/turns")
         assert len(after_turns) == 12
-        assert json.dumps(after_turns, sort_keys=True) == json.dumps(before_turns, sort_keys=True)
+        # Compared first, asserted after: pytest's diff of two multi-megabyte strings runs for many minutes.
+        same = json.dumps(after_turns, sort_keys=True) == json.dumps(before_turns, sort_keys=True)
+        assert same, _first_difference(before_turns, after_turns)
         assert after_turns[-1]["request"] == bench.cc_body(11)
         assert await _get(url, "/sessions/cc/trajectory") == before_samples
         # The agent goes on with its token after the restart; the new turn continues the same sample.

@@ -31,7 +31,7 @@ ADMIN = "admin-token-for-recording-tests"
 
 def _first_difference(before: list[dict], after: list[dict]) -> str:
     """Where two turn lists first differ, briefly (turn index and keys), for a failing assertion."""
-    for i, (b, a) in enumerate(zip(before, after)):
+    for i, (b, a) in enumerate(zip(before, after, strict=False)):
         if b != a:
             keys = sorted(k for k in set(b) | set(a) if b.get(k) != a.get(k))
             return f"turn {i} differs after the restart in {keys}"

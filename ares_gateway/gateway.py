@@ -20,7 +20,8 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ from ares_gateway.core.errors import (
     PolicyVersionBackwardsError,
     UnknownSessionError,
 )
+from ares_gateway.core.fence import PauseReport, SamplingFence
 from ares_gateway.core.metrics import GatewayMetrics
 from ares_gateway.core.recorder import RecordedTurn, Recorder
 from ares_gateway.core.session_recorder import SessionRecorder
@@ -91,6 +93,9 @@ class GatewayConfig:
     #: Seconds a policy's stream (``respond`` with an async iterable) may send nothing before the
     #: agent's stream is ended with an error event (a non-streaming agent gets a 504).
     stream_idle_timeout: float = 300.0
+    #: Seconds between the SSE keep-alives (``: keep-alive`` comment lines) a parked streaming request
+    #: gets while sampling is paused for a weight update, so its client's read timeout does not fire.
+    pause_keepalive_seconds: float = 10.0
     #: The HTTP limits (:class:`HttpLimits` documents each; its defaults are these defaults).
     max_line_bytes: int = _HTTP.max_line_bytes
     max_field_bytes: int = _HTTP.max_field_bytes
@@ -199,6 +204,13 @@ class Gateway:
         self.mounts: dict[str, Callable[[BaseRequest], Awaitable[StreamResponse]]] = {}
         #: Per-session agent endpoints on unix sockets (:meth:`agent_socket`), for sandboxes without a network.
         self.session_sockets = SessionSockets(self, self.limits, root=cfg.runtime_dir)
+        if not cfg.pause_keepalive_seconds > 0:
+            raise ValueError("pause_keepalive_seconds must be a positive number of seconds")
+        #: The weight-update fence (:meth:`pause_sampling`, :meth:`resume_sampling`, :meth:`weight_update`).
+        self.fence = SamplingFence(self.broker, on_fence=self._fenced)
+        self.metrics.fence_paused_now = lambda: self.fence.paused
+        #: Called with ("pause" | "resume", scalars) as each fence completes (a run's stats tracker).
+        self.fence_listeners: list[Callable[[str, dict[str, float]], None]] = []
 
     def mount(self, prefix: str, handler: Callable[[BaseRequest], Awaitable[StreamResponse]]) -> None:
         """Serve ``handler`` for ``prefix`` and every path below it (``/ui``: the trajectory viewer,
@@ -433,6 +445,60 @@ class Gateway:
                 "go up; set the version of the weights now loaded"
             )
         self.broker.policy_version = checked
+
+    # ------------------------------------------------------------------ weight-update fence
+
+    async def pause_sampling(self, mode: str = "drain", *, timeout: float | None = None) -> PauseReport:
+        """Stop handing requests to the policy for a weight update; return once no generation is in flight.
+
+        Every agent request stays parked meanwhile (agents see latency, streaming ones SSE keep-alives).
+        ``mode="drain"`` (the default) waits for the generations in flight to finish and be answered;
+        ``mode="abort"`` cancels the in-process ones (run through :meth:`SamplingFence.generate
+        <ares_gateway.core.fence.SamplingFence.generate>`, as :class:`~ares_gateway.PolicyServer` and
+        ``run`` do), which sample again after the resume, and takes back the requests leased to pollers,
+        whose answers are then refused (409). ``timeout``: seconds the drain may take (``None``: no
+        limit). Raises :class:`~ares_gateway.core.errors.SamplingPausedError` when paused already,
+        :class:`~ares_gateway.core.errors.InvalidFenceError` for a bad mode or timeout and
+        :class:`~ares_gateway.core.errors.DrainTimeoutError` when the drain outlasts ``timeout`` (sampling
+        is then resumed). The pause's time does not count against ``request_timeout``."""
+        report = await self.fence.pause(mode, timeout)
+        self.metrics.fence_paused(report.drain_seconds)
+        return report
+
+    def resume_sampling(self, version: int | None = None) -> float:
+        """Hand requests to the policy again, after :meth:`pause_sampling` returned; ``version``: the
+        version of the weights now loaded (set with :meth:`set_policy_version` before anything is handed
+        out; a bad or lower version raises and leaves sampling paused). Returns the seconds it was paused.
+        Raises :class:`~ares_gateway.core.errors.SamplingNotPausedError` without a pause that returned."""
+        if self.fence.state != "paused":
+            self.fence.resume()  # raises the reason
+        if version is not None:
+            self.set_policy_version(version)
+        paused_for = self.fence.resume()
+        self.metrics.fence_resumed(paused_for)
+        return paused_for
+
+    @asynccontextmanager
+    async def weight_update(
+        self, version: int | None = None, *, mode: str = "drain", timeout: float | None = None
+    ) -> AsyncIterator[PauseReport]:
+        """``async with gw.weight_update(version):`` pause (as :meth:`pause_sampling`), mutate the weights
+        in the body, resume with ``version`` on exit. Resumes even when the body raises (without the new
+        version then: the weights may be half updated, and the caller decides what they are)."""
+        report = await self.pause_sampling(mode, timeout=timeout)
+        try:
+            yield report
+        except BaseException:
+            self.resume_sampling()
+            raise
+        self.resume_sampling(version)
+
+    def _fenced(self, kind: str, scalars: dict[str, float]) -> None:
+        for listener in list(self.fence_listeners):
+            try:
+                listener(kind, scalars)
+            except Exception:  # a stats writer failing must not break the fence
+                log.warning("a fence listener failed", exc_info=True)
 
     async def next_request(
         self, session: str | None = None, *, timeout: float | None = None, lease: float | None = None

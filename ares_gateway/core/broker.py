@@ -49,6 +49,7 @@ from ares_gateway.core.canonical import (
 )
 from ares_gateway.core.errors import (
     AlreadyAnsweredError,
+    FencedAnswerError,
     GatewayClosedError,
     RequestGoneError,
     StatusError,
@@ -113,6 +114,10 @@ class ParkedRequest:
     _body: bytes | None = field(default=None, repr=False)
     _canonical: bytes | None = field(default=None, repr=False)
     _encoder: CanonicalEncoder | None = field(default=None, repr=False)
+    #: Taken by an in-process generation of the weight-update fence (``SamplingFence.generate``).
+    _owned: bool = field(default=False, repr=False)
+    #: Taken back from its poller by an abort fence: an answer to it is refused until it is taken again.
+    _fenced: bool = field(default=False, repr=False)
 
     def _fields(self) -> dict[str, Any]:
         return {
@@ -288,6 +293,14 @@ class Broker:
         #: stamped on each request as it is handed to the policy; ``None``: none set.
         self.policy_version: int | None = None
         self._prefix = f"req_{os.getpid():x}{int(time.time()) & 0xFFFFFF:x}_"
+        # The weight-update fence (core/fence.py): while paused nothing is handed out, and no
+        # request times out; the requests handed out and not yet answered or given back; the
+        # streamed answers still being sent; whom to tell when either shrinks.
+        self.paused = False
+        self._paused_wall = 0.0
+        self._taken: dict[str, ParkedRequest] = {}
+        self.streams_in_flight = 0
+        self.on_change: Any = None
 
     # ------------------------------------------------------------------ agent side
 
@@ -427,7 +440,10 @@ class Broker:
         """Lease up to ``max_items`` available requests without waiting.
 
         ``lease`` -1 means the broker's default; ``None`` means no lease (never redelivered).
+        While sampling is paused (the weight-update fence) nothing is handed out.
         """
+        if self.paused:
+            return []
         if session_id is None:
             source = self._available
         else:
@@ -442,6 +458,8 @@ class Broker:
                 self.withdraw(parked, "agent disconnected")
                 continue
             self._unavail(parked)
+            parked._fenced = False
+            self._taken[parked.id] = parked
             out.append(parked)
         if out:
             seconds = self.lease_seconds if lease == -1.0 else lease
@@ -534,13 +552,15 @@ class Broker:
             # handler's task could run to withdraw it: the request is gone, whatever else is queued.
             self.withdraw(parked, "agent disconnected")
             raise RequestGoneError(f"request {request_id} is gone: its agent disconnected")
+        if parked._fenced:
+            raise FencedAnswerError(_fenced_message(request_id))
         resolved = coerce_answer(parked.protocol, parked.request, answer, tokens)
         if policy_version is not None:
             parked.policy_version = policy_version
         elif parked.attempt == 0:  # answered without being taken: handed over now
             parked.policy_version = self.policy_version
         if isinstance(resolved, StreamAnswer):
-            resolved = StreamAnswer(record_stream(self._on_turn, parked, resolved.source))
+            resolved = StreamAnswer(_TrackedStream(self, record_stream(self._on_turn, parked, resolved.source)))
         self._finish(parked, _State.ANSWERED)
         parked.future.set_result(resolved)
         latency = time.time() - parked.timestamp
@@ -555,6 +575,8 @@ class Broker:
     # ------------------------------------------------------------------ internals
 
     def _make_available(self, parked: ParkedRequest) -> None:
+        if self._taken.pop(parked.id, None) is not None:
+            self._given_back(parked)
         self._available[parked.id] = parked
         by = self._available_by_session.get(parked.session_id)
         if by is None:
@@ -589,11 +611,13 @@ class Broker:
         now = asyncio.get_running_loop().time()
         due = now + _SLACK
         upcoming = math.inf
+        paused = self.paused
         for parked in list(self._pending.values()):
-            if parked._expires <= due:
-                self._expire(parked)
-                continue
-            upcoming = min(upcoming, parked._expires)
+            if not paused:  # a paused fence's time does not count against request_timeout
+                if parked._expires <= due:
+                    self._expire(parked)
+                    continue
+                upcoming = min(upcoming, parked._expires)
             until = parked._lease_until
             if until is not None:
                 if until <= due:
@@ -612,6 +636,8 @@ class Broker:
 
     def _finish(self, parked: ParkedRequest, state: _State) -> None:
         del self._pending[parked.id]
+        if self._taken.pop(parked.id, None) is not None:
+            self._given_back(parked)
         left = self._parked_by_session[parked.session_id] - 1
         if left:
             self._parked_by_session[parked.session_id] = left
@@ -624,6 +650,73 @@ class Broker:
         self._done[parked.id] = state
         if len(self._done) > _TOMBSTONES:
             self._done.popitem(last=False)
+
+    # ------------------------------------------------------------------ weight-update fence
+
+    def _given_back(self, parked: ParkedRequest) -> None:
+        parked._owned = False
+        if self.on_change is not None:
+            self.on_change()
+
+    def _stream_ended(self) -> None:
+        self.streams_in_flight -= 1
+        if self.on_change is not None:
+            self.on_change()
+
+    def pause(self) -> None:
+        """Hand nothing out (``take``, ``poll``) and stop the request timeouts' clock until :meth:`resume`."""
+        if not self.paused:
+            self.paused = True
+            self._paused_wall = time.time()
+
+    def resume(self) -> None:
+        """Hand requests out again: each pending request's timeout moves by the time it spent parked
+        in the pause, and the long-polls waiting wake to take what is available."""
+        if not self.paused:
+            return
+        self.paused = False
+        now = time.time()
+        earliest = math.inf
+        for parked in self._pending.values():
+            if parked._expires < math.inf:
+                parked._expires += max(0.0, now - max(self._paused_wall, parked.timestamp))
+                earliest = min(earliest, parked._expires)
+        if earliest < self._timer_at:
+            self._arm(earliest)
+        for waiter in self._waiters:
+            _wake(waiter.future)
+
+    def check_attempt(self, request_id: str, attempt: int) -> None:
+        """Refuse (:class:`FencedAnswerError`) an answer for an ``attempt`` of a pending request other than
+        its current one: it was leased before an abort fence took it back, and leased again since."""
+        parked = self._pending.get(request_id)
+        if parked is not None and attempt != parked.attempt:
+            raise FencedAnswerError(_fenced_message(request_id, attempt))
+
+    def taken(self) -> list[ParkedRequest]:
+        """The requests handed out and not yet answered or given back."""
+        return list(self._taken.values())
+
+    def own(self, parked: ParkedRequest) -> None:
+        """Mark a taken request as run by an in-process generation of the fence."""
+        if self._taken.get(parked.id) is parked:
+            parked._owned = True
+
+    def hand_back(self, parked: ParkedRequest) -> None:
+        """Give a taken, unanswered request back to the parked ones (its taker stopped)."""
+        if self._taken.get(parked.id) is parked and self._pending.get(parked.id) is parked:
+            parked._lease_until = None
+            self._make_available(parked)
+
+    def take_back_unowned(self) -> int:
+        """Abort fence: take back every request handed to a poller or another taker that does not run it
+        through the fence; an answer to one is refused until it is taken again. Returns how many."""
+        back = [p for p in self._taken.values() if not p._owned]
+        for parked in back:
+            parked._lease_until = None
+            self._make_available(parked)
+            parked._fenced = True
+        return len(back)
 
     @property
     def pending_count(self) -> int:
@@ -656,3 +749,47 @@ def _fail(parked: ParkedRequest, exc: RequestClosed) -> None:
         parked.future.set_exception(exc)
         # Mark the exception retrieved: the agent's handler may already be gone.
         parked.future.exception()
+
+
+def _fenced_message(request_id: str, attempt: int | None = None) -> str:
+    which = f"attempt {attempt} of request {request_id}" if attempt is not None else f"request {request_id}"
+    return (f"{which} was taken back by a weight-update fence (mode abort): this answer was sampled with the "
+            "old weights and is dropped; the request is delivered again (its next attempt) after the resume")
+
+
+class _TrackedStream:
+    """A streamed answer counted as in flight (for the weight-update fence) until it ends or is closed."""
+
+    __slots__ = ("_broker", "_items", "_open")
+
+    def __init__(self, broker: Broker, source: Any) -> None:
+        self._broker = broker
+        self._items = aiter(source)
+        self._open = True
+        broker.streams_in_flight += 1
+
+    def __aiter__(self) -> _TrackedStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await anext(self._items)
+        except BaseException:
+            self._end()
+            raise
+
+    async def aclose(self) -> None:
+        self._end()
+        aclose = getattr(self._items, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    def _end(self) -> None:
+        if self._open:
+            self._open = False
+            self._broker._stream_ended()
+
+    def __del__(self) -> None:  # a stream nobody read to its end nor closed (its agent's handler died)
+        if self._open:
+            self._open = False
+            self._broker.streams_in_flight -= 1

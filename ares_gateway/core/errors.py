@@ -23,7 +23,13 @@ Each maps to one HTTP status, so the in-process API and the control API (``/resp
     ├── PolicyVersionBackwardsError (409)   a policy version lower than the one the gateway has
     ├── TooManyParkedError (429)            a session has ``max_parked_per_session`` requests waiting already
     ├── GatewayClosedError (503)            the gateway is shut down
-    └── DataDirError (500)                  the data directory cannot be used (not writable, full, locked, corrupt)
+    ├── DataDirError (500)                  the data directory cannot be used (not writable, full, locked, corrupt)
+    └── FenceError (409)                    the weight-update fence (pause / resume sampling) refused a call
+        ├── SamplingPausedError (409)       pause while paused (or while a pause drains)
+        ├── SamplingNotPausedError (409)    resume without a pause that returned
+        ├── FencedAnswerError (409)         an answer sampled before an abort fence: dropped, re-sampled later
+        ├── InvalidFenceError (400)         an unknown pause mode or a bad timeout (also a ValueError)
+        └── DrainTimeoutError (504)         the drain did not finish in time; sampling resumed
 
 Other StatusErrors live next to the code that raises them: ``policies.PolicyError`` (a policy could
 not answer; 502 by default) and ``http.server.BodyError`` (a body that cannot be read: 400, 408, 413,
@@ -132,3 +138,42 @@ class DataDirError(GatewayError):
     gateway database. Raised at start-up; the message says which and what to do."""
 
     status = 500
+
+
+class FenceError(GatewayError):
+    """Base of the weight-update fence's errors (:meth:`Gateway.pause_sampling` /
+    :meth:`Gateway.resume_sampling`, ``POST /sampling/pause`` and ``/sampling/resume``)."""
+
+    status = 409
+
+
+class SamplingPausedError(FenceError):
+    """Sampling is paused (or a pause is draining) already: resume it before pausing again."""
+
+    status = 409
+
+
+class SamplingNotPausedError(FenceError):
+    """Sampling is not paused, or its pause has not returned yet: pause (and wait for it) before resuming."""
+
+    status = 409
+
+
+class FencedAnswerError(FenceError):
+    """An answer to a request whose generation was aborted by a weight-update fence: it was sampled
+    with the old weights and is dropped; the request is re-sampled after the resume."""
+
+    status = 409
+
+
+class InvalidFenceError(FenceError, ValueError):
+    """A pause that cannot be done as asked: an unknown mode or a timeout that is not a positive number."""
+
+    status = 400
+
+
+class DrainTimeoutError(FenceError):
+    """The in-flight generations did not finish within the pause's timeout; sampling was resumed, so
+    nothing is left paused by a pause that failed. Retry with a longer timeout, or with mode "abort"."""
+
+    status = 504

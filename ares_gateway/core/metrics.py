@@ -29,6 +29,15 @@ class GatewayMetrics:
         self._parked_now = 0
         #: Reads the data dir's count of turns whose record was lost (set by the gateway with its store).
         self.turns_lost: Callable[[], int] = lambda: 0
+        # The weight-update fence: pauses that returned, resumes, the seconds spent draining and paused.
+        self.fence_pauses_total = 0
+        self.fence_resumes_total = 0
+        self.fence_drain_seconds_total = 0.0
+        self.fence_last_drain_seconds = 0.0
+        self.fence_paused_seconds_total = 0.0
+        self._drain_buckets = [0] * (len(_LATENCY_BUCKETS) + 1)
+        #: Whether sampling is paused now (read when scraped; set by the gateway with its fence).
+        self.fence_paused_now: Callable[[], bool] = lambda: False
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
 
@@ -45,6 +54,16 @@ class GatewayMetrics:
 
     def withdrawn(self) -> None:
         self.withdrawn_total += 1
+
+    def fence_paused(self, drain_seconds: float) -> None:
+        self.fence_pauses_total += 1
+        self.fence_drain_seconds_total += drain_seconds
+        self.fence_last_drain_seconds = drain_seconds
+        self._drain_buckets[bisect_left(_LATENCY_BUCKETS, drain_seconds)] += 1
+
+    def fence_resumed(self, paused_seconds: float) -> None:
+        self.fence_resumes_total += 1
+        self.fence_paused_seconds_total += paused_seconds
 
     def rejected(self, status: int) -> None:
         self.rejected_by_status[status] = self.rejected_by_status.get(status, 0) + 1
@@ -84,6 +103,27 @@ class GatewayMetrics:
             "Time from parking a request to its answer",
             buckets=buckets,
             sum_value=self._latency_sum,
+        )
+
+        yield CounterMetricFamily("ares_gateway_fence_pauses", "Weight-update pauses that returned (drained)",
+                                  value=self.fence_pauses_total)
+        yield CounterMetricFamily("ares_gateway_fence_paused_seconds",
+                                  "Seconds sampling was paused for weight updates, over every resumed pause",
+                                  value=self.fence_paused_seconds_total)
+        yield GaugeMetricFamily("ares_gateway_fence_paused_now", "1 while sampling is paused for a weight update",
+                                value=1 if self.fence_paused_now() else 0)
+        yield GaugeMetricFamily("ares_gateway_fence_last_drain_seconds",
+                                "Seconds the last weight-update pause waited for the generations in flight",
+                                value=self.fence_last_drain_seconds)
+        cumulative, buckets = 0, []
+        for bound, count in zip((*_LATENCY_BUCKETS, float("inf")), self._drain_buckets, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+        yield HistogramMetricFamily(
+            "ares_gateway_fence_drain_seconds",
+            "Time a weight-update pause waited for the generations in flight",
+            buckets=buckets,
+            sum_value=self.fence_drain_seconds_total,
         )
 
     def render(self, parked_now: int) -> bytes:

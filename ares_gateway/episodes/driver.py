@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ares_gateway.core.answers import ErrorAnswer
@@ -91,7 +92,8 @@ async def drive_episode(spec: EpisodeSpec, *, policy: Any, gateway: Gateway) -> 
             assert ts.observation is not None
             request = ts.observation
             try:
-                ts = await env.step(await _answer(policy, request, failures))
+                # In the weight-update fence: a drain waits for the policy's call, an abort re-runs it.
+                ts = await env.step(await gateway.fence.generate(request, partial(_answer, policy, request, failures)))
             except InvalidAnswerError as exc:
                 # The policy's answer is unusable; the request still waits: the agent gets an error.
                 log.warning("policy gave an invalid answer to %s: %s", request.id, one_line(str(exc)))

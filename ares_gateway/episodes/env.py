@@ -30,7 +30,13 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 from ares_gateway.core.broker import ParkedRequest
-from ares_gateway.core.errors import GatewayError, InvalidAnswerError, RequestGoneError, UnknownRequestError
+from ares_gateway.core.errors import (
+    FencedAnswerError,
+    GatewayError,
+    InvalidAnswerError,
+    RequestGoneError,
+    UnknownRequestError,
+)
 from ares_gateway.core.sessions import SessionInfo
 from ares_gateway.gateway import Gateway
 
@@ -299,6 +305,14 @@ class GatewayEnv:
             # The request is still pending: the caller may step again with another answer.
             self._current = current
             raise
+        except FencedAnswerError:
+            # An abort fence took the request back while this answer was sampled: it is dropped, and
+            # the same request comes back (after the resume) to be sampled with the new weights.
+            request = await self._next_request()
+            if request is None:
+                return await self._conclude() if self.episode is not None else self._last()
+            self._current = request
+            return transition(0.0, request)
         except (RequestGoneError, UnknownRequestError):
             if self.episode is None:
                 raise

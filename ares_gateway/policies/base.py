@@ -222,7 +222,13 @@ class PolicyServer:
         failed = False
         try:
             try:
-                answer: Any = await call_policy(self.policy, req)
+                # Inside the gateway's weight-update fence, when it has one: a drain waits for this
+                # call, an abort cancels it and it runs again after the resume.
+                fence = getattr(self.gateway, "fence", None)
+                if fence is not None:
+                    answer: Any = await fence.generate(req, lambda: call_policy(self.policy, req))
+                else:
+                    answer = await call_policy(self.policy, req)
             except asyncio.CancelledError:
                 raise
             except PolicyError as exc:

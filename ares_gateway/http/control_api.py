@@ -146,6 +146,11 @@ class ControlAPI:
             if not isinstance(rid, str):
                 raise InvalidAnswerError('each answer needs "id" (a string, as /poll returned it)')
             answer, tokens = _parse_answer(item)
+            attempt = item.get("attempt")
+            if attempt is not None:
+                if isinstance(attempt, bool) or not isinstance(attempt, int):
+                    raise InvalidAnswerError('"attempt" must be an integer, as /poll returned it')
+                self.gw.broker.check_attempt(rid, attempt)
             # Checked before the request is looked up (a 400 whatever became of it), as the tokens are.
             version = read_policy_version(item.get("policy_version"))
             self.gw.answer(rid, answer, tokens=tokens, policy_version=version)
@@ -217,6 +222,33 @@ class ControlAPI:
         with_tokens = request.query.get("tokens", "1") not in ("0", "false", "no")
         turns = self.gw.turn_log(sid, tokens=with_tokens)
         return json_response(turns)
+
+    async def sampling_state(self, request: BaseRequest, sid: str | None) -> Response:
+        return json_response(self.gw.fence.snapshot())
+
+    async def pause_sampling(self, request: BaseRequest, sid: str | None) -> Response:
+        body = await self._json(request, default={})
+        if not isinstance(body, dict):
+            raise StatusError('body must be a JSON object: {"mode": "drain" | "abort", "timeout": seconds}', status=400)
+        unknown = sorted(set(body) - {"mode", "timeout"})
+        if unknown:
+            raise StatusError(f"unknown field(s) {unknown}: give \"mode\" and \"timeout\" only", status=400)
+        mode = body.get("mode", "drain")
+        if not isinstance(mode, str):
+            raise StatusError('"mode" must be "drain" or "abort"', status=400)
+        report = await self.gw.pause_sampling(mode, timeout=body.get("timeout"))
+        return json_response({"status": "paused", **report.to_dict()})
+
+    async def resume_sampling(self, request: BaseRequest, sid: str | None) -> Response:
+        body = await self._json(request, default={})
+        if not isinstance(body, dict):
+            raise StatusError('body must be a JSON object: {"version": N}', status=400)
+        unknown = sorted(set(body) - {"version"})
+        if unknown:
+            raise StatusError(f"unknown field(s) {unknown}: give \"version\" only", status=400)
+        paused_for = self.gw.resume_sampling(body.get("version"))
+        return json_response({"status": "sampling", "paused_seconds": paused_for,
+                              "policy_version": self.gw.policy_version})
 
     async def healthz(self, request: BaseRequest, sid: str | None) -> Response:
         return json_response({"status": "ok", "sessions": len(self.gw.sessions), "parked": self.gw.broker.pending_count})

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from ares_gateway.core.answers import AnswerLike
 from ares_gateway.core.broker import Broker
 from ares_gateway.core.canonical import CanonicalRequest, TokenRecord
+from ares_gateway.core.fence import PauseReport, SamplingFence
 from ares_gateway.core.metrics import GatewayMetrics
 from ares_gateway.core.sessions import Session, SessionInfo, SessionRegistry
 from ares_gateway.http.body_parser import BodyParser
@@ -37,6 +38,8 @@ class ServedSettings(Protocol):
     def wait_durable(self) -> bool: ...
     @property
     def parse_reuse(self) -> bool: ...
+    @property
+    def pause_keepalive_seconds(self) -> float: ...
 
 
 class ServedGateway(Protocol):
@@ -53,7 +56,12 @@ class ServedGateway(Protocol):
     @property
     def body_parser(self) -> BodyParser: ...
 
+    @property
+    def fence(self) -> SamplingFence: ...
+
     def admin_ok(self, headers: Mapping[str, str]) -> bool: ...
+    async def pause_sampling(self, mode: str = "drain", *, timeout: float | None = None) -> PauseReport: ...
+    def resume_sampling(self, version: int | None = None) -> float: ...
     @property
     def policy_version(self) -> int | None: ...
 

@@ -12,6 +12,7 @@ at once, so a ``respond`` in the same instant gets 410, never a half-delivered a
 
 from __future__ import annotations
 
+import asyncio
 import math
 from functools import partial
 
@@ -181,6 +182,8 @@ class AgentAPI:
             # Withdrawn the moment the client goes, in aiohttp's connection_lost, before the
             # handler's cancellation is even delivered: nothing can answer it after that.
             on_disconnect(request, partial(gw.broker.withdraw, parked, "agent disconnected"))
+            if parked.request.stream:
+                return await self._stream_when_answered(request, adapter, parked)
             try:
                 answer = await gw.broker.wait(parked)  # a RequestClosed: timed out, session closed
             finally:
@@ -189,21 +192,60 @@ class AgentAPI:
 
         return handle
 
-    async def _render(
-        self, request: BaseRequest, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer
+    async def _stream_when_answered(
+        self, request: BaseRequest, adapter: ProtocolAdapter, parked: ParkedRequest
     ) -> StreamResponse:
+        """Wait for a streaming request's answer; while sampling is paused for a weight update, send the
+        agent keep-alives every ``pause_keepalive_seconds`` (the SSE headers go out with the first), so
+        its client's read timeout does not fire. Once they started they go on until the answer."""
+        gw = self.gw
+        fence = gw.fence
+        future = parked.future
+        resp: StreamResponse | None = None
+        try:
+            while not future.done():
+                if resp is None and not fence.paused:
+                    # Sampling: wait for the answer, or for a pause to begin.
+                    await asyncio.wait((future, fence.pause_signal()), return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                done, _ = await asyncio.wait((future,), timeout=gw.config.pause_keepalive_seconds)
+                if not done:
+                    if resp is None:
+                        resp = await render.open_stream(request)
+                    await resp.write(render.KEEPALIVE[adapter.protocol])
+        except asyncio.CancelledError:
+            gw.broker.withdraw(parked, "agent disconnected")
+            raise
+        finally:
+            on_disconnect(request, None)
+        try:
+            answer = future.result()  # a RequestClosed: timed out, session closed
+        except StatusError as exc:
+            if resp is None:
+                raise
+            return await render.stream_error(resp, adapter, parked, exc.status, exc.message)
+        return await self._render(request, adapter, parked, answer, resp)
+
+    async def _render(
+        self, request: BaseRequest, adapter: ProtocolAdapter, parked: ParkedRequest, answer: Answer,
+        resp: StreamResponse | None = None,
+    ) -> StreamResponse:
+        """The answer as the agent's response; ``resp``: the SSE response of a streaming request whose
+        headers went out already (keep-alives were sent while sampling was paused)."""
         idle = self.gw.config.stream_idle_timeout
         if isinstance(answer, ErrorAnswer):
+            if resp is not None:
+                return await render.stream_error(resp, adapter, parked, answer.status, answer.message)
             raise StatusError(answer.message, status=answer.status)
         if isinstance(answer, StreamAnswer):
             items = aiter(answer.source)
             if parked.request.stream:
-                return await render.delta_stream(request, adapter, parked, items, idle)
+                return await render.delta_stream(request, adapter, parked, items, idle, resp)
             return await render.drained(adapter, parked, items, idle)
         if not parked.request.stream:
             return render.whole(adapter, parked, answer)
         completion = answer.completion if isinstance(answer, NativeAnswer) else answer
-        return await render.synthesized_stream(request, adapter, parked, completion)
+        return await render.synthesized_stream(request, adapter, parked, completion, resp)
 
     async def count_tokens(self, request: BaseRequest, sid: str | None) -> Response:
         session = self._session(request, sid)

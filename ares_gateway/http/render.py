@@ -96,13 +96,41 @@ def whole(adapter: ProtocolAdapter, parked: ParkedRequest, answer: Completion | 
     return json_response(adapter.render_response(answer, parked.request, response_id(parked)))
 
 
-async def synthesized_stream(
-    request: BaseRequest, adapter: ProtocolAdapter, parked: ParkedRequest, completion: Completion
-) -> StreamResponse:
-    """A whole answer to a request that asked for a stream: the protocol's full event sequence at once."""
-    encoder = adapter.stream_encoder(parked.request, response_id(parked))
+#: What a parked streaming request is sent while sampling is paused: Anthropic's own no-op event
+#: (its SDKs skip it), and an SSE comment line for the OpenAI APIs (their SDKs skip comments).
+KEEPALIVE: dict[WireProtocol, bytes] = {
+    WireProtocol.ANTHROPIC_MESSAGES: b'event: ping\ndata: {"type": "ping"}\n\n',
+    WireProtocol.OPENAI_CHAT: b": keep-alive\n\n",
+    WireProtocol.OPENAI_RESPONSES: b": keep-alive\n\n",
+}
+
+
+async def open_stream(request: BaseRequest) -> StreamResponse:
+    """The SSE response, its status and headers sent (before the answer, to send keep-alives)."""
     resp = StreamResponse(status=200, headers=_SSE)
     await resp.prepare(request)
+    return resp
+
+
+async def stream_error(
+    resp: StreamResponse, adapter: ProtocolAdapter, parked: ParkedRequest, status: int, message: str
+) -> StreamResponse:
+    """End an SSE response whose headers went out already with an error event in the protocol's shape."""
+    encoder = adapter.stream_encoder(parked.request, response_id(parked))
+    await resp.write(encoder.error(status, message))
+    await resp.write_eof()
+    return resp
+
+
+async def synthesized_stream(
+    request: BaseRequest, adapter: ProtocolAdapter, parked: ParkedRequest, completion: Completion,
+    resp: StreamResponse | None = None,
+) -> StreamResponse:
+    """A whole answer to a request that asked for a stream: the protocol's full event sequence at once
+    (into ``resp`` when its headers went out already)."""
+    encoder = adapter.stream_encoder(parked.request, response_id(parked))
+    if resp is None:
+        resp = await open_stream(request)
     await resp.write(encoder.start() + encoder.finish(completion))
     await resp.write_eof()
     return resp
@@ -119,16 +147,18 @@ async def delta_stream(
     parked: ParkedRequest,
     items: AsyncIterator[CompletionDelta | Completion],
     idle_timeout: float,
+    resp: StreamResponse | None = None,
 ) -> StreamResponse:
-    """The policy's stream as the protocol's SSE, delta by delta.
+    """The policy's stream as the protocol's SSE, delta by delta (into ``resp`` when its headers went
+    out already).
 
     ``items`` (the broker's recording view of the policy's stream) yields deltas and ends with
     one whole :class:`Completion`. A stream that fails, or sends nothing for ``idle_timeout``
     seconds, ends the agent's stream with an error event in its protocol's shape.
     """
     encoder = adapter.stream_encoder(parked.request, response_id(parked))
-    resp = StreamResponse(status=200, headers=_SSE)
-    await resp.prepare(request)
+    if resp is None:
+        resp = await open_stream(request)
     await resp.write(encoder.start())
     try:
         try:
@@ -193,14 +223,17 @@ async def _aclose(items: AsyncIterator[Any]) -> None:
 
 __all__ = [
     "AGENT_PATHS",
+    "KEEPALIVE",
     "control_error",
     "delta_stream",
     "drained",
     "error_for_path",
     "json_response",
+    "open_stream",
     "protocol_error",
     "protocol_for_path",
     "response_id",
+    "stream_error",
     "synthesized_stream",
     "whole",
 ]

@@ -218,6 +218,9 @@ class SamplingFence:
                         await self.wait_open()
                     finally:
                         self._waiting.discard(parked.id)
+                # Handed to the policy now: the turn is stamped with the weights of this attempt (an
+                # aborted one is sampled again with the version set at the resume).
+                parked.policy_version = broker.policy_version
                 task: asyncio.Future[T] = asyncio.ensure_future(make())
                 self._running[parked.id] = task
                 try:

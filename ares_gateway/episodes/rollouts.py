@@ -149,15 +149,27 @@ async def run_rollouts(
         if on_episode is not None:
             on_episode(result)
 
+    def fenced(kind: str, scalars: dict[str, float]) -> None:
+        # A weight-update fence during the run: its drain and pause times, at the run's episode count.
+        tracker.log(len(summary.episodes), **scalars)
+
+    fenced_gateway: Any = None
     try:
         await executor.start(harness=harness, tasks=tasks, policy=policy, time_limit=time_limit, sandbox=sandbox,
                              image=image)
+        fenced_gateway = getattr(executor, "gateway", None)
+        if fenced_gateway is not None and hasattr(fenced_gateway, "fence_listeners"):
+            fenced_gateway.fence_listeners.append(fenced)
+        else:
+            fenced_gateway = None
         answered_at_start = executor.turns_answered()
         for line in executor.describe():
             progress.line(line)
         await schedule(plan, executor, concurrency=concurrency, stop=stop, on_record=record, on_tick=refresh,
                        tick=0.5 if console is not None else None, state=state)
     finally:
+        if fenced_gateway is not None:
+            fenced_gateway.fence_listeners.remove(fenced)
         summary.cancelled.extend(state.cancelled)
         summary.interrupted = state.interrupted
         summary.duration = time.monotonic() - started

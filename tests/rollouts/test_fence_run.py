@@ -1,0 +1,88 @@
+"""A weight-update fence in the middle of a real run: tiny-agent episodes in local sandboxes, answered in
+process by the oracle policy (slowed, so a generation is in flight at the fence), an abort fence
+between turns. Nothing is lost, the aborted turn is recorded once with the version set at the resume,
+and the run's TensorBoard scalars hold the fence's drain and pause times."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ares_gateway import Gateway
+from ares_gateway.episodes.episode import harness_side_call_detector
+from ares_gateway.episodes.rollouts import run_rollouts
+from ares_gateway.episodes.tasks import load_dataset
+from ares_gateway.policies import make_policy
+from harnesses.tiny_agent import TinyAgentHarness
+
+pytestmark = pytest.mark.asyncio
+
+TASKS = load_dataset("examples").tasks[:2]
+
+
+class SlowOracle:
+    """The oracle policy, each call ``delay`` seconds late; counts the calls that started."""
+
+    def __init__(self, delay: float) -> None:
+        self.inner: Any = make_policy("oracle")
+        self.delay = delay
+        self.started = 0
+        self.first = asyncio.Event()
+
+    def bind(self, session_id: str, *, agent: str, task: Any = None) -> None:
+        self.inner.bind(session_id, agent=agent, task=task)
+
+    def unbind(self, session_id: str) -> None:
+        self.inner.unbind(session_id)
+
+    async def __call__(self, request: Any) -> Any:
+        self.started += 1
+        self.first.set()
+        await asyncio.sleep(self.delay)
+        return await self.inner(request)
+
+
+async def test_an_abort_fence_mid_run_loses_nothing_and_is_in_tensorboard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
+    out = tmp_path / "run"
+    policy = SlowOracle(delay=1.0)
+    async with Gateway(port=0, side_call_detector=harness_side_call_detector(TinyAgentHarness)) as gw:
+        gw.set_policy_version(0)
+
+        async def fence() -> None:
+            await policy.first.wait()
+            await asyncio.sleep(0.2)  # the first generations are in flight now
+            async with gw.weight_update(1, mode="abort", timeout=30) as report:
+                assert report.aborted >= 1
+                await asyncio.sleep(0.5)  # "mutating the weights"
+
+        fencing = asyncio.create_task(fence())
+        summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local", concurrency=2,
+                                     out=out, gateway=gw, stats_period=0)
+        await fencing
+    assert [e.reward for e in summary.episodes] == [1.0] * len(TASKS)
+    assert all(e.exit_reason == "completed" and e.turns == 2 for e in summary.episodes)
+    # The aborted generations ran again: more calls started than turns were answered, and each turn is
+    # recorded once, the re-sampled ones with the version set at the resume.
+    assert policy.started > 2 * len(TASKS)
+    for e in summary.episodes:
+        key = f"{e.task}.{e.attempt}"
+        turns = [json.loads(line) for line in (out / "turns" / f"{key}.jsonl").read_text().splitlines()]
+        # Both episodes' first generations were in flight at the fence (1 s each, fenced at 0.2 s): aborted,
+        # sampled again after the resume, recorded once, with version 1.
+        assert [t.get("policy_version") for t in turns] == [1, 1]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    [drain] = acc.Scalars("fence/drain_seconds")
+    [paused] = acc.Scalars("fence/paused_seconds")
+    assert 0 <= drain.value < 5 and paused.value >= 0.5
+    root = tmp_path / "sandboxes"
+    assert not root.exists() or list(root.iterdir()) == []

@@ -79,10 +79,10 @@ class SamplingFence:
         self._open.set()
         self._changed: asyncio.Event | None = None
         #: In-process generations running now: request id -> its task.
-        self._running: dict[str, asyncio.Future[Any]] = {}
+        self._running: dict[str, asyncio.Task[Any]] = {}
         #: Ids of the requests whose in-process generation waits for sampling to reopen.
         self._waiting: set[str] = set()
-        self._aborted: set[asyncio.Future[Any]] = set()
+        self._aborted: set[asyncio.Task[Any]] = set()
         #: Called with ("pause" | "resume", scalars) as each completes (the run's stats tracker).
         self.on_fence = on_fence
         self._signal: asyncio.Future[None] | None = None
@@ -221,23 +221,29 @@ class SamplingFence:
                 # Handed to the policy now: the turn is stamped with the weights of this attempt (an
                 # aborted one is sampled again with the version set at the resume).
                 parked.policy_version = broker.policy_version
-                task: asyncio.Future[T] = asyncio.ensure_future(make())
+                # Run in the caller's task (no task of its own per turn): an abort cancels the caller's
+                # task and takes the cancellation back here (uncancel), as asyncio.timeout does.
+                task = asyncio.current_task()
+                assert task is not None
                 self._running[parked.id] = task
                 try:
-                    await asyncio.wait((task,))
+                    result = await make()
                 except asyncio.CancelledError:
-                    task.cancel()
-                    await asyncio.wait((task,))  # its cleanup runs before the caller's
-                    raise
+                    if task not in self._aborted:
+                        raise  # the caller itself was cancelled
+                    self._aborted.discard(task)
+                    if task.uncancel() > 0:
+                        raise  # cancelled by someone else too
+                    continue  # sampled (in part) with the weights being replaced: sample again
                 finally:
                     if self._running.get(parked.id) is task:
                         del self._running[parked.id]
                     self._notify()
-                if task in self._aborted:
+                if task in self._aborted:  # the policy swallowed the cancellation: its answer is stale
                     self._aborted.discard(task)
-                    if task.cancelled() or self.paused:
-                        continue  # sampled (in part) with the weights being replaced: sample again
-                return task.result()
+                    task.uncancel()
+                    continue
+                return result
         except asyncio.CancelledError:
             # The caller stopped (a PolicyServer stopping): the request goes back to the parked ones
             # instead of staying taken by nobody.

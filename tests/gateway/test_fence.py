@@ -379,3 +379,63 @@ async def test_control_api_bad_input_gets_its_errors_and_loses_nothing_parked(gw
         status, _ = await _post(s, f"{url}/respond", json={"id": item["id"], "completion": {"text": "kept"}})
         assert status == 200
     assert (await asyncio.wait_for(agent, 10)).choices[0].message.content == "kept"
+
+
+async def test_drain_waits_for_a_streamed_answer_still_being_sent(gw: Gateway) -> None:
+    from ares_gateway import CompletionDelta
+
+    info = await gw.create_session()
+    sent = asyncio.Event()
+
+    async def streaming(request: Any) -> AsyncIterator[CompletionDelta | Completion]:
+        for word in ("one ", "two ", "three"):
+            yield CompletionDelta(text=word)
+            sent.set()
+            await asyncio.sleep(0.5)
+        yield Completion(text="one two three")
+
+    async with PolicyServer(gw, streaming, concurrency=2):
+
+        async def consume() -> str:
+            stream = await oai(gw, info.base_url, info.token).chat.completions.create(
+                model="m", messages=_MSG, stream=True)  # type: ignore[arg-type]
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        agent = asyncio.create_task(consume())
+        await asyncio.wait_for(sent.wait(), 10)
+        assert gw.broker.streams_in_flight == 1
+        report = await gw.pause_sampling("abort", timeout=10)  # a stream reaching its agent is not taken back
+        # The pause returned once the stream was sent to its end: its turn is recorded already.
+        assert report.in_flight == 1 and report.drain_seconds > 0.8
+        assert gw.broker.streams_in_flight == 0
+        assert [t["completion"]["text"] for t in gw.turn_log(info.session_id)] == ["one two three"]
+        assert await asyncio.wait_for(agent, 5) == "one two three"
+        gw.resume_sampling()
+
+
+async def test_gateway_env_answer_refused_by_an_abort_gives_the_request_back(gw: Gateway) -> None:
+    from ares_gateway import GatewayEnv
+
+    info = await gw.create_session()
+    client = oai(gw, info.base_url, info.token)
+    agent = asyncio.create_task(client.chat.completions.create(model="m", messages=_MSG))  # type: ignore[arg-type]
+    env = GatewayEnv.attached(gw, session_id=info.session_id)
+    first = await env.reset()
+    assert first.observation is not None
+    # The caller samples its answer; a trainer aborts meanwhile (the request is taken back) and resumes.
+    pause = asyncio.create_task(gw.pause_sampling("abort", timeout=5))
+    report = await pause
+    assert report.aborted == 1 and report.in_flight == 1
+    asyncio.get_running_loop().call_later(0.3, gw.resume_sampling, 2)
+    again = await asyncio.wait_for(env.step(Completion(text="sampled with the old weights")), 10)
+    assert not gw.fence.paused
+    assert again.mid() and again.observation is not None and again.observation.id == first.observation.id
+    assert not agent.done()
+    last = asyncio.create_task(env.step(Completion(text="sampled with the new weights")))
+    out = await asyncio.wait_for(agent, 5)
+    await gw.end_session(info.session_id, reward=1.0)
+    assert (await asyncio.wait_for(last, 5)).last()
+    assert out.choices[0].message.content == "sampled with the new weights"
+    [turn] = gw.turn_log(info.session_id)
+    assert turn["completion"]["text"] == "sampled with the new weights" and turn["policy_version"] == 2
+    await env.close()

@@ -31,6 +31,7 @@ log = logging.getLogger("ares_gateway")
 _LIMIT_FLAGS = (
     ("max_parked_per_session", "requests one session may have waiting for the policy at once (more: 429)"),
     ("stream_idle_timeout", "seconds a policy's stream may send nothing before the agent's stream is ended"),
+    ("pause_keepalive_seconds", "seconds between the keep-alives a parked streaming request gets while sampling is paused"),
     ("max_line_bytes", "longest request line, in bytes (longer: 431, closed)"),
     ("max_field_bytes", "longest header line, in bytes (longer: 431, closed)"),
     ("max_headers", "most header lines in one request (more: 431, closed)"),

@@ -624,6 +624,10 @@ class Broker:
                     parked._lease_until = None
                     log.info("lease on %s expired after attempt %d; delivering again", parked.id, parked.attempt)
                     self._make_available(parked)
+                    if paused:
+                        # A pause stops waiting for it; its poller's late answer would land after the
+                        # fence, sampled with the old weights: refused, as an abort's would be.
+                        parked._fenced = True
                 else:
                     upcoming = min(upcoming, until)
         for waiter in self._waiters:

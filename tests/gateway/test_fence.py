@@ -439,3 +439,24 @@ async def test_gateway_env_answer_refused_by_an_abort_gives_the_request_back(gw:
     [turn] = gw.turn_log(info.session_id)
     assert turn["completion"]["text"] == "sampled with the new weights" and turn["policy_version"] == 2
     await env.close()
+
+
+async def test_a_lease_running_out_during_a_drain_ends_the_wait_and_fences_the_late_answer() -> None:
+    async with Gateway(port=0, admin_token=ADMIN, lease_seconds=0.5) as gw:
+        info = await gw.create_session()
+        agent = asyncio.create_task(
+            oai(gw, info.base_url, info.token).chat.completions.create(model="m", messages=_MSG))  # type: ignore[arg-type]
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ADMIN}"}) as s:
+            async with s.get(f"{gw.url}/poll", params={"wait": "5"}) as r:
+                [item] = await r.json()
+            report = await gw.pause_sampling("drain", timeout=10)  # the poller never answers: its lease ends
+            assert report.in_flight == 1 and 0.3 < report.drain_seconds < 5
+            status, body = await _post(s, f"{gw.url}/respond", json={"id": item["id"], "completion": {"text": "late"}})
+            assert status == 409 and "weight-update fence" in body["error"]
+            gw.resume_sampling()
+            async with s.get(f"{gw.url}/poll", params={"wait": "5"}) as r:
+                [again] = await r.json()
+            assert again["id"] == item["id"] and again["attempt"] == 2
+            status, _ = await _post(s, f"{gw.url}/respond", json={"id": item["id"], "completion": {"text": "fresh"}})
+            assert status == 200
+        assert (await asyncio.wait_for(agent, 5)).choices[0].message.content == "fresh"

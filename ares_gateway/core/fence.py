@@ -206,7 +206,12 @@ class SamplingFence:
     async def generate(self, parked: ParkedRequest, make: Callable[[], Awaitable[T]]) -> T:
         """Run one in-process generation for ``parked`` (``make()``: the policy's call) inside the fence:
         it starts only while sampling is open, a drain waits for it, and an abort cancels it and runs
-        ``make()`` again once sampling resumes. The caller answers the request with the result."""
+        ``make()`` again once sampling resumes. The caller answers the request with the result.
+
+        ``make()`` runs in the calling task, which an abort cancels (the cancellation is taken back
+        here); a caller cancelled for its own reasons gets its ``CancelledError``, and the request goes
+        back to the parked ones. A policy that swallows the cancellation and answers anyway has its
+        answer dropped and is called again."""
         broker = self._broker
         broker.own(parked)
         try:

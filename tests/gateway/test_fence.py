@@ -460,3 +460,23 @@ async def test_a_lease_running_out_during_a_drain_ends_the_wait_and_fences_the_l
             status, _ = await _post(s, f"{gw.url}/respond", json={"id": item["id"], "completion": {"text": "fresh"}})
             assert status == 200
         assert (await asyncio.wait_for(agent, 5)).choices[0].message.content == "fresh"
+
+
+async def test_openai_responses_stream_parked_through_a_pause_gets_its_answer(gw: Gateway) -> None:
+    info = await gw.create_session()
+    async with PolicyServer(gw, Policy(), concurrency=2):
+        await gw.pause_sampling()
+        client = oai(gw, info.base_url, info.token, timeout=1.0)  # shorter than the pause
+
+        async def consume() -> str:
+            async with client.responses.stream(model="m", input="hi") as stream:
+                deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+                final = await stream.get_final_response()
+            assert final.output_text == "".join(deltas)
+            return final.output_text
+
+        sdk = asyncio.create_task(consume())
+        await asyncio.sleep(2.5)
+        assert not sdk.done()
+        gw.resume_sampling()
+        assert await asyncio.wait_for(sdk, 10) == "answer 1"

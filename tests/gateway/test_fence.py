@@ -222,7 +222,7 @@ async def test_openai_stream_parked_through_a_pause_gets_keepalives_and_its_answ
         await asyncio.sleep(3.0)
         assert not sdk.done()
         gw.resume_sampling()
-        assert await asyncio.wait_for(sdk, 10) == "answer 1" or "answer" in sdk.result()
+        assert await asyncio.wait_for(sdk, 10) in ("answer 1", "answer 2")  # two requests: either answer
         await asyncio.wait_for(rawtask, 10)
     body = b"".join(raw)
     assert body.count(b": keep-alive\n\n") >= 5

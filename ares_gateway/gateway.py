@@ -154,7 +154,7 @@ class Gateway:
                 raise TypeError(f"Gateway() got an unknown setting {key!r}")
             setattr(cfg, key, value)
         if cfg.admin_token is None:
-            # Never an open control API (issue 22), as `serve` and `run` do: whoever reaches the port
+            # Never an open control API, as `serve` and `run` do: whoever reaches the port
             # (an agent with the host's network, another user of the host) could read every request
             # and answer or end any session. The owner reads it as self.admin_token.
             cfg.admin_token = secrets.token_urlsafe(32)

@@ -7,8 +7,8 @@ of the agent's protocol (a dict), an :class:`ErrorAnswer`, or an async iterable 
 handler renders, or raises :class:`~ares_gateway.core.errors.InvalidAnswerError` saying what is wrong;
 the broker calls it before it resolves anything, so a bad answer leaves the request pending.
 
-A whole answer is also proven to render for its request before it is accepted (issue 22: a native
-body nested 300 deep was a 200 at ``/respond`` and a 500 to the agent, the turn unrecorded): a
+A whole answer is also proven to render for its request before it is accepted (else a native
+body nested 300 deep would be a 200 at ``/respond`` and a 500 to the agent, the turn unrecorded): a
 native body sent verbatim is encoded here and its bytes kept (``NativeAnswer.raw``, what the agent
 is sent), and any other whole answer is rendered once in the agent's protocol, whole or as its
 synthesized stream. What cannot be rendered is refused to the responder (400); the request stays

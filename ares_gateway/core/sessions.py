@@ -157,7 +157,7 @@ def same_secret(given: str, expected: str) -> bool:
     """Whether ``given`` (from a request header) is ``expected``, in constant time.
 
     Total over every string: aiohttp hands over header bytes that are not UTF-8 as lone surrogates
-    (``surrogateescape``), which a plain ``.encode()`` refuses (issue 22: a 500 and a traceback per
+    (``surrogateescape``), which a plain ``.encode()`` refuses (that would be a 500 and a traceback per
     request). ``surrogatepass`` encodes them too, to bytes no valid string encodes to, so such a
     value is simply wrong.
     """

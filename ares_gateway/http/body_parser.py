@@ -2,7 +2,7 @@
 
 A 30 MB, 60,000-message body costs about 0.12 s of ``orjson.loads``, 0.45 s of the protocol's
 canonical conversion and 0.05 s of encoding the canonical form for ``/poll``; on the event loop
-that stalls every other session for that long (issue 22, finding 7). A thread alone does not
+that stalls every other session for that long. A thread alone does not
 help: orjson and the encoder hold the GIL for their whole call (a 30 MB ``loads`` is one 0.1 s
 hold). So a body of ``offload_bytes`` or more goes this way:
 

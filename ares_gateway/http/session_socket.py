@@ -1,4 +1,4 @@
-"""One session's agent endpoint on its own unix socket (the sandbox relay's far end, issue 17).
+"""One session's agent endpoint on its own unix socket (the sandbox relay's far end).
 
 A sandbox with ``network="none"`` reaches nothing but its own loopback; a relay inside it forwards
 ``127.0.0.1:PORT`` to the unix socket this module serves for that one session

@@ -10,7 +10,6 @@ says where a task's files go in each backend.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
@@ -362,19 +361,17 @@ async def copy_workspace(
     )
     with tempfile.TemporaryDirectory(prefix="ares-grade-") as tmp:
         local = Path(tmp) / "ws.tar"
-        packed, room = await asyncio.gather(src.archive_dir(src_workdir, local, limit=limit),
-                                            dst.exec(make_room, cwd="/", user=root, timeout=timeout),
-                                            return_exceptions=True)
-        if isinstance(packed, ArchiveTooLargeError):
+        # The archive first, then the grading side's room: where the two sandboxes' workdirs are one
+        # directory (a volume both mount; a stand-in on one disk), emptying it first would lose the work.
+        try:
+            packed = await src.archive_dir(src_workdir, local, limit=limit)
+        except ArchiveTooLargeError:
             raise WorkspaceCopyError(
                 f"the workdir {src_workdir} is too large to grade: its archive passes {limit} bytes (the task's "
-                f"storage_mb, else {MAX_WORKSPACE_BYTES} bytes); the agent left too much in it")
-        if isinstance(packed, BaseException):
-            if isinstance(packed, SandboxError):
-                raise WorkspaceCopyError(f"archiving the workdir {src_workdir} failed: {packed}")
-            raise packed
-        if isinstance(room, BaseException):
-            raise room
+                f"storage_mb, else {MAX_WORKSPACE_BYTES} bytes); the agent left too much in it") from None
+        except SandboxError as exc:
+            raise WorkspaceCopyError(f"archiving the workdir {src_workdir} failed: {exc}") from exc
+        room = await dst.exec(make_room, cwd="/", user=root, timeout=timeout)
         if not room.ok:
             raise WorkspaceCopyError(f"preparing {dst_workdir} in the grading sandbox failed: {_tail(room.stderr)}")
         dst_dir = room.stdout.strip()

@@ -20,7 +20,6 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from aiohttp import web
 
 from ares_gateway import Completion, CompletionDelta, Gateway
 from ares_gateway.core.broker import ParkedRequest
@@ -267,20 +266,10 @@ def test_the_viewer_shows_the_version_of_each_turn_and_sample() -> None:
 
 @pytest.fixture
 async def sglang_fake() -> AsyncIterator[tuple[Any, str]]:
-    from tests.tito.test_http_engines import Fake
+    from tests.tito.test_http_engines import serve_fake
 
-    fake = Fake()
-    app = web.Application()
-    app.router.add_post("/generate", fake.sglang)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield fake, f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve_fake() as served:
+        yield served
 
 
 async def test_an_engines_reported_version_wins_over_the_gateways(sglang_fake: tuple[Any, str]) -> None:

@@ -9,6 +9,7 @@ Live tests run against real servers when ``ARES_SGLANG_URL`` / ``ARES_VLLM_URL``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import AsyncIterator, Callable
@@ -115,8 +116,10 @@ class Fake:
         return web.json_response(data)
 
 
-@pytest.fixture
-async def fake() -> AsyncIterator[tuple[Fake, str]]:
+@contextlib.asynccontextmanager
+async def serve_fake() -> AsyncIterator[tuple[Fake, str]]:
+    """A :class:`Fake` serving SGLang's ``/generate`` and vLLM's ``/inference/v1/generate`` on a free
+    loopback port: the fake and its URL."""
     f = Fake()
     app = web.Application()
     app.router.add_post("/generate", f.sglang)
@@ -130,6 +133,12 @@ async def fake() -> AsyncIterator[tuple[Fake, str]]:
         yield f, f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[Fake, str]]:
+    async with serve_fake() as served:
+        yield served
 
 
 SAMPLING = Sampling(max_tokens=16, temperature=0.7, top_p=0.9, top_k=20, seed=7, stop_token_ids=(EOS,))

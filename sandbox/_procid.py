@@ -37,10 +37,11 @@ RECORD_AND_EXEC = (
 
 #: Sets ``u`` (a user name or a numeric uid, as ``exec(user=...)`` takes it) to the name
 #: ``/etc/passwd`` gives a numeric uid, builtins only: ``runuser -u`` and ``su`` take names alone.
-#: A uid with no entry stays a number (``sudo -u '#UID'`` takes it; ``runuser`` then says no such user).
+#: A uid with no entry stays a number; ``sudo_u`` is ``u`` as ``sudo -u`` takes it (``#UID`` then).
 USER_NAME_SH = (
     'case $u in ""|*[!0-9]*) ;; *) while IFS=: read -r _n _ _i _; do [ "$_i" = "$u" ] && { u=$_n; break; }; '
     'done 2>/dev/null </etc/passwd;; esac; '
+    'case $u in ""|*[!0-9]*) sudo_u=$u;; *) sudo_u="#$u";; esac; '
 )
 
 #: Sets ``_ed`` to the directory of the records of the user it runs as (root: EXEC_DIR; a backend's

@@ -53,7 +53,6 @@ _GIB = 1024**3
 _WRAPPER = EXEC_DIR_SH + r"""
 p="$_ed/$1.pid"; e="$_ed/$1.err"; b=$2; d=$3; u=$4; c=$5; rec=$6
 """ + USER_NAME_SH + r"""
-case $u in ""|*[!0-9]*) sudo_u=$u;; *) sudo_u="#$u";; esac
 if ! cd -- "$d" 2>/dev/null; then printf '%s' "$b"; echo "ares-exec: no such directory: $d"; exit 201; fi
 if [ -z "$u" ]; then set -- /bin/sh -c "$c"
 elif [ "$_uid" = 0 ]; then set -- runuser -u "$u" -- /bin/sh -c "$c"

@@ -68,7 +68,6 @@ _STREAM_CHUNK = 1 * _MIB
 _WRAPPER = EXEC_DIR_SH + r"""
 p="$_ed/$1.pid"; d=$2; u=$3; c=$4; rec=$5
 """ + USER_NAME_SH + r"""
-case $u in ""|*[!0-9]*) sudo_u=$u;; *) sudo_u="#$u";; esac
 if ! cd -- "$d" 2>/dev/null; then echo "ares-exec: no such directory: $d" >&2; exit 201; fi
 if [ -z "$u" ]; then set -- /bin/sh -c "$c"
 elif [ "$_uid" = 0 ]; then set -- runuser -u "$u" -- /bin/sh -c "$c"

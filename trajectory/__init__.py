@@ -20,6 +20,7 @@ from .normalize import (
     strip_claude_code_billing_header,
     unregister_normalizer,
 )
+from .staleness import check_max_staleness, is_stale, mask_stale
 from .types import Sample, TurnRecord
 
 __all__ = [
@@ -30,7 +31,10 @@ __all__ = [
     "Sample",
     "TrajectoryManager",
     "TurnRecord",
+    "check_max_staleness",
     "default_registry",
+    "is_stale",
+    "mask_stale",
     "message_key",
     "register_normalizer",
     "strip_claude_code_billing_header",

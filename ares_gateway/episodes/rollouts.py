@@ -15,7 +15,8 @@ It composes three parts, each in its own module:
   fresh sandbox driven by the policy in process, or, with the ``http`` policy, the agent started while
   its requests stay parked for an external trainer on ``/poll``); :class:`LocalExecutor` by default;
 * **output** (:mod:`~ares_gateway.episodes.output`): results.json, episodes.jsonl, trajectories, turn
-  logs, agent logs, TensorBoard, the progress bar; written here, as each episode's record comes back.
+  logs, agent logs, TensorBoard, the progress bar; written by :class:`RunWriter` as each episode's record
+  comes back (the streaming rollout source, :mod:`~ares_gateway.episodes.stream`, writes through it too).
 
 Stopping (:class:`asyncio.Event` ``stop``, which the CLI sets on Ctrl-C): no new episode is launched,
 running episodes are cancelled (each removes its sandbox), and the results of finished ones are written.
@@ -55,6 +56,7 @@ __all__ = [
     "FAILED_REASONS",
     "EpisodeResult",
     "RunSummary",
+    "RunWriter",
     "ensure_local_install",
     "pass_at_k",
     "results_table",
@@ -108,77 +110,114 @@ async def run_rollouts(
         raise ValueError("pass gateway= or executor=, not both (an executor brings its own gateways)")
     executor = executor if executor is not None else LocalExecutor(concurrency=concurrency, gateway=gateway)
     stop = stop or asyncio.Event()
-    root = Path(out) if out is not None else None
-    outputs = RunOutputs(root)
-    tracker: StatTracker = make_tracker("null")
-    if stats != "null" and not (stats == "tensorboard" and root is None):
-        tracker = make_tracker(stats, logdir=root / "tb" if root is not None else None, period=stats_period)
     options = dict(harness_options or {})
     plan = [EpisodeSpec(task, attempt, harness, options, sandbox=sandbox, image=image, model=model,
                         step_limit=step_limit, time_limit=time_limit)
             for attempt in range(attempts) for task in tasks]
-    summary = RunSummary(episodes=[], planned=len(plan), attempts=attempts, success_threshold=success_threshold,
-                         out=root)
     run = {
         "harness": harness, "sandbox": sandbox, "concurrency": concurrency, "attempts": attempts,
         "step_limit": step_limit, "time_limit": time_limit, "tasks": [t.name for t in tasks],
         "policy": type(policy).__name__, "executor": executor.kind, **dict(run_info or {}),
     }
-    progress = Progress(console, len(plan), f"{harness}: {len(tasks)} task(s)")
-    started = time.monotonic()
+    writer = RunWriter(executor, run, out=out, planned=len(plan), attempts=attempts,
+                       success_threshold=success_threshold, stats=stats, stats_period=stats_period,
+                       console=console, title=f"{harness}: {len(tasks)} task(s)", on_episode=on_episode,
+                       on_samples=on_samples)
     state = ScheduleState()
-    failed = 0
-    answered_at_start = 0
-
-    def refresh(running: int) -> None:
-        elapsed = max(time.monotonic() - started, 1e-9)
-        progress.update(done=len(summary.episodes), running=running, failed=failed, mean=summary.mean_reward,
-                        turns_per_s=(executor.turns_answered() - answered_at_start) / elapsed)
-
-    def record(rec: EpisodeRecord) -> None:
-        nonlocal failed
-        result = rec.result
-        outputs.episode(result, rec.samples, rec.turns, rec.logs)
-        if on_samples is not None:
-            on_samples(result, rec.samples)
-        summary.episodes.append(result)
-        if result.exit_reason in FAILED_REASONS:
-            failed += 1
-        log_episode(tracker, len(summary.episodes), result, summary)
-        progress.line(episode_line(result))
-        if on_episode is not None:
-            on_episode(result)
-
-    def fenced(kind: str, scalars: dict[str, float]) -> None:
-        # A weight-update fence during the run: its drain and pause times, at the run's episode count.
-        tracker.log(len(summary.episodes), **scalars)
-
-    fenced_gateway: Any = None
     try:
         await executor.start(harness=harness, tasks=tasks, policy=policy, time_limit=time_limit, sandbox=sandbox,
                              image=image)
-        fenced_gateway = getattr(executor, "gateway", None)
-        if fenced_gateway is not None and hasattr(fenced_gateway, "fence_listeners"):
-            fenced_gateway.fence_listeners.append(fenced)
-        else:
-            fenced_gateway = None
-        answered_at_start = executor.turns_answered()
-        for line in executor.describe():
-            progress.line(line)
-        await schedule(plan, executor, concurrency=concurrency, stop=stop, on_record=record, on_tick=refresh,
-                       tick=0.5 if console is not None else None, state=state)
+        writer.started()
+        await schedule(plan, executor, concurrency=concurrency, stop=stop, on_record=writer.record,
+                       on_tick=writer.refresh, tick=0.5 if console is not None else None, state=state)
     finally:
-        if fenced_gateway is not None:
-            fenced_gateway.fence_listeners.remove(fenced)
+        writer.finish(state)
+        await executor.close()
+    return writer.summary
+
+
+class RunWriter:
+    """What a run writes and shows as its episodes come back, in one place for :func:`run_rollouts` and
+    the streaming rollout source (:class:`~ares_gateway.episodes.stream.RolloutSource`): the OUT
+    directory (:class:`~ares_gateway.episodes.output.RunOutputs`), the stats tracker (TensorBoard under
+    ``OUT/tb``, the fences' drain and pause times included), the progress bar and the
+    :class:`RunSummary`. Used as: :meth:`started` once the executor has started, :meth:`record` per
+    finished episode, :meth:`finish` once (writes ``results.json``; also after a failed start)."""
+
+    def __init__(self, executor: Executor, run: Mapping[str, Any], *, out: str | os.PathLike[str] | None,
+                 planned: int, attempts: int, success_threshold: float = 1.0, stats: str = "tensorboard",
+                 stats_period: float = 10.0, console: Any = None, title: str = "",
+                 on_episode: Callable[[EpisodeResult], None] | None = None,
+                 on_samples: Callable[[EpisodeResult, list[Any]], None] | None = None) -> None:
+        root = Path(out) if out is not None else None
+        self.executor = executor
+        self.run = dict(run)
+        self.outputs = RunOutputs(root)
+        self.tracker: StatTracker = make_tracker("null")
+        if stats != "null" and not (stats == "tensorboard" and root is None):
+            self.tracker = make_tracker(stats, logdir=root / "tb" if root is not None else None, period=stats_period)
+        self.summary = RunSummary(episodes=[], planned=planned, attempts=attempts,
+                                  success_threshold=success_threshold, out=root)
+        self.progress = Progress(console, planned, title)
+        self.on_episode = on_episode
+        self.on_samples = on_samples
+        self.failed = 0
+        self._started = time.monotonic()
+        self._answered_at_start = 0
+        self._fenced_gateway: Any = None
+        self._finished = False
+
+    def started(self) -> None:
+        """The executor has started: count turns from here, say where requests wait, and listen to the
+        weight-update fence of its gateway (where it has one in this process)."""
+        self._answered_at_start = self.executor.turns_answered()
+        gw = getattr(self.executor, "gateway", None)
+        if gw is not None and hasattr(gw, "fence_listeners"):
+            gw.fence_listeners.append(self._fenced)
+            self._fenced_gateway = gw
+        for line in self.executor.describe():
+            self.progress.line(line)
+
+    def refresh(self, running: int) -> None:
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        self.progress.update(done=len(self.summary.episodes), running=running, failed=self.failed,
+                             mean=self.summary.mean_reward,
+                             turns_per_s=(self.executor.turns_answered() - self._answered_at_start) / elapsed)
+
+    def record(self, rec: EpisodeRecord) -> None:
+        """One finished episode: its files, the callbacks, the summary, its scalars and progress line."""
+        result = rec.result
+        self.outputs.episode(result, rec.samples, rec.turns, rec.logs)
+        if self.on_samples is not None:
+            self.on_samples(result, rec.samples)
+        self.summary.episodes.append(result)
+        if result.exit_reason in FAILED_REASONS:
+            self.failed += 1
+        log_episode(self.tracker, len(self.summary.episodes), result, self.summary)
+        self.progress.line(episode_line(result))
+        if self.on_episode is not None:
+            self.on_episode(result)
+
+    def _fenced(self, kind: str, scalars: dict[str, float]) -> None:
+        # A weight-update fence during the run: its drain and pause times, at the run's episode count.
+        self.tracker.log(len(self.summary.episodes), **scalars)
+
+    def finish(self, state: ScheduleState) -> None:
+        """The run is over: the cancelled episodes, the final scalars, ``results.json`` (once)."""
+        if self._finished:
+            return
+        self._finished = True
+        if self._fenced_gateway is not None:
+            self._fenced_gateway.fence_listeners.remove(self._fenced)
+            self._fenced_gateway = None
+        summary = self.summary
         summary.cancelled.extend(state.cancelled)
         summary.interrupted = state.interrupted
-        summary.duration = time.monotonic() - started
-        refresh(0)
-        progress.stop()
+        summary.duration = time.monotonic() - self._started
+        self.refresh(0)
+        self.progress.stop()
         final: dict[str, Any] = {"run/mean_reward": summary.mean_reward,
                                  "run/episodes_per_minute": summary.to_dict()["episodes_per_minute"]}
-        tracker.log(len(summary.episodes), **final)
-        tracker.close()
-        outputs.results(run, summary)
-        await executor.close()
-    return summary
+        self.tracker.log(len(summary.episodes), **final)
+        self.tracker.close()
+        self.outputs.results(self.run, summary)

@@ -5,13 +5,17 @@ order, and hands each finished one to ``on_record``. An episode whose executor c
 or runner failure) is recorded as an ``error`` episode and the run goes on. Setting ``stop`` (the CLI
 does on Ctrl-C), or cancelling the caller, launches nothing more and cancels what runs (each episode
 removes its sandbox); their keys are in :attr:`ScheduleState.cancelled`.
+
+The plan may be a sequence or a lazy, even endless, iterator (the streaming rollout source's
+epochs). ``may_launch(running)`` holds launches back while it is false (the source's back-pressure:
+a consumer that lags); ``wake`` is set to have it asked again (the consumer took an item).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +39,7 @@ class ScheduleState:
 
 
 async def schedule(
-    plan: Sequence[EpisodeSpec],
+    plan: Iterable[EpisodeSpec],
     executor: Executor,
     *,
     concurrency: int,
@@ -44,24 +48,49 @@ async def schedule(
     on_tick: Callable[[int], None] | None = None,
     tick: float | None = None,
     state: ScheduleState | None = None,
+    may_launch: Callable[[int], bool] | None = None,
+    wake: asyncio.Event | None = None,
 ) -> ScheduleState:
     """Run ``plan`` on ``executor`` (see the module docstring). ``on_tick(running)`` is called whenever
-    an episode starts or ends and every ``tick`` seconds (the progress bar)."""
+    an episode starts or ends and every ``tick`` seconds (the progress bar). A sized plan's episodes
+    never launched before a stop are in :attr:`ScheduleState.cancelled`; an iterator's are not read."""
     state = state if state is not None else ScheduleState()
     width = max(1, min(concurrency, executor.slots))
-    pending = list(plan)
+    specs = iter(plan)
+    nxt: list[EpisodeSpec] = []  # the next spec, read ahead to know whether the plan has more
+
+    def more() -> bool:
+        if not nxt:
+            spec = next(specs, None)
+            if spec is None:
+                return False
+            nxt.append(spec)
+        return True
+
     running: dict[asyncio.Task[Any], EpisodeSpec] = {}
     stop_wait = asyncio.create_task(stop.wait())
+    wake_wait: asyncio.Task[Any] | None = None
     try:
-        while (pending or running) and not stop.is_set():
-            while pending and len(running) < width and not stop.is_set():
-                spec = pending.pop(0)
+        while (running or more()) and not stop.is_set():
+            while (len(running) < width and not stop.is_set() and (may_launch is None or may_launch(len(running)))
+                   and more()):
+                spec = nxt.pop()
                 running[asyncio.create_task(executor.run(spec), name=f"ares-episode-{spec.key}")] = spec
             if on_tick is not None:
                 on_tick(len(running))
-            done, _ = await asyncio.wait({*running, stop_wait}, timeout=tick, return_when=asyncio.FIRST_COMPLETED)
+            waiting: set[asyncio.Task[Any]] = {*running, stop_wait}
+            if wake is not None:
+                if wake_wait is None:
+                    wake_wait = asyncio.create_task(wake.wait())
+                waiting.add(wake_wait)
+            done, _ = await asyncio.wait(waiting, timeout=tick, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
                 if t is stop_wait:
+                    continue
+                if t is wake_wait:
+                    assert wake is not None
+                    wake.clear()
+                    wake_wait = None
                     continue
                 spec = running.pop(t)  # type: ignore[call-overload]
                 try:
@@ -80,6 +109,8 @@ async def schedule(
         raise
     finally:
         stop_wait.cancel()
+        if wake_wait is not None:
+            wake_wait.cancel()
         if running:
             state.interrupted = True
             for t in running:
@@ -91,7 +122,10 @@ async def schedule(
                     on_record(res)  # it finished while being cancelled
                 else:
                     state.cancelled.append(spec.key)
-        if pending and stop.is_set():
-            state.interrupted = True
-            state.cancelled.extend(spec.key for spec in pending)
+        if stop.is_set():
+            # What was never launched: listed for a sized plan (run's), not read from an iterator.
+            left = [*nxt, *specs] if isinstance(plan, Sized) else []
+            if left:
+                state.interrupted = True
+                state.cancelled.extend(spec.key for spec in left)
     return state

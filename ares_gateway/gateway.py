@@ -36,14 +36,9 @@ from ares_gateway.core.canonical import (
     Completion,
     CompletionDelta,
     TokenRecord,
-    read_policy_version,
+    next_policy_version,
 )
-from ares_gateway.core.errors import (
-    InvalidPolicyVersionError,
-    InvalidSessionError,
-    PolicyVersionBackwardsError,
-    UnknownSessionError,
-)
+from ares_gateway.core.errors import InvalidSessionError, UnknownSessionError
 from ares_gateway.core.fence import PauseReport, SamplingFence
 from ares_gateway.core.metrics import GatewayMetrics
 from ares_gateway.core.recorder import RecordedTurn, Recorder
@@ -434,17 +429,7 @@ class Gateway:
         :class:`~ares_gateway.core.errors.InvalidPolicyVersionError` (400) for anything but a
         non-negative integer and :class:`~ares_gateway.core.errors.PolicyVersionBackwardsError` (409)
         for a version lower than the current one."""
-        if version is None:
-            raise InvalidPolicyVersionError("version must be a non-negative integer, not None", param="version")
-        checked = read_policy_version(version, "version")
-        assert checked is not None
-        current = self.broker.policy_version
-        if current is not None and checked < current:
-            raise PolicyVersionBackwardsError(
-                f"policy version {checked} is lower than the gateway's current version {current}: versions only "
-                "go up; set the version of the weights now loaded"
-            )
-        self.broker.policy_version = checked
+        self.broker.policy_version = next_policy_version(version, self.broker.policy_version)
 
     # ------------------------------------------------------------------ weight-update fence
 

@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from ares_gateway.core.errors import InvalidPolicyVersionError
+from ares_gateway.core.errors import InvalidPolicyVersionError, PolicyVersionBackwardsError
 from ares_gateway.core.token_ids import logprob_array, token_array
 
 
@@ -267,6 +267,23 @@ def read_policy_version(value: object, what: str = "policy_version") -> int | No
             param=what,
         )
     return int(value)
+
+
+def next_policy_version(version: object, current: int | None) -> int:
+    """The version to set after ``current`` (``None``: none set yet): ``version``, checked. Raises
+    :class:`~ares_gateway.core.errors.InvalidPolicyVersionError` (400) for anything but a non-negative
+    integer and :class:`~ares_gateway.core.errors.PolicyVersionBackwardsError` (409) for one lower than
+    ``current`` (the same again is allowed: a no-op)."""
+    if version is None:
+        raise InvalidPolicyVersionError("version must be a non-negative integer, not None", param="version")
+    checked = read_policy_version(version, "version")
+    assert checked is not None
+    if current is not None and checked < current:
+        raise PolicyVersionBackwardsError(
+            f"policy version {checked} is lower than the gateway's current version {current}: versions only "
+            "go up; set the version of the weights now loaded"
+        )
+    return checked
 
 
 def _policy_version_in(value: Any) -> int | None:

@@ -45,6 +45,16 @@ PauseMode = Literal["drain", "abort"]
 PAUSE_MODES: tuple[str, ...] = ("drain", "abort")
 
 
+def check_pause(mode: object, timeout: object) -> None:
+    """Raise :class:`InvalidFenceError` unless ``mode`` is a pause mode and ``timeout`` is ``None`` or a
+    positive finite number of seconds (what :meth:`SamplingFence.pause` accepts)."""
+    if mode not in PAUSE_MODES:
+        raise InvalidFenceError(f"unknown pause mode {mode!r}: use \"drain\" or \"abort\"")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or not 0 < timeout < float("inf")):
+        raise InvalidFenceError(f"timeout must be a positive number of seconds (or null: none), got {timeout!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class PauseReport:
     """What a pause did: its mode, how long the drain took, what was in flight when it began and
@@ -124,11 +134,7 @@ class SamplingFence:
         Raises :class:`SamplingPausedError` when paused already, :class:`InvalidFenceError` for a bad
         ``mode`` or ``timeout``, and :class:`DrainTimeoutError` when the drain outlasts ``timeout``
         seconds (sampling is then resumed)."""
-        if mode not in PAUSE_MODES:
-            raise InvalidFenceError(f"unknown pause mode {mode!r}: use \"drain\" or \"abort\"")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-                                    or not 0 < timeout < float("inf")):
-            raise InvalidFenceError(f"timeout must be a positive number of seconds (or null: none), got {timeout!r}")
+        check_pause(mode, timeout)
         if self.paused:
             raise SamplingPausedError(
                 f"sampling is {self.state} already (mode {self.mode}); resume it before pausing again")

@@ -6,20 +6,32 @@ and gets each one's :class:`~ares_gateway.episodes.driver.EpisodeRecord` back; t
 written where the run is driven, whichever executor ran the episodes.
 
 * :class:`LocalExecutor` (the default): this process, this event loop, one gateway.
+
+Policy versions and the weight-update fence reach every gateway an executor runs episodes on:
+``await executor.set_policy_version(n)``, ``await executor.pause_sampling()`` /
+``await executor.resume_sampling(n)`` and ``async with executor.weight_update(n):`` behave as the
+:class:`~ares_gateway.gateway.Gateway` methods of the same names, over all of them (a
+:class:`~ares_gateway.episodes.ray.RayExecutor`: one gateway per node). They are coroutines on every
+executor, since one whose gateways live elsewhere must reach them. A version set before
+:meth:`Executor.start` applies to the gateways it starts, and carries over to the next start.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol, runtime_checkable
 
+from ares_gateway.core.canonical import next_policy_version
+from ares_gateway.core.errors import SamplingNotPausedError
+from ares_gateway.core.fence import PauseReport
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec, drive_episode
 from ares_gateway.episodes.episode import episode_gateway
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.gateway import Gateway
 from ares_gateway.policies.base import ExternalPolicy, is_external
 
-__all__ = ["Executor", "LocalExecutor"]
+__all__ = ["Executor", "LocalExecutor", "fenced_update"]
 
 
 @runtime_checkable
@@ -57,6 +69,50 @@ class Executor(Protocol):
         """Release what :meth:`start` made (gateways, workers)."""
         ...
 
+    @property
+    def policy_version(self) -> int | None:
+        """The version of the weights the policy samples with now (``None``: never set)."""
+        ...
+
+    async def set_policy_version(self, version: int) -> None:
+        """:meth:`Gateway.set_policy_version <ares_gateway.gateway.Gateway.set_policy_version>` on every
+        gateway (before :meth:`start`: kept for the gateways it starts). Raises
+        :class:`~ares_gateway.core.errors.InvalidPolicyVersionError` and
+        :class:`~ares_gateway.core.errors.PolicyVersionBackwardsError` as the gateway does."""
+        ...
+
+    async def pause_sampling(self, mode: str = "drain", *, timeout: float | None = None) -> PauseReport:
+        """:meth:`Gateway.pause_sampling <ares_gateway.gateway.Gateway.pause_sampling>` on every gateway;
+        returns once none has a generation in flight. Raises the gateway's
+        :class:`~ares_gateway.core.errors.FenceError` subclasses, and ``RuntimeError`` before :meth:`start`."""
+        ...
+
+    async def resume_sampling(self, version: int | None = None) -> float:
+        """:meth:`Gateway.resume_sampling <ares_gateway.gateway.Gateway.resume_sampling>` on every gateway;
+        returns the seconds sampling was paused (the longest of them)."""
+        ...
+
+    def weight_update(self, version: int | None = None, *, mode: str = "drain",
+                      timeout: float | None = None) -> AbstractAsyncContextManager[PauseReport]:
+        """``async with executor.weight_update(version):`` pause, update the weights in the body, resume with
+        ``version`` (as :meth:`Gateway.weight_update <ares_gateway.gateway.Gateway.weight_update>`)."""
+        ...
+
+
+@asynccontextmanager
+async def fenced_update(pause: Callable[[], Awaitable[PauseReport]],
+                        resume: Callable[[int | None], Awaitable[float]],
+                        version: int | None) -> AsyncIterator[PauseReport]:
+    """An executor's ``weight_update``: ``pause()``, the body, ``resume(version)``; resumed without the new
+    version when the body raises (the weights may be half updated: the caller decides what they are)."""
+    report = await pause()
+    try:
+        yield report
+    except BaseException:
+        await resume(None)
+        raise
+    await resume(version)
+
 
 class LocalExecutor:
     """Episodes in this process, on this event loop, against one gateway (the default executor).
@@ -76,6 +132,8 @@ class LocalExecutor:
         self.gateway: Gateway | None = gateway
         self._owns_gateway = gateway is None
         self._policy: Any = None
+        # The version for the gateway start() builds (set before it, or kept from the last one closed).
+        self._version: int | None = None
 
     @property
     def slots(self) -> int:
@@ -89,6 +147,8 @@ class LocalExecutor:
             longest = max([time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
             self.gateway = episode_gateway(harness, time_limit=longest)
             await self.gateway.start()
+            if self._version is not None:
+                self.gateway.set_policy_version(self._version)
 
     async def run(self, spec: EpisodeSpec) -> EpisodeRecord:
         if self.gateway is None:
@@ -108,5 +168,30 @@ class LocalExecutor:
 
     async def close(self) -> None:
         if self._owns_gateway and self.gateway is not None:
+            self._version = self.gateway.policy_version  # the next start's gateway goes on from it
             await self.gateway.close()
             self.gateway = None
+
+    @property
+    def policy_version(self) -> int | None:
+        return self.gateway.policy_version if self.gateway is not None else self._version
+
+    async def set_policy_version(self, version: int) -> None:
+        if self.gateway is not None:
+            self.gateway.set_policy_version(version)
+        else:
+            self._version = next_policy_version(version, self._version)
+
+    async def pause_sampling(self, mode: str = "drain", *, timeout: float | None = None) -> PauseReport:
+        if self.gateway is None:
+            raise RuntimeError("LocalExecutor.pause_sampling before start(): there is no gateway to pause yet")
+        return await self.gateway.pause_sampling(mode, timeout=timeout)
+
+    async def resume_sampling(self, version: int | None = None) -> float:
+        if self.gateway is None:
+            raise SamplingNotPausedError("sampling is not paused: pause it first")
+        return self.gateway.resume_sampling(version)
+
+    def weight_update(self, version: int | None = None, *, mode: str = "drain",
+                      timeout: float | None = None) -> AbstractAsyncContextManager[PauseReport]:
+        return fenced_update(lambda: self.pause_sampling(mode, timeout=timeout), self.resume_sampling, version)

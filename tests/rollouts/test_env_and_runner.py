@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -277,6 +278,22 @@ class _CountingExecutor:
     async def close(self) -> None:
         self.closed += 1
         await self.inner.close()
+
+    @property
+    def policy_version(self) -> int | None:
+        return self.inner.policy_version
+
+    async def set_policy_version(self, version: int) -> None:
+        await self.inner.set_policy_version(version)
+
+    async def pause_sampling(self, mode: str = "drain", *, timeout: float | None = None) -> Any:
+        return await self.inner.pause_sampling(mode, timeout=timeout)
+
+    async def resume_sampling(self, version: int | None = None) -> float:
+        return await self.inner.resume_sampling(version)
+
+    def weight_update(self, version: int | None = None, *, mode: str = "drain", timeout: float | None = None) -> Any:
+        return self.inner.weight_update(version, mode=mode, timeout=timeout)
 
 
 async def test_runner_runs_on_any_executor_and_records_a_failed_call(tmp_path: Path, sandbox_root: Path) -> None:

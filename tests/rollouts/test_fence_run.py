@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,72 @@ async def test_an_abort_fence_mid_run_loses_nothing_and_is_in_tensorboard(
     assert 0 <= drain.value < 5 and paused.value >= 0.5
     root = tmp_path / "sandboxes"
     assert not root.exists() or list(root.iterdir()) == []
+
+
+async def test_a_local_executor_carries_versions_and_the_fence_to_its_gateway(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The executor's own calls (what a trainer driving any executor uses): a version set before the run
+    reaches the gateway the executor builds, a weight_update mid-run drains it, and bad calls raise the
+    gateway's errors."""
+    from ares_gateway.core.errors import (
+        InvalidFenceError,
+        InvalidPolicyVersionError,
+        PolicyVersionBackwardsError,
+        SamplingNotPausedError,
+        SamplingPausedError,
+    )
+    from ares_gateway.episodes.executor import Executor, LocalExecutor
+
+    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
+    ex = LocalExecutor(concurrency=2)
+    assert isinstance(ex, Executor)
+    # Before start: a version is kept for the gateway start() builds; there is nothing to pause yet.
+    with pytest.raises(RuntimeError, match="before start"):
+        await ex.pause_sampling()
+    with pytest.raises(SamplingNotPausedError):
+        await ex.resume_sampling(1)
+    await ex.set_policy_version(2)
+    with pytest.raises(PolicyVersionBackwardsError):
+        await ex.set_policy_version(1)
+    with pytest.raises(InvalidPolicyVersionError):
+        await ex.set_policy_version("3")  # type: ignore[arg-type]
+    assert ex.policy_version == 2
+
+    policy = SlowOracle(delay=1.0)
+    fenced: dict[str, Any] = {}
+
+    async def fence() -> None:
+        while policy.started < len(TASKS):  # noqa: ASYNC110 (every episode's first generation in flight)
+            await asyncio.sleep(0.05)
+        assert ex.gateway is not None and ex.gateway.policy_version == 2
+        with pytest.raises(InvalidFenceError):
+            await ex.pause_sampling("later")
+        fenced["paused_at"] = time.time()
+        async with ex.weight_update(3, timeout=30) as report:
+            with pytest.raises(SamplingPausedError):
+                await ex.pause_sampling()
+            fenced["report"] = report
+            await asyncio.sleep(0.3)  # "mutating the weights"
+        fenced["resumed_at"] = time.time()
+        with pytest.raises(SamplingNotPausedError):
+            await ex.resume_sampling()
+
+    fencing = asyncio.create_task(fence())
+    out = tmp_path / "run"
+    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local", out=out, executor=ex,
+                                 stats="null")
+    await fencing
+    report = fenced["report"]
+    assert report.mode == "drain" and report.in_flight >= 1 and report.aborted == 0, report
+    assert [e.reward for e in summary.episodes] == [1.0] * len(TASKS)
+    assert all(e.turns == 2 for e in summary.episodes)  # no turn lost
+    for e in summary.episodes:
+        turns = [json.loads(line) for line in (out / "turns" / f"{e.key}.jsonl").read_text().splitlines()]
+        # The drained turns kept the old version; every turn answered after the resume has the new one.
+        assert [t["policy_version"] for t in turns] == [2, 3], turns
+        assert all(t["timestamp"] > fenced["paused_at"] for t in turns if t["policy_version"] == 3)
+    # The version outlives the run's gateway, and still only goes up.
+    assert ex.gateway is None and ex.policy_version == 3
+    with pytest.raises(PolicyVersionBackwardsError):
+        await ex.set_policy_version(2)

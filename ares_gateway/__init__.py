@@ -1,7 +1,8 @@
 """ares-gateway: intercept every LLM call of real coding agents and answer it with a policy.
 
 The public API: :class:`Gateway` (HTTP server + in-process policy API),
-:class:`GatewayEnv` (dm_env-style, one step per LLM call) and its TimeStep helpers, the canonical
+:class:`GatewayEnv` (dm_env-style, one step per LLM call) and its TimeStep helpers, :class:`RolloutSource`
+(episodes streamed to a trainer as they finish) and its blocking wrapper, the canonical
 request / completion models, the answer types, and the error classes. Where each lives:
 docs/architecture.md.
 """
@@ -52,11 +53,21 @@ from ares_gateway.episodes.env import (
     transition,
     truncation,
 )
+from ares_gateway.episodes.stream import (
+    BlockingRolloutSource,
+    NoFenceError,
+    RolloutEpisode,
+    RolloutGroup,
+    RolloutSource,
+    RolloutSourceError,
+    SourceClosedError,
+)
 from ares_gateway.gateway import Gateway, GatewayConfig
 from ares_gateway.http import HttpLimits
 
 __all__ = [
     "AlreadyAnsweredError",
+    "BlockingRolloutSource",
     "CanonicalRequest",
     "Completion",
     "CompletionDelta",
@@ -77,16 +88,22 @@ __all__ = [
     "LaunchTimeoutError",
     "Message",
     "NativeAnswer",
+    "NoFenceError",
     "ParkedRequest",
     "PauseReport",
     "RecordedTurn",
     "RequestGoneError",
+    "RolloutEpisode",
+    "RolloutGroup",
+    "RolloutSource",
+    "RolloutSourceError",
     "SamplingFence",
     "SamplingNotPausedError",
     "SamplingParams",
     "SamplingPausedError",
     "SessionExistsError",
     "SessionInfo",
+    "SourceClosedError",
     "StepType",
     "StreamAnswer",
     "TimeStep",

@@ -11,7 +11,30 @@
   :mod:`~ares_gateway.episodes.executor` (where: :class:`LocalExecutor` by default), the
   :mod:`~ares_gateway.episodes.driver` (one episode from sandbox to samples) and
   :mod:`~ares_gateway.episodes.output` (results.json, episodes.jsonl, trajectories, progress, TensorBoard);
+* :mod:`~ares_gateway.episodes.stream`: :class:`RolloutSource` (and :class:`BlockingRolloutSource`), the
+  same episodes streamed to a trainer as they finish, one by one or as complete GRPO groups, with
+  back-pressure, weight-update fencing and staleness masking;
 * :mod:`~ares_gateway.episodes.installs`: agent CLIs installed once on this host for local sandboxes;
 * :mod:`~ares_gateway.episodes.stats`: where episode statistics go (TensorBoard, logging);
 * :mod:`~ares_gateway.episodes.preflight`: the start-up checks of a run.
 """
+
+from ares_gateway.episodes.stream import (
+    BlockingRolloutSource,
+    NoFenceError,
+    RolloutEpisode,
+    RolloutGroup,
+    RolloutSource,
+    RolloutSourceError,
+    SourceClosedError,
+)
+
+__all__ = [
+    "BlockingRolloutSource",
+    "NoFenceError",
+    "RolloutEpisode",
+    "RolloutGroup",
+    "RolloutSource",
+    "RolloutSourceError",
+    "SourceClosedError",
+]

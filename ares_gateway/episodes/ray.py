@@ -23,6 +23,11 @@ The policy travels to each actor by value (cloudpickle): the scripted and oracle
 policy (``http``): its requests wait on each actor's gateway, listed by :meth:`RayExecutor.describe`
 (``host=`` makes them reachable from outside the node; the admin token is given, never printed).
 
+Policy versions and the weight-update fence reach every node's gateway: :meth:`RayExecutor.set_policy_version`,
+:meth:`~RayExecutor.pause_sampling`, :meth:`~RayExecutor.resume_sampling` and :meth:`~RayExecutor.weight_update`
+call each actor at once and return when all have answered. A pause's report adds the nodes' up (the drain:
+the slowest node's); a node whose pause fails has the others resumed, and the error names it.
+
 Task directories must be readable at the same path on every node (a shared filesystem), or shipped
 with Ray's runtime environment (``RayExecutor(runtime_env={"working_dir": ...})``).
 
@@ -41,10 +46,15 @@ import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+from ares_gateway.core.canonical import next_policy_version
+from ares_gateway.core.errors import SamplingNotPausedError, SamplingPausedError, StatusError
+from ares_gateway.core.fence import PauseReport, check_pause
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec, drive_episode
 from ares_gateway.episodes.episode import episode_gateway, one_line
+from ares_gateway.episodes.executor import fenced_update
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.extras import require_extra
 
@@ -148,6 +158,10 @@ def _ray() -> Any:
     return require_extra("ray", "ray")
 
 
+#: A node call's outcome when its actor died.
+_LOST = object()
+
+
 class _NodeGateway:
     """The per-node actor: one gateway, episodes on this node (made a Ray actor class at start)."""
 
@@ -161,9 +175,10 @@ class _NodeGateway:
 
     async def start(self, harness: str, time_limit: float, policy: Any, sandbox: str, image: str | None,
                     tasks: list[Task], host: str, admin_token: str | None,
-                    tasks_root: str | None = None) -> dict[str, Any]:
+                    tasks_root: str | None = None, policy_version: int | None = None) -> dict[str, Any]:
         """Check this node can run the episodes, then start its gateway; ``{"node", "ok", "why", "url"}``.
-        ``tasks_root``: the driver's ``working_dir``, which Ray unpacked here as this actor's cwd."""
+        ``tasks_root``: the driver's ``working_dir``, which Ray unpacked here as this actor's cwd;
+        ``policy_version``: the run's version so far."""
         import ray
 
         self.node = ray.get_runtime_context().get_node_id()
@@ -178,6 +193,8 @@ class _NodeGateway:
         self.policy = policy
         self.gateway = episode_gateway(harness, time_limit=time_limit, host=host, admin_token=admin_token)
         await self.gateway.start()
+        if policy_version is not None:
+            self.gateway.set_policy_version(policy_version)
         return {"node": self.node, "ok": True, "why": "", "url": self.gateway.url}
 
     async def run(self, spec: EpisodeSpec) -> EpisodeRecord:
@@ -197,6 +214,23 @@ class _NodeGateway:
 
     def turns_answered(self) -> int:
         return int(self.gateway.metrics.answered_total) if self.gateway is not None else 0
+
+    # The fence and the policy version, on this node's gateway (coroutines: they run on the actor's loop,
+    # where the gateway lives).
+
+    async def set_policy_version(self, version: int) -> None:
+        self.gateway.set_policy_version(version)
+
+    async def pause_sampling(self, mode: str, timeout: float | None) -> PauseReport:
+        report: PauseReport = await self.gateway.pause_sampling(mode, timeout=timeout)
+        return report
+
+    async def resume_sampling(self, version: int | None) -> float:
+        return float(self.gateway.resume_sampling(version))
+
+    async def sampling(self) -> dict[str, Any]:
+        """The fence's state and the policy version (``GET /sampling``'s, plus ``"policy_version"``)."""
+        return {**self.gateway.fence.snapshot(), "policy_version": self.gateway.policy_version}
 
     async def close(self) -> int:
         """Cancel what still runs and wait until each episode removed its sandbox; then the gateway.
@@ -310,6 +344,11 @@ class RayExecutor:
         self.collected: list[str] = []
         #: Episodes still running on an actor when it was closed (each removed its sandbox).
         self.cancelled_at_close = 0
+        #: Each node's report of the last pause that returned (:meth:`pause_sampling` adds them up).
+        self.pause_reports: dict[str, PauseReport] = {}
+        self._version: int | None = None
+        self._fence = "sampling"  # the nodes' fence as the driver drives it: "sampling", "draining", "paused"
+        self._fence_mode: str | None = None
 
     @property
     def slots(self) -> int:
@@ -356,13 +395,14 @@ class RayExecutor:
         longest = max([time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
         actor_cls = ray.remote(num_cpus=0, max_concurrency=self.per_node + 4, max_restarts=0)(_NodeGateway)
         started = []
+        sent = self._version  # the version each actor starts with
         for n in nodes:
             opts: dict[str, Any] = {"scheduling_strategy": NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)}
             if actor_env:
                 opts["runtime_env"] = actor_env
             actor = actor_cls.options(**opts).remote()
             ref = actor.start.remote(harness, longest, policy, sandbox, image, list(tasks), self.host,
-                                     self._admin_token, tasks_root)
+                                     self._admin_token, tasks_root, policy_version=self._version)
             started.append((n["NodeID"], actor, ref))
         urls: dict[str, str] = {}
         for node_id, actor, ref in started:
@@ -381,6 +421,8 @@ class RayExecutor:
         if not self._actors:
             why = "; ".join(f"node {n[:12]}: {w}" for n, w in self.refused.items())
             raise NoNodesError(f"no node of the Ray cluster can run {sandbox} sandboxes for {harness}: {why}")
+        if self._version != sent and self._version is not None:  # set while the actors were starting
+            self._raise_first(await self._on_every_node({}, "set_policy_version", self._version), "")
 
     def _tasks_root(self) -> str | None:
         """The driver's path of a local ``working_dir`` (task folders shipped to the nodes by Ray)."""
@@ -411,17 +453,149 @@ class RayExecutor:
                 # The actor (or its node) is gone: the episode runs again elsewhere, same attempt number.
                 log.warning("the gateway actor on node %s died running %s (%s): running it on another node",
                             node[:12], spec.key, type(exc).__name__)
-                if self._actors.pop(node, None) is not None:
-                    self.lost.append(node)
-                    self.urls.pop(node, None)
+                self._lose(node)
                 self.reruns.append(spec.key)
             finally:
                 if node in self._load:
                     self._load[node] -= 1
 
+    def _lose(self, node: str) -> None:
+        if self._actors.pop(node, None) is not None:
+            self.lost.append(node)
+            self.urls.pop(node, None)
+
     def turns_answered(self) -> int:
         """Turns of the episodes finished so far (the actors are not polled)."""
         return self._answered
+
+    # ------------------------------------------------------------------ policy versions and the fence
+
+    @property
+    def policy_version(self) -> int | None:
+        """The version last set on the nodes (:meth:`set_policy_version`, or a resume's); ``None``: never set."""
+        return self._version
+
+    async def set_policy_version(self, version: int) -> None:
+        """Set the policy version on every node's gateway (before :meth:`start`: on the gateways it starts).
+        Checked here first, as a gateway checks it: :class:`~ares_gateway.core.errors.InvalidPolicyVersionError`
+        for anything but a non-negative integer, :class:`~ares_gateway.core.errors.PolicyVersionBackwardsError`
+        for one lower than the current version."""
+        checked = next_policy_version(version, self._version)
+        outcomes = await self._on_every_node({}, "set_policy_version", checked)
+        self._version = checked
+        self._raise_first(outcomes, "")
+
+    async def pause_sampling(self, mode: str = "drain", *, timeout: float | None = None) -> PauseReport:
+        """Pause every node's gateway at once (:meth:`Gateway.pause_sampling
+        <ares_gateway.gateway.Gateway.pause_sampling>`); return once none has a generation in flight.
+
+        The report adds the nodes' up: ``drain_seconds`` is the slowest node's, ``in_flight``, ``aborted`` and
+        ``parked`` are summed; each node's own is in :attr:`pause_reports`. When a node's pause fails (its
+        drain timed out, its gateway was paused already), the nodes that paused are resumed and the
+        node's error is raised, of the same class, its message starting with ``node <id>``. Cancelled, the
+        nodes still draining are cancelled and those paused resumed. A node whose actor died is left out
+        (its episodes run again elsewhere). Raises ``RuntimeError`` before :meth:`start`."""
+        check_pause(mode, timeout)
+        if self._fence != "sampling":
+            raise SamplingPausedError(
+                f"sampling is {self._fence} already (mode {self._fence_mode}); resume it before pausing again")
+        if not self._actors:
+            raise RuntimeError("RayExecutor.pause_sampling before start(): there are no node gateways to pause yet")
+        self._fence, self._fence_mode = "draining", mode
+        outcomes: dict[str, Any] = {}
+        try:
+            await self._on_every_node(outcomes, "pause_sampling", mode, timeout, cancel=True)
+            reports = {n: r for n, r in outcomes.items() if isinstance(r, PauseReport)}
+            if len(reports) < len(outcomes):
+                self._raise_first(outcomes, "; the other nodes were resumed")
+            if not reports:
+                raise NoNodesError("no node is left to pause: every gateway actor died")
+        except BaseException:
+            self._fence, self._fence_mode = "sampling", None
+            paused = [n for n, r in outcomes.items() if isinstance(r, PauseReport)]
+            await self._on_every_node({}, "resume_sampling", None, nodes=paused)
+            raise
+        self._fence = "paused"
+        self.pause_reports = reports
+        return PauseReport(mode, max(r.drain_seconds for r in reports.values()),
+                           sum(r.in_flight for r in reports.values()), sum(r.aborted for r in reports.values()),
+                           sum(r.parked for r in reports.values()))
+
+    async def resume_sampling(self, version: int | None = None) -> float:
+        """Resume every node's gateway after :meth:`pause_sampling` returned, with ``version`` (checked here
+        first: a bad or lower one raises and leaves them paused). Returns the longest time a node was
+        paused. Raises :class:`~ares_gateway.core.errors.SamplingNotPausedError` without a pause that returned."""
+        if self._fence != "paused":
+            raise SamplingNotPausedError("sampling is not paused: pause it first" if self._fence == "sampling"
+                                         else "the pause is still draining: resume after pause_sampling returns")
+        checked = None if version is None else next_policy_version(version, self._version)
+        self._fence, self._fence_mode = "sampling", None
+        outcomes = await self._on_every_node({}, "resume_sampling", checked)
+        if checked is not None:
+            self._version = checked
+        self._raise_first(outcomes, "; the other nodes were resumed")
+        return max((float(r) for r in outcomes.values()), default=0.0)
+
+    def weight_update(self, version: int | None = None, *, mode: str = "drain",
+                      timeout: float | None = None) -> AbstractAsyncContextManager[PauseReport]:
+        """``async with executor.weight_update(version):`` :meth:`pause_sampling`, the body (update the weights),
+        :meth:`resume_sampling` with ``version``; resumed without it when the body raises."""
+        return fenced_update(lambda: self.pause_sampling(mode, timeout=timeout), self.resume_sampling, version)
+
+    async def _on_every_node(self, outcomes: dict[str, Any], method: str, *args: Any, cancel: bool = False,
+                             nodes: Sequence[str] | None = None) -> dict[str, Any]:
+        """Call the actors' ``method(*args)`` at once (``nodes``: only theirs) and fill ``outcomes`` with each
+        node's result, or the exception its call raised (a task error's cause). A node whose actor died is
+        dropped, as :meth:`run` does, and left out. Cancelled, it still waits for the calls (``cancel``:
+        cancelling those still running on their actors) and fills ``outcomes`` with those that finished."""
+        ray = _ray()
+        refs = {n: getattr(a, method).remote(*args) for n, a in self._actors.items() if nodes is None or n in nodes}
+
+        async def outcome(ref: Any) -> Any:
+            try:
+                return await ref
+            except ray.exceptions.RayActorError:
+                return _LOST
+            except ray.exceptions.RayTaskError as exc:
+                return exc.cause if isinstance(exc.cause, BaseException) else exc
+            except Exception as exc:  # the call cancelled on its actor, an object lost with its node
+                return exc
+
+        calls = {n: asyncio.ensure_future(outcome(ref)) for n, ref in refs.items()}
+        if calls:
+            try:
+                await asyncio.wait(calls.values())
+            except asyncio.CancelledError:
+                if cancel:
+                    for n, ref in refs.items():
+                        if not calls[n].done():
+                            ray.cancel(ref)
+                await asyncio.wait(calls.values(), timeout=CLOSE_TIMEOUT)
+                raise
+            finally:
+                for n, call in calls.items():
+                    if not call.done():
+                        continue
+                    result = call.result()
+                    if result is _LOST:
+                        log.warning("the gateway actor on node %s died (%s): left out", n[:12], method)
+                        self._lose(n)
+                    else:
+                        outcomes[n] = result
+        return outcomes
+
+    @staticmethod
+    def _raise_first(outcomes: dict[str, Any], then: str) -> None:
+        """Raise the first node's error among ``outcomes`` as its own class, the message naming the node."""
+        for node, exc in outcomes.items():
+            if not isinstance(exc, BaseException):
+                continue
+            message = f"node {node[:12]}: {getattr(exc, 'message', None) or one_line(str(exc), 300)}{then}"
+            error: BaseException = RuntimeError(message)
+            if isinstance(exc, StatusError):
+                with contextlib.suppress(TypeError):  # a subclass with a constructor of its own
+                    error = type(exc)(message, status=exc.status, param=exc.param)
+            raise error from exc
 
     def describe(self) -> list[str]:
         lines = [f"ray: {len(self._actors)} node(s), {self.per_node} episode(s) each"]
@@ -439,6 +613,7 @@ class RayExecutor:
                 pass
             ray.kill(actor)
         self._actors.clear()
+        self._fence, self._fence_mode = "sampling", None  # the next start's gateways begin sampling
         if self.lost:
             # Every node still alive removes what
             # dead actors left (their owner process is gone); a lost node's machine, where it lives on,

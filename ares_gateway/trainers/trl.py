@@ -41,6 +41,24 @@ HTTP (:class:`~ares_gateway.engines.server.EngineServer`, SGLang's ``/generate``
 each node's gateway gets a :class:`~ares_gateway.trainers._served.RemoteTitoPolicy` over it (same
 tokenizer, renderer and sampling). The batch is the local path's, entry for entry.
 
+**Policy versions.** Without an executor every call's episodes run on one gateway of the rollout
+function's, which stamps each turn with the version of the weights that sampled it: the trainer's
+``global_step``. Each entry carries them (:data:`VERSION_KEYS`, see :meth:`AresRollouts.__call__`).
+
+**Overlap** (``rollout_func(..., overlap=True)``): when TRL calls for a generation batch, its episodes
+were started at the previous call, and ran while the trainer trained on that call's batch; the call
+waits for what is still running, and starts the next batch's episodes before it returns. The next
+batch's prompts are the trainer's own: its sampler (TRL's seeded ``RepeatSampler``) is replayed by a
+second one built the same way; episodes are matched to prompts by task, and a call whose prompts are
+not the predicted ones runs the missing episodes then, and stops predicting. The first call runs its
+episodes itself. A ``TrainerCallback`` (added to the trainer at the first call) fences each optimizer
+step: ``on_pre_optimizer_step`` pauses sampling on the gateway (drain: the turns being sampled finish
+with the old weights, every other request waits), ``on_optimizer_step`` resumes it with the version
+``global_step + 1``. So an episode that ran across an update has turns of two versions, and a call's
+entries are at most one version old (``staleness`` 1); TRL (without vLLM) applies no off-policy
+correction to them. The engine samples the model in the trainer's mode (switching the shared module to
+``eval()`` would race the trainer's thread), so overlap refuses a model with dropout.
+
 **A failed episode** (the agent or its install failed, the
 sandbox did not start, the engine failed) is an entry with reward 0, its error, and a one-token
 completion that is masked out (``env_mask`` 0), so the training step goes on.
@@ -49,10 +67,11 @@ completion that is masked out (``env_mask`` 0), so the training step goes on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ares_gateway.trainers._common import (
@@ -63,21 +82,27 @@ from ares_gateway.trainers._common import (
     require,
     resolve_dataset,
     resolve_tasks,
+    task_name_of,
 )
 
 if TYPE_CHECKING:
     from ares_gateway.episodes.executor import Executor
+    from ares_gateway.episodes.tasks import Task
+    from ares_gateway.gateway import Gateway
     from ares_gateway.trainers._served import ServedEngine
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EPISODE_KEYS", "AresRollouts", "TokenizerMismatchError", "reward_from_episode", "rollout_func"]
+__all__ = ["EPISODE_KEYS", "VERSION_KEYS", "AresRollouts", "TokenizerMismatchError", "reward_from_episode", "rollout_func"]
 
 T = TypeVar("T")
 
 #: The extra keys each rollout returns per completion (TRL hands them to the reward functions).
 EPISODE_KEYS = ("reward", "task", "session_id", "exit_reason", "turns", "error", "other_samples",
                 "foreign_samples", "sampled_tokens", "mean_logprob", "truncated")
+
+#: The extra keys saying which weights sampled each completion (see :meth:`AresRollouts.__call__`).
+VERSION_KEYS = ("policy_versions", "first_version", "last_version", "mixed_versions", "staleness")
 
 #: Texts whose ids must be the same under the trainer's tokenizer and the gateway's.
 _PROBE_TEXTS = (
@@ -124,13 +149,115 @@ class _Loop:
             self.loop.close()
 
 
+def _live_mode_engine(model: Any) -> Any:
+    """A :class:`~ares_gateway.engines.transformers.TransformersEngine` that samples ``model`` in the
+    mode the trainer keeps it in. Under overlap the trainer trains on its own thread while turns are
+    sampled: switching the shared module to ``eval()`` and back would race the trainer, which reads
+    ``model.training`` to choose its train or eval path. Dropout is refused up front instead
+    (:func:`_check_no_dropout`), so the trainer's mode samples the same distribution."""
+    from ares_gateway.engines.transformers import TransformersEngine
+
+    class LiveModeEngine(TransformersEngine):
+        @contextlib.contextmanager
+        def _evaluating(self) -> Iterator[Any]:
+            import torch
+
+            old_threads = torch.get_num_threads()
+            if self.threads:
+                torch.set_num_threads(self.threads)
+            try:
+                with torch.inference_mode():
+                    yield torch
+            finally:
+                if self.threads:
+                    torch.set_num_threads(old_threads)
+
+    return LiveModeEngine(model)
+
+
+def _check_no_dropout(model: Any) -> None:
+    import torch
+
+    active = [name or "the model" for name, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    config = getattr(model, "config", None)
+    attention = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    if active or attention > 0:
+        where = ", ".join(active[:3]) + (" ..." if len(active) > 3 else "")
+        what = f"dropout in {where}" if active else f"attention_dropout {attention} in its config"
+        raise TrainerError(
+            f"overlap samples turns while the trainer trains, with the model in the trainer's mode, and the model has "
+            f"{what}: pass GRPOConfig(disable_dropout=True)" + (" and set model.config.attention_dropout = 0.0"
+                                                                 if attention > 0 else "")
+            + ", or rollout_func(overlap=False)"
+        )
+
+
+class _Background:
+    """The next training call's episodes, started on the rollouts' loop while the trainer trains."""
+
+    def __init__(self, tasks: list[Task], step: int) -> None:
+        self.tasks = tasks
+        self.step = step
+        self.launched = time.monotonic()
+        self.finished: float | None = None
+        self.task: asyncio.Task[list[EpisodeSample]] | None = None
+
+
+class _Schedule:
+    """The prompts of TRL's training calls to come, replayed from the trainer's own sampler.
+
+    ``GRPOTrainer`` draws its generation batches from a ``RepeatSampler`` (seeded: ``args.seed``) that
+    yields each batch ``repeat_count`` times in a row (once per step that reuses it); it calls the
+    rollout function on the first of each. A second sampler built the same way yields the same order,
+    epoch after epoch, as long as it is iterated as often as the trainer's."""
+
+    def __init__(self, trainer: Any, size: int) -> None:
+        self.sampler = trainer._get_train_sampler()
+        self.dataset = trainer.train_dataset
+        self.size = size
+        self.repeat = max(1, int(getattr(self.sampler, "repeat_count", 1)))
+        self._batches = self._iterate()
+
+    def _iterate(self) -> Iterator[list[Any]]:
+        while True:
+            indexes = list(iter(self.sampler))
+            if not indexes:
+                return
+            batches = [indexes[i:i + self.size] for i in range(0, len(indexes), self.size)]
+            for b in batches[::self.repeat]:
+                if len(b) == self.size:
+                    yield [self.dataset[i]["prompt"] for i in b]
+
+    def next(self) -> list[Any] | None:
+        return next(self._batches, None)
+
+
+async def _await(task: asyncio.Task[T]) -> T:
+    return await task
+
+
+async def _cancelled(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 class AresRollouts:
     """The callable :func:`rollout_func` returns; see the module docstring for what it does.
 
     Attributes:
         last_episodes: the latest call's :class:`~ares_gateway.trainers.EpisodeSample` list, in prompt order.
         calls: one dict per call: ``seconds`` (the call's wall time), ``generation_s`` (the engine's
-            busy time), ``episodes``, ``failed``, ``mean_reward``.
+            busy time during the call), ``episodes``, ``failed``, ``mean_reward``, ``version`` (the
+            trainer's step, the weights' version, at the call); with ``overlap`` also ``prefetched`` (entries
+            from episodes started before the call), ``ran_now`` (entries whose episodes ran in the call),
+            ``discarded`` (started episodes the call had no entry for), ``waited_s`` (the call's wait for the
+            started episodes) and ``overlap_s`` (seconds those episodes ran while the trainer trained).
+        fences: with ``overlap``, one dict per optimizer step: ``asked_at`` / ``paused_at`` /
+            ``resumed_at`` (``time.monotonic``), ``drain_s``, ``in_flight`` (generations the pause waited
+            for), ``version`` (the weights' version the resume set).
+        fence_callback: with ``overlap``, the ``transformers.TrainerCallback`` that fences each optimizer
+            step (added to the trainer at the first call by itself).
     """
 
     def __init__(self, dataset: Any, *, harness: str, sandbox: str, step_limit: int | None, time_limit: float | None,
@@ -138,11 +265,17 @@ class AresRollouts:
                  harness_options: Mapping[str, Any] | None, out: str | None, check_tokenizer: bool,
                  max_completion_tokens: int | None = None, executor: Executor | None = None,
                  engine_host: str = "127.0.0.1", engine_port: int = 0,
-                 engine_server_options: Mapping[str, Any] | None = None) -> None:
+                 engine_server_options: Mapping[str, Any] | None = None, overlap: bool = False,
+                 fence_timeout: float | None = 600.0) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         if max_completion_tokens is not None and max_completion_tokens < 1:
             raise ValueError(f"max_completion_tokens must be at least 1 (or None: no cap), got {max_completion_tokens}")
+        if overlap and executor is not None:
+            raise ValueError("overlap runs the episodes in this process, on the rollouts' own gateway, whose fence it "
+                             "closes for each optimizer step: leave executor unset, or pass overlap=False")
+        if fence_timeout is not None and not fence_timeout > 0:
+            raise ValueError(f"fence_timeout must be positive seconds (or None: no limit), got {fence_timeout}")
         self.max_completion_tokens = max_completion_tokens
         self.dataset = resolve_dataset(dataset)
         self.harness = harness
@@ -157,6 +290,8 @@ class AresRollouts:
         self.out = out
         self.check_tokenizer = check_tokenizer
         self.executor = executor
+        self.overlap = overlap
+        self.fence_timeout = fence_timeout
         # Episodes in other processes reach the engine over HTTP (served at the first call).
         self.served: ServedEngine | None = None
         if executor is not None and executor.kind != "local":
@@ -165,62 +300,253 @@ class AresRollouts:
             self.served = ServedEngine(host=engine_host, port=engine_port, server_options=engine_server_options)
         self.last_episodes: list[EpisodeSample] = []
         self.calls: list[dict[str, Any]] = []
+        self.fences: list[dict[str, Any]] = []
+        self.fence_callback: Any = None
+        #: The gateway every call's episodes run on (without an executor): it stamps each turn with the
+        #: trainer's step, and its fence pauses sampling around optimizer steps under ``overlap``.
+        self.gateway: Gateway | None = None
         self.policy: Any = None
         self.engine: Any = None
         self._model_id: int | None = None
         self._loop: _Loop | None = None
         self._lock = threading.Lock()
+        self._next: _Background | None = None
+        self._schedule: _Schedule | None = None
+        self._schedule_started = False
+        self._predicted: list[str] | None = None
+        self._paused: dict[str, Any] | None = None
         from sandbox import janitor
 
         janitor.install()  # from the trainer's (main) thread: Ctrl-C removes the episodes' sandboxes
 
     # ----------------------------------------------------------------- TRL
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
-        """TRL's ``rollout_func(prompts, trainer)``: one episode per prompt, TRL's dict of lists back."""
+        """TRL's ``rollout_func(prompts, trainer)``: one episode per prompt, TRL's dict of lists back.
+
+        Besides :data:`EPISODE_KEYS`, each entry has :data:`VERSION_KEYS`: ``policy_versions``
+        (``[start, end, version]`` per sampled span, positions in ``completion_ids``), ``first_version``
+        and ``last_version`` (of its first and last sampled span), ``mixed_versions`` (its sampled tokens
+        came from more than one version of the weights) and ``staleness`` (the trainer's step at this
+        call minus the oldest version in it: 0 on-policy). A version is the trainer's ``global_step``
+        when the turn was sampled (``None`` where unknown, as on a Ray executor)."""
         with self._lock:
             t0 = time.perf_counter()
             tasks = resolve_tasks(self.dataset, prompts)
             policy = self._policy_for(trainer)
-            # The trainer updated the weights since the last call (a fused optimizer leaves no trace the
-            # engine could see): no KV cache of the old weights may be reused.
-            self.engine.reset()
-            busy0 = self.engine.busy_s
             if self._loop is None:
                 self._loop = _Loop()
-            options = {**policy.harness_options(self.harness), **self.harness_options}
             step = getattr(getattr(trainer, "state", None), "global_step", None)
-            out = f"{self.out}/step-{step}" if self.out and step is not None else self.out
+            version = step if isinstance(step, int) and step >= 0 else None
+            if not self.overlap:
+                # The trainer updated the weights since the last call (a fused optimizer leaves no trace the
+                # engine could see): no KV cache of the old weights may be reused. (Under overlap the fence
+                # drops them at each optimizer step, when no turn is sampled.)
+                self.engine.reset()
+            busy0 = self.engine.busy_s
+            if self.executor is None:
+                self._loop.run(self._open_gateway(version))
+            options = {**policy.harness_options(self.harness), **self.harness_options}
             episode_policy: Any = policy
             if self.served is not None:
                 source = self.tokenizer or _default_tokenizer()
                 episode_policy = self._loop.run(self.served.policy_for(
                     self.engine, tokenizer=source, renderer=self.renderer_name, sampling=self.sampling))
-            episodes = self._loop.run(play_episodes(
-                tasks, harness=self.harness, policy=episode_policy, sandbox=self.sandbox, concurrency=self.concurrency,
-                step_limit=self.step_limit, time_limit=self.time_limit, harness_options=options, out=out,
-                executor=self.executor,
-            ))
+            info: dict[str, Any] = {}
+            training = bool(getattr(getattr(trainer, "model", None), "training", True))
+            if self.overlap and training:
+                self._install_fence(trainer)
+                episodes, info = self._overlapped(tasks, prompts, trainer, step, episode_policy, options)
+            else:
+                episodes = self._loop.run(self._play(tasks, episode_policy, options, self._out(step)))
             self.last_episodes = episodes
-            batch = self._batch(episodes, prompts, trainer)
+            batch = self._batch(episodes, prompts, trainer, version)
             failed = [e for e in episodes if e.sample is None]
             for e in failed:
                 log.warning("episode without a sample (reward 0): %s", describe_failure(e))
             self.calls.append({
-                "step": step, "seconds": time.perf_counter() - t0, "generation_s": self.engine.busy_s - busy0,
-                "episodes": len(episodes), "failed": len(failed),
-                "mean_reward": sum(e.reward for e in episodes) / max(1, len(episodes)),
+                "step": step, "version": version, "seconds": time.perf_counter() - t0,
+                "generation_s": self.engine.busy_s - busy0, "episodes": len(episodes), "failed": len(failed),
+                "mean_reward": sum(e.reward for e in episodes) / max(1, len(episodes)), **info,
             })
             return batch
 
     def close(self) -> None:
-        """Stop the rollouts' event loop (the episodes' sandboxes are already gone)."""
+        """Stop the rollouts' event loop: cancel episodes started for a call that did not come (each
+        removes its sandbox), close the gateway and the engine."""
         if self._loop is not None:
+            self._cancel_next()
+            if self.gateway is not None:
+                if self._paused is not None:  # an optimizer step failed inside the fence
+                    self._paused = None
+                    with contextlib.suppress(Exception):
+                        self._loop.run(self._resume_now(None))
+                self._loop.run(self.gateway.close())
+                self.gateway = None
             if self.served is not None:
                 self._loop.run(self.served.aclose())
             if self.policy is not None:
                 self._loop.run(self.policy.aclose())
             self._loop.close()
             self._loop = None
+
+    # ------------------------------------------------------------ overlap
+    def _overlapped(self, tasks: list[Task], prompts: list[Any], trainer: Any, step: int | None, policy: Any,
+                    options: Mapping[str, Any]) -> tuple[list[EpisodeSample], dict[str, Any]]:
+        """This call's episodes: those started at the last call for it (matched by task: episodes of one
+        task are alike), the rest run now; then the next call's episodes are started."""
+        assert self._loop is not None
+        ready: dict[str, list[EpisodeSample]] = {}
+        waited = 0.0
+        ran = 0.0
+        bg, self._next = self._next, None
+        if bg is not None and bg.task is not None:
+            w0 = time.perf_counter()
+            for done in self._loop.run(_await(bg.task)):
+                ready.setdefault(done.task, []).append(done)
+            waited = time.perf_counter() - w0
+            ran = (bg.finished or time.monotonic()) - bg.launched
+        got: list[EpisodeSample | None] = []
+        missing: list[int] = []
+        for i, t in enumerate(tasks):
+            pool = ready.get(t.name)
+            taken = pool.pop(0) if pool else None
+            got.append(taken)
+            if taken is None:
+                missing.append(i)
+        discarded = sum(len(v) for v in ready.values())
+        if discarded:
+            log.info("overlap: %d started episode(s) had no entry in this call (the prompts were not the ones "
+                     "predicted) and are dropped", discarded)
+        if missing:
+            now = self._loop.run(self._play([tasks[i] for i in missing], policy, options, self._out(step)))
+            for i, e in zip(missing, now, strict=True):
+                got[i] = e
+        self._check_schedule(trainer, prompts)
+        self._launch_next(trainer, policy, options)
+        episodes = [e for e in got if e is not None]
+        return episodes, {"prefetched": len(tasks) - len(missing), "ran_now": len(missing), "discarded": discarded,
+                          "waited_s": waited, "overlap_s": max(0.0, ran - waited)}
+
+    def _check_schedule(self, trainer: Any, prompts: list[Any]) -> None:
+        """Follow the trainer's sampler; stop predicting (overlap then runs nothing ahead) where this
+        call's prompts are not the ones predicted for it (a resumed run, another sampler)."""
+        names = [task_name_of(p) for p in prompts]
+        if not self._schedule_started:
+            self._schedule_started = True
+            try:
+                self._schedule = _Schedule(trainer, len(prompts))
+            except Exception as exc:  # not a GRPOTrainer's sampler: nothing to replay
+                log.warning("overlap: cannot replay the trainer's prompt order (%s): no episodes run ahead", exc)
+                return
+            first = self._schedule.next()
+            self._predicted = [task_name_of(p) for p in first] if first is not None else None
+        if self._schedule is None:
+            return
+        if self._predicted != names:
+            log.warning("overlap: the trainer's prompts %s are not the predicted %s: no episodes run ahead from now "
+                        "on", names, self._predicted)
+            self._schedule = None
+            self._predicted = None
+            return
+        upcoming = self._schedule.next()
+        self._predicted = [task_name_of(p) for p in upcoming] if upcoming is not None else None
+
+    def _launch_next(self, trainer: Any, policy: Any, options: Mapping[str, Any]) -> None:
+        assert self._loop is not None
+        if self._schedule is None or self._predicted is None:
+            return
+        args = trainer.args
+        every = int(getattr(args, "steps_per_generation", 1) or 1) * int(getattr(trainer, "num_iterations", 1) or 1)
+        accumulation = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
+        micro = int(getattr(trainer, "_step", 0)) + every
+        max_steps = int(getattr(trainer.state, "max_steps", 0) or 0)
+        if max_steps > 0 and micro >= max_steps * accumulation:
+            return  # the last call of the run: nothing comes after it
+        try:
+            tasks = resolve_tasks(self.dataset, self._predicted)
+        except TrainerError:
+            return  # the call for them says what is wrong
+        bg = _Background(tasks, micro // accumulation)
+        bg.task = self._loop.run(self._spawn(bg, policy, options))
+        self._next = bg
+
+    async def _spawn(self, bg: _Background, policy: Any, options: Mapping[str, Any]) -> asyncio.Task[list[EpisodeSample]]:
+        task = asyncio.ensure_future(self._play(bg.tasks, policy, options, self._out(bg.step)))
+
+        def finished(_: Any) -> None:
+            bg.finished = time.monotonic()
+
+        task.add_done_callback(finished)
+        return task
+
+    def _cancel_next(self) -> None:
+        bg, self._next = self._next, None
+        if bg is not None and bg.task is not None and self._loop is not None:
+            self._loop.run(_cancelled(bg.task))
+
+    def _install_fence(self, trainer: Any) -> None:
+        handler = getattr(trainer, "callback_handler", None)
+        if handler is None:
+            return
+        if self.fence_callback is None:
+            self.fence_callback = _fence_callback(self)
+        if self.fence_callback not in handler.callbacks:
+            handler.add_callback(self.fence_callback)
+
+    def _pause(self) -> None:
+        """Before an optimizer step (the trainer's thread): no turn is sampled until :meth:`_resume`."""
+        if self.gateway is None or self._loop is None or self._paused is not None:
+            return
+        asked = time.monotonic()
+        report = self._loop.run(self.gateway.pause_sampling("drain", timeout=self.fence_timeout))
+        self._paused = {"asked_at": asked, "paused_at": time.monotonic(), "drain_s": report.drain_seconds,
+                        "in_flight": report.in_flight}
+
+    def _resume(self, version: int | None) -> None:
+        """After an optimizer step: the weights of ``version`` are loaded; sampling goes on."""
+        paused, self._paused = self._paused, None
+        if paused is None or self._loop is None:
+            return
+        if self.engine is not None:
+            self.engine.reset()  # nothing is sampled now: the old weights' KV caches go
+        set_to = self._loop.run(self._resume_now(version))
+        self.fences.append({**paused, "resumed_at": time.monotonic(), "version": set_to})
+
+    async def _resume_now(self, version: int | None) -> int | None:
+        gw = self.gateway
+        assert gw is not None
+        if version is not None and gw.policy_version is not None and version < gw.policy_version:
+            version = None  # never lower: the gateway keeps its version
+        gw.resume_sampling(version)
+        return gw.policy_version
+
+    async def _open_gateway(self, version: int | None) -> None:
+        if self.gateway is None:
+            from ares_gateway.episodes.episode import episode_gateway
+
+            longest = max([self.time_limit or 0.0, *(t.config.agent_timeout for t in self.dataset)])
+            gw = episode_gateway(self.harness, time_limit=longest)
+            await gw.start()
+            self.gateway = gw
+        current = self.gateway.policy_version
+        if version is not None and (current is None or version > current):
+            self.gateway.set_policy_version(version)
+
+    async def _play(self, tasks: Sequence[Task], policy: Any, options: Mapping[str, Any],
+                    out: str | None) -> list[EpisodeSample]:
+        executor = self.executor
+        if executor is None:
+            from ares_gateway.episodes.executor import LocalExecutor
+
+            executor = LocalExecutor(concurrency=self.concurrency, gateway=self.gateway)
+        return await play_episodes(
+            tasks, harness=self.harness, policy=policy, sandbox=self.sandbox, concurrency=self.concurrency,
+            step_limit=self.step_limit, time_limit=self.time_limit, harness_options=options, out=out,
+            executor=executor,
+        )
+
+    def _out(self, step: int | None) -> str | None:
+        return f"{self.out}/step-{step}" if self.out and step is not None else self.out
 
     # ----------------------------------------------------------- internals
     def _policy_for(self, trainer: Any) -> Any:
@@ -234,7 +560,11 @@ class AresRollouts:
         from ares_gateway.policies.tito import TitoPolicy
 
         source = self.tokenizer or _default_tokenizer()
-        self.engine = TransformersEngine(model)
+        if self.overlap:
+            _check_no_dropout(model)
+            self.engine = _live_mode_engine(model)
+        else:
+            self.engine = TransformersEngine(model)
         self.policy = TitoPolicy(self.engine, tokenizer=source, renderer=self.renderer_name, **self.sampling)
         self._model_id = id(model)
         if self.check_tokenizer:
@@ -255,15 +585,17 @@ class AresRollouts:
                     "Hugging Face folder"
                 )
 
-    def _batch(self, episodes: Sequence[EpisodeSample], prompts: Sequence[Any], trainer: Any) -> dict[str, list[Any]]:
+    def _batch(self, episodes: Sequence[EpisodeSample], prompts: Sequence[Any], trainer: Any,
+               version: int | None = None) -> dict[str, list[Any]]:
         tok = getattr(trainer, "processing_class", None)
         eos = getattr(tok, "eos_token_id", None)
         if eos is None:
             eos = self.policy.renderer.tokenizer.eos_token_id or 0
         batch: dict[str, list[Any]] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask",
-                                                        *EPISODE_KEYS)}
+                                                        *EPISODE_KEYS, *VERSION_KEYS)}
         for e in episodes:
             s = e.sample
+            spans: list[list[Any]] = []
             if s is not None and s.response_length > 0:
                 n = s.prompt_length
                 tokens = s.tokens.tolist()
@@ -278,6 +610,9 @@ class AresRollouts:
                 picked = [lp for lp, m in zip(batch["logprobs"][-1], mask, strict=True) if m]
                 batch["sampled_tokens"].append(len(picked))
                 batch["mean_logprob"].append(sum(picked) / len(picked) if picked else 0.0)
+                # The sample's spans are positions in its tokens; TRL's are in completion_ids, cut alike.
+                spans = [[max(0, a - n), min(cut, b - n), v] for a, b, v in s.metadata.get("policy_versions") or []
+                         if a - n < cut and b > n]
             else:
                 # Nothing sampled: a masked one-token completion keeps TRL's batch shape; reward 0.
                 ids = self.policy.renderer.tokenizer.encode(e.task) or [int(eos)]
@@ -291,9 +626,46 @@ class AresRollouts:
                 if e.error is None:
                     e.error = "the episode recorded no model turn"
                 e.reward = 0.0
+            versions = [v for _, _, v in spans]
+            known = [v for v in versions if v is not None]
+            batch["policy_versions"].append(spans)
+            batch["first_version"].append(versions[0] if versions else None)
+            batch["last_version"].append(versions[-1] if versions else None)
+            # None (no version known) counts as one of its own, as in the sample's metadata.
+            batch["mixed_versions"].append(len(set(versions)) > 1)
+            batch["staleness"].append(version - min(known) if version is not None and known else None)
             for k, v in e.facts().items():
                 batch[k].append(v)
         return batch
+
+
+_FENCE_CALLBACK: Any = None
+
+
+def _fence_callback(rollouts: AresRollouts) -> Any:
+    """A ``transformers.TrainerCallback`` that pauses ``rollouts``' sampling around each optimizer step."""
+    global _FENCE_CALLBACK
+    if _FENCE_CALLBACK is None:
+        from transformers import TrainerCallback
+
+        class AresSamplingFence(TrainerCallback):  # type: ignore[misc]
+            """Pauses the episodes' sampling (drain) before each optimizer step and resumes it after,
+            with the new weights' version (``global_step + 1``: the trainer counts the step after this)."""
+
+            def __init__(self, owner: AresRollouts) -> None:
+                self.owner = owner
+
+            def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                self.owner._pause()
+
+            def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                self.owner._resume(int(state.global_step) + 1)
+
+            def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                self.owner._cancel_next()  # episodes for a call that will not come
+
+        _FENCE_CALLBACK = AresSamplingFence
+    return _FENCE_CALLBACK(rollouts)
 
 
 def _default_tokenizer() -> str:
@@ -325,6 +697,8 @@ def rollout_func(
     engine_host: str = "127.0.0.1",
     engine_port: int = 0,
     engine_server_options: Mapping[str, Any] | None = None,
+    overlap: bool = False,
+    fence_timeout: float | None = 600.0,
 ) -> AresRollouts:
     """A ``rollout_func`` for TRL's ``GRPOTrainer`` (see the module docstring).
 
@@ -352,6 +726,12 @@ def rollout_func(
         engine_host / engine_port: where the engine is served for such an executor (default: 127.0.0.1, a
             free port). On a real cluster give the trainer machine's address that the nodes reach.
         engine_server_options: more :class:`~ares_gateway.engines.server.EngineServer` options (its limits).
+        overlap: run the next training call's episodes while the trainer trains on this call's (see the
+            module docstring): each optimizer step is fenced (no turn sampled while the weights change) and
+            entries sampled before an update have ``staleness`` 1. Needs the model without dropout
+            (``GRPOConfig(disable_dropout=True)``) and no ``executor``.
+        fence_timeout: under ``overlap``, the seconds a pause may wait for the turns being sampled before an
+            optimizer step (``None``: no limit); longer is a ``DrainTimeoutError`` from the step.
     """
     require("torch", "trl")
     require("transformers", "trl")
@@ -361,20 +741,22 @@ def rollout_func(
         sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed},
         harness_options=harness_options, out=out, check_tokenizer=check_tokenizer,
         max_completion_tokens=max_completion_tokens, executor=executor, engine_host=engine_host,
-        engine_port=engine_port, engine_server_options=engine_server_options,
+        engine_port=engine_port, engine_server_options=engine_server_options, overlap=overlap,
+        fence_timeout=fence_timeout,
     )
 
 
 def reward_from_episode(completions: Sequence[Any] | None = None, *, reward: Sequence[float] | None = None,
                         log_extra: Callable[[str, list[Any]], None] | None = None, **facts: Any) -> list[float]:
     """A TRL reward function: each completion's episode reward (the task verifier's), as the rollout
-    returned it. Logs ``task``, ``session_id``, ``exit_reason``, ``turns``, ``error``, ``other_samples`` and
-    ``foreign_samples`` as completion-table columns."""
+    returned it. Logs ``task``, ``session_id``, ``exit_reason``, ``turns``, ``error``, ``other_samples``,
+    ``foreign_samples``, ``first_version``, ``last_version`` and ``staleness`` as completion-table columns."""
     if reward is None:
         raise TrainerError("reward_from_episode needs the rollout's 'reward' column: use it with "
                            "ares_gateway.trainers.trl.rollout_func")
     if log_extra is not None:
-        for key in ("task", "session_id", "exit_reason", "turns", "error", "other_samples", "foreign_samples"):
+        for key in ("task", "session_id", "exit_reason", "turns", "error", "other_samples", "foreign_samples",
+                    "first_version", "last_version", "staleness"):
             if key in facts:
                 log_extra(key, list(facts[key]))
     return [float(r) for r in reward]

@@ -7,7 +7,7 @@ are in flight when the fence comes:
 * a version set before the run stamps every turn; a drain fence mid-run reaches both nodes, its report
   adds theirs up, no turn is lost, and every turn answered after it carries the new version;
 * bad calls raise the gateway's own errors; a node whose pause fails has the other resumed, and the
-  error names it.
+  error names it; a node whose actor died is left out of the fence.
 """
 
 from __future__ import annotations
@@ -166,6 +166,8 @@ async def test_a_version_and_a_weight_update_reach_every_nodes_turns(cluster: tu
 
 
 async def test_a_node_whose_pause_fails_leaves_the_others_resumed(cluster: tuple[Any, Path]) -> None:
+    import ray
+
     from ares_gateway.episodes.ray import RayExecutor
 
     ex = RayExecutor(per_node=1)
@@ -191,5 +193,11 @@ async def test_a_node_whose_pause_fails_leaves_the_others_resumed(cluster: tuple
         assert await ex.resume_sampling(6) >= 0
         assert {(s["state"], s["policy_version"]) for s in (await _states(ex)).values()} == {("sampling", 6)}
         assert ex.policy_version == 6
+
+        ray.kill(ex._actors[b], no_restart=True)  # a node's actor dies: the fence goes on without it
+        report = await ex.pause_sampling()
+        assert set(ex.pause_reports) == {a} and ex.lost == [b] and ex.nodes == [a] and report.in_flight == 0
+        await ex.resume_sampling(7)
+        assert {n: s["policy_version"] for n, s in (await _states(ex)).items()} == {a: 7}
     finally:
         await ex.close()

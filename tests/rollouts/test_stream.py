@@ -185,6 +185,22 @@ async def test_a_slow_consumer_holds_launches_back(tmp_path: Path, boxes: Path) 
 
 
 @pytest.mark.asyncio
+async def test_a_group_larger_than_concurrency_completes_at_the_tightest_bound(boxes: Path) -> None:
+    # concurrency 1 + max_buffered 2 holds exactly one group of 3: its members wait in the buffer while
+    # the next one runs, and nothing of the next group starts before this one is taken.
+    executor = CountingExecutor(concurrency=1)
+    async with RolloutSource(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), sandbox="local", concurrency=1,
+                             attempts=3, max_buffered=2, epochs=2, executor=executor, stats="null") as source:
+        first = await source.next_group()
+        assert first is not None and [m.attempt for m in first.members] == [0, 1, 2]
+        assert executor.launched == 3  # the second epoch waited for the first group to be taken
+        second = await source.next_group()
+        assert second is not None and second.epoch == 1 and [m.attempt for m in second.members] == [3, 4, 5]
+        assert await source.next_group() is None
+    assert first.rewards == second.rewards == [1.0] * 3 and _left(boxes) == []
+
+
+@pytest.mark.asyncio
 async def test_close_mid_run_cancels_cleans_up_and_writes_results(tmp_path: Path, boxes: Path) -> None:
     out = tmp_path / "run"
     source = RolloutSource(TASKS, harness="tiny-agent", policy=TokenOracle(delay=0.3), sandbox="local",

@@ -105,35 +105,41 @@ async def test_real_agents_hold_through_a_60s_pause_without_a_retry() -> None:
             return [p for p in gw.broker.pending() if p.session_id == sid and not p.side_call]
 
         policies = [asyncio.create_task(policy(name)) for name in ANSWERS]
-        # Both agents' main-line turns after the commands arrive while sampling is open; nobody takes them.
-        deadline = time.monotonic() + 240
-        while not all(main_parked(name) for name in ANSWERS):
-            assert time.monotonic() < deadline, {n: len(main_parked(n)) for n in ANSWERS}
-            done = [t for t in [*agents.values(), *policies] if t.done()]
-            assert not done, [t.result() for t in done]
-            await asyncio.sleep(0.2)
-        target = {name: main_parked(name)[0] for name in ANSWERS}
-        body = target["claude-code"].raw_body
-        assert body is not None and len(body) > 85_000, "Claude Code's turn is not Claude-Code-sized"
-        assert all(p.request.stream for p in target.values())
+        try:
+            # Both agents' main-line turns after the commands arrive while sampling is open; nobody takes them.
+            deadline = time.monotonic() + 240
+            while not all(main_parked(name) for name in ANSWERS):
+                assert time.monotonic() < deadline, {n: len(main_parked(n)) for n in ANSWERS}
+                done = [t for t in [*agents.values(), *policies] if t.done()]
+                assert not done, [t.result() for t in done]
+                await asyncio.sleep(0.2)
+            target = {name: main_parked(name)[0] for name in ANSWERS}
+            body = target["claude-code"].raw_body
+            assert body is not None and len(body) > 85_000, "Claude Code's turn is not Claude-Code-sized"
+            assert all(p.request.stream for p in target.values())
 
-        report = await gw.pause_sampling("drain", timeout=10)
-        assert report.in_flight == 0 and report.parked >= 2
-        paused_at = time.monotonic()
-        # Through the pause: the turns stay parked, no other main-line request arrives (a client that
-        # gave up would withdraw its request and send it again), nobody takes one.
-        while time.monotonic() - paused_at < PAUSE_SECONDS:
-            for name in ANSWERS:
-                assert [p.id for p in main_parked(name)] == [target[name].id], (
-                    f"{name}'s turn left the parked ones {time.monotonic() - paused_at:.1f} s into the pause",
-                    gw.metrics.withdrawn_total, [(p.id, p.side_call) for p in gw.broker.pending()])
-            assert gw.metrics.withdrawn_total == 0 and gw.metrics.timed_out_total == 0
-            done = [t for t in [*agents.values(), *policies] if t.done()]
-            assert not done, [t.result() for t in done]
-            await asyncio.sleep(0.5)
-        gw.resume_sampling()
-        go.set()
-        await asyncio.wait_for(asyncio.gather(*agents.values(), *policies), timeout=180)
+            report = await gw.pause_sampling("drain", timeout=10)
+            assert report.in_flight == 0 and report.parked >= 2
+            paused_at = time.monotonic()
+            # Through the pause: the turns stay parked, no other main-line request arrives (a client that
+            # gave up would withdraw its request and send it again), nobody takes one.
+            while time.monotonic() - paused_at < PAUSE_SECONDS:
+                for name in ANSWERS:
+                    assert [p.id for p in main_parked(name)] == [target[name].id], (
+                        f"{name}'s turn left the parked ones {time.monotonic() - paused_at:.1f} s into the pause",
+                        gw.metrics.withdrawn_total, [(p.id, p.side_call) for p in gw.broker.pending()])
+                assert gw.metrics.withdrawn_total == 0 and gw.metrics.timed_out_total == 0
+                done = [t for t in [*agents.values(), *policies] if t.done()]
+                assert not done, [t.result() for t in done]
+                await asyncio.sleep(0.5)
+            gw.resume_sampling()
+            go.set()
+            await asyncio.wait_for(asyncio.gather(*agents.values(), *policies), timeout=180)
+        finally:  # a failed check must not leave an agent running
+            tasks = [*agents.values(), *policies]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         withdrawn, timed_out = gw.metrics.withdrawn_total, gw.metrics.timed_out_total
         parked, answered = gw.metrics.parked_total, gw.metrics.answered_total
 

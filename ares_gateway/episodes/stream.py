@@ -53,7 +53,6 @@ loop runs in a thread of its own, and every method may be called from any other 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import inspect
 import os
@@ -528,6 +527,15 @@ async def _settle(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+async def _within(take: Callable[[], Coroutine[Any, Any, T]], timeout: float | None) -> T:
+    """``take()`` given ``timeout`` seconds, on the source's loop: an item taken as the time runs out is
+    returned, not lost (a take is cancelled only while it waits, before it has taken anything)."""
+    try:
+        return await asyncio.wait_for(take(), timeout)
+    except TimeoutError:
+        raise TimeoutError(f"nothing came from the rollout source within {timeout} s") from None
+
+
 class BlockingRolloutSource:
     """A :class:`RolloutSource` for a trainer with a synchronous loop: the source's event loop runs in a
     thread of its own; every method may be called from any other thread (not from an in-process policy
@@ -555,7 +563,7 @@ class BlockingRolloutSource:
             self._stop_loop()
             raise
 
-    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("BlockingRolloutSource called from its own event loop's thread: use its .source "
@@ -563,12 +571,7 @@ class BlockingRolloutSource:
         if self._loop.is_closed():
             coro.close()
             raise SourceClosedError("the rollout source is closed: make a new one")
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise TimeoutError(f"nothing came from the rollout source within {timeout} s") from None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def _stop_loop(self) -> None:
         if not self._loop.is_closed():
@@ -578,11 +581,11 @@ class BlockingRolloutSource:
 
     def next_episode(self, timeout: float | None = None) -> RolloutEpisode | None:
         """The next finished episode, ``None`` once the source has ended (:meth:`RolloutSource.next_episode`)."""
-        return self._call(self.source.next_episode(), timeout)
+        return self._call(_within(self.source.next_episode, timeout))
 
     def next_group(self, timeout: float | None = None) -> RolloutGroup | None:
         """The next complete group, ``None`` once the source has ended (:meth:`RolloutSource.next_group`)."""
-        return self._call(self.source.next_group(), timeout)
+        return self._call(_within(self.source.next_group, timeout))
 
     def __iter__(self) -> Iterator[RolloutEpisode]:
         while (item := self.next_episode()) is not None:

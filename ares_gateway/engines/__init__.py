@@ -8,6 +8,8 @@
   one a trainer is training (extra ``.[trl]``).
 * :class:`VerlEngine` (``verl``): verl's rollout servers through an agent loop's ``server_manager``
   (:mod:`ares_gateway.trainers.verl` makes it; not a ``--engine`` choice).
+* :class:`SkyRLEngine` (``skyrl``): SkyRL's inference engines through its ``inference_engine_client``
+  (:mod:`ares_gateway.trainers.skyrl` makes it; not a ``--engine`` choice).
 
 :func:`make_engine` builds one by name. See :mod:`ares_gateway.engines.base` for the protocol and
 the error hierarchy, and ``docs/tito.md``.
@@ -82,6 +84,10 @@ def __getattr__(name: str) -> Any:
         from ares_gateway.engines.verl import VerlEngine
 
         return VerlEngine
+    if name == "SkyRLEngine":
+        from ares_gateway.engines.skyrl import SkyRLEngine
+
+        return SkyRLEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -96,6 +102,7 @@ __all__ = [
     "PromptTooLongError",
     "SGLangEngine",
     "Sampling",
+    "SkyRLEngine",
     "TokenChunk",
     "TransformersEngine",
     "VLLMEngine",

@@ -4,6 +4,8 @@
   and :func:`~ares_gateway.trainers.trl.reward_from_episode` (extra ``.[trl]``).
 * :mod:`ares_gateway.trainers.verl` — verl's agent loop: :class:`~ares_gateway.trainers.verl.AresAgentLoop`,
   registered as ``ares_gateway`` when imported (extra ``.[verl]``).
+* :mod:`ares_gateway.trainers.skyrl` — SkyRL's generator: :class:`~ares_gateway.trainers.skyrl.AresGenerator`
+  (extra ``.[skyrl]``, then skyrl itself with ``--no-deps``).
 
 Each imports its trainer's package only when used: the base install needs no torch, trl or verl, and
 a missing one is a :class:`MissingExtraError` naming the extra. What they share (tasks named by
@@ -14,6 +16,7 @@ see docs/training.md.
 from ares_gateway.trainers._common import (
     EpisodeSample,
     MissingExtraError,
+    TrainerEntry,
     TrainerError,
     UnknownTaskError,
     foreign_count,
@@ -21,11 +24,13 @@ from ares_gateway.trainers._common import (
     play_episodes,
     resolve_dataset,
     task_name_of,
+    trainer_entry,
 )
 
 __all__ = [
     "EpisodeSample",
     "MissingExtraError",
+    "TrainerEntry",
     "TrainerError",
     "UnknownTaskError",
     "foreign_count",
@@ -33,4 +38,5 @@ __all__ = [
     "play_episodes",
     "resolve_dataset",
     "task_name_of",
+    "trainer_entry",
 ]

@@ -25,6 +25,8 @@ from ares_gateway.extras import MissingExtraError as _MissingExtra
 __all__ = [
     "EpisodeSample",
     "MissingExtraError",
+    "SampledTurn",
+    "TrainerEntry",
     "TrainerError",
     "UnknownTaskError",
     "foreign_count",
@@ -32,7 +34,9 @@ __all__ = [
     "play_episodes",
     "require",
     "resolve_dataset",
+    "sample_turns",
     "task_name_of",
+    "trainer_entry",
 ]
 
 
@@ -41,19 +45,27 @@ class TrainerError(Exception):
 
 
 class MissingExtraError(TrainerError, _MissingExtra):
-    """A trainer's package is not installed; the message names the extra that installs it."""
+    """A trainer's package is not installed; the message names the extra that installs it (and, where
+    the package itself installs apart from the extra, ``install``: the command that does)."""
+
+    def __init__(self, package: str, extra: str, cause: BaseException | None = None, *,
+                 install: str | None = None) -> None:
+        super().__init__(package, extra, cause)
+        if install:
+            why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+            self.args = (f"{package} is not installed or failed to import{why}: install it with {install}",)
 
 
 class UnknownTaskError(TrainerError, ValueError):
     """A prompt names no task of the dataset; the message lists the dataset's tasks."""
 
 
-def require(module: str, extra: str) -> Any:
-    """Import ``module`` or raise :class:`MissingExtraError` naming ``extra``."""
+def require(module: str, extra: str, *, install: str | None = None) -> Any:
+    """Import ``module`` or raise :class:`MissingExtraError` naming ``extra`` (or the ``install`` command)."""
     try:
         return importlib.import_module(module)
     except Exception as exc:  # ImportError, or a broken install's own error
-        raise MissingExtraError(module.partition(".")[0], extra, exc) from exc
+        raise MissingExtraError(module.partition(".")[0], extra, exc, install=install) from exc
 
 
 def resolve_dataset(dataset: Dataset | str | Any) -> Dataset:
@@ -149,6 +161,104 @@ class EpisodeSample:
         return {"task": self.task, "session_id": self.session_id, "reward": self.reward,
                 "exit_reason": self.exit_reason, "turns": self.turns, "error": self.error,
                 "other_samples": self.other_samples, "foreign_samples": self.foreign_samples}
+
+
+@dataclass(frozen=True)
+class TrainerEntry:
+    """One episode as a trainer's sequence: the first turn's prompt, then everything after it.
+
+    ``response_ids`` are the main-line sample's ids after the prompt (the model's answers and, between
+    them, tool outputs and the next turns' headers), ``loss_mask`` is 1 exactly on the sampled ids,
+    ``logprobs`` the sampler's (0.0 where not sampled); the three have one entry per response id.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    #: The response was cut to the trainer's cap (it had more tokens).
+    truncated: bool = False
+    #: ``False``: the episode recorded no model turn; the entry is a masked one-token stand-in.
+    sampled: bool = True
+
+    @property
+    def sampled_tokens(self) -> int:
+        """How many response ids the model sampled (the mask's ones)."""
+        return sum(self.loss_mask)
+
+    @property
+    def mean_logprob(self) -> float:
+        """The mean sampler logprob over the sampled ids (0.0 when none)."""
+        picked = [lp for lp, m in zip(self.logprobs, self.loss_mask, strict=True) if m]
+        return sum(picked) / len(picked) if picked else 0.0
+
+
+def trainer_entry(ep: EpisodeSample, *, eos_id: int, encode: Any = None,
+                  max_response_tokens: int | None = None) -> TrainerEntry:
+    """The trainer's entry of one played episode: its main-line sample split at the first turn's prompt,
+    the response cut to ``max_response_tokens`` (``None``: whole).
+
+    An episode that recorded no model turn (a failed install, a sandbox that did not start) becomes a
+    masked one-token response (``eos_id``, mask 0, logprob 0.0) after the task name's ids (``encode``,
+    a ``str -> ids`` function; default: ``[eos_id]``), so the trainer's batch keeps its shape; its reward
+    is set to 0 and its error to "the episode recorded no model turn" when it has none.
+    """
+    if max_response_tokens is not None and max_response_tokens < 1:
+        raise ValueError(f"max_response_tokens must be at least 1 (or None: no cap), got {max_response_tokens}")
+    s = ep.sample
+    if s is not None and s.response_length > 0:
+        n = s.prompt_length
+        tokens = [int(t) for t in s.tokens.tolist()]
+        cut = max_response_tokens or s.response_length
+        return TrainerEntry(
+            prompt_ids=tokens[:n], response_ids=tokens[n:][:cut],
+            loss_mask=[int(m) for m in s.loss_mask.tolist()][:cut],
+            logprobs=[float(x) for x in s.logprobs.tolist()][:cut],
+            truncated=s.response_length > cut,
+        )
+    ids = [int(t) for t in (encode(ep.task) if encode is not None else [])] or [int(eos_id)]
+    if ep.error is None:
+        ep.error = "the episode recorded no model turn"
+    ep.reward = 0.0
+    return TrainerEntry(prompt_ids=ids, response_ids=[int(eos_id)], loss_mask=[0], logprobs=[0.0], sampled=False)
+
+
+@dataclass(frozen=True)
+class SampledTurn:
+    """One model answer of a main-line sample, as a per-call trainer (TRL's harness rollout) takes it."""
+
+    #: Everything before the answer: the first turn's prompt, earlier answers, tool outputs, headers.
+    prompt_ids: list[int]
+    #: The sampled ids of the answer, and the sampler's logprob of each.
+    completion_ids: list[int]
+    logprobs: list[float]
+    #: The policy version that sampled it, where the engine said (``None``: unknown).
+    policy_version: int | None = None
+
+
+def sample_turns(sample: Any) -> list[SampledTurn]:
+    """The model's answers in a main-line :class:`trajectory.Sample`, in order: each maximal run of
+    sampled ids (loss mask 1) after the prompt is one answer, its prompt every id before it. Joined
+    back, the turns are the sample: the last turn's prompt plus its completion is the sample's ids up
+    to the last sampled one."""
+    tokens = [int(t) for t in sample.tokens.tolist()]
+    n = int(sample.prompt_length)
+    mask = [int(m) for m in sample.loss_mask.tolist()]
+    lps = [float(x) for x in sample.logprobs.tolist()]
+    versions = {int(a): v for a, _b, v in (sample.metadata.get("policy_versions") or [])}
+    turns: list[SampledTurn] = []
+    i = 0
+    while i < len(mask):
+        if not mask[i]:
+            i += 1
+            continue
+        j = i
+        while j < len(mask) and mask[j]:
+            j += 1
+        turns.append(SampledTurn(prompt_ids=tokens[:n + i], completion_ids=tokens[n + i:n + j], logprobs=lps[i:j],
+                                 policy_version=versions.get(n + i)))
+        i = j
+    return turns
 
 
 async def play_episodes(

@@ -261,9 +261,13 @@ class RolloutSource:
             "max_buffered": self.max_buffered, "max_staleness": self.max_staleness, **dict(run_info or {}),
         }
         planned = len(self.tasks) * attempts * epochs if epochs is not None else 0
-        self._writer = RunWriter(self.executor, run, out=out, planned=planned, attempts=attempts,
-                                 success_threshold=success_threshold, stats=stats, stats_period=stats_period,
-                                 console=console, title=f"{harness}: {len(self.tasks)} task(s), streamed")
+        # The OUT directory, the stats writer and the clock start with the source, not before.
+        self._new_writer: Callable[[], RunWriter] = lambda: RunWriter(
+            self.executor, run, out=out, planned=planned, attempts=attempts, success_threshold=success_threshold,
+            stats=stats, stats_period=stats_period, console=console,
+            title=f"{harness}: {len(self.tasks)} task(s), streamed")
+        self._writer: RunWriter | None = None
+        self._empty = RunSummary(episodes=[], planned=planned, attempts=attempts, success_threshold=success_threshold)
         self._tick = 0.5 if console is not None else None
         self._state = ScheduleState()
         self._stop = asyncio.Event()
@@ -290,15 +294,16 @@ class RolloutSource:
             raise SourceClosedError("the rollout source is closed: make a new one")
         if self._task is not None:
             return
+        self._writer = writer = self._new_writer()
         try:
             await self.executor.start(harness=self.harness, tasks=self.tasks, policy=self.policy,
                                       time_limit=self.time_limit, sandbox=self.sandbox, image=self.image)
         except BaseException:
             self._closing = self._done = True
-            self._writer.finish(self._state)
+            writer.finish(self._state)
             await self.executor.close()
             raise
-        self._writer.started()
+        writer.started()
         self._task = asyncio.create_task(self._drive(), name="ares-rollout-source")
 
     async def close(self) -> None:
@@ -327,8 +332,8 @@ class RolloutSource:
 
     @property
     def summary(self) -> RunSummary:
-        """What ran so far (complete once the source is closed or finished)."""
-        return self._writer.summary
+        """What ran so far (complete once the source is closed or finished; empty before it starts)."""
+        return self._writer.summary if self._writer is not None else self._empty
 
     @property
     def buffered(self) -> int:
@@ -357,9 +362,11 @@ class RolloutSource:
 
     def _on_tick(self, running: int) -> None:
         self.running = running
+        assert self._writer is not None
         self._writer.refresh(running)
 
     def _on_record(self, rec: EpisodeRecord) -> None:
+        assert self._writer is not None
         self._writer.record(rec)
         if not self._closing:
             self._ready.append(rec)
@@ -374,6 +381,7 @@ class RolloutSource:
             self._failure = exc
         finally:
             self.running = 0
+            assert self._writer is not None
             summary = self._writer.summary
             if self.epochs is None:
                 summary.planned = len(summary.episodes) + len(self._state.cancelled)

@@ -330,9 +330,13 @@ def test_no_tasks_or_a_task_twice_is_refused() -> None:
 
 
 @pytest.mark.asyncio
-async def test_an_executor_without_a_fence_says_so() -> None:
+async def test_an_executor_without_a_fence_says_so_and_an_unstarted_source_writes_nothing(tmp_path: Path) -> None:
     source = RolloutSource(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), executor=NoFenceExecutor(),  # type: ignore[arg-type]
-                           stats="null")
+                           out=tmp_path / "never")
     with pytest.raises(NoFenceError, match="bare executor has no weight-update fence"):
         await source.pause_sampling()
+    assert source.summary.episodes == [] and source.summary.planned == 1
     await source.close()
+    assert not (tmp_path / "never").exists()
+    with pytest.raises(SourceClosedError):
+        await source.next_episode()

@@ -21,6 +21,7 @@ from ares_gateway.episodes.executor import Executor
 from ares_gateway.episodes.rollouts import EpisodeResult, run_rollouts
 from ares_gateway.episodes.tasks import Dataset, Task, load_dataset
 from ares_gateway.extras import MissingExtraError as _MissingExtra
+from trajectory import check_max_staleness, mask_stale
 
 __all__ = [
     "EpisodeSample",
@@ -155,6 +156,8 @@ class EpisodeSample:
     #: request (sent by something other than the harness CLI, such as one of the agent's tool commands).
     foreign_samples: int = 0
     result: EpisodeResult | None = None
+    #: Trained tokens of :attr:`sample` masked as stale (``play_episodes(max_staleness=...)``).
+    stale_tokens: int = 0
 
     def facts(self) -> dict[str, Any]:
         """The plain facts a trainer logs per completion."""
@@ -273,12 +276,18 @@ async def play_episodes(
     harness_options: Mapping[str, Any] | None = None,
     out: str | None = None,
     executor: Executor | None = None,
+    max_staleness: int | None = None,
+    policy_version: int | None = None,
 ) -> list[EpisodeSample]:
     """One episode per entry of ``tasks`` (repeats allowed), at most ``concurrency`` at once; the
     results in the order of ``tasks``. A failed episode is an entry with reward 0 and its error.
 
     ``executor`` runs the episodes (default: this process, :class:`~ares_gateway.episodes.executor.LocalExecutor`);
-    it is started and closed once per wave of :func:`~ares_gateway.episodes.rollouts.run_rollouts`."""
+    it is started and closed once per wave of :func:`~ares_gateway.episodes.rollouts.run_rollouts`.
+    ``max_staleness``: the main-line sample's responses sampled more than this many versions behind
+    ``policy_version`` (default: the executor's version once the episodes are done) are masked
+    (:func:`trajectory.mask_stale`; :attr:`EpisodeSample.stale_tokens`)."""
+    check_max_staleness(max_staleness)
     by_session: dict[str, list[Any]] = {}
 
     def keep(result: EpisodeResult, samples: list[Any]) -> None:
@@ -312,6 +321,12 @@ async def play_episodes(
                 session_id=e.session_id, error=e.error, sample=sample, other_samples=others,
                 foreign_samples=foreign_count(samples), result=e,
             )
+    if max_staleness is not None:
+        current = policy_version if policy_version is not None else getattr(executor, "policy_version", None)
+        for o in out_list:
+            if o is not None and o.sample is not None:
+                o.sample = mask_stale(o.sample, current, max_staleness)
+                o.stale_tokens = int(o.sample.metadata["stale_tokens"])
     return [
         o if o is not None else EpisodeSample(task=tasks[i].name, reward=0.0, exit_reason="cancelled",
                                                error="the episode did not finish (cancelled)")

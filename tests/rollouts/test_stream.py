@@ -340,3 +340,24 @@ async def test_an_executor_without_a_fence_says_so_and_an_unstarted_source_write
     assert not (tmp_path / "never").exists()
     with pytest.raises(SourceClosedError):
         await source.next_episode()
+
+
+@pytest.mark.asyncio
+async def test_play_episodes_masks_stale_main_samples(boxes: Path) -> None:
+    from ares_gateway.trainers import play_episodes
+
+    async with Gateway(port=0, side_call_detector=harness_side_call_detector(TinyAgentHarness)) as gw:
+        gw.set_policy_version(2)
+        executor = LocalExecutor(concurrency=1, gateway=gw)
+        # At the executor's own version (2) nothing is stale; the trainer at version 3 with bound 0: all is.
+        (fresh,) = await play_episodes(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), executor=executor,
+                                       max_staleness=0)
+        (old,) = await play_episodes(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), executor=executor,
+                                     max_staleness=0, policy_version=3)
+    assert fresh.reward == old.reward == 1.0
+    assert fresh.stale_tokens == 0 and int(fresh.sample.loss_mask.sum()) == 6
+    assert old.stale_tokens == 6 and int(old.sample.loss_mask.sum()) == 0
+    assert old.sample.metadata["stale_spans"] == [[2, 5, 2], [7, 10, 2]]
+    with pytest.raises(ValueError, match="max_staleness must be a non-negative integer"):
+        await play_episodes(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), max_staleness=-1)
+    assert _left(boxes) == []

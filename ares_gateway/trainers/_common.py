@@ -54,7 +54,9 @@ class MissingExtraError(TrainerError, _MissingExtra):
         super().__init__(package, extra, cause)
         if install:
             why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
-            self.args = (f"{package} is not installed or failed to import{why}: install it with {install}",)
+            # ImportError prints its ``msg``, not its args.
+            self.msg = f"{package} is not installed or failed to import{why}: install it with {install}"
+            self.args = (self.msg,)
 
 
 class UnknownTaskError(TrainerError, ValueError):

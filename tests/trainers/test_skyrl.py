@@ -28,7 +28,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
 
 from ares_gateway.engines.base import Sampling
@@ -36,6 +35,7 @@ from ares_gateway.trainers import TrainerError, UnknownTaskError
 from harnesses import registry
 from harnesses.tiny_agent import TinyAgentHarness
 from tests.prereq import require
+from tests.trainers.conftest import recorded_main_line
 
 pytestmark = pytest.mark.slow
 
@@ -152,28 +152,6 @@ def _input(trainer: Any, tasks: Sequence[str]) -> tuple[Any, list[str]]:
                                    cfg.environment.env_class, "train", 3)
 
 
-def _recorded(out: Path, session_id: str) -> dict[str, Any]:
-    """The episode's main-line sample as the gateway wrote it (trajectories/, see docs/recording.md)."""
-    from ares_gateway.trainers import main_sample
-    from trajectory import Sample
-
-    samples = []
-    for f in out.rglob("*.jsonl"):
-        if f.parent.name != "trajectories":
-            continue
-        for line in f.read_text().splitlines():
-            d = json.loads(line)
-            if d["metadata"].get("session_id") != session_id:
-                continue
-            samples.append(Sample(tokens=np.array(d["tokens"], dtype=np.int32), response_length=d["response_length"],
-                                  loss_mask=np.array(d["loss_mask"], dtype=np.int32),
-                                  logprobs=np.array(d["logprobs"], dtype=np.float32), metadata=d["metadata"]))
-    assert samples, f"no recorded sample of {session_id} under {out}"
-    best, _ = main_sample(samples)
-    assert best is not None
-    return best.to_dict()
-
-
 def test_skyrl_training_step_takes_real_episodes_as_the_recorded_samples(tmp_path: Path, tokenizer: Any) -> None:
     skyrl = _skyrl()
     _mini_installed()
@@ -215,7 +193,7 @@ def test_skyrl_training_step_takes_real_episodes_as_the_recorded_samples(tmp_pat
     assert set(results) == set(sessions)  # every entry is a real episode the gateway ran
     multi_turn = 0
     for i, sid in enumerate(sessions):
-        rec = _recorded(tmp_path / "episodes", sid)
+        rec = recorded_main_line(tmp_path / "episodes", sid)
         cut = len(rec["tokens"]) - rec["response_length"]
         # Exactly the recorded sample: ids, loss mask, the engine's logprobs.
         assert out["prompt_token_ids"][i] == rec["tokens"][:cut]
@@ -324,3 +302,4 @@ def test_without_skyrl_installed_the_error_names_the_extra() -> None:
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert proc.returncode == 0, proc.stderr
     assert "ERR skyrl is not installed" in proc.stdout and "ares-gateway[skyrl]" in proc.stdout
+    assert "--no-deps 'skyrl==0.3.0'" in proc.stdout

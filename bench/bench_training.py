@@ -1,6 +1,8 @@
 """One GRPO step of TRL on real agent episodes, split by where its time goes.
 
     python3 bench/bench_training.py [--steps 3] [--step-limit 3] [--max-tokens 64] [--concurrency 2] [--json]
+    python3 bench/bench_training.py --overlap ...   # rollout_func(overlap=True)
+    python3 bench/bench_training.py --compare ...   # both, on the same settings: medians and their ratio
 
 A real ``GRPOTrainer`` (TRL, CPU, fp32) trains SmolLM2-135M-Instruct (the embedded GGUF, dequantized)
 with :func:`ares_gateway.trainers.trl.rollout_func`: each step is one group of ``num_generations=2``
@@ -15,6 +17,11 @@ real mini-swe-agent episodes in local sandboxes, sampled from the model being tr
 * **gateway's own time**: an upper bound: the CPU time of the rollouts' event-loop thread (the gateway's
   HTTP handling, parsing, answers, recording, and also the sandbox plumbing that shares the loop) plus the
   prompt rendering the tito policy does in worker threads. Goal: <= 2 % of the step.
+
+With ``--overlap`` the episodes of each step after the first were started during the previous step's
+training: **rollout** is then only what the call still waited for, and **overlap** the seconds its
+episodes ran while the trainer trained (``AresRollouts.calls``). ``--compare`` runs both modes, each on a
+freshly loaded model, and prints the median step of each and overlap's / sequential's.
 
 Figures are medians over the steps (2 shared cores: noisy).
 """
@@ -45,7 +52,31 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--overlap", action="store_true", help="rollout_func(overlap=True)")
+    ap.add_argument("--compare", action="store_true", help="run without and with overlap, report both")
     args = ap.parse_args()
+    modes = [False, True] if args.compare else [args.overlap]
+    results = {("overlap" if m else "sequential"): measure(args, overlap=m) for m in modes}
+    if args.compare:
+        ratio = results["overlap"]["median"]["step_s"] / results["sequential"]["median"]["step_s"]
+        if args.json:
+            print(json.dumps({"settings": vars(args), **results, "step_ratio": ratio}, indent=2))
+            return 0
+        for name, r in results.items():
+            report(name, args, r["median"])
+        print(f"median step: sequential {results['sequential']['median']['step_s']:.2f} s, overlap "
+              f"{results['overlap']['median']['step_s']:.2f} s, overlap / sequential {ratio:.2f}")
+        return 0
+    (result,) = results.values()
+    if args.json:
+        print(json.dumps({"settings": vars(args), **result}, indent=2))
+        return 0
+    report("overlap" if args.overlap else "sequential", args, result["median"])
+    return 0
+
+
+def measure(args: argparse.Namespace, *, overlap: bool) -> dict[str, Any]:
+    """One training run of ``args.steps`` + 1 steps; the figures of the steps after the first."""
 
     import torch
     from datasets import Dataset
@@ -79,7 +110,7 @@ def main() -> int:
 
     out = tempfile.mkdtemp(prefix="bench-training-")
     rollouts = rollout_func("examples", step_limit=args.step_limit, max_tokens=args.max_tokens,
-                            concurrency=args.concurrency, out=out,
+                            concurrency=args.concurrency, out=out, overlap=overlap,
                             harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND})
     per_call: list[dict[str, float]] = []
 
@@ -95,6 +126,7 @@ def main() -> int:
         assert rollouts._loop is not None
         cpu1 = rollouts._loop.run(loop_cpu())
         per_call.append({"rollout_s": wall, "generation_s": rollouts.calls[-1]["generation_s"],
+                         "overlap_s": rollouts.calls[-1].get("overlap_s", 0.0),
                          "loop_cpu_s": cpu1 - cpu0 if cpu0 is not None else float("nan"),
                          "render_s": render["s"] - r0, "episodes": len(batch["session_id"]),
                          "sampled_tokens": sum(batch["sampled_tokens"]),
@@ -112,7 +144,8 @@ def main() -> int:
 
     cfg = GRPOConfig(output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=2, num_generations=2,
                      max_steps=args.steps + 1, use_cpu=True, bf16=False, learning_rate=3e-4, logging_steps=1,
-                     report_to=[], save_strategy="no", beta=0.0, seed=7, disable_tqdm=True)
+                     report_to=[], save_strategy="no", beta=0.0, seed=7, disable_tqdm=True,
+                     disable_dropout=True)  # overlap samples the model in the trainer's mode
     trainer = GRPOTrainer(model=model, processing_class=tokenizer,
                           reward_funcs=[reward_from_episode, lambda completions, mean_logprob, **_: mean_logprob],
                           train_dataset=Dataset.from_dict({"prompt": ["fix-median-bug", "write-greeting-file"]}),
@@ -121,6 +154,7 @@ def main() -> int:
         trainer.train()
     finally:
         rollouts.close()
+        streams_mod.TokenStreams.prepare = real_prepare  # type: ignore[method-assign]
     # The first call starts the loop and warms the engine: the figures are of the steps after it.
     rows = []
     for step_s, c in list(zip(steps, per_call, strict=False))[1:]:
@@ -130,25 +164,27 @@ def main() -> int:
             "agent_sandbox_s": c["rollout_s"] - c["generation_s"], "training_s": step_s - c["rollout_s"],
             "gateway_own_s": gateway, "gateway_share": gateway / step_s,
             "loop_cpu_s": c["loop_cpu_s"], "render_s": c["render_s"],
-            "turns": c["turns"], "sampled_tokens": c["sampled_tokens"],
+            "turns": c["turns"], "sampled_tokens": c["sampled_tokens"], "overlap_s": c["overlap_s"],
         })
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    result = {"settings": vars(args), "median": med, "steps": rows}
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    print(f"GRPO step on real episodes: {args.steps} steps after a warm-up, 2 episodes a step, "
+    return {"median": med, "steps": rows}
+
+
+def report(name: str, args: argparse.Namespace, med: dict[str, float]) -> None:
+    print(f"GRPO step on real episodes ({name}): {args.steps} steps after a warm-up, 2 episodes a step, "
           f"step_limit {args.step_limit}, max_tokens {args.max_tokens}, concurrency {args.concurrency}")
-    for key, label in [("step_s", "step"), ("rollout_s", "  rollout (episodes)"),
-                       ("generation_s", "    generation (engine busy)"),
-                       ("agent_sandbox_s", "    agent + sandbox + waits"),
-                       ("training_s", "  training (forward, backward, optimizer)"),
-                       ("gateway_own_s", "gateway's own time (upper bound)")]:
+    rollout = "  rollout (the call's wait)" if name == "overlap" else "  rollout (episodes)"
+    rows = [("step_s", "step"), ("rollout_s", rollout), ("generation_s", "    generation (engine busy in the call)"),
+            ("agent_sandbox_s", "    agent + sandbox + waits"),
+            ("training_s", "  training (forward, backward, optimizer)"),
+            ("gateway_own_s", "gateway's own time (upper bound)")]
+    if name == "overlap":
+        rows.append(("overlap_s", "episodes run during the previous step's training"))
+    for key, label in rows:
         share = med[key] / med["step_s"]
-        print(f"{label:<44} {med[key]:8.2f} s  {share:6.1%}")
+        print(f"{label:<50} {med[key]:8.2f} s  {share:6.1%}")
     print(f"  of which event-loop CPU {med['loop_cpu_s']:.3f} s, rendering {med['render_s']:.3f} s; "
           f"{med['turns']:.0f} turns, {med['sampled_tokens']:.0f} sampled tokens a step")
-    return 0
 
 
 if __name__ == "__main__":

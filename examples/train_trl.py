@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--any-answer-is-a-command", action=argparse.BooleanOptionalAction, default=True,
                     help="mini-swe-agent takes the whole answer as its command (a small model rarely writes "
                          "mini's fenced block, and mini drops answers without one from its history)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="run the next step's episodes while the trainer trains (docs/training.md, Overlap)")
     args = ap.parse_args(argv)
 
     from datasets import Dataset
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     options = {"action_regex": r"\A(.+)\Z"} if args.any_answer_is_a_command and args.harness == "mini-swe-agent" else {}
     rollouts = rollout_func(args.dataset, harness=args.harness, sandbox=args.sandbox, step_limit=args.step_limit,
                             max_tokens=args.max_tokens, concurrency=args.concurrency, tokenizer=source,
-                            harness_options=options, out=os.path.join(args.out, "episodes"))
+                            harness_options=options, out=os.path.join(args.out, "episodes"), overlap=args.overlap)
     rewards: list[Any] = [reward_from_episode]
     if args.shaping:
         def mean_logprob(completions: list[Any], mean_logprob: list[float], **_: Any) -> list[float]:
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         output_dir=args.out, per_device_train_batch_size=args.num_generations, num_generations=args.num_generations,
         max_steps=args.steps, learning_rate=args.lr, logging_steps=1, report_to=[], save_strategy="no",
         use_cpu=not _has_gpu(), bf16=False,  # fp32: sampler and trainer logprobs agree to ~1e-5
-        beta=0.0,
+        beta=0.0, disable_dropout=True,  # overlap samples the model in the trainer's mode
     )
     tasks = [t for t in args.tasks.split(",") if t]
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=rewards,
@@ -90,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         rollouts.close()
     for call in rollouts.calls:
         print(f"step {call['step']}: {call['episodes']} episodes in {call['seconds']:.1f} s "
-              f"(generation {call['generation_s']:.1f} s), {call['failed']} failed, mean reward {call['mean_reward']:.2f}")
+              f"(generation {call['generation_s']:.1f} s), {call['failed']} failed, mean reward {call['mean_reward']:.2f}"
+              + (f", {call['prefetched']} started during the last step" if "prefetched" in call else ""))
     return 0
 
 

@@ -374,12 +374,13 @@ class AresRollouts:
         """Stop the rollouts' event loop: cancel episodes started for a call that did not come (each
         removes its sandbox), close the gateway and the engine."""
         if self._loop is not None:
+            if self.gateway is not None and self._paused is not None:
+                # An optimizer step failed inside the fence: resume, so the cancelled episodes end as usual.
+                self._paused = None
+                with contextlib.suppress(Exception):
+                    self._loop.run(self._resume_now(None))
             self._cancel_next()
             if self.gateway is not None:
-                if self._paused is not None:  # an optimizer step failed inside the fence
-                    self._paused = None
-                    with contextlib.suppress(Exception):
-                        self._loop.run(self._resume_now(None))
                 self._loop.run(self.gateway.close())
                 self.gateway = None
             if self.served is not None:

@@ -338,7 +338,18 @@ class BaseHarness(abc.ABC):
             prefix, install_user = shared, None
         else:
             prefix, install_user = private, prep.user
-        await self._run_install_steps(sandbox, prefix, install_user, prep)
+        await self.install_at(sandbox, prefix, user=install_user)
+        prep.install = InstallInfo(prefix, self.version, False, time.monotonic() - started)
+        return prep.install
+
+    async def install_at(self, sandbox: Sandbox, prefix: str, *, user: str | None = None) -> None:
+        """Install the pinned version under ``prefix`` as ``user`` (no reuse check), verify its version
+        and mark it complete (``.ares-complete``, written last). Call :meth:`prepare` first; raises
+        :class:`HarnessInstallError`."""
+        prep = self._prepared.get(sandbox.id)
+        if prep is None:
+            raise HarnessLaunchError(self.name, "install", "call prepare() (or run()) first")
+        await self._run_install_steps(sandbox, prefix, user, prep)
         got = await self._installed_version(sandbox, prefix, prep, marker=False)
         if got != self.version:
             raise HarnessInstallError(
@@ -346,9 +357,7 @@ class BaseHarness(abc.ABC):
                 f"{self.version_command(prefix)} reports {got!r}, expected {self.version!r}",
             )
         await sandbox.exec(f"chmod -R a+rX {shlex.quote(prefix)} 2>/dev/null; touch {shlex.quote(prefix)}/.ares-complete",
-                           user=install_user, timeout=120)
-        prep.install = InstallInfo(prefix, self.version, False, time.monotonic() - started)
-        return prep.install
+                           user=user, timeout=120)
 
     async def _run_install_steps(self, sandbox: Sandbox, prefix: str, user: str | None, prep: Prepared) -> None:
         env = {**QUIET_ENV, "HOME": prep.home if user or sandbox.backend == "local" else "/root"}

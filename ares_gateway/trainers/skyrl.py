@@ -124,6 +124,8 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
             model without a tool-call format).
         out: a folder for each call's run files (``out/step-N/``: results.json, trajectories, logs).
         executor: where the episodes run (default: this process).
+        trainer_tokenizer: the tokenizer SkyRL trains with (``get_generator``'s ``tokenizer``): checked once
+            against the one the gateway renders with; different ids are a ``TokenizerMismatchError``.
 
     Attributes:
         last_episodes: the latest call's :class:`~ares_gateway.trainers.EpisodeSample` list, in prompt order.
@@ -148,6 +150,7 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         harness_options: Mapping[str, Any] | None = None,
         out: str | None = None,
         executor: Executor | None = None,
+        trainer_tokenizer: Any = None,
     ) -> None:
         if (inference_engine_client is None) == (engine is None):
             raise TrainerError("AresGenerator samples through exactly one of inference_engine_client= (SkyRL's) "
@@ -175,7 +178,9 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         self.executor = executor
         self.last_episodes: list[EpisodeSample] = []
         self.calls: list[dict[str, Any]] = []
+        self.trainer_tokenizer = trainer_tokenizer
         self._renderer: ChatRenderer | None = None
+        self._checked = trainer_tokenizer is None
 
     def renderer(self) -> ChatRenderer:
         """The chat renderer every turn is rendered with (loaded once)."""
@@ -184,6 +189,23 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
 
             self._renderer = ChatRenderer(self.tokenizer or default_model_path(), renderer=self.renderer_name)
         return self._renderer
+
+    def check_tokenizer(self) -> None:
+        """Refuse a trainer tokenizer that gives other ids than the gateway's (once)."""
+        if self._checked:
+            return
+        from ares_gateway.trainers.trl import _PROBE_TEXTS, TokenizerMismatchError
+
+        ours = self.renderer().tokenizer
+        for text in _PROBE_TEXTS:
+            a = list(ours.encode(text))
+            b = list(self.trainer_tokenizer.encode(text, add_special_tokens=False))
+            if a != b:
+                raise TokenizerMismatchError(
+                    f"SkyRL's tokenizer and the gateway's ({self.tokenizer or 'the embedded SmolLM2 GGUF'}) give different "
+                    f"ids for {text[:40]!r}: pass AresGenerator(tokenizer=...) the trained model's folder "
+                    "(cfg.trainer.policy.model.path)")
+        self._checked = True
 
     def tasks_of(self, input_batch: Mapping[str, Any]) -> list[str]:
         """The task name of each prompt: ``env_extras[i]["task"]``, else the prompt's last message."""
@@ -203,6 +225,7 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         """Play one episode per prompt; their main-line samples as SkyRL's ``GeneratorOutput``."""
         t0 = time.perf_counter()
         tasks = resolve_tasks(self.dataset, self.tasks_of(input_batch))
+        self.check_tokenizer()
         if not tasks:
             raise TrainerError("the batch has no prompts: nothing to generate")
         sp = dict(input_batch.get("sampling_params") or {})

@@ -163,7 +163,7 @@ def test_skyrl_training_step_takes_real_episodes_as_the_recorded_samples(tmp_pat
     client = _client(engine)
     generator = skyrl.AresGenerator("examples", inference_engine_client=client, harness="mini-swe-agent",
                                     sandbox="local", step_limit=3, out=str(tmp_path / "episodes"),
-                                    harness_options=MINI)
+                                    harness_options=MINI, trainer_tokenizer=tokenizer)
     assert isinstance(generator, GeneratorInterface)
     trainer = _trainer(generator, tokenizer, n=2, prompts=1)
     gen_input, uids = _input(trainer, [TASKS[0]])
@@ -292,6 +292,20 @@ def test_failed_episodes_are_reward_0_entries_and_the_step_goes_on(tmp_path: Pat
     assert "'no-such-task'" in str(info.value) and all(t in str(info.value) for t in TASKS)
     with pytest.raises(TrainerError, match="exactly one"):
         skyrl.AresGenerator("examples")
+
+    # A trainer tokenizer with other ids than the gateway's is refused before any episode starts.
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from ares_gateway.trainers.trl import TokenizerMismatchError
+
+    other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+    client = _client(engine)
+    generator = skyrl.AresGenerator("examples", inference_engine_client=client, trainer_tokenizer=other)
+    with pytest.raises(TokenizerMismatchError, match="tokenizer="):
+        asyncio.run(generator.generate(_input(trainer, [TASKS[0], TASKS[1]])[0]))
+    assert client.requests == []
 
 
 def test_without_skyrl_installed_the_error_names_the_extra() -> None:

@@ -47,6 +47,7 @@ from ares_gateway.core.sessions import Session, SessionInfo, SessionRegistry, be
 from ares_gateway.core.store import TurnStore
 from ares_gateway.http.app import build_server
 from ares_gateway.http.body_parser import BodyParser
+from ares_gateway.http.open_files import check_connections, raise_open_file_limit
 from ares_gateway.http.server import HttpLimits, HttpServer
 from ares_gateway.http.session_socket import SessionSockets
 from ares_gateway.side_calls import SideCallDetector, default_side_call_detector
@@ -100,7 +101,8 @@ class GatewayConfig:
     body_total_timeout: float = _HTTP.body_total_timeout
     keepalive_timeout: float = _HTTP.keepalive_timeout
     max_head_bytes: int = _HTTP.max_head_bytes
-    max_connections: int = _HTTP.max_connections
+    #: ``None``: follow the open-file limit, which :meth:`Gateway.start` raises to its hard limit.
+    max_connections: int | None = _HTTP.max_connections
     #: Create a session on first use of an unknown session id or token (local experiments only).
     auto_sessions: bool = False
     #: Model ids listed by GET /v1/models.
@@ -219,11 +221,18 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Start serving HTTP (idempotent)."""
+        """Start serving HTTP (idempotent). Raises the process's soft open-file limit to its hard limit
+        (the default connection cap follows it) and warns when ``max_connections`` does not fit it."""
         if self._http is not None:
             return
         if self.store is None and self.config.data_dir is not False:
             self._open_store()
+        # Each connection is a descriptor: a soft limit of 1024 would cap the gateway far below its load.
+        raise_open_file_limit()
+        if self.config.max_connections is not None:
+            warning = check_connections(self.config.max_connections)
+            if warning:
+                log.warning("%s", warning)
         http = build_server(self, self.limits, self.mounts)
         self._port = await http.start(self.config.host, self.config.port)
         self._http = http

@@ -41,7 +41,8 @@ _LIMIT_FLAGS = (
     ("keepalive_timeout", "seconds an idle keep-alive connection stays open"),
     ("max_parked_bytes_per_session", "body bytes one session's waiting requests may hold (more: 429; one body over it: 413)"),
     ("max_head_bytes", "most bytes of one request head, line and headers together (more: 431, closed)"),
-    ("max_connections", "most client connections open at once (a new one past it: 503, closed)"),
+    ("max_connections", "most client connections open at once (a new one past it: 503, closed); "
+                        "default: the open-file limit (raised to its hard limit at start) less a reserve"),
     ("parse_offload_bytes", "bodies of at least this many bytes are parsed off the event loop"),
 )
 
@@ -219,6 +220,7 @@ def add_serve_command(sub: Any) -> None:
     defaults = GatewayConfig()
     for name, text in _LIMIT_FLAGS:
         default = getattr(defaults, name)
-        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=text)
+        kind = int if default is None else type(default)  # None: derived at start (the connection cap)
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
     p.add_argument("--log-level", default="INFO", help="log level (DEBUG, INFO, WARNING, ERROR)")
     p.set_defaults(handler=cmd_serve)

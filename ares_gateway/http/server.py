@@ -41,7 +41,8 @@ What this module adds at the depth it belongs:
   close), far under what aiohttp's per-line and header-count limits allow (128 x 8190 bytes:
   1 MiB per connection, which 500 unfinished heads turned into 1 GiB of resident memory);
 * a **connection cap**: past ``max_connections`` open connections a new one gets one 503 (in
-  the control API's shape, with ``retry-after``) and is closed, before anything is parsed;
+  the control API's shape, with ``retry-after``) and is closed, before anything is parsed; by
+  default the cap follows the process's open-file limit (:mod:`ares_gateway.http.open_files`);
 * **memory back after a flood**: once many connections or large heads have gone, glibc is
   asked to return its free heap (``malloc_trim``), at most once a second, so the resident size
   falls back after the flood instead of staying at its peak.
@@ -69,6 +70,7 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import Response, StreamResponse
 
 from ares_gateway.core.errors import StatusError
+from ares_gateway.http.open_files import connection_cap
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +105,16 @@ class HttpLimits:
     read_bufsize: int = 64 * 1024
     #: Most bytes of one request head (request line and every header line together); more: 431, closed.
     max_head_bytes: int = 64 * 1024
-    #: Most client connections open at once; a new one past it gets a 503 and is closed.
-    max_connections: int = 2048
+    #: Most client connections open at once; a new one past it gets a 503 and is closed. ``None``:
+    #: follow the open-file limit when the server starts (:func:`~ares_gateway.http.open_files.connection_cap`:
+    #: the soft limit less a reserve of up to 1,024 descriptors for everything else).
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_line_bytes", "max_field_bytes", "max_headers", "read_bufsize",
                      "max_head_bytes", "max_connections"):
-            if getattr(self, name) < 1:
+            value = getattr(self, name)
+            if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("header_timeout", "body_timeout", "body_total_timeout", "keepalive_timeout"):
             if not getattr(self, name) > 0:
@@ -558,6 +563,11 @@ class HttpServer:
         return len(self._server.connections) if self._server is not None else 0
 
     @property
+    def max_connections(self) -> int | None:
+        """The connection cap in force (``None`` before the server starts)."""
+        return self._server._max_connections if self._server is not None else None
+
+    @property
     def refused_connections(self) -> int:
         """Connections refused at ``max_connections`` so far."""
         return self._server.refused if self._server is not None else 0
@@ -599,7 +609,7 @@ class HttpServer:
             self.handler,
             header_timeout=lim.header_timeout,
             max_head_bytes=lim.max_head_bytes,
-            max_connections=lim.max_connections,
+            max_connections=lim.max_connections if lim.max_connections is not None else connection_cap(),
             error=self.error,
             **kwargs,
         )

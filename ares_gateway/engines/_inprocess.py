@@ -1,9 +1,11 @@
-"""What the in-process engines (llama.cpp, transformers) share: sampling one token from logits, and
-the worker thread their calls run on, with ``generate`` / ``stream`` over it (:class:`WorkerThreadEngine`)."""
+"""What the in-process engines (llama.cpp, transformers) share: sampling one token from logits, the
+worker thread their calls run on, with ``generate`` / ``stream`` over it, and the label of the weights
+they sample with (:class:`WorkerThreadEngine`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -54,6 +56,14 @@ def sample_token(logits: np.ndarray[Any, Any], sampling: Sampling, rng: np.rando
     return tok, float(logp[tok])
 
 
+def _check_version(version: Any) -> int | None:
+    if version is None:
+        return None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"a weight version is a non-negative integer (or None: unlabelled), got {version!r}")
+    return version
+
+
 def logsumexp(z: np.ndarray[Any, Any]) -> float:
     m = float(np.max(z))
     return m + math.log(float(np.sum(np.exp(z - m))))
@@ -64,16 +74,41 @@ class WorkerThreadEngine:
     arrival order (the model is never entered twice at once), ``generate``, ``stream`` and closing.
 
     A subclass sets :attr:`label` and implements ``_generate_sync(prompt, sampling, emit, stop)``:
-    it calls ``emit(TokenChunk)`` per sampled token when ``emit`` is given and ends at its next token
-    once ``stop`` is set (the stream's consumer left: the agent disconnected).
+    it calls ``emit(TokenChunk)`` per sampled token when ``emit`` is given, ends at its next token
+    once ``stop`` is set (the consumer left: the agent disconnected, or an abort fence cancelled the
+    call), and stamps its result with :meth:`_reported_version` as read when it starts.
+
+    **Weight version.** :attr:`weight_version` is the trainer's label of the weights the engine samples
+    with (its step, say), set with :meth:`set_weight_version` right after the weights change, under the
+    gateway's fence (``async with gw.weight_update(v): mutate(); engine.set_weight_version(v)``), as SGLang's
+    ``/update_weight_version`` sets its label. Each generation reports the label read when it starts
+    (:attr:`GenerateResult.weight_version`), which the gateway records before the version set on it. The
+    trainer names it, not a counter of the engine's own, because the engine's word takes precedence:
+    it must be in the trainer's numbering.
     """
 
     #: How errors name the engine ("the llama.cpp engine is closed").
     label = "in-process"
 
-    def __init__(self, *, thread_name: str) -> None:
+    def __init__(self, *, thread_name: str, weight_version: int | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
         self._closed = False
+        self._weight_version = _check_version(weight_version)
+
+    @property
+    def weight_version(self) -> int | None:
+        """The trainer's label of the weights sampled with now (``None``: unlabelled)."""
+        return self._weight_version
+
+    def set_weight_version(self, version: int | None) -> None:
+        """Label the weights the engine samples with from now on: a non-negative integer, or ``None``
+        (unlabelled: its results report no version, and the gateway's applies). Call it after the weights
+        changed, while sampling is paused; a generation already running keeps the label it started with."""
+        self._weight_version = _check_version(version)
+
+    def _reported_version(self) -> int | None:
+        """The version a generation starting now reports (read on the worker thread, as it starts)."""
+        return self._weight_version
 
     def _generate_sync(self, prompt: list[int], sampling: Sampling, emit: Emit | None,
                        stop: threading.Event | None) -> GenerateResult:
@@ -96,7 +131,20 @@ class WorkerThreadEngine:
         self._pool.shutdown(wait=False)
 
     async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> GenerateResult:
-        result: GenerateResult = await self._run(self._generate_sync, list(prompt_ids), sampling, None, None)
+        self._check_open()
+        stop = threading.Event()
+        work = self._pool.submit(self._generate_sync, list(prompt_ids), sampling, None, stop)
+        try:
+            result: GenerateResult = await asyncio.wrap_future(work)
+        except asyncio.CancelledError:
+            # The caller left (an abort fence, an agent gone): a call not started never starts, a running
+            # one stops at its next token, and the cancellation returns only once the worker is off the
+            # model, so a weight update after an abort never runs beside a forward pass.
+            if not work.cancel():
+                stop.set()
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(asyncio.wrap_future(work))
+            raise
         return result
 
     async def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:

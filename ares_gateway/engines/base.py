@@ -130,7 +130,8 @@ class GenerateResult:
     decode_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
     #: The version of the weights that sampled it, where the engine reports one (SGLang's
-    #: ``meta_info.weight_version`` when it is a decimal integer); ``None``: it does not say.
+    #: ``meta_info.weight_version`` when it is a decimal integer; an in-process engine's label, as set
+    #: when the generation started: ``set_weight_version``); ``None``: it does not say.
     weight_version: int | None = None
 
     def __post_init__(self) -> None:

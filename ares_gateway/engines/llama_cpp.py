@@ -23,6 +23,10 @@ The price is a second token per decode step (cheap for a memory-bound small mode
 **Prefix cache.** The KV cache of the previous call is kept; a prompt that extends it (the next
 turn of the same session, built by :class:`~ares_gateway.tokens.TokenStreams`) only evaluates
 its new tokens.
+
+**Weight version.** The model file's weights never change in process; ``weight_version`` labels them
+(the trainer step a GGUF was exported at, say), and every generation reports it
+(``GenerateResult.weight_version``, the turn's policy version); :meth:`set_weight_version` relabels.
 """
 
 from __future__ import annotations
@@ -168,6 +172,8 @@ class LlamaCppEngine(WorkerThreadEngine):
         n_batch: prompt tokens evaluated per llama.cpp call.
         consistent_batching: never evaluate a single token alone (see the module docstring).
         load_timeout_s: how long loading the model may take before :class:`EngineUnavailableError`.
+        weight_version: the label of the model's weights (``None``: unlabelled; the gateway's version
+            then applies to its turns).
     """
 
     name = "llama-cpp"
@@ -182,6 +188,7 @@ class LlamaCppEngine(WorkerThreadEngine):
         n_batch: int = 256,
         consistent_batching: bool = True,
         load_timeout_s: float = 120.0,
+        weight_version: int | None = None,
     ) -> None:
         if model_path is None:
             from ares_gateway.tokens.tokenizer import default_model_path
@@ -198,19 +205,20 @@ class LlamaCppEngine(WorkerThreadEngine):
         self.n_batch = n_batch
         self.consistent_batching = consistent_batching
         self.load_timeout_s = load_timeout_s
-        super().__init__(thread_name="ares-llama")
+        super().__init__(thread_name="ares-llama", weight_version=weight_version)
         self._llm: Any = None
         self._cached: list[int] = []  # token ids whose KV entries the context holds, in order
         self.n_ctx = 0
         self.load_s = 0.0
-        self.aborted_streams = 0  # streams whose consumer left before the end (sampling stopped early)
+        self.aborted_streams = 0  # calls whose consumer left before the end (sampling stopped early)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A copy sent to another process (a Ray actor on another node) is a fresh engine with the same
         # settings that loads its own model there: a loaded context and its worker thread cannot travel.
         return (_rebuild, (self.model, {"n_ctx": self.n_ctx_requested, "n_threads": self._n_threads_requested,
                                         "n_batch": self.n_batch, "consistent_batching": self.consistent_batching,
-                                        "load_timeout_s": self.load_timeout_s}))
+                                        "load_timeout_s": self.load_timeout_s,
+                                        "weight_version": self.weight_version}))
 
     # ------------------------------------------------------------- lifecycle
     def _load(self) -> Any:
@@ -254,6 +262,7 @@ class LlamaCppEngine(WorkerThreadEngine):
     ) -> GenerateResult:
         import llama_cpp
 
+        weight_version = self._reported_version()
         llm = self._load()
         ctx = llm._ctx
         n_ctx = self.n_ctx
@@ -326,6 +335,7 @@ class LlamaCppEngine(WorkerThreadEngine):
             prefill_s=t1 - t0,
             decode_s=t2 - t1,
             extra={"seed": seed, "consistent_batching": self.consistent_batching},
+            weight_version=weight_version,
         )
 
     # ------------------------------------------------------------ evaluation

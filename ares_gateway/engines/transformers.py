@@ -24,6 +24,13 @@ weights change: each is tagged with the parameters' in-place version counters, w
 transformers' default ``adamw_torch_fused``) update the weights without advancing them: whoever updates
 weights that way calls :meth:`TransformersEngine.reset` before sampling again (the TRL adapter does, at
 every rollout call).
+
+**Weight version.** The trainer labels the weights with :meth:`~TransformersEngine.set_weight_version`
+after changing them (under the gateway's fence), and each generation reports the label as it starts
+(``GenerateResult.weight_version``, recorded as the turn's policy version). A label holds only for the
+weights it was set on: once a parameter is modified in place again (the counters above) or
+:meth:`~TransformersEngine.reset` is called, generations report no version until the next label, so an
+optimizer step nobody labelled never passes for the labelled weights.
 """
 
 from __future__ import annotations
@@ -82,6 +89,8 @@ class TransformersEngine(WorkerThreadEngine):
         context: the most tokens a prompt plus its answer may have (default: the model's
             ``max_position_embeddings``).
         threads: torch intra-op threads for the engine's calls (default: torch's setting).
+        weight_version: the label of the model's weights as given (see :meth:`set_weight_version`;
+            ``None``: unlabelled).
     """
 
     name = "transformers"
@@ -95,6 +104,7 @@ class TransformersEngine(WorkerThreadEngine):
         max_cached_sequences: int = 4,
         context: int | None = None,
         threads: int | None = None,
+        weight_version: int | None = None,
     ) -> None:
         if not callable(model) or not hasattr(model, "parameters"):
             raise TypeError(f"model must be a transformers causal LM (a torch module), got {type(model).__name__}")
@@ -107,7 +117,10 @@ class TransformersEngine(WorkerThreadEngine):
         self.n_ctx = int(context or getattr(config, "max_position_embeddings", 0) or 2048)
         self.max_cached_sequences = max_cached_sequences
         self.threads = threads
-        super().__init__(thread_name="ares-transformers")
+        super().__init__(thread_name="ares-transformers", weight_version=weight_version)
+        # The label and the parameters' version counters it was set on, replaced together (one attribute:
+        # the worker thread reads it while the trainer's thread may set it).
+        self._label: tuple[int | None, int] = (self._weight_version, self.weights_version())
         self._caches: list[_Cached] = []  # most recently used last
         self.calls = 0
         self.busy_s = 0.0  # seconds the worker spent in calls (prefill + decode)
@@ -131,8 +144,26 @@ class TransformersEngine(WorkerThreadEngine):
         _torch()
 
     def reset(self) -> None:
-        """Drop every kept KV cache (they are dropped by themselves when the weights change)."""
+        """Drop every kept KV cache (they are dropped by themselves when the weights change) and the
+        weights' label: a reset says the weights changed in a way the engine may not see."""
         self._caches.clear()
+        self.set_weight_version(None)
+
+    def set_weight_version(self, version: int | None) -> None:
+        """Label the model's weights as they are now (see the module docstring: the label lapses when a
+        parameter is modified again)."""
+        super().set_weight_version(version)
+        self._label = (self._weight_version, self.weights_version())
+
+    @property
+    def weight_version(self) -> int | None:
+        """The label of the weights sampled with now: ``None`` when unlabelled, or when the weights were
+        modified since they were labelled."""
+        return self._reported_version()
+
+    def _reported_version(self) -> int | None:
+        version, counters = self._label
+        return version if version is not None and counters == self.weights_version() else None
 
     async def aclose(self) -> None:
         """Stop the worker thread and drop the caches; the model itself belongs to its owner."""
@@ -204,6 +235,8 @@ class TransformersEngine(WorkerThreadEngine):
         t0 = time.perf_counter()
         with self._evaluating() as torch:
             version = self.weights_version()
+            label, counters = self._label
+            weight_version = label if counters == version else None
             cache, keep = self._take_cache(prompt, version)
             cached = list(prompt[:keep])
 
@@ -248,6 +281,7 @@ class TransformersEngine(WorkerThreadEngine):
             prefill_s=t1 - t0,
             decode_s=t2 - t1,
             extra={"seed": seed, "weights_version": version},
+            weight_version=weight_version,
         )
 
     # ------------------------------------------------------------ evaluation

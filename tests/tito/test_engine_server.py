@@ -243,3 +243,18 @@ def test_limits_are_checked() -> None:
         EngineServer(object(), api_key="")  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="not started"):
         _ = EngineServer(object()).url  # type: ignore[arg-type]
+
+
+async def test_the_engines_weight_label_reaches_the_client(served: Any, smol_renderer: Any) -> None:
+    import pickle
+
+    engine, _server, client = served
+    prompt = _prompt(smol_renderer, "Hi.")
+    s = Sampling(max_tokens=3, seed=1)
+    assert (await client.generate(prompt, s)).weight_version is None  # unlabelled: no version sent
+    engine.set_weight_version(7)
+    assert (await engine.generate(prompt, s)).weight_version == 7
+    assert (await client.generate(prompt, s)).weight_version == 7
+    streamed = [item async for item in client.stream(prompt, s)]
+    assert isinstance(streamed[-1], GenerateResult) and streamed[-1].weight_version == 7
+    assert pickle.loads(pickle.dumps(engine)).weight_version == 7  # a copy for another node keeps the label

@@ -93,8 +93,20 @@ class _Loop:
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 120.0) -> None:
+        """Cancel what still runs (each episode removes its sandbox as it ends), wait for it, then stop."""
         if self.loop.is_running():
+            async def drain() -> None:
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for t in tasks:
+                    t.cancel()
+                if tasks:
+                    await asyncio.wait(tasks, timeout=timeout)
+
+            try:
+                self.submit(drain()).result(timeout=timeout + 10)
+            except Exception as exc:  # stop regardless; say what may be left
+                log.warning("the session loop did not drain: %s: %s", type(exc).__name__, exc)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=30)
         if not self.loop.is_running():
@@ -109,8 +121,13 @@ class AresSession(ResourceSession):  # type: ignore[misc]  # openenv ships no ty
         self.factory = factory
         self.task = task
         self.episode_id = episode_id
-        self._future = factory._loop.submit(factory._play(task))
+        self._task: asyncio.Task[Any] | None = None
+        self._future = factory._loop.submit(self._run())
         self._episode: EpisodeSample | None = None
+
+    async def _run(self) -> EpisodeSample:
+        self._task = asyncio.current_task()
+        return await self.factory._play(self.task)
 
     # ----------------------------------------------------- loop-owning session
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
@@ -164,14 +181,21 @@ class AresSession(ResourceSession):  # type: ignore[misc]  # openenv ships no ty
         return VerifyResult(env_reward=float(e.reward), done=True,
                             metrics={**facts, "episode_failed": e.sample is None})
 
-    def close(self) -> None:
-        """Stop the episode if it still runs (its sandbox is removed) and wait for it to end."""
-        if not self._future.done():
-            self._future.cancel()
-            try:
-                self._future.result(timeout=60)
-            except BaseException:  # cancelled, or the episode's own error: it is over either way
-                pass
+    def close(self, timeout: float = 120.0) -> None:
+        """Stop the episode if it still runs and wait until it has ended (its sandbox removed)."""
+        if self._future.done():
+            return
+
+        async def stop() -> None:
+            task = self._task
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=timeout)
+
+        try:
+            self.factory._loop.submit(stop()).result(timeout=timeout + 10)
+        except Exception as exc:  # the loop is gone or the episode would not end: say so
+            log.warning("the episode of %r did not end on close: %s: %s", self.task.name, type(exc).__name__, exc)
 
     # --------------------------------------------------------- resource session
     def initial_messages(self) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +33,7 @@ import pytest
 from ares_gateway.trainers import UnknownTaskError
 from harnesses import registry
 from harnesses.tiny_agent import TinyAgentHarness
+from sandbox import janitor
 from tests.prereq import require
 from tests.trainers.conftest import recorded_main_line
 
@@ -123,7 +125,9 @@ def test_trl_harness_rollout_trains_the_recorded_samples_of_real_episodes(tmp_pa
     assert kwargs["sampling"]["temperature"] == 1.0 and fac.temperature == 1.0 and fac.top_k == 0
     session = fac.create([{"role": "user", "content": TASK}])
     assert isinstance(session, TrainableSession)  # what TRL checks before the loop-owning path
-    session.close()  # stopped at once: its episode is cancelled, its sandbox removed
+    time.sleep(3)  # its sandbox is up
+    session.close()  # stopped: its episode is cancelled and has ended, its sandbox removed
+    assert janitor.live_sandboxes() == []
     try:
         with ThreadPoolExecutor(2) as pool:  # a group of two rollouts, as the loop's session pool runs them
             runs = list(pool.map(lambda _: loop._run_session([{"role": "user", "content": TASK}], 0), range(2)))
@@ -133,6 +137,7 @@ def test_trl_harness_rollout_trains_the_recorded_samples_of_real_episodes(tmp_pa
 
         asyncio.run(engine.aclose())
 
+    assert janitor.live_sandboxes() == []
     results = _results(tmp_path / "episodes")
     trained = 0
     for (completion, completion_ids, sequences, _calls, _fails, reward), metrics in runs:

@@ -79,6 +79,9 @@ class GatewayConfig:
     #: more get a 429 in the agent's shape (a single body over it: 413). The gateway holds about
     #: five times a body's bytes while it is parked (its parsed JSON and canonical form).
     max_parked_bytes_per_session: int = 64 * 1024 * 1024
+    #: Body bytes every session's requests together may hold at once (the same count, summed); more
+    #: get a 429 in the agent's shape (a single body over it: 413). About five times this is resident.
+    max_parked_bytes: int = 1024 * 1024 * 1024
     #: Bodies of at least this many bytes are parsed off the event loop (a worker process decodes
     #: and checks them, a thread rebuilds them), so one agent's 30 MB body does not stall the others.
     parse_offload_bytes: int = 1024 * 1024
@@ -175,6 +178,7 @@ class Gateway:
             metrics=self.metrics,
             max_parked_per_session=cfg.max_parked_per_session,
             max_parked_bytes_per_session=cfg.max_parked_bytes_per_session,
+            max_parked_bytes=cfg.max_parked_bytes,
         )
         if cfg.parse_offload_bytes < 1:
             raise ValueError("parse_offload_bytes must be at least 1")
@@ -206,6 +210,7 @@ class Gateway:
         #: The weight-update fence (:meth:`pause_sampling`, :meth:`resume_sampling`, :meth:`weight_update`).
         self.fence = SamplingFence(self.broker, on_fence=self._fenced)
         self.metrics.fence_paused_now = lambda: self.fence.paused
+        self.metrics.parked_bytes_now = lambda: self.broker.parked_bytes
         #: Called with ("pause" | "resume", scalars) as each fence completes (a run's stats tracker).
         self.fence_listeners: list[Callable[[str, dict[str, float]], None]] = []
 

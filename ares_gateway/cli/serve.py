@@ -40,6 +40,7 @@ _LIMIT_FLAGS = (
     ("body_total_timeout", "seconds a whole request body may take to arrive (408, closed)"),
     ("keepalive_timeout", "seconds an idle keep-alive connection stays open"),
     ("max_parked_bytes_per_session", "body bytes one session's waiting requests may hold (more: 429; one body over it: 413)"),
+    ("max_parked_bytes", "body bytes every session's waiting requests together may hold (more: 429; one body over it: 413)"),
     ("max_head_bytes", "most bytes of one request head, line and headers together (more: 431, closed)"),
     ("max_connections", "most client connections open at once (a new one past it: 503, closed); "
                         "default: the open-file limit (raised to its hard limit at start) less a reserve"),

@@ -258,11 +258,14 @@ class Broker:
         metrics: Any = None,
         max_parked_per_session: int | None = None,
         max_parked_bytes_per_session: int | None = None,
+        max_parked_bytes: int | None = None,
     ) -> None:
         if max_parked_per_session is not None and max_parked_per_session < 1:
             raise ValueError("max_parked_per_session must be at least 1 (or None: no limit)")
         if max_parked_bytes_per_session is not None and max_parked_bytes_per_session < 1:
             raise ValueError("max_parked_bytes_per_session must be at least 1 (or None: no limit)")
+        if max_parked_bytes is not None and max_parked_bytes < 1:
+            raise ValueError("max_parked_bytes must be at least 1 (or None: no limit)")
         self.request_timeout = request_timeout
         self.lease_seconds = lease_seconds
         #: Requests one session may have parked at once; more get :class:`TooManyParkedError` (429).
@@ -276,6 +279,11 @@ class Broker:
             max_parked_bytes_per_session if max_parked_bytes_per_session is not None else math.inf
         )
         self._bytes_by_session: dict[str, int] = {}
+        #: Body bytes every session together may hold at once (the same count, summed); more get
+        #: :class:`TooManyParkedError` (429). The gateway sets its ``GatewayConfig.max_parked_bytes``.
+        self.max_parked_bytes = max_parked_bytes if max_parked_bytes is not None else math.inf
+        #: Body bytes held now, every session's together.
+        self.parked_bytes = 0
         self._on_turn = on_turn
         self._metrics = metrics
         self._pending: dict[str, ParkedRequest] = {}
@@ -308,7 +316,7 @@ class Broker:
         """Count ``nbytes`` of a body being read against the session's byte budget (released with
         :meth:`release_bytes`, or handed to the request by :meth:`park`'s ``held_bytes``).
         Raises :class:`TooManyParkedError` when the session's bodies would pass
-        ``max_parked_bytes_per_session``."""
+        ``max_parked_bytes_per_session``, or every session's together ``max_parked_bytes``."""
         held = self._bytes_by_session.get(session_id, 0)
         if held + nbytes > self.max_parked_bytes_per_session:
             raise TooManyParkedError(
@@ -316,13 +324,23 @@ class Broker:
                 f"{nbytes} more would pass the gateway's limit of {self.max_parked_bytes_per_session} bytes "
                 "per session; retry when one is answered"
             )
+        total = self.parked_bytes
+        if total + nbytes > self.max_parked_bytes:
+            raise TooManyParkedError(
+                f"the gateway is full: requests waiting for the policy (or being read) hold {total} bytes of body "
+                f"across all sessions; {nbytes} more would pass its limit of {self.max_parked_bytes} bytes "
+                "across sessions; retry after a short wait, as the policy answers"
+            )
         self._bytes_by_session[session_id] = held + nbytes
+        self.parked_bytes = total + nbytes
 
     def release_bytes(self, session_id: str, nbytes: int) -> None:
         """Give back bytes :meth:`hold_bytes` counted (a body that was refused, or never parked)."""
         if nbytes <= 0:
             return
-        left = self._bytes_by_session.get(session_id, 0) - nbytes
+        held = self._bytes_by_session.get(session_id, 0)
+        self.parked_bytes -= min(nbytes, held)
+        left = held - nbytes
         if left > 0:
             self._bytes_by_session[session_id] = left
         else:

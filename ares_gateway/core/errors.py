@@ -21,7 +21,7 @@ Each maps to one HTTP status, so the in-process API and the control API (``/resp
     ├── InvalidSessionError (400)           a session id or token that cannot be used (also a ValueError)
     ├── InvalidPolicyVersionError (400)     a policy version that is not a non-negative integer (also a ValueError)
     ├── PolicyVersionBackwardsError (409)   a policy version lower than the one the gateway has
-    ├── TooManyParkedError (429)            a session has ``max_parked_per_session`` requests waiting already
+    ├── TooManyParkedError (429)            a session's waiting requests (count or bytes), or all sessions' bytes, at their limit
     ├── GatewayClosedError (503)            the gateway is shut down
     ├── DataDirError (500)                  the data directory cannot be used (not writable, full, locked, corrupt)
     └── FenceError (409)                    the weight-update fence (pause / resume sampling) refused a call
@@ -122,7 +122,8 @@ class PolicyVersionBackwardsError(GatewayError):
 
 
 class TooManyParkedError(GatewayError):
-    """The session has as many requests waiting for the policy as the gateway allows; answer some first."""
+    """The session has as many requests (or body bytes) waiting for the policy as the gateway allows,
+    or every session's waiting bodies together reach ``max_parked_bytes``; answer some first."""
 
     status = 429
 

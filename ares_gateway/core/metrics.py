@@ -38,6 +38,8 @@ class GatewayMetrics:
         self._drain_buckets = [0] * (len(_LATENCY_BUCKETS) + 1)
         #: Whether sampling is paused now (read when scraped; set by the gateway with its fence).
         self.fence_paused_now: Callable[[], bool] = lambda: False
+        #: Reads the body bytes parked (or being read) now, every session's (set by the gateway).
+        self.parked_bytes_now: Callable[[], int] = lambda: 0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
 
@@ -94,6 +96,9 @@ class GatewayMetrics:
             value=self.turns_lost(),
         )
         yield GaugeMetricFamily("ares_gateway_requests_parked_now", "Requests parked right now", value=self._parked_now)
+        yield GaugeMetricFamily("ares_gateway_parked_bytes_now",
+                                "Body bytes of requests parked or being read right now, every session's together",
+                                value=self.parked_bytes_now())
         cumulative, buckets = 0, []
         for bound, count in zip((*_LATENCY_BUCKETS, float("inf")), self._bucket_counts, strict=True):
             cumulative += count

@@ -2,7 +2,8 @@
 
 One agent turn, in order: auth (the session from the path or the token) → read the body, its
 bytes held against the session's byte budget from its ``Content-Length`` on (a body over the
-whole budget: 413; a session whose bodies would pass it: 429) → parse it in its protocol (a
+whole budget: 413; a session whose bodies would pass it, or every session's together the
+gateway's ``max_parked_bytes``: 429) → parse it in its protocol (a
 large one off the event loop, :mod:`ares_gateway.http.body_parser`) → park it with the broker,
 which takes over the held bytes until it is answered → await the policy's answer → render it
 (:mod:`ares_gateway.http.render`). If the agent disconnects while it waits, aiohttp cancels
@@ -37,6 +38,13 @@ from ares_gateway.protocols.anthropic_messages import parse_count_tokens_request
 _REUSE_MIN_BYTES = 8 * 1024
 
 
+def body_budget(broker: Broker) -> tuple[float, str]:
+    """The most bytes one body may have, and whose budget sets it ("per session" / "across sessions")."""
+    if broker.max_parked_bytes < broker.max_parked_bytes_per_session:
+        return broker.max_parked_bytes, "across sessions"
+    return broker.max_parked_bytes_per_session, "per session"
+
+
 class _Held:
     """Body bytes of one request counted against its session's budget, until parked or given back."""
 
@@ -48,12 +56,12 @@ class _Held:
         self.nbytes = 0
 
     def __call__(self, nbytes: int) -> None:
-        budget = self.broker.max_parked_bytes_per_session
+        budget, scope = body_budget(self.broker)
         if self.nbytes + nbytes > budget:
             # This body alone passes the whole budget (a coded one is found out as it inflates, its
             # Content-Length being the compressed size): a 413, as from Content-Length; no retry helps.
             raise BodyError(413, f"request body exceeds the gateway's limit of {budget} bytes "
-                                 "of waiting bodies per session")
+                                 f"of waiting bodies {scope}")
         self.broker.hold_bytes(self.session_id, nbytes)
         self.nbytes += nbytes
 
@@ -115,11 +123,11 @@ class AgentAPI:
         self, request: BaseRequest, session: Session, held: _Held, protocol: WireProtocol | None
     ) -> tuple[bytes, ParsedBody]:
         """The body's bytes (held in ``held``) and the body parsed (converted in ``protocol``, if given)."""
-        budget = self.gw.broker.max_parked_bytes_per_session
+        budget, scope = body_budget(self.gw.broker)
         length = request.content_length
         if length is not None and length > budget:
             raise StatusError(f"request body of {length} bytes exceeds the gateway's limit of {budget} bytes "
-                              "of waiting bodies per session", status=413)
+                              f"of waiting bodies {scope}", status=413)
         # A BodyError (413, 408, 415, 400), or a GatewayError (429: the session's waiting bodies would
         # pass its byte budget): the caller answers either with its status.
         raw = await read_body(request, self.limits, held)

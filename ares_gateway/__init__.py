@@ -43,6 +43,7 @@ from ares_gateway.core.errors import (
 from ares_gateway.core.fence import PauseReport, SamplingFence
 from ares_gateway.core.recorder import RecordedTurn
 from ares_gateway.core.sessions import SessionInfo
+from ares_gateway.episodes.atif import AtifExport, export_atif
 from ares_gateway.episodes.env import (
     GatewayEnv,
     LaunchTimeoutError,
@@ -67,6 +68,7 @@ from ares_gateway.http import HttpLimits
 
 __all__ = [
     "AlreadyAnsweredError",
+    "AtifExport",
     "BlockingRolloutSource",
     "CanonicalRequest",
     "Completion",
@@ -115,6 +117,7 @@ __all__ = [
     "UnknownSessionError",
     "Usage",
     "WireProtocol",
+    "export_atif",
     "restart",
     "termination",
     "transition",

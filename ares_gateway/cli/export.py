@@ -1,4 +1,5 @@
-"""``ares-gateway export DIR``: every training sample of a data dir (or a run's) as JSONL or Parquet.
+"""``ares-gateway export DIR``: every training sample of a data dir (or a run's) as JSONL or Parquet,
+or a run's episodes as ATIF trajectories (``--format atif``, ``ares_gateway.episodes.atif``).
 
 The JSONL shape is the one ``trajectories/*.jsonl`` of a run has (``Sample.to_dict()`` per line:
 ``tokens``, ``response_length``, ``loss_mask``, ``logprobs``, ``reward``, ``metadata`` with
@@ -112,7 +113,25 @@ def _write_parquet(rows: Iterator[tuple[str, int, Sample]], out: Path) -> int:
     return n
 
 
+def _export_atif(args: argparse.Namespace) -> int:
+    from ares_gateway.episodes.atif import export_atif
+
+    out = Path(args.out or "atif")
+    try:
+        report = export_atif(Path(args.dir), out)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        print(f"ares-gateway export: {exc}", file=sys.stderr)
+        return 2
+    for line in report.problems:
+        print(f"warning: {line}", file=sys.stderr)
+    print(f"wrote {len(report.written)} ATIF trajectory file(s) from {args.dir} to {out}"
+          + (f"; {len(report.problems)} problem(s) above" if report.problems else ""))
+    return 0 if report.ok else 1
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.format == "atif":
+        return _export_atif(args)
     try:
         data_dir = find_data_dir(Path(args.dir))
         out = Path(args.out or f"samples.{args.format}")
@@ -126,11 +145,17 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def add_export_command(sub: Any) -> None:
-    p = sub.add_parser("export", help="write every training sample of a data dir (or a run) as JSONL or Parquet",
+    p = sub.add_parser("export", help="write every training sample of a data dir (or a run) as JSONL or Parquet, "
+                                      "or a run's episodes as ATIF trajectories",
                        description="Write every training sample of a gateway data dir, or of a run directory "
-                                   "holding one, as JSONL (the trajectories/ shape) or Parquet.",
+                                   "holding one, as JSONL (the trajectories/ shape) or Parquet; or, with "
+                                   "--format atif, one ATIF trajectory JSON per episode of a run directory "
+                                   "(Harbor's format; exit status 1 when an episode could not be exported, "
+                                   "each named on stderr).",
                        formatter_class=HelpFormatter)
-    p.add_argument("dir", help="a data dir (serve --data-dir) or a run's output directory")
-    p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="output format (default: jsonl)")
-    p.add_argument("--out", default=None, metavar="FILE", help="output file (default: samples.FORMAT)")
+    p.add_argument("dir", help="a data dir (serve --data-dir) or a run's output directory (atif: a run's)")
+    p.add_argument("--format", choices=["jsonl", "parquet", "atif"], default="jsonl",
+                   help="output format (default: jsonl)")
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help="output file (default: samples.FORMAT); atif: a directory (default: atif)")
     p.set_defaults(handler=cmd_export)

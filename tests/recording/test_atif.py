@@ -1,0 +1,226 @@
+"""``ares-gateway export --format atif``: real runs of every harness (oracle, local sandboxes) and one with
+token records (tito on the local model) exported, then validated with Harbor's own pydantic models in
+a Python >= 3.12 venv (``bash .ci/provision-atif.sh``; a missing one skips, and fails in CI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ares_gateway.episodes.atif import ATIF_SCHEMA_VERSION, episode_trajectory, export_atif
+from harnesses import registry
+from harnesses.base import INSTALL_ROOT
+from tests.prereq import require
+from tests.tito.conftest import need_llama
+
+REPO = Path(__file__).resolve().parents[2]
+PROVISION = "bash .ci/provision-atif.sh"
+HARNESSES = {"tiny": "tiny-agent", "mswea": "mini-swe-agent", "cc": "claude-code", "codex": "codex",
+             "terminus": "terminus-2"}
+
+# Harbor's models, plus what they leave to the reader: every subagent ref resolves to an embedded
+# trajectory and every embedded one is referenced; Harbor's own dump validates again.
+VALIDATE = r"""
+import json, sys
+from harbor.models.trajectories import Trajectory
+out = {}
+for path in sys.argv[1:]:
+    t = Trajectory.model_validate(json.load(open(path)))
+    ids = {s.trajectory_id for s in t.subagent_trajectories or []}
+    refs = [r.trajectory_id for s in t.steps if s.observation for res in s.observation.results
+            for r in res.subagent_trajectory_ref or []]
+    assert sorted(refs) == sorted(ids), (path, refs, ids)
+    again = Trajectory.model_validate(t.to_json_dict())
+    assert len(again.steps) == len(t.steps)
+    out[path] = {"schema_version": t.schema_version, "steps": len(t.steps), "subagents": len(ids)}
+print(json.dumps(out))
+"""
+
+
+def harbor_python() -> str:
+    venv = Path(os.environ.get("ARES_HARBOR_VENV")
+                or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ares-gateway" / "harbor-venv")
+    py = venv / "bin" / "python"
+    ok = py.is_file() and subprocess.run([str(py), "-c", "import harbor.models.trajectories"],
+                                         capture_output=True, check=False).returncode == 0
+    require(ok, f"Harbor (pip harbor, Python >= 3.12) is not installed in {venv}: run {PROVISION}")
+    return str(py)
+
+
+def validate(paths: list[Path]) -> dict[str, Any]:
+    proc = subprocess.run([harbor_python(), "-c", VALIDATE, *map(str, paths)], capture_output=True, text=True,
+                          check=False, timeout=120)
+    assert proc.returncode == 0, f"Harbor rejected an export:\n{proc.stderr[-4000:]}"
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ares_gateway.cli", *args]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One oracle episode of each harness and one tito episode (token records), run side by side."""
+    harbor_python()
+    for name in HARNESSES.values():
+        version = registry.create(name).version
+        prefix = f"{INSTALL_ROOT}/{name}/{version}"
+        require(os.path.isfile(f"{prefix}/.ares-complete"),
+                f"{name} {version} is not provisioned at {prefix}: run bash .ci/provision-agents.sh")
+    need_llama()
+    root = tmp_path_factory.mktemp("atif-runs")
+    commands = {alias: ["examples-" + alias + ":0", "--policy", "oracle"] for alias in HARNESSES}
+    commands["tito"] = ["examples-tiny:0", "--policy", "tito", "--step-limit", "2"]
+    procs = {key: subprocess.Popen(cli("run", *args, "--sandbox", "local", "--out", str(root / key), "--stats", "null",
+                                       "-n", "1"), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for key, args in commands.items()}
+    for key, proc in procs.items():
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"run {key} failed:\n{out[-3000:]}"
+    return {key: root / key for key in commands}
+
+
+def test_every_harness_exports_valid_atif(runs: dict[str, Path], tmp_path: Path) -> None:
+    files: list[Path] = []
+    for key, run in runs.items():
+        proc = subprocess.run(cli("export", "--format", "atif", str(run), "--out", str(tmp_path / key)), cwd=REPO,
+                              capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert "wrote 1 ATIF trajectory file(s)" in proc.stdout
+        files += sorted((tmp_path / key).glob("*.json"))
+    assert len(files) == len(runs)
+    checked = validate(files)
+    assert {v["schema_version"] for v in checked.values()} == {ATIF_SCHEMA_VERSION}
+
+    for key in HARNESSES:
+        doc = json.loads((tmp_path / key / "fix-median-bug.0.json").read_text())
+        row = json.loads((runs[key] / "episodes.jsonl").read_text().splitlines()[0])
+        turns = (runs[key] / "turns" / "fix-median-bug.0.jsonl").read_text().splitlines()
+        assert doc["agent"]["name"] == HARNESSES[key]
+        assert doc["agent"]["version"] == registry.create(HARNESSES[key]).version
+        assert doc["extra"]["reward"] == row["reward"] == 1.0
+        assert doc["extra"]["exit_reason"] == row["exit_reason"] == "completed"
+        assert doc["session_id"] == row["session_id"]
+        agent = [s for s in doc["steps"] if s["source"] == "agent" and s.get("llm_call_count") == 1]
+        assert len(agent) == len(turns), key  # one agent step per answered turn
+        assert any(s["source"] == "user" for s in doc["steps"]), key
+        # The oracle's solution command is the first answer; its output is an observation (tool-calling
+        # harnesses) or the next user message (terminus-2 reads the terminal as text).
+        first = agent[0]
+        if key == "terminus":
+            assert "solve.sh" in first["message"]
+            assert "[oracle] solution/solve.sh exited with status 0" in json.dumps(doc["steps"][doc["steps"].index(first) + 1:])
+        else:
+            call = first["tool_calls"][0]
+            assert "solve.sh" in json.dumps(call["arguments"])
+            results = first["observation"]["results"]
+            assert results[0]["source_call_id"] == call["tool_call_id"]
+            assert "exited with status 0" in json.dumps(results)
+
+    # Token records: ids, logprobs and counts per step, equal to the turn log's.
+    doc = json.loads((tmp_path / "tito" / "fix-median-bug.0.json").read_text())
+    entries = [json.loads(line) for line in (runs["tito"] / "turns" / "fix-median-bug.0.jsonl").read_text().splitlines()]
+    agent = [s for s in doc["steps"] if s["source"] == "agent"]
+    assert len(agent) == len(entries) >= 1
+    for step, entry in zip(agent, entries, strict=True):
+        tokens = entry["completion"]["tokens"]
+        m = step["metrics"]
+        assert m["prompt_token_ids"] == tokens["prompt_ids"] and m["prompt_tokens"] == len(tokens["prompt_ids"])
+        assert m["completion_token_ids"] == tokens["output_ids"]
+        assert m["completion_tokens"] == len(tokens["output_ids"]) > 0
+        assert m["logprobs"] == pytest.approx(tokens["output_logprobs"])
+    assert doc["final_metrics"]["total_completion_tokens"] == sum(len(e["completion"]["tokens"]["output_ids"])
+                                                                  for e in entries)
+
+
+def _chat(messages: list[dict[str, Any]], completion: dict[str, Any], *, side: bool = False, n: int = 0) -> dict[str, Any]:
+    return {"request_id": f"req_{n}", "protocol": "openai.chat", "side_call": side, "timestamp": 1.0e9 + n,
+            "latency": 0.01, "request": {"model": "m", "messages": messages}, "completion": completion}
+
+
+def test_side_calls_and_branches_are_linked_subagents(tmp_path: Path) -> None:
+    """A side call and a main line that restarts from an earlier point (a compaction) become embedded
+    subagent trajectories, each linked from the root; the branch marks what it repeats as copied."""
+    sys_m = {"role": "system", "content": "be brief"}
+    ask = {"role": "user", "content": "list files"}
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "a.py"}
+    c_call = {"tool_calls": [{"id": "c1", "name": "bash", "arguments": '{"command": "ls"}'}], "finish_reason": "tool_calls"}
+    entries = [
+        _chat([sys_m, ask], c_call, n=1),
+        _chat([{"role": "user", "content": "title this: list files"}], {"text": "Listing"}, side=True, n=2),
+        _chat([sys_m, ask, call, result], {"text": "a.py is there", "reasoning": "saw it"}, n=3),
+        # Restarted from the first message with a summary in place of the history.
+        _chat([sys_m, {"role": "user", "content": "summary: a.py exists. now count lines"}],
+              {"text": "1 line", "usage": {"input_tokens": 30, "output_tokens": 2}}, n=4),
+    ]
+    doc = episode_trajectory({"task": "t", "attempt": 0, "reward": 0.5, "exit_reason": "completed",
+                              "session_id": "s1", "harness": "tiny-agent"}, entries)
+    assert doc is not None
+    path = tmp_path / "t.0.json"
+    path.write_text(json.dumps(doc))
+    assert validate([path])[str(path)]["subagents"] == 2
+
+    steps = doc["steps"]
+    assert [s["source"] for s in steps] == ["system", "user", "agent", "agent"]
+    assert steps[2]["observation"]["results"][0] == {"content": "a.py", "source_call_id": "c1"}
+    assert steps[3]["reasoning_content"] == "saw it"
+    subs = {s["trajectory_id"]: s for s in doc["subagent_trajectories"]}
+    assert set(subs) == {"t.0/side-1", "t.0/branch-1"}
+    assert subs["t.0/side-1"]["steps"][-1]["message"] == "Listing"
+    branch = subs["t.0/branch-1"]["steps"]
+    assert branch[0]["is_copied_context"] is True and "is_copied_context" not in branch[1]
+    assert branch[-1]["metrics"] == {"prompt_tokens": 30, "completion_tokens": 2, "cached_tokens": 0}
+    # The side call came after turn 1, the branch after turn 3: each linked from the step before it.
+    refs = {r["trajectory_id"]: i for i, s in enumerate(steps) for res in s.get("observation", {}).get("results", [])
+            for r in res.get("subagent_trajectory_ref", [])}
+    assert refs == {"t.0/side-1": 2, "t.0/branch-1": 3}
+    assert doc["extra"]["reward"] == 0.5
+
+
+def test_bad_run_dirs_report_each_episode_and_export_the_rest(runs: dict[str, Path], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(runs["tiny"], run, ignore=shutil.ignore_patterns("gateway-data"))
+    good = (run / "turns" / "fix-median-bug.0.jsonl").read_text()
+    row = json.loads((run / "episodes.jsonl").read_text())
+    rows = [row, dict(row, task="gone", attempt=0), dict(row, task="old", attempt=0), dict(row, task="cut", attempt=1)]
+    # A killed run: the last row half-written, and a turn log whose last line is cut.
+    (run / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"task": "half", "att')
+    (run / "turns" / "cut.1.jsonl").write_text(good + good.splitlines()[0][:40])
+    # An older layout: entries without request and completion.
+    (run / "turns" / "old.0.jsonl").write_text(json.dumps({"request_id": "r", "messages": []}) + "\n")
+    # A turn log no row names (the run stopped between the two writes).
+    (run / "turns" / "orphan.0.jsonl").write_text(good)
+
+    proc = subprocess.run(cli("export", "--format", "atif", str(run), "--out", str(tmp_path / "out")), cwd=REPO,
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 1, proc.stderr
+    err = proc.stderr
+    assert "episodes.jsonl: line 5 is not JSON" in err
+    assert "gone.0: no turns/gone.0.jsonl: not exported" in err
+    assert "old.0: turn 1 skipped" in err and "old.0: no main-line turn could be read" in err
+    assert "turns/cut.1.jsonl: line 3 is not JSON" in err
+    assert "orphan.0: no line in episodes.jsonl" in err
+    written = sorted(p.name for p in (tmp_path / "out").glob("*.json"))
+    assert written == ["cut.1.json", "fix-median-bug.0.json", "orphan.0.json"]
+    validate(sorted((tmp_path / "out").glob("*.json")))
+    assert json.loads((tmp_path / "out" / "orphan.0.json").read_text())["extra"]["reward"] is None
+
+    # Not a run directory at all: one line, exit status 2, nothing written.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = subprocess.run(cli("export", "--format", "atif", str(empty), "--out", str(tmp_path / "none")), cwd=REPO,
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 2 and "is not a run's output directory" in proc.stderr
+    assert not (tmp_path / "none").exists()
+    with pytest.raises(FileNotFoundError):
+        export_atif(empty, tmp_path / "none")

@@ -49,6 +49,7 @@ from ares_gateway.trainers._common import (
     resolve_dataset,
     resolve_tasks,
     task_name_of,
+    trainer_entry,
 )
 
 require("verl.experimental.agent_loop.agent_loop", "verl")
@@ -195,25 +196,14 @@ class AresAgentLoop(AgentLoopBase):
         _checked.add(key)
 
     def _output(self, e: EpisodeSample, engine: VerlEngine, wall: float) -> AgentLoopOutput:
-        s = e.sample
-        if s is not None and s.response_length > 0:
-            n = s.prompt_length
-            tokens = [int(t) for t in s.tokens.tolist()]
-            prompt_ids = self._cap_text_prompt_length(tokens[:n])
-            cut = int(self.rollout_config.response_length)
-            response_ids = tokens[n:][:cut]
-            response_mask = [int(m) for m in s.loss_mask.tolist()][:cut]
-            response_logprobs = [float(x) for x in s.logprobs.tolist()][:cut]
-        else:
-            # Nothing sampled: a masked one-token response keeps verl's batch shape; reward 0.
-            tok: Any = self.tokenizer
-            eos = tok.eos_token_id if tok.eos_token_id is not None else 0
-            prompt_ids = self._cap_text_prompt_length(list(tok.encode(e.task, add_special_tokens=False)) or [int(eos)])
-            response_ids, response_mask, response_logprobs = [int(eos)], [0], [0.0]
-            if e.error is None:
-                e.error = "the episode recorded no model turn"
-            e.reward = 0.0
-        failed = s is None or s.response_length == 0
+        tok: Any = self.tokenizer
+        eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+        # Nothing sampled: a masked one-token response keeps verl's batch shape; reward 0.
+        entry = trainer_entry(e, eos_id=int(eos), encode=lambda text: tok.encode(text, add_special_tokens=False),
+                              max_response_tokens=int(self.rollout_config.response_length))
+        prompt_ids = self._cap_text_prompt_length(entry.prompt_ids)
+        response_ids, response_mask, response_logprobs = entry.response_ids, entry.loss_mask, entry.logprobs
+        failed = not entry.sampled
         facts = {k: v for k, v in e.facts().items() if k != "reward"}  # the reward is reward_score
         info = {"exit_reason": e.exit_reason, "turns": e.turns, "other_samples": e.other_samples,
                 "foreign_samples": e.foreign_samples, "episode_failed": failed}

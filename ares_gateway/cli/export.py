@@ -118,7 +118,7 @@ def _export_atif(args: argparse.Namespace) -> int:
 
     out = Path(args.out or "atif")
     try:
-        report = export_atif(Path(args.dir), out)
+        report = export_atif(Path(args.dir), out, token_ids=not args.no_token_ids)
     except (FileNotFoundError, NotADirectoryError) as exc:
         print(f"ares-gateway export: {exc}", file=sys.stderr)
         return 2
@@ -158,4 +158,7 @@ def add_export_command(sub: Any) -> None:
                    help="output format (default: jsonl)")
     p.add_argument("--out", default=None, metavar="PATH",
                    help="output file (default: samples.FORMAT); atif: a directory (default: atif)")
+    p.add_argument("--no-token-ids", action="store_true",
+                   help="atif: leave each step's token ids and logprobs out, keep the counts (every step's "
+                        "prompt ids repeat the whole history)")
     p.set_defaults(handler=cmd_export)

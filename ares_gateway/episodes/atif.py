@@ -35,7 +35,6 @@ not JSON (a run killed while writing) or a request that cannot be parsed is skip
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ares_gateway.core.canonical import Completion, Message
+from ares_gateway.episodes.output import _safe  # the run's own file names: a row finds its turn log
 from ares_gateway.protocols import get_adapter
 
 #: The ATIF version the documents declare: the first with embedded subagent trajectories
@@ -63,11 +63,6 @@ class AtifExport:
     def ok(self) -> bool:
         """True when every episode was written whole."""
         return not self.problems
-
-
-def _safe(name: str) -> str:
-    # As the run's own file names (episodes/output.py): what a file name cannot hold becomes "_".
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "_"
 
 
 def _iso(ts: Any) -> str | None:
@@ -176,16 +171,17 @@ class _Conversation:
             out.append(call)
         return out
 
-    def add_turn(self, turn: _Turn) -> None:
+    def add_turn(self, turn: _Turn, *, token_ids: bool = True) -> None:
         c, e = turn.completion, turn.entry
         metrics: dict[str, Any] = {}
-        if c.tokens is not None:
+        if c.tokens is not None:  # the counts the engine saw, whatever the usage says
             metrics["prompt_tokens"] = int(c.tokens.prompt_ids.shape[0])
             metrics["completion_tokens"] = int(c.tokens.output_ids.shape[0])
-            metrics["prompt_token_ids"] = c.tokens.prompt_ids.tolist()
-            metrics["completion_token_ids"] = c.tokens.output_ids.tolist()
-            if c.tokens.output_logprobs.shape[0]:
-                metrics["logprobs"] = [float(x) for x in c.tokens.output_logprobs.tolist()]
+            if token_ids:
+                metrics["prompt_token_ids"] = c.tokens.prompt_ids.tolist()
+                metrics["completion_token_ids"] = c.tokens.output_ids.tolist()
+                if c.tokens.output_logprobs.shape[0]:
+                    metrics["logprobs"] = [float(x) for x in c.tokens.output_logprobs.tolist()]
         elif c.usage is not None:
             metrics["prompt_tokens"] = c.usage.input_tokens
             metrics["completion_tokens"] = c.usage.output_tokens
@@ -264,7 +260,7 @@ def _turns(entries: list[dict[str, Any]], what: str, problems: list[str]) -> lis
     return turns
 
 
-def _conversations(turns: list[_Turn]) -> list[_Conversation]:
+def _conversations(turns: list[_Turn], *, token_ids: bool = True) -> list[_Conversation]:
     """The turns sorted into conversations: the main line's first is the root (index 0)."""
     convs: list[_Conversation] = []
     numbers = {"branch": 0, "side": 0}
@@ -283,7 +279,7 @@ def _conversations(turns: list[_Turn]) -> list[_Conversation]:
             convs.append(conv)
         else:
             conv.add_messages(turn.messages[len(conv.keys):])
-        conv.add_turn(turn)
+        conv.add_turn(turn, token_ids=token_ids)
     return convs
 
 
@@ -320,9 +316,10 @@ def _document(conv: _Conversation, *, agent: dict[str, Any], session_id: str | N
 
 
 def episode_trajectory(row: Mapping[str, Any], entries: list[dict[str, Any]], *, run: Mapping[str, Any] | None = None,
-                       problems: list[str] | None = None) -> dict[str, Any] | None:
+                       problems: list[str] | None = None, token_ids: bool = True) -> dict[str, Any] | None:
     """One episode's ATIF document (a plain dict) from its ``episodes.jsonl`` row and turn log entries,
-    or ``None`` when no turn could be read (the reason is appended to ``problems``)."""
+    or ``None`` when no turn could be read (the reason is appended to ``problems``). ``token_ids=False``
+    leaves the ids and logprobs out (the counts stay): every step's prompt ids repeat the history."""
     problems = problems if problems is not None else []
     run = run or {}
     key = f"{row.get('task', '?')}.{row.get('attempt', 0)}"
@@ -330,7 +327,7 @@ def episode_trajectory(row: Mapping[str, Any], entries: list[dict[str, Any]], *,
     if not any(not t.entry.get("side_call") for t in turns):
         problems.append(f"{key}: no main-line turn could be read ({len(entries)} turn log entries): not exported")
         return None
-    convs = _conversations(turns)
+    convs = _conversations(turns, token_ids=token_ids)
     root, others = convs[0], convs[1:]
     name = str(row.get("harness") or run.get("harness") or "agent")
     agent = {"name": name, "version": _harness_version(name),
@@ -396,11 +393,12 @@ def _episodes(run_dir: Path, problems: list[str]) -> Iterator[tuple[str, dict[st
             yield path.stem, {"task": task or path.stem, "attempt": int(attempt) if attempt.isdigit() else 0}
 
 
-def export_atif(run_dir: str | Path, out_dir: str | Path) -> AtifExport:
+def export_atif(run_dir: str | Path, out_dir: str | Path, *, token_ids: bool = True) -> AtifExport:
     """Write one ATIF trajectory JSON per episode of the run in ``run_dir`` to ``out_dir``
-    (``<task>.<attempt>.json``). Raises ``FileNotFoundError`` when ``run_dir`` is not a run's output
-    directory (no ``episodes.jsonl``, ``results.json`` or ``turns/``); a bad episode is reported in the
-    returned :class:`AtifExport`'s ``problems`` and the others are written."""
+    (``<task>.<attempt>.json``); ``token_ids=False`` leaves each step's token ids and logprobs out.
+    Raises ``FileNotFoundError`` when ``run_dir`` is not a run's output directory (no ``episodes.jsonl``,
+    ``results.json`` or ``turns/``); a bad episode is reported in the returned :class:`AtifExport`'s
+    ``problems`` and the others are written."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if not any((run_dir / name).exists() for name in ("episodes.jsonl", "results.json", "turns")):
         raise FileNotFoundError(f"{run_dir} is not a run's output directory (no episodes.jsonl, results.json or turns/): "
@@ -414,7 +412,7 @@ def export_atif(run_dir: str | Path, out_dir: str | Path) -> AtifExport:
             report.problems.append(f"{key}: no turns/{key}.jsonl: not exported")
             continue
         entries = _read_jsonl(path, f"turns/{key}.jsonl", report.problems)
-        doc = episode_trajectory(row, entries, run=run, problems=report.problems)
+        doc = episode_trajectory(row, entries, run=run, problems=report.problems, token_ids=token_ids)
         if doc is None:
             continue
         target = out_dir / f"{key}.json"

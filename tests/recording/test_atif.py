@@ -145,6 +145,13 @@ def test_every_harness_exports_valid_atif(runs: dict[str, Path], tmp_path: Path)
     assert doc["final_metrics"]["total_completion_tokens"] == sum(len(e["completion"]["tokens"]["output_ids"])
                                                                   for e in entries)
 
+    # Without the ids: the counts stay, the ids and logprobs go.
+    report = export_atif(runs["tito"], tmp_path / "no-ids", token_ids=False)
+    lean = json.loads(report.written[0].read_text())
+    m = next(s for s in lean["steps"] if s["source"] == "agent")["metrics"]
+    assert m == {"prompt_tokens": len(entries[0]["completion"]["tokens"]["prompt_ids"]),
+                 "completion_tokens": len(entries[0]["completion"]["tokens"]["output_ids"])}
+
 
 def _chat(messages: list[dict[str, Any]], completion: dict[str, Any], *, side: bool = False, n: int = 0) -> dict[str, Any]:
     return {"request_id": f"req_{n}", "protocol": "openai.chat", "side_call": side, "timestamp": 1.0e9 + n,

@@ -199,6 +199,41 @@ def test_side_calls_and_branches_are_linked_subagents(tmp_path: Path) -> None:
     assert doc["extra"]["reward"] == 0.5
 
 
+def test_a_real_gateways_fork_and_side_call_with_token_records(tmp_path: Path) -> None:
+    """A run written by a real gateway and the run's writer (the viewer's fixture: the OpenAI SDK as the
+    agent, token records on every turn): a retry that forks after the first answer and a side call."""
+    import asyncio
+
+    from tests.viewer.runs import build_run, forked_session
+
+    harbor_python()
+    run = asyncio.run(build_run(tmp_path / "run", [("forked", 1.0, forked_session)]))
+    report = export_atif(run, tmp_path / "out")
+    assert report.ok, report.problems
+    validate(report.written)
+    doc = json.loads(report.written[0].read_text())
+    entries = [json.loads(line) for line in (run / "turns" / "forked.0.jsonl").read_text().splitlines()]
+    main = [s for s in doc["steps"] if s["source"] == "agent"]
+    assert [s["message"] for s in main] == ["I will read stats.py first.",
+                                            "The list is not sorted; sorting it fixes the bug."]
+    assert [s["metrics"]["completion_token_ids"] for s in main] == [e["completion"]["tokens"]["output_ids"]
+                                                                    for e in entries[:2]]
+    subs = {s["trajectory_id"]: s for s in doc["subagent_trajectories"]}
+    assert set(subs) == {"forked.0/branch-1", "forked.0/side-1"}
+    branch = subs["forked.0/branch-1"]["steps"]
+    assert [(s["source"], s.get("is_copied_context", False)) for s in branch] == [
+        ("system", True), ("user", True), ("agent", True), ("user", False), ("agent", False)]
+    assert branch[2]["llm_call_count"] == 0 and branch[4]["llm_call_count"] == 1
+    assert branch[4]["message"] == "Running the tests: 2 failed."
+    assert branch[4]["metrics"]["logprobs"] == pytest.approx(entries[2]["completion"]["tokens"]["output_logprobs"])
+    side = subs["forked.0/side-1"]
+    assert side["extra"]["kind"] == "side_call" and side["steps"][-1]["message"] == "Fixing the median bug"
+    # Both begin after the second answer: linked from its step.
+    refs = [r["trajectory_id"] for r in main[1]["observation"]["results"] for r in r["subagent_trajectory_ref"]]
+    assert refs == ["forked.0/branch-1", "forked.0/side-1"]
+    assert doc["extra"]["reward"] == 1.0
+
+
 def test_bad_run_dirs_report_each_episode_and_export_the_rest(runs: dict[str, Path], tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(runs["tiny"], run, ignore=shutil.ignore_patterns("gateway-data"))

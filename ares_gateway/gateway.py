@@ -41,7 +41,7 @@ from ares_gateway.core.canonical import (
 from ares_gateway.core.errors import InvalidSessionError, UnknownSessionError
 from ares_gateway.core.fence import PauseReport, SamplingFence
 from ares_gateway.core.metrics import GatewayMetrics
-from ares_gateway.core.recorder import RecordedTurn, Recorder
+from ares_gateway.core.recorder import RecordedTurn, Recorder, token_counts
 from ares_gateway.core.session_recorder import SessionRecorder
 from ares_gateway.core.sessions import Session, SessionInfo, SessionRegistry, bearer_token, same_secret
 from ares_gateway.core.store import TurnStore
@@ -595,6 +595,9 @@ class Gateway:
         session = self.sessions.find(turn.session_id)
         if session is not None:
             session.turns += 1
+        prompt_tokens, completion_tokens = token_counts(turn.completion)
+        self.metrics.turn(parked=turn.parked_seconds, policy=turn.policy_seconds, ttft=turn.ttft,
+                          prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
         self.recorder(turn)
         if self._extra_recorder is not None:
             self._extra_recorder(turn)

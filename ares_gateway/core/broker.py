@@ -106,6 +106,8 @@ class ParkedRequest:
     #: The gateway's policy version when the request was handed to the policy (taken, or answered
     #: untaken), or the one the answer gave; the turn's version unless its completion reports one.
     policy_version: int | None = None
+    #: Wall time the policy last took the request (``take``/``poll``; ``None``: never taken).
+    taken_at: float | None = None
     #: Loop time at which the request times out (``inf``: never).
     _expires: float = field(default=math.inf, repr=False)
     #: Loop time at which the current lease runs out (``None``: not leased, or leased for good).
@@ -483,7 +485,9 @@ class Broker:
             seconds = self.lease_seconds if lease == -1.0 else lease
             until = asyncio.get_running_loop().time() + seconds if seconds is not None and seconds > 0 else None
             version = self.policy_version
+            now = time.time()
             for parked in out:
+                parked.taken_at = now
                 parked.attempt += 1
                 parked._lease_until = until
                 parked.policy_version = version

@@ -13,6 +13,20 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
+#: The per-turn timing histograms (``ares_gateway_turn_<name>_seconds``) and their help.
+_TIMINGS = {
+    "parked": "Time a recorded turn's request waited before the policy took it",
+    "policy": "Time from the policy taking a recorded turn's request to its answer's end",
+    "ttft": "Time from a streamed turn's request to the first piece of its answer",
+}
+
+
+def _histogram(name: str, doc: str, counts: list[int], total: float) -> HistogramMetricFamily:
+    cumulative, buckets = 0, []
+    for bound, count in zip((*_LATENCY_BUCKETS, float("inf")), counts, strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
 
 
 class GatewayMetrics:
@@ -40,6 +54,11 @@ class GatewayMetrics:
         self.fence_paused_now: Callable[[], bool] = lambda: False
         #: Reads the body bytes parked (or being read) now, every session's (set by the gateway).
         self.parked_bytes_now: Callable[[], int] = lambda: 0
+        # Per recorded turn: seconds parked before the policy took it, seconds the policy took, time to a
+        # streamed answer's first piece (each: bucket counts and sum), and the tokens that were counted.
+        self._timing = {name: ([0] * (len(_LATENCY_BUCKETS) + 1), [0.0]) for name in _TIMINGS}
+        self.prompt_tokens_total = 0
+        self.completion_tokens_total = 0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
 
@@ -50,6 +69,19 @@ class GatewayMetrics:
         self.answered_total += 1
         self._latency_sum += latency
         self._bucket_counts[bisect_left(_LATENCY_BUCKETS, latency)] += 1
+
+    def turn(self, *, parked: float | None, policy: float | None, ttft: float | None,
+             prompt_tokens: int | None, completion_tokens: int | None) -> None:
+        """One recorded turn's timing and token counts (``None``: not known, not counted)."""
+        for name, value in (("parked", parked), ("policy", policy), ("ttft", ttft)):
+            if value is not None:
+                counts, total = self._timing[name]
+                counts[bisect_left(_LATENCY_BUCKETS, value)] += 1
+                total[0] += value
+        if prompt_tokens is not None:
+            self.prompt_tokens_total += prompt_tokens
+        if completion_tokens is not None:
+            self.completion_tokens_total += completion_tokens
 
     def timed_out(self) -> None:
         self.timed_out_total += 1
@@ -109,6 +141,15 @@ class GatewayMetrics:
             buckets=buckets,
             sum_value=self._latency_sum,
         )
+
+        for name, (counts, total) in self._timing.items():
+            yield _histogram(f"ares_gateway_turn_{name}_seconds", _TIMINGS[name], counts, total[0])
+        yield CounterMetricFamily("ares_gateway_turn_prompt_tokens",
+                                  "Prompt tokens of recorded turns (token records, else the upstream's usage)",
+                                  value=self.prompt_tokens_total)
+        yield CounterMetricFamily("ares_gateway_turn_completion_tokens",
+                                  "Completion tokens of recorded turns (token records, else the upstream's usage)",
+                                  value=self.completion_tokens_total)
 
         yield CounterMetricFamily("ares_gateway_fence_pauses", "Weight-update pauses that returned (drained)",
                                   value=self.fence_pauses_total)

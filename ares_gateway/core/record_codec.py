@@ -33,6 +33,16 @@ The header (JSON object; version 1). Unknown keys are ignored by readers of the 
     pv           the version of the weights that sampled the answer (absent: none known, as in
                  records written before it was added)
     sampling     the request's sampling parameters that are not defaults (when known)
+    use          the call's usage and timing, each key only when known (absent: not known, as in
+                 records written before it was added; read back as null, never 0):
+                   pt     prompt tokens (the token record's, else the policy's ``usage``)
+                   ct     completion tokens (likewise)
+                   rp     prompt tokens shared with the previous turn's prompt + output ids
+                          (token records only)
+                   pk     seconds parked before the policy took the request
+                   po     seconds from then to the answer's end (a stream's last piece)
+                   ft     seconds to a streamed answer's first piece
+                   th     seconds from the session's previous answer's end to this request's arrival
     tok          the token record, when the answer had one:
                    base   the seq whose prompt + output ids this prompt continues (null: none)
                    keep   how many leading ids it shares with them
@@ -265,6 +275,38 @@ def encode_head(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, Line
     return header, line, key
 
 
+#: The turn log's ``usage`` fields and the record's ``use`` keys that hold them.
+USAGE_KEYS = {
+    "prompt_tokens": "pt",
+    "completion_tokens": "ct",
+    "reused_prompt_tokens": "rp",
+    "parked_seconds": "pk",
+    "policy_seconds": "po",
+    "ttft_seconds": "ft",
+    "think_seconds": "th",
+}
+
+
+def encode_use(values: dict[str, int | float | None]) -> dict[str, int | float]:
+    """The record's ``use`` from turn-log ``usage`` fields (those ``None`` left out; seconds to the µs)."""
+    out: dict[str, int | float] = {}
+    for name, key in USAGE_KEYS.items():
+        v = values.get(name)
+        if v is not None:
+            out[key] = round(v, 6) if isinstance(v, float) else v
+    return out
+
+
+def decode_use(use: Any) -> dict[str, int | float | None]:
+    """The turn log's ``usage`` from a record's ``use`` (every field, ``None`` where not known)."""
+    got = use if isinstance(use, dict) else {}
+    out: dict[str, int | float | None] = {}
+    for name, key in USAGE_KEYS.items():
+        v = got.get(key)
+        out[name] = v if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else None
+    return out
+
+
 def pack(header: dict[str, Any], blob: bytes) -> bytes:
     head = orjson.dumps(header, default=str)
     inner = _HEADER.pack(len(head)) + head + blob
@@ -377,6 +419,7 @@ def log_entry(d: dict[str, Any], *, tokens: bool) -> dict[str, Any]:
         "completion": completion,
         # null where none is known (never 0): a record without "pv" had none.
         "policy_version": h.get("pv"),
+        "usage": decode_use(h.get("use")),
     }
     if "sampling" in h:
         entry["sampling"] = h["sampling"]

@@ -41,6 +41,8 @@ class RecordedTurn:
         "completion",
         "latency",
         "layout",
+        "parked_seconds",
+        "policy_seconds",
         "policy_version",
         "protocol",
         "raw_body",
@@ -48,6 +50,7 @@ class RecordedTurn:
         "session_id",
         "side_call",
         "timestamp",
+        "ttft",
     )
 
     def __init__(
@@ -64,6 +67,9 @@ class RecordedTurn:
         request: CanonicalRequest | None = None,
         layout: LayoutHint | None = None,
         policy_version: int | None = None,
+        parked_seconds: float | None = None,
+        policy_seconds: float | None = None,
+        ttft: float | None = None,
     ) -> None:
         if raw_body is None and request is None:
             raise ValueError("a recorded turn needs the request's body or its canonical form")
@@ -79,6 +85,12 @@ class RecordedTurn:
         self.layout = layout
         #: The version of the weights that sampled the answer (``None``: none known).
         self.policy_version = policy_version
+        #: Seconds the request waited before the policy took it, and from then to its answer's end
+        #: (``None``: not known, as for a request answered without being taken).
+        self.parked_seconds = parked_seconds
+        self.policy_seconds = policy_seconds
+        #: Seconds from the request's arrival to the first piece of a streamed answer (``None``: not streamed).
+        self.ttft = ttft
         # Both are kept: a RecordedTurn lives only while it is being recorded (the recorder keeps
         # its compact encoding), and the parsed request saves parsing the body again.
         self._request = request
@@ -130,9 +142,24 @@ class Answered(Protocol):
     def layout(self) -> LayoutHint | None: ...
     @property
     def policy_version(self) -> int | None: ...
+    @property
+    def taken_at(self) -> float | None: ...
 
 
-def record_turn(sink: TurnSink | None, parked: Answered, completion: Completion, latency: float | None = None) -> None:
+def token_counts(completion: Completion) -> tuple[int | None, int | None]:
+    """A turn's prompt and completion token counts: its token record's where it has one (the
+    gateway rendered it), else the ``usage`` its policy reported (an upstream's), else ``None``."""
+    tokens = completion.tokens
+    if tokens is not None:
+        return len(tokens.prompt_ids), len(tokens.output_ids)
+    usage = completion.usage
+    if usage is not None:
+        return usage.input_tokens, usage.output_tokens
+    return None, None
+
+
+def record_turn(sink: TurnSink | None, parked: Answered, completion: Completion, latency: float | None = None,
+                ttft: float | None = None) -> None:
     """Record one answered turn (a whole answer, or a stream once it ended) into ``sink``.
 
     The turn's policy version is the completion's own (the engine's or policy's report), else the
@@ -144,6 +171,12 @@ def record_turn(sink: TurnSink | None, parked: Answered, completion: Completion,
         return
     if latency is None:
         latency = time.time() - parked.timestamp
+    taken = parked.taken_at
+    parked_s = policy_s = None
+    if taken is not None:
+        # Clamped at 0: the wall clock may step between the request's arrival and its taking.
+        parked_s = max(0.0, min(taken - parked.timestamp, latency))
+        policy_s = max(0.0, latency - parked_s)
     turn = RecordedTurn(
         session_id=parked.session_id,
         request_id=parked.id,
@@ -156,6 +189,9 @@ def record_turn(sink: TurnSink | None, parked: Answered, completion: Completion,
         latency=latency,
         layout=parked.layout,
         policy_version=parked.policy_version if completion.policy_version is None else completion.policy_version,
+        parked_seconds=parked_s,
+        policy_seconds=policy_s,
+        ttft=ttft,
     )
     try:
         sink(turn)
@@ -171,6 +207,7 @@ async def record_stream(
     recorded as the turn. A stream that fails or is abandoned records nothing."""
     acc = DeltaAccumulator()
     final: Completion | None = None
+    ttft: float | None = None
     try:
         async for item in source:
             if isinstance(item, Completion):
@@ -178,9 +215,13 @@ async def record_stream(
                 break
             if isinstance(item, CompletionDelta):
                 acc.add(item)
+                if ttft is None:  # the first piece, as it goes to the agent's handler to be sent
+                    ttft = max(0.0, time.time() - parked.timestamp)
                 yield item
         settled = acc.settle(final)
-        record_turn(sink, parked, settled)
+        if ttft is None:  # a stream of one whole answer: its first byte goes out with it
+            ttft = max(0.0, time.time() - parked.timestamp)
+        record_turn(sink, parked, settled, ttft=ttft)
         yield settled
     finally:
         aclose = getattr(source, "aclose", None)

@@ -39,23 +39,26 @@ from ares_gateway.core.record_codec import (
     LostRecordError,
     encode_head,
     encode_tokens,
+    encode_use,
     log_entry,
     pack,
 )
-from ares_gateway.core.recorder import RecordedTurn
+from ares_gateway.core.recorder import RecordedTurn, token_counts
 from ares_gateway.core.store import DamagedRecord, TurnStore, lost_record
 from ares_gateway.core.wire import adapter_for
 from trajectory import Sample, TrajectoryManager, TurnRecord
-from trajectory._tokens import as_token_array
+from trajectory._tokens import as_token_array, common_prefix_len
 
 log = logging.getLogger(__name__)
 
 
 
 class _SessionState:
-    __slots__ = ("count", "lines", "payloads", "seq")
+    __slots__ = ("count", "last_end", "lines", "payloads", "seq")
 
     def __init__(self) -> None:
+        #: When the latest answer recorded so far ended (Unix seconds; the agent's think time starts there).
+        self.last_end: float | None = None
         self.lines: dict[bool, Line] = {}
         #: The records, for a recorder without a store (with one, they are read back from it).
         self.payloads: list[tuple[int, bytes]] = []
@@ -268,6 +271,7 @@ class SessionRecorder:
             prev_seq = None if line is None else line.seq
             header, line, key = encode_head(turn, body, state.lines, seq, self.keyframe_every, raw)
             blob = b""
+            reused: int | None = None
             if tokens is not None:
                 # int32 arrays already (respond checked them): the record and the tree share them.
                 prompt = as_token_array(tokens.prompt_ids, what="prompt_ids")
@@ -290,6 +294,10 @@ class SessionRecorder:
                     prev = None if shared is not None else self._tm.last_ids(sid, side_call=turn.side_call)
                     header["tok"], blob = encode_tokens(tokens, prompt, output, line, seq, shared is not None, shared,
                                                        prev, key)
+                    # Counted whatever the record's keyframes do: the ids this prompt shares with the
+                    # previous stored turn's prompt + output (0 for the first).
+                    reused = shared if shared is not None else common_prefix_len(prev, prompt) if prev is not None else 0
+            header["use"] = self._use(state, turn, reused)
             # Packed before anything is stored: a record that cannot be encoded (a number beyond
             # 64 bits from a Python caller, anything else) is never half written.
             payload = pack(header, blob)
@@ -308,6 +316,21 @@ class SessionRecorder:
             state.payloads.append((seq, payload))
         if tree_error is not None:
             raise tree_error
+
+    @staticmethod
+    def _use(state: _SessionState, turn: RecordedTurn, reused: int | None) -> dict[str, int | float]:
+        """The record's ``use``: the turn's token counts and timing, and the agent's think time before it
+        (from the latest answer recorded before it arrived; ``None`` when that ended after it arrived)."""
+        pt, ct = token_counts(turn.completion)
+        last = state.last_end
+        think = turn.timestamp - last if last is not None and turn.timestamp >= last else None
+        end = turn.timestamp + turn.latency
+        state.last_end = end if last is None else max(last, end)
+        return encode_use({
+            "prompt_tokens": pt, "completion_tokens": ct, "reused_prompt_tokens": reused,
+            "parked_seconds": turn.parked_seconds, "policy_seconds": turn.policy_seconds,
+            "ttft_seconds": turn.ttft, "think_seconds": think,
+        })
 
     def _forget_lost(self, store: TurnStore) -> None:
         """Records the store lost (a failed write): those sessions' lines start afresh, so that no
@@ -435,6 +458,9 @@ class SessionRecorder:
         # The lines' delta state, as the encoder left it after the last record.
         tails: dict[Line, tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]] = {}
         for seq, d in decoded:
+            h = d["header"]
+            if isinstance(h.get("ts"), int | float) and isinstance(h.get("lat"), int | float):
+                state.last_end = max(state.last_end or 0.0, h["ts"] + h["lat"])
             line = state.lines.setdefault(bool(d["header"]["side"]), Line())
             if line.follow(seq, d):
                 tails[line] = (d["prompt_ids"], d["output_ids"])

@@ -26,6 +26,7 @@ from ares_gateway.episodes.env import GatewayEnv
 from ares_gateway.episodes.episode import EpisodeOutcome, EpisodeSetupError, TaskEpisode, one_line
 from ares_gateway.episodes.output import EpisodeResult
 from ares_gateway.episodes.tasks import Task
+from ares_gateway.episodes.usage import episode_usage
 from ares_gateway.gateway import Gateway
 from ares_gateway.policies.base import EpisodeReporter, PolicyError, SessionBound, call_policy, is_external
 from harnesses import BaseHarness, registry
@@ -220,6 +221,7 @@ def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[
         agent_seconds=outcome.agent_seconds,
         verify_seconds=outcome.verify_seconds,
         answer_latency=sum(latencies) / len(latencies) if latencies else None,
+        usage=episode_usage(turns),
         network=outcome.network,
         grading=outcome.grading,
         grading_setup_seconds=round(outcome.grading_setup_seconds, 3),

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ares_gateway.episodes.stats import StatTracker
+from ares_gateway.episodes.usage import run_usage
 
 __all__ = [
     "FAILED_REASONS",
@@ -83,6 +84,10 @@ class EpisodeResult:
     #: version of the weights that sampled it, docs/training.md); ``None`` when no turn has one.
     first_version: int | None = None
     last_version: int | None = None
+    #: Per-call usage and timing summed over its turns (:func:`~ares_gateway.episodes.usage.episode_usage`:
+    #: prompt, completion and reused prompt tokens; seconds parked, with the policy, to streams' first
+    #: pieces, of the agent's thinking), each ``None`` where no turn knows it; ``None``: not summed.
+    usage: dict[str, Any] | None = None
 
     @property
     def key(self) -> str:
@@ -161,6 +166,7 @@ class RunSummary:
             "success_threshold": self.success_threshold,
             "exit_reasons": self.exit_reasons,
             "networks": self.networks,
+            "usage": run_usage(e.usage for e in self.episodes),
             "duration_seconds": round(self.duration, 3),
             "episodes_per_minute": round(len(self.episodes) / self.duration * 60, 3) if self.duration > 0 else None,
         }
@@ -341,6 +347,7 @@ def log_episode(tracker: StatTracker, step: int, e: EpisodeResult, summary: RunS
         "episode/truncated": e.truncated,
         "episode/failed": e.exit_reason in FAILED_REASONS,
         "gateway/answer_latency_s": e.answer_latency,
+        **{f"usage/{k}": v for k, v in (e.usage or {}).items()},
         "run/mean_reward": summary.mean_reward,
     })
 

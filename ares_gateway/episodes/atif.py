@@ -15,7 +15,9 @@ models.
   few-shot examples) is an agent step with ``llm_call_count`` 0.
 * **Metrics per step.** Where the turn has a token record: ``prompt_tokens`` / ``completion_tokens``
   (its counts), ``prompt_token_ids``, ``completion_token_ids`` and ``logprobs``. Else the completion's
-  ``usage`` (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``). ``final_metrics`` sums them.
+  ``usage`` (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``), else the turn log's ``usage``
+  counts; the turn log's other ``usage`` fields (prefix reuse, timing) go to ``metrics.extra``.
+  ``final_metrics`` sums the counts.
 * **Branches.** A main-line request whose messages do not extend a conversation of the episode so far
   (a compaction, a retry from an earlier point) starts a branch; the side calls (title generation,
   summaries) are their own conversations. The root trajectory is the episode's first main-line
@@ -186,6 +188,15 @@ class _Conversation:
             metrics["prompt_tokens"] = c.usage.input_tokens
             metrics["completion_tokens"] = c.usage.output_tokens
             metrics["cached_tokens"] = c.usage.cached_input_tokens
+        # The turn log's per-call usage and timing, where the run recorded them.
+        got = e.get("usage")
+        use: dict[str, Any] = got if isinstance(got, dict) else {}
+        for name in ("prompt_tokens", "completion_tokens"):
+            if name not in metrics and isinstance(use.get(name), int):
+                metrics[name] = use[name]
+        timing = {k: v for k, v in use.items() if k not in ("prompt_tokens", "completion_tokens") and v is not None}
+        if timing:
+            metrics["extra"] = timing
         extra: dict[str, Any] = {"request_id": e.get("request_id"), "finish_reason": c.finish_reason,
                                  "protocol": e.get("protocol"), "turn_index": turn.index}
         for name in ("latency", "policy_version"):

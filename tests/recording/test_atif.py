@@ -149,6 +149,7 @@ def test_every_harness_exports_valid_atif(runs: dict[str, Path], tmp_path: Path)
     report = export_atif(runs["tito"], tmp_path / "no-ids", token_ids=False)
     lean = json.loads(report.written[0].read_text())
     m = next(s for s in lean["steps"] if s["source"] == "agent")["metrics"]
+    m.pop("extra", None)  # the turn log's timing, where the run recorded it
     assert m == {"prompt_tokens": len(entries[0]["completion"]["tokens"]["prompt_ids"]),
                  "completion_tokens": len(entries[0]["completion"]["tokens"]["output_ids"])}
 
@@ -170,7 +171,8 @@ def test_side_calls_and_branches_are_linked_subagents(tmp_path: Path) -> None:
     entries = [
         _chat([sys_m, ask], c_call, n=1),
         _chat([{"role": "user", "content": "title this: list files"}], {"text": "Listing"}, side=True, n=2),
-        _chat([sys_m, ask, call, result], {"text": "a.py is there", "reasoning": "saw it"}, n=3),
+        dict(_chat([sys_m, ask, call, result], {"text": "a.py is there", "reasoning": "saw it"}, n=3),
+             usage={"prompt_tokens": 12, "completion_tokens": 4, "parked_seconds": 0.5, "ttft_seconds": None}),
         # Restarted from the first message with a summary in place of the history.
         _chat([sys_m, {"role": "user", "content": "summary: a.py exists. now count lines"}],
               {"text": "1 line", "usage": {"input_tokens": 30, "output_tokens": 2}}, n=4),
@@ -186,6 +188,7 @@ def test_side_calls_and_branches_are_linked_subagents(tmp_path: Path) -> None:
     assert [s["source"] for s in steps] == ["system", "user", "agent", "agent"]
     assert steps[2]["observation"]["results"][0] == {"content": "a.py", "source_call_id": "c1"}
     assert steps[3]["reasoning_content"] == "saw it"
+    assert steps[3]["metrics"] == {"prompt_tokens": 12, "completion_tokens": 4, "extra": {"parked_seconds": 0.5}}
     subs = {s["trajectory_id"]: s for s in doc["subagent_trajectories"]}
     assert set(subs) == {"t.0/side-1", "t.0/branch-1"}
     assert subs["t.0/side-1"]["steps"][-1]["message"] == "Listing"

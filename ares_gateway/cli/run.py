@@ -129,6 +129,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-connect-timeout", type=float, default=None, metavar="S",
                    help="--ray: seconds to reach the cluster's address before giving up (default: 20)")
     p.add_argument("--attempts", type=int, default=1, metavar="K", help="attempts per task, for pass@k")
+    from ares_gateway.episodes.failures import DEFAULT_RETRIES
+
+    p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, metavar="N",
+                   help="times an episode that failed by the infrastructure (sandbox start, agent install, "
+                        "verifier crash) is run again on a fresh sandbox, with backoff, before it counts as "
+                        "infra_error; an agent failure is never retried")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: runs/PRESET-TIMESTAMP)")
     p.add_argument("--step-limit", type=int, default=None,
                    help="LLM calls per episode before truncation (default: no limit)")
@@ -302,12 +308,15 @@ async def _execute(
                 mount_viewer(gateway, out)  # the trajectory viewer at /ui/, behind the admin token (docs/viewer.md)
                 await stack.enter_async_context(gateway)
                 console.print(f"trajectory viewer: {gateway.url}/ui/", highlight=False, soft_wrap=True, markup=False)
+            from ares_gateway.episodes.failures import DEFAULT_RETRIES
+
             return await run_rollouts(
                 tasks, harness=harness, policy=policy, sandbox=backend, concurrency=args.concurrency,
                 attempts=getattr(args, "attempts", 1), out=out, step_limit=getattr(args, "step_limit", None),
                 time_limit=args.time_limit, image=getattr(args, "image", None), harness_options=harness_options,
                 stats=getattr(args, "stats", "tensorboard"), stats_period=getattr(args, "stats_period", 10.0),
                 console=console, stop=stop, gateway=gateway, executor=executor, run_info=run_info,
+                retries=getattr(args, "retries", DEFAULT_RETRIES),
             )
     finally:
         if entered:
@@ -425,6 +434,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.concurrency < 1 or args.attempts < 1:
         return _fail("-n and --attempts must be at least 1")
+    if args.retries < 0:
+        return _fail("--retries must be at least 0")
     if args.ray_per_node is not None and args.ray_per_node < 1:
         return _fail("--ray-per-node must be at least 1")
     if args.ray_per_node is not None and not args.ray:

@@ -14,6 +14,8 @@
 * :mod:`~ares_gateway.episodes.stream`: :class:`RolloutSource` (and :class:`BlockingRolloutSource`), the
   same episodes streamed to a trainer as they finish, one by one or as complete GRPO groups, with
   back-pressure, weight-update fencing and staleness masking;
+* :mod:`~ares_gateway.episodes.failures`: which failed episodes are the infrastructure's (retried on a fresh
+  sandbox, ``infra_error`` when they persist, never trained on) and which the agent's;
 * :mod:`~ares_gateway.episodes.installs`: agent CLIs installed once on this host for local sandboxes;
 * :mod:`~ares_gateway.episodes.stats`: where episode statistics go (TensorBoard, logging);
 * :mod:`~ares_gateway.episodes.preflight`: the start-up checks of a run.

@@ -227,6 +227,7 @@ def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[
         grading_setup_seconds=round(outcome.grading_setup_seconds, 3),
         first_version=versions[0] if versions else None,
         last_version=versions[-1] if versions else None,
+        verifier_crashed=outcome.verifier_crashed,
     )
 
 

@@ -119,6 +119,8 @@ class EpisodeOutcome:
     truncated: bool = False
     error: str | None = None
     verifier_error: str | None = None
+    #: The verifier's own machinery failed, not its tests (``VerifierResult.crashed``).
+    verifier_crashed: bool = False
     agent_exit_code: int | None = None
     setup_seconds: float = 0.0
     agent_seconds: float = 0.0
@@ -161,6 +163,7 @@ class EpisodeOutcome:
             out["error"] = self.error
         if self.verifier_error is not None:
             out["verifier_error"] = self.verifier_error
+            out["verifier_crashed"] = self.verifier_crashed
         return out
 
 
@@ -573,6 +576,7 @@ class TaskEpisode:
             out.reward_parts = dict(verdict.reward.parts)
             out.reward_source = verdict.reward.source
             out.verifier_error = one_line(verdict.error)
+            out.verifier_crashed = verdict.crashed
             if verdict.script is not None:
                 out.logs["verifier.log"] = (
                     f"exit code {verdict.script.exit_code} (timed out: {verdict.script.timed_out}, "
@@ -646,7 +650,7 @@ class TaskEpisode:
 
         sb = self.sandbox
         if sb is None or sb.state != "running":
-            return VerifierResult(Reward(0.0), None, "the sandbox is not running")
+            return VerifierResult(Reward(0.0), None, "the sandbox is not running", crashed=True)
         verifier_user = self.task.config.verifier_user
         if verifier_user is not None and self.prep is not None and verifier_user in {self.prep.user, self._agent_uid}:
             return VerifierResult(Reward(0.0), None, (
@@ -656,7 +660,7 @@ class TaskEpisode:
             return await run_tests(sb, self.task)
         gsb, ctx = self.grading_sandbox, self.ctx
         if gsb is None or gsb.state != "running" or ctx is None:
-            return VerifierResult(Reward(0.0), None, "the grading sandbox is not running")
+            return VerifierResult(Reward(0.0), None, "the grading sandbox is not running", crashed=True)
         workdir = gsb.workdir if self.task.workdir == gsb.spec.workdir else self.task.workdir
         try:
             size = await copy_workspace(sb, gsb, src_workdir=ctx.workdir, dst_workdir=workdir, user=self._agent_uid,
@@ -666,7 +670,7 @@ class TaskEpisode:
             return VerifierResult(Reward(0.0), None, str(exc))
         except sandbox_mod.SandboxError as exc:
             return VerifierResult(Reward(0.0), None,
-                                  f"copying the workdir into the grading sandbox failed: {_describe(exc)}")
+                                  f"copying the workdir into the grading sandbox failed: {_describe(exc)}", crashed=True)
         if out is not None:
             out.workspace_bytes = size
         return await run_tests(gsb, self.task)

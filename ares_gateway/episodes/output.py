@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ares_gateway.episodes.failures import classify
 from ares_gateway.episodes.stats import StatTracker
 from ares_gateway.episodes.usage import run_usage
 
@@ -43,8 +44,9 @@ __all__ = [
     "write_failed_run",
 ]
 
-#: Exit reasons counted as failures in the progress bar (the run could not judge the agent).
-FAILED_REASONS = frozenset({"agent_error", "install_error", "sandbox_error", "error"})
+#: Exit reasons counted as failures in the progress bar (the run could not judge the agent); which are
+#: the infrastructure's and which the agent's: :mod:`ares_gateway.episodes.failures`.
+FAILED_REASONS = frozenset({"agent_error", "install_error", "sandbox_error", "error", "infra_error"})
 
 
 @dataclass
@@ -88,6 +90,13 @@ class EpisodeResult:
     #: prompt, completion and reused prompt tokens; seconds parked, with the policy, to streams' first
     #: pieces, of the agent's thinking), each ``None`` where no turn knows it; ``None``: not summed.
     usage: dict[str, Any] | None = None
+    #: The verifier's own machinery failed (not its tests): an infrastructure failure.
+    verifier_crashed: bool = False
+    #: Infrastructure failures retried before this result (each on a fresh sandbox), and their errors.
+    retries: int = 0
+    retry_errors: list[str] = field(default_factory=list)
+    #: ``infra_error`` only: the exit reason of the last failed try (``sandbox_error``, ``install_error``, ...).
+    infra_cause: str | None = None
 
     @property
     def key(self) -> str:
@@ -155,6 +164,21 @@ class RunSummary:
                 counts[e.network] = counts.get(e.network, 0) + 1
         return counts
 
+    @property
+    def infra_failures(self) -> int:
+        """Episodes that ended as ``infra_error`` (every try failed by the infrastructure; not trained on)."""
+        return sum(1 for e in self.episodes if e.exit_reason == "infra_error")
+
+    @property
+    def agent_failures(self) -> int:
+        """Episodes the agent failed (:func:`~ares_gateway.episodes.failures.classify`); never retried."""
+        return sum(1 for e in self.episodes if classify(e) == "agent")
+
+    @property
+    def retries(self) -> int:
+        """Infrastructure failures retried, over all episodes."""
+        return sum(e.retries for e in self.episodes)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "planned": self.planned,
@@ -165,6 +189,9 @@ class RunSummary:
             **self.pass_at_k,
             "success_threshold": self.success_threshold,
             "exit_reasons": self.exit_reasons,
+            "infra_failures": self.infra_failures,
+            "agent_failures": self.agent_failures,
+            "retries": self.retries,
             "networks": self.networks,
             "usage": run_usage(e.usage for e in self.episodes),
             "duration_seconds": round(self.duration, 3),
@@ -328,6 +355,9 @@ def summary_lines(summary: RunSummary) -> list[str]:
     if pk:
         lines.append(", ".join(f"{k}: {v:.3f}" for k, v in pk.items())
                      + f" (reward >= {summary.success_threshold:g} passes)")
+    if summary.infra_failures or summary.retries:
+        lines.append(f"infrastructure failures: {summary.infra_failures} episode(s) failed every try (not trained "
+                     f"on), {summary.retries} retried")
     if summary.exit_reasons:
         lines.append("exit reasons: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.exit_reasons.items())))
     if any(n != "relay" for n in summary.networks):  # say so when a sandbox could reach more than its session

@@ -33,6 +33,7 @@ from typing import Any
 
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec
 from ares_gateway.episodes.executor import Executor, LocalExecutor
+from ares_gateway.episodes.failures import DEFAULT_RETRIES, DEFAULT_RETRY_BACKOFF, check_retries
 from ares_gateway.episodes.installs import ensure_local_install
 from ares_gateway.episodes.output import (
     FAILED_REASONS,
@@ -89,6 +90,8 @@ async def run_rollouts(
     success_threshold: float = 1.0,
     on_episode: Callable[[EpisodeResult], None] | None = None,
     on_samples: Callable[[EpisodeResult, list[Any]], None] | None = None,
+    retries: int = DEFAULT_RETRIES,
+    retry_backoff: float = DEFAULT_RETRY_BACKOFF,
 ) -> RunSummary:
     """Run ``attempts`` episodes of every task with at most ``concurrency`` at once (see the module docstring).
 
@@ -100,8 +103,11 @@ async def run_rollouts(
     finished episode. Setting ``stop`` stops launching, cancels what runs (each episode removes its
     sandbox) and returns what finished. ``on_samples(result, samples)`` is called with each episode's
     :class:`trajectory.Sample` list as it finishes (the trainer adapters take their samples here,
-    without files).
+    without files). An episode that failed by the infrastructure (:mod:`~ares_gateway.episodes.failures`)
+    is run again on a fresh sandbox, at most ``retries`` times, the first after ``retry_backoff`` seconds
+    and each next one after twice as long; if every try failed it ends as ``infra_error``.
     """
+    check_retries(retries, retry_backoff)
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     if attempts < 1:
@@ -117,7 +123,8 @@ async def run_rollouts(
     run = {
         "harness": harness, "sandbox": sandbox, "concurrency": concurrency, "attempts": attempts,
         "step_limit": step_limit, "time_limit": time_limit, "tasks": [t.name for t in tasks],
-        "policy": type(policy).__name__, "executor": executor.kind, **dict(run_info or {}),
+        "policy": type(policy).__name__, "executor": executor.kind, "retries": retries,
+        **dict(run_info or {}),
     }
     writer = RunWriter(executor, run, out=out, planned=len(plan), attempts=attempts,
                        success_threshold=success_threshold, stats=stats, stats_period=stats_period,
@@ -129,7 +136,8 @@ async def run_rollouts(
                              image=image)
         writer.started()
         await schedule(plan, executor, concurrency=concurrency, stop=stop, on_record=writer.record,
-                       on_tick=writer.refresh, tick=0.5 if console is not None else None, state=state)
+                       on_tick=writer.refresh, tick=0.5 if console is not None else None, state=state,
+                       retries=retries, retry_backoff=retry_backoff)
     finally:
         writer.finish(state)
         await executor.close()

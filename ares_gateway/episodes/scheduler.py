@@ -1,8 +1,10 @@
 """Which episode runs when: the plan run on an executor with bounded concurrency, and stopping.
 
 :func:`schedule` keeps at most ``concurrency`` episodes of the plan running on the executor, in plan
-order, and hands each finished one to ``on_record``. An episode whose executor call raised (a policy
-or runner failure) is recorded as an ``error`` episode and the run goes on. Setting ``stop`` (the CLI
+order, and hands each finished one to ``on_record``. An episode that failed by the infrastructure (its
+sandbox, its install, its verifier's machinery; an executor call that raised) is run again, at most
+``retries`` times with backoff, on a fresh sandbox; if every try failed it is recorded as
+``infra_error`` (:mod:`~ares_gateway.episodes.failures`) and the run goes on. Setting ``stop`` (the CLI
 does on Ctrl-C), or cancelling the caller, launches nothing more and cancels what runs (each episode
 removes its sandbox); their keys are in :attr:`ScheduleState.cancelled`.
 
@@ -14,19 +16,28 @@ a consumer that lags); ``wake`` is set to have it asked again (the consumer took
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Awaitable, Callable, Iterable, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec
 from ares_gateway.episodes.episode import one_line
 from ares_gateway.episodes.executor import Executor
+from ares_gateway.episodes.failures import (
+    DEFAULT_RETRIES,
+    DEFAULT_RETRY_BACKOFF,
+    INFRA_ERROR,
+    MAX_RETRY_WAIT,
+    check_retries,
+    classify,
+)
 from ares_gateway.episodes.output import EpisodeResult
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ScheduleState", "schedule"]
+__all__ = ["ScheduleState", "run_with_retries", "schedule"]
 
 
 @dataclass
@@ -50,10 +61,14 @@ async def schedule(
     state: ScheduleState | None = None,
     may_launch: Callable[[int], bool] | None = None,
     wake: asyncio.Event | None = None,
+    retries: int = DEFAULT_RETRIES,
+    retry_backoff: float = DEFAULT_RETRY_BACKOFF,
 ) -> ScheduleState:
     """Run ``plan`` on ``executor`` (see the module docstring). ``on_tick(running)`` is called whenever
     an episode starts or ends and every ``tick`` seconds (the progress bar). A sized plan's episodes
-    never launched before a stop are in :attr:`ScheduleState.cancelled`; an iterator's are not read."""
+    never launched before a stop are in :attr:`ScheduleState.cancelled`; an iterator's are not read.
+    ``retries`` / ``retry_backoff``: :func:`~ares_gateway.episodes.failures.run_with_retries`."""
+    check_retries(retries, retry_backoff)
     state = state if state is not None else ScheduleState()
     width = max(1, min(concurrency, executor.slots))
     specs = iter(plan)
@@ -75,7 +90,8 @@ async def schedule(
             while (len(running) < width and not stop.is_set() and (may_launch is None or may_launch(len(running)))
                    and more()):
                 spec = nxt.pop()
-                running[asyncio.create_task(executor.run(spec), name=f"ares-episode-{spec.key}")] = spec
+                episode = run_with_retries(executor.run, spec, retries=retries, backoff=retry_backoff)
+                running[asyncio.create_task(episode, name=f"ares-episode-{spec.key}")] = spec
             if on_tick is not None:
                 on_tick(len(running))
             waiting: set[asyncio.Task[Any]] = {*running, stop_wait}
@@ -129,3 +145,45 @@ async def schedule(
                 state.interrupted = True
                 state.cancelled.extend(spec.key for spec in left)
     return state
+
+
+async def run_with_retries(run: Callable[[EpisodeSpec], Awaitable[EpisodeRecord]], spec: EpisodeSpec, *,
+                           retries: int = DEFAULT_RETRIES, backoff: float = DEFAULT_RETRY_BACKOFF) -> EpisodeRecord:
+    """``run(spec)`` (an executor's ``run``), tried again while it fails by the infrastructure, at most
+    ``retries`` more times, waiting ``backoff`` seconds before the first retry and twice as long before
+    each next one (at most :data:`MAX_RETRY_WAIT`). Each try is a new episode: a fresh sandbox and
+    session (the driver removed the failed one's). A ``run`` that raises is an ``error`` try.
+
+    Returns the first try that did not fail by the infrastructure (its ``retries`` and
+    ``retry_errors`` say what came before), or, when all did, the last one turned into ``infra_error``:
+    its samples dropped, its cause in ``infra_cause`` and ``error``. Cancellation is never retried.
+    """
+    check_retries(retries, backoff)
+    errors: list[str] = []
+    record: EpisodeRecord
+    for attempt in range(retries + 1):
+        if attempt:
+            wait = min(backoff * 2 ** (attempt - 1), MAX_RETRY_WAIT)
+            log.warning("episode %s failed by the infrastructure (%s); retrying in %.1f s with a fresh sandbox "
+                        "(retry %d of %d)", spec.key, errors[-1], wait, attempt, retries)
+            await asyncio.sleep(wait)
+        try:
+            record = await run(spec)
+        except Exception as exc:  # a runner or worker failure: an ``error`` try
+            log.debug("the episode's traceback", exc_info=True)
+            record = EpisodeRecord(EpisodeResult(spec.task.name, spec.attempt, 0.0, 0, 0.0, "error",
+                                                 error=one_line(f"{type(exc).__name__}: {exc}")))
+        result = record.result
+        if classify(result) != "infra":
+            result.retries, result.retry_errors = attempt, errors
+            return record
+        errors.append(one_line(f"{result.exit_reason}: {result.error or 'no error message'}", 300) or "")
+    result = record.result
+    cause = result.exit_reason
+    tries = retries + 1
+    final = dataclasses.replace(
+        result, exit_reason=INFRA_ERROR, reward=0.0, samples=0, infra_cause=cause, retries=retries,
+        retry_errors=errors[:-1],
+        error=one_line(f"{cause} on every one of {tries} tr{'y' if tries == 1 else 'ies'}: "
+                       f"{result.error or 'no error message'}"))
+    return EpisodeRecord(final, [], record.turns, record.logs)

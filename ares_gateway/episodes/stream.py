@@ -65,6 +65,7 @@ from typing import Any, TypeVar
 from ares_gateway.core.fence import PauseReport
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec
 from ares_gateway.episodes.executor import Executor, LocalExecutor
+from ares_gateway.episodes.failures import DEFAULT_RETRIES, DEFAULT_RETRY_BACKOFF, check_retries
 from ares_gateway.episodes.output import EpisodeResult, RunSummary
 from ares_gateway.episodes.rollouts import RunWriter
 from ares_gateway.episodes.scheduler import ScheduleState, schedule
@@ -129,6 +130,12 @@ class RolloutEpisode:
         return self.result.exit_reason
 
     @property
+    def infra_error(self) -> bool:
+        """It failed by the infrastructure on every try (``infra_error``): it has no samples, and its
+        reward (0.0) is no verdict on the policy; leave it out of its group's baseline."""
+        return self.result.exit_reason == "infra_error"
+
+    @property
     def first_version(self) -> int | None:
         return self.result.first_version
 
@@ -163,6 +170,11 @@ class RolloutGroup:
         return sum(m.stale_tokens for m in self.members)
 
     @property
+    def infra_errors(self) -> int:
+        """Members that failed by the infrastructure on every try (:attr:`RolloutEpisode.infra_error`)."""
+        return sum(1 for m in self.members if m.infra_error)
+
+    @property
     def all_stale(self) -> bool:
         """Its members had trained tokens and every one was stale."""
         return self.stale_tokens > 0 and all(m.trained_tokens == 0 for m in self.members)
@@ -182,8 +194,9 @@ class RolloutSource:
     Args:
         tasks: the tasks (a finite list; task names must differ: repeat one with ``attempts`` or ``epochs``).
         harness, policy, sandbox, step_limit, time_limit, image, model, harness_options, stats,
-        stats_period, console, gateway, executor, run_info, success_threshold: as
-            :func:`~ares_gateway.episodes.rollouts.run_rollouts`.
+        stats_period, console, gateway, executor, run_info, success_threshold, retries, retry_backoff: as
+            :func:`~ares_gateway.episodes.rollouts.run_rollouts` (an ``infra_error`` episode is in its group;
+            the trainer excludes it).
         concurrency: episodes running at once.
         attempts: episodes of each task per epoch (a group).
         epochs: passes over ``tasks``; ``None``: until :meth:`close`.
@@ -219,7 +232,11 @@ class RolloutSource:
         executor: Executor | None = None,
         run_info: Mapping[str, Any] | None = None,
         success_threshold: float = 1.0,
+        retries: int = DEFAULT_RETRIES,
+        retry_backoff: float = DEFAULT_RETRY_BACKOFF,
     ) -> None:
+        check_retries(retries, retry_backoff)
+        self.retries, self.retry_backoff = retries, retry_backoff
         self.tasks = list(tasks)
         if not self.tasks:
             raise ValueError("tasks is empty: give the source at least one task")
@@ -258,6 +275,7 @@ class RolloutSource:
             "harness": harness, "sandbox": sandbox, "concurrency": concurrency, "attempts": attempts,
             "step_limit": step_limit, "time_limit": time_limit, "tasks": names,
             "policy": type(policy).__name__, "executor": self.executor.kind, "source": "stream", "epochs": epochs,
+            "retries": retries,
             "max_buffered": self.max_buffered, "max_staleness": self.max_staleness, **dict(run_info or {}),
         }
         planned = len(self.tasks) * attempts * epochs if epochs is not None else 0
@@ -376,7 +394,8 @@ class RolloutSource:
         try:
             await schedule(self._plan(), self.executor, concurrency=self.concurrency, stop=self._stop,
                            on_record=self._on_record, on_tick=self._on_tick, tick=self._tick, state=self._state,
-                           may_launch=self._may_launch, wake=self._wake)
+                           may_launch=self._may_launch, wake=self._wake, retries=self.retries,
+                           retry_backoff=self.retry_backoff)
         except Exception as exc:  # the executor failed as a whole: the consumer gets it
             self._failure = exc
         finally:

@@ -199,6 +199,9 @@ class VerifierResult:
     reward: Reward
     script: ScriptResult | None
     error: str | None = None
+    #: The verifier's own machinery failed (its directories, the upload of the tests, the sandbox), not
+    #: the tests: an infrastructure failure, retried (:mod:`ares_gateway.episodes.failures`).
+    crashed: bool = False
 
     @property
     def ok(self) -> bool:
@@ -276,12 +279,14 @@ async def run_tests(
         # the verifier's own user) can write what is read back.
         prep = await sb.exec(_fresh_dirs_cmd(paths, task.config.verifier_user), cwd="/", user=root, timeout=60)
         if not prep.ok:
-            return VerifierResult(zero, None, f"cannot create {paths.verifier_dir}: {prep.stderr.strip()[-300:]}")
+            return VerifierResult(zero, None, f"cannot create {paths.verifier_dir}: {prep.stderr.strip()[-300:]}",
+                                  crashed=True)
         await sb.upload_dir(task.tests_dir, paths.tests_dir)
         sealed = await sb.exec(f"chown -R 0:0 {shlex.quote(paths.tests_dir)} 2>/dev/null; "
                                f"chmod -R go-w {shlex.quote(paths.tests_dir)}", cwd="/", user=root, timeout=60)
         if not sealed.ok:
-            return VerifierResult(zero, None, f"cannot protect {paths.tests_dir}: {sealed.stderr.strip()[-300:]}")
+            return VerifierResult(zero, None, f"cannot protect {paths.tests_dir}: {sealed.stderr.strip()[-300:]}",
+                                  crashed=True)
         r = await sb.exec(
             _run_script_cmd(posixpath.join(paths.tests_dir, "test.sh")),
             cwd=task.workdir,
@@ -298,7 +303,7 @@ async def run_tests(
             return VerifierResult(zero, script, f"{exc} (test.sh exit code {r.exit_code})")
         return VerifierResult(reward, script)
     except SandboxError as exc:
-        return VerifierResult(zero, None, f"sandbox failure while verifying: {exc}")
+        return VerifierResult(zero, None, f"sandbox failure while verifying: {exc}", crashed=True)
 
 
 # ============================================================================ grading in a fresh sandbox

@@ -18,6 +18,7 @@ from typing import Any
 
 from ares_gateway.episodes.episode import one_line
 from ares_gateway.episodes.executor import Executor
+from ares_gateway.episodes.failures import DEFAULT_RETRIES, INFRA_ERROR
 from ares_gateway.episodes.rollouts import EpisodeResult, run_rollouts
 from ares_gateway.episodes.tasks import Dataset, Task, load_dataset
 from ares_gateway.extras import MissingExtraError as _MissingExtra
@@ -30,6 +31,7 @@ __all__ = [
     "TrainerEntry",
     "TrainerError",
     "UnknownTaskError",
+    "exclude_infra_errors",
     "foreign_count",
     "main_sample",
     "play_episodes",
@@ -160,12 +162,22 @@ class EpisodeSample:
     result: EpisodeResult | None = None
     #: Trained tokens of :attr:`sample` masked as stale (``play_episodes(max_staleness=...)``).
     stale_tokens: int = 0
+    #: Left out of training (:func:`exclude_infra_errors`): it failed by the infrastructure on every try
+    #: (``infra_error``), or, with ``drop_group_on_infra_error``, a member of its group did. Its entry
+    #: is a masked stand-in and its reward no verdict on the policy.
+    excluded: bool = False
+
+    @property
+    def infra_error(self) -> bool:
+        """It failed by the infrastructure on every try (see :mod:`ares_gateway.episodes.failures`)."""
+        return self.exit_reason == INFRA_ERROR
 
     def facts(self) -> dict[str, Any]:
         """The plain facts a trainer logs per completion."""
         return {"task": self.task, "session_id": self.session_id, "reward": self.reward,
                 "exit_reason": self.exit_reason, "turns": self.turns, "error": self.error,
-                "other_samples": self.other_samples, "foreign_samples": self.foreign_samples}
+                "other_samples": self.other_samples, "foreign_samples": self.foreign_samples,
+                "excluded": self.excluded}
 
 
 @dataclass(frozen=True)
@@ -183,8 +195,11 @@ class TrainerEntry:
     logprobs: list[float]
     #: The response was cut to the trainer's cap (it had more tokens).
     truncated: bool = False
-    #: ``False``: the episode recorded no model turn; the entry is a masked one-token stand-in.
+    #: ``False``: the episode recorded no model turn (or is excluded); the entry is a masked one-token stand-in.
     sampled: bool = True
+    #: The episode is left out of training (:attr:`EpisodeSample.excluded`): drop the entry, or keep the
+    #: masked stand-in where the batch must keep its shape.
+    excluded: bool = False
 
     @property
     def sampled_tokens(self) -> int:
@@ -206,11 +221,19 @@ def trainer_entry(ep: EpisodeSample, *, eos_id: int, encode: Any = None,
     An episode that recorded no model turn (a failed install, a sandbox that did not start) becomes a
     masked one-token response (``eos_id``, mask 0, logprob 0.0) after the task name's ids (``encode``,
     a ``str -> ids`` function; default: ``[eos_id]``), so the trainer's batch keeps its shape; its reward
-    is set to 0 and its error to "the episode recorded no model turn" when it has none.
+    is set to 0 and its error to "the episode recorded no model turn" when it has none. An excluded
+    episode (:attr:`EpisodeSample.excluded`: an ``infra_error``, or its group's) is that masked stand-in
+    too, marked ``excluded``, whatever it recorded; its reward stays what :func:`exclude_infra_errors`
+    set (one that moves no group baseline), never a reward-0 trained sample.
     """
     if max_response_tokens is not None and max_response_tokens < 1:
         raise ValueError(f"max_response_tokens must be at least 1 (or None: no cap), got {max_response_tokens}")
     s = ep.sample
+    if ep.excluded or ep.infra_error:
+        ep.excluded = True
+        ids = [int(t) for t in (encode(ep.task) if encode is not None else [])] or [int(eos_id)]
+        return TrainerEntry(prompt_ids=ids, response_ids=[int(eos_id)], loss_mask=[0], logprobs=[0.0], sampled=False,
+                            excluded=True)
     if s is not None and s.response_length > 0:
         n = s.prompt_length
         tokens = [int(t) for t in s.tokens.tolist()]
@@ -280,9 +303,16 @@ async def play_episodes(
     executor: Executor | None = None,
     max_staleness: int | None = None,
     policy_version: int | None = None,
+    retries: int = DEFAULT_RETRIES,
+    drop_group_on_infra_error: bool = False,
 ) -> list[EpisodeSample]:
     """One episode per entry of ``tasks`` (repeats allowed), at most ``concurrency`` at once; the
     results in the order of ``tasks``. A failed episode is an entry with reward 0 and its error.
+
+    An episode that failed by the infrastructure is run again on a fresh sandbox, at most ``retries``
+    times (:mod:`ares_gateway.episodes.failures`); one that failed every try (``infra_error``) is
+    excluded from training, and with ``drop_group_on_infra_error`` so is every episode of its task in
+    this call (its GRPO group): :func:`exclude_infra_errors`.
 
     ``executor`` runs the episodes (default: this process, :class:`~ares_gateway.episodes.executor.LocalExecutor`);
     it is started and closed once per wave of :func:`~ares_gateway.episodes.rollouts.run_rollouts`.
@@ -312,7 +342,7 @@ async def play_episodes(
         summary = await run_rollouts(
             group, harness=harness, policy=policy, sandbox=sandbox, concurrency=concurrency, attempts=count,
             step_limit=step_limit, time_limit=time_limit, harness_options=harness_options, stats="null",
-            on_samples=keep, out=out, executor=executor,
+            on_samples=keep, out=out, executor=executor, retries=retries,
         )
         for e in summary.episodes:
             idx = plan[e.task][e.attempt]
@@ -329,11 +359,36 @@ async def play_episodes(
             if o is not None and o.sample is not None:
                 o.sample = mask_stale(o.sample, current, max_staleness)
                 o.stale_tokens = int(o.sample.metadata["stale_tokens"])
-    return [
+    played = [
         o if o is not None else EpisodeSample(task=tasks[i].name, reward=0.0, exit_reason="cancelled",
                                                error="the episode did not finish (cancelled)")
         for i, o in enumerate(out_list)
     ]
+    return exclude_infra_errors(played, drop_group=drop_group_on_infra_error)
+
+
+def exclude_infra_errors(episodes: Sequence[EpisodeSample], *, drop_group: bool = False) -> list[EpisodeSample]:
+    """Mark the episodes that must not be trained on (:attr:`EpisodeSample.excluded`), in place; returns them.
+
+    An ``infra_error`` episode (it failed by the infrastructure on every try) is excluded: no sample,
+    and its reward set to the mean of its group's judged rewards (its group: the episodes of the same
+    task; 0.0 when none was judged), so it moves neither the group's GRPO baseline nor, masked, the loss.
+    With ``drop_group`` every episode of a group that holds one is excluded, each with reward 0.0 (equal
+    rewards: no advantage, no gradient from the group), as SkyRL drops a group with a failed trajectory.
+    """
+    groups: dict[str, list[EpisodeSample]] = {}
+    for ep in episodes:
+        groups.setdefault(ep.task, []).append(ep)
+    for group in groups.values():
+        if not any(ep.infra_error for ep in group):
+            continue
+        judged = [ep.reward for ep in group if not ep.infra_error]
+        for ep in group:
+            if drop_group or ep.infra_error:
+                ep.excluded = True
+                ep.sample = None
+                ep.reward = 0.0 if drop_group else (sum(judged) / len(judged) if judged else 0.0)
+    return list(episodes)
 
 
 def describe_failure(ep: EpisodeSample) -> str:

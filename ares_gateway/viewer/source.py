@@ -97,7 +97,7 @@ def _row(e: dict[str, Any], key: str, *, live: bool = False) -> dict[str, Any]:
     return {"key": key, "task": e.get("task"), "attempt": e.get("attempt"), "reward": e.get("reward"),
             "turns": e.get("turns"), "duration": e.get("duration"), "exit_reason": e.get("exit_reason"),
             "error": e.get("error"), "node": e.get("node"), "session_id": e.get("session_id"),
-            "truncated": e.get("truncated"), "samples": e.get("samples"), "live": live}
+            "truncated": e.get("truncated"), "samples": e.get("samples"), "usage": e.get("usage"), "live": live}
 
 
 class RunSource:

@@ -146,7 +146,7 @@ def turn_view(entry: dict[str, Any], index: int, prev: list[Any] | None) -> dict
     view: dict[str, Any] = {"index": index, "side_call": side, "request_id": entry.get("request_id"),
                             "timestamp": entry.get("timestamp"), "latency": entry.get("latency"),
                             "answer": _answer(entry), "protocol": protocol.value,
-                            "policy_version": entry.get("policy_version")}
+                            "policy_version": entry.get("policy_version"), "usage": entry.get("usage")}
     if not isinstance(body, dict):
         view["messages"] = [{"role": "unparsed", "text": cut(str(body))}]
         return view

@@ -2,7 +2,8 @@
 every call answered in process by the oracle policy with token records. The sums in episodes.jsonl and
 results.json equal what the turn logs' token records give (prompt and output ids, the prefix each prompt
 shares with the previous turn's prompt + output); the timings are present, non-negative and ordered; the
-run's totals are the episodes' sums; TensorBoard has each episode's sums."""
+run's totals are the episodes' sums; TensorBoard has each episode's sums; the viewer's episode page data
+carries the episode's sums and each turn's usage."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from ares_gateway import RolloutSource
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.episodes.usage import USAGE_FIELDS
+from ares_gateway.viewer.source import RunSource
 from tests.rollouts.test_stream import TokenOracle
 
 TASKS = load_dataset("examples").tasks
@@ -78,6 +80,11 @@ async def test_episode_and_run_usage_equal_the_token_records(tmp_path: Path, box
         assert abs(use["policy_seconds"] - sum(t["usage"]["policy_seconds"] for t in turns)) < 1e-4
         # The agent's whole time covers its calls and its thinking between them.
         assert use["parked_seconds"] + use["policy_seconds"] + use["think_seconds"] <= e["agent_seconds"] + 0.05
+        view = RunSource(out)
+        key = f"{e['task']}.{e['attempt']}"
+        assert view.episode(key)["episode"]["usage"] == use
+        assert [t["usage"] for t in view.turns(key)["turns"]] == [t["usage"] for t in turns]
+        view.close()
         line = next(x for x in lines if (x["task"], x["attempt"]) == (e["task"], e["attempt"]))
         assert line["usage"] == use
         for k in USAGE_FIELDS:

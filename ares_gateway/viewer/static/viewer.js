@@ -208,12 +208,27 @@ function sampleVersions(s) {
   return (seen.join(", ") || "–") + (s.mixed_versions ? " (mixed)" : "");
 }
 
+// A call's usage (a turn's, or an episode's sums) as one line; fields not known are left out.
+function usageText(u) {
+  if (!u) return "";
+  const parts = [];
+  if (typeof u.prompt_tokens === "number") parts.push(`${u.prompt_tokens} prompt` +
+    (typeof u.reused_prompt_tokens === "number" ? ` (${u.reused_prompt_tokens} reused)` : ""));
+  if (typeof u.completion_tokens === "number") parts.push(`${u.completion_tokens} completion tokens`);
+  for (const [k, label] of [["parked_seconds", "parked"], ["policy_seconds", "policy"], ["ttft_seconds", "first piece"],
+    ["think_seconds", "agent thinking"]]) {
+    if (typeof u[k] === "number") parts.push(`${label} ${u[k].toFixed(2)} s`);
+  }
+  return parts.join(" · ");
+}
+
 function turnCard(t) {
   const head = el("div", { class: "turn-head" }, el("span", { class: "n", text: `turn ${t.index}` }),
     t.side_call ? el("span", { class: "badge side", text: "side call" }) : null,
     el("span", { text: t.timestamp ? new Date(t.timestamp * 1000).toLocaleTimeString() : "" }),
     el("span", { text: typeof t.latency === "number" ? `answered in ${t.latency.toFixed(2)} s` : "" }),
     el("span", { class: "version", text: versionText(t.policy_version) }),
+    el("span", { class: "usage", text: usageText(t.usage) }),
     el("span", { text: t.history !== undefined ? `${t.history} messages sent, ${t.history - t.shared} new` : "" }),
     t.diverged_at !== undefined ? el("span", { class: "badge fork", text: `history diverged at message ${t.diverged_at + 1}` }) : null);
   return el("div", { class: "turn" + (t.side_call ? " side" : ""), data: { index: t.index } }, head,
@@ -247,7 +262,8 @@ async function episodePage(key) {
   const list = el("div", { id: "turns" });
   const more = el("button", { id: "more-turns", text: "load more turns" });
   show(el("h1", { text: `${e.task} #${fmt(e.attempt)}`, id: "episode-title" }),
-    el("p", { class: "muted", text: `session ${e.session_id || "–"}` + (e.live ? " · running" : "") }), head, err, links, samples, verifier,
+    el("p", { class: "muted", text: `session ${e.session_id || "–"}` + (e.live ? " · running" : "") }), head,
+    e.usage ? el("p", { id: "episode-usage", text: "calls: " + (usageText(e.usage) || "no usage known") }) : null, err, links, samples, verifier,
     el("h2", { text: "Turns" }), tabs, list, more);
 
   const st = { line: data.side_calls ? "main" : "all", loaded: 0, total: 0, busy: false, again: false };

@@ -176,8 +176,7 @@ class EpisodeSample:
         """The plain facts a trainer logs per completion."""
         return {"task": self.task, "session_id": self.session_id, "reward": self.reward,
                 "exit_reason": self.exit_reason, "turns": self.turns, "error": self.error,
-                "other_samples": self.other_samples, "foreign_samples": self.foreign_samples,
-                "excluded": self.excluded}
+                "other_samples": self.other_samples, "foreign_samples": self.foreign_samples}
 
 
 @dataclass(frozen=True)

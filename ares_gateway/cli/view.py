@@ -55,12 +55,34 @@ def cmd_view(args: argparse.Namespace) -> int:
     elif (path / "episodes.jsonl").exists() or (path / "results.json").exists():
         source = RunSource(path, data_dir=data_dir, tokenizer=args.tokenizer)
     else:
-        print(f"ares-gateway view: {path} is neither a run directory (results.json, episodes.jsonl) nor a data "
-              f"dir ({DB_NAME})", file=sys.stderr)
-        return 2
+        source = _atif_source(path, args.tokenizer)
+        if source is None:
+            print(f"ares-gateway view: {path} is neither a run directory (results.json, episodes.jsonl), a data "
+                  f"dir ({DB_NAME}) nor a directory of ATIF trajectories (*.json)", file=sys.stderr)
+            return 2
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_view(source, args.host, args.port))
     return 0
+
+
+def _atif_source(path: Path, tokenizer: str | None) -> Any:
+    """A directory of ATIF trajectories (an ``export --format atif``, a Harbor job) as a run directory
+    in a temporary directory removed at exit; ``None`` when it holds none."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from ares_gateway.episodes.atif import import_atif
+    from ares_gateway.viewer import RunSource
+
+    tmp = Path(tempfile.mkdtemp(prefix="ares-atif-view-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    report = import_atif(path, tmp)
+    for line in report.problems:
+        print(f"warning: {line}", file=sys.stderr)
+    if not report.written:
+        return None
+    return RunSource(tmp, tokenizer=tokenizer, title=f"{path} (ATIF)")
 
 
 def add_view_command(sub: Any) -> None:

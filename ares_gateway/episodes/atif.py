@@ -430,3 +430,134 @@ def export_atif(run_dir: str | Path, out_dir: str | Path, *, token_ids: bool = T
         target.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         report.written.append(target)
     return report
+
+
+# ---------------------------------------------------------------- the reverse: ATIF into a run directory
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # ATIF content parts: text kept, the others named
+        return "".join(p.get("text") or "" if p.get("type") == "text" else f"[{p.get('type')}]"
+                       for p in content if isinstance(p, dict))
+    return ""
+
+
+def _epoch(ts: Any) -> float:
+    if isinstance(ts, str):
+        try:
+            return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            pass
+    return 0.0
+
+
+def trajectory_turns(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """An ATIF trajectory's LLM calls as turn log entries (``openai.chat`` requests rebuilt from the
+    steps before each call; token records from the steps' token ids): the root's, then each embedded
+    subagent's (``side_call`` unless its ``extra.kind`` says ``branch``)."""
+    entries: list[dict[str, Any]] = []
+    for sub, side in [(doc, False)] + [(s, (s.get("extra") or {}).get("kind") != "branch")
+                                       for s in doc.get("subagent_trajectories") or []]:
+        messages: list[dict[str, Any]] = []
+        model = (sub.get("agent") or {}).get("model_name") or "atif"
+        for step in sub.get("steps") or []:
+            source, text = step.get("source"), _content_text(step.get("message"))
+            if source in ("system", "user"):
+                if text or not step.get("observation"):
+                    messages.append({"role": source, "content": text})
+            else:
+                calls = [{"id": tc.get("tool_call_id", ""), "name": tc.get("function_name", ""),
+                          "arguments": json.dumps(tc.get("arguments") or {})} for tc in step.get("tool_calls") or []]
+                if step.get("llm_call_count") != 0:
+                    completion: dict[str, Any] = {"text": text or None, "reasoning": step.get("reasoning_content"),
+                                                  "tool_calls": calls,
+                                                  "finish_reason": "tool_calls" if calls else "stop"}
+                    m = step.get("metrics") or {}
+                    if m.get("prompt_token_ids") is not None and m.get("completion_token_ids") is not None:
+                        completion["tokens"] = {"prompt_ids": m["prompt_token_ids"],
+                                                "output_ids": m["completion_token_ids"],
+                                                "output_logprobs": m.get("logprobs") or []}
+                    entries.append({"request_id": f"atif_{len(entries) + 1}", "protocol": "openai.chat",
+                                    "side_call": side, "timestamp": _epoch(step.get("timestamp")), "latency": 0.0,
+                                    "request": {"model": step.get("model_name") or model, "messages": list(messages)},
+                                    "completion": completion})
+                assistant: dict[str, Any] = {"role": "assistant", "content": text or None}
+                if calls:
+                    assistant["tool_calls"] = [{"id": c["id"], "type": "function",
+                                                "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                               for c in calls]
+                messages.append(assistant)
+            for result in (step.get("observation") or {}).get("results") or []:
+                if result.get("subagent_trajectory_ref"):
+                    continue  # a link, not a message
+                body = _content_text(result.get("content"))
+                if result.get("source_call_id"):
+                    messages.append({"role": "tool", "tool_call_id": result["source_call_id"], "content": body})
+                else:
+                    messages.append({"role": "user", "content": body})
+    return entries
+
+
+def _harbor_reward(path: Path) -> float | None:
+    # Harbor's job layout: TRIAL/agent/trajectory.json beside TRIAL/result.json (verifier_result.rewards).
+    for result in (path.parent / "result.json", path.parent.parent / "result.json"):
+        try:
+            rewards = json.loads(result.read_text(encoding="utf-8"))["verifier_result"]["rewards"]
+            value = rewards.get("reward") if isinstance(rewards, dict) else None
+            if isinstance(value, (int, float)):
+                return float(value)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def import_atif(atif_dir: str | Path, run_dir: str | Path) -> AtifExport:
+    """Write a run directory (``episodes.jsonl``, ``results.json``, ``turns/``) holding the ATIF
+    trajectories found under ``atif_dir`` (this export's files, or a Harbor job's
+    ``*/agent/trajectory.json``), one episode each, for ``ares-gateway view``. The reward is the
+    trajectory's ``extra.reward``, else Harbor's ``result.json`` beside it. A JSON file that is not an
+    ATIF trajectory is skipped quietly; one that cannot be read is a problem line. Two trajectories of
+    one task and attempt (from two runs) become that task's next attempts."""
+    from ares_gateway.episodes.output import EpisodeResult, RunOutputs, RunSummary
+
+    atif_dir, run_dir = Path(atif_dir), Path(run_dir)
+    report = AtifExport()
+    outputs = RunOutputs(run_dir)
+    results: list[EpisodeResult] = []
+    used: set[str] = set()
+    for path in sorted(atif_dir.rglob("*.json")):
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            report.problems.append(f"{path}: not readable JSON ({exc}): skipped")
+            continue
+        if not (isinstance(doc, dict) and str(doc.get("schema_version", "")).startswith("ATIF-")):
+            continue
+        got = doc.get("extra")
+        extra: dict[str, Any] = got if isinstance(got, dict) else {}
+        name = str(path.relative_to(atif_dir).with_suffix(""))
+        if name.endswith("/agent/trajectory"):
+            name = name[: -len("/agent/trajectory")]
+        task = str(extra.get("task") or name)
+        attempt = extra["attempt"] if isinstance(extra.get("attempt"), int) else 0
+        while f"{_safe(task)}.{attempt}" in used:  # two runs' files of one task: the next free attempt
+            attempt += 1
+        used.add(f"{_safe(task)}.{attempt}")
+        try:
+            entries = trajectory_turns(doc)
+        except (AttributeError, TypeError, ValueError) as exc:
+            report.problems.append(f"{path}: not a trajectory this can read ({exc}): skipped")
+            continue
+        reward = extra.get("reward") if isinstance(extra.get("reward"), (int, float)) else _harbor_reward(path)
+        result = EpisodeResult(task=task, attempt=attempt, reward=float(reward or 0.0), turns=len(entries),
+                               duration=0.0, exit_reason=str(extra.get("exit_reason") or "completed"),
+                               truncated=bool(extra.get("truncated")), error=extra.get("error"),
+                               session_id=str(doc.get("session_id") or ""))
+        outputs.episode(result, [], entries, {})
+        results.append(result)
+        report.written.append(run_dir / "turns" / f"{_safe(task)}.{attempt}.jsonl")
+    outputs.results({"preset": f"atif:{atif_dir}", "policy": "atif", "harness": "atif", "attempts": 1},
+                    RunSummary(results, planned=len(results), attempts=1, duration=0.0))
+    return report

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ares_gateway.episodes.atif import ATIF_SCHEMA_VERSION, episode_trajectory, export_atif
+from ares_gateway.episodes.atif import ATIF_SCHEMA_VERSION, episode_trajectory, export_atif, import_atif
 from harnesses import registry
 from harnesses.base import INSTALL_ROOT
 from tests.prereq import require
@@ -235,6 +235,61 @@ def test_a_real_gateways_fork_and_side_call_with_token_records(tmp_path: Path) -
     refs = [r["trajectory_id"] for r in main[1]["observation"]["results"] for r in r["subagent_trajectory_ref"]]
     assert refs == ["forked.0/branch-1", "forked.0/side-1"]
     assert doc["extra"]["reward"] == 1.0
+
+
+def _shape(doc: dict[str, Any]) -> list[Any]:
+    """What a round trip must keep of a trajectory: each step's source, text, calls, results and ids."""
+    out: list[Any] = []
+    for t in [doc, *doc.get("subagent_trajectories", [])]:
+        out.append([(s["source"], s["message"], s.get("reasoning_content"), s.get("tool_calls"),
+                     [r.get("content") for r in s.get("observation", {}).get("results", [])
+                      if not r.get("subagent_trajectory_ref")],
+                     s.get("metrics", {}).get("completion_token_ids")) for s in t["steps"]])
+    return out
+
+
+def test_atif_reads_back_into_a_run_the_viewer_serves(runs: dict[str, Path], tmp_path: Path) -> None:
+    """The reverse: ATIF files (these exports, or a Harbor job's TRIAL/agent/trajectory.json) into a run
+    directory (what ``ares-gateway view`` of an ATIF directory serves); exported again, every step is
+    as it was."""
+    import asyncio
+
+    from ares_gateway.viewer import RunSource
+    from tests.viewer.runs import build_run, forked_session
+
+    run = asyncio.run(build_run(tmp_path / "forked", [("forked", 1.0, forked_session)]))
+    first = tmp_path / "atif"
+    export_atif(run, first)
+    for key in ("codex", "tito"):
+        export_atif(runs[key], first / key)
+    # A Harbor job's layout: the trial's reward in its result.json.
+    trial = tmp_path / "atif" / "job" / "cc-trial" / "agent"
+    trial.mkdir(parents=True)
+    doc = json.loads(export_atif(runs["cc"], tmp_path / "cc").written[0].read_text())
+    del doc["extra"]
+    (trial / "trajectory.json").write_text(json.dumps(doc))
+    (trial.parent / "result.json").write_text(json.dumps({"verifier_result": {"rewards": {"reward": 1.0}}}))
+    (first / "notes.json").write_text("{}")  # not a trajectory: skipped quietly
+
+    back = tmp_path / "back"
+    report = import_atif(first, back)
+    assert report.ok, report.problems
+    source = RunSource(back)
+    try:
+        rows = {r["key"]: r for r in source.rows()}
+        assert set(rows) == {"forked.0", "fix-median-bug.0", "fix-median-bug.1", "job_cc-trial.0"}, rows
+        rows = {r["task"]: r for r in source.rows()}
+        assert rows["job/cc-trial"]["reward"] == 1.0 and rows["forked"]["reward"] == 1.0
+        assert source.turn_count(rows["forked"]["key"]) == 4
+    finally:
+        source.close()
+
+    again = export_atif(back, tmp_path / "again")
+    assert again.ok, again.problems
+    validate(again.written)
+    was = json.loads((first / "forked.0.json").read_text())
+    now = json.loads((tmp_path / "again" / "forked.0.json").read_text())
+    assert _shape(now) == _shape(was)
 
 
 def test_bad_run_dirs_report_each_episode_and_export_the_rest(runs: dict[str, Path], tmp_path: Path) -> None:

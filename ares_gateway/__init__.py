@@ -43,7 +43,7 @@ from ares_gateway.core.errors import (
 from ares_gateway.core.fence import PauseReport, SamplingFence
 from ares_gateway.core.recorder import RecordedTurn
 from ares_gateway.core.sessions import SessionInfo
-from ares_gateway.episodes.atif import AtifExport, export_atif
+from ares_gateway.episodes.atif import AtifExport, export_atif, import_atif
 from ares_gateway.episodes.env import (
     GatewayEnv,
     LaunchTimeoutError,
@@ -118,6 +118,7 @@ __all__ = [
     "Usage",
     "WireProtocol",
     "export_atif",
+    "import_atif",
     "restart",
     "termination",
     "transition",

@@ -29,6 +29,10 @@ models.
 * **The episode's outcome** is the root's ``extra``: ``task``, ``attempt``, ``reward``,
   ``reward_parts``, ``exit_reason``, ``truncated``, ``error``, ``session_id``, ``policy``, ``harness``.
 
+The reverse, :func:`import_atif`: ATIF trajectories (these, or a Harbor job's
+``TRIAL/agent/trajectory.json``) into a run directory that ``ares-gateway view`` serves: each agent step
+that was an LLM call an ``openai.chat`` turn whose request is the conversation before it.
+
 Bad input never stops the export: an episode whose turn log is missing or has no readable turn is
 reported (:class:`AtifExport` ``problems``, one line each) and the others are written; a line that is
 not JSON (a run killed while writing) or a request that cannot be parsed is skipped and reported.
@@ -502,7 +506,8 @@ def trajectory_turns(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _harbor_reward(path: Path) -> float | None:
     # Harbor's job layout: TRIAL/agent/trajectory.json beside TRIAL/result.json (verifier_result.rewards).
-    for result in (path.parent / "result.json", path.parent.parent / "result.json"):
+    # (Harbor's code writes result.json; its trial-layout docstring says results.json: both are read.)
+    for result in (path.parent.parent / "result.json", path.parent.parent / "results.json", path.parent / "result.json"):
         try:
             rewards = json.loads(result.read_text(encoding="utf-8"))["verifier_result"]["rewards"]
             value = rewards.get("reward") if isinstance(rewards, dict) else None

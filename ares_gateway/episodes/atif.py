@@ -41,7 +41,7 @@ not JSON (a run killed while writing) or a request that cannot be parsed is skip
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -206,7 +206,7 @@ class _Conversation:
         for name in ("latency", "policy_version"):
             if e.get(name) is not None:
                 extra[name] = e[name]
-        model = c.model or (e.get("request") or {}).get("model")
+        model = c.model or e.get("model")
         step = self._step("agent", c.text or "", timestamp=_iso(e.get("timestamp")), model_name=model,
                           reasoning_content=c.reasoning or None, tool_calls=self._tool_calls(c) or None,
                           metrics=metrics or None, llm_call_count=1, extra=extra)
@@ -220,7 +220,11 @@ class _Conversation:
 
 
 def _read_jsonl(path: Path, what: str, problems: list[str]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+    return list(_iter_jsonl(path, what, problems))
+
+
+def _iter_jsonl(path: Path, what: str, problems: list[str]) -> Iterator[dict[str, Any]]:
+    # One line at a time: a long episode's turn log repeats its history every line (tens of MB).
     with open(path, encoding="utf-8", errors="replace") as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
@@ -231,10 +235,9 @@ def _read_jsonl(path: Path, what: str, problems: list[str]) -> list[dict[str, An
                 problems.append(f"{what}: line {n} is not JSON (a run killed while writing it?): skipped")
                 continue
             if isinstance(row, dict):
-                rows.append(row)
+                yield row
             else:
                 problems.append(f"{what}: line {n} is not a JSON object: skipped")
-    return rows
 
 
 def _episode_rows(run_dir: Path, problems: list[str]) -> list[dict[str, Any]]:
@@ -257,10 +260,12 @@ def _run_info(run_dir: Path) -> dict[str, Any]:
     return run if isinstance(run, dict) else {}
 
 
-def _turns(entries: list[dict[str, Any]], what: str, problems: list[str]) -> list[_Turn]:
-    turns: list[_Turn] = []
+def _turns(entries: Iterable[dict[str, Any]], what: str, problems: list[str], counts: dict[str, int]) -> Iterator[_Turn]:
+    """The readable answered turns; ``counts`` gets ``entries`` and ``failed`` (failed policy calls)."""
     for i, e in enumerate(entries):
+        counts["entries"] = i + 1
         if "completion" not in e and "error" in e:
+            counts["failed"] = counts.get("failed", 0) + 1
             continue  # a failed policy call: no answer, so no step (counted in the root's extra)
         try:
             if "completion" not in e or "request" not in e:
@@ -271,11 +276,14 @@ def _turns(entries: list[dict[str, Any]], what: str, problems: list[str]) -> lis
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             problems.append(f"{what}: turn {i + 1} skipped: {reason}")
             continue
-        turns.append(_Turn(i, e, messages, completion))
-    return turns
+        # The request body is what the messages were read from; the rest of the entry is kept.
+        request = e["request"]
+        e = {k: v for k, v in e.items() if k != "request"}
+        e["model"] = request.get("model") if isinstance(request, dict) else None
+        yield _Turn(i, e, messages, completion)
 
 
-def _conversations(turns: list[_Turn], *, token_ids: bool = True) -> list[_Conversation]:
+def _conversations(turns: Iterable[_Turn], *, token_ids: bool = True) -> list[_Conversation]:
     """The turns sorted into conversations: the main line's first is the root (index 0)."""
     convs: list[_Conversation] = []
     numbers = {"branch": 0, "side": 0}
@@ -330,7 +338,7 @@ def _document(conv: _Conversation, *, agent: dict[str, Any], session_id: str | N
     return doc
 
 
-def episode_trajectory(row: Mapping[str, Any], entries: list[dict[str, Any]], *, run: Mapping[str, Any] | None = None,
+def episode_trajectory(row: Mapping[str, Any], entries: Iterable[dict[str, Any]], *, run: Mapping[str, Any] | None = None,
                        problems: list[str] | None = None, token_ids: bool = True) -> dict[str, Any] | None:
     """One episode's ATIF document (a plain dict) from its ``episodes.jsonl`` row and turn log entries,
     or ``None`` when no turn could be read (the reason is appended to ``problems``). ``token_ids=False``
@@ -338,12 +346,14 @@ def episode_trajectory(row: Mapping[str, Any], entries: list[dict[str, Any]], *,
     problems = problems if problems is not None else []
     run = run or {}
     key = f"{row.get('task', '?')}.{row.get('attempt', 0)}"
-    turns = _turns(entries, key, problems)
-    if not any(not t.entry.get("side_call") for t in turns):
-        problems.append(f"{key}: no main-line turn could be read ({len(entries)} turn log entries): not exported")
+    counts: dict[str, int] = {}
+    convs = _conversations(_turns(entries, key, problems, counts), token_ids=token_ids)
+    root = next((c for c in convs if c.kind == "root"), None)
+    if root is None:
+        problems.append(f"{key}: no main-line turn could be read ({counts.get('entries', 0)} turn log entries): "
+                        "not exported")
         return None
-    convs = _conversations(turns, token_ids=token_ids)
-    root, others = convs[0], convs[1:]
+    others = [c for c in convs if c is not root]
     name = str(row.get("harness") or run.get("harness") or "agent")
     agent = {"name": name, "version": _harness_version(name),
              "extra": {"recorded_by": "ares-gateway", "policy": run.get("policy")}}
@@ -367,7 +377,7 @@ def episode_trajectory(row: Mapping[str, Any], entries: list[dict[str, Any]], *,
     outcome = {name: row.get(name) for name in ("task", "attempt", "reward", "reward_parts", "exit_reason", "truncated",
                                                 "error", "session_id")}
     outcome["policy"] = run.get("policy")
-    outcome["failed_calls"] = sum(1 for e in entries if "completion" not in e and "error" in e)
+    outcome["failed_calls"] = counts.get("failed", 0)
     outcome["harness"] = agent["name"]
     doc = _document(root, agent=agent, session_id=session_id, trajectory_id=key, extra=outcome)
     if subs:
@@ -426,7 +436,7 @@ def export_atif(run_dir: str | Path, out_dir: str | Path, *, token_ids: bool = T
         if not path.is_file():
             report.problems.append(f"{key}: no turns/{key}.jsonl: not exported")
             continue
-        entries = _read_jsonl(path, f"turns/{key}.jsonl", report.problems)
+        entries = _iter_jsonl(path, f"turns/{key}.jsonl", report.problems)
         doc = episode_trajectory(row, entries, run=run, problems=report.problems, token_ids=token_ids)
         if doc is None:
             continue

@@ -304,11 +304,15 @@ async def test_runner_runs_on_any_executor_and_records_a_failed_call(tmp_path: P
     assert isinstance(ex, Executor)
     out = tmp_path / "run"
     summary = await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
-                                 concurrency=8, out=out, executor=ex)
-    # Every planned episode went through the executor once, in plan order up to its 3 slots.
-    assert sorted(ex.ran) == sorted(f"{t.name}.0" for t in TASKS) and ex.started == ex.closed == 1
+                                 concurrency=8, out=out, executor=ex, retries=1, retry_backoff=0.0)
+    # Every planned episode went through the executor once, in plan order up to its 3 slots; the one
+    # whose call raised (an infrastructure failure) twice: its retry.
+    expected = [f"{t.name}.0" for t in TASKS] + [f"{TASKS[1].name}.0"]
+    assert sorted(ex.ran) == sorted(expected) and ex.started == ex.closed == 1
     by_task = {e.task: e for e in summary.episodes}
-    assert by_task[TASKS[1].name].exit_reason == "error" and "went away" in (by_task[TASKS[1].name].error or "")
+    failed = by_task[TASKS[1].name]
+    assert (failed.exit_reason, failed.infra_cause, failed.retries) == ("infra_error", "error", 1)
+    assert "went away" in (failed.error or "")
     assert all(e.reward == 1.0 for t, e in by_task.items() if t != TASKS[1].name)
     doc = json.loads((out / "results.json").read_text())
     assert doc["run"]["executor"] == "counting" and len(doc["episodes"]) == len(TASKS)

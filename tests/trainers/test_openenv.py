@@ -191,7 +191,9 @@ def test_failed_and_unknown_sessions(tmp_path: Path, tokenizer: Any) -> None:
         assert session.fetch_training_trace().turns == []
         verdict = session.verify([])
         assert verdict.env_reward == 0.0 and verdict.done
-        assert verdict.metrics["exit_reason"] == "install_error" and "registry says no" in verdict.metrics["error"]
+        # Retried on fresh sandboxes (an infrastructure failure), then infra_error with its cause.
+        assert verdict.metrics["exit_reason"] == "infra_error" and "install_error on every one of 3 tries" in verdict.metrics["error"]
+        assert "registry says no" in verdict.metrics["error"]
         assert verdict.metrics["episode_failed"] is True
         session.close()
         # Driven by TRL: a scored rollout with reward 0 and no training row.

@@ -86,6 +86,7 @@ from ares_gateway.trainers._common import (
 )
 
 if TYPE_CHECKING:
+    from ares_gateway.core.fence import PauseReport
     from ares_gateway.episodes.executor import Executor
     from ares_gateway.episodes.tasks import Task
     from ares_gateway.gateway import Gateway
@@ -499,8 +500,8 @@ class AresRollouts:
         if self.gateway is None or self._loop is None or self._paused is not None:
             return
         asked = time.monotonic()
-        report = self._loop.run(self.gateway.pause_sampling("drain", timeout=self.fence_timeout))
-        self._paused = {"asked_at": asked, "paused_at": time.monotonic(), "drain_s": report.drain_seconds,
+        report, paused_at = self._loop.run(self._pause_now())
+        self._paused = {"asked_at": asked, "paused_at": paused_at, "drain_s": report.drain_seconds,
                         "in_flight": report.in_flight}
 
     def _resume(self, version: int | None) -> None:
@@ -510,16 +511,22 @@ class AresRollouts:
             return
         if self.engine is not None:
             self.engine.reset()  # nothing is sampled now: the old weights' KV caches go
-        set_to = self._loop.run(self._resume_now(version))
-        self.fences.append({**paused, "resumed_at": time.monotonic(), "version": set_to})
+        set_to, resumed_at = self._loop.run(self._resume_now(version))
+        self.fences.append({**paused, "resumed_at": resumed_at, "version": set_to})
 
-    async def _resume_now(self, version: int | None) -> int | None:
+    async def _pause_now(self) -> tuple[PauseReport, float]:
+        assert self.gateway is not None
+        report = await self.gateway.pause_sampling("drain", timeout=self.fence_timeout)
+        return report, time.monotonic()  # on the loop: nothing is sampled from here
+
+    async def _resume_now(self, version: int | None) -> tuple[int | None, float]:
         gw = self.gateway
         assert gw is not None
         if version is not None and gw.policy_version is not None and version < gw.policy_version:
             version = None  # never lower: the gateway keeps its version
+        at = time.monotonic()  # on the loop, before sampling may start again
         gw.resume_sampling(version)
-        return gw.policy_version
+        return gw.policy_version, at
 
     async def _open_gateway(self, version: int | None) -> None:
         if self.gateway is None:

@@ -122,7 +122,7 @@ def test_overlapped_rollouts_run_while_the_trainer_trains_and_never_across_a_wei
     assert [f["version"] for f in rollouts.fences] == list(range(1, STEPS + 1))
     for (s0, s1), f in zip(steps, rollouts.fences, strict=True):
         assert f["paused_at"] <= s0 <= s1 <= f["resumed_at"]
-    assert len(sampled) >= 4 * STEPS  # 2 episodes a step, at least 2 turns each
+    assert len(sampled) >= 2 * STEPS  # 2 episodes a step, each at least one turn
     for turn in sampled:
         for f in rollouts.fences:
             assert not _overlaps(turn, (f["paused_at"], f["resumed_at"])), (turn, f)

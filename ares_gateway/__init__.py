@@ -65,6 +65,7 @@ from ares_gateway.episodes.stream import (
 )
 from ares_gateway.gateway import Gateway, GatewayConfig
 from ares_gateway.http import HttpLimits
+from ares_gateway.telemetry import Telemetry, TelemetryUnavailableError
 
 __all__ = [
     "AlreadyAnsweredError",
@@ -108,6 +109,8 @@ __all__ = [
     "SourceClosedError",
     "StepType",
     "StreamAnswer",
+    "Telemetry",
+    "TelemetryUnavailableError",
     "TimeStep",
     "TokenRecord",
     "TooManyParkedError",

@@ -14,6 +14,7 @@ Every method that changes state (``create_session``, ``end_session``, ``delete_s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -51,6 +52,7 @@ from ares_gateway.http.open_files import check_connections, raise_open_file_limi
 from ares_gateway.http.server import HttpLimits, HttpServer
 from ares_gateway.http.session_socket import SessionSockets
 from ares_gateway.side_calls import SideCallDetector, default_side_call_detector
+from ares_gateway.telemetry import Telemetry
 from trajectory import Sample
 
 log = logging.getLogger(__name__)
@@ -146,6 +148,7 @@ class Gateway:
         *,
         recorder: Recorder | None = None,
         side_call_detector: SideCallDetector | None = default_side_call_detector,
+        telemetry: Telemetry | bool | None = None,
         **overrides: Any,
     ) -> None:
         cfg = config or GatewayConfig()
@@ -169,6 +172,10 @@ class Gateway:
         # Turns are recorded after their answer went out (defer): reads, durable() and close() drain first.
         self.recorder = SessionRecorder(fork_threshold_tokens=cfg.fork_threshold_tokens, defer=True)
         self._extra_recorder = recorder
+        #: OpenTelemetry spans (:mod:`ares_gateway.telemetry`): ``None`` (the default) as the ``OTEL_*``
+        #: environment asks, ``True`` on, ``False`` off, or a :class:`Telemetry` of the caller's.
+        self.telemetry: Telemetry | None = (
+            telemetry if isinstance(telemetry, Telemetry) else Telemetry.from_env(enabled=telemetry))
         self._side_call_detector = side_call_detector
         self.broker = Broker(
             request_timeout=cfg.request_timeout,
@@ -246,6 +253,8 @@ class Gateway:
     async def close(self) -> None:
         """Fail every parked request and stop serving."""
         self.broker.close()
+        if self.telemetry is not None:  # its flush posts to the collector: off the event loop
+            await asyncio.to_thread(self.telemetry.shutdown)
         store, self.store = self.store, None
         self.recorder.detach_store()
         if store is not None:
@@ -599,5 +608,10 @@ class Gateway:
         self.metrics.turn(parked=turn.parked_seconds, policy=turn.policy_seconds, ttft=turn.ttft,
                           prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
         self.recorder(turn)
+        if self.telemetry is not None:
+            try:
+                self.telemetry(turn)
+            except Exception:  # a span is never worth the agent's turn
+                log.exception("OpenTelemetry span failed for %s", turn.request_id)
         if self._extra_recorder is not None:
             self._extra_recorder(turn)

@@ -29,6 +29,7 @@ from ares_gateway.episodes.tasks import Task
 from ares_gateway.episodes.usage import episode_usage
 from ares_gateway.gateway import Gateway
 from ares_gateway.policies.base import EpisodeReporter, PolicyError, SessionBound, call_policy, is_external
+from ares_gateway.telemetry import EpisodeSpan
 from harnesses import BaseHarness, registry
 
 log = logging.getLogger(__name__)
@@ -71,10 +72,22 @@ class EpisodeRecord:
 
 async def drive_episode(spec: EpisodeSpec, *, policy: Any, gateway: Gateway) -> EpisodeRecord:
     """Run one episode of ``spec`` against the started ``gateway``, answered by ``policy`` (see the module
-    docstring). The sandbox is removed whatever happens, cancellation included."""
+    docstring). The sandbox is removed whatever happens, cancellation included. With the gateway's
+    OpenTelemetry on, the episode is a span and its LLM calls its children (:mod:`ares_gateway.telemetry`)."""
+    telemetry = gateway.telemetry
+    if telemetry is None:
+        return await _drive(spec, policy, gateway, None)
+    with telemetry.episode(task=spec.task.name, attempt=spec.attempt, harness=spec.harness) as span:
+        record = await _drive(spec, policy, gateway, span)
+        r = record.result
+        span.finish(reward=r.reward, exit_reason=r.exit_reason, turns=r.turns, error=r.error)
+        return record
+
+
+async def _drive(spec: EpisodeSpec, policy: Any, gateway: Gateway, span: EpisodeSpan | None) -> EpisodeRecord:
     t0 = time.monotonic()
     if is_external(policy):
-        return await _passive_episode(gateway, spec, spec.new_harness(), t0)
+        return await _passive_episode(gateway, spec, spec.new_harness(), t0, span)
     env = GatewayEnv.for_task(spec.task, harness=spec.new_harness(), sandbox=spec.sandbox, gateway=gateway,
                               image=spec.image, model=spec.model, step_limit=spec.step_limit,
                               time_limit=spec.time_limit)
@@ -85,6 +98,8 @@ async def drive_episode(spec: EpisodeSpec, *, policy: Any, gateway: Gateway) -> 
         ts = await env.reset()
         assert env.session is not None
         sid = env.session.session_id
+        if span is not None:
+            span.bind(sid)
         if bound and not ts.last():
             h: Any = env.episode.harness if env.episode is not None else registry.get_class(spec.harness)
             # A harness may speak another agent's action format (tiny-agent: mini-swe-agent's).
@@ -153,11 +168,14 @@ def _failed_turn(request: ParkedRequest, answer: ErrorAnswer, latency: float) ->
     }
 
 
-async def _passive_episode(gw: Gateway, spec: EpisodeSpec, harness: BaseHarness, t0: float) -> EpisodeRecord:
+async def _passive_episode(gw: Gateway, spec: EpisodeSpec, harness: BaseHarness, t0: float,
+                           span: EpisodeSpan | None = None) -> EpisodeRecord:
     """An episode whose requests an external policy answers: start the agent, wait for it or a limit."""
     task, attempt, step_limit, time_limit = spec.task, spec.attempt, spec.step_limit, spec.time_limit
     session = await gw.create_session(metadata={"task": task.name, "harness": harness.name, "attempt": attempt})
     sid = session.session_id
+    if span is not None:
+        span.bind(sid)
     ep = TaskEpisode(task, harness, sandbox=spec.sandbox, image=spec.image, model=spec.model, gateway=gw)
     limit = time_limit if time_limit is not None else task.config.agent_timeout
     try:

@@ -120,15 +120,27 @@ class Telemetry:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_env(cls, *, enabled: bool | None = None, record_content: bool = False,
+    def from_env(cls, *, enabled: bool | None = None, record_content: bool | None = None,
                  env: Mapping[str, str] | None = None) -> Telemetry | None:
         """Telemetry as the ``OTEL_*`` environment asks (``enabled=None``), forced on (``True``: the OTLP
-        exporter's default endpoint when none is set) or off (``False``). ``None`` when off. Raises
-        :class:`TelemetryUnavailableError` when asked for without the extra."""
+        exporter's default endpoint when none is set) or off (``False``). ``None`` when off.
+        ``record_content=None``: as ``ARES_OTEL_RECORD_CONTENT`` says (``1``/``true``; default off).
+
+        Raises :class:`TelemetryUnavailableError` for an exporter setting this project cannot serve, and
+        when forced on without the extra; asked for only by the environment (which other tools share)
+        without the extra installed, it is a warning and no spans."""
         env = os.environ if env is None else env
         if enabled is False or (enabled is None and not _env_wants_traces(env)):
             return None
-        return cls(record_content=record_content, env=env)
+        if record_content is None:
+            record_content = env.get("ARES_OTEL_RECORD_CONTENT", "").strip().lower() in ("1", "true", "yes")
+        try:
+            return cls(record_content=record_content, env=env)
+        except TelemetryUnavailableError as exc:
+            if enabled or not isinstance(exc.__cause__, ImportError):  # a wrong setting is an error either way
+                raise
+            log.warning("OTEL_* asks for traces but no spans will be sent: %s", exc)
+            return None
 
     # ------------------------------------------------------------------ episodes
 

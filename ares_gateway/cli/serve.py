@@ -23,6 +23,7 @@ from ares_gateway.cli.run import add_tito_arguments
 from ares_gateway.core.errors import DataDirError
 from ares_gateway.core.store import prepare_data_dir
 from ares_gateway.gateway import Gateway, GatewayConfig
+from ares_gateway.telemetry import Telemetry, TelemetryUnavailableError
 from ares_gateway.viewer import mount_viewer
 
 log = logging.getLogger("ares_gateway")
@@ -49,13 +50,13 @@ _LIMIT_FLAGS = (
 
 
 async def _serve(cfg: GatewayConfig, token_file: str | None = None, policy: Any = None,
-                 concurrency: int = 1) -> None:
+                 concurrency: int = 1, telemetry: Telemetry | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        gw = Gateway(cfg)
+        gw = Gateway(cfg, telemetry=False if telemetry is None else telemetry)
         mount_viewer(gw)  # the trajectory viewer at /ui/, behind the admin token
         await gw.start()
     except DataDirError as exc:
@@ -169,9 +170,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"ares-gateway: error: {exc}", file=sys.stderr, flush=True)
             return 2
+    try:
+        telemetry = Telemetry.from_env(enabled=True if args.otel else None,
+                                       record_content=True if args.otel_content else None)
+    except TelemetryUnavailableError as exc:
+        print(f"ares-gateway: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     tune_gc()
     with contextlib.suppress(KeyboardInterrupt):
-        run_on_uvloop(_serve(cfg, token_file, policy, args.policy_concurrency))
+        run_on_uvloop(_serve(cfg, token_file, policy, args.policy_concurrency, telemetry))
     return 0
 
 
@@ -223,5 +230,12 @@ def add_serve_command(sub: Any) -> None:
         default = getattr(defaults, name)
         kind = int if default is None else type(default)  # None: derived at start (the connection cap)
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
+    p.add_argument("--otel", action="store_true",
+                   help="send OpenTelemetry spans per LLM call (the otel extra), configured by the OTEL_* "
+                        "environment (default endpoint http://localhost:4318); without it, on only when OTEL_* "
+                        "asks for traces (docs/recording.md)")
+    p.add_argument("--otel-content", action="store_true",
+                   help="put request and answer contents on the spans (input.value, output.value): they can hold "
+                        "secrets (default: off; env ARES_OTEL_RECORD_CONTENT=1)")
     p.add_argument("--log-level", default="INFO", help="log level (DEBUG, INFO, WARNING, ERROR)")
     p.set_defaults(handler=cmd_serve)

@@ -12,10 +12,16 @@ wire format the SDK's exporter sends; no collector installs here).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from aiohttp import web
@@ -137,12 +143,12 @@ async def test_an_episode_span_parents_its_llm_calls(tmp_path: Path, monkeypatch
         assert not any(k.startswith(("input.", "output.")) for k in s)
 
 
-async def test_spans_reach_an_otlp_http_receiver_configured_by_the_environment(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    received: list[ExportTraceServiceRequest] = []
+async def _receiver(received: list[ExportTraceServiceRequest]) -> tuple[web.AppRunner, int]:
+    """An OTLP/HTTP trace receiver on loopback: each POST /v1/traces body decoded as the protobuf request."""
 
     async def traces(request: web.Request) -> web.Response:
-        assert request.content_type == "application/x-protobuf"
+        if request.content_type != "application/x-protobuf":
+            return web.Response(status=415)
         msg = ExportTraceServiceRequest()
         msg.ParseFromString(await request.read())
         received.append(msg)
@@ -154,7 +160,13 @@ async def test_spans_reach_an_otlp_http_receiver_configured_by_the_environment(
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+async def test_spans_reach_an_otlp_http_receiver_configured_by_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    received: list[ExportTraceServiceRequest] = []
+    runner, port = await _receiver(received)
     try:
         for name in ("OTEL_TRACES_EXPORTER", "OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
                      "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
@@ -193,3 +205,66 @@ def test_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
     assert Gateway(data_dir=False).telemetry is None
+
+
+def _serve(port: int, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--in-memory",
+                             "--otel", "--otel-content"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+
+
+async def test_serve_otel_sends_spans_with_contents_when_asked(tmp_path: Path) -> None:
+    received: list[ExportTraceServiceRequest] = []
+    runner, otlp = await _receiver(received)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp}", "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "ARES_GATEWAY_ADMIN_TOKEN": "otel-admin"}
+    proc = _serve(port, env)
+    url = f"http://127.0.0.1:{port}"
+    admin = {"authorization": "Bearer otel-admin"}
+    try:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(300):
+                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"{url}/healthz") as r:
+                        if r.status == 200:
+                            break
+                await asyncio.sleep(0.05)
+            async with http.post(f"{url}/sessions", json={"session_id": "cli"}, headers=admin) as r:
+                info = await r.json()
+            client = openai.AsyncOpenAI(base_url=f"{info['base_url']}/v1", api_key=info["token"], max_retries=0)
+            ask = asyncio.create_task(client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"use {SECRET}"}]))
+            async with http.get(f"{url}/poll", params={"wait": "10", "session": "cli"}, headers=admin) as r:
+                items = await r.json()
+            async with http.post(f"{url}/respond", json={"id": items[0]["id"], "completion": {"text": "done"}},
+                                 headers=admin) as r:
+                assert r.status == 200, await r.text()
+            assert (await asyncio.wait_for(ask, 10)).choices[0].message.content == "done"
+            await client.close()
+        for _ in range(100):  # the batch goes out within OTEL_BSP_SCHEDULE_DELAY
+            if received:
+                break
+            await asyncio.sleep(0.05)
+        spans = [s for m in received for rs in m.resource_spans for ss in rs.scope_spans for s in ss.spans]
+        assert len(spans) == 1
+        attrs = {kv.key: kv.value.string_value for kv in spans[0].attributes}
+        assert attrs["ares.session_id"] == "cli" and SECRET in attrs["input.value"]
+        assert json.loads(attrs["output.value"])["content"] == "done"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        await runner.cleanup()
+
+
+def test_serve_otel_with_an_exporter_not_shipped_says_so() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env |= {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "ARES_GATEWAY_ADMIN_TOKEN": "otel-admin"}
+    proc = subprocess.run([sys.executable, "-m", "ares_gateway.cli", "serve", "--port", "0", "--in-memory", "--otel"],
+                          capture_output=True, text=True, env=env, timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    assert "http/protobuf" in proc.stderr and "Traceback" not in proc.stderr

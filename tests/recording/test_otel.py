@@ -35,7 +35,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from ares_gateway import Completion, Gateway, Telemetry, TelemetryUnavailableError, Usage
+from ares_gateway import Completion, Gateway, RolloutSource, Telemetry, TelemetryUnavailableError, Usage
 from ares_gateway.episodes.driver import EpisodeSpec, drive_episode
 from ares_gateway.episodes.tasks import load_dataset
 from tests.rollouts.test_stream import TokenOracle
@@ -268,3 +268,29 @@ def test_serve_otel_with_an_exporter_not_shipped_says_so() -> None:
                           capture_output=True, text=True, env=env, timeout=30)
     assert proc.returncode == 2, proc.stderr
     assert "http/protobuf" in proc.stderr and "Traceback" not in proc.stderr
+
+
+async def test_a_run_configured_by_the_environment_sends_episode_and_call_spans(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    received: list[ExportTraceServiceRequest] = []
+    runner, otlp = await _receiver(received)
+    try:
+        for name in [k for k in os.environ if k.startswith("OTEL_")]:
+            monkeypatch.delenv(name)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{otlp}")
+        monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
+        task = load_dataset("examples").tasks[0]
+        source = RolloutSource([task], harness="tiny-agent", policy=TokenOracle(), sandbox="local", attempts=1,
+                               out=tmp_path / "run")
+        groups = [g async for g in source.groups()]
+        await source.close()  # closes the run's gateway, which flushes its spans
+        assert len(groups) == 1
+        spans = [s for m in received for rs in m.resource_spans for ss in rs.scope_spans for s in ss.spans]
+        episodes = [s for s in spans if s.name == f"episode {task.name}.0"]
+        calls = [s for s in spans if s.name == "llm.call"]
+        assert len(episodes) == 1 and len(calls) >= 2
+        assert all(c.parent_span_id == episodes[0].span_id and c.trace_id == episodes[0].trace_id for c in calls)
+        attrs = {kv.key: kv.value for kv in episodes[0].attributes}
+        assert attrs["ares.reward"].double_value == 1.0 and attrs["ares.turns"].int_value == len(calls)
+    finally:
+        await runner.cleanup()

@@ -54,14 +54,21 @@ not the predicted ones runs the missing episodes then, and stops predicting. The
 episodes itself. A ``TrainerCallback`` (added to the trainer at the first call) fences each optimizer
 step: ``on_pre_optimizer_step`` pauses sampling on the gateway (drain: the turns being sampled finish
 with the old weights, every other request waits), ``on_optimizer_step`` resumes it with the version
-``global_step + 1``. So an episode that ran across an update has turns of two versions, and a call's
-entries are at most one version old (``staleness`` 1); TRL (without vLLM) applies no off-policy
-correction to them. The engine samples the model in the trainer's mode (switching the shared module to
+``global_step + 1``, and labels the engine's weights with it (``set_weight_version``), so each turn
+carries the version the engine itself reports. So an episode that ran across an update has turns of two
+versions, and a call's entries are at most one version old (``staleness`` 1); TRL (without vLLM) applies
+no off-policy correction to them. ``max_staleness=K`` masks (``env_mask`` 0, logprobs 0.0) the sampled
+tokens of versions older than the trainer's step at the call minus ``K``: ``max_staleness=0`` trains only
+what the current weights sampled. The engine samples the model in the trainer's mode (switching the shared module to
 ``eval()`` would race the trainer's thread), so overlap refuses a model with dropout.
 
-**A failed episode** (the agent or its install failed, the
-sandbox did not start, the engine failed) is an entry with reward 0, its error, and a one-token
-completion that is masked out (``env_mask`` 0), so the training step goes on.
+**A failed episode** (the agent failed, the engine failed) is an entry with reward 0 and its error;
+one with nothing sampled is a one-token completion masked out (``env_mask`` 0), so the training step goes
+on. One the infrastructure failed on every try (``exit_reason`` ``infra_error``: its sandbox did not
+start, its agent could not be installed) is excluded: the same masked stand-in, whatever it recorded,
+with the reward :func:`~ares_gateway.trainers.play_episodes` gave it (its group's mean judged reward: it
+moves no GRPO baseline), never a reward-0 sample; with ``drop_group_on_infra_error`` its whole group is
+(every member masked, reward 0). Each entry is built by :func:`~ares_gateway.trainers.trainer_entry`.
 """
 
 from __future__ import annotations
@@ -74,16 +81,20 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ares_gateway.episodes.failures import DEFAULT_RETRIES, check_retries
 from ares_gateway.trainers._common import (
     EpisodeSample,
     TrainerError,
     describe_failure,
+    exclude_infra_errors,
     play_episodes,
     require,
     resolve_dataset,
     resolve_tasks,
     task_name_of,
+    trainer_entry,
 )
+from trajectory import check_max_staleness
 
 if TYPE_CHECKING:
     from ares_gateway.core.fence import PauseReport
@@ -267,7 +278,8 @@ class AresRollouts:
                  max_completion_tokens: int | None = None, executor: Executor | None = None,
                  engine_host: str = "127.0.0.1", engine_port: int = 0,
                  engine_server_options: Mapping[str, Any] | None = None, overlap: bool = False,
-                 fence_timeout: float | None = 600.0) -> None:
+                 fence_timeout: float | None = 600.0, max_staleness: int | None = None,
+                 drop_group_on_infra_error: bool = False, retries: int = DEFAULT_RETRIES) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         if max_completion_tokens is not None and max_completion_tokens < 1:
@@ -277,6 +289,15 @@ class AresRollouts:
                              "closes for each optimizer step: leave executor unset, or pass overlap=False")
         if fence_timeout is not None and not fence_timeout > 0:
             raise ValueError(f"fence_timeout must be positive seconds (or None: no limit), got {fence_timeout}")
+        check_max_staleness(max_staleness)
+        if max_staleness is not None and executor is not None:
+            # Turns sampled on an executor's workers carry no version the rollouts set: all would be stale.
+            raise ValueError("max_staleness judges each turn by the version the rollouts' own gateway stamps on it, "
+                             "and episodes on an executor carry none: leave executor unset, or max_staleness None")
+        check_retries(retries)
+        self.max_staleness = max_staleness
+        self.drop_group_on_infra_error = drop_group_on_infra_error
+        self.retries = retries
         self.max_completion_tokens = max_completion_tokens
         self.dataset = resolve_dataset(dataset)
         self.harness = harness
@@ -356,17 +377,25 @@ class AresRollouts:
             training = bool(getattr(getattr(trainer, "model", None), "training", True))
             if self.overlap and training:
                 self._install_fence(trainer)
-                episodes, info = self._overlapped(tasks, prompts, trainer, step, episode_policy, options)
+                episodes, info = self._overlapped(tasks, prompts, trainer, step, episode_policy, options, version)
             else:
-                episodes = self._loop.run(self._play(tasks, episode_policy, options, self._out(step)))
+                episodes = self._loop.run(self._play(tasks, episode_policy, options, self._out(step), version))
+            # A group's episodes may come from two plays (started ahead, and run now): judge it whole.
+            exclude_infra_errors(episodes, drop_group=self.drop_group_on_infra_error)
             self.last_episodes = episodes
             batch = self._batch(episodes, prompts, trainer, version)
-            failed = [e for e in episodes if e.sample is None]
+            failed = [e for e in episodes if e.sample is None and not e.excluded]
             for e in failed:
                 log.warning("episode without a sample (reward 0): %s", describe_failure(e))
+            excluded = [e for e in episodes if e.excluded]
+            for e in excluded:
+                if e.infra_error:
+                    log.warning("episode excluded from training (masked, reward %.3g): %s", e.reward,
+                                describe_failure(e))
             self.calls.append({
                 "step": step, "version": version, "seconds": time.perf_counter() - t0,
                 "generation_s": self.engine.busy_s - busy0, "episodes": len(episodes), "failed": len(failed),
+                "excluded": len(excluded), "stale_tokens": sum(e.stale_tokens for e in episodes),
                 "mean_reward": sum(e.reward for e in episodes) / max(1, len(episodes)), **info,
             })
             return batch
@@ -393,7 +422,8 @@ class AresRollouts:
 
     # ------------------------------------------------------------ overlap
     def _overlapped(self, tasks: list[Task], prompts: list[Any], trainer: Any, step: int | None, policy: Any,
-                    options: Mapping[str, Any]) -> tuple[list[EpisodeSample], dict[str, Any]]:
+                    options: Mapping[str, Any], version: int | None = None,
+                    ) -> tuple[list[EpisodeSample], dict[str, Any]]:
         """This call's episodes: those started at the last call for it (matched by task: episodes of one
         task are alike), the rest run now; then the next call's episodes are started."""
         assert self._loop is not None
@@ -420,7 +450,7 @@ class AresRollouts:
             log.info("overlap: %d started episode(s) had no entry in this call (the prompts were not the ones "
                      "predicted) and are dropped", discarded)
         if missing:
-            now = self._loop.run(self._play([tasks[i] for i in missing], policy, options, self._out(step)))
+            now = self._loop.run(self._play([tasks[i] for i in missing], policy, options, self._out(step), version))
             for i, e in zip(missing, now, strict=True):
                 got[i] = e
         self._check_schedule(trainer, prompts)
@@ -473,7 +503,8 @@ class AresRollouts:
         self._next = bg
 
     async def _spawn(self, bg: _Background, policy: Any, options: Mapping[str, Any]) -> asyncio.Task[list[EpisodeSample]]:
-        task = asyncio.ensure_future(self._play(bg.tasks, policy, options, self._out(bg.step)))
+        # Judged against the trainer's step at the call that takes them (bg.step), not at this one.
+        task = asyncio.ensure_future(self._play(bg.tasks, policy, options, self._out(bg.step), bg.step))
 
         def finished(_: Any) -> None:
             bg.finished = time.monotonic()
@@ -524,6 +555,11 @@ class AresRollouts:
         assert gw is not None
         if version is not None and gw.policy_version is not None and version < gw.policy_version:
             version = None  # never lower: the gateway keeps its version
+        label = version if version is not None else gw.policy_version
+        set_label = getattr(self.engine, "set_weight_version", None)
+        if set_label is not None and label is not None:
+            # The new weights' label, set while nothing is sampled: each turn reports the engine's own version.
+            set_label(label)
         at = time.monotonic()  # on the loop, before sampling may start again
         gw.resume_sampling(version)
         return gw.policy_version, at
@@ -541,7 +577,9 @@ class AresRollouts:
             self.gateway.set_policy_version(version)
 
     async def _play(self, tasks: Sequence[Task], policy: Any, options: Mapping[str, Any],
-                    out: str | None) -> list[EpisodeSample]:
+                    out: str | None, version: int | None = None) -> list[EpisodeSample]:
+        """The episodes of ``tasks``; ``version``: the trainer's step at the call that trains on them, the
+        current version their stale responses are judged against (``max_staleness``)."""
         executor = self.executor
         if executor is None:
             from ares_gateway.episodes.executor import LocalExecutor
@@ -550,7 +588,8 @@ class AresRollouts:
         return await play_episodes(
             tasks, harness=self.harness, policy=policy, sandbox=self.sandbox, concurrency=self.concurrency,
             step_limit=self.step_limit, time_limit=self.time_limit, harness_options=options, out=out,
-            executor=executor,
+            executor=executor, max_staleness=self.max_staleness, policy_version=version, retries=self.retries,
+            drop_group_on_infra_error=self.drop_group_on_infra_error,
         )
 
     def _out(self, step: int | None) -> str | None:
@@ -601,39 +640,25 @@ class AresRollouts:
             eos = self.policy.renderer.tokenizer.eos_token_id or 0
         batch: dict[str, list[Any]] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask",
                                                         *EPISODE_KEYS, *VERSION_KEYS)}
+        encode = self.policy.renderer.tokenizer.encode
         for e in episodes:
-            s = e.sample
+            # The one place an episode becomes an entry: a failed one's masked stand-in, an excluded one's
+            # (infra_error) with the reward play_episodes gave it, a completion cut to max_completion_tokens.
+            entry = trainer_entry(e, eos_id=int(eos), encode=encode, max_response_tokens=self.max_completion_tokens)
+            batch["prompt_ids"].append(entry.prompt_ids)
+            batch["completion_ids"].append(entry.response_ids)
+            batch["logprobs"].append(entry.logprobs)
+            batch["env_mask"].append(entry.loss_mask)
+            batch["truncated"].append(entry.truncated)
+            batch["sampled_tokens"].append(entry.sampled_tokens)
+            batch["mean_logprob"].append(entry.mean_logprob)
             spans: list[list[Any]] = []
-            if s is not None and s.response_length > 0:
-                n = s.prompt_length
-                tokens = s.tokens.tolist()
-                # TRL trains on what it is given, whole: a long episode is cut here, not by an out-of-memory.
-                cut = self.max_completion_tokens or s.response_length
-                batch["prompt_ids"].append(tokens[:n])
-                batch["completion_ids"].append(tokens[n:][:cut])
-                batch["logprobs"].append([float(x) for x in s.logprobs.tolist()][:cut])
-                mask = [int(x) for x in s.loss_mask.tolist()][:cut]
-                batch["env_mask"].append(mask)
-                batch["truncated"].append(s.response_length > cut)
-                picked = [lp for lp, m in zip(batch["logprobs"][-1], mask, strict=True) if m]
-                batch["sampled_tokens"].append(len(picked))
-                batch["mean_logprob"].append(sum(picked) / len(picked) if picked else 0.0)
+            s = e.sample
+            if entry.sampled and s is not None:
+                n, cut = s.prompt_length, len(entry.response_ids)
                 # The sample's spans are positions in its tokens; TRL's are in completion_ids, cut alike.
                 spans = [[max(0, a - n), min(cut, b - n), v] for a, b, v in s.metadata.get("policy_versions") or []
                          if a - n < cut and b > n]
-            else:
-                # Nothing sampled: a masked one-token completion keeps TRL's batch shape; reward 0.
-                ids = self.policy.renderer.tokenizer.encode(e.task) or [int(eos)]
-                batch["prompt_ids"].append(ids)
-                batch["completion_ids"].append([int(eos)])
-                batch["logprobs"].append([0.0])
-                batch["env_mask"].append([0])
-                batch["sampled_tokens"].append(0)
-                batch["mean_logprob"].append(0.0)
-                batch["truncated"].append(False)
-                if e.error is None:
-                    e.error = "the episode recorded no model turn"
-                e.reward = 0.0
             versions = [v for _, _, v in spans]
             known = [v for v in versions if v is not None]
             batch["policy_versions"].append(spans)
@@ -707,6 +732,9 @@ def rollout_func(
     engine_server_options: Mapping[str, Any] | None = None,
     overlap: bool = False,
     fence_timeout: float | None = 600.0,
+    max_staleness: int | None = None,
+    drop_group_on_infra_error: bool = False,
+    retries: int = DEFAULT_RETRIES,
 ) -> AresRollouts:
     """A ``rollout_func`` for TRL's ``GRPOTrainer`` (see the module docstring).
 
@@ -740,6 +768,16 @@ def rollout_func(
             (``GRPOConfig(disable_dropout=True)``) and no ``executor``.
         fence_timeout: under ``overlap``, the seconds a pause may wait for the turns being sampled before an
             optimizer step (``None``: no limit); longer is a ``DrainTimeoutError`` from the step.
+        max_staleness: mask (``env_mask`` 0, logprobs 0.0) each sampled response whose weights' version is
+            more than this many versions behind the trainer's step at the call that trains on it, and leave
+            its span out of ``policy_versions`` (``None``: no bound; ``0``: only the current weights' tokens
+            are trained). Meaningful with ``overlap`` (without it every turn of a call is sampled at the
+            call's step); needs no ``executor`` (the versions are the rollouts' own gateway's).
+        drop_group_on_infra_error: exclude every episode of a group (the call's episodes of one task) that
+            holds an ``infra_error`` one: all masked, reward 0 (no advantage); default: only that episode,
+            with its group's mean judged reward.
+        retries: how many times an episode the infrastructure failed is run again on a fresh sandbox before
+            it is ``infra_error`` (see :mod:`ares_gateway.episodes.failures`).
     """
     require("torch", "trl")
     require("transformers", "trl")
@@ -750,7 +788,8 @@ def rollout_func(
         harness_options=harness_options, out=out, check_tokenizer=check_tokenizer,
         max_completion_tokens=max_completion_tokens, executor=executor, engine_host=engine_host,
         engine_port=engine_port, engine_server_options=engine_server_options, overlap=overlap,
-        fence_timeout=fence_timeout,
+        fence_timeout=fence_timeout, max_staleness=max_staleness, drop_group_on_infra_error=drop_group_on_infra_error,
+        retries=retries,
     )
 
 

@@ -260,7 +260,9 @@ class AresRollouts:
     Attributes:
         last_episodes: the latest call's :class:`~ares_gateway.trainers.EpisodeSample` list, in prompt order.
         calls: one dict per call: ``seconds`` (the call's wall time), ``generation_s`` (the engine's
-            busy time during the call), ``episodes``, ``failed``, ``mean_reward``, ``version`` (the
+            busy time during the call), ``episodes``, ``failed`` (without a sample, reward 0), ``excluded``
+            (``infra_error`` or, with ``drop_group_on_infra_error``, its group's: masked stand-ins),
+            ``stale_tokens`` (sampled tokens masked by ``max_staleness``), ``mean_reward``, ``version`` (the
             trainer's step, the weights' version, at the call); with ``overlap`` also ``prefetched`` (entries
             from episodes started before the call), ``ran_now`` (entries whose episodes ran in the call),
             ``discarded`` (started episodes the call had no entry for), ``waited_s`` (the call's wait for the

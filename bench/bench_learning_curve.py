@@ -1,8 +1,8 @@
 """A learning curve from real agent episodes on CPU: GRPO (TRL's GRPOTrainer) trains SmolLM2-135M-Instruct,
 which samples every turn of mini-swe-agent (text mode) in local sandboxes through the gateway, token-in/token-out.
 
-    python3 bench/bench_learning_curve.py --seeds 0,1,2 --steps 15          # the curve
-    python3 bench/bench_learning_curve.py --seeds 0,1,2 --steps 15 --ablation  # env_mask 1 on tool output too
+    python3 bench/bench_learning_curve.py --seeds 0,1,2 --steps 14          # the curve, ~55 min
+    python3 bench/bench_learning_curve.py --seeds 0,1,2 --steps 14 --ablation  # env_mask 1 on tool output too
 
 Two rewards, logged apart: ``task`` (the task's verifier, 0 or 1) and ``format`` (the share of the episode's
 LLM calls whose answer mini-swe-agent could parse into an action: the recorded answers' token ids decoded
@@ -234,7 +234,7 @@ def _plot_pillow(path: str, series: dict[str, tuple[list[float], list[float]]], 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one GRPO run each")
-    ap.add_argument("--steps", type=int, default=15, help="GRPO steps per seed")
+    ap.add_argument("--steps", type=int, default=14, help="GRPO steps per seed")
     ap.add_argument("--model", default=None, help="a Hugging Face folder or .gguf file (default: embedded SmolLM2)")
     ap.add_argument("--dataset", default=DEFAULT_DATASET, help="a registered task dataset or a folder of tasks")
     ap.add_argument("--tasks", default="create-done-file", help="comma-separated task names")

@@ -232,8 +232,8 @@ def add_serve_command(sub: Any) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
     p.add_argument("--otel", action="store_true",
                    help="send OpenTelemetry spans per LLM call (the otel extra), configured by the OTEL_* "
-                        "environment (default endpoint http://localhost:4318); without it, on only when OTEL_* "
-                        "asks for traces (docs/recording.md)")
+                        "environment (its endpoint by default http://localhost:4318; docs/recording.md) (default: off, "
+                        "unless OTEL_* asks for traces)")
     p.add_argument("--otel-content", action="store_true",
                    help="put request and answer contents on the spans (input.value, output.value): they can hold "
                         "secrets (default: off; env ARES_OTEL_RECORD_CONTENT=1)")

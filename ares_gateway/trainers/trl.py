@@ -43,7 +43,8 @@ tokenizer, renderer and sampling). The batch is the local path's, entry for entr
 
 **Policy versions.** Without an executor every call's episodes run on one gateway of the rollout
 function's, which stamps each turn with the version of the weights that sampled it: the trainer's
-``global_step``. Each entry carries them (:data:`VERSION_KEYS`, see :meth:`AresRollouts.__call__`).
+``global_step``; with an executor, its gateways (each node's, on Ray) are set to that step at each call.
+Each entry carries them (:data:`VERSION_KEYS`, see :meth:`AresRollouts.__call__`).
 
 **Overlap** (``rollout_func(..., overlap=True)``): when TRL calls for a generation batch, its episodes
 were started at the previous call, and ran while the trainer trained on that call's batch; the call
@@ -587,6 +588,11 @@ class AresRollouts:
             from ares_gateway.episodes.executor import LocalExecutor
 
             executor = LocalExecutor(concurrency=self.concurrency, gateway=self.gateway)
+        elif version is not None and hasattr(executor, "set_policy_version"):
+            # The executor's gateways (each node's, on Ray) stamp the turns with the trainer's step too.
+            current = executor.policy_version
+            if current is None or version > current:
+                await executor.set_policy_version(version)
         return await play_episodes(
             tasks, harness=self.harness, policy=policy, sandbox=self.sandbox, concurrency=self.concurrency,
             step_limit=self.step_limit, time_limit=self.time_limit, harness_options=options, out=out,

@@ -91,7 +91,7 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
 
     from ares_gateway.episodes.ray import RayExecutor
     from ares_gateway.trainers._served import RemoteTitoPolicy
-    from ares_gateway.trainers.trl import EPISODE_KEYS, reward_from_episode, rollout_func
+    from ares_gateway.trainers.trl import EPISODE_KEYS, VERSION_KEYS, reward_from_episode, rollout_func
 
     _trl()
     _mini_installed()
@@ -127,8 +127,10 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
     batch = call["batch"]
     assert len(call["prompts"]) == 2 and call["prompts"][0] == call["prompts"][1] in TASKS
     # The local path's batch: the same columns, one entry per prompt in each.
-    assert set(batch) == {"prompt_ids", "completion_ids", "logprobs", "env_mask", *EPISODE_KEYS}
+    assert set(batch) == {"prompt_ids", "completion_ids", "logprobs", "env_mask", *EPISODE_KEYS, *VERSION_KEYS}
     assert all(len(v) == 2 for v in batch.values())
+    # The trainer's step (0 at the first call) reached every node's gateway: each turn is stamped with it.
+    assert batch["first_version"] == [0, 0] and batch["last_version"] == [0, 0], batch["policy_versions"]
 
     # Each completion is a real episode, run on a Ray node: both nodes ran one (per_node=1, 2 at once).
     episodes = call["episodes"]

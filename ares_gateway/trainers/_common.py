@@ -28,6 +28,7 @@ __all__ = [
     "EpisodeSample",
     "MissingExtraError",
     "SampledTurn",
+    "TokenizerMismatchError",
     "TrainerEntry",
     "TrainerError",
     "UnknownTaskError",
@@ -39,12 +40,38 @@ __all__ = [
     "resolve_dataset",
     "sample_turns",
     "task_name_of",
+    "tokenizer_mismatch",
     "trainer_entry",
 ]
 
 
 class TrainerError(Exception):
     """Base class of the trainer adapters' errors."""
+
+
+class TokenizerMismatchError(TrainerError):
+    """The trainer's tokenizer and the one the gateway renders with give different ids; the samples
+    would not be the sequences the trainer scores."""
+
+
+#: Texts whose ids must be the same under the trainer's tokenizer and the gateway's.
+_PROBE_TEXTS = (
+    "def median(xs):\n    xs = sorted(xs)\n    return xs[len(xs) // 2]  # 3.14 é ü 中文 🙂\n",
+    "<|im_start|>user\nFix the bug in `slug.py`, then run `pytest -q`.<|im_end|>\n<|im_start|>assistant\n",
+    "THOUGHT: ls -la /tmp && cat README.md | head -n 20\n\n```bash\necho 'done'\n```",
+)
+
+
+def tokenizer_mismatch(ours: Any, theirs: Any) -> tuple[str, list[int], list[int]] | None:
+    """The first probe text the gateway's tokenizer ``ours`` and a trainer's Hugging Face tokenizer
+    ``theirs`` encode differently, with both id lists (``ours``, ``theirs``); ``None`` when they agree.
+    Each adapter raises :class:`TokenizerMismatchError` with what its user should change."""
+    for text in _PROBE_TEXTS:
+        a = list(ours.encode(text))
+        b = list(theirs.encode(text, add_special_tokens=False))
+        if a != b:
+            return text, a, b
+    return None
 
 
 class MissingExtraError(TrainerError, _MissingExtra):

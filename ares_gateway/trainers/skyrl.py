@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from ares_gateway.trainers._common import (
     EpisodeSample,
+    TokenizerMismatchError,
     TrainerError,
     describe_failure,
     play_episodes,
@@ -54,6 +55,7 @@ from ares_gateway.trainers._common import (
     resolve_dataset,
     resolve_tasks,
     task_name_of,
+    tokenizer_mismatch,
     trainer_entry,
 )
 
@@ -194,17 +196,12 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         """Refuse a trainer tokenizer that gives other ids than the gateway's (once)."""
         if self._checked:
             return
-        from ares_gateway.trainers.trl import _PROBE_TEXTS, TokenizerMismatchError
-
-        ours = self.renderer().tokenizer
-        for text in _PROBE_TEXTS:
-            a = list(ours.encode(text))
-            b = list(self.trainer_tokenizer.encode(text, add_special_tokens=False))
-            if a != b:
-                raise TokenizerMismatchError(
-                    f"SkyRL's tokenizer and the gateway's ({self.tokenizer or 'the embedded SmolLM2 GGUF'}) give different "
-                    f"ids for {text[:40]!r}: pass AresGenerator(tokenizer=...) the trained model's folder "
-                    "(cfg.trainer.policy.model.path)")
+        mismatch = tokenizer_mismatch(self.renderer().tokenizer, self.trainer_tokenizer)
+        if mismatch is not None:
+            raise TokenizerMismatchError(
+                f"SkyRL's tokenizer and the gateway's ({self.tokenizer or 'the embedded SmolLM2 GGUF'}) give different "
+                f"ids for {mismatch[0][:40]!r}: pass AresGenerator(tokenizer=...) the trained model's folder "
+                "(cfg.trainer.policy.model.path)")
         self._checked = True
 
     def tasks_of(self, input_batch: Mapping[str, Any]) -> list[str]:

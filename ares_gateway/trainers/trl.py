@@ -85,6 +85,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ares_gateway.episodes.failures import DEFAULT_RETRIES, check_retries
 from ares_gateway.trainers._common import (
     EpisodeSample,
+    TokenizerMismatchError,
     TrainerError,
     describe_failure,
     exclude_infra_errors,
@@ -93,6 +94,7 @@ from ares_gateway.trainers._common import (
     resolve_dataset,
     resolve_tasks,
     task_name_of,
+    tokenizer_mismatch,
     trainer_entry,
 )
 from trajectory import check_max_staleness
@@ -116,19 +118,6 @@ EPISODE_KEYS = ("reward", "task", "session_id", "exit_reason", "turns", "error",
 
 #: The extra keys saying which weights sampled each completion (see :meth:`AresRollouts.__call__`).
 VERSION_KEYS = ("policy_versions", "first_version", "last_version", "mixed_versions", "staleness")
-
-#: Texts whose ids must be the same under the trainer's tokenizer and the gateway's.
-_PROBE_TEXTS = (
-    "def median(xs):\n    xs = sorted(xs)\n    return xs[len(xs) // 2]  # 3.14 é ü 中文 🙂\n",
-    "<|im_start|>user\nFix the bug in `slug.py`, then run `pytest -q`.<|im_end|>\n<|im_start|>assistant\n",
-    "THOUGHT: ls -la /tmp && cat README.md | head -n 20\n\n```bash\necho 'done'\n```",
-)
-
-
-class TokenizerMismatchError(TrainerError):
-    """The trainer's tokenizer and the one the gateway renders with give different ids; the samples
-    would not be the sequences the trainer scores."""
-
 
 class _Loop:
     """One event loop (uvloop where installed, as the CLI runs) on a thread of its own: TRL calls the
@@ -629,16 +618,14 @@ class AresRollouts:
     def _check_tokenizer(self, theirs: Any, source: str) -> None:
         if theirs is None or not hasattr(theirs, "encode"):
             return
-        ours = self.policy.renderer.tokenizer
-        for text in _PROBE_TEXTS:
-            a = list(ours.encode(text))
-            b = list(theirs.encode(text, add_special_tokens=False))
-            if a != b:
-                raise TokenizerMismatchError(
-                    f"the trainer's tokenizer and the gateway's ({source}) give different ids for {text[:40]!r} "
-                    f"({b[:12]}... vs {a[:12]}...): pass rollout_func(tokenizer=...) the model's own .gguf file or "
-                    "Hugging Face folder"
-                )
+        mismatch = tokenizer_mismatch(self.policy.renderer.tokenizer, theirs)
+        if mismatch is not None:
+            text, a, b = mismatch
+            raise TokenizerMismatchError(
+                f"the trainer's tokenizer and the gateway's ({source}) give different ids for {text[:40]!r} "
+                f"({b[:12]}... vs {a[:12]}...): pass rollout_func(tokenizer=...) the model's own .gguf file or "
+                "Hugging Face folder"
+            )
 
     def _batch(self, episodes: Sequence[EpisodeSample], prompts: Sequence[Any], trainer: Any,
                version: int | None = None) -> dict[str, list[Any]]:

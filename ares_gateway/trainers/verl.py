@@ -43,12 +43,14 @@ from typing import Any
 
 from ares_gateway.trainers._common import (
     EpisodeSample,
+    TokenizerMismatchError,
     describe_failure,
     play_episodes,
     require,
     resolve_dataset,
     resolve_tasks,
     task_name_of,
+    tokenizer_mismatch,
     trainer_entry,
 )
 
@@ -179,20 +181,16 @@ class AresAgentLoop(AgentLoopBase):
 
     # ----------------------------------------------------------- internals
     def _check_tokenizer(self, renderer: ChatRenderer) -> None:
-        from ares_gateway.trainers.trl import _PROBE_TEXTS, TokenizerMismatchError
-
         theirs_tok: Any = self.tokenizer
         key = (self.tokenizer_source, id(theirs_tok))
         if key in _checked or theirs_tok is None:
             return
-        for text in _PROBE_TEXTS:
-            ours = list(renderer.tokenizer.encode(text))
-            theirs = list(theirs_tok.encode(text, add_special_tokens=False))
-            if ours != theirs:
-                raise TokenizerMismatchError(
-                    f"verl's tokenizer ({self.model_path}) and the gateway's ({self.tokenizer_source}) give different "
-                    f"ids for {text[:40]!r}: leave the loop's tokenizer_path option unset, or point it at the same model"
-                )
+        mismatch = tokenizer_mismatch(renderer.tokenizer, theirs_tok)
+        if mismatch is not None:
+            raise TokenizerMismatchError(
+                f"verl's tokenizer ({self.model_path}) and the gateway's ({self.tokenizer_source}) give different "
+                f"ids for {mismatch[0][:40]!r}: leave the loop's tokenizer_path option unset, or point it at the same model"
+            )
         _checked.add(key)
 
     def _output(self, e: EpisodeSample, engine: VerlEngine, wall: float) -> AgentLoopOutput:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,3 +37,12 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: Any) -> Mapping[s
     if asked:
         return {name: LOOPS[name] for name in asked if name in LOOPS}
     return {DEFAULT_LOOP: LOOPS[DEFAULT_LOOP]}
+
+
+@pytest.fixture
+def sandbox_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private root for local sandboxes, so a test can see that none is left behind. Set in the
+    environment before anything starts: sandboxes, agents and Ray workers started after inherit it."""
+    root = tmp_path / "sandboxes"
+    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))
+    return root

@@ -38,3 +38,11 @@ def image_present(tag: str) -> bool:
     if not shutil.which("docker"):
         return False
     return subprocess.run(["docker", "image", "inspect", tag], capture_output=True, check=False).returncode == 0
+
+
+def require_hardened_local() -> None:
+    """Hardened local sandboxes (bubblewrap, run as root), or the test is skipped."""
+    from sandbox.local import bwrap_available
+
+    if not bwrap_available() or os.geteuid() != 0:
+        pytest.skip("hardened local sandboxes need bubblewrap and root")

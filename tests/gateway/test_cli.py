@@ -11,11 +11,7 @@ import sys
 import time
 import urllib.request
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.helpers import free_port
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:
@@ -32,7 +28,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:
 
 
 def test_serve_process_round_trip_and_clean_shutdown() -> None:
-    port = _free_port()
+    port = free_port()
     admin = "cli-admin-secret-abcdef0123"
     proc = subprocess.Popen(
         [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--access-log"],
@@ -118,7 +114,7 @@ def test_a_token_on_the_command_line_is_refused_in_one_line() -> None:
 
 def test_serve_limit_flags_reach_the_server() -> None:
     """The limits are serve flags: a lower --max-headers answers 431, a lower --header-timeout closes a slow head."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--in-memory",
          "--max-headers", "16", "--header-timeout", "1"],

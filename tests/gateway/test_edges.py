@@ -41,6 +41,7 @@ from ares_gateway import (
 from ares_gateway.cli.serve import _admin_token, add_serve_command
 from ares_gateway.core.answers import MAX_ANSWER_DEPTH
 from ares_gateway.http.session_socket import SessionSocketError
+from tests.helpers import free_port
 
 ADMIN = "edges-admin-token-0123456789abcdef"
 PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
@@ -301,20 +302,12 @@ async def test_an_in_process_gateway_generates_an_admin_token() -> None:
         assert given.admin_token == ADMIN
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_serve_reads_the_admin_token_from_a_file_never_from_its_command_line(tmp_path: Path) -> None:
     secret = "file-admin-token-" + "z" * 24
     token_file = tmp_path / "admin"
     token_file.write_text(secret + "\n")
     token_file.chmod(0o600)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": "not-this-one-0123456789"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--in-memory",

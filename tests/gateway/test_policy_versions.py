@@ -23,8 +23,8 @@ import pytest
 
 from ares_gateway import Completion, CompletionDelta, Gateway
 from ares_gateway.core.broker import ParkedRequest
-from ares_gateway.core.canonical import TokenRecord
 from ares_gateway.core.errors import InvalidPolicyVersionError, PolicyVersionBackwardsError
+from tests.helpers import token_record
 
 ADMIN = "policy-version-admin-token"
 AUTH = {"authorization": f"Bearer {ADMIN}"}
@@ -37,10 +37,6 @@ async def _ask(base_url: str, token: str, messages: list[dict[str, Any]]) -> str
         return out.choices[0].message.content or ""
     finally:
         await client.close()
-
-
-def _tokens(prompt: list[int], output: list[int]) -> TokenRecord:
-    return TokenRecord(prompt_ids=prompt, output_ids=output, output_logprobs=[-0.5] * len(output))
 
 
 async def _two_turns(gw: Gateway, sid: str, token: str, base_url: str, *, versions: tuple[int | None, int | None],
@@ -59,7 +55,7 @@ async def _two_turns(gw: Gateway, sid: str, token: str, base_url: str, *, versio
         assert isinstance(req, ParkedRequest)
         if i == 1 and late is not None:
             gw.set_policy_version(late)
-        await gw.respond(req.id, Completion(text=f"answer {i}", tokens=_tokens(prompts[i], outputs[i])))
+        await gw.respond(req.id, Completion(text=f"answer {i}", tokens=token_record(prompts[i], outputs[i])))
         assert await asyncio.wait_for(agent, 10) == f"answer {i}"
         history += [{"role": "assistant", "content": f"answer {i}"}, {"role": "user", "content": "go on"}]
 
@@ -109,7 +105,7 @@ async def test_a_streamed_answer_keeps_the_version_it_was_handed_over_with() -> 
             yield CompletionDelta(text="he")
             gw.set_policy_version(5)  # the weights move on mid-stream: this turn was handed over at 4
             yield CompletionDelta(text="llo")
-            yield Completion(text="hello", tokens=_tokens([1, 2], [3, 4]))
+            yield Completion(text="hello", tokens=token_record([1, 2], [3, 4]))
 
         await gw.respond(req.id, answer())
         assert await asyncio.wait_for(task, 10) == "hello"

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 from ares_gateway.episodes.atif import ATIF_SCHEMA_VERSION, episode_trajectory, export_atif, import_atif
 from harnesses import registry
 from harnesses.base import INSTALL_ROOT
+from tests.helpers import cli
 from tests.prereq import require
 from tests.tito.conftest import need_llama
 
@@ -60,10 +60,6 @@ def validate(paths: list[Path]) -> dict[str, Any]:
     assert proc.returncode == 0, f"Harbor rejected an export:\n{proc.stderr[-4000:]}"
     result: dict[str, Any] = json.loads(proc.stdout)
     return result
-
-
-def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "ares_gateway.cli", *args]
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from ares_gateway.core.recorder import RecordedTurn
 from ares_gateway.core.session_recorder import SessionRecorder
 from ares_gateway.core.store import TurnStore
 from tests.gateway.test_edges import _nested
+from tests.helpers import free_port
 
 ROOT = os.geteuid() == 0
 
@@ -338,14 +339,6 @@ async def test_a_full_disk_loses_only_the_turns_answered_while_it_was_full(small
 # ----------------------------------------------------------------------- modes of the data dir
 
 
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     env.pop("ARES_GATEWAY_ADMIN_TOKEN", None)
@@ -411,7 +404,7 @@ async def test_the_data_dir_is_0700_and_every_file_in_it_0600(tmp_path: Path) ->
     old = os.umask(0o022)  # the usual umask, whatever the test runner's
     try:
         data = tmp_path / "fresh" / "data"
-        port = _port()
+        port = free_port()
         proc = _serve(data, port)
     finally:
         os.umask(old)
@@ -535,7 +528,7 @@ async def test_a_discarded_wal_is_reported(tmp_path: Path) -> None:
     """A WAL full of garbage is not discarded in silence: one warning line names what SQLite
     discards, and a copy of the WAL is kept."""
     data = tmp_path / "data"
-    port = _port()
+    port = free_port()
     proc = _serve(data, port)
     try:
         await _wait_up(f"http://127.0.0.1:{port}", proc)

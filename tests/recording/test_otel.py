@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,8 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+
+from tests.helpers import free_port
 
 pytest.importorskip("opentelemetry.sdk.trace", reason="the otel extra is not installed: pip install -e '.[otel]'")
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http",
@@ -216,9 +217,7 @@ def _serve(port: int, env: dict[str, str]) -> subprocess.Popen[str]:
 async def test_serve_otel_sends_spans_with_contents_when_asked(tmp_path: Path) -> None:
     received: list[ExportTraceServiceRequest] = []
     runner, otlp = await _receiver(received)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp}", "OTEL_BSP_SCHEDULE_DELAY": "100",
             "ARES_GATEWAY_ADMIN_TOKEN": "otel-admin"}

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 from ares_gateway import Completion, Gateway
 from ares_gateway.core.errors import DataDirError, InvalidAnswerError
 from ares_gateway.core.token_ids import encode_token_ids
+from tests.helpers import free_port
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -36,12 +36,6 @@ def _first_difference(before: list[dict], after: list[dict]) -> str:
             keys = sorted(k for k in set(b) | set(a) if b.get(k) != a.get(k))
             return f"turn {i} differs after the restart in {keys}"
     return f"{len(before)} turns before the restart, {len(after)} after"
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _serve(data_dir: Path, port: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
@@ -94,7 +88,7 @@ async def _get(url: str, path: str) -> Any:
 
 async def test_serve_killed_with_sigkill_restarts_with_every_answered_turn(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    port = _port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _serve(data, port)
     try:
@@ -108,7 +102,7 @@ async def test_serve_killed_with_sigkill_restarts_with_every_answered_turn(tmp_p
         before_turns = await _get(url, "/sessions/cc/turns")
         before_samples = await _get(url, "/sessions/cc/trajectory")
         # A second gateway on the same data dir refuses, clearly.
-        other = _serve(data, _port())
+        other = _serve(data, free_port())
         _, err = other.communicate(timeout=60)
         assert other.returncode == 2 and "in use by another gateway" in err
         proc.send_signal(signal.SIGKILL)

@@ -18,8 +18,9 @@ import aiohttp
 import openai
 
 from ares_gateway import Completion, CompletionDelta, Gateway
-from ares_gateway.core.canonical import TokenRecord, Usage
+from ares_gateway.core.canonical import Usage
 from ares_gateway.core.record_codec import Decoder, log_entry, pack
+from tests.helpers import token_record
 
 ADMIN = "usage-admin-token"
 PARK = 0.2  # seconds each request waits before the policy takes it
@@ -52,22 +53,18 @@ async def _agent(base_url: str, token: str, stream_second: bool) -> list[str]:
     return got
 
 
-def _tokens(prompt: list[int], output: list[int]) -> TokenRecord:
-    return TokenRecord(prompt_ids=prompt, output_ids=output, output_logprobs=[-0.5] * len(output))
-
-
 async def _run(gw: Gateway, sid: str) -> None:
     info = await gw.create_session(sid)
     agent = asyncio.create_task(_agent(info.base_url, info.token, stream_second=True))
     answers: list[Any] = []
     # Turn 2's prompt continues turn 1's prompt + output for 5 ids, then differs (a re-rendered tail).
-    answers.append(Completion(text="one", tokens=_tokens([1, 2, 3], [10, 11])))
+    answers.append(Completion(text="one", tokens=token_record([1, 2, 3], [10, 11])))
 
     async def streamed() -> AsyncIterator[CompletionDelta | Completion]:
         yield CompletionDelta(text="tw")
         await asyncio.sleep(0.1)
         yield CompletionDelta(text="o")
-        yield Completion(text="two", tokens=_tokens([1, 2, 3, 10, 11, 4, 5], [12, 13, 14]))
+        yield Completion(text="two", tokens=token_record([1, 2, 3, 10, 11, 4, 5], [12, 13, 14]))
 
     answers.append(streamed())
     answers.append(Completion(text="three", usage=Usage(input_tokens=40, output_tokens=7)))  # an upstream's usage

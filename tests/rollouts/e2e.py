@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from harnesses import registry
@@ -15,6 +14,8 @@ from tests.prereq import docker_ok, image_present, require
 AGENTS_IMAGE = "ares-gateway/agents:latest"
 PROVISION = "bash .ci/provision-docker.sh && bash .ci/provision-agents.sh"
 REPO = Path(__file__).resolve().parents[2]
+# The hostile-sandbox tests' image: the agents image's base (.ci/provision-docker.sh builds it).
+AGENT_BASE_IMAGE = os.environ.get("ARES_AGENT_IMAGE", "ares-gateway/agent-base:latest")
 
 
 def require_mini(backend: str = "local") -> None:
@@ -30,9 +31,11 @@ def require_mini(backend: str = "local") -> None:
                                                         "run bash .ci/provision-agents.sh")
 
 
-def cli(*args: str) -> list[str]:
-    """The ``ares-gateway`` command line, run with this interpreter."""
-    return [sys.executable, "-m", "ares_gateway.cli", *args]
+def require_agent_base() -> None:
+    """A Docker engine and the image :data:`AGENT_BASE_IMAGE`."""
+    require(docker_ok(), f"no Docker engine answers: run {PROVISION}", docker=True)
+    require(image_present(AGENT_BASE_IMAGE), f"the image {AGENT_BASE_IMAGE} is missing: run {PROVISION}",
+            docker=True)
 
 
 def owned_containers(pid: int) -> list[str]:

@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import cli
 from tests.tito.conftest import need_llama
 
-from .e2e import REPO, cli, require_mini
+from .e2e import REPO, require_mini
 from .test_env_and_runner import left_behind
 
 

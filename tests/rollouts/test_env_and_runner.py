@@ -25,22 +25,11 @@ from ares_gateway.episodes.verifier import run_tests
 from ares_gateway.policies import HttpPolicy, PolicyError, call_policy, make_policy
 from ares_gateway.policies.scripted import SessionScriptedPolicy
 from harnesses.tiny_agent import TinyAgentHarness
+from tests.helpers import left_behind
 from tests.prereq import docker_ok, require
 
 TASKS = load_dataset("examples").tasks
 BY_NAME = {t.name: t for t in TASKS}
-
-
-@pytest.fixture
-def sandbox_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private root for local sandboxes, so a test can see that none is left behind."""
-    root = tmp_path / "sandboxes"
-    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))
-    return root
-
-
-def left_behind(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
 async def play(env: GatewayEnv, policy: SessionScriptedPolicy, task: Task) -> tuple[list[str], object]:

@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import sys
 import textwrap
 import time
@@ -34,19 +33,13 @@ from ares_gateway.episodes.episode import last_lines, one_line
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import FunctionPolicy, UpstreamError, UpstreamPolicy
+from tests.helpers import cli, free_port
 
-from .e2e import REPO, cli
+from .e2e import REPO
 from .fake_llm import FakeLLM, running
 
 TASKS = {t.name: t for t in load_dataset("examples").tasks}
 GREETING = TASKS["write-greeting-file"]
-
-
-@pytest.fixture
-def sandbox_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "sandboxes"
-    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))
-    return root
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -63,12 +56,6 @@ async def _cli(*args: str, env: dict[str, str], timeout: float = 120.0) -> tuple
     out, err = await asyncio.wait_for(proc.communicate(), timeout)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode(), time.monotonic() - started
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _assert_one_clean_error(rc: int, err: str, *needles: str) -> str:
@@ -198,7 +185,7 @@ async def test_upstream_check() -> None:
 async def test_cli_unreachable_upstream_fails_at_once_with_one_line(tmp_path: Path) -> None:
     out = tmp_path / "out"
     rc, _, err, took = await _cli(
-        "run", "examples-tiny", "--policy", "upstream", "--base-url", f"http://127.0.0.1:{_closed_port()}/v1",
+        "run", "examples-tiny", "--policy", "upstream", "--base-url", f"http://127.0.0.1:{free_port()}/v1",
         "--sandbox", "local", "--out", str(out), env=_env(tmp_path))
     _assert_one_clean_error(rc, err, "cannot reach upstream", "start the server or fix --base-url")
     assert took < 15, took  # was ~37 s of retries per episode

@@ -37,6 +37,7 @@ from ares_gateway.episodes.tasks import Task, TaskConfigError, parse_task_config
 from ares_gateway.episodes.verifier import WorkspaceCopyError, copy_workspace, run_tests
 from ares_gateway.policies import call_policy, make_policy
 from harnesses.tiny_agent import TinyAgentHarness
+from tests.helpers import left_behind
 from tests.prereq import docker_ok, image_present, require
 from tests.rollouts.e2e import AGENTS_IMAGE, require_mini
 from tests.security.test_exploits import task_dir
@@ -260,7 +261,7 @@ async def test_what_the_agent_left_outside_its_workdir_is_not_there_at_grading(
     assert view.split() == [], log[-2000:]  # no file outside the workdir, no process of the agent's
     assert "HIJACKED" not in log
     assert e.reward == 0.0, log[-2000:]
-    assert _left(tmp_path / "sandboxes") == []
+    assert left_behind(tmp_path / "sandboxes") == []
 
 
 async def _play(env: GatewayEnv, commands: list[str], task: Task) -> Any:
@@ -272,10 +273,6 @@ async def _play(env: GatewayEnv, commands: list[str], task: Task) -> Any:
     while not ts.last():
         ts = await env.step(await call_policy(policy, ts.observation))
     return ts
-
-
-def _left(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
 ANSWER_TEST_SH = "#!/bin/sh\nif [ \"$(cat answer.txt 2>/dev/null)\" = 42 ]; then echo 1; else echo 0; fi > $ARES_VERIFIER_DIR/reward.txt\n"
@@ -309,7 +306,7 @@ async def test_fresh_grading_in_the_outcome_and_a_service_only_with_the_opt_out(
         assert ts_fresh.info["grading"] == "fresh" and ts_fresh.reward == 0.0, ts_fresh.info
         assert ts_fresh.info["workspace_bytes"] > 0 and ts_fresh.info["grading_setup_seconds"] > 0
         assert ts_kept.info["workspace_bytes"] is None
-        assert _left(root) == []
+        assert left_behind(root) == []
     finally:
         for env in envs:
             await env.close()
@@ -328,7 +325,7 @@ async def test_a_huge_sparse_workdir_is_a_verifier_error(tmp_path: Path, monkeyp
     assert ts.reward == 0.0 and ts.info["exit_reason"] == "completed", ts.info
     assert "the workdir /workspace is too large to grade: its archive passes 67108864 bytes" in \
         ts.info["verifier_error"], ts.info
-    assert _left(tmp_path / "sandboxes") == []
+    assert left_behind(tmp_path / "sandboxes") == []
 
 
 class _Crashing(TinyAgentHarness):
@@ -359,7 +356,7 @@ async def test_the_grading_sandbox_goes_after_success_failure_and_cancellation(
                 break
             await asyncio.sleep(0.05)
         assert seen, "no grading sandbox started while the agent ran"
-        assert len([n for n in _left(root) if not n.startswith(".")]) == 2  # the agent's sandbox, the grading one
+        assert len([n for n in left_behind(root) if not n.startswith(".")]) == 2  # the agent's sandbox, the grading one
         played.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await played
@@ -367,10 +364,10 @@ async def test_the_grading_sandbox_goes_after_success_failure_and_cancellation(
         for env in (ok, crash, stuck):
             await env.close()
     assert seen[0].state == "stopped"
-    assert _left(root) == []
+    assert left_behind(root) == []
 
 
-async def test_a_grading_sandbox_that_cannot_start_is_a_sandbox_error_and_nothing_is_left(
+async def test_a_grading_sandbox_that_cannot_start_is_a_sandbox_error_and_nothing_isleft_behind(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The backend refuses the grading sandbox (as a cloud quota or a full disk would): the episode ends
     as ``sandbox_error`` with reward 0.0 and the backend's reason, never as a reward, and the agent's
@@ -395,7 +392,7 @@ async def test_a_grading_sandbox_that_cannot_start_is_a_sandbox_error_and_nothin
     assert ts.reward == 0.0
     assert ts.info["exit_reason"] == "sandbox_error", ts.info
     assert "grading sandbox failed" in ts.info["error"] and "no room for another sandbox" in ts.info["error"], ts.info
-    assert _left(root) == []
+    assert left_behind(root) == []
 
 
 # ---------------------------------------------------------------------------------------------- rewards

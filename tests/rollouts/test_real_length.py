@@ -27,8 +27,9 @@ import pytest
 
 from ares_gateway.episodes.tasks import load_dataset
 from tests.harnesses.conftest import require_backend
+from tests.helpers import cli
 
-from .e2e import REPO, cli
+from .e2e import REPO
 
 HARNESSES = ["mini-swe-agent", "claude-code", "codex", "terminus-2"]
 PRESET = {"mini-swe-agent": "examples-mswea", "claude-code": "examples-cc", "codex": "examples-codex",

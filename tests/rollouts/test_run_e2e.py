@@ -21,8 +21,9 @@ import pytest
 from ares_gateway import GatewayEnv
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
+from tests.helpers import cli
 
-from .e2e import REPO, cli, owned_containers, require_mini
+from .e2e import REPO, owned_containers, require_mini
 from .test_env_and_runner import left_behind, play
 
 TASKS = load_dataset("examples").tasks

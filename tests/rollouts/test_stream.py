@@ -1,4 +1,4 @@
-"""The streaming rollout source over real episodes: tiny-agent in local sandboxes, every call answered in
+"""The streaming rollout source over real episodes: tiny-agent in local sandsandbox_root, every call answered in
 process by the oracle policy, its answers carrying token records (so the episodes have samples with
 versions). Groups complete with every attempt; a slow consumer holds launches back; a weight update
 fenced through the source mid-stream gives an episode of two versions, and staleness masks the old one;
@@ -31,6 +31,7 @@ from ares_gateway.episodes.executor import LocalExecutor
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
 from harnesses.tiny_agent import TinyAgentHarness
+from tests.helpers import left_behind
 
 TASKS = load_dataset("examples").tasks
 
@@ -107,17 +108,6 @@ class NoFenceExecutor:
         await self._inner.close()
 
 
-@pytest.fixture
-def boxes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "sandboxes"
-    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))
-    return root
-
-
-def _left(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir()) if root.exists() else []
-
-
 def _processes_under(root: Path) -> list[str]:
     """Command lines of live processes that name ``root`` (an agent or verifier left running)."""
     found = []
@@ -134,7 +124,7 @@ def _processes_under(root: Path) -> list[str]:
 
 
 @pytest.mark.asyncio
-async def test_groups_complete_with_every_attempt_in_runs_results_directory(tmp_path: Path, boxes: Path) -> None:
+async def test_groups_complete_with_every_attempt_in_runs_results_directory(tmp_path: Path, sandbox_root: Path) -> None:
     out = tmp_path / "run"
     source = RolloutSource(TASKS[:2], harness="tiny-agent", policy=TokenOracle(), sandbox="local", concurrency=3,
                            attempts=2, out=out, stats="null")
@@ -155,11 +145,11 @@ async def test_groups_complete_with_every_attempt_in_runs_results_directory(tmp_
     await source.close()
     with pytest.raises(SourceClosedError, match="closed"):
         await source.next_group()
-    assert _left(boxes) == []
+    assert left_behind(sandbox_root) == []
 
 
 @pytest.mark.asyncio
-async def test_a_slow_consumer_holds_launches_back(tmp_path: Path, boxes: Path) -> None:
+async def test_a_slow_consumer_holds_launches_back(tmp_path: Path, sandbox_root: Path) -> None:
     executor = CountingExecutor(concurrency=1)
     bound = 1 + 1  # concurrency + max_buffered
     peak = 0
@@ -181,11 +171,11 @@ async def test_a_slow_consumer_holds_launches_back(tmp_path: Path, boxes: Path) 
             peak = max(peak, executor.launched - consumed)
             assert executor.launched - consumed <= bound
     assert consumed == 3 and executor.launched == consumed and peak <= bound
-    assert _left(boxes) == []
+    assert left_behind(sandbox_root) == []
 
 
 @pytest.mark.asyncio
-async def test_a_group_larger_than_concurrency_completes_at_the_tightest_bound(boxes: Path) -> None:
+async def test_a_group_larger_than_concurrency_completes_at_the_tightest_bound(sandbox_root: Path) -> None:
     # concurrency 1 + max_buffered 2 holds exactly one group of 3: its members wait in the buffer while
     # the next one runs, and nothing of the next group starts before this one is taken.
     executor = CountingExecutor(concurrency=1)
@@ -197,11 +187,11 @@ async def test_a_group_larger_than_concurrency_completes_at_the_tightest_bound(b
         second = await source.next_group()
         assert second is not None and second.epoch == 1 and [m.attempt for m in second.members] == [3, 4, 5]
         assert await source.next_group() is None
-    assert first.rewards == second.rewards == [1.0] * 3 and _left(boxes) == []
+    assert first.rewards == second.rewards == [1.0] * 3 and left_behind(sandbox_root) == []
 
 
 @pytest.mark.asyncio
-async def test_close_mid_run_cancels_cleans_up_and_writes_results(tmp_path: Path, boxes: Path) -> None:
+async def test_close_mid_run_cancels_cleans_up_and_writes_results(tmp_path: Path, sandbox_root: Path) -> None:
     out = tmp_path / "run"
     source = RolloutSource(TASKS, harness="tiny-agent", policy=TokenOracle(delay=0.3), sandbox="local",
                            concurrency=2, epochs=None, out=out, stats="null")
@@ -218,7 +208,7 @@ async def test_close_mid_run_cancels_cleans_up_and_writes_results(tmp_path: Path
     doc = json.loads((out / "results.json").read_text())
     assert doc["summary"]["interrupted"] is True and len(doc["summary"]["cancelled"]) >= 1
     assert doc["summary"]["finished"] == len(source.summary.episodes) >= 1
-    assert _left(boxes) == [] and _processes_under(boxes) == []
+    assert left_behind(sandbox_root) == [] and _processes_under(sandbox_root) == []
     with pytest.raises(SourceClosedError):
         await source.next_episode()
     with pytest.raises(SourceClosedError):
@@ -229,7 +219,7 @@ async def test_close_mid_run_cancels_cleans_up_and_writes_results(tmp_path: Path
 
 
 @pytest.mark.asyncio
-async def test_a_fence_mid_stream_gives_two_versions_and_staleness_masks_the_old(boxes: Path) -> None:
+async def test_a_fence_mid_stream_gives_two_versions_and_staleness_masks_the_old(sandbox_root: Path) -> None:
     policy = TokenOracle(delay=0.5)
     async with Gateway(port=0, side_call_detector=harness_side_call_detector(TinyAgentHarness)) as gw:
         gw.set_policy_version(0)
@@ -257,10 +247,10 @@ async def test_a_fence_mid_stream_gives_two_versions_and_staleness_masks_the_old
     # Handed out at version 5: nothing is fresh enough.
     assert second.policy_version == 5 and second.all_stale and second.trained_tokens == 0
     assert second.stale_tokens == 6
-    assert _left(boxes) == []
+    assert left_behind(sandbox_root) == []
 
 
-def test_the_blocking_wrapper_from_plain_threads(tmp_path: Path, boxes: Path) -> None:
+def test_the_blocking_wrapper_from_plain_threads(tmp_path: Path, sandbox_root: Path) -> None:
     out = tmp_path / "run"
     got: list[Any] = []
     errors: list[BaseException] = []
@@ -292,10 +282,10 @@ def test_the_blocking_wrapper_from_plain_threads(tmp_path: Path, boxes: Path) ->
     with pytest.raises(SourceClosedError):
         source.next_group()
     assert json.loads((out / "results.json").read_text())["summary"]["finished"] == 4
-    assert _left(boxes) == []
+    assert left_behind(sandbox_root) == []
 
 
-def test_a_blocking_take_times_out_without_losing_anything(boxes: Path) -> None:
+def test_a_blocking_take_times_out_without_losing_anything(sandbox_root: Path) -> None:
     with BlockingRolloutSource(TASKS[:1], harness="tiny-agent", policy=TokenOracle(delay=2.0), sandbox="local",
                                stats="null") as source:
         with pytest.raises(TimeoutError, match=r"within 0\.2 s"):
@@ -303,7 +293,7 @@ def test_a_blocking_take_times_out_without_losing_anything(boxes: Path) -> None:
         episode = source.next_episode(timeout=60)
         assert episode is not None and episode.reward == 1.0
         assert source.next_episode(timeout=60) is None
-    assert _left(boxes) == []
+    assert left_behind(sandbox_root) == []
 
 
 @pytest.mark.parametrize(("options", "match"), [
@@ -343,7 +333,7 @@ async def test_an_executor_without_a_fence_says_so_and_an_unstarted_source_write
 
 
 @pytest.mark.asyncio
-async def test_play_episodes_masks_stale_main_samples(boxes: Path) -> None:
+async def test_play_episodes_masks_stale_main_samples(sandbox_root: Path) -> None:
     from ares_gateway.trainers import play_episodes
 
     async with Gateway(port=0, side_call_detector=harness_side_call_detector(TinyAgentHarness)) as gw:
@@ -360,4 +350,4 @@ async def test_play_episodes_masks_stale_main_samples(boxes: Path) -> None:
     assert old.sample.metadata["stale_spans"] == [[2, 5, 2], [7, 10, 2]]
     with pytest.raises(ValueError, match="max_staleness must be a non-negative integer"):
         await play_episodes(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), max_staleness=-1)
-    assert _left(boxes) == []
+    assert left_behind(sandbox_root) == []

@@ -12,6 +12,7 @@ import pytest
 from ares_gateway import Gateway
 from ares_gateway.core.canonical import CanonicalRequest, Message, WireProtocol
 from ares_gateway.policies import PolicyServer, Prices, UpstreamError, UpstreamPolicy
+from tests.helpers import free_port
 
 from .fake_llm import END, FakeLLM, tok
 
@@ -138,12 +139,7 @@ async def test_client_errors_are_not_retried_and_pass_their_status(gateway: Gate
 
 async def test_unreachable_upstream_gives_502_after_retries(gateway: Gateway) -> None:
     info = await gateway.create_session()
-    # A port nothing listens on (bound then closed), on loopback.
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there
     pol = UpstreamPolicy(base_url=f"http://127.0.0.1:{port}/v1", model="m", max_attempts=2, backoff_initial=0.01)
     async with pol, PolicyServer(gateway, pol):
         with pytest.raises(openai.APIStatusError) as err:

@@ -1,4 +1,4 @@
-"""Per-call usage and timing summed per episode and run, on real episodes: tiny-agent in local sandboxes,
+"""Per-call usage and timing summed per episode and run, on real episodes: tiny-agent in local sandsandbox_root,
 every call answered in process by the oracle policy with token records. The sums in episodes.jsonl and
 results.json equal what the turn logs' token records give (prompt and output ids, the prefix each prompt
 shares with the previous turn's prompt + output); the timings are present, non-negative and ordered; the
@@ -43,15 +43,8 @@ def _from_records(turns: list[dict[str, Any]]) -> tuple[int, int, int]:
     return prompt, output, reused
 
 
-@pytest.fixture
-def boxes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "sandboxes"
-    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))
-    return root
-
-
 @pytest.mark.asyncio
-async def test_episode_and_run_usage_equal_the_token_records(tmp_path: Path, boxes: Path) -> None:
+async def test_episode_and_run_usage_equal_the_token_records(tmp_path: Path, sandbox_root: Path) -> None:
     out = tmp_path / "run"
     source = RolloutSource(TASKS[:2], harness="tiny-agent", policy=TokenOracle(delay=0.05), sandbox="local",
                            concurrency=2, attempts=1, out=out, stats="tensorboard", stats_period=0)

@@ -23,7 +23,8 @@ from aiohttp import web
 
 import sandbox
 from sandbox import ForwardError, SandboxSpec
-from sandbox.local import _CONFINE_SCRIPT, DEFAULT_PATH, ROOT_CAPS, bwrap_available, seccomp_filter
+from sandbox.local import _CONFINE_SCRIPT, DEFAULT_PATH, ROOT_CAPS, seccomp_filter
+from tests.prereq import require_hardened_local
 
 from .conftest import AGENT_IMAGE, docker_required
 
@@ -47,15 +48,10 @@ def _host_probes() -> list[str]:
 FORWARD_PORT = 18080
 
 
-def _local_ok() -> None:
-    if not bwrap_available() or os.geteuid() != 0:
-        pytest.skip("hardened local sandboxes need bubblewrap and root")
-
-
 @pytest.fixture(params=["local", pytest.param("docker", marks=pytest.mark.docker)])
 def isolated_backend(request: pytest.FixtureRequest) -> str:
     if request.param == "local":
-        _local_ok()
+        require_hardened_local()
     else:
         docker_required("agent image")
     return str(request.param)
@@ -184,7 +180,7 @@ _HOST_HAS_SHADOW = os.path.isfile("/etc/shadow") and os.path.getsize("/etc/shado
 async def test_hardened_local_root_is_confined_and_has_an_environment_of_its_own(tmp_path: Path) -> None:
     """Root (installs, the verifier) is not the host's root: a reduced bounding set, the
     seccomp filter, HOME=/root and no caller variable that loads code from elsewhere."""
-    _local_ok()
+    require_hardened_local()
     planted = {"PYTHONPATH": "/workspace/evil", "PYTHONSTARTUP": "/workspace/s.py", "LD_PRELOAD": "/workspace/x.so",
                "BASH_ENV": "/workspace/rc", "HOME": "/workspace", "PATH": "/workspace/bin:/usr/bin", "TASK_VAR": "kept"}
     show = ("grep -E '^(CapBnd|CapEff|Seccomp):' /proc/self/status; env; "
@@ -237,7 +233,7 @@ def test_the_confine_launcher_never_runs_a_command_unconfined(tmp_path: Path) ->
 
 async def test_transfers_never_follow_an_agents_symlink_onto_the_host(tmp_path: Path) -> None:
     """Hardened local transfers run inside the sandbox: a planted symlink cannot redirect them."""
-    _local_ok()
+    require_hardened_local()
     target = tmp_path / "host-dir"
     target.mkdir()
     payload = tmp_path / "payload.txt"
@@ -307,7 +303,7 @@ async def test_forward_after_start_many_connections_and_large_bodies(
 
 
 async def test_forward_refuses_host_networking_and_unsupported_backends(tmp_path: Path) -> None:
-    _local_ok()
+    require_hardened_local()
     async with sandbox.LocalSandbox(SandboxSpec(network="host")) as sb:
         with pytest.raises(ForwardError, match="network='none'"):
             await sb.forward(FORWARD_PORT, str(tmp_path / "s.sock"))

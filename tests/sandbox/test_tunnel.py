@@ -52,6 +52,7 @@ from sandbox._relay import (
     read_frame,
 )
 from sandbox.tunnel import Channel, Tunnel, docker_exec_channel, pipe_channel, pty_channel
+from tests.helpers import free_port
 
 from .conftest import AGENT_IMAGE, docker_required
 
@@ -391,14 +392,6 @@ def _count_relays(port: int) -> str:
             f"| grep -c 'relay[.]py --listen 127[.]0[.]0[.]1:{port} '")
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return int(port)
-
-
 # What a PTY shell prints before the relay starts (motd, prompt, colours, CRLFs).
 _NOISE = "printf 'Last login: Thu Dec  3 from 10.0.0.1\\r\\n\\033[1;32mWelcome\\033[0m\\n$ '; "
 
@@ -428,7 +421,7 @@ class LocalHarness(Harness):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.line = kind == "pty-line"
-        self.port = _free_port()
+        self.port = free_port()
 
     def _opener(self, argv: list[str]) -> Callable[[], Awaitable[Channel]]:
         if self.kind == "pipe-py3.8":  # the oldest python3 an image may bring runs the relay
@@ -630,7 +623,7 @@ async def test_a_silent_channel_is_dropped_by_the_ping_deadline_and_reopened(kin
 
 
 async def test_relay_exits_on_stdin_eof_and_closes_connections_over_its_limit(session: Session) -> None:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-I", RELAY, "--listen", f"127.0.0.1:{port}", "--tunnel", "binary", "--max-connections", "4"]
     channels: list[Channel] = []
 
@@ -811,7 +804,8 @@ def test_cli_run_tunnel_exec(tmp_path: Path) -> None:
     """`ares-gateway run --sandbox docker --tunnel exec`: reward 1.0; --tunnel is refused for other backends."""
     import subprocess
 
-    from tests.rollouts.e2e import REPO, cli, require_mini
+    from tests.helpers import cli
+    from tests.rollouts.e2e import REPO, require_mini
 
     require_mini("docker")
     env = {k: v for k, v in os.environ.items() if k != "ARES_DOCKER_TUNNEL"}

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import cli, free_port
 from tests.prereq import require
-from tests.rollouts.e2e import REPO, cli
+from tests.rollouts.e2e import REPO
 
 TIMEOUT_S = 3.0
 # Starting the interpreter and importing Ray takes a few seconds on this machine.
@@ -37,12 +38,6 @@ def _need_ray() -> None:
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     return {**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # free once closed: nothing listens there
 
 
 @contextlib.contextmanager
@@ -114,7 +109,7 @@ def _run_argv(address: str, out: Path, timeout: float | None = TIMEOUT_S) -> lis
 def test_run_on_a_closed_loopback_port_fails_in_one_line(tmp_path: Path) -> None:
     from ares_gateway.episodes.ray import CONNECT_TIMEOUT
 
-    address = f"127.0.0.1:{_closed_port()}"
+    address = f"127.0.0.1:{free_port()}"
     proc, elapsed = _run(_run_argv(address, tmp_path / "out", None), CONNECT_TIMEOUT)  # the default timeout
     _assert_one_line(proc, elapsed, address, "connection refused", CONNECT_TIMEOUT)
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
@@ -136,7 +131,7 @@ def test_run_on_a_port_that_is_not_rays_fails_in_one_line(tmp_path: Path) -> Non
 
 
 def test_gc_on_a_closed_loopback_port_fails_in_one_line() -> None:
-    address = f"127.0.0.1:{_closed_port()}"
+    address = f"127.0.0.1:{free_port()}"
     proc, elapsed = _run(["gc", "--ray", address, "--backend", "local", "--dry-run"])
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -30,8 +30,9 @@ import pytest
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
+from tests.helpers import cli, left_behind
 from tests.prereq import require
-from tests.rollouts.e2e import REPO, cli, require_mini
+from tests.rollouts.e2e import REPO, require_mini
 
 pytestmark = pytest.mark.slow
 
@@ -86,10 +87,6 @@ def _files(out: Path) -> set[str]:
     return {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and "tb" not in p.parts}
 
 
-def _left(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir()) if root.exists() else []
-
-
 def _node_names() -> dict[str, str]:
     """Node id -> the custom resource naming it (node-a, node-b)."""
     import ray
@@ -129,7 +126,7 @@ async def test_oracle_with_mini_swe_agent_on_two_nodes_gives_a_local_runs_output
         ours = (tmp_path / "ray" / "trajectories" / f"{key}.jsonl").read_text().splitlines()
         theirs = (tmp_path / "local" / "trajectories" / f"{key}.jsonl").read_text().splitlines()
         assert [_sample_shape(x) for x in ours] == [_sample_shape(x) for x in theirs]
-    assert _left(sandbox_root) == []
+    assert left_behind(sandbox_root) == []
 
 
 async def test_a_dead_node_actor_reruns_its_episodes_elsewhere_once(cluster: Any, tmp_path: Path,
@@ -163,7 +160,7 @@ async def test_a_dead_node_actor_reruns_its_episodes_elsewhere_once(cluster: Any
     # at most two a rerun episode, the agent's and its grading sandbox (one killed while still setting up
     # had fewer), and none left.
     assert ex.lost == killed and len(ex.collected) <= 2 * len(ex.reruns)
-    assert _left(sandbox_root) == []
+    assert left_behind(sandbox_root) == []
 
 
 async def test_a_removed_node_reruns_its_episodes_elsewhere_once(cluster: Any, tmp_path: Path,
@@ -176,7 +173,7 @@ async def test_a_removed_node_reruns_its_episodes_elsewhere_once(cluster: Any, t
     removed: list[str] = []
 
     def on_episode(result: Any) -> None:
-        if not removed and len(_left(sandbox_root)) >= 2:  # node-b is running episodes now
+        if not removed and len(left_behind(sandbox_root)) >= 2:  # node-b is running episodes now
             removed.append(next(n for n, name in names.items() if name == "node-b"))
             cluster.remove_node(worker, allow_graceful=False)
 
@@ -192,7 +189,7 @@ async def test_a_removed_node_reruns_its_episodes_elsewhere_once(cluster: Any, t
     lines = (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()
     assert len(lines) == 8
     # The removed node's sandboxes (same disk here) were collected by the node still alive.
-    assert _left(sandbox_root) == []
+    assert left_behind(sandbox_root) == []
 
 
 async def test_no_node_able_to_run_the_sandboxes_is_an_error_before_any_episode(
@@ -208,7 +205,7 @@ async def test_no_node_able_to_run_the_sandboxes_is_an_error_before_any_episode(
     message = str(err.value)
     assert "no node of the Ray cluster can run docker sandboxes" in message
     assert message.count("node ") >= 2 and ("no-such-image" in message or "Docker engine" in message), message
-    assert started == [] and _left(sandbox_root) == []
+    assert started == [] and left_behind(sandbox_root) == []
 
 
 async def test_task_folders_shipped_with_rays_working_dir(cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
@@ -235,7 +232,7 @@ async def test_task_folders_shipped_with_rays_working_dir(cluster: Any, tmp_path
                                  out=tmp_path / "run", executor=ex, stats="null")
     assert not src.exists()
     assert [e.reward for e in summary.episodes] == [1.0] * len(tasks), [(e.key, e.error) for e in summary.episodes]
-    assert _left(sandbox_root) == []
+    assert left_behind(sandbox_root) == []
 
 
 async def test_an_external_policy_polls_each_nodes_gateway(cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
@@ -290,7 +287,7 @@ async def test_an_external_policy_polls_each_nodes_gateway(cluster: Any, tmp_pat
     assert len(answered) == 2 and all(n >= 2 for n in answered.values())  # both nodes' gateways served turns
     assert sum(1 for line in lines if "requests wait on http://127.0.0.1:" in line) == 2
     assert not any(token in line for line in lines)
-    assert _left(sandbox_root) == []
+    assert left_behind(sandbox_root) == []
 
 
 async def test_tito_on_in_process_llama_cpp_loads_one_model_per_node(cluster: Any, tmp_path: Path,
@@ -324,7 +321,7 @@ async def test_tito_on_in_process_llama_cpp_loads_one_model_per_node(cluster: An
         for s in samples:
             assert len(s["loss_mask"]) == len(s["logprobs"]) == s["response_length"] < len(s["tokens"])
             assert all(lp < 0 or m == 0 for lp, m in zip(s["logprobs"], s["loss_mask"], strict=True) if m)
-    assert _left(sandbox_root) == []
+    assert left_behind(sandbox_root) == []
 
 
 # --- the CLI ------------------------------------------------------------------------------------------------
@@ -347,12 +344,12 @@ def test_cli_run_on_ray(cluster: Any, tmp_path: Path, sandbox_root: Path) -> Non
     assert doc["run"]["executor"] == "ray" and doc["run"]["ray"] == cluster.address
     assert len(doc["episodes"]) == len(TASKS) and all(e["reward"] == 1.0 for e in doc["episodes"])
     assert len({e["node"] for e in doc["episodes"]}) == 2
-    assert _left(sandbox_root) == []
+    assert left_behind(sandbox_root) == []
 
 
 def _wait_for_sandboxes(proc: subprocess.Popen[str], root: Path, n: int, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
-    while len(_left(root)) < n:
+    while len(left_behind(root)) < n:
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
         assert time.monotonic() < deadline, "the run's sandboxes did not come up"
         time.sleep(0.3)
@@ -382,7 +379,7 @@ def test_cli_ctrl_c_on_ray_stops_the_episodes_and_removes_their_sandboxes(cluste
     doc = json.loads((out / "results.json").read_text())
     assert doc["summary"]["interrupted"] is True
     assert len(doc["episodes"]) + len(doc["summary"]["cancelled"]) == len(TASKS)
-    assert _left(sandbox_root) == []  # each node's actor removed its sandboxes before the driver exited
+    assert left_behind(sandbox_root) == []  # each node's actor removed its sandboxes before the driver exited
 
 
 def test_gc_on_ray_removes_what_a_killed_driver_left_on_the_nodes(cluster: Any, tmp_path: Path,
@@ -406,11 +403,11 @@ def test_gc_on_ray_removes_what_a_killed_driver_left_on_the_nodes(cluster: Any, 
         gc = subprocess.run(cli("gc", "--ray", cluster.address, "--backend", "local"), cwd=REPO,
                             env=_cli_env(sandbox_root), capture_output=True, text=True, timeout=180)
         assert gc.returncode == 0, gc.stdout + gc.stderr
-        if not _left(sandbox_root) or time.monotonic() > deadline:
+        if not left_behind(sandbox_root) or time.monotonic() > deadline:
             break
         time.sleep(2)
     assert "removed" in gc.stdout and "on node" in gc.stdout, gc.stdout
-    assert _left(sandbox_root) == [], gc.stdout
+    assert left_behind(sandbox_root) == [], gc.stdout
 
 
 def test_cli_ray_without_ray_installed_names_the_extra(tmp_path: Path) -> None:

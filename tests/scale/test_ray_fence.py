@@ -33,7 +33,8 @@ from ares_gateway.core.errors import (
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
-from tests.scale.test_ray_executor import _left, _node_names, _start_cluster, _stop_cluster
+from tests.helpers import left_behind
+from tests.scale.test_ray_executor import _node_names, _start_cluster, _stop_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -162,7 +163,7 @@ async def test_a_version_and_a_weight_update_reach_every_nodes_turns(cluster: tu
         versions += got
     assert {3, 4} <= set(versions)
     assert ex.policy_version == 4  # kept after close, for the next start
-    assert _left(root) == []
+    assert left_behind(root) == []
 
 
 async def test_a_node_whose_pause_fails_leaves_the_others_resumed(cluster: tuple[Any, Path]) -> None:

@@ -15,7 +15,8 @@ import pytest
 from ares_gateway import RolloutSource
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
-from tests.scale.test_ray_executor import _left, _node_names, _start_cluster, _stop_cluster
+from tests.helpers import left_behind
+from tests.scale.test_ray_executor import _node_names, _start_cluster, _stop_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +54,7 @@ async def test_groups_stream_from_a_ray_cluster_with_fenced_versions(tmp_path: P
         doc = json.loads((out / "results.json").read_text())
         assert doc["run"]["executor"] == "ray" and doc["summary"]["finished"] == 8
         assert {names[e["node"]] for e in doc["episodes"]} == {"node-a", "node-b"}
-        assert _left(root) == []
+        assert left_behind(root) == []
     finally:
         _stop_cluster(cluster)
         if before is None:

@@ -26,13 +26,12 @@ from ares_gateway.episodes.episode import harness_side_call_detector
 from ares_gateway.episodes.tasks import Task
 from sandbox import DockerSandbox, Resources, SandboxSpec, janitor
 from sandbox.docker import DEFAULT_PIDS
-from tests.prereq import docker_ok, image_present, require
-from tests.rollouts.e2e import PROVISION, require_mini
+from tests.rollouts.e2e import AGENT_BASE_IMAGE as BASE_IMAGE
+from tests.rollouts.e2e import require_agent_base, require_mini
 from tests.security.test_exploits import HONEST, _run, _verifier_log, task_dir
 
 pytestmark = [pytest.mark.docker]
 
-BASE_IMAGE = os.environ.get("ARES_AGENT_IMAGE", "ares-gateway/agent-base:latest")
 
 #: Names the backend's root steps, the harness's root steps and the verifier call, and more.
 PLANTED = ("tr grep sort head tail cat cut chmod chown mkdir rm ls touch id setsid sleep sh bash dash "
@@ -116,15 +115,10 @@ async def test_planted_system_programs_never_run_as_root(tmp_path: Path) -> None
     assert controlled.episodes[0].reward == 1.0
 
 
-def _require_base() -> None:
-    require(docker_ok(), f"no Docker engine answers: run {PROVISION}", docker=True)
-    require(image_present(BASE_IMAGE), f"the image {BASE_IMAGE} is missing: run {PROVISION}", docker=True)
-
-
 async def test_root_steps_ignore_the_agents_path_and_python_env() -> None:
     """A root exec gets the system PATH, HOME=/root and no PYTHON*, whatever the caller, the spec or
     the image put there; the agent user keeps its own dirs on PATH."""
-    _require_base()
+    require_agent_base()
     spec = SandboxSpec(image=BASE_IMAGE, network="none",
                        env={"PYTHONPATH": "/home/agent/evil", "PATH": "/home/agent/.local/bin:/usr/bin:/bin"})
     async with DockerSandbox(spec) as sb:
@@ -153,7 +147,7 @@ async def test_root_steps_ignore_the_agents_path_and_python_env() -> None:
 async def test_kill_processes_and_file_steps_run_no_planted_program() -> None:
     """The backend's own root steps (kill_processes, uploads' mkdir/chown, the relay) with the
     agent's fakes planted under every name they could look up."""
-    _require_base()
+    require_agent_base()
     async with DockerSandbox(SandboxSpec(image=BASE_IMAGE, network="none", user="agent")) as sb:
         planted = await sb.exec(_plant_command())
         assert planted.ok, planted.stderr
@@ -167,7 +161,7 @@ async def test_kill_processes_and_file_steps_run_no_planted_program() -> None:
 
 
 async def test_fork_bomb_is_refused_and_reported() -> None:
-    _require_base()
+    require_agent_base()
     spec = SandboxSpec(image=BASE_IMAGE, network="none", resources=Resources(pids=64))
     async with DockerSandbox(spec) as sb:
         assert await sb.limits_reached() == frozenset()
@@ -186,7 +180,7 @@ async def test_fork_bomb_is_refused_and_reported() -> None:
 
 
 async def test_default_limits_apply_when_the_spec_gives_none() -> None:
-    _require_base()
+    require_agent_base()
     async with DockerSandbox(SandboxSpec(image=BASE_IMAGE, network="none")) as sb:
         r = await sb.exec("cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max")
         assert r.stdout.strip() == str(DEFAULT_PIDS)
@@ -196,7 +190,7 @@ async def test_default_limits_apply_when_the_spec_gives_none() -> None:
 
 
 async def test_memory_hog_is_oom_killed_and_reported() -> None:
-    _require_base()
+    require_agent_base()
     spec = SandboxSpec(image=BASE_IMAGE, network="none", resources=Resources(memory="256m"))
     async with DockerSandbox(spec) as sb:
         r = await sb.exec("python3 -c \"b = bytearray(1536 << 20); b[::4096] = b'x' * len(b[::4096]); print('survived')\"",
@@ -207,7 +201,7 @@ async def test_memory_hog_is_oom_killed_and_reported() -> None:
 
 
 async def test_disk_limit_fills_the_writable_layer_and_is_reported() -> None:
-    _require_base()
+    require_agent_base()
     spec = SandboxSpec(image=BASE_IMAGE, network="none", user="agent", resources=Resources(disk="64m"))
     async with DockerSandbox(spec) as sb:
         assert "disk" in sb.description
@@ -230,7 +224,7 @@ async def test_disk_limit_fills_the_writable_layer_and_is_reported() -> None:
 
 
 async def test_kernel_keyring_is_refused_in_the_container() -> None:
-    _require_base()
+    require_agent_base()
     probe = (
         "import ctypes, os\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
@@ -254,7 +248,7 @@ async def test_kernel_keyring_is_refused_in_the_container() -> None:
 async def test_disk_limit_that_cannot_be_enforced_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the layer cannot be loop-mounted (here: as if not root) the engine's quota is asked
     for; this engine (overlay2 on extfs) refuses it, and the sandbox does not start unlimited."""
-    _require_base()
+    require_agent_base()
     from sandbox.docker import client
 
     if "xfs" in str(client().info().get("DriverStatus")):

@@ -32,7 +32,7 @@ from ares_gateway.episodes.episode import harness_side_call_detector
 from ares_gateway.episodes.tasks import Task
 from sandbox.local import ROOT_CAPS
 from tests.rollouts.e2e import require_mini
-from tests.security.test_exploits import _run, task_dir
+from tests.security.test_exploits import _run, _verifier_log, task_dir
 
 pytestmark = [pytest.mark.slow]
 
@@ -83,10 +83,6 @@ def hostile_task(root: Path, name: str) -> Task:
         "PY\n"
     ))
     return Task.load(d)
-
-
-def _log(out: Path, task: Task) -> str:
-    return (out / "logs" / f"{task.name}.0" / "verifier.log").read_text()
 
 
 def _lines(log: str, who: str) -> dict[str, str]:
@@ -143,12 +139,12 @@ async def test_hostile_agent_cannot_reach_root_the_host_or_the_next_episode(
 
     # 1. The .pth in the workdir's user site is never root's code: the real bundled task stays
     # unsolved (it scored 1.0 when root's HOME was the workdir); honest work still scores 1.0.
-    assert forged.episodes[0].reward == 0.0, _log(tmp_path / "forged", greeting)[-2000:]
+    assert forged.episodes[0].reward == 0.0, _verifier_log(tmp_path / "forged", greeting)[-2000:]
     # ... nor a module in the workdir (the bundled verifier runs python3 -I).
-    assert shadow.episodes[0].reward == 0.0, _log(tmp_path / "shadow", shadowed)[-2000:]
-    assert "SHADOW RAN AS ROOT" not in _log(tmp_path / "shadow", shadowed)
-    assert honest.episodes[0].reward == 1.0, _log(tmp_path / "honest", honest_greeting)[-2000:]
-    log = _log(tmp_path / "attacked", hostile)
+    assert shadow.episodes[0].reward == 0.0, _verifier_log(tmp_path / "shadow", shadowed)[-2000:]
+    assert "SHADOW RAN AS ROOT" not in _verifier_log(tmp_path / "shadow", shadowed)
+    assert honest.episodes[0].reward == 1.0, _verifier_log(tmp_path / "honest", honest_greeting)[-2000:]
+    log = _verifier_log(tmp_path / "attacked", hostile)
     assert "PTH RAN AS ROOT" not in log
     assert attacked.episodes[0].reward == 0.0
 
@@ -176,7 +172,7 @@ async def test_hostile_agent_cannot_reach_root_the_host_or_the_next_episode(
 
     # 9. The keyring carries nothing from one episode to the next.
     assert agent["add_key(@u)"] == "refused EPERM", agent
-    next_log = _log(tmp_path / "next", reader)
+    next_log = _verifier_log(tmp_path / "next", reader)
     assert "AGENT PROBE DONE" in next_log, next_log[-3000:]
     assert _lines(next_log, "AGENT")["keyctl(SEARCH @u)"].startswith("refused"), next_log[-2000:]
     assert secret not in next_log

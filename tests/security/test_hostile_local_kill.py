@@ -16,12 +16,8 @@ import pytest
 
 import sandbox
 from sandbox import SandboxSpec
-from sandbox.local import LocalSandbox, bwrap_available
-
-
-def _local_ok() -> None:
-    if not bwrap_available() or os.geteuid() != 0:
-        pytest.skip("hardened local sandboxes need bubblewrap and root")
+from sandbox.local import LocalSandbox
+from tests.prereq import require_hardened_local
 
 
 def _host_pids(needle: str, *, exact: bool = False) -> list[int]:
@@ -58,7 +54,7 @@ def _cgroup_procs(sb: LocalSandbox) -> list[int] | None:
 
 @pytest.fixture
 def local_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    _local_ok()
+    require_hardened_local()
     root = tmp_path / "sandboxes"
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))
     return root
@@ -149,7 +145,7 @@ async def test_an_agents_nested_namespace_loops_are_killed_before_the_tests(tmp_
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A real episode (mini-swe-agent, scripted policy): the agent leaves loops in nested namespaces
     that forge the reward and, once the tests are uploaded, copy them and write the answer: reward 0."""
-    _local_ok()
+    require_hardened_local()
     from ares_gateway import Gateway
     from ares_gateway.episodes.episode import harness_side_call_detector
     from tests.rollouts.e2e import require_mini

@@ -29,17 +29,12 @@ from pathlib import Path
 import pytest
 
 from sandbox import DockerSandbox, SandboxSpec
-from tests.prereq import docker_ok, image_present, require
-from tests.rollouts.e2e import PROVISION
+from tests.prereq import require_hardened_local
+from tests.rollouts.e2e import AGENT_BASE_IMAGE as BASE_IMAGE
+from tests.rollouts.e2e import require_agent_base
 
-BASE_IMAGE = os.environ.get("ARES_AGENT_IMAGE", "ares-gateway/agent-base:latest")
 PORT = 18080
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _require_docker() -> None:
-    require(docker_ok(), f"no Docker engine answers: run {PROVISION}", docker=True)
-    require(image_present(BASE_IMAGE), f"the image {BASE_IMAGE} is missing: run {PROVISION}", docker=True)
 
 
 @pytest.fixture
@@ -81,7 +76,7 @@ _NAME_THE_RELAY = (
 @pytest.mark.parametrize("tunnel", ["mount", "exec"])
 async def test_docker_a_pid_file_naming_the_relay_never_gets_it_killed(tunnel: str, host_socket: str) -> None:
     """A timed-out and a cancelled command of the agent's: root kills the command, not the relay."""
-    _require_docker()
+    require_agent_base()
     tag = str(4000 + secrets.randbelow(1000))
     spec = SandboxSpec(image=BASE_IMAGE, network="none", forwards={PORT: host_socket})
     async with DockerSandbox(spec, tunnel=tunnel) as sb:
@@ -106,7 +101,7 @@ async def test_docker_a_relay_record_naming_another_process_spares_nothing(how: 
     """The pid a dead relay's files still name, taken by an agent process (as pid reuse would have it):
     kill_processes() kills it.  The record differs from that process by its start time, or (when the
     start time is the agent process's own) by its owner."""
-    _require_docker()
+    require_agent_base()
     tag = str(5000 + secrets.randbelow(1000))
     spec = SandboxSpec(image=BASE_IMAGE, network="none", forwards={PORT: host_socket})
     async with DockerSandbox(spec) as sb:
@@ -129,7 +124,7 @@ async def test_docker_a_relay_record_naming_another_process_spares_nothing(how: 
 @pytest.mark.docker
 async def test_docker_root_steps_and_records_are_out_of_the_agents_reach() -> None:
     """Where root keeps its records: a directory of root's that the agent can neither list nor write."""
-    _require_docker()
+    require_agent_base()
     async with DockerSandbox(SandboxSpec(image=BASE_IMAGE, network="none")) as sb:
         r = await sb.exec("ls /.ares/exec 2>&1; touch /.ares/exec/x 2>&1; id -u", user="agent", timeout=30)
         assert "Permission denied" in r.stdout and r.stdout.strip().endswith("1000"), r
@@ -184,16 +179,9 @@ async def test_a_fifo_and_a_forged_exit_code_in_the_state_directory_change_nothi
 # -- local: kill_processes() with its keeper gone, and a keeper it could not spare from the OOM killer ---
 
 
-def _local_ok() -> None:
-    from sandbox.local import bwrap_available
-
-    if not bwrap_available() or os.geteuid() != 0:
-        pytest.skip("hardened local sandboxes need bubblewrap and root")
-
-
 async def test_local_kill_processes_with_its_keeper_gone_does_not_raise(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    _local_ok()
+    require_hardened_local()
     import sandbox
     from sandbox import Resources
     from sandbox.local import LocalSandbox
@@ -232,7 +220,7 @@ _NO_SYS_RESOURCE = textwrap.dedent("""
 def test_local_keeper_not_spared_from_the_oom_killer_is_said(tmp_path: Path) -> None:
     """Root without CAP_SYS_RESOURCE (a container that drops it) cannot lower oom_score_adj: the sandbox
     says so (a warning and its description), and still works."""
-    _local_ok()
+    require_hardened_local()
     from sandbox import _cgroup
 
     if _cgroup.layout() is None or _cgroup.layout().memory is None:  # type: ignore[union-attr]

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
+from tests.helpers import free_port
 from tests.tito.conftest import need_llama
 
 ADMIN = "serve-tito-admin-token-0123456789"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _call(url: str, body: dict, token: str) -> dict:
@@ -32,7 +26,7 @@ def test_serve_answers_with_the_tito_policy() -> None:
     need_llama()
     from openai import OpenAI
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--in-memory",
          "--policy", "tito", "--max-tokens", "12", "--seed", "7"],

@@ -40,6 +40,20 @@ def load_smollm2() -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def require_mini_install() -> None:
+    """mini-swe-agent installed where local sandboxes find agent installs."""
+    from ares_gateway.episodes.installs import install_root
+
+    require(install_root("mini-swe-agent") is not None,
+            "mini-swe-agent is not installed for local sandboxes: bash .ci/provision-agents.sh")
+
+
+@pytest.fixture
+def quiet_trl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL's warnings about its experimental modules, off."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[Any, Any]:
     return load_smollm2()

@@ -35,7 +35,7 @@ from harnesses import registry
 from harnesses.tiny_agent import TinyAgentHarness
 from sandbox import janitor
 from tests.prereq import require
-from tests.trainers.conftest import recorded_main_line
+from tests.trainers.conftest import recorded_main_line, require_mini_install
 
 pytestmark = pytest.mark.slow
 
@@ -54,13 +54,6 @@ def _openenv() -> Any:
         require(False, f"openenv or TRL's async_grpo is not installed ({exc}): python3 -m pip install -e "
                        "'.[openenv]' && python3 -m pip install --no-deps 'openenv==0.10.0'")
     return openenv, openenv_harness
-
-
-def _mini_installed() -> None:
-    from ares_gateway.episodes.installs import install_root
-
-    require(install_root("mini-swe-agent") is not None,
-            "mini-swe-agent is not installed for local sandboxes: bash .ci/provision-agents.sh")
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +99,7 @@ def _results(out: Path) -> dict[str, dict[str, Any]]:
 
 def test_trl_harness_rollout_trains_the_recorded_samples_of_real_episodes(tmp_path: Path, tokenizer: Any) -> None:
     openenv, _ = _openenv()
-    _mini_installed()
+    require_mini_install()
     from openenv.core.harness import TrainableSession
 
     from ares_gateway.engines.llama_cpp import LlamaCppEngine

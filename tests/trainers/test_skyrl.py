@@ -35,7 +35,7 @@ from ares_gateway.trainers import TrainerError, UnknownTaskError
 from harnesses import registry
 from harnesses.tiny_agent import TinyAgentHarness
 from tests.prereq import require
-from tests.trainers.conftest import recorded_main_line
+from tests.trainers.conftest import recorded_main_line, require_mini_install
 
 pytestmark = pytest.mark.slow
 
@@ -53,13 +53,6 @@ def _skyrl() -> Any:
         require(False, f"skyrl is not installed ({exc}): python3 -m pip install --no-deps 'skyrl==0.3.0' "
                        "&& python3 -m pip install -e '.[skyrl]'")
     return skyrl
-
-
-def _mini_installed() -> None:
-    from ares_gateway.episodes.installs import install_root
-
-    require(install_root("mini-swe-agent") is not None,
-            "mini-swe-agent is not installed for local sandboxes: bash .ci/provision-agents.sh")
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +147,7 @@ def _input(trainer: Any, tasks: Sequence[str]) -> tuple[Any, list[str]]:
 
 def test_skyrl_training_step_takes_real_episodes_as_the_recorded_samples(tmp_path: Path, tokenizer: Any) -> None:
     skyrl = _skyrl()
-    _mini_installed()
+    require_mini_install()
     from skyrl.train.generators.base import GeneratorInterface, TrajectoryID
 
     from ares_gateway.engines.llama_cpp import LlamaCppEngine
@@ -253,7 +246,7 @@ class _BrokenInstall(TinyAgentHarness):
 
 def test_failed_episodes_are_reward_0_entries_and_the_step_goes_on(tmp_path: Path, tokenizer: Any) -> None:
     skyrl = _skyrl()
-    _mini_installed()
+    require_mini_install()
     from ares_gateway.engines.llama_cpp import LlamaCppEngine
 
     engine = LlamaCppEngine()

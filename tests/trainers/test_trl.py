@@ -31,17 +31,12 @@ from ares_gateway.trainers import TrainerError, UnknownTaskError
 from harnesses import registry
 from harnesses.tiny_agent import TinyAgentHarness
 from tests.prereq import require
-from tests.trainers.conftest import load_smollm2
+from tests.trainers.conftest import load_smollm2, require_mini_install
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("quiet_trl")]
 
 EVERY_ANSWER_IS_A_COMMAND = r"\A(.+)\Z"
 TASKS = ["fix-median-bug", "write-greeting-file"]
-
-
-@pytest.fixture(autouse=True)
-def _quiet_trl(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
 def _trl() -> Any:
@@ -50,13 +45,6 @@ def _trl() -> Any:
     except Exception as exc:
         require(False, f"trl is not installed ({exc}): python3 -m pip install -e '.[trl]'")
     return trl
-
-
-def _mini_installed() -> None:
-    from ares_gateway.episodes.installs import install_root  # where local sandboxes find agent installs
-
-    require(install_root("mini-swe-agent") is not None,
-            "mini-swe-agent is not installed for local sandboxes: bash .ci/provision-agents.sh")
 
 
 def recompute(trainer: Any, batch: dict[str, list[Any]]) -> list[list[float]]:
@@ -149,7 +137,7 @@ def test_grpo_trains_two_steps_on_real_agent_episodes(tmp_path: Path) -> None:
     from ares_gateway.trainers.trl import reward_from_episode, rollout_func
 
     _trl()
-    _mini_installed()
+    require_mini_install()
     model, tokenizer = load_smollm2()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     out = tmp_path / "episodes"
@@ -219,7 +207,7 @@ def test_a_failed_install_and_an_engine_failure_are_reward_0_episodes_and_traini
     from ares_gateway.trainers.trl import rollout_func
 
     _trl()
-    _mini_installed()
+    require_mini_install()
     model, tokenizer = load_smollm2()
     # An agent that cannot be installed: each episode ends before any LLM call.
     registry.register("broken-install", _BrokenInstall, replace=True)
@@ -313,7 +301,7 @@ def test_without_trl_installed_the_error_names_the_extra() -> None:
 def test_the_example_trains_a_step(tmp_path: Path) -> None:
     """examples/train_trl.py runs as docs/training.md says, here cut to one short step."""
     _trl()
-    _mini_installed()
+    require_mini_install()
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, str(root / "examples" / "train_trl.py"), "--steps", "1", "--step-limit", "2",

@@ -20,17 +20,12 @@ from typing import Any
 import pytest
 
 from ares_gateway.trainers import TrainerError
-from tests.trainers.conftest import load_smollm2
-from tests.trainers.test_trl import EVERY_ANSWER_IS_A_COMMAND, TASKS, _mini_installed, _spread, _trl
+from tests.trainers.conftest import load_smollm2, require_mini_install
+from tests.trainers.test_trl import EVERY_ANSWER_IS_A_COMMAND, TASKS, _spread, _trl
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("quiet_trl")]
 
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def _quiet_trl(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
 def _args(tmp_path: Path, steps: int) -> Any:
@@ -55,7 +50,7 @@ def test_overlapped_rollouts_run_while_the_trainer_trains_and_never_across_a_wei
     from ares_gateway.trainers.trl import VERSION_KEYS, reward_from_episode, rollout_func
 
     trl = _trl()
-    _mini_installed()
+    require_mini_install()
     model, tokenizer = load_smollm2()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
 

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import left_behind
 from tests.prereq import require
-from tests.trainers.conftest import load_smollm2
+from tests.trainers.conftest import load_smollm2, require_mini_install
 from tests.trainers.test_trl import (
     EVERY_ANSWER_IS_A_COMMAND,
     TASKS,
-    _mini_installed,
     _spread,
     _trainer,
     _trl,
@@ -35,17 +35,7 @@ from tests.trainers.test_trl import (
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-@pytest.fixture(autouse=True)
-def _quiet_trl(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-
-
-@pytest.fixture
-def sandbox_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "sandboxes"
-    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))  # before the cluster: its workers inherit it
-    return root
+pytestmark = pytest.mark.usefixtures("quiet_trl")
 
 
 @pytest.fixture
@@ -94,7 +84,7 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
     from ares_gateway.trainers.trl import EPISODE_KEYS, VERSION_KEYS, reward_from_episode, rollout_func
 
     _trl()
-    _mini_installed()
+    require_mini_install()
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
     assert len(nodes) == 2
     where = _imported_from(nodes)
@@ -160,7 +150,7 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
     assert isinstance(again, RemoteTitoPolicy) and again.engine.url == call["url"]  # type: ignore[attr-defined]
     # Closed: the server is gone, and no sandbox is left on any node.
     assert rollouts.served is not None and rollouts.served.server is None
-    assert (sorted(p.name for p in sandbox_root.iterdir()) if sandbox_root.exists() else []) == []
+    assert left_behind(sandbox_root) == []
 
 
 async def test_the_served_engine_is_one_server_per_engine_and_a_bad_address_is_a_clear_error() -> None:

@@ -28,6 +28,7 @@ from ares_gateway.trainers import UnknownTaskError
 from harnesses import registry
 from harnesses.tiny_agent import TinyAgentHarness
 from tests.prereq import require
+from tests.trainers.conftest import require_mini_install
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +44,6 @@ def _verl() -> Any:
     except Exception as exc:
         require(False, f"verl is not installed ({exc}): python3 -m pip install -e '.[verl]'")
     return agent_loop
-
-
-def _mini_installed() -> None:
-    from ares_gateway.episodes.installs import install_root  # where local sandboxes find agent installs
-
-    require(install_root("mini-swe-agent") is not None,
-            "mini-swe-agent is not installed for local sandboxes: bash .ci/provision-agents.sh")
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +195,7 @@ def _recorded(out: Path, session_id: str) -> dict[str, Any]:
 
 def test_verl_agent_loop_worker_runs_real_episodes_and_returns_the_recorded_samples(tmp_path: Path,
                                                                                     model_dir: str) -> None:
-    _mini_installed()
+    require_mini_install()
     from ares_gateway.engines.llama_cpp import LlamaCppEngine
 
     engine = LlamaCppEngine()
@@ -260,7 +254,7 @@ class _BrokenInstall(TinyAgentHarness):
 
 
 def test_failed_episodes_are_reward_0_outputs_and_the_batch_completes(tmp_path: Path, model_dir: str) -> None:
-    _mini_installed()
+    require_mini_install()
     from ares_gateway.engines.llama_cpp import LlamaCppEngine
 
     # A harness that cannot be installed: no LLM call, a masked one-token response, reward 0, its error.

@@ -82,6 +82,12 @@ def tool(text: str, call_id: str = "call_0") -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": text}
 
 
+def alternating(*texts: str) -> list[dict[str, Any]]:
+    """A conversation of plain texts, user first, then assistant and user in turn."""
+    roles = ("user", "assistant")
+    return [{"role": roles[i % 2], "content": t} for i, t in enumerate(texts)]
+
+
 def _call_token(call: dict[str, Any]) -> str:
     fn = call["function"]
     args = json.dumps(json.loads(fn["arguments"]), sort_keys=True, separators=(",", ":"))

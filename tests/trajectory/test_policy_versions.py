@@ -7,17 +7,13 @@ from typing import Any
 
 import pytest
 
+from tests.trajectory.helpers import alternating
 from trajectory import TrajectoryManager, TurnRecord
-
-
-def _msgs(*texts: str) -> list[dict[str, Any]]:
-    roles = ("user", "assistant")
-    return [{"role": roles[i % 2], "content": t} for i, t in enumerate(texts)]
 
 
 def _record(tm: TrajectoryManager, history: list[str], reply: str, prompt: list[int], output: list[int],
             version: int | None) -> None:
-    tm.record_turn("s", prompt_messages=_msgs(*history), response_message={"role": "assistant", "content": reply},
+    tm.record_turn("s", prompt_messages=alternating(*history), response_message={"role": "assistant", "content": reply},
                    turn=TurnRecord(prompt, output, [-0.5] * len(output), policy_version=version))
 
 

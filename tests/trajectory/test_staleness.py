@@ -8,12 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.trajectory.helpers import alternating
 from trajectory import Sample, TrajectoryManager, TurnRecord, is_stale, mask_stale
-
-
-def _msgs(*texts: str) -> list[dict[str, Any]]:
-    roles = ("user", "assistant")
-    return [{"role": roles[i % 2], "content": t} for i, t in enumerate(texts)]
 
 
 def _three_versions(versions: tuple[int | None, int | None, int | None]) -> Sample:
@@ -23,7 +19,7 @@ def _three_versions(versions: tuple[int | None, int | None, int | None]) -> Samp
     prompt = [1, 2, 3]
     outputs = ([10, 11], [12], [13, 14])
     for i, (out, v) in enumerate(zip(outputs, versions, strict=True)):
-        tm.record_turn("s", prompt_messages=_msgs(*history), response_message={"role": "assistant", "content": f"r{i}"},
+        tm.record_turn("s", prompt_messages=alternating(*history), response_message={"role": "assistant", "content": f"r{i}"},
                        turn=TurnRecord(prompt, out, [-0.5] * len(out), policy_version=v))
         history += [f"r{i}", f"u{i}"]
         prompt = prompt + out + [4 + i]

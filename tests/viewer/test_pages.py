@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.rollouts.e2e import REPO, cli, require_mini
+from tests.helpers import cli
+from tests.rollouts.e2e import REPO, require_mini
 
 from .conftest import ViewProcess, expect, shot
 from .runs import INJECTIONS, build_run, forked_session, injection_session

@@ -1,0 +1,32 @@
+"""Helpers shared by test modules of several suites: loopback ports, the CLI's command line, what
+local sandboxes leave behind, and token records."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+from ares_gateway.core.canonical import TokenRecord
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound, then closed): a server may take it, a client is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli(*args: str) -> list[str]:
+    """The ``ares-gateway`` command line, run with this interpreter."""
+    return [sys.executable, "-m", "ares_gateway.cli", *args]
+
+
+def left_behind(root: Path) -> list[str]:
+    """The names of the entries under a local sandbox root (``[]`` when it was never created)."""
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def token_record(prompt: list[int], output: list[int]) -> TokenRecord:
+    """A generation's tokens, every output token at logprob -0.5."""
+    return TokenRecord(prompt_ids=prompt, output_ids=output, output_logprobs=[-0.5] * len(output))

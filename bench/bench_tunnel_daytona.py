@@ -5,7 +5,7 @@ the unix-socket relay: latency of a kept-alive agent turn and throughput.
 
 The same server and stdlib client as bench/bench_tunnel.py.  The Daytona paths are a real
 ``DaytonaSandbox(network="none", forwards=...)`` driven by the real ``daytona`` SDK against the fake of
-tests/sandbox/daytona_fake.py in its own process (as the daemon is another machine): its PTY
+bench/support/daytona_fake.py in its own process (as the daemon is another machine): its PTY
 WebSocket over a host PTY, or its in-process asyncssh gateway.  The client runs inside the fake's
 sandbox (its own network namespace when bwrap is usable).  No network latency is in these numbers:
 on Daytona itself each turn adds the round trip to its proxy or SSH gateway.
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--body", type=int, default=2000)
     parser.add_argument("--mib", type=int, default=64, help="MiB downloaded and uploaded once each")
     args = parser.parse_args()
-    fake = subprocess.Popen([sys.executable, "-m", "tests.sandbox.daytona_fake"], cwd=ROOT, stdin=subprocess.PIPE,
+    fake = subprocess.Popen([sys.executable, "-m", "bench.support.daytona_fake"], cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert fake.stdout is not None and fake.stdin is not None
     api_url = json.loads(fake.stdout.readline())["api_url"]

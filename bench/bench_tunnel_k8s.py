@@ -4,7 +4,7 @@ bench/bench_tunnel.py measures the local transports: latency of a kept-alive age
     python3 bench/bench_tunnel_k8s.py [--requests 2000] [--body 2000] [--mib 64]
 
 The session's aiohttp server on a unix socket and bench_tunnel's stdlib client, as there.  The
-Kubernetes API is tests/sandbox/kube_fake.py in a process of its own (as an apiserver is), driven by the
+Kubernetes API is bench/support/kube_fake.py in a process of its own (as an apiserver is), driven by the
 real ``kubernetes_asyncio`` client; its pod is a bwrap namespace with no network (needs root, bwrap and
 nsenter), where the client runs as ``nobody``.  Paths:
 
@@ -39,7 +39,7 @@ from sandbox.kubernetes import KubernetesSandbox  # noqa: E402
 FAKE = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-from tests.sandbox.kube_fake import KubeFake
+from bench.support.kube_fake import KubeFake
 fake = KubeFake()
 fake.protocols = tuple(sys.argv[2].split(","))
 fake.start()
@@ -50,7 +50,7 @@ fake.stop()
 
 
 async def k8s_client(protocols: str, sock: str, args: argparse.Namespace) -> dict[str, Any]:
-    from tests.sandbox.kube_fake import KubeFake, unavailable
+    from bench.support.kube_fake import KubeFake, unavailable
 
     reason = unavailable()
     if reason:

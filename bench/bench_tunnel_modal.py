@@ -3,11 +3,11 @@ unix socket itself: p50/p99 of a kept-alive ~2 KB POST turn and MB/s, as bench/b
 
     python3 bench/bench_tunnel_modal.py [--requests 2000] [--body 2000] [--mib 64]
 
-``modal stand-in``: ``ModalSandbox`` adopting tests/sandbox/modal_fake.py's stand-in (a bwrap network
+``modal stand-in``: ``ModalSandbox`` adopting bench/support/modal_fake.py's stand-in (a bwrap network
 namespace, needs root); the client runs inside it by ``sb.exec`` and reaches the session through
 ``sb.forward`` (the relay on a long-lived exec, its stdin/stdout behind the ContainerProcess surface).
 ``modal sdk+router``: the same through the SDK's own exec path and ``ContainerProcess`` (gRPC to a
-stand-in task command router on 127.0.0.1, tests/sandbox/modal_router_fake.py).  Modal's network
+stand-in task command router on 127.0.0.1, bench/support/modal_router_fake.py).  Modal's network
 between the host and its worker is in neither number.
 """
 
@@ -23,10 +23,10 @@ from bench_tunnel import CLIENT, ROOT, host_client, start_host_side, tunnel_clie
 
 sys.path.insert(0, str(ROOT))
 
+from bench.support.modal_fake import FakeModalSandbox
+from bench.support.modal_router_fake import RouterModalSandbox, RouterStandIn
 from sandbox import SandboxSpec
 from sandbox.modal import ModalSandbox
-from tests.sandbox.modal_fake import FakeModalSandbox
-from tests.sandbox.modal_router_fake import RouterModalSandbox, RouterStandIn
 
 
 async def modal_client(sock: str, args: argparse.Namespace, *, via: str) -> dict[str, Any]:

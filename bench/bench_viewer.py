@@ -6,7 +6,7 @@
 Serves the run with the viewer's own server on 127.0.0.1 and prints, for each API call a page makes,
 the first (cold: files read and turn views built) and the median warm time, and the bytes sent; then,
 with Debian's Chromium (``.ci/provision-browser.sh``), the time from navigation to the page drawn.
-The data is the scale test's (``tests/viewer/runs.py``).
+The data is the scale test's (``bench/support/viewer_runs.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 from ares_gateway.viewer import RunSource, Viewer, serve_viewer
-from tests.viewer.runs import big_run, big_sample, big_session
+from bench.support.viewer_runs import big_run, big_sample, big_session
 
 KEY = "big-task.0"
 TREE_KEY = "big-tree.0"

@@ -203,7 +203,7 @@ def test_a_real_gateways_fork_and_side_call_with_token_records(tmp_path: Path) -
     agent, token records on every turn): a retry that forks after the first answer and a side call."""
     import asyncio
 
-    from tests.viewer.runs import build_run, forked_session
+    from bench.support.viewer_runs import build_run, forked_session
 
     harbor_python()
     run = asyncio.run(build_run(tmp_path / "run", [("forked", 1.0, forked_session)]))
@@ -251,7 +251,7 @@ def test_atif_reads_back_into_a_run_the_viewer_serves(runs: dict[str, Path], tmp
     import asyncio
 
     from ares_gateway.viewer import RunSource
-    from tests.viewer.runs import build_run, forked_session
+    from bench.support.viewer_runs import build_run, forked_session
 
     run = asyncio.run(build_run(tmp_path / "forked", [("forked", 1.0, forked_session)]))
     first = tmp_path / "atif"

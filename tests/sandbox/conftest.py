@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 
 import sandbox
+from bench.support.daytona_fake import API_KEY, DaytonaFake
 from sandbox.docker import engine_available
-
-from .daytona_fake import API_KEY, DaytonaFake
 
 HERE = Path(__file__).parent
 BASE_IMAGE = os.environ.get("ARES_BASE_IMAGE", "ares-gateway/debian-base:bookworm")

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 
 import sandbox
+from bench.support.daytona_fake import API_KEY, DaytonaFake
 from sandbox import DaytonaSandbox, SandboxSpec, janitor
-
-from .daytona_fake import API_KEY, DaytonaFake
 
 
 async def test_create_carries_resources_labels_and_lifetimes(daytona_fake: DaytonaFake, tmp_path: Path) -> None:

@@ -316,7 +316,7 @@ async def test_forward_refuses_host_networking_and_unsupported_backends(tmp_path
 async def test_a_daytona_sandbox_whose_tunnel_cannot_start_is_removed(daytona_fake: Any, tmp_path: Path) -> None:
     # Daytona forwards over the exec tunnel (tests/sandbox/test_tunnel_daytona.py); when the relay cannot
     # be installed (here: a relay directory that cannot exist) start fails and nothing is left behind.
-    from .daytona_fake import API_KEY
+    from bench.support.daytona_fake import API_KEY
 
     spec = SandboxSpec(image=AGENT_IMAGE, network="none", workdir=str(tmp_path), forwards={FORWARD_PORT: "/x.sock"})
     sb = sandbox.create(spec, backend="daytona", api_key=API_KEY, api_url=daytona_fake.api_url,

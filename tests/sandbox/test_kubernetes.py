@@ -1,5 +1,5 @@
 """The Kubernetes backend, driven by the real ``kubernetes_asyncio`` client against a stand-in API server
-(tests/sandbox/kube_fake.py) whose pods are bwrap namespaces with no network.
+(bench/support/kube_fake.py) whose pods are bwrap namespaces with no network.
 
 * the backend contract of tests/sandbox/test_contract.py (its tests, imported);
 * what the client sends at the wire: the pod (labels, owner annotations, resources, no token) and an
@@ -25,13 +25,13 @@ from typing import Any
 import pytest
 
 import sandbox
+from bench.support.kube_fake import PROTOCOLS, TOKEN, KubeFake, unavailable
 from sandbox import SandboxSpec, janitor
 from sandbox import kubernetes as kube
 from sandbox.kubernetes import KubernetesSandbox
 from sandbox.tunnel import Channel, Tunnel
 
 from . import test_tunnel as _tunnel_tests
-from .kube_fake import PROTOCOLS, TOKEN, KubeFake, unavailable
 from .test_contract import (  # noqa: F401  (the contract, run here on this backend)
     test_async_with_removes_on_exception,
     test_background_process_outlives_its_exec_until_stop,

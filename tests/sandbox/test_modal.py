@@ -1,11 +1,11 @@
 """The Modal backend (sandbox/modal.py) without Modal's servers, and live behind a token.
 
-The stand-in (tests/sandbox/modal_fake.py) is a real sandbox: a bwrap holder with no network (loopback
+The stand-in (bench/support/modal_fake.py) is a real sandbox: a bwrap holder with no network (loopback
 only), its own PID namespace and root, every exec a real process in it.  ``ModalSandbox`` adopts it two
 ways: ``stand-in``, its processes duck-typed as ``modal``'s ``ContainerProcess`` (``text=False``); and
 ``sdk``, the SDK's own exec path (``exec_via_tcr``, ``TaskCommandRouterClient``, the synchronicity-wrapped
 ``ContainerProcess`` and its ``io_streams``) speaking gRPC to a stand-in task command router
-(tests/sandbox/modal_router_fake.py).  The backend runs unchanged on both: the exec wrapper (cwd, env,
+(bench/support/modal_router_fake.py).  The backend runs unchanged on both: the exec wrapper (cwd, env,
 user, a timeout killing the group), tar transfers over stdin/stdout, kill_processes, and the exec
 tunnel, on which test_tunnel.py's shared transport suite runs (SSE byte-exact, 8 MiB, all 256 bytes, 64
 streams, a transport drop and the agent's retry, hostile frames).  A test checks every name the
@@ -30,10 +30,10 @@ from typing import Any
 import pytest
 
 import sandbox
+from bench.support.modal_fake import FakeModalSandbox, FakeProcess, bwrap_usable
 from sandbox.modal import MODAL_TAG, ModalSandbox, modal_process_channel
 from sandbox.tunnel import Channel, Tunnel
 
-from .modal_fake import FakeModalSandbox, FakeProcess, bwrap_usable
 from .test_tunnel import (  # noqa: F401  (the shared suite runs here on the Modal transport)
     CLIENT,
     HOSTILE,
@@ -72,7 +72,7 @@ async def _adopted(spec: sandbox.SandboxSpec | None = None, *, via: str = "stand
     await fake.start()
     handle: Any = fake
     if via == "sdk":
-        from .modal_router_fake import RouterModalSandbox, RouterStandIn
+        from bench.support.modal_router_fake import RouterModalSandbox, RouterStandIn
 
         # (The router's calls off the exec path are filled in after the class: not abstract.)
         router = RouterStandIn(fake)  # type: ignore[abstract]
@@ -187,7 +187,7 @@ async def test_the_stand_in_has_the_sdks_surface() -> None:
         assert name in params, name
     assert {"env", "timeout", "text"} <= set(inspect.signature(modal.Sandbox.exec.aio).parameters)
     # The channel writes at most 1 MiB between drains; the SDK's writer takes this much, as the stand-in's.
-    from .modal_fake import MAX_BUFFER
+    from bench.support.modal_fake import MAX_BUFFER
 
     assert io_streams.TASK_COMMAND_ROUTER_MAX_BUFFER_SIZE == MAX_BUFFER >= 1024 * 1024
 

@@ -1,6 +1,6 @@
 """The exec tunnel on Daytona: over a toolbox PTY session and over an SSH exec channel.
 
-The real ``daytona`` SDK drives the fake of tests/sandbox/daytona_fake.py: its PTY WebSocket (a host
+The real ``daytona`` SDK drives the fake of bench/support/daytona_fake.py: its PTY WebSocket (a host
 PTY whose shell prints noise first) and its SSH gateway (an in-process asyncssh server that refuses
 port forwarding).  A ``network="none"`` sandbox there runs in its own network namespace (``bwrap
 --unshare-net``), so its relay and its clients have only their loopback.  The transport suite of
@@ -27,11 +27,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from bench.support.daytona_fake import API_KEY, DaytonaFake, netns_available
 from sandbox import DaytonaSandbox, SandboxSpec
 from sandbox._daytona_channels import parse_ssh_command
 from sandbox.tunnel import Channel, Tunnel
 
-from .daytona_fake import API_KEY, DaytonaFake, netns_available
 from .test_tunnel import (  # the shared transport suite runs here on Daytona's transports
     CLIENT,
     HOSTILE,
@@ -62,7 +62,7 @@ class FakeProcess:
     measures (memory under a hostile relay, throughput) is then the host's alone."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.sandbox.daytona_fake"], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.support.daytona_fake"], cwd=REPO,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         info = json.loads(self.proc.stdout.readline())

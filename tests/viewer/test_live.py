@@ -17,9 +17,9 @@ import pytest
 from ares_gateway import Gateway
 from ares_gateway.episodes.output import EpisodeResult, RunOutputs
 from ares_gateway.viewer import mount_viewer
+from bench.support.viewer_runs import Agent
 
 from .conftest import CHROMIUM, CHROMIUM_FLAGS, require_browser
-from .runs import Agent
 
 
 async def _launch(pw: Any, profile: str) -> Any:

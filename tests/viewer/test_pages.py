@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
+from bench.support.viewer_runs import INJECTIONS, build_run, forked_session, injection_session
 from tests.helpers import cli
 from tests.rollouts.e2e import REPO, require_mini
 
 from .conftest import ViewProcess, expect, shot
-from .runs import INJECTIONS, build_run, forked_session, injection_session
 
 HOSTILE_TASK = "hostile<img src=x onerror=alert(1)>"
 

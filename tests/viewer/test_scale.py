@@ -13,9 +13,9 @@ import orjson
 import pytest
 
 from ares_gateway.viewer import RunSource
+from bench.support.viewer_runs import big_run, big_sample, big_session
 
 from .conftest import ViewProcess, expect, shot
-from .runs import big_run, big_sample, big_session
 
 KEY = "big-task.0"
 

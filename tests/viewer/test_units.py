@@ -13,9 +13,8 @@ from aiohttp import web
 
 from ares_gateway import Gateway
 from ares_gateway.viewer.turns import FileTurns, TurnViews
+from bench.support.viewer_runs import big_session
 from trajectory import TrajectoryManager, TurnRecord
-
-from .runs import big_session
 
 
 def test_file_turns_equal_turns_built_in_memory(tmp_path: Path) -> None:
@@ -131,8 +130,7 @@ def test_view_refuses_what_it_cannot_show(tmp_path: Path) -> None:
 async def test_the_tree_rebuilt_from_a_turn_log_is_the_recorders() -> None:
     """A run's ``turns/`` file gives the same tree as the live recorder (the run deletes its sessions)."""
     from ares_gateway.core.session_recorder import tree_view_of_turn_log
-
-    from .runs import Agent, forked_session
+    from bench.support.viewer_runs import Agent, forked_session
 
     async with Gateway(data_dir=False) as gw:
         info = await gw.create_session()
@@ -180,8 +178,7 @@ def test_episode_keys_are_the_names_the_run_gives_its_files(tmp_path: Path) -> N
 @pytest.mark.parametrize("durable", [True, False])
 async def test_turn_log_reader_decodes_only_what_is_new(tmp_path: Path, durable: bool) -> None:
     from ares_gateway.core.session_recorder import TurnLogReader
-
-    from .runs import Agent
+    from bench.support.viewer_runs import Agent
 
     async with Gateway(data_dir=str(tmp_path / "data") if durable else False) as gw:
         info = await gw.create_session()

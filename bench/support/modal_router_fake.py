@@ -4,7 +4,7 @@ Since modal 1.x a sandbox's ``exec`` talks gRPC straight to the worker's task co
 (``modal_proto.task_command_router``: ``TaskExecStart``, ``TaskExecStdinWrite`` with byte offsets and
 EOF, ``TaskExecStdioRead`` streaming from an offset, ``TaskExecWait``/``TaskExecPoll``).
 :class:`RouterStandIn` serves those calls with grpclib on 127.0.0.1, each exec a real process in a
-:class:`~tests.sandbox.modal_fake.FakeModalSandbox`.  :class:`RouterModalSandbox` is what
+:class:`~bench.support.modal_fake.FakeModalSandbox`.  :class:`RouterModalSandbox` is what
 ``ModalSandbox`` adopts: its ``exec.aio`` runs the SDK's own ``exec_via_tcr`` with the SDK's own
 ``TaskCommandRouterClient`` (plain HTTP/2 to localhost, as the SDK allows for a localhost server), on
 the SDK's own event loop thread, and returns the SDK's own ``ContainerProcess`` (synchronicity
@@ -31,7 +31,7 @@ from modal.stream_type import StreamType
 from modal_proto import task_command_router_pb2 as sr_pb2
 from modal_proto.task_command_router_grpc import TaskCommandRouterBase
 
-from .modal_fake import Aio, FakeModalSandbox
+from bench.support.modal_fake import Aio, FakeModalSandbox
 
 T = TypeVar("T")
 STDOUT, STDERR = sr_pb2.TASK_EXEC_STDIO_FILE_DESCRIPTOR_STDOUT, sr_pb2.TASK_EXEC_STDIO_FILE_DESCRIPTOR_STDERR

@@ -656,7 +656,7 @@ class DaytonaFake:
 
 
 def main() -> None:
-    """The fake as its own process (``python3 -m tests.sandbox.daytona_fake``), as the real daemon is:
+    """The fake as its own process (``python3 -m bench.support.daytona_fake``), as the real daemon is:
     prints ``{"api_url": ..., "ssh_port": ...}`` and serves until its stdin ends."""
     fake = DaytonaFake().start()
     print(json.dumps({"api_url": fake.api_url, "ssh_port": fake.ssh_port}), flush=True)

@@ -140,7 +140,7 @@ async def test_scripted_run_writes_file_and_finishes(name: str, backend: str) ->
     # The recorded turns: the same main line, the side calls tagged.
     assert [t["side_call"] for t in turns] == [r.side_call for r in seen]
 
-    # The result of step 1 reaches the agent's next request.
+    # The first command's result reaches the agent's next request.
     second = main[1].request.messages
     if name == "terminus-2":
         assert MARK in _text_of(second[-1].to_chat_dict())

@@ -1,4 +1,4 @@
-"""The streaming rollout source over real episodes: tiny-agent in local sandsandbox_root, every call answered in
+"""The streaming rollout source over real episodes: tiny-agent in local sandboxes, every call answered in
 process by the oracle policy, its answers carrying token records (so the episodes have samples with
 versions). Groups complete with every attempt; a slow consumer holds launches back; a weight update
 fenced through the source mid-stream gives an episode of two versions, and staleness masks the old one;

@@ -1,4 +1,4 @@
-"""Per-call usage and timing summed per episode and run, on real episodes: tiny-agent in local sandsandbox_root,
+"""Per-call usage and timing summed per episode and run, on real episodes: tiny-agent in local sandboxes,
 every call answered in process by the oracle policy with token records. The sums in episodes.jsonl and
 results.json equal what the turn logs' token records give (prompt and output ids, the prefix each prompt
 shares with the previous turn's prompt + output); the timings are present, non-negative and ordered; the

@@ -246,6 +246,7 @@ def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[
         first_version=versions[0] if versions else None,
         last_version=versions[-1] if versions else None,
         verifier_crashed=outcome.verifier_crashed,
+        failure_site=outcome.failure_site,
     )
 
 

@@ -39,11 +39,13 @@ from typing import TYPE_CHECKING, Any
 
 import sandbox as sandbox_mod
 from ares_gateway.core.sessions import SessionInfo
+from ares_gateway.episodes.failures import AGENT_SANDBOX, GRADING_SANDBOX
 from ares_gateway.episodes.tasks import Task, prepare_workdir
 from ares_gateway.episodes.verifier import (
     VerifierResult,
     WorkspaceCopyError,
     copy_workspace,
+    prepare_tests,
     run_tests,
     workspace_limit,
 )
@@ -121,6 +123,13 @@ class EpisodeOutcome:
     verifier_error: str | None = None
     #: The verifier's own machinery failed, not its tests (``VerifierResult.crashed``).
     verifier_crashed: bool = False
+    #: Where the cause of a ``sandbox_error`` or a verifier crash lies, which decides whose failure it
+    #: is (:func:`~ares_gateway.episodes.failures.classify`): ``agent_sandbox`` (the agent's own sandbox,
+    #: lost or failing while the agent ran or at grading, or the copy of its workdir out of it: the
+    #: agent's once the policy answered a call), ``grading_sandbox`` (the fresh grading sandbox or the
+    #: verifier's machinery in it, which the agent never touched: the infrastructure's), or ``""``
+    #: (neither happened, or the sandbox failed before the agent ran: the infrastructure's).
+    failure_site: str = ""
     agent_exit_code: int | None = None
     setup_seconds: float = 0.0
     agent_seconds: float = 0.0
@@ -164,6 +173,8 @@ class EpisodeOutcome:
         if self.verifier_error is not None:
             out["verifier_error"] = self.verifier_error
             out["verifier_crashed"] = self.verifier_crashed
+        if self.failure_site:
+            out["failure_site"] = self.failure_site
         return out
 
 
@@ -534,7 +545,9 @@ class TaskEpisode:
             except HarnessError as exc:
                 out.exit_reason, out.error = "agent_error", _describe(exc)
             except sandbox_mod.SandboxError as exc:
+                # The agent could have brought its own sandbox down: the agent's once the policy had a say.
                 out.exit_reason, out.error = "sandbox_error", f"the sandbox failed while the agent ran: {_describe(exc)}"
+                out.failure_site = AGENT_SANDBOX
             except Exception as exc:
                 out.exit_reason, out.error = "agent_error", f"{type(exc).__name__}: {exc}"
             if self._launched_at is not None:
@@ -564,6 +577,7 @@ class TaskEpisode:
                 out.grading_setup_seconds = self._grader_seconds
                 if grader_error is not None:
                     out.exit_reason, out.error = "sandbox_error", one_line(grader_error)
+                    out.failure_site = GRADING_SANDBOX
                     out.verify_seconds = time.monotonic() - started
                     return out
                 verdict = await self.verify(out) if quiet_error is None else _refused(quiet_error)
@@ -577,6 +591,8 @@ class TaskEpisode:
             out.reward_source = verdict.reward.source
             out.verifier_error = one_line(verdict.error)
             out.verifier_crashed = verdict.crashed
+            if verdict.crashed:
+                out.failure_site = verdict.failure_site
             if verdict.script is not None:
                 out.logs["verifier.log"] = (
                     f"exit code {verdict.script.exit_code} (timed out: {verdict.script.timed_out}, "
@@ -642,38 +658,64 @@ class TaskEpisode:
     async def verify(self, out: EpisodeOutcome | None = None) -> VerifierResult:
         """Run the task's tests (their own timeout) and read the reward; never raises.
 
-        ``[verifier] sandbox = "fresh"`` (the default): copy the agent's workdir into the grading
-        sandbox (the agent's processes must be gone: :meth:`kill_agent_processes`) and run them there;
-        ``"agent"``: run them in the agent's sandbox. ``out`` gets the copy's size.
+        ``[verifier] sandbox = "fresh"`` (the default): prepare the tests in the grading sandbox, copy
+        the agent's workdir into it (the agent's processes must be gone: :meth:`kill_agent_processes`)
+        and run them there; ``"agent"``: run them in the agent's sandbox. ``out`` gets the copy's size.
+
+        A crash says where its cause lies (``VerifierResult.failure_site``): in the agent's sandbox
+        (it is not running, the copy out of it failed, the verifier's setup in it failed; also the
+        grading sandbox when the agent's copy made it hit a limit) or in the grading sandbox.
         """
         from ares_gateway.episodes.verifier import Reward
 
         sb = self.sandbox
         if sb is None or sb.state != "running":
-            return VerifierResult(Reward(0.0), None, "the sandbox is not running", crashed=True)
+            return VerifierResult(Reward(0.0), None, "the sandbox is not running", crashed=True,
+                                  failure_site=AGENT_SANDBOX)
         verifier_user = self.task.config.verifier_user
         if verifier_user is not None and self.prep is not None and verifier_user in {self.prep.user, self._agent_uid}:
             return VerifierResult(Reward(0.0), None, (
                 f"task {self.task.name}: [verifier] user = {verifier_user!r} is the agent's user; the tests never run "
                 "as the user whose work they judge: drop that line of task.toml (root runs them) or name another user"))
         if self.task.config.grading == "agent":
-            return await run_tests(sb, self.task)
+            # Everything here runs in the agent's sandbox, which the agent may have broken (a full disk,
+            # a removed /tmp): a crash is the agent's once the policy had a say.
+            verdict = await run_tests(sb, self.task)
+            return dataclasses.replace(verdict, failure_site=AGENT_SANDBOX) if verdict.crashed else verdict
         gsb, ctx = self.grading_sandbox, self.ctx
         if gsb is None or gsb.state != "running" or ctx is None:
-            return VerifierResult(Reward(0.0), None, "the grading sandbox is not running", crashed=True)
+            return VerifierResult(Reward(0.0), None, "the grading sandbox is not running", crashed=True,
+                                  failure_site=GRADING_SANDBOX)
+        # The verifier's own setup first, while nothing of the agent's is in the grading sandbox: its
+        # failure is the infrastructure's, whatever the agent did.
+        failed = await prepare_tests(gsb, self.task)
+        if failed is not None:
+            return dataclasses.replace(failed, failure_site=GRADING_SANDBOX)
         workdir = gsb.workdir if self.task.workdir == gsb.spec.workdir else self.task.workdir
         try:
             size = await copy_workspace(sb, gsb, src_workdir=ctx.workdir, dst_workdir=workdir, user=self._agent_uid,
                                         limit=workspace_limit(self.task),
                                         timeout=max(60.0, self.task.config.verifier_timeout))
         except WorkspaceCopyError as exc:
-            return VerifierResult(Reward(0.0), None, str(exc))
+            if not exc.crashed:  # a verdict on what the agent left (too large to grade)
+                return VerifierResult(Reward(0.0), None, str(exc))
+            site = exc.site if exc.site == AGENT_SANDBOX else await self._grading_site(gsb)
+            return VerifierResult(Reward(0.0), None, str(exc), crashed=True, failure_site=site)
         except sandbox_mod.SandboxError as exc:
             return VerifierResult(Reward(0.0), None,
-                                  f"copying the workdir into the grading sandbox failed: {_describe(exc)}", crashed=True)
+                                  f"copying the workdir into the grading sandbox failed: {_describe(exc)}", crashed=True,
+                                  failure_site=await self._grading_site(gsb))
         if out is not None:
             out.workspace_bytes = size
-        return await run_tests(gsb, self.task)
+        verdict = await run_tests(gsb, self.task, prepared=True)
+        return dataclasses.replace(verdict, failure_site=await self._grading_site(gsb)) if verdict.crashed else verdict
+
+    @staticmethod
+    async def _grading_site(gsb: sandbox_mod.BaseSandbox) -> str:
+        """Where a failure in the grading sandbox after the agent's workdir went in lies: the agent's
+        when that sandbox hit a limit (its copy filled the disk, its code run by the tests took the
+        memory or the processes), else the grading sandbox's."""
+        return AGENT_SANDBOX if await gsb.limits_reached() else GRADING_SANDBOX
 
     async def _read_logs(self, out: EpisodeOutcome) -> None:
         """The agent's stdout/stderr and the harness's artifacts, read from the sandbox (best effort)."""

@@ -90,8 +90,12 @@ class EpisodeResult:
     #: prompt, completion and reused prompt tokens; seconds parked, with the policy, to streams' first
     #: pieces, of the agent's thinking), each ``None`` where no turn knows it; ``None``: not summed.
     usage: dict[str, Any] | None = None
-    #: The verifier's own machinery failed (not its tests): an infrastructure failure.
+    #: The verifier's own machinery failed (not its tests); whose failure that is: ``failure_site``.
     verifier_crashed: bool = False
+    #: Where the cause of a ``sandbox_error`` or a verifier crash lies (``EpisodeOutcome.failure_site``):
+    #: ``agent_sandbox`` (the agent's once the policy answered a call), ``grading_sandbox`` or ``""``
+    #: (the infrastructure's): :mod:`~ares_gateway.episodes.failures`.
+    failure_site: str = ""
     #: Infrastructure failures retried before this result (each on a fresh sandbox), and their errors.
     retries: int = 0
     retry_errors: list[str] = field(default_factory=list)

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from ares_gateway.episodes.failures import AGENT_SANDBOX, GRADING_SANDBOX
 from ares_gateway.episodes.tasks import (
     DEFAULT_VERIFIER_DIR,
     VERIFIER_DIR_ENV,
@@ -199,9 +200,16 @@ class VerifierResult:
     reward: Reward
     script: ScriptResult | None
     error: str | None = None
-    #: The verifier's own machinery failed (its directories, the upload of the tests, the sandbox), not
-    #: the tests: an infrastructure failure, retried (:mod:`ares_gateway.episodes.failures`).
+    #: The verifier's own machinery failed (its directories, the upload of the tests, the copy of the
+    #: workdir, the sandbox), not the tests: whose failure that is depends on ``failure_site``
+    #: (:mod:`ares_gateway.episodes.failures`).
     crashed: bool = False
+    #: Where a crash's cause lies (set by the episode, which knows the sandboxes):
+    #: :data:`~ares_gateway.episodes.failures.AGENT_SANDBOX` (the agent's own sandbox, or the copy of
+    #: its workdir: the agent's once the policy answered a call), :data:`~ares_gateway.episodes.failures.GRADING_SANDBOX`
+    #: (the fresh grading sandbox before anything of the agent's was in it: the infrastructure's), or
+    #: ``""`` (no crash).
+    failure_site: str = ""
 
     @property
     def ok(self) -> bool:
@@ -255,28 +263,17 @@ def _fresh_dirs_cmd(paths: TaskPaths, verifier_user: str | None) -> str:
     return cmd
 
 
-async def run_tests(
-    sb: Sandbox,
-    task: Task,
-    *,
-    paths: TaskPaths | None = None,
-    timeout: float | None = None,
-    env: Mapping[str, str] | None = None,
-) -> VerifierResult:
-    """Upload ``tests/``, run ``test.sh`` in the workdir with its own timeout, and read the reward.
-
-    Never raises for what the verifier or sandbox did: a timeout, a missing or bad reward file or a
-    sandbox error gives reward 0.0 with ``error`` set (a non-zero exit of test.sh with a reward file
-    is not an error: many verifiers exit 1 when tests fail), and so does a reward outside the task's
-    ``[verifier] reward_range`` (default ``[0, 1]``). ``ARES_VERIFIER_DIR`` is set for the script.
-    """
+async def prepare_tests(sb: Sandbox, task: Task, *, paths: TaskPaths | None = None) -> VerifierResult | None:
+    """The verifier's setup in ``sb``: fresh, root-owned tests and verifier directories, the task's
+    ``tests/`` uploaded into them and sealed. ``None`` when done; else a crashed :class:`VerifierResult`
+    (reward 0.0) saying what failed. Never raises for what the sandbox did."""
     paths = paths or task_paths(sb)
     zero = Reward(0.0)
     root = None if sb.backend == "local" else "root"
     try:
         # Fresh, root-owned directories made after the agent's processes are gone (the episode kills
-        # them first): a reward file or a test.sh the agent left is removed, and no one but root (and
-        # the verifier's own user) can write what is read back.
+        # them first; a fresh grading sandbox never had any): a reward file or a test.sh the agent
+        # left is removed, and no one but root (and the verifier's own user) can write what is read back.
         prep = await sb.exec(_fresh_dirs_cmd(paths, task.config.verifier_user), cwd="/", user=root, timeout=60)
         if not prep.ok:
             return VerifierResult(zero, None, f"cannot create {paths.verifier_dir}: {prep.stderr.strip()[-300:]}",
@@ -287,6 +284,36 @@ async def run_tests(
         if not sealed.ok:
             return VerifierResult(zero, None, f"cannot protect {paths.tests_dir}: {sealed.stderr.strip()[-300:]}",
                                   crashed=True)
+    except SandboxError as exc:
+        return VerifierResult(zero, None, f"sandbox failure while verifying: {exc}", crashed=True)
+    return None
+
+
+async def run_tests(
+    sb: Sandbox,
+    task: Task,
+    *,
+    paths: TaskPaths | None = None,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    prepared: bool = False,
+) -> VerifierResult:
+    """Upload ``tests/`` (:func:`prepare_tests`; not when ``prepared`` says that was done), run
+    ``test.sh`` in the workdir with its own timeout, and read the reward.
+
+    Never raises for what the verifier or sandbox did: a timeout, a missing or bad reward file or a
+    sandbox error gives reward 0.0 with ``error`` set (a non-zero exit of test.sh with a reward file
+    is not an error: many verifiers exit 1 when tests fail), and so does a reward outside the task's
+    ``[verifier] reward_range`` (default ``[0, 1]``). ``ARES_VERIFIER_DIR`` is set for the script.
+    """
+    paths = paths or task_paths(sb)
+    zero = Reward(0.0)
+    root = None if sb.backend == "local" else "root"
+    if not prepared:
+        failed = await prepare_tests(sb, task, paths=paths)
+        if failed is not None:
+            return failed
+    try:
         r = await sb.exec(
             _run_script_cmd(posixpath.join(paths.tests_dir, "test.sh")),
             cwd=task.workdir,
@@ -312,7 +339,18 @@ async def run_tests(
 #: ``[environment] storage_mb`` (with one, that size is the bound).
 MAX_WORKSPACE_BYTES = 2 * 1024**3
 class WorkspaceCopyError(Exception):
-    """The agent's workdir could not be copied into the grading sandbox; the message says why."""
+    """The agent's workdir could not be copied into the grading sandbox; the message says why.
+
+    ``site`` says where the cause lies (:data:`~ares_gateway.episodes.failures.AGENT_SANDBOX`: the
+    agent's sandbox or what came out of it, its archive; :data:`~ares_gateway.episodes.failures.GRADING_SANDBOX`:
+    the grading sandbox's own preparation); ``crashed`` that the copy's machinery failed (a workdir
+    over the bound did not: that is a verdict on what the agent left, reward 0.0).
+    """
+
+    def __init__(self, message: str, *, site: str = AGENT_SANDBOX, crashed: bool = True) -> None:
+        super().__init__(message)
+        self.site = site
+        self.crashed = crashed
 
 
 def workspace_limit(task: Task) -> int:
@@ -373,12 +411,13 @@ async def copy_workspace(
         except ArchiveTooLargeError:
             raise WorkspaceCopyError(
                 f"the workdir {src_workdir} is too large to grade: its archive passes {limit} bytes (the task's "
-                f"storage_mb, else {MAX_WORKSPACE_BYTES} bytes); the agent left too much in it") from None
+                f"storage_mb, else {MAX_WORKSPACE_BYTES} bytes); the agent left too much in it", crashed=False) from None
         except SandboxError as exc:
             raise WorkspaceCopyError(f"archiving the workdir {src_workdir} failed: {exc}") from exc
         room = await dst.exec(make_room, cwd="/", user=root, timeout=timeout)
         if not room.ok:
-            raise WorkspaceCopyError(f"preparing {dst_workdir} in the grading sandbox failed: {_tail(room.stderr)}")
+            raise WorkspaceCopyError(f"preparing {dst_workdir} in the grading sandbox failed: {_tail(room.stderr)}",
+                                     site=GRADING_SANDBOX)
         dst_dir = room.stdout.strip()
         os.chmod(local, 0o644)  # the unpacking user reads it; the directory it lands in is its own
         await dst.upload_file(local, posixpath.join(dst_dir, "ws.tar"))
@@ -390,6 +429,10 @@ async def copy_workspace(
     )
     unpacked = await dst.exec(unpack, cwd="/", user=user if user is not None else root, timeout=timeout)
     if not unpacked.ok:
+        # tar's own failure (exit 2: a member it could not write, no room) or its timeout comes from what
+        # the archive holds, which is the agent's; anything else (no workdir) from the grading sandbox.
+        site = AGENT_SANDBOX if unpacked.timed_out or unpacked.exit_code == 2 else GRADING_SANDBOX
         raise WorkspaceCopyError(f"unpacking the workdir in the grading sandbox failed (exit {unpacked.exit_code}, "
-                                 f"timed out: {unpacked.timed_out}): {_tail(unpacked.stderr or unpacked.stdout)}")
+                                 f"timed out: {unpacked.timed_out}): {_tail(unpacked.stderr or unpacked.stdout)}",
+                                 site=site)
     return int(packed)

@@ -210,7 +210,8 @@ class Gateway:
         self._port: int | None = None
         #: Applications served under a path prefix (:meth:`mount`).
         self.mounts: dict[str, Callable[[BaseRequest], Awaitable[StreamResponse]]] = {}
-        #: Per-session agent endpoints on unix sockets (:meth:`agent_socket`), for sandboxes without a network.
+        #: Per-session agent endpoints on unix sockets (:meth:`agent_socket`), for sandboxes without a
+        #: network.
         self.session_sockets = SessionSockets(self, self.limits, root=cfg.runtime_dir)
         if not cfg.pause_keepalive_seconds > 0:
             raise ValueError("pause_keepalive_seconds must be a positive number of seconds")
@@ -342,7 +343,8 @@ class Gateway:
     @property
     def port(self) -> int:
         if self._port is None:
-            raise RuntimeError("the gateway is not started; use `async with Gateway() as gw` or await gw.start()")
+            raise RuntimeError(
+                "the gateway is not started; use `async with Gateway() as gw` or await gw.start()")
         return self._port
 
     @property
@@ -360,7 +362,8 @@ class Gateway:
     # ------------------------------------------------------------------ sessions
 
     async def create_session(
-        self, session_id: str | None = None, *, metadata: dict[str, Any] | None = None, token: str | None = None
+        self, session_id: str | None = None, *, metadata: dict[str, Any] | None = None,
+        token: str | None = None
     ) -> SessionInfo:
         """Create a session; give the agent ``base_url`` and ``token``.
 

@@ -36,7 +36,8 @@ def default_side_call_detector(request: CanonicalRequest, headers: Mapping[str, 
     return _BY_PROTOCOL[request.protocol](request.raw, headers)
 
 
-def with_harness_checks(checks: Iterable[Callable[[Mapping[str, Any], Mapping[str, str]], bool]]) -> SideCallDetector:
+def with_harness_checks(
+    checks: Iterable[Callable[[Mapping[str, Any], Mapping[str, str]], bool]]) -> SideCallDetector:
     """The default detector, then each of ``checks`` over the raw body; a check that is already the
     default's for the request's protocol is not run a second time."""
     extra = list(dict.fromkeys(checks))

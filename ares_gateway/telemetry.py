@@ -51,7 +51,8 @@ def _env_wants_traces(env: Mapping[str, str]) -> bool:
     exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
     if exporter == "none":
         return False
-    return bool(exporter or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    return bool(exporter or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
 
 def _exporters_from_env(env: Mapping[str, str]) -> list[Any]:
@@ -67,12 +68,14 @@ def _exporters_from_env(env: Mapping[str, str]) -> list[Any]:
 
             out.append(ConsoleSpanExporter())
         elif name == "otlp":
-            protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                        or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
                         or "http/protobuf").strip().lower()
             if protocol != "http/protobuf":
                 raise TelemetryUnavailableError(
                     f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: the otel extra ships the OTLP/HTTP exporter "
-                    "only; set it to http/protobuf (the collector's port 4318) or install and configure grpc yourself")
+                    "only; set it to http/protobuf (the collector's port 4318) or install and configure "
+                    "grpc yourself")
             try:
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             except ImportError as exc:
@@ -86,7 +89,8 @@ def _exporters_from_env(env: Mapping[str, str]) -> list[Any]:
 
 
 class Telemetry:
-    """Emits the gateway's OpenTelemetry spans (see the module docstring). A :class:`~ares_gateway.core.recorder.Recorder`:
+    """Emits the gateway's OpenTelemetry spans (see the module docstring). A
+    :class:`~ares_gateway.core.recorder.Recorder`:
     the gateway hands it every answered turn.
 
     Args:
@@ -137,7 +141,8 @@ class Telemetry:
         try:
             return cls(record_content=record_content, env=env)
         except TelemetryUnavailableError as exc:
-            if enabled or not isinstance(exc.__cause__, ImportError):  # a wrong setting is an error either way
+            # a wrong setting is an error either way
+            if enabled or not isinstance(exc.__cause__, ImportError):
                 raise
             log.warning("OTEL_* asks for traces but no spans will be sent: %s", exc)
             return None
@@ -189,7 +194,8 @@ class Telemetry:
             attrs["llm.token_count.completion"] = output
         if prompt is not None and output is not None:
             attrs["llm.token_count.total"] = prompt + output
-        for key, value in (("ares.parked_seconds", turn.parked_seconds), ("ares.policy_seconds", turn.policy_seconds),
+        for key, value in (("ares.parked_seconds", turn.parked_seconds),
+                           ("ares.policy_seconds", turn.policy_seconds),
                            ("ares.ttft_seconds", turn.ttft), ("ares.policy_version", turn.policy_version)):
             if value is not None:
                 attrs[key] = value
@@ -205,7 +211,8 @@ class Telemetry:
         span.end(end_time=max(start, int((turn.timestamp + turn.latency) * _NS)))
 
     def shutdown(self) -> None:
-        """Flush and stop the exporters of a provider this object made (a passed-in provider is its owner's)."""
+        """Flush and stop the exporters of a provider this object made (a passed-in provider is its
+        owner's)."""
         if self._owned:
             try:
                 self.provider.shutdown()
@@ -228,7 +235,8 @@ class EpisodeSpan:
         with self._telemetry._lock:
             self._telemetry._episodes[session_id] = self.span
 
-    def finish(self, *, reward: float | None, exit_reason: str | None, turns: int, error: str | None = None) -> None:
+    def finish(self, *, reward: float | None, exit_reason: str | None, turns: int,
+               error: str | None = None) -> None:
         """The episode's outcome, as attributes (an error also as the span's status)."""
         if reward is not None:
             self.span.set_attribute("ares.reward", float(reward))

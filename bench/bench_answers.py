@@ -58,7 +58,8 @@ def main() -> None:
                   lambda: answers._too_deep(_CHAT_BODY, answers.MAX_ANSWER_DEPTH)))
     print(f"{'answer':32} {'coerce_answer us':>17} {'proof us':>9}   (median of {a.repeat} x {a.number})")
     for label, whole, proof in cases:
-        print(f"{label:32} {_median_us(whole, a.number, a.repeat):17.1f} {_median_us(proof, a.number, a.repeat):9.1f}")
+        print(f"{label:32} {_median_us(whole, a.number, a.repeat):17.1f} "
+              f"{_median_us(proof, a.number, a.repeat):9.1f}")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ async def main() -> None:
     print("| --- | --- | --- | --- |")
     for (variant, user), times in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         times.sort()
-        print(f"| {user} | {variant} | {statistics.median(times) * 1000:.2f} ms | {times[int(len(times) * 0.9)] * 1000:.2f} ms |")
+        print(f"| {user} | {variant} | {statistics.median(times) * 1000:.2f} ms | "
+              f"{times[int(len(times) * 0.9)] * 1000:.2f} ms |")
 
 
 if __name__ == "__main__":

@@ -84,7 +84,8 @@ def serve(port: int, sessions: int, delay: float, path: str, fences: int, hold: 
             async with PolicyServer(served, policy, concurrency=max(sessions, 1), poll_interval=0.5):
                 import ares_gateway
 
-                print(json.dumps({"ready": True, "sessions": ids, "package": ares_gateway.__file__}), flush=True)
+                print(json.dumps({"ready": True, "sessions": ids, "package": ares_gateway.__file__}),
+                      flush=True)
                 if path != "fence-drain":
                     await asyncio.Event().wait()
                 await asyncio.sleep(warmup)
@@ -107,7 +108,8 @@ def serve(port: int, sessions: int, delay: float, path: str, fences: int, hold: 
 # ------------------------------------------------------------------------- the agents
 
 
-async def _agents(url: str, ids: list[list[str]], stop: asyncio.Event, lat: list[float], max_turns: int | None,
+async def _agents(url: str, ids: list[list[str]], stop: asyncio.Event, lat: list[float],
+                  max_turns: int | None,
                   stream: bool = False) -> int:
     import aiohttp
 
@@ -122,7 +124,8 @@ async def _agents(url: str, ids: list[list[str]], stop: asyncio.Event, lat: list
         while not stop.is_set():
             t0 = time.perf_counter()
             async with s.post(f"{url}/s/{sid}/v1/chat/completions", data=body,
-                              headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"}) as r:
+                              headers={"Content-Type": "application/json",
+                                       "Authorization": f"Bearer {token}"}) as r:
                 await r.read()
                 assert r.status == 200, r.status
             lat.append(time.perf_counter() - t0)
@@ -142,7 +145,8 @@ async def _agents(url: str, ids: list[list[str]], stop: asyncio.Event, lat: list
 
 def _start(args: argparse.Namespace, sessions: int, path: str, fences: int = 0,
            package: str | None = None) -> tuple[subprocess.Popen[str], int, list[list[str]]]:
-    """The gateway process; ``package``: a checkout whose ``ares_gateway`` it imports instead of this one's."""
+    """The gateway process; ``package``: a checkout whose ``ares_gateway`` it imports instead of this
+    one's."""
     port = _free_port()
     env = dict(os.environ)
     if package is not None:
@@ -215,7 +219,8 @@ def latency(args: argparse.Namespace, path: str) -> dict[str, Any]:
         proc.wait()
     lat.sort()
     return {"path": path, "stream": args.stream, "turns": len(lat), "p50_us": lat[len(lat) // 2] * 1e6,
-            "p99_us": lat[int(len(lat) * 0.99)] * 1e6, "gw_cpu_us_per_turn": (cpu[1] - cpu[0]) / len(lat) * 1e6}
+            "p99_us": lat[int(len(lat) * 0.99)] * 1e6,
+            "gw_cpu_us_per_turn": (cpu[1] - cpu[0]) / len(lat) * 1e6}
 
 
 def _cpu_seconds(pid: int) -> float:

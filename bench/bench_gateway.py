@@ -9,8 +9,10 @@ gateway process through ``Gateway.next_request`` / ``respond``.
     python3 bench/bench_gateway.py                      # the full table (takes a few minutes)
     python3 bench/bench_gateway.py --agents 64 --mode http --body small --repeat 3
     python3 bench/bench_gateway.py --instructions       # instructions per turn, under callgrind
-    python3 bench/bench_gateway.py --impl bare --impl go --impl gateway   # against the floors and the Go proxy
-    python3 bench/bench_gateway.py --impl bare-ll --burn-us 50 --agents 1 --mode inproc   # latency per µs of server CPU
+    # against the floors and the Go proxy:
+    python3 bench/bench_gateway.py --impl bare --impl go --impl gateway
+    # latency per µs of server CPU:
+    python3 bench/bench_gateway.py --impl bare-ll --burn-us 50 --agents 1 --mode inproc
 
 Reports turns/s, per-turn latency p50/p99 (agent side), CPU per turn of the server, the responder
 and the load generator with the machine's idle share (which process limits a row), and memory per
@@ -195,13 +197,15 @@ def _responder_main(url: str, canonical: str = "1", max_items: int = 1024) -> No
         async with aiohttp.ClientSession(headers={"authorization": f"Bearer {ADMIN}"}) as s:
             print("ready", flush=True)
             while True:
-                async with s.get(f"{url}/poll", params={"wait": "30", "max": str(max_items), "canonical": canonical}) as r:
+                async with s.get(f"{url}/poll",
+                                 params={"wait": "30", "max": str(max_items), "canonical": canonical}) as r:
                     items = orjson.loads(await r.read())
                 if not items:  # only the Go proxy's non-blocking /poll comes back empty: back off a little
                     await asyncio.sleep(0.001)
                     continue
                 payload = [{"id": it["id"], "completion": {"text": "ok"}} for it in items]
-                async with s.post(f"{url}/respond", data=orjson.dumps(payload), headers={"content-type": "application/json"}) as r:
+                async with s.post(f"{url}/respond", data=orjson.dumps(payload),
+                                  headers={"content-type": "application/json"}) as r:
                     await r.read()
 
     uvloop.run(main())
@@ -232,7 +236,8 @@ def _grown(kind: str, steps: int = GROW_STEPS) -> list[bytes]:
             ]
         else:
             body["messages"] += [
-                {"role": "assistant", "content": f"Step g{t}.", "tool_calls": [{"id": f"call_g{t}", "type": "function",
+                {"role": "assistant", "content": f"Step g{t}.",
+                 "tool_calls": [{"id": f"call_g{t}", "type": "function",
                  "function": {"name": "bash", "arguments": json.dumps({"command": f"cat file{t}.py"})}}]},
                 {"role": "tool", "tool_call_id": f"call_g{t}", "content": f"line {t}\n" * 60},
             ]
@@ -241,7 +246,8 @@ def _grown(kind: str, steps: int = GROW_STEPS) -> list[bytes]:
 
 def _bodies(kind: str) -> tuple[str, bytes, dict[str, str]]:
     if kind == "small":
-        body = {"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]}
+        body = {"model": "m",
+                "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]}
         return "/v1/chat/completions", json.dumps(body).encode(), {}
     if kind == "history":
         # Late in a long mini-swe-agent-style session: 500 chat messages (bash tool calls and their results).
@@ -249,29 +255,40 @@ def _bodies(kind: str) -> tuple[str, bytes, dict[str, str]]:
                                       {"role": "user", "content": "Fix the failing test. " * 20}]
         for i in range(249):
             msgs.append({"role": "assistant", "content": f"Step {i}: look around.", "tool_calls": [
-                {"id": f"call_{i}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"command": f"ls -la src/{i}"})}}]})
-            msgs.append({"role": "tool", "tool_call_id": f"call_{i}", "content": json.dumps({"returncode": 0, "output": "file.py\n" * 20})})
+                {"id": f"call_{i}", "type": "function",
+                 "function": {"name": "bash", "arguments": json.dumps({"command": f"ls -la src/{i}"})}}]})
+            msgs.append({"role": "tool", "tool_call_id": f"call_{i}",
+                         "content": json.dumps({"returncode": 0, "output": "file.py\n" * 20})})
         body = {"model": "m", "messages": msgs, "tools": [{"type": "function", "function": {
-            "name": "bash", "description": "run a command", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]}
+            "name": "bash", "description": "run a command",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]}
         return "/v1/chat/completions", json.dumps(body).encode(), {}
-    # A Claude-Code-sized Anthropic body: system blocks, 25 tools, a conversation with tool results (~96 KB, as captured).
+    # A Claude-Code-sized Anthropic body: system blocks, 25 tools, a conversation with tool results (~96 KB,
+    # as captured).
     tools = [
         {
             "name": f"Tool{i}",
             "description": "Runs a thing. " * 150,
-            "input_schema": {"type": "object", "properties": {f"arg{j}": {"type": "string", "description": "x" * 40} for j in range(8)}},
+            "input_schema": {"type": "object", "properties": {
+                f"arg{j}": {"type": "string", "description": "x" * 40} for j in range(8)}},
         }
         for i in range(25)
     ]
-    messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"}, {"type": "text", "text": "fix the bug"}]}]
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
+                                     {"type": "text", "text": "fix the bug"}]}]
     for i in range(12):
-        messages.append({"role": "assistant", "content": [{"type": "text", "text": f"step {i}"}, {"type": "tool_use", "id": f"toolu_{i}", "name": "Tool1", "input": {"arg0": "ls -la " * 5}}]})
-        messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": "file.txt\n" * 120}]})
-    # In the order Claude Code 2.1.332 writes its fields: the messages first, then the system prompt and tools.
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": f"step {i}"}, {
+            "type": "tool_use", "id": f"toolu_{i}", "name": "Tool1", "input": {"arg0": "ls -la " * 5}}]})
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": "file.txt\n" * 120}]})
+    # In the order Claude Code 2.1.332 writes its fields: the messages first, then the system prompt and
+    # tools.
     body = {
         "model": "claude-x",
         "messages": messages,
-        "system": [{"type": "text", "text": "You are Claude Code. " * 300, "cache_control": {"type": "ephemeral"}}],
+        "system": [
+            {"type": "text", "text": "You are Claude Code. " * 300, "cache_control": {"type": "ephemeral"}}],
         "tools": tools,
         "metadata": {"user_id": json.dumps({"device": "x"})},
         "max_tokens": 32000,
@@ -291,7 +308,8 @@ async def _load(url: str, agents: int, turns: int, body_kind: str, pids: tuple[i
 
     async def agent(i: int, session: aiohttp.ClientSession, turns: int) -> None:
         token = f"bench-agent-token-{i:06d}"
-        headers = {"authorization": f"Bearer {token}", "x-api-key": token, "content-type": "application/json", **extra}
+        headers = {"authorization": f"Bearer {token}", "x-api-key": token, "content-type": "application/json",
+                   **extra}
         target = f"{url}/s/agent{i}{path}"
         for t in range(turns):
             t0 = time.perf_counter()
@@ -445,7 +463,8 @@ def instructions_case(mode: str, impl: str, body: str, turns: tuple[int, int] = 
         url = f"http://127.0.0.1:{port}"
         child = f"_{impl}"
         proc = subprocess.Popen(
-            ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, __file__, child, str(port), mode],
+            ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, __file__,
+             child, str(port), mode],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -495,9 +514,10 @@ def main() -> None:
         "--impl",
         action="append",
         choices=["gateway", "gateway-mem", "bare", "bare-ll", "go"],
-        help="gateway (default), gateway-mem (the gateway with data_dir=False: turns recorded in memory only), bare (aiohttp web.Application parking on futures with no parsing: the floor "
-        "to compare with), bare-ll (the same on aiohttp's low-level web.Server, which the gateway serves on), "
-        "go (bench/go_proxy, the "
+        help="gateway (default), gateway-mem (the gateway with data_dir=False: turns recorded in memory "
+        "only), bare (aiohttp web.Application parking on futures with no parsing: the floor "
+        "to compare with), bare-ll (the same on aiohttp's low-level web.Server, which the gateway "
+        "serves on), go (bench/go_proxy, the "
         "ares-proxy design in Go: destructive non-blocking /poll; HTTP mode only; needs `go`)",
     )
     ap.add_argument(
@@ -509,7 +529,8 @@ def main() -> None:
     ap.add_argument(
         "--grow",
         action="store_true",
-        help=f"each agent's body grows by a tool call and its result every turn, for {GROW_STEPS} turns, then "
+        help=f"each agent's body grows by a tool call and its result every turn, for {GROW_STEPS} "
+        "turns, then "
         "starts over (as a real session's history grows), instead of the same body every turn",
     )
     ap.add_argument(
@@ -533,7 +554,8 @@ def main() -> None:
             for mode in args.mode or ["inproc", "http"]:
                 for impl in args.impl or ["bare", "gateway"]:
                     k = instructions_case(mode, impl, body) / 1000
-                    print(f"{impl:>7} {body:>5} {mode:>6} agents=   1  {k:8.0f} k instructions/turn", flush=True)
+                    print(f"{impl:>7} {body:>5} {mode:>6} agents=   1  {k:8.0f} k instructions/turn",
+                          flush=True)
         return
     rows = []
     for body in args.body or ["small", "large"]:
@@ -544,14 +566,16 @@ def main() -> None:
                         continue  # the Go proxy is answered over HTTP only
                     target = args.turn_target if body == "small" else args.turn_target // 4
                     turns = max(5, target // agents) if agents > 1 else max(200, target // 10)
-                    row = run_case(mode, agents, turns, body, args.repeat, impl, canonical=not args.no_canonical,
+                    row = run_case(mode, agents, turns, body, args.repeat, impl,
+                                   canonical=not args.no_canonical,
                                    grow=args.grow)
                     rows.append(row)
                     print(
                         f"{row['impl']:>7} {row['body']:>5} {row['mode']:>6} agents={row['agents']:>4}  "
-                        f"{row['turns_per_s']:8.0f} turns/s  p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  "
-                        f"gateway CPU {row['gateway_cpu_us']:6.0f} us/turn  responder CPU {row['responder_cpu_us']:5.0f} us/turn  "
-                        f"load generator CPU {row['loadgen_cpu_us']:5.0f} us/turn  idle {row['idle']:4.0%}",
+                        f"{row['turns_per_s']:8.0f} turns/s  p50 {row['p50_ms']:7.2f} ms  p99 "
+                        f"{row['p99_ms']:7.2f} ms  gateway CPU {row['gateway_cpu_us']:6.0f} us/turn  "
+                        f"responder CPU {row['responder_cpu_us']:5.0f} us/turn  load generator CPU "
+                        f"{row['loadgen_cpu_us']:5.0f} us/turn  idle {row['idle']:4.0%}",
                         flush=True,
                     )
     if args.memory:

@@ -2,7 +2,8 @@
 a fresh sandbox (``[verifier] sandbox = "fresh"``, the default) and in the agent's own sandbox (the
 ``"agent"`` opt-out), on each backend.
 
-    python3 bench/bench_grading.py [--backends local,docker] [--repeats 5] [--harness tiny-agent] [--json out.json]
+    python3 bench/bench_grading.py [--backends local,docker] [--repeats 5] [--harness tiny-agent]
+                                   [--json out.json]
 
 Each episode runs alone (one at a time, the two modes interleaved task by task so that drift hits
 both alike) through :func:`ares_gateway.episodes.rollouts.run_rollouts`, what ``ares-gateway run``
@@ -45,12 +46,14 @@ def graded(task: Task, mode: str) -> Task:
 
 async def one(gw: Gateway, task: Task, backend: str, harness: str, out: Path) -> dict[str, Any]:
     started = time.monotonic()
-    summary = await run_rollouts([task], harness=harness, policy=make_policy("oracle"), sandbox=backend, gateway=gw,
+    summary = await run_rollouts([task], harness=harness, policy=make_policy("oracle"), sandbox=backend,
+                                 gateway=gw,
                                  out=out, stats="null", time_limit=300)
     wall = time.monotonic() - started
     [e] = summary.episodes
     if e.exit_reason != "completed" or e.reward != 1.0:
-        raise SystemExit(f"{task.name} ({task.config.grading}, {backend}): {e.exit_reason}, reward {e.reward}: {e.error}")
+        raise SystemExit(
+            f"{task.name} ({task.config.grading}, {backend}): {e.exit_reason}, reward {e.reward}: {e.error}")
     return {"episode_s": wall, "verify_s": e.verify_seconds, "setup_s": e.setup_seconds}
 
 
@@ -101,8 +104,10 @@ async def bench(backend: str, repeats: int, harness: str) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="local,docker", help="comma-separated: local, docker")
-    ap.add_argument("--repeats", type=int, default=5, help="episodes per task and mode (the median is reported)")
-    ap.add_argument("--harness", default="tiny-agent", help="the agent CLI (tiny-agent: no start-up cost to hide ours)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="episodes per task and mode (the median is reported)")
+    ap.add_argument("--harness", default="tiny-agent",
+                    help="the agent CLI (tiny-agent: no start-up cost to hide ours)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     results = []
@@ -111,13 +116,16 @@ def main() -> None:
         result = asyncio.run(bench(backend, args.repeats, args.harness))
         results.append(result)
         print(f"{backend} ({args.harness}, oracle, median of {args.repeats} per task and mode):")
-        print(f"  {'task':<24} {'fresh s':>8} {'agent s':>8} {'added s':>8} {'verify fresh':>13} {'verify agent':>13}")
+        print(f"  {'task':<24} {'fresh s':>8} {'agent s':>8} {'added s':>8} {'verify fresh':>13} "
+              f"{'verify agent':>13}")
         for name, row in result["tasks"].items():
             print(f"  {name:<24} {row['fresh_episode_s']:>8.3f} {row['agent_episode_s']:>8.3f} "
-                  f"{row['added_episode_s']:>8.3f} {row['fresh_verify_s']:>13.3f} {row['agent_verify_s']:>13.3f}")
-        print(f"  all tasks: fresh {result['fresh_episode_s']:.3f} s, agent {result['agent_episode_s']:.3f} s, "
-              f"added {result['added_episode_s']:.3f} s per episode (verify +{result['added_verify_s']:.3f} s, "
-              f"setup {result['added_setup_s']:+.3f} s)")
+                  f"{row['added_episode_s']:>8.3f} {row['fresh_verify_s']:>13.3f} "
+                  f"{row['agent_verify_s']:>13.3f}")
+        print(
+            f"  all tasks: fresh {result['fresh_episode_s']:.3f} s, agent {result['agent_episode_s']:.3f} s, "
+            f"added {result['added_episode_s']:.3f} s per episode (verify +{result['added_verify_s']:.3f} s, "
+            f"setup {result['added_setup_s']:+.3f} s)")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

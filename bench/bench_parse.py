@@ -52,7 +52,8 @@ def main() -> None:
     for kind in ("large", "history"):
         for mode in ("same", "growing", "whole"):
             got = [_run(kind, mode, args.requests) for _ in range(args.runs)]
-            print(f"{kind:8} {mode:8} {statistics.median(got):7.1f} µs a request  (runs {', '.join(f'{x:.1f}' for x in got)})")
+            print(f"{kind:8} {mode:8} {statistics.median(got):7.1f} µs a request  (runs "
+                  f"{', '.join(f'{x:.1f}' for x in got)})")
 
 
 if __name__ == "__main__":

@@ -78,7 +78,8 @@ async def one(kind: str, tasks: list[Any], args: argparse.Namespace, out: Path) 
     ex = _Timed(inner)
     t0 = time.perf_counter()
     summary = await run_rollouts(tasks, harness=args.harness, policy=make_policy("oracle"), sandbox="local",
-                                 concurrency=args.n, attempts=args.attempts, out=out, executor=ex, stats="null")
+                                 concurrency=args.n, attempts=args.attempts, out=out, executor=ex,
+                                 stats="null")
     wall = time.perf_counter() - t0
     bad = [e.key for e in summary.episodes if e.reward != 1.0]
     if bad or len(summary.episodes) != len(tasks) * args.attempts:
@@ -127,21 +128,24 @@ async def main() -> None:
                         await asyncio.sleep(0.2)
                 row = await one("local" if kind == "local" else "ray", tasks, args, tmp / f"{kind}-{r}")
                 rows[kind].append(row)
-                print(f"{kind} #{r}: {row['episodes_per_min']:.1f} episodes/min ({row['wall_s']:.1f} s, start "
-                      f"{row['start_s']:.2f} s, {row['nodes']} node(s)), call overhead p50 "
-                      f"{row['call_overhead_ms_p50']:.1f} ms", flush=True)
+                print(
+                    f"{kind} #{r}: {row['episodes_per_min']:.1f} episodes/min ({row['wall_s']:.1f} s, start "
+                    f"{row['start_s']:.2f} s, {row['nodes']} node(s)), call overhead p50 "
+                    f"{row['call_overhead_ms_p50']:.1f} ms", flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
     med = {k: {f: statistics.median(x[f] for x in v) for f in v[0] if f != "kind"} for k, v in rows.items()}
     base = med["local"]["episodes_per_min"]
-    print(f"\n{args.harness}, {len(tasks)} tasks x {args.attempts} attempts, -n {args.n}, medians of {args.repeat}:")
-    print("| executor | episodes/min | vs local | start (s) | episodes/min after start | actor call overhead p50 |")
+    print(f"\n{args.harness}, {len(tasks)} tasks x {args.attempts} attempts, -n {args.n}, medians of "
+          f"{args.repeat}:")
+    print("| executor | episodes/min | vs local | start (s) | episodes/min after start | actor call "
+          "overhead p50 |")
     print("|---|---|---|---|---|---|")
     for k, m in med.items():
         overhead = f"{m['call_overhead_ms_p50']:.1f} ms"
-        print(f"| {k} | {m['episodes_per_min']:.1f} | {m['episodes_per_min'] / base:.2f} | {m['start_s']:.2f} | "
-              f"{m['episodes_per_min_after_start']:.1f} | {overhead} |")
+        print(f"| {k} | {m['episodes_per_min']:.1f} | {m['episodes_per_min'] / base:.2f} | "
+              f"{m['start_s']:.2f} | {m['episodes_per_min_after_start']:.1f} | {overhead} |")
     if args.json:
         text = json.dumps({"args": vars(args), "rows": rows, "medians": med}, indent=2)
         await asyncio.to_thread(Path(args.json).write_text, text)

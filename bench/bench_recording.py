@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 
 def trim() -> None:
-    """Give free heap memory back to the OS (glibc), so RSS shows what is held, not the allocator's high-water mark."""
+    """Give free heap memory back to the OS (glibc), so RSS shows what is held, not the allocator's high-water
+    mark."""
     import ctypes
     import gc
 
@@ -51,21 +52,28 @@ def cc_body(turn: int) -> dict[str, Any]:
         {
             "name": f"Tool{i}",
             "description": "Runs a thing. " * 60,
-            "input_schema": {"type": "object", "properties": {f"arg{j}": {"type": "string", "description": "x" * 40} for j in range(8)}},
+            "input_schema": {"type": "object", "properties": {
+                f"arg{j}": {"type": "string", "description": "x" * 40} for j in range(8)}},
         }
         for i in range(25)
     ]
-    messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"}, {"type": "text", "text": "fix the bug"}]}]
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
+                                     {"type": "text", "text": "fix the bug"}]}]
     for i in range(12 + turn):
-        messages.append({"role": "assistant", "content": [{"type": "text", "text": f"step {i}"}, {"type": "tool_use", "id": f"toolu_{i}", "name": "Tool1", "input": {"arg0": f"ls -la {i}"}}]})
-        messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": f"file{i}.txt\n" * 180}]})
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": f"step {i}"}, {
+            "type": "tool_use", "id": f"toolu_{i}", "name": "Tool1", "input": {"arg0": f"ls -la {i}"}}]})
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": f"file{i}.txt\n" * 180}]})
     # Claude Code marks only the last message for caching, so last turn's last message changes.
     messages[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
-    # In the order Claude Code 2.1.332 writes its fields: the messages first, then the system prompt and tools.
+    # In the order Claude Code 2.1.332 writes its fields: the messages first, then the system prompt and
+    # tools.
     return {
         "model": "claude-x",
         "messages": messages,
-        "system": [{"type": "text", "text": "You are Claude Code. " * 300, "cache_control": {"type": "ephemeral"}}],
+        "system": [
+            {"type": "text", "text": "You are Claude Code. " * 300, "cache_control": {"type": "ephemeral"}}],
         "tools": tools,
         "metadata": {"user_id": json.dumps({"device": "x"})},
         "max_tokens": 32000,
@@ -76,7 +84,8 @@ def cc_body(turn: int) -> dict[str, Any]:
 def answer_for(turn: int) -> dict[str, Any]:
     """The completion the policy gives at ``turn``: the tool_use the next body echoes back."""
     i = 12 + turn
-    return {"text": f"step {i}", "tool_calls": [{"id": f"toolu_{i}", "name": "Tool1", "arguments": json.dumps({"arg0": f"ls -la {i}"})}],
+    return {"text": f"step {i}", "tool_calls": [
+        {"id": f"toolu_{i}", "name": "Tool1", "arguments": json.dumps({"arg0": f"ls -la {i}"})}],
             "finish_reason": "tool_calls"}
 
 
@@ -98,7 +107,8 @@ class TokenModel:
         prompt = np.concatenate([self.full, new])
         out = (np.arange(self.output, dtype=np.int32) + turn) % 50_000 + 3
         self.full = np.concatenate([prompt, out])
-        return {"prompt_ids": prompt, "output_ids": out, "output_logprobs": np.full(self.output, -0.5, dtype=np.float32)}
+        return {"prompt_ids": prompt, "output_ids": out,
+                "output_logprobs": np.full(self.output, -0.5, dtype=np.float32)}
 
 
 async def _session(gw: Any, http: Any, turns: int, tokens: bool, timings: list[float] | None = None,
@@ -107,7 +117,8 @@ async def _session(gw: Any, http: Any, turns: int, tokens: bool, timings: list[f
 
     info = await gw.create_session(sid)
     model = TokenModel()
-    headers = {"authorization": f"Bearer {info.token}", "anthropic-version": "2023-06-01", "content-type": "application/json"}
+    headers = {"authorization": f"Bearer {info.token}", "anthropic-version": "2023-06-01",
+               "content-type": "application/json"}
     for t in range(turns):
         body = json.dumps(cc_body(t)).encode()
         post = asyncio.ensure_future(http.post(f"{info.base_url}/v1/messages", data=body, headers=headers))
@@ -166,7 +177,8 @@ def _timed_steps() -> dict[str, list[float]]:
     return times
 
 
-def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False, steps: bool = False) -> dict[str, Any]:
+def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False,
+                 steps: bool = False) -> dict[str, Any]:
     import statistics
     import tracemalloc
 
@@ -229,7 +241,8 @@ def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False, s
                                           f"last 10 of {len(v)}": round(1000 * statistics.median(v[-10:]), 3)}
                                       for n, v in mine.items() if len(v) >= 20}
                 out["record_ms"] = {f"{a + 1}-{b}": round(1000 * statistics.median(record_s[a:b]), 3)
-                                    for a, b in ((1, 10), (40, 50), (90, 100), (190, 200)) if b <= len(record_s)}
+                                    for a,
+                                    b in ((1, 10), (40, 50), (90, 100), (190, 200)) if b <= len(record_s)}
                 t0 = time.perf_counter()
                 log = gw.turn_log(sid, tokens=False)
                 out["turn_log_s"] = time.perf_counter() - t0
@@ -257,7 +270,8 @@ def _throughput_main(agents: int, turns: int, durable: bool, record: bool = True
             async with Gateway(port=0, data_dir=tmp if durable else False) as gw:
                 if not record:
                     gw.broker._on_turn = None
-                wall, cpu, loop_cpu = await _drive(gw, agents, turns, lambda: TokenModel(first_prompt=4000, per_turn=300))
+                wall, cpu, loop_cpu = await _drive(gw, agents, turns,
+                                                   lambda: TokenModel(first_prompt=4000, per_turn=300))
                 out["turns_per_s"] = agents * turns / wall
                 out["cpu_us_per_turn"] = 1e6 * cpu / (agents * turns)
                 out["loop_cpu_us_per_turn"] = 1e6 * loop_cpu / (agents * turns)
@@ -267,7 +281,8 @@ def _throughput_main(agents: int, turns: int, durable: bool, record: bool = True
     return out
 
 
-async def _drive(gw: Any, agents: int, turns: int, model: Any, on_progress: Any = None) -> tuple[float, float, float]:
+async def _drive(gw: Any, agents: int, turns: int, model: Any, on_progress: Any = None) -> tuple[float, float,
+                                                                                                 float]:
     """Run ``agents`` sessions of ``turns`` turns, the agents in a child process and the policy here;
     returns the wall seconds, this process's CPU seconds and its loop thread's CPU seconds from the
     first request to the last answer."""
@@ -277,10 +292,12 @@ async def _drive(gw: Any, agents: int, turns: int, model: Any, on_progress: Any 
     models = {i.session_id: model() for i in infos}
     turn_of = {i.session_id: 0 for i in infos}
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import bench_recording as b; b._agents_child()",
+        sys.executable, "-c",
+        f"import sys; sys.path.insert(0, {HERE!r}); import bench_recording as b; b._agents_child()",
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     assert child.stdin is not None and child.stdout is not None
-    child.stdin.write(json.dumps({"sessions": [[i.base_url, i.token] for i in infos], "turns": turns}).encode())
+    child.stdin.write(
+        json.dumps({"sessions": [[i.base_url, i.token] for i in infos], "turns": turns}).encode())
     child.stdin.close()
     done = 0
     req = await gw.next_request(timeout=120)
@@ -320,13 +337,15 @@ def _agents_child() -> None:
         m["content"][-1].pop("cache_control", None)
     step_json = [json.dumps(m) for m in steps]
     # Each body's last message carries the cache_control mark (as Claude Code sends it).
-    marked = [json.dumps({**m, "content": [*m["content"][:-1], {**m["content"][-1], "cache_control": {"type": "ephemeral"}}]})
+    marked = [json.dumps(
+        {**m, "content": [*m["content"][:-1], {**m["content"][-1], "cache_control": {"type": "ephemeral"}}]})
               for m in steps]
     head_json = json.dumps(head)[:-1]
 
     def body(i: int, t: int) -> bytes:
-        first = json.dumps({"role": "user", "content": [{"type": "text", "text": f"<system-reminder>session {i}</system-reminder>"},
-                                                         {"type": "text", "text": f"fix bug {i}"}]})
+        first = json.dumps({"role": "user", "content": [
+            {"type": "text", "text": f"<system-reminder>session {i}</system-reminder>"},
+            {"type": "text", "text": f"fix bug {i}"}]})
         k = 2 * (12 + t)
         msgs = ",".join([first, *step_json[: k - 1], marked[k - 1]])
         return f'{head_json}, "messages": [{msgs}]}}'.encode()
@@ -334,7 +353,8 @@ def _agents_child() -> None:
     async def main() -> None:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             async def agent(i: int, url: str, token: str) -> None:
-                h = {"authorization": f"Bearer {token}", "anthropic-version": "2023-06-01", "content-type": "application/json"}
+                h = {"authorization": f"Bearer {token}", "anthropic-version": "2023-06-01",
+                     "content-type": "application/json"}
                 for t in range(turns):
                     async with http.post(f"{url}/v1/messages", data=body(i, t), headers=h) as r:
                         await r.read()
@@ -390,7 +410,8 @@ def _sessions_main(sessions: int, turns: int, durable: bool = True) -> dict[str,
 
 
 def _sub(case: str, **kw: Any) -> dict[str, Any]:
-    code = f"import json,sys; sys.path.insert(0,{HERE!r}); import bench_recording as b; print(json.dumps(b.{case}(**{kw!r})))"
+    code = (f"import json,sys; sys.path.insert(0,{HERE!r}); import bench_recording as b; "
+            f"print(json.dumps(b.{case}(**{kw!r})))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200)
     if r.returncode:
         raise SystemExit(f"{case} failed:\n{r.stderr[-3000:]}")
@@ -399,7 +420,8 @@ def _sub(case: str, **kw: Any) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", nargs="?", choices=["all", "memory", "steps", "sessions", "throughput"], default="all")
+    ap.add_argument("case", nargs="?", choices=["all", "memory", "steps", "sessions", "throughput"],
+                    default="all")
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--agents", type=int, default=64)
@@ -428,16 +450,20 @@ def main() -> None:
                 got = _sub("_throughput_main", agents=args.agents, turns=args.throughput_turns, **kw)
                 rates[kind].append(got["turns_per_s"])
                 cpu[kind].append(got["cpu_us_per_turn"])
-            print(f"throughput round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}/s" for k, v in rates.items()), flush=True)
+            print(f"throughput round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}/s" for k, v in rates.items()),
+                  flush=True)
         on_mem = [d / m for d, m in zip(rates["durable"], rates["in memory"], strict=True)]
         on_none = [d / n for d, n in zip(rates["durable"], rates["not recorded"], strict=True)]
         print(f"throughput agents={args.agents} turns={args.throughput_turns} rounds={args.rounds}: medians "
               + ", ".join(f"{k} {statistics.median(v):.1f}/s" for k, v in rates.items())
               + f"; durable/in memory {statistics.median(on_mem):.2f} (each round: "
-              + " ".join(f"{x:.2f}" for x in on_mem) + f"), durable/not recorded {statistics.median(on_none):.2f}",
+              + " ".join(f"{x:.2f}" for x in on_mem)
+              + f"), durable/not recorded {statistics.median(on_none):.2f}",
               flush=True)
-        print("gateway CPU per turn (medians): " + ", ".join(f"{k} {statistics.median(v):.0f} us" for k, v in cpu.items())
-              + f"; in memory/durable {statistics.median(cpu['in memory']) / statistics.median(cpu['durable']):.2f}",
+        print("gateway CPU per turn (medians): "
+              + ", ".join(f"{k} {statistics.median(v):.0f} us" for k, v in cpu.items())
+              + "; in memory/durable "
+                f"{statistics.median(cpu['in memory']) / statistics.median(cpu['durable']):.2f}",
               flush=True)
 
 

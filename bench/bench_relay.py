@@ -81,7 +81,7 @@ for i in range(n + 50):
     if i >= 50:  # warm-up
         times.append(time.perf_counter() - t0)
 print(json.dumps(times))
-"""
+"""  # noqa: E501 (an embedded script, kept as it runs)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -110,7 +110,8 @@ def start_host_side(tmp: str, port: int) -> tuple[str, list[subprocess.Popen[byt
     _wait_for(sock, server)
     ready = os.path.join(tmp, "relay.ready")
     relay = subprocess.Popen([sys.executable, "-I", str(ROOT / "sandbox" / "_relay.py"), "--listen",
-                              f"127.0.0.1:{port}", "--unix", sock, "--ready-file", ready], stdout=subprocess.DEVNULL)
+                              f"127.0.0.1:{port}", "--unix", sock, "--ready-file", ready],
+                             stdout=subprocess.DEVNULL)
     _wait_for(ready, relay)
     return sock, [relay, server]
 
@@ -148,9 +149,10 @@ def main() -> None:
         for (path, keepalive), times in results.items():
             base = results[("direct", keepalive)]
             added = "- | -" if path == "direct" else (
-                f"{(pct(times, .5) - pct(base, .5)) * 1e3:+.3f} | {(pct(times, .99) - pct(base, .99)) * 1e3:+.3f}")
-            print(f"| {path} | {'kept alive' if keepalive else 'new per request'} | {pct(times, .5) * 1e3:.3f} | "
-                  f"{pct(times, .99) * 1e3:.3f} | {added} |")
+                f"{(pct(times, .5) - pct(base, .5)) * 1e3:+.3f} | "
+                f"{(pct(times, .99) - pct(base, .99)) * 1e3:+.3f}")
+            print(f"| {path} | {'kept alive' if keepalive else 'new per request'} | "
+                  f"{pct(times, .5) * 1e3:.3f} | {pct(times, .99) * 1e3:.3f} | {added} |")
     finally:
         for proc in procs:
             proc.kill()

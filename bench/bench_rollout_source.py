@@ -41,7 +41,8 @@ async def one(kind: str, concurrency: int, attempts: int, out: Path) -> dict[str
                                      concurrency=concurrency, attempts=attempts, out=out, stats="null")
         episodes = summary.episodes
     else:
-        source = RolloutSource(tasks, harness="tiny-agent", policy=policy, sandbox="local", concurrency=concurrency,
+        source = RolloutSource(tasks, harness="tiny-agent", policy=policy, sandbox="local",
+                               concurrency=concurrency,
                                attempts=attempts, out=out, stats="null")
         async with source:
             if kind == "source-episodes":
@@ -82,7 +83,8 @@ async def main() -> None:
         rates = [row["episodes_per_minute"] for row in by_kind[k]]
         ratios = [row["episodes_per_minute"] / base[row["round"]] for row in by_kind[k]]
         summary[k] = {"median_episodes_per_minute": round(statistics.median(rates), 2),
-                      "min": min(rates), "max": max(rates), "median_ratio_to_run_rollouts": round(statistics.median(ratios), 3)}
+                      "min": min(rates), "max": max(rates),
+                      "median_ratio_to_run_rollouts": round(statistics.median(ratios), 3)}
     print(json.dumps({"concurrency": args.concurrency, "attempts": args.attempts, "repeat": args.repeat,
                       "summary": summary}, indent=2))
     if args.json is not None:

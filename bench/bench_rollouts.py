@@ -1,6 +1,7 @@
 """Throughput of ``ares-gateway run``: episodes per minute with local sandboxes and a trivial agent.
 
-    python3 bench/bench_rollouts.py [--levels 1,8,32] [--episodes 8,32,64] [--grading fresh|agent] [--json out.json]
+    python3 bench/bench_rollouts.py [--levels 1,8,32] [--episodes 8,32,64] [--grading fresh|agent]
+                                    [--json out.json]
 
 Each level runs :func:`ares_gateway.episodes.rollouts.run_rollouts` (what ``run`` calls) over the bundled
 example tasks with the ``tiny-agent`` harness (a python3 stdlib chat-completions agent: no start-up
@@ -43,7 +44,8 @@ async def level(concurrency: int, episodes: int, out: Path, grading: str = "fres
              for t in load_dataset("examples").tasks]
     attempts = -(-episodes // len(tasks))
     started = time.monotonic()
-    summary = await run_rollouts(tasks, harness="tiny-agent", policy=make_policy("scripted", commands=["true"]),
+    summary = await run_rollouts(tasks, harness="tiny-agent",
+                                 policy=make_policy("scripted", commands=["true"]),
                                  sandbox="local", concurrency=concurrency, attempts=attempts, out=out,
                                  stats="null")
     wall = time.monotonic() - started
@@ -110,9 +112,10 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
           "gateway round trip | gateway share |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['episodes']} | {r['episodes_per_minute']} | {r['median_episode_s']} s | "
-              f"{r['median_setup_s']} s | {r['median_verify_s']} s | {r['median_turn_s'] * 1000:.0f} ms | "
-              f"{r['gateway_round_trip_ms']} ms | {r['gateway_share_of_turn'] * 100:.2f} % |")
+        print(f"| {r['concurrency']} | {r['episodes']} | {r['episodes_per_minute']} | "
+              f"{r['median_episode_s']} s | {r['median_setup_s']} s | {r['median_verify_s']} s | "
+              f"{r['median_turn_s'] * 1000:.0f} ms | {r['gateway_round_trip_ms']} ms | "
+              f"{r['gateway_share_of_turn'] * 100:.2f} % |")
     return rows
 
 
@@ -121,7 +124,8 @@ if __name__ == "__main__":
     ap.add_argument("--levels", default="1,8,32")
     ap.add_argument("--episodes", default="8,32,64", help="episodes per level (rounded up to whole attempts)")
     ap.add_argument("--grading", choices=("fresh", "agent"), default="fresh",
-                    help="where the tests run ([verifier] sandbox): a fresh sandbox (the default) or the agent's")
+                    help="where the tests run ([verifier] sandbox): a fresh sandbox (the default) "
+                         "or the agent's")
     ap.add_argument("--json", default=None)
     cli_args = ap.parse_args()
     results = asyncio.run(main(cli_args))

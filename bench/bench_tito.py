@@ -73,7 +73,8 @@ def _session(renderer: ChatRenderer, turns: int) -> tuple[TokenStreams, list[Mes
         c, _ = renderer.parse(out, prompt_ids=p.prompt_ids)
         st.commit(p, out, c.to_message())
         msgs = [*msgs, c.to_message()]
-        last = {"prepare_s": t1 - t0, "prompt_tokens": float(len(p.prompt_ids)), "mode": float(p.mode == "extend")}
+        last = {"prepare_s": t1 - t0, "prompt_tokens": float(len(p.prompt_ids)),
+                "mode": float(p.mode == "extend")}
     return st, msgs, last
 
 
@@ -122,7 +123,8 @@ async def bench_engine(renderer: ChatRenderer, repeat: int) -> None:
     from ares_gateway.engines.llama_cpp import LlamaCppEngine
 
     prompt = renderer.render(renderer.template_messages(
-        [Message(role="system", content=_text(3, 600)), Message(role="user", content="Summarize the log above.")]
+        [Message(role="system", content=_text(3, 600)),
+         Message(role="user", content="Summarize the log above.")]
     )).prompt_ids
     for consistent in (True, False):
         eng = LlamaCppEngine(n_ctx=4096, consistent_batching=consistent)
@@ -139,12 +141,14 @@ async def bench_engine(renderer: ChatRenderer, repeat: int) -> None:
             await eng.aclose()
         name = "consistent (2 tokens/step)" if consistent else "batch of one"
         RESULTS[f"engine_{'consistent' if consistent else 'single'}"] = {
-            "prompt_tokens": len(prompt), "prefill_tok_s": statistics.median(pre), "decode_tok_s": statistics.median(dec),
+            "prompt_tokens": len(prompt), "prefill_tok_s": statistics.median(pre),
+            "decode_tok_s": statistics.median(dec),
             "load_s": eng.load_s, "threads": eng.n_threads,
         }
         ROWS.append((
             f"llama.cpp SmolLM2-135M Q4_1, {name}",
-            f"prefill {statistics.median(pre):,.0f} tok/s ({len(prompt)} tokens), decode {statistics.median(dec):,.1f} tok/s",
+            f"prefill {statistics.median(pre):,.0f} tok/s ({len(prompt)} tokens), decode "
+            f"{statistics.median(dec):,.1f} tok/s",
             f"{eng.n_threads} threads, load {eng.load_s:.2f} s",
         ))
 
@@ -202,7 +206,8 @@ async def bench_gateway_overhead(renderer: ChatRenderer, turns: int) -> None:
     async with Gateway(port=0, request_timeout=600) as gw, PolicyServer(gw, policy, concurrency=1):
         session = await gw.create_session()
         client = openai.AsyncOpenAI(base_url=f"{session.base_url}/v1", api_key=session.token, max_retries=0)
-        messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent. " + _text(0, 300)}]
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent. " + _text(0, 300)}]
         for k in range(turns):
             new, _ = _turn_messages(k)
             messages.append({"role": "user", "content": new.text()[:600]})

@@ -142,13 +142,16 @@ def measure(args: argparse.Namespace, *, overlap: bool) -> dict[str, Any]:
         def on_step_end(self, *a: Any, **k: Any) -> None:
             steps.append(time.perf_counter() - self.t0)
 
-    cfg = GRPOConfig(output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=2, num_generations=2,
+    cfg = GRPOConfig(output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=2,
+                     num_generations=2,
                      max_steps=args.steps + 1, use_cpu=True, bf16=False, learning_rate=3e-4, logging_steps=1,
                      report_to=[], save_strategy="no", beta=0.0, seed=7, disable_tqdm=True,
                      disable_dropout=True)  # overlap samples the model in the trainer's mode
     trainer = GRPOTrainer(model=model, processing_class=tokenizer,
-                          reward_funcs=[reward_from_episode, lambda completions, mean_logprob, **_: mean_logprob],
-                          train_dataset=Dataset.from_dict({"prompt": ["fix-median-bug", "write-greeting-file"]}),
+                          reward_funcs=[reward_from_episode, lambda completions, mean_logprob,
+                                        **_: mean_logprob],
+                          train_dataset=Dataset.from_dict(
+                              {"prompt": ["fix-median-bug", "write-greeting-file"]}),
                           args=cfg, rollout_func=observed, callbacks=[Clock()])
     try:
         trainer.train()
@@ -174,7 +177,8 @@ def report(name: str, args: argparse.Namespace, med: dict[str, float]) -> None:
     print(f"GRPO step on real episodes ({name}): {args.steps} steps after a warm-up, 2 episodes a step, "
           f"step_limit {args.step_limit}, max_tokens {args.max_tokens}, concurrency {args.concurrency}")
     rollout = "  rollout (the call's wait)" if name == "overlap" else "  rollout (episodes)"
-    rows = [("step_s", "step"), ("rollout_s", rollout), ("generation_s", "    generation (engine busy in the call)"),
+    rows = [("step_s", "step"), ("rollout_s", rollout),
+            ("generation_s", "    generation (engine busy in the call)"),
             ("agent_sandbox_s", "    agent + sandbox + waits"),
             ("training_s", "  training (forward, backward, optimizer)"),
             ("gateway_own_s", "gateway's own time (upper bound)")]

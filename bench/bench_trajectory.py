@@ -289,7 +289,8 @@ def bench_b(repeat: int, sizes: tuple[int, ...]) -> None:
         f"(b) memory per re-sent {n_msgs}-message prefix",
         f"{per / 1024:.1f} KiB/turn",
         "no growth with prefix",
-        f"{'met' if per < prompt_bytes / 10 else 'MISSED'}; the prefix's tokens alone are {prompt_bytes / 1024:.0f} KiB",
+        f"{'met' if per < prompt_bytes / 10 else 'MISSED'}; the prefix's tokens alone are "
+        f"{prompt_bytes / 1024:.0f} KiB",
     )
 
 

@@ -120,7 +120,7 @@ for _ in range(mib):
 response(s)
 up = size / (time.perf_counter() - t0) / 1e6
 print(json.dumps({"times": times, "down": down, "up": up}))
-"""
+"""  # noqa: E501 (an embedded script, kept as it runs)
 
 
 def free_port() -> int:
@@ -143,11 +143,13 @@ async def host_client(target: str, args: argparse.Namespace) -> dict[str, Any]:
 async def tunnel_client(kind: str, sock: str, args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     line = kind == "pty-line"
-    argv = [sys.executable, "-I", RELAY, "--listen", f"127.0.0.1:{port}", "--tunnel", "line" if line else "binary"]
+    argv = [sys.executable, "-I", RELAY, "--listen", f"127.0.0.1:{port}", "--tunnel",
+            "line" if line else "binary"]
     if kind == "pipe":
         tunnel = Tunnel(lambda: pipe_channel(argv), sock)
     else:
-        tunnel = Tunnel(lambda: pty_channel(["/bin/sh", "-c", "echo noise; exec " + " ".join(argv)]), sock, line=line)
+        tunnel = Tunnel(lambda: pty_channel(["/bin/sh", "-c", "echo noise; exec " + " ".join(argv)]), sock,
+                        line=line)
     await tunnel.start()
     try:
         return await host_client(str(port), args)
@@ -161,8 +163,9 @@ async def docker_client(mode: str, sock: str, args: argparse.Namespace) -> dict[
 
     spec = SandboxSpec(image=IMAGE, network="none", forwards={18080: sock})
     async with DockerSandbox(spec, tunnel=mode) as sb:
-        r = await sb.exec(["python3", "-c", CLIENT, "18080", str(args.requests), str(args.body), str(args.mib)],
-                          user="agent", cwd="/", timeout=900)
+        r = await sb.exec(
+            ["python3", "-c", CLIENT, "18080", str(args.requests), str(args.body), str(args.mib)],
+            user="agent", cwd="/", timeout=900)
         if not r.ok:
             raise SystemExit(f"docker {mode} client failed: {r.stderr[-2000:]}")
         return dict(json.loads(r.stdout))
@@ -203,7 +206,8 @@ async def run(args: argparse.Namespace, sock: str, port: int) -> None:
         else:
             b = results[base_name]["times"]
             added = f"{(pct(t, .5) - pct(b, .5)) * 1e3:+.3f} | {(pct(t, .99) - pct(b, .99)) * 1e3:+.3f}"
-        print(f"| {path} | {pct(t, .5) * 1e3:.3f} | {pct(t, .99) * 1e3:.3f} | {added} | {r['down']:.0f} | {r['up']:.0f} |")
+        print(f"| {path} | {pct(t, .5) * 1e3:.3f} | {pct(t, .99) * 1e3:.3f} | {added} | {r['down']:.0f} | "
+              f"{r['up']:.0f} |")
 
 
 def main() -> None:

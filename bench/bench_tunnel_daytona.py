@@ -38,12 +38,14 @@ async def daytona_client(tunnel: str, api_url: str, sock: str, args: argparse.Na
     spec = SandboxSpec(network="none", forwards={18080: sock}, workdir=f"{tmp}/work")
     async with DaytonaSandbox(spec, api_key="fake-daytona-key", api_url=api_url, tunnel=tunnel,
                               relay_dir=f"{tmp}/relay") as sb:
-        r = await sb.exec(["python3", "-c", CLIENT, "18080", str(args.requests), str(args.body), str(args.mib)],
-                          cwd="/", timeout=900)
+        r = await sb.exec(
+            ["python3", "-c", CLIENT, "18080", str(args.requests), str(args.body), str(args.mib)],
+            cwd="/", timeout=900)
         if not r.ok:
             raise SystemExit(f"daytona {tunnel} client failed: {r.stderr[-2000:]}")
         tunnel_obj = sb.tunnel_for(18080)
-        assert tunnel_obj is not None and tunnel_obj.channels_opened == 1, "the channel dropped during the bench"
+        assert tunnel_obj is not None and tunnel_obj.channels_opened == 1, ("the channel dropped "
+                                                                            "during the bench")
         return dict(json.loads(r.stdout))
 
 
@@ -63,7 +65,8 @@ async def run(args: argparse.Namespace, sock: str, port: int, api_url: str) -> N
         t = r["times"]
         added = "- | -" if path == "direct" else \
             f"{(pct(t, .5) - pct(base, .5)) * 1e3:+.3f} | {(pct(t, .99) - pct(base, .99)) * 1e3:+.3f}"
-        print(f"| {path} | {pct(t, .5) * 1e3:.3f} | {pct(t, .99) * 1e3:.3f} | {added} | {r['down']:.0f} | {r['up']:.0f} |")
+        print(f"| {path} | {pct(t, .5) * 1e3:.3f} | {pct(t, .99) * 1e3:.3f} | {added} | {r['down']:.0f} | "
+              f"{r['up']:.0f} |")
 
 
 def main() -> None:
@@ -72,7 +75,8 @@ def main() -> None:
     parser.add_argument("--body", type=int, default=2000)
     parser.add_argument("--mib", type=int, default=64, help="MiB downloaded and uploaded once each")
     args = parser.parse_args()
-    fake = subprocess.Popen([sys.executable, "-m", "bench.support.daytona_fake"], cwd=ROOT, stdin=subprocess.PIPE,
+    fake = subprocess.Popen([sys.executable, "-m", "bench.support.daytona_fake"], cwd=ROOT,
+                            stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert fake.stdout is not None and fake.stdin is not None
     api_url = json.loads(fake.stdout.readline())["api_url"]

@@ -65,9 +65,11 @@ async def k8s_client(protocols: str, sock: str, args: argparse.Namespace) -> dic
         with tempfile.TemporaryDirectory() as tmp:
             kubeconfig = fake.write_kubeconfig(Path(tmp) / "kubeconfig")
             spec = SandboxSpec(network="none", forwards={18080: sock})
-            async with KubernetesSandbox(spec, kubeconfig=kubeconfig, namespace="bench", default_image="bench") as sb:
-                r = await sb.exec(["python3", "-c", CLIENT, "18080", str(args.requests), str(args.body), str(args.mib)],
-                                  user="nobody", cwd="/", timeout=900)
+            async with KubernetesSandbox(spec, kubeconfig=kubeconfig, namespace="bench",
+                                         default_image="bench") as sb:
+                r = await sb.exec(
+                    ["python3", "-c", CLIENT, "18080", str(args.requests), str(args.body), str(args.mib)],
+                    user="nobody", cwd="/", timeout=900)
                 if not r.ok:
                     raise SystemExit(f"k8s client failed: {r.stderr[-2000:]}")
                 return dict(json.loads(r.stdout))
@@ -92,7 +94,8 @@ async def run(args: argparse.Namespace, sock: str) -> None:
         t = r["times"]
         added = "- | -" if path == "direct" else \
             f"{(pct(t, .5) - pct(base, .5)) * 1e3:+.3f} | {(pct(t, .99) - pct(base, .99)) * 1e3:+.3f}"
-        print(f"| {path} | {pct(t, .5) * 1e3:.3f} | {pct(t, .99) * 1e3:.3f} | {added} | {r['down']:.0f} | {r['up']:.0f} |")
+        print(f"| {path} | {pct(t, .5) * 1e3:.3f} | {pct(t, .99) * 1e3:.3f} | {added} | {r['down']:.0f} | "
+              f"{r['up']:.0f} |")
 
 
 def main() -> None:

@@ -38,15 +38,17 @@ async def modal_client(sock: str, args: argparse.Namespace, *, via: str) -> dict
         await router.start()
         handle = RouterModalSandbox(fake, router)
     async with ModalSandbox(SandboxSpec(network="none", forwards={18080: sock}), sandbox=handle) as sb:
-        r = await sb.exec(["python3", "-c", CLIENT, "18080", str(args.requests), str(args.body), str(args.mib)],
-                          cwd="/", timeout=900)
+        r = await sb.exec(
+            ["python3", "-c", CLIENT, "18080", str(args.requests), str(args.body), str(args.mib)],
+            cwd="/", timeout=900)
         if not r.ok:
             raise SystemExit(f"modal client failed: {r.stderr[-2000:]}")
         return dict(json.loads(r.stdout))
 
 
 async def run(args: argparse.Namespace, sock: str) -> None:
-    results = {"direct": await host_client(sock, args), "tunnel pipe": await tunnel_client("pipe", sock, args),
+    results = {"direct": await host_client(sock, args),
+               "tunnel pipe": await tunnel_client("pipe", sock, args),
                "modal stand-in": await modal_client(sock, args, via="stand-in"),
                "modal sdk+router": await modal_client(sock, args, via="sdk")}
     print(f"{args.requests} sequential POSTs of {args.body} bytes on one kept-alive connection (ms); "

@@ -214,7 +214,8 @@ async def _heads(port: int, conns: int, pid: int) -> dict[str, float]:
     before = _rss_mib(pid)
     socks = []
     value = b"v" * 8000
-    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"x-h%03d: %b\r\n" % (i, value) for i in range(126))
+    head = (b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+            + b"".join(b"x-h%03d: %b\r\n" % (i, value) for i in range(126)))
     refused = 0
     for _ in range(conns):
         try:
@@ -234,7 +235,8 @@ async def _heads(port: int, conns: int, pid: int) -> dict[str, float]:
     answered = 0
     for s in socks:
         try:
-            if (await asyncio.wait_for(loop.sock_recv(s, 16), 0.2)).startswith((b"HTTP/1.1 4", b"HTTP/1.0 4")):
+            if (await asyncio.wait_for(loop.sock_recv(s, 16), 0.2)).startswith(
+                (b"HTTP/1.1 4", b"HTTP/1.0 4")):
                 answered += 1
         except (OSError, TimeoutError):
             pass
@@ -279,7 +281,8 @@ async def _park(url: str, count: int, pid: int, body: bytes) -> dict[str, float]
         parked_rss = _rss_mib(pid)
         # Another session still gets its turn refused? No: it parks (nobody answers here).
         oh = {"authorization": f"Bearer {other['token']}", "content-type": "application/json"}
-        other_task = asyncio.create_task(s.post(f"{other['base_url']}/v1/chat/completions", data=SMALL, headers=oh))
+        other_task = asyncio.create_task(
+            s.post(f"{other['base_url']}/v1/chat/completions", data=SMALL, headers=oh))
         await asyncio.sleep(1.0)
         other_parked = not other_task.done()
         other_task.cancel()
@@ -295,7 +298,8 @@ def park(args: argparse.Namespace) -> dict[str, float]:
     url = f"http://127.0.0.1:{port}"
     gw = _spawn(args.src, ["--_gateway", str(port), "http"])
     try:
-        return asyncio.run(_park(url, args.count, gw.pid, big_body(args.messages, args.size_mb * 1000 * 1000)))
+        return asyncio.run(
+            _park(url, args.count, gw.pid, big_body(args.messages, args.size_mb * 1000 * 1000)))
     finally:
         _stop(gw)
 
@@ -316,7 +320,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=15.0, help="victim turns under the big sender, per run")
     p.add_argument("--size-mb", type=int, default=30)
     p.add_argument("--messages", type=int, default=60_000)
-    p.add_argument("--vary", action="store_true", help="the big sender alternates two bodies unlike each other")
+    p.add_argument("--vary", action="store_true",
+                   help="the big sender alternates two bodies unlike each other")
     p.add_argument("--conns", type=int, default=500)
     p.add_argument("--count", type=int, default=12)
     p.add_argument("--repeat", type=int, default=1)

@@ -62,7 +62,8 @@ def _browser(url: str) -> list[tuple[str, float]]:
     profile = tempfile.mkdtemp(prefix="bench-viewer-chromium-")
     try:
         with sync_playwright() as pw:
-            ctx = pw.chromium.launch_persistent_context(profile, executable_path="/usr/bin/chromium", headless=True,
+            ctx = pw.chromium.launch_persistent_context(profile, executable_path="/usr/bin/chromium",
+                                                        headless=True,
                                                         args=flags)
             page = ctx.new_page()
             for label, target, selector, count in [

@@ -37,11 +37,13 @@ ROWS: dict[str, list[tuple[tuple[str, int], list[str], list[str]]]] = {
     "inproc64": [(("inproc", 64), [], ["bare-ll", "bare", "gateway"])],
     "http": [(("http", a), [], ["go", "gateway", "bare", "bare-ll"]) for a in (1, 64, 512)],
 }
-RATIOS = [("gateway", "go"), ("gateway", "bare"), ("gateway", "bare-ll"), ("gateway", "before"), ("before", "go"),
+RATIOS = [("gateway", "go"), ("gateway", "bare"), ("gateway", "bare-ll"), ("gateway", "before"),
+          ("before", "go"),
           ("gateway-mem", "go"), ("gateway", "gateway-mem")]
 
 
-def _run(mode: str, agents: int, extra: list[str], impls: list[str], before: str | None = None) -> list[dict[str, Any]]:
+def _run(mode: str, agents: int, extra: list[str], impls: list[str],
+         before: str | None = None) -> list[dict[str, Any]]:
     bench, env = BENCH, None
     if before is not None:  # another checkout's gateway, by its own bench script
         bench = str(Path(before) / "bench" / "bench_gateway.py")
@@ -66,12 +68,14 @@ def main() -> None:
                     help="request body: small chat, a ~96 KB Claude Code body, or a 500-message chat history")
     ap.add_argument("--before", metavar="DIR", help="also run the gateway of the checkout at DIR as 'before'")
     ap.add_argument("--grow", action="store_true",
-                    help="each agent's body grows every turn (bench_gateway.py --grow), as a real session's does")
+                    help="each agent's body grows every turn (bench_gateway.py --grow), as a real "
+                         "session's does")
     ap.add_argument("--impl", action="append", dest="impls", metavar="IMPL",
                     help="the implementations each row runs (bench_gateway.py --impl; e.g. gateway-mem, the "
                          "gateway recording in memory only), instead of the row's own list")
     ap.add_argument("--no-canonical", action="store_true",
-                    help="the HTTP responder polls with canonical=0: the native body only, all the Go proxy hands out")
+                    help="the HTTP responder polls with canonical=0: the native body only, all the Go "
+                         "proxy hands out")
     args = ap.parse_args()
     plan = [row for group in (args.only or list(ROWS)) for row in ROWS[group]]
     if args.impls:  # the same implementations in every row
@@ -94,14 +98,16 @@ def main() -> None:
                     rows = _run(mode, agents, extra, [impl], before=before)
                 except subprocess.CalledProcessError as exc:
                     tail = (exc.stderr or "").strip().splitlines()[-1:] or ["?"]
-                    print(f"  {mode} {agents} {'before' if before else impl} failed: {tail[0]}", file=sys.stderr)
+                    print(f"  {mode} {agents} {'before' if before else impl} failed: {tail[0]}",
+                          file=sys.stderr)
                     continue
                 for row in rows:
                     got[(mode, agents)][str(row["impl"])] = row
         rounds.append(got)
         print(f"round {i + 1} of {args.rounds} done", file=sys.stderr, flush=True)
         if args.save:
-            Path(args.save).write_text(json.dumps([{f"{m} {a}": v for (m, a), v in r.items()} for r in rounds], indent=1))
+            Path(args.save).write_text(
+                json.dumps([{f"{m} {a}": v for (m, a), v in r.items()} for r in rounds], indent=1))
     for (mode, agents), *_ in plan:
         print(f"{mode} agents={agents}")
         impls = sorted({impl for r in rounds for impl in r[(mode, agents)]})
@@ -123,8 +129,8 @@ def main() -> None:
                 per = [r[a]["turns_per_s"] / r[b]["turns_per_s"] for r in both]
                 p50 = [r[a]["p50_ms"] / r[b]["p50_ms"] for r in both]
                 print(
-                    f"  {a}/{b}: throughput {statistics.median(per):.2f} (rounds {', '.join(f'{x:.2f}' for x in per)}),"
-                    f" p50 {statistics.median(p50):.2f}"
+                    f"  {a}/{b}: throughput {statistics.median(per):.2f} (rounds "
+                    f"{', '.join(f'{x:.2f}' for x in per)}), p50 {statistics.median(p50):.2f}"
                 )
 
 

@@ -36,14 +36,17 @@ def load(model: str | None) -> tuple[Any, Any, str | None]:
         m.is_quantized = False  # loaded from a quantized file: trainable once dequantized
         m.hf_quantizer = None
         return m, AutoTokenizer.from_pretrained(folder, gguf_file=name), path
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path), path
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(
+        path), path
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="a Hugging Face folder or .gguf file (default: embedded SmolLM2)")
+    ap.add_argument("--model", default=None,
+                    help="a Hugging Face folder or .gguf file (default: embedded SmolLM2)")
     ap.add_argument("--dataset", default="examples", help="a registered task dataset or a folder of tasks")
-    ap.add_argument("--tasks", default="fix-median-bug,write-greeting-file", help="comma-separated task names")
+    ap.add_argument("--tasks", default="fix-median-bug,write-greeting-file",
+                    help="comma-separated task names")
     ap.add_argument("--harness", default="mini-swe-agent")
     ap.add_argument("--sandbox", default="local", choices=("local", "docker", "daytona", "auto"))
     ap.add_argument("--steps", type=int, default=2)
@@ -68,31 +71,37 @@ def main(argv: list[str] | None = None) -> int:
     from ares_gateway.trainers.trl import reward_from_episode, rollout_func
 
     model, tokenizer, source = load(args.model)
-    options = {"action_regex": r"\A(.+)\Z"} if args.any_answer_is_a_command and args.harness == "mini-swe-agent" else {}
-    rollouts = rollout_func(args.dataset, harness=args.harness, sandbox=args.sandbox, step_limit=args.step_limit,
+    options = ({"action_regex": r"\A(.+)\Z"} if args.any_answer_is_a_command
+               and args.harness == "mini-swe-agent" else {})
+    rollouts = rollout_func(args.dataset, harness=args.harness, sandbox=args.sandbox,
+                            step_limit=args.step_limit,
                             max_tokens=args.max_tokens, concurrency=args.concurrency, tokenizer=source,
-                            harness_options=options, out=os.path.join(args.out, "episodes"), overlap=args.overlap)
+                            harness_options=options, out=os.path.join(args.out, "episodes"),
+                            overlap=args.overlap)
     rewards: list[Any] = [reward_from_episode]
     if args.shaping:
         def mean_logprob(completions: list[Any], mean_logprob: list[float], **_: Any) -> list[float]:
             return [float(x) for x in mean_logprob]
         rewards.append(mean_logprob)
     config = GRPOConfig(
-        output_dir=args.out, per_device_train_batch_size=args.num_generations, num_generations=args.num_generations,
+        output_dir=args.out, per_device_train_batch_size=args.num_generations,
+        num_generations=args.num_generations,
         max_steps=args.steps, learning_rate=args.lr, logging_steps=1, report_to=[], save_strategy="no",
         use_cpu=not _has_gpu(), bf16=False,  # fp32: sampler and trainer logprobs agree to ~1e-5
         beta=0.0, disable_dropout=True,  # overlap samples the model in the trainer's mode
     )
     tasks = [t for t in args.tasks.split(",") if t]
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=rewards,
-                          train_dataset=Dataset.from_dict({"prompt": tasks}), args=config, rollout_func=rollouts)
+                          train_dataset=Dataset.from_dict({"prompt": tasks}), args=config,
+                          rollout_func=rollouts)
     try:
         trainer.train()
     finally:
         rollouts.close()
     for call in rollouts.calls:
         print(f"step {call['step']}: {call['episodes']} episodes in {call['seconds']:.1f} s "
-              f"(generation {call['generation_s']:.1f} s), {call['failed']} failed, mean reward {call['mean_reward']:.2f}"
+              f"(generation {call['generation_s']:.1f} s), {call['failed']} failed, mean reward "
+              f"{call['mean_reward']:.2f}"
               + (f", {call['prefetched']} started during the last step" if "prefetched" in call else ""))
     return 0
 

@@ -57,7 +57,8 @@ class ToyModel:
 
 
 async def run_episode(gw: Gateway, model: ToyModel, task: Task, args: argparse.Namespace) -> dict[str, Any]:
-    env = GatewayEnv.for_task(task, harness=args.harness, sandbox=args.sandbox, gateway=gw, step_limit=args.step_limit)
+    env = GatewayEnv.for_task(task, harness=args.harness, sandbox=args.sandbox, gateway=gw,
+                              step_limit=args.step_limit)
     started = time.monotonic()
     try:
         ts = await env.reset()
@@ -98,8 +99,8 @@ async def main(args: argparse.Namespace) -> int:
             trained = sum(int(s.loss_mask.sum()) for s in samples)
             mean = sum(r["reward"] for r in results) / len(results)
             for r in results:
-                print(f"  {r['task']}: reward {r['reward']:.2f}, {r['steps']} steps, {len(r['samples'])} sample(s), "
-                      f"{r['exit_reason']}, {r['seconds']:.1f}s")
+                print(f"  {r['task']}: reward {r['reward']:.2f}, {r['steps']} steps, "
+                      f"{len(r['samples'])} sample(s), {r['exit_reason']}, {r['seconds']:.1f}s")
             print(f"iteration {it}: {len(results)} episodes, mean reward {mean:.3f}, {len(samples)} samples, "
                   f"{sum(len(s.tokens) for s in samples)} tokens ({trained} trained)", flush=True)
             ok = ok and all(r["samples"] for r in results)
@@ -109,7 +110,8 @@ async def main(args: argparse.Namespace) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", default="examples")
-    ap.add_argument("--harness", default="mini-swe-agent", help="mini-swe-agent or tiny-agent (both speak its format)")
+    ap.add_argument("--harness", default="mini-swe-agent",
+                    help="mini-swe-agent or tiny-agent (both speak its format)")
     ap.add_argument("--sandbox", default="local", choices=("auto", "local", "docker", "daytona"))
     ap.add_argument("--episodes", type=int, default=4, help="episodes per iteration")
     ap.add_argument("--concurrency", type=int, default=2)

@@ -73,25 +73,30 @@ class HarnessLaunchError(HarnessError):
 
 
 def npm_install_steps(prefix: str, package: str, version: str) -> list[tuple[str, str]]:
-    """The install steps of an npm-distributed CLI: check node/npm, then a pinned global install under ``prefix``."""
+    """The install steps of an npm-distributed CLI: check node/npm, then a pinned global install under
+    ``prefix``."""
     q = shlex.quote(prefix)
     return [
         ("check node and npm", "command -v node >/dev/null && command -v npm >/dev/null || "
-                               "{ echo 'node and npm are needed (apt-get install nodejs npm)' >&2; exit 127; }"),
+                               "{ echo 'node and npm are needed (apt-get install nodejs npm)' "
+                               ">&2; exit 127; }"),
         (f"npm install {package}@{version}",
-         f"mkdir -p {q} && npm install -g --no-audit --no-fund --loglevel=error --prefix {q} {package}@{version}"),
+         f"mkdir -p {q} && npm install -g --no-audit --no-fund --loglevel=error --prefix {q} "
+         f"{package}@{version}"),
     ]
 
 
 def pip_install_step(prefix: str, package: str, version: str) -> tuple[str, str]:
-    """The install step of a PyPI-distributed agent: a pinned install into the virtual environment at ``prefix``."""
+    """The install step of a PyPI-distributed agent: a pinned install into the virtual environment at
+    ``prefix``."""
     return (f"pip install {package}=={version}",
             f"{shlex.quote(prefix)}/bin/pip install --quiet --disable-pip-version-check {package}=={version}")
 
 
 def pip_version_command(prefix: str, package: str) -> str:
     """A command printing the version of ``package`` installed in the virtual environment at ``prefix``."""
-    return f"{shlex.quote(prefix)}/bin/python -c \"import importlib.metadata as m; print(m.version('{package}'))\""
+    return (f"{shlex.quote(prefix)}/bin/python -c \"import importlib.metadata as m; "
+            f"print(m.version('{package}'))\"")
 
 
 def header_value(headers: Mapping[str, str], name: str) -> str | None:
@@ -176,7 +181,8 @@ class BaseHarness(abc.ABC):
     """One agent CLI. Subclasses set ``name`` and ``default_version`` and fill in the hooks."""
 
     name: ClassVar[str]
-    #: The agent whose action format this harness speaks, where it is another's (tiny-agent: mini-swe-agent's):
+    #: The agent whose action format this harness speaks, where it is another's (tiny-agent:
+    #: mini-swe-agent's):
     #: what the scripted and oracle policies write for it. ``None``: its own (``name``).
     scripted_format: ClassVar[str | None] = None
     default_version: ClassVar[str]
@@ -280,7 +286,8 @@ class BaseHarness(abc.ABC):
         if sandbox.backend == "local" and not getattr(sandbox, "isolated", True):
             user = None  # a non-isolated local sandbox is the host itself: never add users there
         if user is not None and user != "root":
-            probe = await sandbox.exec(f"id -u {shlex.quote(user)}", user="root" if sandbox.backend != "local" else None,
+            probe = await sandbox.exec(f"id -u {shlex.quote(user)}",
+                                       user="root" if sandbox.backend != "local" else None,
                                        timeout=30)
             if not probe.ok:
                 created = await self._root_exec(
@@ -293,7 +300,8 @@ class BaseHarness(abc.ABC):
                     user = None  # e.g. the local backend's read-only /etc: run as the sandbox's user
         if user is not None:
             # The user must be able to live here (a host user of the local backend may have no home).
-            home_ok = await sandbox.exec('mkdir -p "$HOME/.ares" && test -w "$HOME/.ares"', user=user, cwd="/", timeout=30)
+            home_ok = await sandbox.exec('mkdir -p "$HOME/.ares" && test -w "$HOME/.ares"', user=user,
+                                         cwd="/", timeout=30)
             if not home_ok.ok:
                 user = None
         mk = await self._root_exec(
@@ -303,7 +311,8 @@ class BaseHarness(abc.ABC):
             timeout=60,
         )
         if not mk.ok:
-            raise HarnessLaunchError(self.name, f"creating the workdir {ctx.workdir}", _tail(mk.stderr or mk.stdout))
+            raise HarnessLaunchError(self.name, f"creating the workdir {ctx.workdir}",
+                                     _tail(mk.stderr or mk.stdout))
         home_r = await sandbox.exec('printf %s "$HOME"', user=user, cwd=ctx.workdir, timeout=30)
         home = home_r.stdout.strip() or ctx.workdir
         state_dir = posixpath.join(home, ".ares", self.name, ctx.session_id)
@@ -356,18 +365,22 @@ class BaseHarness(abc.ABC):
                 self.name, "checking the installed version",
                 f"{self.version_command(prefix)} reports {got!r}, expected {self.version!r}",
             )
-        await sandbox.exec(f"chmod -R a+rX {shlex.quote(prefix)} 2>/dev/null; touch {shlex.quote(prefix)}/.ares-complete",
-                           user=user, timeout=120)
+        await sandbox.exec(
+            f"chmod -R a+rX {shlex.quote(prefix)} 2>/dev/null; touch {shlex.quote(prefix)}/.ares-complete",
+            user=user, timeout=120)
 
-    async def _run_install_steps(self, sandbox: Sandbox, prefix: str, user: str | None, prep: Prepared) -> None:
+    async def _run_install_steps(self, sandbox: Sandbox, prefix: str, user: str | None,
+                                 prep: Prepared) -> None:
         env = {**QUIET_ENV, "HOME": prep.home if user or sandbox.backend == "local" else "/root"}
         if self.ca_bundle:
             # Registries reached through a TLS-inspecting proxy need its CA inside the sandbox too.
             try:
                 await sandbox.upload_file(self.ca_bundle, _CA_PATH)
             except Exception as exc:
-                raise HarnessInstallError(self.name, "uploading the CA bundle", f"{self.ca_bundle}: {exc}") from exc
-            await sandbox.exec(["chmod", "644", _CA_PATH], user=None if sandbox.backend == "local" else "root",
+                raise HarnessInstallError(self.name, "uploading the CA bundle",
+                                          f"{self.ca_bundle}: {exc}") from exc
+            await sandbox.exec(["chmod", "644", _CA_PATH],
+                               user=None if sandbox.backend == "local" else "root",
                                cwd="/", timeout=30)
             env.update({"NODE_EXTRA_CA_CERTS": _CA_PATH, "NPM_CONFIG_CAFILE": _CA_PATH, "PIP_CERT": _CA_PATH,
                         "SSL_CERT_FILE": _CA_PATH, "REQUESTS_CA_BUNDLE": _CA_PATH})
@@ -375,10 +388,12 @@ class BaseHarness(abc.ABC):
         for step, command in self.install_steps(prefix):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise HarnessInstallError(self.name, f"install step {step!r}", "install time budget exhausted")
+                raise HarnessInstallError(self.name, f"install step {step!r}",
+                                          "install time budget exhausted")
             r = await sandbox.exec(["sh", "-c", command], user=user, env=env, cwd="/", timeout=remaining)
             if r.timed_out:
-                raise HarnessInstallError(self.name, f"install step {step!r}", f"timed out after {r.duration:.0f} s")
+                raise HarnessInstallError(self.name, f"install step {step!r}",
+                                          f"timed out after {r.duration:.0f} s")
             if r.exit_code != 0:
                 raise HarnessInstallError(
                     self.name, f"install step {step!r}",
@@ -391,7 +406,8 @@ class BaseHarness(abc.ABC):
         cmd = self.version_command(prefix)
         if marker:  # an install that was interrupted has no marker and is redone
             cmd = f"test -f {shlex.quote(prefix)}/.ares-complete && {cmd}"
-        r = await sandbox.exec(["sh", "-c", cmd], user=prep.user, env={**QUIET_ENV, "HOME": prep.home}, cwd="/",
+        r = await sandbox.exec(["sh", "-c", cmd], user=prep.user, env={**QUIET_ENV, "HOME": prep.home},
+                               cwd="/",
                                timeout=60)
         return self.parse_version(r.stdout + "\n" + r.stderr) if r.ok else None
 
@@ -416,7 +432,8 @@ class BaseHarness(abc.ABC):
                 *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
                 f'export PATH={shlex.quote(bin_dir)}:"$PATH"',
                 # A subshell, so an ``exit`` in the agent's command still ends run.sh with its status.
-                f"( {self._wrapped(self.agent_command(ctx, prep, prompt))} ) >{st}/stdout.log 2>{st}/stderr.log </dev/null",
+                f"( {self._wrapped(self.agent_command(ctx, prep, prompt))} ) >{st}/stdout.log "
+                f"2>{st}/stderr.log </dev/null",
                 "",
             ]
         )
@@ -467,7 +484,8 @@ class BaseHarness(abc.ABC):
             artifacts=artifacts,
         )
 
-    async def _wait(self, sandbox: Sandbox, prep: Prepared, started: float, time_budget: float) -> tuple[int | None, bool]:
+    async def _wait(self, sandbox: Sandbox, prep: Prepared, started: float,
+                    time_budget: float) -> tuple[int | None, bool]:
         """Poll the launcher's record until the budget runs out: ``(exit_code, timed_out)``."""
         control = prep.control
         assert control is not None
@@ -484,7 +502,8 @@ class BaseHarness(abc.ABC):
                 out = waited.stdout.strip()
                 if out.startswith("exit ") and out[5:].lstrip("-").isdigit():
                     return int(out[5:]), False
-                if out == "gone" and waited.ok:  # the launcher died without an exit code (killed from outside)
+                # the launcher died without an exit code (killed from outside)
+                if out == "gone" and waited.ok:
                     return None, False
                 if not waited.ok and not waited.timed_out:
                     await asyncio.sleep(0.5)
@@ -494,8 +513,10 @@ class BaseHarness(abc.ABC):
                 # A failed exec (a dropped connection, a busy daemon) is not the agent's end: poll again.
                 await asyncio.sleep(1.0)
 
-    async def _control_exec(self, sandbox: Sandbox, prep: Prepared, argv: list[str], *, timeout: float) -> ExecResult:
-        """One step of the launcher's: as root where the agent runs as a user of its own, else as the run user."""
+    async def _control_exec(self, sandbox: Sandbox, prep: Prepared, argv: list[str], *,
+                            timeout: float) -> ExecResult:
+        """One step of the launcher's: as root where the agent runs as a user of its own, else as the run
+        user."""
         if prep.control_is_root:
             return await self._root_exec(sandbox, shlex.join(argv), timeout=timeout)
         return await sandbox.exec(argv, user=prep.user, cwd="/", timeout=timeout)
@@ -508,7 +529,8 @@ class BaseHarness(abc.ABC):
     async def kill(self, sandbox: Sandbox, prep: Prepared) -> None:
         """Kill the agent's process group and session (and the harness's extra processes)."""
         if prep.control:
-            await self._control_exec(sandbox, prep, ["sh", "-c", _KILL, "ares-kill", prep.control], timeout=30)
+            await self._control_exec(sandbox, prep, ["sh", "-c", _KILL, "ares-kill", prep.control],
+                                     timeout=30)
         extra = self.cleanup_command(prep)
         if extra:
             await sandbox.exec(["sh", "-c", f"{extra}; true"], user=prep.user, cwd="/", timeout=30)
@@ -516,7 +538,8 @@ class BaseHarness(abc.ABC):
     async def _collect(self, sandbox: Sandbox, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
         st = prep.state_dir
         out: dict[str, str] = {}
-        wanted = {"_stdout": f"{st}/stdout.log", "_stderr": f"{st}/stderr.log", **self.artifact_paths(ctx, prep)}
+        wanted = {"_stdout": f"{st}/stdout.log", "_stderr": f"{st}/stderr.log",
+                  **self.artifact_paths(ctx, prep)}
         for name, path in wanted.items():
             limit = _TAIL if name.startswith("_") else _ARTIFACT_LIMIT
             # A glob picks the newest match (Codex names its session log by date and id).
@@ -554,9 +577,9 @@ _LAUNCH = _SAME + (
     'c=$1; own=$2; shift 2; '
     'if [ "$own" = 1 ]; then mkdir -m 700 "$c" || exit 3; else mkdir -p "$c" || exit 3; fi; '
     'setsid /bin/sh -c \'c=$0; trap : TERM; ' + '_ares_start() { _s=${1##*) }; set -- $_s; t=${20}; }; '
-    'l=; read -r l </proc/self/stat; _ares_start "$l"; echo "$$ $t" >"$c/pid.tmp" && mv -f "$c/pid.tmp" "$c/pid" '
-    '|| exit 3; "$@"; echo $? >"$c/exit_code.tmp" && mv -f "$c/exit_code.tmp" "$c/exit_code"\' "$c" "$@" '
-    '>/dev/null 2>&1 </dev/null & '
+    'l=; read -r l </proc/self/stat; _ares_start "$l"; echo "$$ $t" >"$c/pid.tmp" && mv -f '
+    '"$c/pid.tmp" "$c/pid" || exit 3; "$@"; echo $? >"$c/exit_code.tmp" && mv -f "$c/exit_code.tmp" '
+    '"$c/exit_code"\' "$c" "$@" >/dev/null 2>&1 </dev/null & '
     'i=0; while [ ! -f "$c/pid" ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done; '
     '[ -f "$c/pid" ] && echo launched'
 )
@@ -564,10 +587,11 @@ _LAUNCH = _SAME + (
 # agent's exit status, "gone" when the launcher died without one, else "running".
 _POLL = _SAME + (
     'c=$1; n=$2; _rd "$c/pid"; set -- $v; p=$1; t0=$2; '
-    'i=0; while [ ! -f "$c/exit_code" ] && [ $i -lt "$n" ]; do _ares_same "$p" "$t0" || { sleep 0.3; break; }; '
-    'sleep 0.2; i=$((i+1)); done; '
+    'i=0; while [ ! -f "$c/exit_code" ] && [ $i -lt "$n" ]; do _ares_same "$p" "$t0" || { sleep '
+    '0.3; break; }; sleep 0.2; i=$((i+1)); done; '
     'x=; _rd "$c/exit_code" && x=$v; '
-    'case $x in ""|*[!0-9-]*) if _ares_same "$p" "$t0"; then echo running; else echo gone; fi;; *) echo "exit $x";; esac'
+    'case $x in ""|*[!0-9-]*) if _ares_same "$p" "$t0"; then echo running; else echo gone; fi;; *) echo '
+    '"exit $x";; esac'
 )
 # $1 the launcher's directory.  TERM, then (a second later) KILL to the launcher's process group and
 # to what is left of its session, each only while the launcher is still the process recorded.
@@ -589,7 +613,8 @@ def _user_switch(sandbox: Sandbox, user: str | None) -> list[str]:
 
 
 def _host_ca_bundle() -> str | None:
-    for var in ("ARES_HARNESS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"):
+    for var in ("ARES_HARNESS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "PIP_CERT", "SSL_CERT_FILE",
+                "REQUESTS_CA_BUNDLE"):
         path = os.environ.get(var)
         if path and os.path.isfile(path):
             return path

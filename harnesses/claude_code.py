@@ -11,7 +11,8 @@ Long commands: the Bash tool's default and maximum timeout (``BASH_DEFAULT_TIMEO
 :meth:`~harnesses.base.BaseHarness.command_limit` (the run's time budget unless ``command_timeout``
 is given), and ``CLAUDE_CODE_DISABLE_BACKGROUND_TASKS=1``: with background tasks on, 2.1.332 refuses
 a command that starts with ``sleep N`` (N >= 25 s: "Blocked: standalone sleep ...", pointing at
-``run_in_background``), and in ``-p`` mode nothing waits for a backgrounded command once the agent's turn ends.
+``run_in_background``), and in ``-p`` mode nothing waits for a backgrounded command once the agent's turn
+ends.
 """
 
 from __future__ import annotations

@@ -49,9 +49,11 @@ class MiniSweAgentHarness(BaseHarness):
         "text": ("mini_textbased.yaml", "litellm_textbased"),
     }
 
-    def __init__(self, *, action_format: str = "tools", action_regex: str | None = None, **options: Any) -> None:
+    def __init__(self, *, action_format: str = "tools", action_regex: str | None = None,
+                 **options: Any) -> None:
         if action_format not in self.ACTION_FORMATS:
-            raise ValueError(f"action_format must be one of {', '.join(self.ACTION_FORMATS)}, got {action_format!r}")
+            raise ValueError(
+                f"action_format must be one of {', '.join(self.ACTION_FORMATS)}, got {action_format!r}")
         if action_regex is not None and action_format != "text":
             raise ValueError("action_regex is for action_format='text'")
         super().__init__(**options)
@@ -64,8 +66,10 @@ class MiniSweAgentHarness(BaseHarness):
         q = shlex.quote(prefix)
         py = shlex.quote(self.python)
         return [
-            ("check python", f"{py} -c 'import sys, venv; assert sys.version_info >= (3, 10), sys.version' || "
-                             "{ echo 'python >= 3.10 with venv is needed (apt-get install python3-venv)' >&2; exit 127; }"),
+            ("check python",
+             f"{py} -c 'import sys, venv; assert sys.version_info >= (3, 10), sys.version' || "
+                             "{ echo 'python >= 3.10 with venv is needed (apt-get install python3-venv)' "
+                             ">&2; exit 127; }"),
             ("create the virtual environment", f"rm -rf {q} && {py} -m venv {q}"),
             pip_install_step(prefix, PYPI_PACKAGE, self.version),
         ]
@@ -94,7 +98,8 @@ class MiniSweAgentHarness(BaseHarness):
             model_class += f"-c {shlex.quote('model.action_regex=' + self.action_regex)} "
         return (
             f"mini -m {shlex.quote('openai/' + ctx.model)} -c {shlex.quote(self.config)} {model_class}"
-            f"-c environment.timeout={self.command_limit(prep)} -t {shlex.quote(prompt)} -y --exit-immediately "
+            f"-c environment.timeout={self.command_limit(prep)} -t {shlex.quote(prompt)} -y "
+            "--exit-immediately "
             f"-o {shlex.quote(prep.state_dir + '/trajectory.json')}"
         )
 

@@ -4,20 +4,25 @@ It reads the raw request body (as the agent sent it) and answers with a canonica
 plain dict ``{"text", "tool_calls": [{"id", "name", "arguments"}], "finish_reason"}``, which the
 gateway accepts (``Completion.model_validate(d)``, or ``{"completion": d}`` on ``/respond``).
 
-=============== ===================================================== ==========================================
+=============== =====================================================
+==========================================
 agent           run a command                                         finish
-=============== ===================================================== ==========================================
+=============== =====================================================
+==========================================
 claude-code     ``Bash`` tool_use ``{"command", "description"}``      a final text
 codex           ``exec_command`` function call ``{"cmd",               a final text
                 "yield_time_ms"}`` (or ``shell`` ``{"command": [...]}``);
                 while it runs, empty ``write_stdin`` polls
-mini-swe-agent  ``bash`` tool call ``{"command"}`` (text mode: a      ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``
+mini-swe-agent  ``bash`` tool call ``{"command"}`` (text mode: a      ``echo
+COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``
                 ``mswea_bash_command`` fenced block)
-terminus-2      JSON ``{"analysis", "plan", "commands": [{"keystrokes", ``task_complete: true`` (asked twice: the
+terminus-2      JSON ``{"analysis", "plan", "commands": [{"keystrokes", ``task_complete: true`` (asked twice:
+the
                 "duration"}], "task_complete": false}``, the command  finish step answers every later request)
                 then a line printing an end marker; until the marker
                 shows, waits (empty keystrokes, growing durations)
-=============== ===================================================== ==========================================
+=============== =====================================================
+==========================================
 
 A command runs to its end however long it takes (up to the agent's own per-command limit, which the
 harnesses set from the run's time budget): Claude Code's ``Bash`` and mini-swe-agent's ``bash`` block
@@ -99,7 +104,8 @@ class ScriptedPolicy:
         title: str = "Scripted task",
     ) -> None:
         if agent not in self.AGENTS:
-            raise ValueError(f"no scripted action format for agent {agent!r}; known: {', '.join(self.AGENTS)}")
+            raise ValueError(
+                f"no scripted action format for agent {agent!r}; known: {', '.join(self.AGENTS)}")
         if not script:
             raise ValueError("the script needs at least one step")
         self.agent = agent
@@ -120,7 +126,8 @@ class ScriptedPolicy:
 
     def is_side_call(self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> bool:
         headers = headers or {}
-        if any(k.lower() == "x-ares-side-call" and v.lower() in ("1", "true", "yes") for k, v in headers.items()):
+        if any(k.lower() == "x-ares-side-call" and v.lower() in ("1", "true", "yes") for k,
+               v in headers.items()):
             return True
         return bool(self._is_side_call(body, headers))
 

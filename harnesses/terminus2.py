@@ -109,28 +109,33 @@ class Terminus2Harness(BaseHarness):
         else:
             candidates = " ".join(self.python_candidates)
             tried = ", ".join(
-                c.replace('"', "").replace("$INSTALL_ROOT", self.install_root).replace("${PYENV_ROOT:-/nonexistent}",
+                c.replace('"', "").replace("$INSTALL_ROOT",
+                                           self.install_root).replace("${PYENV_ROOT:-/nonexistent}",
                                                                                       "$PYENV_ROOT")
                 for c in self.python_candidates
             )
         check = "import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 12))"
         return (
             f"INSTALL_ROOT={shlex.quote(self.install_root)}; "
-            'REAL_HOME=$(getent passwd "$(id -u)" 2>/dev/null | cut -d: -f6); REAL_HOME=${REAL_HOME:-/nonexistent}; '
+            'REAL_HOME=$(getent passwd "$(id -u)" 2>/dev/null | cut -d: -f6); '
+            'REAL_HOME=${REAL_HOME:-/nonexistent}; '
             f"for c in {candidates}; do "
-            'case "$c" in */*) [ -x "$c" ] || continue ;; *) c=$(command -v "$c" 2>/dev/null) || continue ;; esac; '
+            'case "$c" in */*) [ -x "$c" ] || continue ;; *) c=$(command -v "$c" 2>/dev/null) || '
+            'continue ;; esac; '
             f"if \"$c\" -c {shlex.quote(check)} 2>/dev/null; then echo \"$c\"; exit 0; fi; done; "
-            f"echo {shlex.quote(f'no Python >= 3.12 with venv found (tried: {tried}). {NO_PYTHON_HELP}')} >&2; "
-            "exit 127"
+            f"echo {shlex.quote(f'no Python >= 3.12 with venv found (tried: {tried}). {NO_PYTHON_HELP}')} "
+            ">&2; exit 127"
         )
 
     def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
         q = shlex.quote(prefix)
         find_python = self.find_python_command()
         return [
-            ("check tmux", "command -v tmux >/dev/null || { [ \"$(id -u)\" = 0 ] && command -v apt-get >/dev/null && "
-                           "apt-get update -qq && apt-get install -y -qq --no-install-recommends tmux >/dev/null; } "
-                           "|| { echo 'tmux is needed (apt-get install tmux)' >&2; exit 127; }"),
+            ("check tmux",
+             "command -v tmux >/dev/null || { [ \"$(id -u)\" = 0 ] && command -v apt-get >/dev/null && "
+                           "apt-get update -qq && apt-get install -y -qq --no-install-recommends tmux "
+                           ">/dev/null; } || { echo 'tmux is needed (apt-get install tmux)' >&2; "
+                           "exit 127; }"),
             ("find Python >= 3.12", find_python),
             ("create the virtual environment",
              f"py=$({find_python}) && echo \"using $py\" && rm -rf {q} && \"$py\" -m venv {q}"),
@@ -145,7 +150,8 @@ class Terminus2Harness(BaseHarness):
         source = resources.files("harnesses.data").joinpath(DRIVER).read_text()
         # Written by the run user itself (an upload would belong to the container's root).
         r = await sandbox.exec(
-            ["sh", "-c", f"mkdir -p {prep.state_dir}/logs && printf %s {shlex.quote(source)} >{prep.state_dir}/{DRIVER}"],
+            ["sh", "-c",
+             f"mkdir -p {prep.state_dir}/logs && printf %s {shlex.quote(source)} >{prep.state_dir}/{DRIVER}"],
             user=prep.user, cwd="/", timeout=30,
         )
         if not r.ok:

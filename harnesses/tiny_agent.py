@@ -49,7 +49,7 @@ for _ in range(max_turns):
                          "content": (p.stdout + p.stderr)[-10000:] + "\n[exit code %d]" % p.returncode})
 print("tiny-agent: turn limit reached", file=sys.stderr)
 sys.exit(3)
-'''.replace("__VERSION__", VERSION)
+'''.replace("__VERSION__", VERSION)  # noqa: E501 (an embedded script, kept as it runs)
 
 
 class TinyAgentHarness(BaseHarness):
@@ -61,11 +61,13 @@ class TinyAgentHarness(BaseHarness):
 
     def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
         q = shlex.quote(prefix)
-        return [("write tiny-agent", f"mkdir -p {q}/bin && cat > {q}/bin/tiny-agent <<'ARES_TINY_EOF'\n{SCRIPT}"
-                                     f"ARES_TINY_EOF\nchmod 755 {q}/bin/tiny-agent")]
+        return [
+            ("write tiny-agent", f"mkdir -p {q}/bin && cat > {q}/bin/tiny-agent <<'ARES_TINY_EOF'\n{SCRIPT}"
+                                 f"ARES_TINY_EOF\nchmod 755 {q}/bin/tiny-agent")]
 
     def agent_env(self, ctx: HarnessContext, prep: Prepared) -> dict[str, str]:
-        return {"OPENAI_BASE_URL": ctx.openai_base_url, "OPENAI_API_KEY": ctx.token, "TINY_AGENT_MODEL": ctx.model}
+        return {"OPENAI_BASE_URL": ctx.openai_base_url, "OPENAI_API_KEY": ctx.token,
+                "TINY_AGENT_MODEL": ctx.model}
 
     def agent_command(self, ctx: HarnessContext, prep: Prepared, prompt: str) -> str:
         return f"python3 \"$(command -v tiny-agent)\" {shlex.quote(prompt)}"

@@ -122,14 +122,16 @@ def _v2_hierarchy(root: str, mount: Path) -> Hierarchy | None:
         enabled = set((mount / "cgroup.subtree_control").read_text().split())
         if available - enabled:
             with contextlib.suppress(OSError):
-                _write(mount / "cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(available - enabled)))
+                _write(mount / "cgroup.subtree_control",
+                       " ".join(f"+{c}" for c in sorted(available - enabled)))
     controllers: set[str] = set()
     with contextlib.suppress(OSError):
         controllers = set((base / "cgroup.controllers").read_text().split()) & wanted
         enabled = set((base / "cgroup.subtree_control").read_text().split())
         if controllers - enabled:
             try:
-                _write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(controllers - enabled)))
+                _write(base / "cgroup.subtree_control",
+                       " ".join(f"+{c}" for c in sorted(controllers - enabled)))
             except OSError:
                 controllers &= enabled
     return Hierarchy(mount=mount, version=2, controllers=frozenset(controllers), base=base)
@@ -256,7 +258,8 @@ class SandboxCgroup:
         """The groups a sandbox recorded (see :meth:`record`), for garbage collection by another process."""
         raw = record.get("dirs")
         dirs = [Path(str(d)) for d in raw] if isinstance(raw, list) else []
-        versions = {d: 2 if (d / "cgroup.kill").exists() or (d / "cgroup.events").exists() else 1 for d in dirs}
+        versions = {d: 2 if (d / "cgroup.kill").exists() or (d / "cgroup.events").exists() else 1
+                    for d in dirs}
         group = cls(sandbox_id, [d for d in dirs if d.name == sandbox_id], versions)
         group.killable = any(v == 2 for v in versions.values())
         return group

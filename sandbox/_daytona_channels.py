@@ -33,7 +33,8 @@ class _Flow:
     """What a StreamReader calls when it holds too much (``pause_reading``) and again once it was read
     down (``resume_reading``); ``wait()`` lets the feeding side wait for the latter."""
 
-    def __init__(self, on_pause: Callable[[], None] | None = None, on_resume: Callable[[], None] | None = None) -> None:
+    def __init__(self, on_pause: Callable[[], None] | None = None,
+                 on_resume: Callable[[], None] | None = None) -> None:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.on_pause, self.on_resume = on_pause, on_resume
@@ -55,7 +56,8 @@ class _QueuedWriter:
     calls ``on_error``): the tunnel sees the channel fail and reopens it."""
 
     def __init__(self, send: Callable[[bytes], Awaitable[None]], *, max_message: int = MAX_WS_MESSAGE,
-                 high_water: int = 256 * 1024, on_error: Callable[[BaseException], None] | None = None) -> None:
+                 high_water: int = 256 * 1024,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         if max_message < 1:
             raise ValueError("max_message must be positive")
         self.send, self.max_message, self.high_water, self.on_error = send, max_message, high_water, on_error
@@ -162,7 +164,8 @@ async def daytona_pty_channel(
 
     def on_end(_: object) -> None:
         if handle.exit_code is not None or handle.error:
-            said.extend(f"the PTY session ended (exit code {handle.exit_code}: {handle.error or 'no error'})".encode())
+            said.extend((f"the PTY session ended (exit code {handle.exit_code}: "
+                         f"{handle.error or 'no error'})").encode())
         eof()
 
     ended.add_done_callback(on_end)

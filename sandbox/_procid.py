@@ -23,8 +23,8 @@ SAME_FN = (
     START_FN
     + '_ares_same() { _l=; [ -n "$1" ] && [ -n "$2" ] || return 1; '
     'read -r _l <"/proc/$1/stat" 2>/dev/null || return 1; _ares_start "$_l"; [ "$t" = "$2" ] || return 1; '
-    '[ "$3" = 1 ] || return 0; _u=; while read -r _k _a _b _c _d; do case $_k in Uid:) _u="$_a $_b $_c $_d"; break;; '
-    'esac; done <"/proc/$1/status" 2>/dev/null; [ "$_u" = "0 0 0 0" ]; }; '
+    '[ "$3" = 1 ] || return 0; _u=; while read -r _k _a _b _c _d; do case $_k in Uid:) _u="$_a $_b $_c '
+    '$_d"; break;; esac; done <"/proc/$1/status" 2>/dev/null; [ "$_u" = "0 0 0 0" ]; }; '
 )
 
 #: Run as ``sh -c RECORD_AND_EXEC RECORD-FILE ARGV...`` by root: writes ``<its pid> <its start time>``
@@ -70,7 +70,8 @@ KILL_TOKEN = EXEC_DIR_SH + 'rec="$_ed/$0.pid"; ' + _KILL_BODY
 #: names it.  A pid that merely sits in a file is spared by nothing.
 KEEP_RECORDED = (
     SAME_FN
-    + 'relays=; for f in /.ares/relay-*.id; do [ -f "$f" ] || continue; r=; rt=; read -r r rt <"$f" 2>/dev/null; '
+    + 'relays=; for f in /.ares/relay-*.id; do [ -f "$f" ] || continue; r=; rt=; read -r r rt <"$f" '
+      '2>/dev/null; '
     '_ares_same "$r" "$rt" 1 && relays="$relays $r"; done; '
     'keeper=; set -- $keeper_record; _ares_same "$1" "$2" 1 && keeper=$1; '
 )

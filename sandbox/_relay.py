@@ -138,7 +138,8 @@ MAX_FRAME = 64 * 1024
 MAX_PAYLOAD = MAX_FRAME - HEADER.size
 LINE_MAX_PAYLOAD = ((MAX_FRAME - 1) // 4) * 3 - HEADER.size
 OPEN, DATA, FIN, RST, WINDOW, PING, PONG = 1, 2, 3, 4, 5, 6, 7
-FRAME_NAMES = {OPEN: "open", DATA: "data", FIN: "fin", RST: "rst", WINDOW: "window", PING: "ping", PONG: "pong"}
+FRAME_NAMES = {OPEN: "open", DATA: "data", FIN: "fin", RST: "rst", WINDOW: "window", PING: "ping",
+               PONG: "pong"}
 #: Bytes a side may send on one stream before the other grants more (WINDOW on that stream).
 STREAM_WINDOW = 256 * 1024
 #: Bytes a side may send on all streams together before the other grants more (WINDOW on stream 0).
@@ -187,7 +188,8 @@ async def read_frame(reader: asyncio.StreamReader, *, line: bool = False) -> tup
         ftype, sid, n = HEADER.unpack(await reader.readexactly(HEADER.size))
         limit = MAX_PAYLOAD
         if n > limit:
-            raise TunnelError(f"a {FRAME_NAMES.get(ftype, ftype)} frame of {n} bytes is over the limit of {limit}")
+            raise TunnelError(
+                f"a {FRAME_NAMES.get(ftype, ftype)} frame of {n} bytes is over the limit of {limit}")
         payload = await reader.readexactly(n) if n else b""
     if n > limit:
         raise TunnelError(f"a frame of {n} bytes is over the limit of {limit}")
@@ -254,7 +256,8 @@ class Mux:
             raise ValueError("need max_streams >= 1 and 0 < stream_window <= conn_window < 2**31")
         self.reader, self.writer, self.line, self.connect = reader, writer, line, connect
         self.max_streams, self.stream_window, self.conn_window = max_streams, stream_window, conn_window
-        self.connect_timeout, self.ping_interval, self.ping_timeout = connect_timeout, ping_interval, ping_timeout
+        self.connect_timeout, self.ping_interval, self.ping_timeout = (connect_timeout, ping_interval,
+                                                                      ping_timeout)
         self.max_payload = LINE_MAX_PAYLOAD if line else MAX_PAYLOAD
         self.streams: dict[int, _Stream] = {}
         self.next_sid = 1  # relay: the next id to assign; host: the lowest id a new stream may have
@@ -550,7 +553,8 @@ async def _stdio_channel() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return reader, writer
 
 
-async def serve_tunnel(host: str, port: int, *, line: bool, ready_file: str | None, max_connections: int) -> int:
+async def serve_tunnel(host: str, port: int, *, line: bool, ready_file: str | None,
+                       max_connections: int) -> int:
     reader, writer = await _stdio_channel()
     mux = Mux(reader, writer, line=line, max_streams=max_connections)
     server = await asyncio.start_server(mux.accept, host, port, limit=CHUNK, reuse_address=True,
@@ -611,7 +615,8 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", required=True, help="HOST:PORT to listen on")
     parser.add_argument("--unix", help="the unix socket each connection is piped to")
     parser.add_argument("--tunnel", choices=("binary", "line"),
-                        help="multiplex connections over stdin/stdout instead (line: base64, for text-only channels)")
+                        help="multiplex connections over stdin/stdout instead (line: base64, for "
+                             "text-only channels)")
     parser.add_argument("--ready-file", help="a file written once listening")
     parser.add_argument("--watch-pid", type=int, help="exit when this process exits")
     parser.add_argument("--exit-on-stdin-eof", action="store_true", help="exit when stdin reaches EOF")

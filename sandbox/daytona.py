@@ -75,7 +75,8 @@ _RELAY_SCRIPT = Path(__file__).with_name("_relay.py")
 _TUNNEL_SH = (
     'd=$1; port=$2; n=$3\nif [ "$(id -u)" != 0 ]; then exec sudo -n /bin/sh "$0" "$@"; fi\n'
     + RELAY_RECORD
-    + '\nexec python3 -I "$d/relay.py" --listen "127.0.0.1:$port" --tunnel binary --ready-file "$d/relay-$port.pid" '
+    + '\nexec python3 -I "$d/relay.py" --listen "127.0.0.1:$port" --tunnel binary --ready-file '
+      '"$d/relay-$port.pid" '
     '--max-connections "$n"\n'
 )
 # Run as root: $1, $2 the uploaded relay and tunnel script, $3 their directory.  Root-owned copies
@@ -87,7 +88,7 @@ mkdir -p "$d" && chown 0:0 "$d" && chmod 755 "$d" && install -o 0 -g 0 -m 644 "$
 command -v python3 >/dev/null 2>&1 || { echo "no python3"; exit 3; }
 python3 -c 'import hashlib,sys; print(*(hashlib.sha256(open(f,"rb").read()).hexdigest() for f in sys.argv[1:]))' \
   "$d/relay.py" "$d/tunnel.sh"
-"""
+"""  # noqa: E501 (an embedded script, kept as it runs)
 _TUNNELS = ("ssh", "pty")
 
 
@@ -121,11 +122,12 @@ def _config(api_key: str | None, api_url: str | None, target: str | None) -> Any
     key = api_key or os.environ.get("DAYTONA_API_KEY")
     if not key:
         raise BackendUnavailableError(
-            "the Daytona backend needs an API key: set DAYTONA_API_KEY (and DAYTONA_API_URL for a self-hosted "
-            "Daytona) or pass api_key="
+            "the Daytona backend needs an API key: set DAYTONA_API_KEY (and DAYTONA_API_URL for a "
+            "self-hosted Daytona) or pass api_key="
         )
     url = api_url or os.environ.get("DAYTONA_API_URL") or None
-    return sdk.DaytonaConfig(api_key=key, api_url=url, target=target or os.environ.get("DAYTONA_TARGET") or None)
+    return sdk.DaytonaConfig(api_key=key, api_url=url,
+                             target=target or os.environ.get("DAYTONA_TARGET") or None)
 
 
 class DaytonaSandbox(BaseSandbox):
@@ -154,14 +156,17 @@ class DaytonaSandbox(BaseSandbox):
         ``ssh_expires_minutes``: the lifetime of each SSH access token (a new one is made when a channel
         is reopened near its end); ``ssh_known_hosts``: asyncssh's known_hosts for the gateway's key
         (None: not checked).  ``pty_max_message``: the largest WebSocket message sent (the daemon's
-        read limit is 64 KiB). ``tunnel=None``: ``$ARES_DAYTONA_TUNNEL`` (``ares-gateway run --tunnel``), else "ssh"."""
+        read limit is 64 KiB). ``tunnel=None``: ``$ARES_DAYTONA_TUNNEL`` (``ares-gateway run --tunnel``), else
+        "ssh"."""
         super().__init__(spec)
         tunnel = tunnel or os.environ.get("ARES_DAYTONA_TUNNEL") or "ssh"
         if tunnel not in _TUNNELS:
-            raise ValueError(f"tunnel must be 'ssh' (an SSH exec channel) or 'pty' (a toolbox PTY session), got {tunnel!r}")
+            raise ValueError("tunnel must be 'ssh' (an SSH exec channel) or 'pty' (a toolbox PTY session), "
+                             f"got {tunnel!r}")
         if tunnel_max_streams < 1 or ssh_expires_minutes < 2 or not 0 < pty_max_message <= MAX_WS_MESSAGE:
-            raise ValueError(f"need tunnel_max_streams >= 1, ssh_expires_minutes >= 2 and 0 < pty_max_message <= "
-                             f"{MAX_WS_MESSAGE}")
+            raise ValueError(
+                f"need tunnel_max_streams >= 1, ssh_expires_minutes >= 2 and 0 < pty_max_message <= "
+                f"{MAX_WS_MESSAGE}")
         if not posixpath.isabs(relay_dir):
             raise ValueError(f"relay_dir must be an absolute path inside the sandbox, got {relay_dir!r}")
         self._config = _config(api_key, api_url, target)
@@ -187,7 +192,8 @@ class DaytonaSandbox(BaseSandbox):
     def description(self) -> str:
         where = self._config.api_url or "Daytona cloud"
         tunnel = f"; forwards over a {self.tunnel} tunnel" if self.spec.network == "none" else ""
-        return f"daytona sandbox {self.id} (remote id {self.remote_id}, {where}, network={self.spec.network}{tunnel})"
+        return (f"daytona sandbox {self.id} (remote id {self.remote_id}, {where}, "
+                f"network={self.spec.network}{tunnel})")
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def _params(self) -> Any:
@@ -236,11 +242,13 @@ class DaytonaSandbox(BaseSandbox):
         self.remote_id = str(self._sandbox.id)
         prep = await self._raw_exec(
             f"mkdir -p {shlex.quote(self.spec.workdir)} 2>/dev/null || "
-            f"{{ sudo -n mkdir -p {shlex.quote(self.spec.workdir)} && sudo -n chown \"$(id -u)\" {shlex.quote(self.spec.workdir)}; }}",
+            f"{{ sudo -n mkdir -p {shlex.quote(self.spec.workdir)} && sudo -n chown \"$(id -u)\" "
+            f"{shlex.quote(self.spec.workdir)}; }}",
             timeout=60,
         )
         if prep[0] != 0:
-            raise SandboxStartError(f"cannot create workdir {self.spec.workdir} in the Daytona sandbox: {prep[1]}")
+            raise SandboxStartError(
+                f"cannot create workdir {self.spec.workdir} in the Daytona sandbox: {prep[1]}")
 
     async def _stop(self) -> None:
         tunnels, self._tunnels = list(self._tunnels.values()), {}
@@ -283,8 +291,9 @@ class DaytonaSandbox(BaseSandbox):
         except Exception as exc:  # the SDK's and asyncssh's own errors too; never the token (not in them)
             with contextlib.suppress(Exception):
                 await tunnel.close()
-            raise ForwardError(f"the {self.tunnel} tunnel for port {port} of sandbox {self.id} did not start: "
-                               f"{_safe(exc, self._ssh_tokens)}") from None
+            raise ForwardError(
+                f"the {self.tunnel} tunnel for port {port} of sandbox {self.id} did not start: "
+                f"{_safe(exc, self._ssh_tokens)}") from None
         self._tunnels[port] = tunnel
 
     def tunnel_for(self, port: int) -> Tunnel | None:
@@ -338,8 +347,9 @@ class DaytonaSandbox(BaseSandbox):
         r = await self._exec(shlex.join(["/bin/sh", "-c", _INSTALL, "ares-install", f"{tmp}.py", f"{tmp}.sh",
                                          self.relay_dir]), cwd="/", env={}, user="root", timeout=120)
         if r.exit_code == 3 and "no python3" in r.stdout:
-            raise ForwardError(f"the image of sandbox {self.id} has no python3, which the tunnel's relay needs: "
-                               "use an image with python3")
+            raise ForwardError(
+                f"the image of sandbox {self.id} has no python3, which the tunnel's relay needs: "
+                "use an image with python3")
         want = [hashlib.sha256(relay).hexdigest(), hashlib.sha256(script).hexdigest()]
         if not r.ok or r.stdout.split() != want:
             raise ForwardError(f"installing the relay in {self.relay_dir} of sandbox {self.id} failed: "
@@ -413,7 +423,8 @@ class DaytonaSandbox(BaseSandbox):
         parent = posixpath.dirname(remote_path)
         await self._shell(f"mkdir -p {shlex.quote(parent)}", f"creating {parent}")
         try:
-            await self._sandbox.fs.upload_files([sdk.FileUpload(source=str(local_path), destination=remote_path)])
+            await self._sandbox.fs.upload_files(
+                [sdk.FileUpload(source=str(local_path), destination=remote_path)])
         except sdk.DaytonaError as exc:
             raise FileTransferError(f"uploading {local_path} to {remote_path} failed: {exc}") from exc
 
@@ -430,7 +441,8 @@ class DaytonaSandbox(BaseSandbox):
         except sdk.DaytonaError as exc:
             raise FileTransferError(f"uploading {local_dir} to {remote_dir} failed: {exc}") from exc
         q, t = shlex.quote(remote_dir), shlex.quote(remote_tar)
-        await self._shell(f"mkdir -p {q} && tar -xf {t} -C {q}; rc=$?; rm -f {t}; exit $rc", f"unpacking into {remote_dir}")
+        await self._shell(f"mkdir -p {q} && tar -xf {t} -C {q}; rc=$?; rm -f {t}; exit $rc",
+                          f"unpacking into {remote_dir}")
 
     async def _download_file(self, remote_path: str, local_path: Path) -> None:
         sdk = _sdk()

@@ -97,7 +97,8 @@ _RESTORE = (
     'unset "ARES_UENV_$i"; export "$v"; i=$((i+1)); done; '
 )
 _USER_PART = (
-    'c=$0; PATH=$ARES_UPATH; HOME=$ARES_UHOME; up=$ARES_UP; unset ARES_UPATH ARES_UHOME ARES_UP; export PATH HOME; '
+    'c=$0; PATH=$ARES_UPATH; HOME=$ARES_UHOME; up=$ARES_UP; unset ARES_UPATH ARES_UHOME ARES_UP; '
+    'export PATH HOME; '
     + _RESTORE
     + 'if [ "$up" = 1 ]; then for d in "$HOME/.local/bin" "${NPM_CONFIG_PREFIX:+$NPM_CONFIG_PREFIX/bin}"; do '
     'case ":$PATH:" in *":$d:"*) ;; *) [ -n "$d" ] && PATH="$d:$PATH";; esac; done; export PATH; fi; '
@@ -110,24 +111,25 @@ _OUTER = (
     'uid=0; gid=0; name=; home=/; g=; '
     'if [ -n "$u" ]; then n=${u%%:*}; case $u in *:*) g=${u#*:};; esac; found=; '
     'while IFS=: read -r pn _ pu pg _ ph _; do '
-    'case $n in *[!0-9]*) [ "$pn" = "$n" ];; *) [ "$pu" = "$n" ];; esac && { found=1; name=$pn; uid=$pu; gid=$pg; home=$ph; break; }; '
-    'done </etc/passwd; '
+    'case $n in *[!0-9]*) [ "$pn" = "$n" ];; *) [ "$pu" = "$n" ];; esac && { found=1; name=$pn; uid=$pu; '
+    'gid=$pg; home=$ph; break; }; done </etc/passwd; '
     'if [ -z "$found" ]; then case $n in ""|*[!0-9]*) '
-    'echo "ares-exec: unable to find user $n: no matching entries in passwd file" >&2; exit 126;; esac; uid=$n; fi; '
-    'if [ -n "$g" ]; then case $g in *[!0-9]*) gg=; '
+    'echo "ares-exec: unable to find user $n: no matching entries in passwd file" >&2; exit 126;; esac; '
+    'uid=$n; fi; if [ -n "$g" ]; then case $g in *[!0-9]*) gg=; '
     'while IFS=: read -r gn _ gi _; do [ "$gn" = "$g" ] && { gg=$gi; break; }; done </etc/group; '
-    '[ -n "$gg" ] || { echo "ares-exec: unable to find group $g" >&2; exit 126; }; gid=$gg;; *) gid=$g;; esac; fi; fi; '
-    'if [ "$uid" = 0 ]; then '
+    '[ -n "$gg" ] || { echo "ares-exec: unable to find group $g" >&2; exit 126; }; gid=$gg;; *) gid=$g;; '
+    'esac; fi; fi; if [ "$uid" = 0 ]; then '
     + _RESTORE
-    + f'PATH={SYSTEM_PATH}; HOME=/root; export PATH HOME; for n in $un; do unset "$n"; done; set -- /bin/sh -c "$c"; '
+    + f'PATH={SYSTEM_PATH}; HOME=/root; export PATH HOME; for n in $un; do unset "$n"; done; set -- '
+      '/bin/sh -c "$c"; '
     'else ARES_UPATH=$opath; ARES_UHOME=$home; ARES_UP=$up; export ARES_UPATH ARES_UHOME ARES_UP; '
     'if command -v setpriv >/dev/null 2>&1; then '
     'if [ -n "$name" ]; then set -- --init-groups; else set -- --clear-groups; fi; '
     'set -- setpriv --reuid="$uid" --regid="$gid" "$@" -- /bin/sh -c "$usr" "$c"; '
     'elif [ -n "$name" ] && command -v runuser >/dev/null 2>&1; then '
-    'if [ -n "$g" ]; then set -- -g "$g"; else set --; fi; set -- runuser -u "$name" "$@" -- /bin/sh -c "$usr" "$c"; '
-    'else echo "ares-exec: running a command as $u needs setpriv or runuser (util-linux) in the image" >&2; exit 126; fi; '
-    'fi; '
+    'if [ -n "$g" ]; then set -- -g "$g"; else set --; fi; set -- runuser -u "$name" "$@" -- /bin/sh -c '
+    '"$usr" "$c"; else echo "ares-exec: running a command as $u needs setpriv or runuser (util-linux) in the '
+    'image" >&2; exit 126; fi; fi; '
     'if command -v setsid >/dev/null 2>&1; then setsid -w /bin/sh -c "$rec" "$p" "$@"; rc=$?; '
     'else /bin/sh -c "$rec" "$p" "$@"; rc=$?; fi; rm -f "$p"; exit $rc'
 )
@@ -148,7 +150,7 @@ i=0; while [ ! -f "$r" ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done
 [ -f "$r" ] || { cat "$log"; exit 4; }
 p=; read -r p <"$r"; l=; read -r l <"/proc/$p/stat" || { cat "$log"; exit 4; }
 _ares_start "$l"; echo "$p $t" >"$id.tmp" && mv -f "$id.tmp" "$id"
-"""
+"""  # noqa: E501 (an embedded script, kept as it runs)
 # $1 port, $2 max streams.  The relay of the exec tunnel, on the exec's stdin/stdout.  Docker does not
 # always end a dropped exec (its stdout stuck): a relay of this port left from an earlier channel is
 # killed first (only while its record still names that very process), freeing the port.
@@ -392,7 +394,8 @@ class DockerSandbox(BaseSandbox):
         # ARES_DOCKER_TUNNEL reaches sandboxes that runs and episodes create (`ares-gateway run --tunnel`).
         tunnel = tunnel or os.environ.get("ARES_DOCKER_TUNNEL") or "mount"
         if tunnel not in ("mount", "exec"):
-            raise ValueError(f"tunnel must be 'mount' (a bind-mounted socket) or 'exec' (over docker exec), got {tunnel!r}")
+            raise ValueError("tunnel must be 'mount' (a bind-mounted socket) or 'exec' (over docker exec), "
+                             f"got {tunnel!r}")
         self.pull = pull
         self.container_id: str | None = None
         self.image: str | None = None
@@ -410,8 +413,10 @@ class DockerSandbox(BaseSandbox):
         self._relay_uploaded = False
         res = self.spec.resources
         if default_pids is not None and default_pids < 1:
-            raise ValueError(f"default_pids must be a positive number of processes or None, got {default_pids!r}")
-        self.memory_limit: int | None = res.memory_bytes if res.memory is not None else parse_size(default_memory)
+            raise ValueError(
+                f"default_pids must be a positive number of processes or None, got {default_pids!r}")
+        self.memory_limit: int | None = (res.memory_bytes if res.memory is not None
+                                         else parse_size(default_memory))
         self.pids_limit: int | None = res.pids if res.pids is not None else default_pids
         self.disk_limit: int | None = res.disk_bytes
         self.disk_image_dir = disk_image_dir or os.environ.get("ARES_DOCKER_DISK_DIR") or None
@@ -470,7 +475,8 @@ class DockerSandbox(BaseSandbox):
             "init": True,
         }
         if self._socket_dirs:
-            kwargs["volumes"] = {host: {"bind": inside, "mode": "ro"} for host, inside in self._socket_dirs.items()}
+            kwargs["volumes"] = {host: {"bind": inside, "mode": "ro"} for host,
+                                 inside in self._socket_dirs.items()}
         if res.cpus:
             kwargs["nano_cpus"] = int(res.cpus * 1e9)
         if self.memory_limit:
@@ -505,9 +511,11 @@ class DockerSandbox(BaseSandbox):
                     container = create({"storage_opt": {"size": str(self.disk_limit)}})
                 except docker.errors.APIError as exc:
                     raise SandboxStartError(
-                        f"cannot limit the disk of sandbox {self.id} to {_size(self.disk_limit)}: the writable "
-                        "layer can be put on a loop-mounted file system only with a local overlay2 engine and "
-                        f"root on its host, and this engine refuses a storage quota ({exc.explanation or exc}). "
+                        f"cannot limit the disk of sandbox {self.id} to {_size(self.disk_limit)}: "
+                        "the writable layer can be put on a loop-mounted file system only with a local "
+                        "overlay2 engine and "
+                        "root on its host, and this engine refuses a storage quota "
+                        f"({exc.explanation or exc}). "
                         "Run as root next to the engine, use an engine with quotas (overlay2 on xfs with "
                         "pquota), or drop Resources.disk"
                     ) from exc
@@ -521,7 +529,8 @@ class DockerSandbox(BaseSandbox):
         code, out = self._root_exec_sync(["/bin/sh", "-c", _KEEPER_RECORD])
         record = out.decode(errors="replace").strip()
         if code != 0 or len(record.split()) != 2 or not all(f.isdigit() for f in record.split()):
-            raise SandboxStartError(f"sandbox {self.id}: cannot find the container's keeper process ({record[-200:]!r})")
+            raise SandboxStartError(
+                f"sandbox {self.id}: cannot find the container's keeper process ({record[-200:]!r})")
         return record
 
     def _remove_sync(self) -> None:
@@ -548,8 +557,9 @@ class DockerSandbox(BaseSandbox):
             env = {**{k: v for k, v in env.items() if not _UNSAFE_FOR_ROOT.fullmatch(k)}, **_ROOT_ENV}
         for key in env:
             if not _SHELL_NAME.fullmatch(key):
-                raise ExecError(f"environment variable name {key!r} cannot be passed to a docker command: use "
-                                "letters, digits and underscores (not starting with a digit)")
+                raise ExecError(
+                    f"environment variable name {key!r} cannot be passed to a docker command: use "
+                    "letters, digits and underscores (not starting with a digit)")
         # The exec is root's; the caller's environment rides along as carriers, set again only where
         # the command runs (as its user), so root's own steps in the wrapper never run with it.
         carriers = {f"ARES_UENV_{i}": f"{k}={v}" for i, (k, v) in enumerate(env.items())}
@@ -584,7 +594,8 @@ class DockerSandbox(BaseSandbox):
         stdout = b"".join(out).decode("utf-8", "replace")
         stderr = b"".join(err).decode("utf-8", "replace")
         if code in (126, 127) and "OCI runtime exec failed" in stdout + stderr:
-            raise ExecError(f"docker could not run the command in sandbox {self.id}: {(stdout + stderr).strip()}")
+            raise ExecError(
+                f"docker could not run the command in sandbox {self.id}: {(stdout + stderr).strip()}")
         if code in (125, 126) and stderr.startswith("ares-exec: "):
             raise ExecError(f"docker could not run the command in sandbox {self.id}: {stderr.strip()[11:]}")
         return ExecResult(
@@ -616,7 +627,8 @@ class DockerSandbox(BaseSandbox):
     def _root_exec_sync(self, argv: list[str]) -> tuple[int, bytes]:
         """One of the backend's own root steps: the system PATH and HOME=/root, the output whole."""
         api = client().api
-        exec_id = api.exec_create(self.container_id, argv, user="root", environment=_ROOT_ENV, workdir="/")["Id"]
+        exec_id = api.exec_create(self.container_id, argv, user="root", environment=_ROOT_ENV,
+                                  workdir="/")["Id"]
         output = api.exec_start(exec_id)
         code = api.exec_inspect(exec_id).get("ExitCode")
         return (code if code is not None else -1), output
@@ -641,8 +653,9 @@ class DockerSandbox(BaseSandbox):
         if not self._relay_uploaded:
             await asyncio.to_thread(self._upload_relay)
             self._relay_uploaded = True
-        r = await self._exec(command_to_shell(["sh", "-c", _START_RELAY, "ares-relay", str(port), f"{inside}/{name}"]),
-                             user="root", cwd="/", env={}, timeout=60)
+        r = await self._exec(
+            command_to_shell(["sh", "-c", _START_RELAY, "ares-relay", str(port), f"{inside}/{name}"]),
+            user="root", cwd="/", env={}, timeout=60)
         if not r.ok:
             raise ForwardError(f"the relay for port {port} of sandbox {self.id} did not start: "
                                f"{(r.stdout + r.stderr).strip()[-500:] or f'exit {r.exit_code}'}")
@@ -656,15 +669,18 @@ class DockerSandbox(BaseSandbox):
             self._relay_uploaded = True
         code, _ = await asyncio.to_thread(self._root_exec_sync, ["/bin/sh", "-c", "command -v python3"])
         if code != 0:
-            raise ForwardError(f"the image of sandbox {self.id} has no python3, which the exec tunnel's relay needs: "
-                               "use tunnel='mount' or an image with python3")
+            raise ForwardError(
+                f"the image of sandbox {self.id} has no python3, which the exec tunnel's relay needs: "
+                "use tunnel='mount' or an image with python3")
         argv = ["/bin/sh", "-c", _TUNNEL_RELAY, "ares-relay", str(port), str(self.tunnel_max_streams)]
         container = self.container_id
-        tunnel = Tunnel(lambda: docker_exec_channel(container, argv), host_socket, max_streams=self.tunnel_max_streams)
+        tunnel = Tunnel(lambda: docker_exec_channel(container, argv), host_socket,
+                        max_streams=self.tunnel_max_streams)
         try:
             await tunnel.start()
         except (TunnelError, OSError, docker.errors.DockerException) as exc:
-            raise ForwardError(f"the exec tunnel for port {port} of sandbox {self.id} did not start: {exc}") from exc
+            raise ForwardError(
+                f"the exec tunnel for port {port} of sandbox {self.id} did not start: {exc}") from exc
         self._tunnels[port] = tunnel
 
     def tunnel_for(self, port: int) -> Tunnel | None:
@@ -719,7 +735,8 @@ class DockerSandbox(BaseSandbox):
             if user.isdigit():
                 uid = user
             else:
-                r = await self._exec(command_to_shell(["id", "-u", user]), user="root", cwd="/", env={}, timeout=30)
+                r = await self._exec(command_to_shell(["id", "-u", user]), user="root", cwd="/", env={},
+                                     timeout=30)
                 if not r.ok:
                     raise ExecError(f"no user {user!r} in sandbox {self.id}: {r.stderr.strip()}")
                 uid = r.stdout.strip()
@@ -729,7 +746,8 @@ class DockerSandbox(BaseSandbox):
                              cwd="/", env={}, timeout=timeout + 30)
         out = r.stdout.strip()
         if not r.ok or not out.isdigit():
-            raise ExecError(f"killing the processes of sandbox {self.id} failed: {(out + r.stderr).strip()[-500:]}")
+            raise ExecError(
+                f"killing the processes of sandbox {self.id} failed: {(out + r.stderr).strip()[-500:]}")
         return int(out)
 
     async def _limits_reached(self) -> frozenset[str]:
@@ -740,7 +758,8 @@ class DockerSandbox(BaseSandbox):
         if out is None:
             r = await self._exec(_LIMITS_CGROUP, user="root", cwd="/", env={}, timeout=30)
             if not r.ok:  # the container is gone or stopped: what the engine kept
-                state = await asyncio.to_thread(lambda: client().api.inspect_container(self.container_id)["State"])
+                state = await asyncio.to_thread(
+                    lambda: client().api.inspect_container(self.container_id)["State"])
                 return frozenset({"memory"} if self.memory_limit and state.get("OOMKilled") else ())
             out = r.stdout
         if self.disk_mode == "loop" and self.disk_mount:
@@ -750,14 +769,16 @@ class DockerSandbox(BaseSandbox):
         elif self.disk_mode is not None:
             with contextlib.suppress(Exception):
                 out += "\n" + (await self._exec(_LIMITS_DF, user="root", cwd="/", env={}, timeout=30)).stdout
-        return _parse_limits(out, memory=bool(self.memory_limit), pids=bool(self.pids_limit), disk=self.disk_limit)
+        return _parse_limits(out, memory=bool(self.memory_limit), pids=bool(self.pids_limit),
+                             disk=self.disk_limit)
 
     async def _run_root(self, argv: list[str], what: str) -> None:
         assert self.container_id is not None
 
         code, output = await asyncio.to_thread(self._root_exec_sync, argv)
         if code != 0:
-            raise FileTransferError(f"{what} in sandbox {self.id} failed: {output.decode(errors='replace').strip()}")
+            raise FileTransferError(
+                f"{what} in sandbox {self.id} failed: {output.decode(errors='replace').strip()}")
 
     # -- files ----------------------------------------------------------------------------------------
     async def _put_tar(self, remote_dir: str, tar_stream: Any) -> None:
@@ -778,7 +799,8 @@ class DockerSandbox(BaseSandbox):
 
     async def _chown_for_default_user(self, remote: str) -> None:
         if self.spec.user:
-            await self._run_root(["chown", "-R", self.spec.user, remote], f"giving {remote} to {self.spec.user}")
+            await self._run_root(["chown", "-R", self.spec.user, remote],
+                                 f"giving {remote} to {self.spec.user}")
 
     async def _upload_file(self, local_path: Path, remote_path: str) -> None:
         parent, name = posixpath.split(remote_path)
@@ -808,7 +830,8 @@ class DockerSandbox(BaseSandbox):
 
     async def _download_dir(self, remote_dir: str, local_dir: Path) -> None:
         def fetch() -> None:
-            extract_tar(IterStream(self._get_archive(remote_dir.rstrip("/") or "/")), local_dir, strip_top=True)  # type: ignore[arg-type]
+            archive = IterStream(self._get_archive(remote_dir.rstrip("/") or "/"))
+            extract_tar(archive, local_dir, strip_top=True)  # type: ignore[arg-type]
 
         await asyncio.to_thread(fetch)
 

@@ -88,7 +88,8 @@ def owner_labels() -> dict[str, str]:
 
 
 def state_dir() -> Path:
-    """Where heartbeats (and local sandboxes' owner files) live: ``$ARES_SANDBOX_STATE_DIR`` or ~/.local/state."""
+    """Where heartbeats (and local sandboxes' owner files) live: ``$ARES_SANDBOX_STATE_DIR`` or
+    ~/.local/state."""
     env = os.environ.get("ARES_SANDBOX_STATE_DIR")
     if env:
         return Path(env)

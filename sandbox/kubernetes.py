@@ -121,8 +121,8 @@ _PUT = 'mkdir -p -- "$1" && head -c "$2" | tar -xof - -C "$1"'
 # $1 port, $2 max streams: the exec tunnel's relay; a relay of this port left from a dropped channel
 # (its exec not ended) is killed first, only while its record still names that very process.
 _TUNNEL_RELAY = (
-    'port=$1; d=/.ares; command -v python3 >/dev/null 2>&1 || { echo "the image has no python3, which the exec '
-    'tunnel\'s relay needs" >&2; exit 3; }; ' + RELAY_RECORD
+    'port=$1; d=/.ares; command -v python3 >/dev/null 2>&1 || { echo "the image has no python3, '
+    'which the exec tunnel\'s relay needs" >&2; exit 3; }; ' + RELAY_RECORD
     + 'exec python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --tunnel binary '
     '--ready-file "$d/relay-$port.pid" --max-connections "$2"'
 )
@@ -176,7 +176,8 @@ def _sdk() -> Any:
         import kubernetes_asyncio.stream
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise BackendUnavailableError(
-            "the Kubernetes backend needs the kubernetes_asyncio package: pip install 'ares-gateway[kubernetes]'"
+            "the Kubernetes backend needs the kubernetes_asyncio package: pip install "
+            "'ares-gateway[kubernetes]'"
         ) from exc
     return kubernetes_asyncio
 
@@ -203,11 +204,13 @@ def _api_error(exc: BaseException) -> str:
 
 def _kubeconfig_path(kubeconfig: str | os.PathLike[str] | None) -> tuple[str, bool]:
     """The kubeconfig to read, and whether to read it (given, or the default one exists)."""
-    path = str(kubeconfig) if kubeconfig else os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+    path = (str(kubeconfig) if kubeconfig else os.environ.get("KUBECONFIG")
+            or os.path.expanduser("~/.kube/config"))
     return path, bool(kubeconfig) or os.path.exists(path.split(os.pathsep)[0])
 
 
-async def load_configuration(kubeconfig: str | os.PathLike[str] | None = None, context: str | None = None) -> Any:
+async def load_configuration(kubeconfig: str | os.PathLike[str] | None = None,
+                             context: str | None = None) -> Any:
     """A ``kubernetes_asyncio`` Configuration: from ``kubeconfig`` (else ``$KUBECONFIG``, else
     ``~/.kube/config``) and ``context``, else the in-cluster service account."""
     sdk = _sdk()
@@ -217,7 +220,8 @@ async def load_configuration(kubeconfig: str | os.PathLike[str] | None = None, c
         try:
             await sdk.config.load_kube_config(config_file=path, context=context, client_configuration=cfg)
         except Exception as exc:
-            raise BackendUnavailableError(f"cannot load the kubeconfig {path}: {type(exc).__name__}: {exc}") from exc
+            raise BackendUnavailableError(
+                f"cannot load the kubeconfig {path}: {type(exc).__name__}: {exc}") from exc
         return cfg
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         sdk.config.load_incluster_config(client_configuration=cfg)
@@ -246,7 +250,8 @@ def _ws_client_class() -> Any:
                 params.extend((key, v) for v in value) if key == "command" and isinstance(value, list) \
                     else params.append((key, value))
             headers = {k: v for k, v in (headers or {}).items() if k.lower() != "sec-websocket-protocol"}
-            full = _sdk().stream.ws_client.get_websocket_url(url + ("?" + urlencode(params) if params else ""))
+            full = _sdk().stream.ws_client.get_websocket_url(url
+                                                             + ("?" + urlencode(params) if params else ""))
             return self.rest_client.pool_manager.ws_connect(full, headers=headers, protocols=EXEC_PROTOCOLS,
                                                             heartbeat=self.heartbeat)
 
@@ -311,10 +316,12 @@ class ExecStream:
                 await self._resumer.go.wait()
                 msg = await self.ws.receive()
                 if msg.type != aiohttp.WSMsgType.BINARY:
-                    if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED,
+                    if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
+                                    aiohttp.WSMsgType.CLOSED,
                                     aiohttp.WSMsgType.ERROR):
                         if msg.type == aiohttp.WSMsgType.ERROR:
-                            why = msg.data if isinstance(msg.data, BaseException) else ConnectionError(str(msg.data))
+                            why = (msg.data if isinstance(msg.data, BaseException)
+                                   else ConnectionError(str(msg.data)))
                         break
                     continue  # text or control frames carry nothing for us
                 data: bytes = msg.data
@@ -333,7 +340,8 @@ class ExecStream:
                         try:
                             self.status.set_result(dict(json.loads(payload)))
                         except ValueError:
-                            self.status.set_result({"status": "Failure", "message": payload[:500].decode(errors="replace")})
+                            self.status.set_result(
+                                {"status": "Failure", "message": payload[:500].decode(errors="replace")})
                 elif channel == CLOSE and len(payload) == 1 and payload[0] == STDOUT:
                     self.stdout.feed_eof()
         except Exception as exc:  # the connection broke under us
@@ -341,7 +349,8 @@ class ExecStream:
         finally:
             if not self.stdout.at_eof():
                 if why is not None:
-                    self.stdout.set_exception(why if isinstance(why, Exception) else ConnectionError(str(why)))
+                    self.stdout.set_exception(why if isinstance(why, Exception)
+                                              else ConnectionError(str(why)))
                 else:
                     self.stdout.feed_eof()
             if not self.status.done():
@@ -533,12 +542,14 @@ class KubernetesSandbox(BaseSandbox):
         super().__init__(spec)
         _sdk()
         if self.spec.dockerfile is not None:
-            raise ValueError("the Kubernetes backend runs images from a registry: build and push the Dockerfile, "
-                             "then pass SandboxSpec(image=<tag>)")
+            raise ValueError(
+                "the Kubernetes backend runs images from a registry: build and push the Dockerfile, "
+                "then pass SandboxSpec(image=<tag>)")
         self.image = self.spec.image or default_image or os.environ.get("ARES_K8S_IMAGE")
         if not self.image:
-            raise ValueError("the Kubernetes backend needs an image the cluster can pull: SandboxSpec(image=...), "
-                             "default_image=, $ARES_K8S_IMAGE or `ares-gateway run --image`")
+            raise ValueError(
+                "the Kubernetes backend needs an image the cluster can pull: SandboxSpec(image=...), "
+                "default_image=, $ARES_K8S_IMAGE or `ares-gateway run --image`")
         if start_timeout <= 0 or tunnel_ping_interval <= 0 or max_message < 1024 or tunnel_max_streams < 1:
             raise ValueError("start_timeout and tunnel_ping_interval must be positive, max_message >= 1024 "
                              "and tunnel_max_streams >= 1")
@@ -592,7 +603,8 @@ class KubernetesSandbox(BaseSandbox):
         if res.gpus:
             limits["nvidia.com/gpu"] = str(res.gpus)
         container = client.V1Container(
-            name="sandbox", image=self.image, command=["/bin/sh", "-c", _KEEPER], working_dir=self.spec.workdir,
+            name="sandbox", image=self.image, command=["/bin/sh", "-c", _KEEPER],
+            working_dir=self.spec.workdir,
             env=[client.V1EnvVar(name=k, value=v) for k, v in self.spec.env.items()],
             resources=client.V1ResourceRequirements(requests=quantities or None, limits=limits or None),
             security_context=client.V1SecurityContext(run_as_user=0, run_as_group=0),
@@ -601,7 +613,8 @@ class KubernetesSandbox(BaseSandbox):
             api_version="v1", kind="Pod",
             metadata=client.V1ObjectMeta(name=self.pod_name, namespace=self.namespace, labels=labels,
                                          annotations=annotations),
-            spec=client.V1PodSpec(containers=[container], restart_policy="Never", termination_grace_period_seconds=1,
+            spec=client.V1PodSpec(containers=[container], restart_policy="Never",
+                                  termination_grace_period_seconds=1,
                                   automount_service_account_token=False, enable_service_links=False),
         )
 
@@ -644,14 +657,17 @@ class KubernetesSandbox(BaseSandbox):
         except OSError as exc:
             raise SandboxStartError(f"the Kubernetes API at {self._cfg.host} is unreachable: {exc}") from exc
         await self._wait_running(core)
-        r = await self._exec(f"mkdir -p {shlex.quote(self.spec.workdir)}", cwd="/", env={}, user=None, timeout=60)
+        r = await self._exec(f"mkdir -p {shlex.quote(self.spec.workdir)}", cwd="/", env={}, user=None,
+                             timeout=60)
         if not r.ok:
-            raise SandboxStartError(f"cannot create workdir {self.spec.workdir} in pod {self.pod_name}: {r.stderr.strip()}")
+            raise SandboxStartError(
+                f"cannot create workdir {self.spec.workdir} in pod {self.pod_name}: {r.stderr.strip()}")
         code, out, err = await self._root(["/bin/sh", "-c", _KEEPER_RECORD], timeout=60)
         record = out.decode(errors="replace").strip()
         if code != 0 or len(record.split()) != 2 or not all(f.isdigit() for f in record.split()):
-            raise SandboxStartError(f"cannot find the keeper process of pod {self.pod_name}: "
-                                    f"{(record + err.decode(errors='replace')).strip()[-300:] or f'exit {code}'}")
+            raise SandboxStartError(
+                f"cannot find the keeper process of pod {self.pod_name}: "
+                f"{(record + err.decode(errors='replace')).strip()[-300:] or f'exit {code}'}")
         self._keeper_record = record
 
     async def _wait_running(self, core: Any) -> None:
@@ -669,13 +685,16 @@ class KubernetesSandbox(BaseSandbox):
             for s in statuses:
                 waiting = s.state.waiting if s.state else None
                 if waiting is not None and waiting.reason in _WAITING_FAILURES:
-                    raise SandboxStartError(f"pod {self.pod_name} cannot start: {waiting.reason}: {waiting.message or ''}")
+                    raise SandboxStartError(
+                        f"pod {self.pod_name} cannot start: {waiting.reason}: {waiting.message or ''}")
             if phase in ("Failed", "Succeeded"):
-                raise SandboxStartError(f"pod {self.pod_name} ended before it ran ({phase}): "
-                                        f"{(pod.status.message or pod.status.reason or '') if pod.status else ''}")
+                raise SandboxStartError(
+                    f"pod {self.pod_name} ended before it ran ({phase}): "
+                    f"{(pod.status.message or pod.status.reason or '') if pod.status else ''}")
             if time.monotonic() > deadline:
-                raise SandboxStartError(f"pod {self.pod_name} was not running after {self.start_timeout:.0f} s "
-                                        f"(phase {phase}): raise start_timeout or check the cluster")
+                raise SandboxStartError(
+                    f"pod {self.pod_name} was not running after {self.start_timeout:.0f} s "
+                    f"(phase {phase}): raise start_timeout or check the cluster")
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 2.0)
 
@@ -717,7 +736,8 @@ class KubernetesSandbox(BaseSandbox):
         self._created.clear()
 
     # -- exec --------------------------------------------------------------------------------------
-    async def open_exec(self, argv: list[str], *, stdin: bool, stderr_cap: int | None = 64 * 1024) -> ExecStream:
+    async def open_exec(self, argv: list[str], *, stdin: bool,
+                        stderr_cap: int | None = 64 * 1024) -> ExecStream:
         """Start ``argv`` in the pod (as the container's user, root) on a new exec WebSocket."""
         sdk = _sdk()
         api = sdk.client.CoreV1Api(self._ws)
@@ -731,7 +751,8 @@ class KubernetesSandbox(BaseSandbox):
             status = getattr(exc, "status", None)
             what = f"HTTP {status}" if status else type(exc).__name__
             raise ExecError(f"exec in pod {self.namespace}/{self.pod_name} failed: {what}"
-                            + (f" ({getattr(exc, 'message', '')})" if getattr(exc, "message", "") else "")) from None
+                            + (f" ({getattr(exc, 'message', '')})" if getattr(exc, "message", "")
+                               else "")) from None
         return ExecStream(ws, stderr_cap=stderr_cap, max_message=self.max_message)
 
     async def _exec(
@@ -739,7 +760,8 @@ class KubernetesSandbox(BaseSandbox):
     ) -> ExecResult:
         pidfile = secrets.token_hex(12)  # the record's name in the root-only EXEC_DIR
         exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in env.items())
-        argv = ["/bin/sh", "-c", _WRAPPER, "ares-exec", pidfile, cwd, user or "", exports + command, RECORD_AND_EXEC]
+        argv = ["/bin/sh", "-c", _WRAPPER, "ares-exec", pidfile, cwd, user or "", exports + command,
+                RECORD_AND_EXEC]
         started = time.monotonic()
         stream = await self.open_exec(argv, stdin=False, stderr_cap=None)
         collect = asyncio.ensure_future(stream.collect())
@@ -819,7 +841,8 @@ class KubernetesSandbox(BaseSandbox):
         if self.spec.user:
             code, _, err = await self._root(["chown", "-R", self.spec.user, remote])
             if code != 0:
-                raise FileTransferError(f"giving {remote} to {self.spec.user} failed: {err.decode(errors='replace')}")
+                raise FileTransferError(
+                    f"giving {remote} to {self.spec.user} failed: {err.decode(errors='replace')}")
 
     async def _upload_file(self, local_path: Path, remote_path: str) -> None:
         parent, name = posixpath.split(remote_path)
@@ -843,13 +866,15 @@ class KubernetesSandbox(BaseSandbox):
             code = exit_code(await stream.status)
         except ConnectionError as exc:
             spool.close()
-            raise FileTransferError(f"copying {directory}/{name} out of sandbox {self.id} broke: {exc}") from exc
+            raise FileTransferError(
+                f"copying {directory}/{name} out of sandbox {self.id} broke: {exc}") from exc
         finally:
             await stream.aclose()
         if code != 0:
             spool.close()
-            raise FileTransferError(f"copying {posixpath.join(directory, name)} out of sandbox {self.id} failed: "
-                                    f"{bytes(stream.stderr).decode(errors='replace').strip()[-500:]}")
+            raise FileTransferError(
+                f"copying {posixpath.join(directory, name)} out of sandbox {self.id} failed: "
+                f"{bytes(stream.stderr).decode(errors='replace').strip()[-500:]}")
         spool.seek(0)
         return spool  # type: ignore[return-value]
 
@@ -897,11 +922,13 @@ class KubernetesSandbox(BaseSandbox):
             path = Path(tmp) / "relay.py"
             path.write_bytes(data)
             tar_stream = tar_single_file(path, "relay.py")
-        code, out, err = await self._root(["/bin/sh", "-c", f"mkdir -p -m 755 {_ARES_DIR} && " + _PUT, "ares-put",
-                                           _ARES_DIR, str(_size(tar_stream))], stdin=tar_stream, size=_size(tar_stream))
+        code, out, err = await self._root(
+            ["/bin/sh", "-c", f"mkdir -p -m 755 {_ARES_DIR} && " + _PUT, "ares-put",
+             _ARES_DIR, str(_size(tar_stream))], stdin=tar_stream, size=_size(tar_stream))
         tar_stream.close()
         if code != 0:
-            raise ForwardError(f"copying the relay into sandbox {self.id} failed: {(out + err).decode(errors='replace')[-300:]}")
+            raise ForwardError(f"copying the relay into sandbox {self.id} failed: "
+                               f"{(out + err).decode(errors='replace')[-300:]}")
         await self._root(["chmod", "644", f"{_ARES_DIR}/relay.py"])
 
     async def _forward(self, port: int, host_socket: str) -> None:
@@ -909,18 +936,21 @@ class KubernetesSandbox(BaseSandbox):
         kill_processes().  Another exec replaces it when the stream drops (see sandbox.tunnel)."""
         code, _, _ = await self._root(["/bin/sh", "-c", "command -v python3"], timeout=60)
         if code != 0:
-            raise ForwardError(f"the image of sandbox {self.id} has no python3, which the exec tunnel's relay needs: "
-                               "use an image with python3")
+            raise ForwardError(
+                f"the image of sandbox {self.id} has no python3, which the exec tunnel's relay needs: "
+                "use an image with python3")
         if not self._relay_uploaded:
             await self._upload_relay()
             self._relay_uploaded = True
         argv = ["/bin/sh", "-c", _TUNNEL_RELAY, "ares-relay", str(port), str(self.tunnel_max_streams)]
-        tunnel = Tunnel(lambda: self.open_exec_channel(argv), host_socket, max_streams=self.tunnel_max_streams,
+        tunnel = Tunnel(lambda: self.open_exec_channel(argv), host_socket,
+                        max_streams=self.tunnel_max_streams,
                         ping_interval=self.tunnel_ping_interval)
         try:
             await tunnel.start()
         except (TunnelError, OSError, ExecError) as exc:
-            raise ForwardError(f"the exec tunnel for port {port} of sandbox {self.id} did not start: {exc}") from exc
+            raise ForwardError(
+                f"the exec tunnel for port {port} of sandbox {self.id} did not start: {exc}") from exc
         self._tunnels[port] = tunnel
 
     async def _kill_processes(self, user: str | None, timeout: float) -> int:
@@ -929,18 +959,21 @@ class KubernetesSandbox(BaseSandbox):
             if user.isdigit():
                 uid = user
             else:
-                r = await self._exec(command_to_shell(["id", "-u", user]), cwd="/", env={}, user=None, timeout=30)
+                r = await self._exec(command_to_shell(["id", "-u", user]), cwd="/", env={}, user=None,
+                                     timeout=30)
                 if not r.ok:
                     raise ExecError(f"no user {user!r} in sandbox {self.id}: {r.stderr.strip()}")
                 uid = r.stdout.strip()
         rounds = max(1, int(timeout / 0.05))
         if not self._keeper_record:
-            raise ExecError(f"sandbox {self.id}: the pod's keeper was never recorded; kill_processes() needs it")
+            raise ExecError(
+                f"sandbox {self.id}: the pod's keeper was never recorded; kill_processes() needs it")
         code, out, err = await self._root(["/bin/sh", "-c", _KILL_ALL, "ares-kill", uid, str(rounds),
                                            self._keeper_record], timeout=timeout + 30)
         text = out.decode(errors="replace").strip()
         if code != 0 or not text.isdigit():
-            raise ExecError(f"killing the processes of sandbox {self.id} failed: {(text + err.decode(errors='replace')).strip()[-500:]}")
+            raise ExecError(f"killing the processes of sandbox {self.id} failed: "
+                            f"{(text + err.decode(errors='replace')).strip()[-500:]}")
         return int(text)
 
 
@@ -970,7 +1003,8 @@ def gc_candidates() -> list[tuple[str, dict[str, str]]]:
             core, net = sdk.client.CoreV1Api(api), sdk.client.NetworkingV1Api(api)
             found: dict[str, dict[str, str]] = {}
             pods = await core.list_namespaced_pod(namespace, label_selector=janitor.SANDBOX_LABEL)
-            policies = await net.list_namespaced_network_policy(namespace, label_selector=janitor.SANDBOX_LABEL)
+            policies = await net.list_namespaced_network_policy(namespace,
+                                                                label_selector=janitor.SANDBOX_LABEL)
             for items, suffix in ((policies.items, "-deny"), (pods.items, "")):
                 for item in items:
                     meta = item.metadata

@@ -79,7 +79,8 @@ _LIMITS_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_
 AGENT_USER = "agent"
 AGENT_UID = 1000
 # What a hardened sandbox sees of the host (read-only), when it exists.
-HARDENED_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt/ares-agents")
+HARDENED_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc",
+                         "/opt/ares-agents")
 # A non-root user in a hardened sandbox: no capabilities now or ever (setuid binaries included).
 _DROP_PRIVS = ["--clear-groups", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs"]
 # Root in a hardened sandbox (installs, the verifier, file transfers): Docker's default capabilities
@@ -150,7 +151,8 @@ def seccomp_filter() -> bytes:
         import pyseccomp as sc
     except (ImportError, OSError) as exc:
         raise SandboxStartError(
-            f"SandboxSpec(hardened=True) needs libseccomp and its binding: pip install pyseccomp, apt-get install "
+            "SandboxSpec(hardened=True) needs libseccomp and its binding: pip install pyseccomp, "
+            "apt-get install "
             f"libseccomp2 ({exc})"
         ) from exc
     filt = sc.SyscallFilter(sc.ALLOW)
@@ -201,7 +203,8 @@ class LocalSandbox(BaseSandbox):
         super().__init__(spec)
         self.isolated = bwrap_available() if isolate is None else isolate
         if self.isolated and not bwrap_available():
-            raise SandboxStartError("isolate=True needs bubblewrap: apt-get install bubblewrap (and user namespaces)")
+            raise SandboxStartError(
+                "isolate=True needs bubblewrap: apt-get install bubblewrap (and user namespaces)")
         self.root = local_root() / self.id
         self._pgids: set[int] = set()
         # With bubblewrap and root: one long-lived PID/mount namespace per sandbox (a "keeper"), which
@@ -226,8 +229,10 @@ class LocalSandbox(BaseSandbox):
         if self.isolated and self.hardened:
             return (
                 f"local sandbox {self.id} in {self.root} (bubblewrap, hardened: only system directories and "
-                f"/opt/ares-agents read-only, private {self.spec.workdir}, /tmp and /home, PID namespace, non-root "
-                f"users without capabilities, root with a reduced capability set and a clean environment, a seccomp "
+                f"/opt/ares-agents read-only, private {self.spec.workdir}, /tmp and /home, PID "
+                "namespace, non-root "
+                "users without capabilities, root with a reduced capability set and a clean "
+                "environment, a seccomp "
                 f"filter on every command, network={self.spec.network})"
             )
         if self.isolated:
@@ -250,20 +255,23 @@ class LocalSandbox(BaseSandbox):
 
     @property
     def limits_enforced(self) -> frozenset[str]:
-        """Which of ``memory``, ``pids`` and ``disk`` of ``spec.resources`` this sandbox enforces (after start)."""
+        """Which of ``memory``, ``pids`` and ``disk`` of ``spec.resources`` this sandbox enforces (after
+        start)."""
         return frozenset(self._enforced or ())
 
     def _limits_description(self) -> str:
         if self._cgroup is not None:
             text = f"{self._cgroup.describe()}, nested namespaces included"
         elif self.isolated and self._ns_pid is not None:
-            text = "processes tracked by PID namespace only (no cgroup: a nested PID namespace escapes kill_processes)"
+            text = ("processes tracked by PID namespace only (no cgroup: a nested PID namespace escapes "
+                    "kill_processes)")
         else:
             text = f"processes tracked by their {_ID_VAR} variable only (no cgroup)"
         if self._enforced:
             text += "; limits enforced: " + ", ".join(f"{k} {v}" for k, v in sorted(self._enforced.items()))
         if self._unenforced:
-            text += "; limits NOT enforced: " + ", ".join(f"{k} ({v})" for k, v in sorted(self._unenforced.items()))
+            text += "; limits NOT enforced: " + ", ".join(f"{k} ({v})" for k,
+                                                          v in sorted(self._unenforced.items()))
         if self._enforced is None and any(self._wanted_limits().values()):
             text += "; limits not set up (not started)"
         if self.oom_note:
@@ -290,16 +298,19 @@ class LocalSandbox(BaseSandbox):
     # -- lifecycle -------------------------------------------------------------------------------
     async def _start(self) -> None:
         if self.spec.network not in ("host", "none"):
-            raise SandboxStartError(f"the local backend supports network 'host' or 'none', not {self.spec.network!r}")
+            raise SandboxStartError(
+                f"the local backend supports network 'host' or 'none', not {self.spec.network!r}")
         if self.spec.network == "none" and not self.isolated:
-            raise SandboxStartError("network='none' needs bubblewrap for the local backend: apt-get install bubblewrap")
+            raise SandboxStartError(
+                "network='none' needs bubblewrap for the local backend: apt-get install bubblewrap")
         if self.hardened:
             if not self.isolated:
-                raise SandboxStartError("SandboxSpec(hardened=True) needs bubblewrap: apt-get install bubblewrap")
+                raise SandboxStartError(
+                    "SandboxSpec(hardened=True) needs bubblewrap: apt-get install bubblewrap")
             if os.geteuid() != 0 or not shutil.which("nsenter") or not shutil.which("setpriv"):
                 raise SandboxStartError(
-                    "SandboxSpec(hardened=True) on the local backend needs root and nsenter/setpriv (util-linux): run "
-                    "as root, or use the docker backend"
+                    "SandboxSpec(hardened=True) on the local backend needs root and nsenter/setpriv "
+                    "(util-linux): run as root, or use the docker backend"
                 )
         owner = json.dumps({"id": self.id, "labels": self.labels()})
         try:
@@ -333,14 +344,16 @@ class LocalSandbox(BaseSandbox):
             (self.root / _FILTER_FILE).write_bytes(seccomp_filter())
         if self.isolated and os.geteuid() == 0 and shutil.which("nsenter"):
             # Spawned from the loop's own thread: bwrap --die-with-parent ties the namespace to it.
-            self._start_keeper()  # in the sandbox's "keeper" cgroup: kill_processes() spares it, stop() does not
+            # in the sandbox's "keeper" cgroup: kill_processes() spares it, stop() does not
+            self._start_keeper()
             if self._cgroup is not None and self._cgroup.memory is not None:
                 # Never the OOM killer's pick (tiny anyway): its death would end the sandbox's namespace.
                 failed = cgroups.spare_from_oom(list(self._keeper_ids))
                 if failed:
-                    self.oom_note = (f"its keeper is NOT spared from the OOM killer (writing oom_score_adj failed: "
-                                     f"{failed}; lowering it needs CAP_SYS_RESOURCE): an agent that fills the memory "
-                                     "limit may end the sandbox's namespace")
+                    self.oom_note = (
+                        f"its keeper is NOT spared from the OOM killer (writing oom_score_adj failed: "
+                        f"{failed}; lowering it needs CAP_SYS_RESOURCE): an agent that fills the memory "
+                        "limit may end the sandbox's namespace")
                     # Once per process at warning level (it is the host's doing, the same for every
                     # sandbox); each sandbox's description says it too.
                     global _oom_warned
@@ -349,7 +362,8 @@ class LocalSandbox(BaseSandbox):
                     _oom_warned = True
 
     def _set_up_limits(self, owner: str) -> None:
-        """The cgroups (tracking; memory and pids) and the disk of this sandbox, where root and the host allow."""
+        """The cgroups (tracking; memory and pids) and the disk of this sandbox, where root and the host
+        allow."""
         wanted = self._wanted_limits()
         self._enforced, self._unenforced = {}, {}
         layout = cgroups.layout() if self.isolated and os.geteuid() == 0 else None
@@ -388,7 +402,8 @@ class LocalSandbox(BaseSandbox):
             if self._cgroup is not None:
                 (self.root / _CGROUP_FILE).write_text(self._cgroup.record())
         except OSError as exc:
-            raise SandboxStartError(f"cannot make the {_size(disk)} disk of sandbox {self.id}: {exc}") from exc
+            raise SandboxStartError(
+                f"cannot make the {_size(disk)} disk of sandbox {self.id}: {exc}") from exc
         self._enforced["disk"] = f"{_size(disk)} (own ext4 filesystem, loop-mounted)"
 
     def _cgroup_prefix(self, part: str = "cmds") -> list[str]:
@@ -413,7 +428,8 @@ class LocalSandbox(BaseSandbox):
         os.chmod(home, 0o755)
         os.chown(self.root / "work", AGENT_UID, AGENT_UID)  # as /workspace in the agent image
         (self.root / "passwd").write_text(
-            merged("/etc/passwd", f"{AGENT_USER}:x:{AGENT_UID}:{AGENT_UID}:agent:/home/{AGENT_USER}:/bin/bash", AGENT_UID))
+            merged("/etc/passwd",
+                   f"{AGENT_USER}:x:{AGENT_UID}:{AGENT_UID}:agent:/home/{AGENT_USER}:/bin/bash", AGENT_UID))
         (self.root / "group").write_text(merged("/etc/group", f"{AGENT_USER}:x:{AGENT_UID}:", AGENT_UID))
         (self.root / "empty").write_bytes(b"")  # what the host's /etc secrets read as inside
         os.chmod(self.root / "empty", 0o600)
@@ -499,7 +515,8 @@ class LocalSandbox(BaseSandbox):
             # Join the sandbox's namespaces; cd inside (nsenter's --wd resolves outside the new root).
             return [
                 *self._nsenter(), *switch, "sh", "-c",
-                f'cd "$0" 2>/dev/null || {{ echo "{_CWD_MARK}$0" >&2; exit {_CWD_MISSING}; }}; exec /bin/sh -c "$1"',
+                f'cd "$0" 2>/dev/null || {{ echo "{_CWD_MARK}$0" >&2; exit {_CWD_MISSING}; }}; exec '
+                '/bin/sh -c "$1"',
                 cwd, command,
             ]
         return [*self._bwrap_prefix(), "--chdir", cwd, *switch, *inner]
@@ -550,7 +567,8 @@ class LocalSandbox(BaseSandbox):
                 argv += ["--symlink", os.readlink(path), path]
             elif os.path.isdir(path):
                 argv += ["--ro-bind", path, path]
-        argv += ["--ro-bind", str(self.root / "passwd"), "/etc/passwd", "--ro-bind", str(self.root / "group"), "/etc/group"]
+        argv += ["--ro-bind", str(self.root / "passwd"), "/etc/passwd", "--ro-bind", str(self.root / "group"),
+                 "/etc/group"]
         # Root inside reads every file of the host's /etc (CAP_DAC_OVERRIDE): its secrets read as empty.
         for secret in _host_etc_secrets():
             argv += (["--perms", "0700", "--tmpfs", secret] if os.path.isdir(secret)
@@ -571,13 +589,15 @@ class LocalSandbox(BaseSandbox):
         return argv
 
     def _lookup_user(self, user: str) -> pwd.struct_passwd:
-        known = self._users.get(user) or next((u for u in self._users.values() if str(u.pw_uid) == user), None)
+        known = (self._users.get(user)
+                 or next((u for u in self._users.values() if str(u.pw_uid) == user), None))
         if known is not None:
             return known
         try:
             return pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
         except KeyError as exc:
-            raise ExecError(f"no user {user!r} on this host: the local backend runs commands as host users") from exc
+            raise ExecError(
+                f"no user {user!r} on this host: the local backend runs commands as host users") from exc
 
     def _command_env(self, env: dict[str, str], user: str | None) -> dict[str, str]:
         """A command's whole environment.  Root in a hardened sandbox gets one of its own: ``HOME=/root``,
@@ -654,8 +674,8 @@ class LocalSandbox(BaseSandbox):
     async def _forward(self, port: int, host_socket: str) -> None:
         if self._ns_pid is None:
             raise ForwardError(
-                "forward() on the local backend needs bubblewrap and root (a network namespace that lives between "
-                "commands); use the docker backend otherwise"
+                "forward() on the local backend needs bubblewrap and root (a network namespace that "
+                "lives between commands); use the docker backend otherwise"
             )
         ready = self.root / f"relay-{port}.ready"
         log = self.root / f"relay-{port}.log"
@@ -669,7 +689,8 @@ class LocalSandbox(BaseSandbox):
             if relay.poll() is not None or time.monotonic() > deadline:
                 relay.kill()
                 detail = log.read_text(errors="replace").strip()[-500:]
-                raise ForwardError(f"the relay for port {port} of sandbox {self.id} did not start: {detail or 'no output'}")
+                raise ForwardError(
+                    f"the relay for port {port} of sandbox {self.id} did not start: {detail or 'no output'}")
             await asyncio.sleep(0.01)
 
     def _spawn_relay(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -746,7 +767,8 @@ class LocalSandbox(BaseSandbox):
             if not alive:
                 return len(killed)
             if time.monotonic() > deadline:
-                raise ExecError(f"processes {alive[:20]} of sandbox {self.id} survived SIGKILL for {timeout} s")
+                raise ExecError(
+                    f"processes {alive[:20]} of sandbox {self.id} survived SIGKILL for {timeout} s")
             if uid is None and self._cgroup is not None:
                 self._cgroup.kill("cmds")  # at once, forks in flight included (cgroup v2)
             killed.update(alive)
@@ -765,7 +787,8 @@ class LocalSandbox(BaseSandbox):
     def _tar_inside(self, args: list[str], *, stdin: object = None, stdout: object = None) -> None:
         """Run ``tar`` as root inside the sandbox's namespaces (hardened transfers)."""
         proc = subprocess.run(
-            [*self._nsenter(), "setpriv", *_ROOT_PRIVS, "tar", *args], stdin=stdin, stdout=stdout, stderr=subprocess.PIPE,  # type: ignore[call-overload]
+            [*self._nsenter(), "setpriv", *_ROOT_PRIVS, "tar", *args], stdin=stdin, stdout=stdout,
+            stderr=subprocess.PIPE,  # type: ignore[call-overload]
             cwd=str(self.root), env={"PATH": DEFAULT_PATH}, check=False, close_fds=True,
         )
         if proc.returncode != 0:
@@ -797,7 +820,8 @@ class LocalSandbox(BaseSandbox):
                 extract_tar(out, local)
 
     def _mkdir_inside(self, path: str) -> None:
-        proc = subprocess.run([*self._nsenter(), "setpriv", *_ROOT_PRIVS, "mkdir", "-p", "--", path], capture_output=True, check=False,
+        proc = subprocess.run([*self._nsenter(), "setpriv", *_ROOT_PRIVS, "mkdir", "-p", "--", path],
+                              capture_output=True, check=False,
                               cwd=str(self.root), env={"PATH": DEFAULT_PATH})
         if proc.returncode != 0:
             raise FileTransferError(f"creating {path} in sandbox {self.id} failed: "
@@ -820,7 +844,8 @@ class LocalSandbox(BaseSandbox):
 
     async def _upload_dir(self, local_dir: Path, remote_dir: str) -> None:
         if self.hardened:
-            return await self._files(lambda: self._hardened_transfer("upload_dir", local_dir, remote_dir), remote_dir)
+            return await self._files(lambda: self._hardened_transfer("upload_dir", local_dir, remote_dir),
+                                     remote_dir)
         dest = self._host_path(remote_dir)
 
         def copy() -> None:
@@ -832,8 +857,9 @@ class LocalSandbox(BaseSandbox):
 
     async def _download_file(self, remote_path: str, local_path: Path) -> None:
         if self.hardened:
-            return await self._files(lambda: self._hardened_transfer("download_file", local_path, remote_path),
-                                     remote_path)
+            return await self._files(
+                lambda: self._hardened_transfer("download_file", local_path, remote_path),
+                remote_path)
         src = self._host_path(remote_path)
 
         def copy() -> None:
@@ -846,7 +872,8 @@ class LocalSandbox(BaseSandbox):
 
     async def _download_dir(self, remote_dir: str, local_dir: Path) -> None:
         if self.hardened:
-            return await self._files(lambda: self._hardened_transfer("download_dir", local_dir, remote_dir), remote_dir)
+            return await self._files(lambda: self._hardened_transfer("download_dir", local_dir, remote_dir),
+                                     remote_dir)
         src = self._host_path(remote_dir)
 
         def copy() -> None:
@@ -938,7 +965,8 @@ class _Process:
     output, none at all, or fails to start with EBADF.
     """
 
-    def __init__(self, argv: list[str], *, cwd: str, env: dict[str, str], popen_kwargs: dict[str, object]) -> None:
+    def __init__(self, argv: list[str], *, cwd: str, env: dict[str, str],
+                 popen_kwargs: dict[str, object]) -> None:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
@@ -992,7 +1020,8 @@ class _Process:
             self._pidfd = None
 
     async def communicate(self, timeout: float | None) -> tuple[bytes, bytes]:
-        """Wait for the exit and the end of both pipes: ``(stdout, stderr)``; TimeoutError after ``timeout``."""
+        """Wait for the exit and the end of both pipes: ``(stdout, stderr)``; TimeoutError after
+        ``timeout``."""
         async with asyncio.timeout(timeout):
             await asyncio.gather(asyncio.shield(self._exited), asyncio.shield(self._out.closed),
                                  asyncio.shield(self._err.closed))
@@ -1090,7 +1119,8 @@ def gc_remove(ref: str) -> None:
         group = cgroups.SandboxCgroup.from_record(ref, json.loads((root / _CGROUP_FILE).read_text()))
     extra = [d for d in cgroups.leftover_dirs(ref) if group is None or d not in group.dirs]
     if extra:
-        found = cgroups.SandboxCgroup.from_record(ref, {"dirs": [*(group.dirs if group else []), *map(str, extra)]})
+        found = cgroups.SandboxCgroup.from_record(
+            ref, {"dirs": [*(group.dirs if group else []), *map(str, extra)]})
         group = found
     if group is not None:
         group.kill(None)

@@ -62,7 +62,8 @@ _RELAY_SCRIPT = Path(__file__).with_name("_relay.py")
 _STREAM_CHUNK = 1 * _MIB
 
 # $1 token, $2 cwd, $3 user ('' = the sandbox's default), $4 command, $5 RECORD_AND_EXEC.  The record
-# of the command's session leader (pid and start time) is written by the wrapper's own user (root, or the default user
+# of the command's session leader (pid and start time) is written by the wrapper's own user (root, or the
+# default user
 # that sudoes) into a directory only it can write, before the command switches user: the agent can
 # neither point a later kill at another process nor block or forge the record.
 _WRAPPER = EXEC_DIR_SH + r"""
@@ -127,7 +128,8 @@ def _sdk() -> Any:
     try:
         import modal
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise BackendUnavailableError("the Modal backend needs the modal package: pip install 'ares-gateway[modal]'") from exc
+        raise BackendUnavailableError(
+            "the Modal backend needs the modal package: pip install 'ares-gateway[modal]'") from exc
     return modal
 
 
@@ -258,7 +260,8 @@ class _ProcessWriter:
             await self._pump
 
 
-async def _pump_stdout(stream: AsyncIterable[bytes], reader: asyncio.StreamReader, reading: _ProcessReading) -> None:
+async def _pump_stdout(stream: AsyncIterable[bytes], reader: asyncio.StreamReader,
+                       reading: _ProcessReading) -> None:
     try:
         async for chunk in stream:
             if isinstance(chunk, str):  # text=True by mistake: the frames would be corrupted
@@ -371,7 +374,8 @@ class ModalSandbox(BaseSandbox):
             raise ValueError(f"Modal sandboxes have network 'none' (block_network) or 'host' (open egress), "
                              f"got {self.spec.network!r}")
         if sandbox_timeout < 1 or create_timeout <= 0 or max_output < 1 or tunnel_max_streams < 1:
-            raise ValueError("sandbox_timeout, create_timeout, max_output and tunnel_max_streams must be positive")
+            raise ValueError(
+                "sandbox_timeout, create_timeout, max_output and tunnel_max_streams must be positive")
         if sandbox is None:
             _check_credentials()
         self.app_name, self.gpu = app_name, gpu
@@ -399,7 +403,8 @@ class ModalSandbox(BaseSandbox):
         if spec.image:
             image = modal.Image.from_registry(spec.image)
         elif spec.dockerfile:
-            image = modal.Image.from_dockerfile(str(spec.dockerfile_path()), context_dir=str(spec.context_path()))
+            image = modal.Image.from_dockerfile(str(spec.dockerfile_path()),
+                                                context_dir=str(spec.context_path()))
         else:
             image = modal.Image.debian_slim()
         kwargs: dict[str, Any] = {
@@ -430,7 +435,8 @@ class ModalSandbox(BaseSandbox):
             try:
                 self._sandbox = await asyncio.wait_for(create(), self.create_timeout)
             except Exception as exc:
-                raise SandboxStartError(f"Modal could not create sandbox {self.id} in app {self.app_name}: {exc}") from exc
+                raise SandboxStartError(
+                    f"Modal could not create sandbox {self.id} in app {self.app_name}: {exc}") from exc
             self.remote_id = str(self._sandbox.object_id)
         q = shlex.quote(self.spec.workdir)
         code, out, err = await self._raw(["/bin/sh", "-c", f"mkdir -p {q}"], timeout=120)
@@ -457,7 +463,8 @@ class ModalSandbox(BaseSandbox):
             (self._sandbox or _sdk().Sandbox.from_id(self.remote_id)).terminate()
 
     # -- exec ----------------------------------------------------------------------------------------
-    async def _spawn(self, argv: list[str], *, env: dict[str, str] | None = None, timeout: float | None = None) -> Any:
+    async def _spawn(self, argv: list[str], *, env: dict[str, str] | None = None,
+                     timeout: float | None = None) -> Any:
         try:
             return await _aio(self._sandbox.exec)(
                 *argv, env=env or None, timeout=int(timeout) if timeout else None, text=False
@@ -481,7 +488,8 @@ class ModalSandbox(BaseSandbox):
             proc.stdin.write_eof()
             await drain()
 
-        async def read(stream: AsyncIterable[bytes], into: bytearray, sink: Callable[[bytes], None] | None) -> None:
+        async def read(stream: AsyncIterable[bytes], into: bytearray,
+                       sink: Callable[[bytes], None] | None) -> None:
             async for chunk in stream:
                 if sink is not None:
                     sink(chunk)
@@ -530,7 +538,8 @@ class ModalSandbox(BaseSandbox):
         stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
         if code == _CWD_MISSING and stderr.startswith("ares-exec: no such directory"):
             raise ExecError(f"cwd {cwd!r} does not exist in sandbox {self.id}: create it first (mkdir -p)")
-        return ExecResult(stdout=stdout, stderr=stderr, exit_code=-9 if timed_out else code, timed_out=timed_out,
+        return ExecResult(stdout=stdout, stderr=stderr, exit_code=-9 if timed_out else code,
+                          timed_out=timed_out,
                           duration=time.monotonic() - started)
 
     async def _kill(self, pidfile: str) -> None:
@@ -545,10 +554,12 @@ class ModalSandbox(BaseSandbox):
             else:
                 code, uid_b, err_b = await self._raw(["id", "-u", user], timeout=30)
                 if code != 0:
-                    raise ExecError(f"no user {user!r} in sandbox {self.id}: {err_b.decode(errors='replace').strip()}")
+                    raise ExecError(
+                        f"no user {user!r} in sandbox {self.id}: {err_b.decode(errors='replace').strip()}")
                 uid = uid_b.decode().strip()
         rounds = max(1, int(timeout / 0.05))
-        code, out_b, err_b = await self._raw(["/bin/sh", "-c", _KILL_ALL, "ares-kill", uid, str(rounds)], timeout=timeout + 30)
+        code, out_b, err_b = await self._raw(["/bin/sh", "-c", _KILL_ALL, "ares-kill", uid, str(rounds)],
+                                             timeout=timeout + 30)
         out = out_b.decode(errors="replace").strip()
         if code != 0 or not out.isdigit():
             raise ExecError(f"killing the processes of sandbox {self.id} failed: "
@@ -560,12 +571,14 @@ class ModalSandbox(BaseSandbox):
         q = shlex.quote(remote_dir)
         own = f" && chown -R {shlex.quote(self.spec.user)} {q}" if self.spec.user else ""
         try:
-            code, out, err = await self._raw(["/bin/sh", "-c", f"mkdir -p {q} && tar -xf - -C {q} --no-same-owner{own}"],
-                                             timeout=3600, stdin=tar_stream)
+            code, out, err = await self._raw(
+                ["/bin/sh", "-c", f"mkdir -p {q} && tar -xf - -C {q} --no-same-owner{own}"],
+                timeout=3600, stdin=tar_stream)
         finally:
             tar_stream.close()
         if code != 0:
-            raise FileTransferError(f"{what} in sandbox {self.id} failed: {(out + err).decode(errors='replace').strip()[-500:]}")
+            raise FileTransferError(
+                f"{what} in sandbox {self.id} failed: {(out + err).decode(errors='replace').strip()[-500:]}")
 
     async def _upload_file(self, local_path: Path, remote_path: str) -> None:
         parent, name = posixpath.split(remote_path)
@@ -584,7 +597,8 @@ class ModalSandbox(BaseSandbox):
 
             code, _, err = await self._raw(["/bin/sh", "-c", script], timeout=3600, stdout=sink)
             if code != 0:
-                raise FileTransferError(f"{what} from sandbox {self.id} failed: {err.decode(errors='replace').strip()[-500:]}")
+                raise FileTransferError(
+                    f"{what} from sandbox {self.id} failed: {err.decode(errors='replace').strip()[-500:]}")
         except BaseException:
             spool.close()
             raise
@@ -594,15 +608,17 @@ class ModalSandbox(BaseSandbox):
     async def _download_file(self, remote_path: str, local_path: Path) -> None:
         parent, name = posixpath.split(remote_path)
         p, d, n = shlex.quote(remote_path), shlex.quote(parent or "/"), shlex.quote(name)
-        spool = await self._tar_out(f"[ -f {p} ] || {{ echo 'no such file: '{p} >&2; exit 2; }}; tar -cf - -C {d} -- {n}",
-                                    f"downloading {remote_path}")
+        spool = await self._tar_out(
+            f"[ -f {p} ] || {{ echo 'no such file: '{p} >&2; exit 2; }}; tar -cf - -C {d} -- {n}",
+            f"downloading {remote_path}")
         with spool:
             await asyncio.to_thread(extract_single_file, spool, local_path)
 
     async def _download_dir(self, remote_dir: str, local_dir: Path) -> None:
         q = shlex.quote(remote_dir)
-        spool = await self._tar_out(f"[ -d {q} ] || {{ echo 'no such directory: '{q} >&2; exit 2; }}; tar -cf - -C {q} .",
-                                    f"downloading {remote_dir}")
+        spool = await self._tar_out(
+            f"[ -d {q} ] || {{ echo 'no such directory: '{q} >&2; exit 2; }}; tar -cf - -C {q} .",
+            f"downloading {remote_dir}")
         with spool:
             await asyncio.to_thread(extract_tar, spool, local_dir)
 
@@ -619,10 +635,12 @@ class ModalSandbox(BaseSandbox):
                   f"mkdir -p -m 755 {_ARES_DIR} && tar -xf - -C {_ARES_DIR}")
         code, _, err = await self._raw(["/bin/sh", "-c", script], timeout=120, stdin=buf)
         if code == 3:
-            raise ForwardError(f"the image of sandbox {self.id} has no python3, which the exec tunnel's relay needs: "
-                               "use an image with python3")
+            raise ForwardError(
+                f"the image of sandbox {self.id} has no python3, which the exec tunnel's relay needs: "
+                "use an image with python3")
         if code != 0:
-            raise ForwardError(f"copying the relay into sandbox {self.id} failed: {err.decode(errors='replace').strip()[-500:]}")
+            raise ForwardError(f"copying the relay into sandbox {self.id} failed: "
+                               f"{err.decode(errors='replace').strip()[-500:]}")
 
     async def _forward(self, port: int, host_socket: str) -> None:
         """A relay in tunnel mode on a long-lived exec; its pid file spares it in kill_processes().
@@ -640,7 +658,8 @@ class ModalSandbox(BaseSandbox):
         try:
             await tunnel.start()
         except (TunnelError, OSError) as exc:
-            raise ForwardError(f"the exec tunnel for port {port} of sandbox {self.id} did not start: {exc}") from exc
+            raise ForwardError(
+                f"the exec tunnel for port {port} of sandbox {self.id} did not start: {exc}") from exc
         self._tunnels[port] = tunnel
 
     def tunnel_for(self, port: int) -> Tunnel | None:

@@ -115,7 +115,8 @@ class Sandbox(Protocol):
 
     async def download_dir(self, remote_dir: str, local_dir: str | os.PathLike[str]) -> None: ...
 
-    async def archive_dir(self, remote_dir: str, local_path: str | os.PathLike[str], *, limit: int) -> int: ...
+    async def archive_dir(self, remote_dir: str, local_path: str | os.PathLike[str], *,
+                          limit: int) -> int: ...
 
     async def forward(self, port: int, host_socket: str) -> None: ...
 
@@ -136,9 +137,9 @@ class Sandbox(Protocol):
 
 #: ``sh -c USER_SWITCH NAME USER ARGV...`` run by root: ARGV as USER (see BaseSandbox.user_switch_argv).
 USER_SWITCH = (
-    'u=$1; shift; uid=$(id -u "$u") && gid=$(id -g "$u") || { echo "no user $u in this sandbox" >&2; exit 126; }; '
-    'if command -v setpriv >/dev/null 2>&1; then exec setpriv --reuid="$uid" --regid="$gid" --init-groups -- "$@"; '
-    'elif command -v runuser >/dev/null 2>&1; then exec runuser -u "$u" -- "$@"; fi; '
+    'u=$1; shift; uid=$(id -u "$u") && gid=$(id -g "$u") || { echo "no user $u in this sandbox" >&2; '
+    'exit 126; }; if command -v setpriv >/dev/null 2>&1; then exec setpriv --reuid="$uid" --regid="$gid" '
+    '--init-groups -- "$@"; elif command -v runuser >/dev/null 2>&1; then exec runuser -u "$u" -- "$@"; fi; '
     'echo "switching to $u needs setpriv or runuser (util-linux) in this sandbox" >&2; exit 126'
 )
 
@@ -189,7 +190,8 @@ def extract_tar(stream: IO[bytes], dest: Path, *, strip_top: bool = False) -> No
 
 
 #: What :func:`filter_tar` keeps: regular files, directories, symbolic links and hard links.
-_KEPT_TAR_TYPES = frozenset({tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE})
+_KEPT_TAR_TYPES = frozenset(
+    {tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE})
 
 
 def filter_tar(src: IO[bytes], dst: IO[bytes], *, limit: int, strip_top: bool = False) -> int:
@@ -209,7 +211,8 @@ def _filter_tar(src: IO[bytes], out: _Bounded, strip_top: bool) -> int:
     def unsafe(name: str) -> bool:
         return name.startswith("/") or ".." in name.split("/")
 
-    with tarfile.open(fileobj=src, mode="r|") as tin, tarfile.open(fileobj=out, mode="w|", format=tarfile.GNU_FORMAT) as tout:  # type: ignore[call-overload]
+    with tarfile.open(fileobj=src, mode="r|") as tin, tarfile.open(
+        fileobj=out, mode="w|", format=tarfile.GNU_FORMAT) as tout:  # type: ignore[call-overload]
         for member in tin:
             if member.type not in _KEPT_TAR_TYPES:
                 continue
@@ -325,19 +328,21 @@ class BaseSandbox(abc.ABC):
 
     def labels(self) -> dict[str, str]:
         """The labels put on the sandbox: the spec's own plus owner, session and creation time."""
-        return {**self.spec.labels, **janitor.owner_labels(), janitor.CREATED_LABEL: str(int(self.created_at))}
+        return {**self.spec.labels, **janitor.owner_labels(),
+                janitor.CREATED_LABEL: str(int(self.created_at))}
 
     async def start(self) -> None:
         if self._state == "running":
             return
         if self._state == "stopped":
             raise SandboxStateError(
-                f"sandbox {self.id} was stopped and cannot be started again: create a new one with sandbox.create()"
+                f"sandbox {self.id} was stopped and cannot be started again: create a new one with "
+                "sandbox.create()"
             )
         if self.spec.forwards and self.spec.network != "none" and not self.remote:
             raise SandboxStartError(
-                f"SandboxSpec.forwards needs network='none' (got {self.spec.network!r}): with host networking the "
-                "sandbox already shares the host's loopback"
+                f"SandboxSpec.forwards needs network='none' (got {self.spec.network!r}): with host "
+                "networking the sandbox already shares the host's loopback"
             )
         if self.spec.forwards and type(self)._forward is BaseSandbox._forward:
             await self._forward(0, "")  # raises NotSupportedError before anything is created
@@ -397,7 +402,8 @@ class BaseSandbox(abc.ABC):
 
     def _require_running(self, what: str) -> None:
         if self._state == "created":
-            raise SandboxStateError(f"cannot {what}: sandbox {self.id} is not started; call `await sb.start()` first")
+            raise SandboxStateError(
+                f"cannot {what}: sandbox {self.id} is not started; call `await sb.start()` first")
         if self._state == "stopped":
             raise SandboxStateError(
                 f"cannot {what}: sandbox {self.id} ({self.backend}) has been stopped; create a new sandbox"
@@ -478,14 +484,17 @@ class BaseSandbox(abc.ABC):
             raise ForwardError(str(exc)) from exc
         if self.spec.network != "none" and not self.remote:
             raise ForwardError(
-                f"forward() needs SandboxSpec(network='none'), this sandbox has network={self.spec.network!r}: with "
-                "host networking the sandbox shares the host's loopback and the relay would listen on the host"
+                "forward() needs SandboxSpec(network='none'), this sandbox has "
+                f"network={self.spec.network!r}: with "
+                "host networking the sandbox shares the host's loopback and the relay would "
+                "listen on the host"
             )
         known = self._forwards.get(port)
         if known == host_socket:
             return
         if known is not None:
-            raise ForwardError(f"port {port} of sandbox {self.id} already forwards to {known}; use another port")
+            raise ForwardError(
+                f"port {port} of sandbox {self.id} already forwards to {known}; use another port")
         await self._forward(port, host_socket)
         self._forwards[port] = host_socket
 
@@ -550,7 +559,8 @@ class BaseSandbox(abc.ABC):
             '&& printf "%s" "$d"',
             cwd="/", user=root, timeout=600)
         if not made.ok:
-            raise FileTransferError(f"archiving {remote_dir} in sandbox {self.id} failed: {made.stderr.strip()[-300:]}")
+            raise FileTransferError(
+                f"archiving {remote_dir} in sandbox {self.id} failed: {made.stderr.strip()[-300:]}")
         inside = made.stdout.strip()
         try:
             with tempfile.TemporaryDirectory() as tmp:
@@ -564,12 +574,13 @@ class BaseSandbox(abc.ABC):
 
     async def _forward(self, port: int, host_socket: str) -> None:
         raise NotSupportedError(
-            f"the {self.backend} backend cannot forward ports yet: use the local or docker backend (or network "
-            "access) for sandboxes that must reach a host socket"
+            f"the {self.backend} backend cannot forward ports yet: use the local or docker backend "
+            "(or network access) for sandboxes that must reach a host socket"
         )
 
     async def _kill_processes(self, user: str | None, timeout: float) -> int:
-        raise NotSupportedError(f"the {self.backend} backend cannot kill all processes yet: use local or docker")
+        raise NotSupportedError(
+            f"the {self.backend} backend cannot kill all processes yet: use local or docker")
 
     def user_switch_argv(self, user: str) -> list[str]:
         """An argv prefix that, run by root inside this sandbox, runs the rest as ``user``: its uid, gid

@@ -35,9 +35,11 @@ def check_forward(port: int, host_socket: str) -> None:
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise ValueError(f"forward port must be an integer in 1..65535, got {port!r}")
     if not isinstance(host_socket, str) or not host_socket.startswith("/"):
-        raise ValueError(f"forward target must be an absolute path to a unix socket on the host, got {host_socket!r}")
+        raise ValueError(
+            f"forward target must be an absolute path to a unix socket on the host, got {host_socket!r}")
     if len(host_socket.encode()) > _MAX_SOCKET_PATH or "\0" in host_socket:
-        raise ValueError(f"unix socket path too long or invalid (max {_MAX_SOCKET_PATH} bytes): {host_socket!r}")
+        raise ValueError(
+            f"unix socket path too long or invalid (max {_MAX_SOCKET_PATH} bytes): {host_socket!r}")
 
 
 @dataclass(frozen=True)

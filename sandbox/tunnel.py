@@ -116,7 +116,8 @@ class Tunnel:
             try:
                 await asyncio.wait_for(channel.reader.readuntil(MARKER), self.start_timeout)
             except asyncio.LimitOverrunError as exc:
-                raise TunnelError(f"no tunnel marker in the first {READER_LIMIT} bytes of {channel.description}") from exc
+                raise TunnelError(
+                    f"no tunnel marker in the first {READER_LIMIT} bytes of {channel.description}") from exc
             except (TimeoutError, asyncio.IncompleteReadError, OSError) as exc:
                 what = "timed out" if isinstance(exc, asyncio.TimeoutError) else "ended"
                 said = bytes(channel.stderr[-500:]).decode(errors="replace").strip()
@@ -126,7 +127,8 @@ class Tunnel:
             await channel.close()
             raise
         mux = Mux(channel.reader, channel.writer, line=self.line, connect=self._connect,
-                  max_streams=self.max_streams, stream_window=self.stream_window, conn_window=self.conn_window,
+                  max_streams=self.max_streams, stream_window=self.stream_window,
+                  conn_window=self.conn_window,
                   connect_timeout=self.connect_timeout, ping_interval=self.ping_interval,
                   ping_timeout=self.ping_timeout)
         self.channels_opened += 1
@@ -203,7 +205,8 @@ async def _collect(stream: asyncio.StreamReader | None, into: bytearray, cap: in
             del into[:-cap]
 
 
-async def pipe_channel(argv: list[str], *, env: dict[str, str] | None = None, exit_timeout: float = 5.0) -> Channel:
+async def pipe_channel(argv: list[str], *, env: dict[str, str] | None = None,
+                       exit_timeout: float = 5.0) -> Channel:
     """``argv`` (a relay in tunnel mode, possibly inside a sandbox's command) on pipes.  Closing it
     closes the process's stdin and gives it ``exit_timeout`` s to exit before killing its group."""
     proc = await asyncio.create_subprocess_exec(

@@ -37,7 +37,8 @@ def docker_ok() -> bool:
 def image_present(tag: str) -> bool:
     if not shutil.which("docker"):
         return False
-    return subprocess.run(["docker", "image", "inspect", tag], capture_output=True, check=False).returncode == 0
+    return subprocess.run(["docker", "image", "inspect", tag], capture_output=True,
+                          check=False).returncode == 0
 
 
 def require_hardened_local() -> None:

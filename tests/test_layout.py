@@ -136,7 +136,8 @@ def test_dependencies_point_one_way() -> None:
 def test_http_and_policies_do_not_import_the_gateway_module() -> None:
     """http/ and policies/ see the gateway through the small protocols they declare."""
     graph = import_graph()
-    users = sorted(m for m, t in graph.items() if "ares_gateway.gateway" in t and not _within(m, "ares_gateway.cli"))
+    users = sorted(m for m,
+                   t in graph.items() if "ares_gateway.gateway" in t and not _within(m, "ares_gateway.cli"))
     assert [m for m in users if _within(m, "ares_gateway.http") or _within(m, "ares_gateway.policies")] == []
 
 
@@ -166,7 +167,8 @@ def _write(root: Path, files: dict[str, str]) -> None:
         ({"pkg/__init__.py": "", "pkg/a.py": "import json\nfrom pkg import b\n", "pkg/b.py": ""}, None),
     ],
 )
-def test_cycle_finder_on_deliberate_cycles(tmp_path: Path, files: dict[str, str], cycle: list[str] | None) -> None:
+def test_cycle_finder_on_deliberate_cycles(tmp_path: Path, files: dict[str, str],
+                                           cycle: list[str] | None) -> None:
     _write(tmp_path, files)
     assert find_cycle(import_graph(tmp_path, ["pkg"])) == cycle
 

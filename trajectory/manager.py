@@ -146,12 +146,14 @@ class TrajectoryManager:
 
         Every sample's arrays are private copies, so building samples mid-session is safe.
         """
-        return self._linearize(self._sessions.get(session_id), session_id, reward, max_sample_tokens, consume=False)
+        return self._linearize(self._sessions.get(session_id), session_id, reward, max_sample_tokens,
+                               consume=False)
 
     @staticmethod
     def _linearize(session: _Session | None, session_id: str, reward: float, max_sample_tokens: int, *,
                    consume: bool) -> list[Sample]:
-        """Main-line samples, then side-call samples, of ``session`` (``consume`` lets the trees hand over arrays)."""
+        """Main-line samples, then side-call samples, of ``session`` (``consume`` lets the trees hand over
+        arrays)."""
         if max_sample_tokens < 0:
             raise ValueError("max_sample_tokens must be >= 0")
         samples: list[Sample] = []

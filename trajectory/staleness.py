@@ -47,7 +47,8 @@ def _check_current(current: Any) -> int | None:
     if current is None:
         return None
     if isinstance(current, bool) or not isinstance(current, int) or current < 0:
-        raise ValueError(f"current must be a non-negative integer (the trainer's policy version) or None, not {current!r}")
+        raise ValueError(
+            f"current must be a non-negative integer (the trainer's policy version) or None, not {current!r}")
     return int(current)
 
 
@@ -102,5 +103,6 @@ def mask_stale(sample: Sample, current: int | None, max_staleness: int | None) -
     meta["stale_spans"] = stale
     meta["stale_tokens"] = stale_tokens
     meta["staleness"] = {"current": now, "max_staleness": bound}
-    return Sample(tokens=sample.tokens, response_length=sample.response_length, loss_mask=mask.astype(np.int32),
+    return Sample(tokens=sample.tokens, response_length=sample.response_length,
+                  loss_mask=mask.astype(np.int32),
                   logprobs=logprobs, reward=sample.reward, metadata=meta)

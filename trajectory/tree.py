@@ -48,7 +48,8 @@ _INDEX_AT = 8
 
 
 class _Arena:
-    """Append-only growable int32 storage; turns keep (arena, offset), never views, so growth frees the old array."""
+    """Append-only growable int32 storage; turns keep (arena, offset), never views, so growth frees the old
+    array."""
 
     __slots__ = ("data", "size")
 

@@ -1,4 +1,5 @@
-"""Public value types: what the gateway records (:class:`TurnRecord`) and what trainers get (:class:`Sample`)."""
+"""Public value types: what the gateway records (:class:`TurnRecord`) and what trainers get
+(:class:`Sample`)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class TurnRecord:
     do not mutate it while the record is in use.  The manager copies what it keeps.
     """
 
-    __slots__ = ("finish_reason", "ill_formed", "output_ids", "output_logprobs", "policy_version", "prompt_ids")
+    __slots__ = ("finish_reason", "ill_formed", "output_ids", "output_logprobs", "policy_version",
+                 "prompt_ids")
 
     prompt_ids: TokenArray
     output_ids: TokenArray
@@ -62,7 +64,8 @@ class TurnRecord:
         return (
             f"TurnRecord(prompt={self.prompt_ids.shape[0]} tokens, output={self.output_ids.shape[0]} tokens, "
             f"logprobs={'yes' if self.output_logprobs is not None else 'no'}, "
-            f"finish_reason={self.finish_reason!r}, ill_formed={self.ill_formed}, policy_version={self.policy_version})"
+            f"finish_reason={self.finish_reason!r}, ill_formed={self.ill_formed}, "
+            f"policy_version={self.policy_version})"
         )
 
 
@@ -82,7 +85,8 @@ class Sample:
             is 0 or the engine gave none.
         reward: the episode reward given to ``get_trajectory``.
         metadata: plain data about the sample (see ``docs/trajectory.md``): ``session_id``,
-            ``side_call``, ``foreign``, ``main_line``, ``truncated``, ``ill_formed``, ``used_tools``, ``branch``,
+            ``side_call``, ``foreign``, ``main_line``, ``truncated``, ``ill_formed``, ``used_tools``,
+            ``branch``,
             ``num_branches``, ``segment``, ``start_reason``, ``turn_ids``, ``trained_turn_ids``,
             ``masked_turn_ids``, ``finish_reason``, ``rewritten``, ``policy_versions`` (a
             ``[start, end, version]`` list of ``tokens`` positions per trained response; version
@@ -119,7 +123,8 @@ class Sample:
         if not 0 <= self.response_length <= n:
             raise AssertionError(f"response_length {self.response_length} outside [0, {n}]")
         if self.loss_mask.dtype != np.int32:
-            raise AssertionError(f"loss_mask dtype {self.loss_mask.dtype} != int32 (a narrower one wraps when summed)")
+            raise AssertionError(
+                f"loss_mask dtype {self.loss_mask.dtype} != int32 (a narrower one wraps when summed)")
         if self.loss_mask.shape != (self.response_length,):
             raise AssertionError(f"loss_mask length {self.loss_mask.shape} != {self.response_length}")
         if self.logprobs.shape != (self.response_length,):

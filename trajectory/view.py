@@ -29,7 +29,8 @@ def preview(message: Any, limit: int = PREVIEW_CHARS) -> str:
         return str(message)[:limit]
     text = " ".join(_text(message.get("content")).split())
     calls = message.get("tool_calls") or []
-    names = [str((c.get("function") or {}).get("name") or c.get("name") or "?") for c in calls if isinstance(c, dict)]
+    names = [str((c.get("function") or {}).get("name") or c.get("name") or "?") for c in calls
+             if isinstance(c, dict)]
     if names:
         text = (text + " " if text else "") + "→ " + ", ".join(names)
     return text[:limit] + ("…" if len(text) > limit else "")
@@ -38,7 +39,8 @@ def preview(message: Any, limit: int = PREVIEW_CHARS) -> str:
 def tree_view(tree: Tree, *, max_nodes: int = 20000) -> dict[str, Any]:
     """Every node of ``tree`` in depth-first order (children in insertion order, as the linearizer
     visits them): ``id``, ``parent`` (``None`` for the root's children), ``role``, ``preview``, and for
-    a generated node its ``turn`` id, ``output_tokens``, ``policy_version`` (``None``: none known), ``link`` (``first``/``clean``/``replace``: its
+    a generated node its ``turn`` id, ``output_tokens``, ``policy_version`` (``None``: none known), ``link``
+    (``first``/``clean``/``replace``: its
     tokens realigned and masked/``break``: a new sample starts) and ``rewrites`` (replays merged into
     it); ``leaf`` is the leaf's index, which samples name as ``metadata["branch"]``; ``forks`` counts
     the children of a node with more than one. Past ``max_nodes`` the rest is cut (``truncated``)."""

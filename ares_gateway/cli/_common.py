@@ -34,7 +34,8 @@ def refuse_secret_flag(parser: argparse.ArgumentParser, flag: str, instead: str)
     would take it as an abbreviation of a longer flag (``--admin-token`` of ``--admin-token-file``) and
     read the secret as that flag's value. The value given is never shown.
     """
-    line = f"ares-gateway: {flag} is not accepted: a command line is visible to every user of this host (ps); {instead}"
+    line = (f"ares-gateway: {flag} is not accepted: a command line is visible to every user of this host "
+            f"(ps); {instead}")
 
     class _Refuse(argparse.Action):
         def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,

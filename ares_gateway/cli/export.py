@@ -70,7 +70,8 @@ def _write_parquet(rows: Iterator[tuple[str, int, Sample]], out: Path) -> int:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise SystemExit("export --format parquet needs pyarrow: pip install 'ares-gateway[export]'") from None
+        raise SystemExit(
+            "export --format parquet needs pyarrow: pip install 'ares-gateway[export]'") from None
     schema = pa.schema([
         ("session_id", pa.string()),
         ("sample_index", pa.int32()),
@@ -82,7 +83,8 @@ def _write_parquet(rows: Iterator[tuple[str, int, Sample]], out: Path) -> int:
         ("side_call", pa.bool_()),
         ("turn_ids", pa.list_(pa.int32())),
         ("trained_turn_ids", pa.list_(pa.int32())),
-        ("policy_versions", pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32()), ("version", pa.int64())]))),
+        ("policy_versions",
+         pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32()), ("version", pa.int64())]))),
         ("mixed_versions", pa.bool_()),
         ("metadata", pa.string()),
     ])
@@ -145,7 +147,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def add_export_command(sub: Any) -> None:
-    p = sub.add_parser("export", help="write every training sample of a data dir (or a run) as JSONL or Parquet, "
+    p = sub.add_parser("export",
+                       help="write every training sample of a data dir (or a run) as JSONL or Parquet, "
                                       "or a run's episodes as ATIF trajectories",
                        description="Write every training sample of a gateway data dir, or of a run directory "
                                    "holding one, as JSONL (the trajectories/ shape) or Parquet; or, with "

@@ -28,7 +28,8 @@ def _print_report(report: Any, *, dry_run: bool, where: str = "") -> int:
         print(f"left {name} (owner on another host and no heartbeat seen)")
     for error in report.errors:
         print(f"error: {error}", file=sys.stderr)
-    print(f"gc{where}: {len(report.removed)} {verb}, {len(report.kept)} kept, {len(report.unknown)} left alone")
+    print(
+        f"gc{where}: {len(report.removed)} {verb}, {len(report.kept)} kept, {len(report.unknown)} left alone")
     return 1 if report.errors else 0
 
 
@@ -56,7 +57,8 @@ def _gc_on_ray(args: argparse.Namespace, backends: tuple[str, ...]) -> int:
     try:
         ray.init(address=args.ray, logging_level="ERROR", log_to_driver=False)
     except Exception as exc:
-        print(f"ares-gateway: error: gc --ray: cannot connect to the Ray cluster at {args.ray}: {exc}", file=sys.stderr)
+        print(f"ares-gateway: error: gc --ray: cannot connect to the Ray cluster at {args.ray}: {exc}",
+              file=sys.stderr)
         return 2
     try:
         alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
@@ -74,8 +76,10 @@ def _gc_on_ray(args: argparse.Namespace, backends: tuple[str, ...]) -> int:
 
 
 def add_gc_command(sub: Any) -> None:
-    p = sub.add_parser("gc", help="remove sandboxes whose owner process is gone (never those of a live process)",
-                       description="Remove sandboxes whose owner process is gone (never those of a live process).",
+    p = sub.add_parser("gc",
+                       help="remove sandboxes whose owner process is gone (never those of a live process)",
+                       description="Remove sandboxes whose owner process is gone (never those of a "
+                                   "live process).",
                        formatter_class=HelpFormatter)
     p.add_argument(
         "--backend", action="append", choices=["docker", "local", "daytona", "kubernetes", "modal"],
@@ -87,6 +91,6 @@ def add_gc_command(sub: Any) -> None:
         help="seconds without heartbeat after which an owner on another host counts as gone",
     )
     p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
-                   help="collect on every alive node of a Ray cluster (auto, or its address), e.g. after a driver "
-                        "of ares-gateway run --ray died")
+                   help="collect on every alive node of a Ray cluster (auto, or its address), e.g. "
+                        "after a driver of ares-gateway run --ray died")
     p.set_defaults(handler=cmd_gc)

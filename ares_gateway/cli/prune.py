@@ -1,4 +1,5 @@
-"""``ares-gateway prune DIR``: delete ended sessions from a data dir (the gateway using it must be stopped)."""
+"""``ares-gateway prune DIR``: delete ended sessions from a data dir (the gateway using it must be
+stopped)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from ares_gateway.core.store import TurnStore
 
 def cmd_prune(args: argparse.Namespace) -> int:
     if args.older_than_days is None and not args.session:
-        print("ares-gateway prune: give --older-than-days N (ended sessions) and/or --session ID", file=sys.stderr)
+        print("ares-gateway prune: give --older-than-days N (ended sessions) and/or --session ID",
+              file=sys.stderr)
         return 2
     try:
         # Takes the data dir's lock: a running gateway keeps its sessions in memory, so pruning
@@ -34,8 +36,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def add_prune_command(sub: Any) -> None:
     p = sub.add_parser("prune", help="delete ended sessions from a data dir",
-                       description="Delete sessions from a gateway data dir: those that ended more than N days "
-                                   "ago, and any named ones. Stop the gateway using the dir first.",
+                       description="Delete sessions from a gateway data dir: those that ended more "
+                                   "than N days ago, and any named ones. Stop the gateway using "
+                                   "the dir first.",
                        formatter_class=HelpFormatter)
     p.add_argument("dir", help="the data dir (serve --data-dir)")
     p.add_argument("--older-than-days", type=float, default=None, metavar="N",

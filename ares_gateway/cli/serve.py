@@ -32,7 +32,8 @@ log = logging.getLogger("ares_gateway")
 _LIMIT_FLAGS = (
     ("max_parked_per_session", "requests one session may have waiting for the policy at once (more: 429)"),
     ("stream_idle_timeout", "seconds a policy's stream may send nothing before the agent's stream is ended"),
-    ("pause_keepalive_seconds", "seconds between the keep-alives a parked streaming request gets while sampling is paused"),
+    ("pause_keepalive_seconds",
+     "seconds between the keep-alives a parked streaming request gets while sampling is paused"),
     ("max_line_bytes", "longest request line, in bytes (longer: 431, closed)"),
     ("max_field_bytes", "longest header line, in bytes (longer: 431, closed)"),
     ("max_headers", "most header lines in one request (more: 431, closed)"),
@@ -40,8 +41,10 @@ _LIMIT_FLAGS = (
     ("body_timeout", "longest pause between two pieces of a request body, in seconds (408, closed)"),
     ("body_total_timeout", "seconds a whole request body may take to arrive (408, closed)"),
     ("keepalive_timeout", "seconds an idle keep-alive connection stays open"),
-    ("max_parked_bytes_per_session", "body bytes one session's waiting requests may hold (more: 429; one body over it: 413)"),
-    ("max_parked_bytes", "body bytes every session's waiting requests together may hold (more: 429; one body over it: 413)"),
+    ("max_parked_bytes_per_session",
+     "body bytes one session's waiting requests may hold (more: 429; one body over it: 413)"),
+    ("max_parked_bytes",
+     "body bytes every session's waiting requests together may hold (more: 429; one body over it: 413)"),
     ("max_head_bytes", "most bytes of one request head, line and headers together (more: 431, closed)"),
     ("max_connections", "most client connections open at once (a new one past it: 503, closed); "
                         "default: the open-file limit (raised to its hard limit at start) less a reserve"),
@@ -78,7 +81,8 @@ async def _serve(cfg: GatewayConfig, token_file: str | None = None, policy: Any 
 
             # The policy answers every session in this process; /poll still sees what it has not taken.
             async with policy, PolicyServer(gw, policy, concurrency=concurrency):
-                print(f"answering every session with the {policy.kind} policy ({policy.run_info()})", flush=True)
+                print(f"answering every session with the {policy.kind} policy ({policy.run_info()})",
+                      flush=True)
                 await stop.wait()
         log.info("shutting down: failing %d parked request(s)", gw.broker.pending_count)
 
@@ -94,7 +98,8 @@ def _data_dir(args: argparse.Namespace) -> str | None:
     ports never share one; with ``--port 0``, one per process); ``None`` with ``--in-memory``."""
     if args.in_memory:
         return None
-    return str(args.data_dir or os.path.join(_state_home(), f"data-{args.port}" if args.port else f"data-pid{os.getpid()}"))
+    return str(args.data_dir
+               or os.path.join(_state_home(), f"data-{args.port}" if args.port else f"data-pid{os.getpid()}"))
 
 
 #: The environment variable `serve` reads the admin token from (when no flag gives one).
@@ -144,7 +149,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     except OSError as exc:
         print(f"ares-gateway: cannot write the admin token in {data_dir or _state_home()} "
-              f"({exc.strerror or exc}); pass a writable --data-dir or --admin-token-file", file=sys.stderr, flush=True)
+              f"({exc.strerror or exc}); pass a writable --data-dir or --admin-token-file", file=sys.stderr,
+              flush=True)
         return 2
     cfg = GatewayConfig(
         host=args.host,
@@ -184,7 +190,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_serve_command(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the gateway (agents talk to it; a policy answers through /poll)",
-                       description="Run the gateway: agents talk to it; a policy answers through /poll and /respond.",
+                       description="Run the gateway: agents talk to it; a policy answers through /poll "
+                                   "and /respond.",
                        formatter_class=HelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to bind; 0 picks a free one (default: 8080)")
@@ -192,33 +199,42 @@ def add_serve_command(sub: Any) -> None:
         "--admin-token-file",
         default=None,
         metavar="PATH",
-        help="file holding the token guarding /poll, /respond, /sessions, /metrics (its first line); else env "
+        help="file holding the token guarding /poll, /respond, /sessions, /metrics (its first "
+             "line); else env "
              f"{ADMIN_TOKEN_ENV}; without either a random token is generated and written to a 0600 file "
              "whose path is printed",
     )
-    refuse_secret_flag(p, "--admin-token", f"put the token in a file and pass --admin-token-file PATH, or set "
+    refuse_secret_flag(p, "--admin-token",
+                       f"put the token in a file and pass --admin-token-file PATH, or set "
                                            f"${ADMIN_TOKEN_ENV}")
-    p.add_argument("--request-timeout", type=float, default=900.0, help="seconds a request waits for its answer")
-    p.add_argument("--lease", type=float, default=120.0, help="seconds before an unanswered polled request is redelivered")
+    p.add_argument("--request-timeout", type=float, default=900.0,
+                   help="seconds a request waits for its answer")
+    p.add_argument("--lease", type=float, default=120.0,
+                   help="seconds before an unanswered polled request is redelivered")
     p.add_argument("--max-body-mb", type=int, default=32, help="largest request body accepted, in MiB")
     p.add_argument(
         "--auto-sessions",
         action="store_true",
         help="create a session on first use of an unknown session id or token (local experiments only)",
     )
-    p.add_argument("--model", action="append", help="model id listed by /v1/models (repeatable) (default: ares-gateway)")
-    p.add_argument("--public-url", default=None, help="URL agents reach the gateway at, if not http://host:port")
-    p.add_argument("--access-log", action="store_true", help="log every HTTP request (paths only, never headers)")
+    p.add_argument("--model", action="append",
+                   help="model id listed by /v1/models (repeatable) (default: ares-gateway)")
+    p.add_argument("--public-url", default=None,
+                   help="URL agents reach the gateway at, if not http://host:port")
+    p.add_argument("--access-log", action="store_true",
+                   help="log every HTTP request (paths only, never headers)")
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="where every answered turn and session is recorded, durably (default: "
                         "$XDG_STATE_HOME/ares-gateway/data-PORT); "
                         "a restart with the same DIR knows its sessions again (docs/recording.md)")
-    p.add_argument("--in-memory", action="store_true", help="record in memory only (lost when the server stops)")
+    p.add_argument("--in-memory", action="store_true",
+                   help="record in memory only (lost when the server stops)")
     p.add_argument("--retention-days", type=float, default=None,
                    help="at start, prune sessions that ended more than this many days ago from the data dir")
     p.add_argument("--policy", choices=("poll", "tito"), default="poll",
-                   help="who answers: poll leaves every request to a policy on /poll and /respond; tito answers "
-                        "in this process, rendering token ids itself and sampling them on --engine (docs/tito.md)")
+                   help="who answers: poll leaves every request to a policy on /poll and /respond; "
+                        "tito answers in this process, rendering token ids itself and sampling them on "
+                        "--engine (docs/tito.md)")
     add_tito_arguments(p)
     p.add_argument("--engine-model", default=None, metavar="PATH_OR_NAME",
                    help="tito: the GGUF path (llama-cpp; default: the embedded SmolLM2-135M-Instruct) or the "
@@ -232,10 +248,10 @@ def add_serve_command(sub: Any) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
     p.add_argument("--otel", action="store_true",
                    help="send OpenTelemetry spans per LLM call (the otel extra), configured by the OTEL_* "
-                        "environment (its endpoint by default http://localhost:4318; docs/recording.md) (default: off, "
-                        "unless OTEL_* asks for traces)")
+                        "environment (its endpoint by default http://localhost:4318; docs/recording.md) "
+                        "(default: off, unless OTEL_* asks for traces)")
     p.add_argument("--otel-content", action="store_true",
-                   help="put request and answer contents on the spans (input.value, output.value): they can hold "
-                        "secrets (default: off; env ARES_OTEL_RECORD_CONTENT=1)")
+                   help="put request and answer contents on the spans (input.value, output.value): "
+                        "they can hold secrets (default: off; env ARES_OTEL_RECORD_CONTENT=1)")
     p.add_argument("--log-level", default="INFO", help="log level (DEBUG, INFO, WARNING, ERROR)")
     p.set_defaults(handler=cmd_serve)

@@ -57,7 +57,8 @@ def cmd_view(args: argparse.Namespace) -> int:
     else:
         source = _atif_source(path, args.tokenizer)
         if source is None:
-            print(f"ares-gateway view: {path} is neither a run directory (results.json, episodes.jsonl), a data "
+            print(f"ares-gateway view: {path} is neither a run directory (results.json, "
+                  "episodes.jsonl), a data "
                   f"dir ({DB_NAME}) nor a directory of ATIF trajectories (*.json)", file=sys.stderr)
             return 2
     with contextlib.suppress(KeyboardInterrupt):
@@ -87,12 +88,15 @@ def _atif_source(path: Path, tokenizer: str | None) -> Any:
 
 def add_view_command(sub: Any) -> None:
     """Register ``view`` on the CLI's subparsers."""
-    p = sub.add_parser("view", help="browse a run's episodes, turns, message trees and samples in the browser",
-                       description="Serve the trajectory viewer of a run directory (or a gateway data dir) on "
-                                   "127.0.0.1 and print its URL (which logs in with a token of this process, in "
-                                   "the URL's fragment); read-only, offline (docs/viewer.md).",
+    p = sub.add_parser("view",
+                       help="browse a run's episodes, turns, message trees and samples in the browser",
+                       description="Serve the trajectory viewer of a run directory (or a gateway "
+                                   "data dir) on 127.0.0.1 and print its URL (which logs in with a token of "
+                                   "this process, in the URL's fragment); read-only, offline "
+                                   "(docs/viewer.md).",
                        formatter_class=HelpFormatter)
-    p.add_argument("dir", nargs="?", default=None, help="a run's output directory (ares-gateway run --out) or a data dir")
+    p.add_argument("dir", nargs="?", default=None,
+                   help="a run's output directory (ares-gateway run --out) or a data dir")
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="a gateway data dir: alone, its sessions are the episodes; with a run directory, the "
                         "records its message trees come from (default: DIR/gateway-data)")

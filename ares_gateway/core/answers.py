@@ -144,7 +144,8 @@ def coerce_answer(
         if token_record is None and answer.tokens is not None:
             token_record = read_tokens(answer.tokens)
         _prove_renders(protocol, request, answer)
-        return answer.model_copy(update={"tokens": token_record}) if token_record is not answer.tokens else answer
+        return (answer.model_copy(update={"tokens": token_record}) if token_record is not answer.tokens
+                else answer)
     if isinstance(answer, ErrorAnswer):
         return _checked_error(protocol, answer)
     if isinstance(answer, NativeAnswer):
@@ -232,7 +233,8 @@ def _checked_error(protocol: WireProtocol, answer: ErrorAnswer) -> ErrorAnswer:
     return answer
 
 
-def read_native(protocol: WireProtocol, request: CanonicalRequest, body: dict[str, Any]) -> tuple[Completion, bool]:
+def read_native(protocol: WireProtocol, request: CanonicalRequest, body: dict[str, Any]) -> tuple[Completion,
+                                                                                                  bool]:
     """Read a native answer; the flag says whether the body can be sent to the agent verbatim."""
     try:
         return adapter_for(protocol).parse_response(body, request), True
@@ -243,4 +245,5 @@ def read_native(protocol: WireProtocol, request: CanonicalRequest, body: dict[st
                 return adapter_for(WireProtocol.OPENAI_CHAT).parse_response(body, request), False
             except RequestError:
                 pass
-        raise InvalidAnswerError(f"response is not a valid {protocol.value} response body: {first.message}") from None
+        raise InvalidAnswerError(
+            f"response is not a valid {protocol.value} response body: {first.message}") from None

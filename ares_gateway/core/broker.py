@@ -132,7 +132,8 @@ class ParkedRequest:
         }
 
     def poll_item(self) -> dict[str, Any]:
-        """The item ``/poll`` returns, as plain JSON-able values (ares-proxy readers use id, request, timestamp)."""
+        """The item ``/poll`` returns, as plain JSON-able values (ares-proxy readers use id, request,
+        timestamp)."""
         return {
             **self._fields(),
             "request": self.request.raw,
@@ -157,7 +158,8 @@ class ParkedRequest:
         encoded = self._canonical
         if encoded is None:
             enc = self._encoder
-            encoded = self._canonical = _canonical_json(self.request) if enc is None else enc.encode(self.request)
+            encoded = self._canonical = (_canonical_json(self.request) if enc is None
+                                         else enc.encode(self.request))
         return [head, self._body, b',"canonical":', encoded, tail]
 
     def poll_json(self, *, canonical: bool = True) -> bytes:
@@ -221,7 +223,8 @@ class CanonicalEncoder:
         try:
             pieces = self._pieces[:k] + [orjson.dumps(m, default=_model_fields) for m in msgs[k:]]
             tools = request.tools
-            tools_json = self._tools_json if tools is self._tools else orjson.dumps(tools, default=_model_fields)
+            tools_json = (self._tools_json if tools is self._tools
+                          else orjson.dumps(tools, default=_model_fields))
             fields = {k: v for k, v in request.__dict__.items() if k != "raw"}
             fields["messages"] = orjson.Fragment(b"[" + b",".join(pieces) + b"]")
             fields["tools"] = orjson.Fragment(tools_json)
@@ -272,7 +275,8 @@ class Broker:
         self.lease_seconds = lease_seconds
         #: Requests one session may have parked at once; more get :class:`TooManyParkedError` (429).
         #: ``None`` here; the gateway sets its ``GatewayConfig.max_parked_per_session``.
-        self.max_parked_per_session = max_parked_per_session if max_parked_per_session is not None else math.inf
+        self.max_parked_per_session = (max_parked_per_session if max_parked_per_session is not None
+                                       else math.inf)
         self._parked_by_session: dict[str, int] = {}
         #: Body bytes one session may hold at once: its parked requests' and those being read or
         #: parsed (:meth:`hold_bytes`); more get :class:`TooManyParkedError` (429). The gateway sets
@@ -329,7 +333,8 @@ class Broker:
         total = self.parked_bytes
         if total + nbytes > self.max_parked_bytes:
             raise TooManyParkedError(
-                f"the gateway is full: requests waiting for the policy (or being read) hold {total} bytes of body "
+                f"the gateway is full: requests waiting for the policy (or being read) hold {total} "
+                "bytes of body "
                 f"across all sessions; {nbytes} more would pass its limit of {self.max_parked_bytes} bytes "
                 "across sessions; retry after a short wait, as the policy answers"
             )
@@ -456,7 +461,8 @@ class Broker:
 
     # ------------------------------------------------------------------ policy side
 
-    def take(self, session_id: str | None = None, max_items: int = 1, lease: float | None = -1.0) -> list[ParkedRequest]:
+    def take(self, session_id: str | None = None, max_items: int = 1,
+             lease: float | None = -1.0) -> list[ParkedRequest]:
         """Lease up to ``max_items`` available requests without waiting.
 
         ``lease`` -1 means the broker's default; ``None`` means no lease (never redelivered).
@@ -483,7 +489,8 @@ class Broker:
             out.append(parked)
         if out:
             seconds = self.lease_seconds if lease == -1.0 else lease
-            until = asyncio.get_running_loop().time() + seconds if seconds is not None and seconds > 0 else None
+            until = (asyncio.get_running_loop().time() + seconds if seconds is not None and seconds > 0
+                     else None)
             version = self.policy_version
             now = time.time()
             for parked in out:
@@ -566,7 +573,8 @@ class Broker:
                 raise AlreadyAnsweredError(f"request {request_id} was already answered")
             if state is _State.GONE:
                 raise RequestGoneError(
-                    f"request {request_id} is gone: its agent disconnected, it timed out, or its session closed"
+                    f"request {request_id} is gone: its agent disconnected, it timed out, or its "
+                    "session closed"
                 )
             raise UnknownRequestError(f"no request {request_id}; answer ids exactly as /poll returned them")
         if parked.future.done():
@@ -582,7 +590,8 @@ class Broker:
         elif parked.attempt == 0:  # answered without being taken: handed over now
             parked.policy_version = self.policy_version
         if isinstance(resolved, StreamAnswer):
-            resolved = StreamAnswer(_TrackedStream(self, record_stream(self._on_turn, parked, resolved.source)))
+            resolved = StreamAnswer(
+                _TrackedStream(self, record_stream(self._on_turn, parked, resolved.source)))
         self._finish(parked, _State.ANSWERED)
         parked.future.set_result(resolved)
         latency = time.time() - parked.timestamp
@@ -605,7 +614,8 @@ class Broker:
             by = self._available_by_session[parked.session_id] = {}
         by[parked.id] = parked
         for waiter in self._waiters:
-            if not waiter.future.done() and (waiter.session_id is None or waiter.session_id == parked.session_id):
+            if (not waiter.future.done()
+                and (waiter.session_id is None or waiter.session_id == parked.session_id)):
                 waiter.future.set_result(None)
                 break
 
@@ -644,7 +654,8 @@ class Broker:
             if until is not None:
                 if until <= due:
                     parked._lease_until = None
-                    log.info("lease on %s expired after attempt %d; delivering again", parked.id, parked.attempt)
+                    log.info("lease on %s expired after attempt %d; delivering again", parked.id,
+                             parked.attempt)
                     self._make_available(parked)
                     if paused:
                         # A pause stops waiting for it; its poller's late answer would land after the

@@ -236,7 +236,8 @@ class TokenRecord(_Model):
         n, m = int(self.output_logprobs.shape[0]), int(self.output_ids.shape[0])
         if n and n != m:
             raise ValueError(
-                f"output_logprobs has {n} entries but output_ids has {m}; give one logprob per output token or none"
+                f"output_logprobs has {n} entries but output_ids has {m}; give one logprob per output "
+                "token or none"
             )
         return self
 

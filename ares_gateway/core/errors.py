@@ -11,7 +11,8 @@ Each maps to one HTTP status, so the in-process API and the control API (``/resp
 ``/sessions``) report the same outcomes, and an agent is told the same in its protocol's shape::
 
     StatusError (500)                       status + message (+ param): what every error below carries
-    GatewayError (500)                      base class of the public API's errors: catch this to catch them all
+    GatewayError (500)                      base class of the public API's errors: catch this to catch them
+    all
     ├── UnknownRequestError (404)           no parked request has this id (also a LookupError)
     ├── UnknownSessionError (404)           no session has this id (also a LookupError)
     ├── AlreadyAnsweredError (409)          the request was answered before
@@ -19,11 +20,14 @@ Each maps to one HTTP status, so the in-process API and the control API (``/resp
     ├── RequestGoneError (410)              the agent stopped waiting: disconnected, timed out, session closed
     ├── InvalidAnswerError (400)            an answer given to ``respond`` is malformed (also a ValueError)
     ├── InvalidSessionError (400)           a session id or token that cannot be used (also a ValueError)
-    ├── InvalidPolicyVersionError (400)     a policy version that is not a non-negative integer (also a ValueError)
+    ├── InvalidPolicyVersionError (400)     a policy version that is not a non-negative integer (also a
+    ValueError)
     ├── PolicyVersionBackwardsError (409)   a policy version lower than the one the gateway has
-    ├── TooManyParkedError (429)            a session's waiting requests (count or bytes), or all sessions' bytes, at their limit
+    ├── TooManyParkedError (429)            a session's waiting requests (count or bytes), or all sessions'
+    bytes, at their limit
     ├── GatewayClosedError (503)            the gateway is shut down
-    ├── DataDirError (500)                  the data directory cannot be used (not writable, full, locked, corrupt)
+    ├── DataDirError (500)                  the data directory cannot be used (not writable, full, locked,
+    corrupt)
     └── FenceError (409)                    the weight-update fence (pause / resume sampling) refused a call
         ├── SamplingPausedError (409)       pause while paused (or while a pause drains)
         ├── SamplingNotPausedError (409)    resume without a pause that returned
@@ -35,7 +39,8 @@ Other StatusErrors live next to the code that raises them: ``policies.PolicyErro
 not answer; 502 by default) and ``http.server.BodyError`` (a body that cannot be read: 400, 408, 413,
 415). Two more, since no caller of the public API sees
 them: :class:`ares_gateway.core.wire.RequestError` (also ``ares_gateway.protocols.RequestError``: an
-agent's body its protocol cannot accept; the agent gets a 400 in its protocol's shape) and :class:`ares_gateway.core.broker.RequestClosed`
+agent's body its protocol cannot accept; the agent gets a 400 in its protocol's shape) and
+:class:`ares_gateway.core.broker.RequestClosed`
 (raised into an agent's handler when its request ends unanswered: timeout, session closed,
 shutdown).
 """

@@ -52,7 +52,8 @@ def check_pause(mode: object, timeout: object) -> None:
         raise InvalidFenceError(f"unknown pause mode {mode!r}: use \"drain\" or \"abort\"")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                                 or not 0 < timeout < float("inf")):
-        raise InvalidFenceError(f"timeout must be a positive number of seconds (or null: none), got {timeout!r}")
+        raise InvalidFenceError(
+            f"timeout must be a positive number of seconds (or null: none), got {timeout!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +75,8 @@ class PauseReport:
 class SamplingFence:
     """The pause state of one gateway's broker (see the module docstring). One per gateway."""
 
-    def __init__(self, broker: Broker, *, on_fence: Callable[[str, dict[str, float]], None] | None = None) -> None:
+    def __init__(self, broker: Broker, *,
+                 on_fence: Callable[[str, dict[str, float]], None] | None = None) -> None:
         self._broker = broker
         #: "sampling", "draining" (a pause waits for the generations in flight) or "paused".
         self.state = "sampling"

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+                    300, 900)
 #: The per-turn timing histograms (``ares_gateway_turn_<name>_seconds``) and their help.
 _TIMINGS = {
     "parked": "Time a recorded turn's request waited before the policy took it",
@@ -104,12 +105,14 @@ class GatewayMetrics:
 
     def collect(self) -> Iterator[Metric]:
         """The prometheus_client collector protocol."""
-        yield CounterMetricFamily("ares_gateway_requests_parked", "Agent requests parked", value=self.parked_total)
+        yield CounterMetricFamily("ares_gateway_requests_parked", "Agent requests parked",
+                                  value=self.parked_total)
         yield CounterMetricFamily(
             "ares_gateway_requests_answered", "Requests answered by the policy", value=self.answered_total
         )
         yield CounterMetricFamily(
-            "ares_gateway_requests_timed_out", "Requests that timed out unanswered", value=self.timed_out_total
+            "ares_gateway_requests_timed_out", "Requests that timed out unanswered",
+            value=self.timed_out_total
         )
         yield CounterMetricFamily(
             "ares_gateway_requests_withdrawn",
@@ -124,12 +127,15 @@ class GatewayMetrics:
         yield rejected
         yield CounterMetricFamily(
             "ares_gateway_turns_lost",
-            "Answered turns whose record did not reach the data dir (a full disk, an I/O error, an unencodable body)",
+            "Answered turns whose record did not reach the data dir (a full disk, an I/O error, an "
+            "unencodable body)",
             value=self.turns_lost(),
         )
-        yield GaugeMetricFamily("ares_gateway_requests_parked_now", "Requests parked right now", value=self._parked_now)
+        yield GaugeMetricFamily("ares_gateway_requests_parked_now", "Requests parked right now",
+                                value=self._parked_now)
         yield GaugeMetricFamily("ares_gateway_parked_bytes_now",
-                                "Body bytes of requests parked or being read right now, every session's together",
+                                "Body bytes of requests parked or being read right now, every "
+                                "session's together",
                                 value=self.parked_bytes_now())
         cumulative, buckets = 0, []
         for bound, count in zip((*_LATENCY_BUCKETS, float("inf")), self._bucket_counts, strict=True):
@@ -145,10 +151,12 @@ class GatewayMetrics:
         for name, (counts, total) in self._timing.items():
             yield _histogram(f"ares_gateway_turn_{name}_seconds", _TIMINGS[name], counts, total[0])
         yield CounterMetricFamily("ares_gateway_turn_prompt_tokens",
-                                  "Prompt tokens of recorded turns (token records, else the upstream's usage)",
+                                  "Prompt tokens of recorded turns (token records, else the upstream's "
+                                  "usage)",
                                   value=self.prompt_tokens_total)
         yield CounterMetricFamily("ares_gateway_turn_completion_tokens",
-                                  "Completion tokens of recorded turns (token records, else the upstream's usage)",
+                                  "Completion tokens of recorded turns (token records, else the "
+                                  "upstream's usage)",
                                   value=self.completion_tokens_total)
 
         yield CounterMetricFamily("ares_gateway_fence_pauses", "Weight-update pauses that returned (drained)",
@@ -156,7 +164,8 @@ class GatewayMetrics:
         yield CounterMetricFamily("ares_gateway_fence_paused_seconds",
                                   "Seconds sampling was paused for weight updates, over every resumed pause",
                                   value=self.fence_paused_seconds_total)
-        yield GaugeMetricFamily("ares_gateway_fence_paused_now", "1 while sampling is paused for a weight update",
+        yield GaugeMetricFamily("ares_gateway_fence_paused_now",
+                                "1 while sampling is paused for a weight update",
                                 value=1 if self.fence_paused_now() else 0)
         yield GaugeMetricFamily("ares_gateway_fence_last_drain_seconds",
                                 "Seconds the last weight-update pause waited for the generations in flight",

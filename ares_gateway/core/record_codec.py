@@ -199,7 +199,8 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: Line, seq: i
             line.hashes.extend(_digest(x) for x in items[keep:])
         else:
             keep = _list_delta(items, line, fresh=line.seq is None)
-            line.layout = None if raw is None else hint.layout if hint is not None else layout_of(raw, lk, len(items))
+            line.layout = (None if raw is None else hint.layout if hint is not None
+                           else layout_of(raw, lk, len(items)))
         line.kept = keep if same_top else -1
         if key:
             keep = 0  # the line's state moves on as usual; the record holds the whole list
@@ -247,7 +248,8 @@ def encode_tokens(tokens: Any, prompt: npt.NDArray[np.int32], output: npt.NDArra
     return head, blob
 
 
-def encode_head(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, Line], seq: int, keyframe_every: int,
+def encode_head(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, Line], seq: int,
+                keyframe_every: int,
           raw: bytes | None) -> tuple[dict[str, Any], Line, bool]:
     """A turn's record but for its token ids: the header, with the body delta-encoded against the
     previous turn of its line (updated; ``raw``: the bytes ``body`` was parsed from). Every
@@ -271,7 +273,8 @@ def encode_head(turn: RecordedTurn, body: dict[str, Any], lines: dict[bool, Line
         header["pv"] = turn.policy_version
     request = turn._request
     if request is not None:
-        header["sampling"] = request.sampling.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
+        header["sampling"] = request.sampling.model_dump(mode="json", exclude_none=True,
+                                                         exclude_defaults=True)
     return header, line, key
 
 
@@ -339,8 +342,9 @@ class Decoder:
         header = orjson.loads(data[4 : 4 + n])
         version = header.get("v", 1)  # records written before the version key are version 1
         if version != FORMAT_VERSION:
-            raise ValueError(f"record format version {version!r}: this ares-gateway reads version {FORMAT_VERSION} "
-                             "(a newer gateway wrote it: read this data dir with that version)")
+            raise ValueError(
+                f"record format version {version!r}: this ares-gateway reads version {FORMAT_VERSION} "
+                "(a newer gateway wrote it: read this data dir with that version)")
         blob = memoryview(data)[4 + n :]
         side = bool(header["side"])
         delta = header["body"]

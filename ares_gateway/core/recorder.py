@@ -89,7 +89,8 @@ class RecordedTurn:
         #: (``None``: not known, as for a request answered without being taken).
         self.parked_seconds = parked_seconds
         self.policy_seconds = policy_seconds
-        #: Seconds from the request's arrival to the first piece of a streamed answer (``None``: not streamed).
+        #: Seconds from the request's arrival to the first piece of a streamed answer (``None``: not
+        #: streamed).
         self.ttft = ttft
         # Both are kept: a RecordedTurn lives only while it is being recorded (the recorder keeps
         # its compact encoding), and the parsed request saves parsing the body again.
@@ -188,7 +189,8 @@ def record_turn(sink: TurnSink | None, parked: Answered, completion: Completion,
         timestamp=parked.timestamp,
         latency=latency,
         layout=parked.layout,
-        policy_version=parked.policy_version if completion.policy_version is None else completion.policy_version,
+        policy_version=parked.policy_version if completion.policy_version is None
+        else completion.policy_version,
         parked_seconds=parked_s,
         policy_seconds=policy_s,
         ttft=ttft,

@@ -165,7 +165,8 @@ def tree_view_of_turn_log(entries: Iterable[dict[str, Any]], *, side_call: bool 
         if not isinstance(tokens, dict) or tokens.get("output_ids") is None:
             continue
         try:
-            request = adapter_for(WireProtocol(str(entry.get("protocol")))).parse_request(entry.get("request"))
+            request = adapter_for(WireProtocol(str(entry.get("protocol")))).parse_request(
+                entry.get("request"))
             answer = Completion.model_validate({k: v for k, v in completion.items() if k != "tokens"})
         except ValueError as exc:  # a line no gateway wrote: left out, as a damaged record is
             log.warning("turn log: request %s left out of the tree: %s", entry.get("request_id"), exc)
@@ -283,25 +284,30 @@ class SessionRecorder:
                     chat = _prompt_chat(request, line, prev_seq, body)
                     line.chat, line.chat_seq = chat, seq
                     shared = _tree_turn(self._tm, sid, chat, turn.completion, prompt, output,
-                                        tokens.output_logprobs, tokens.finish_reason, turn.request_id, turn.side_call,
+                                        tokens.output_logprobs, tokens.finish_reason, turn.request_id,
+                                        turn.side_call,
                                         turn.policy_version)
                 except Exception as exc:
                     # The turn is recorded whole all the same; the error is raised once it is.
                     tree_error = exc
                     line.tseq = None  # what the tree holds now is not known: the next ids go whole
-                    header["tok"], blob = encode_tokens(tokens, prompt, output, line, seq, False, None, None, key=True)
+                    header["tok"], blob = encode_tokens(tokens, prompt, output, line, seq, False, None, None,
+                                                        key=True)
                 else:
                     prev = None if shared is not None else self._tm.last_ids(sid, side_call=turn.side_call)
-                    header["tok"], blob = encode_tokens(tokens, prompt, output, line, seq, shared is not None, shared,
+                    header["tok"], blob = encode_tokens(tokens, prompt, output, line, seq, shared is not None,
+                                                        shared,
                                                        prev, key)
                     # Counted whatever the record's keyframes do: the ids this prompt shares with the
                     # previous stored turn's prompt + output (0 for the first).
-                    reused = shared if shared is not None else common_prefix_len(prev, prompt) if prev is not None else 0
+                    reused = (shared if shared is not None else common_prefix_len(prev, prompt)
+                              if prev is not None else 0)
             header["use"] = self._use(state, turn, reused)
             # Packed before anything is stored: a record that cannot be encoded (a number beyond
             # 64 bits from a Python caller, anything else) is never half written.
             payload = pack(header, blob)
-            deps = [b for b in (header["body"].get("base"), header.get("tok", {}).get("base")) if b is not None]
+            deps = [b for b in (header["body"].get("base"), header.get("tok", {}).get("base"))
+                    if b is not None]
         except Exception as exc:
             # The lines' state may have moved on to this turn: they start afresh, so the next
             # record of the session is whole and never continues this one, which is a tombstone.
@@ -374,7 +380,8 @@ class SessionRecorder:
             old = {d.seq for d in self.damaged.get(sid, [])}
             new = [d for d in damaged if d.seq not in old]
             for d in new:
-                log.error("data dir: session %s turn %d could not be read and is skipped: %s", sid, d.seq, d.reason)
+                log.error("data dir: session %s turn %d could not be read and is skipped: %s", sid, d.seq,
+                          d.reason)
             self.damaged.setdefault(sid, []).extend(new)
 
     def _decoded(self, sid: str) -> list[tuple[int, dict[str, Any]]]:

@@ -111,7 +111,8 @@ class SessionRegistry:
         """Bring back a session a data dir remembers (after a restart), with its token and turn count."""
         if session_id in self._by_id or token in self._by_token:
             raise SessionExistsError(f"session {session_id!r} (or its token) already exists")
-        session = Session(id=session_id, token=token, created_at=created_at, metadata=dict(metadata), turns=turns)
+        session = Session(id=session_id, token=token, created_at=created_at, metadata=dict(metadata),
+                          turns=turns)
         self._by_id[session_id] = session
         self._by_token[token] = session
         return session
@@ -161,7 +162,8 @@ def same_secret(given: str, expected: str) -> bool:
     request). ``surrogatepass`` encodes them too, to bytes no valid string encodes to, so such a
     value is simply wrong.
     """
-    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass"))
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"),
+                               expected.encode("utf-8", "surrogatepass"))
 
 
 def valid_session_id(sid: object) -> bool:
@@ -174,14 +176,15 @@ def check_session_id(sid: str) -> None:
     if not valid_session_id(sid):
         shown = sid if len(sid) <= 80 else sid[:80] + "..."
         raise InvalidSessionError(
-            f"invalid session id {shown!r}: use 1-{MAX_SESSION_ID_CHARS} characters from ASCII letters, digits, "
-            "'-' and '_'"
+            f"invalid session id {shown!r}: use 1-{MAX_SESSION_ID_CHARS} characters from ASCII "
+            "letters, digits, '-' and '_'"
         )
 
 
 def valid_token(token: object) -> bool:
     """Whether ``token`` could be a session token: 1-512 visible ASCII characters (no spaces)."""
-    return isinstance(token, str) and 0 < len(token) <= MAX_TOKEN_CHARS and _TOKEN.fullmatch(token) is not None
+    return (isinstance(token, str) and 0 < len(token) <= MAX_TOKEN_CHARS
+            and _TOKEN.fullmatch(token) is not None)
 
 
 def check_token(token: str) -> None:

@@ -144,24 +144,27 @@ def prepare_data_dir(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
     except FileExistsError:
-        raise DataDirError(f"cannot create data dir {path}: a file of that name is in the way; pass a directory "
-                           "as --data-dir") from None
+        raise DataDirError(
+            f"cannot create data dir {path}: a file of that name is in the way; pass a directory "
+            "as --data-dir") from None
     except OSError as exc:
-        raise DataDirError(f"cannot create data dir {path}: {exc.strerror or exc}; pass a writable --data-dir") from None
+        raise DataDirError(
+            f"cannot create data dir {path}: {exc.strerror or exc}; pass a writable --data-dir") from None
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise DataDirError(f"data dir {path} is not a directory; pass a directory as --data-dir")
     if st.st_uid != os.geteuid():
         raise DataDirError(
-            f"data dir {path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): whoever owns it "
-            "can replace the files in it; pass a directory of your own as --data-dir"
+            f"data dir {path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
+            "whoever owns it can replace the files in it; pass a directory of your own as --data-dir"
         )
     if st.st_mode & 0o077:
         try:
             os.chmod(path, 0o700)
         except OSError as exc:
-            raise DataDirError(f"data dir {path} is mode {stat.S_IMODE(st.st_mode):o} and cannot be made 0700 "
-                               f"({exc.strerror or exc}); fix its permissions") from None
+            raise DataDirError(
+                f"data dir {path} is mode {stat.S_IMODE(st.st_mode):o} and cannot be made 0700 "
+                f"({exc.strerror or exc}); fix its permissions") from None
         log.warning("data dir %s was mode %o (others could read its session tokens): made 0700",
                     path, stat.S_IMODE(st.st_mode))
 
@@ -191,8 +194,8 @@ def check_data_dir(path: Path, *, min_free_bytes: int) -> None:
     free = shutil.disk_usage(path).free
     if free < min_free_bytes:
         raise DataDirError(
-            f"data dir {path} has {free // 2**20} MiB free, less than the {min_free_bytes // 2**20} MiB required "
-            "(min_free_bytes): free space or pass another --data-dir"
+            f"data dir {path} has {free // 2**20} MiB free, less than the {min_free_bytes // 2**20} "
+            "MiB required (min_free_bytes): free space or pass another --data-dir"
         )
 
 
@@ -206,7 +209,8 @@ def _open_private(path: Path, flags: int, *, fix_mode: bool = True) -> int:
         if exc.errno == errno.ELOOP:
             raise DataDirError(f"{path} is a symbolic link; a data dir holds its own files: remove it, "
                                "or pass another --data-dir") from None
-        raise DataDirError(f"cannot open {path} ({exc.strerror or exc}); fix it or pass another --data-dir") from None
+        raise DataDirError(
+            f"cannot open {path} ({exc.strerror or exc}); fix it or pass another --data-dir") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -324,16 +328,19 @@ class _Reads:
         tokens: dict[str, str] = {}
         for sid, token, created, meta, ended, ended_at, reward, truncated, info, turns in rows:
             if not isinstance(sid, str) or not sid or not isinstance(token, str) or not token:
-                raise DataDirError(f"{where}: a session row has no usable id or token (id {str(sid)[:40]!r}); "
-                                   "the database was edited: move it away or pass another --data-dir")
+                raise DataDirError(
+                    f"{where}: a session row has no usable id or token (id {str(sid)[:40]!r}); "
+                    "the database was edited: move it away or pass another --data-dir")
             if token in tokens:
-                raise DataDirError(f"{where}: sessions {tokens[token]!r} and {sid!r} have the same token; the "
-                                   "database was edited: delete one of them, or pass another --data-dir")
+                raise DataDirError(
+                    f"{where}: sessions {tokens[token]!r} and {sid!r} have the same token; the "
+                    "database was edited: delete one of them, or pass another --data-dir")
             tokens[token] = sid
             if not isinstance(created, (int, float)) or not isinstance(reward, (int, float, type(None))) \
                     or not isinstance(ended_at, (int, float, type(None))):
-                raise DataDirError(f"{where}: session {sid!r} has a created_at, ended_at or reward that is not a "
-                                   "number; the database was edited: move it away or pass another --data-dir")
+                raise DataDirError(
+                    f"{where}: session {sid!r} has a created_at, ended_at or reward that is not a "
+                    "number; the database was edited: move it away or pass another --data-dir")
             out.append(
                 StoredSession(
                     id=sid,
@@ -361,7 +368,8 @@ class _Reads:
         ):
             data = bytes(payload) if payload is not None else b""
             if zlib.crc32(data) != crc:
-                damaged.append(DamagedRecord(sid, int(seq), "checksum mismatch (the record is damaged or truncated)"))
+                damaged.append(
+                    DamagedRecord(sid, int(seq), "checksum mismatch (the record is damaged or truncated)"))
                 continue
             good.append((int(seq), data))
         return good, damaged
@@ -506,8 +514,9 @@ class TurnStore(_Reads):
                 where = f"a copy is in {keep.name}"
             except (OSError, DataDirError) as exc:
                 where = f"no copy kept: {exc}"
-            log.warning("data dir %s: %s-wal holds %s; SQLite discards that part of it, with the sessions and "
-                        "turns it held (%s)", self.path, DB_NAME, lost, where)
+            log.warning(
+                "data dir %s: %s-wal holds %s; SQLite discards that part of it, with the sessions and "
+                "turns it held (%s)", self.path, DB_NAME, lost, where)
         try:
             # The connection is opened here and then used only by the writer thread, or by the
             # loop thread while the writer is idle under _db_lock: never by both at once.
@@ -530,7 +539,8 @@ class TurnStore(_Reads):
                 raise
         except sqlite3.DatabaseError as exc:
             raise DataDirError(
-                f"{db_path} cannot be used as a gateway database ({exc}); move it away or pass another --data-dir"
+                f"{db_path} cannot be used as a gateway database ({exc}); move it away or pass "
+                "another --data-dir"
             ) from None
         self._db_lock = threading.Lock()
         return db
@@ -657,7 +667,8 @@ class TurnStore(_Reads):
             if op[0] == "turn" and op[5]:
                 gone = self._lost.get(op[1])
                 if gone and not gone.isdisjoint(op[5]):
-                    self._mark_lost(op[1], op[2], f"it continues turn {min(gone & set(op[5]))}, which was lost")
+                    self._mark_lost(op[1], op[2],
+                                    f"it continues turn {min(gone & set(op[5]))}, which was lost")
                     dropped += 1
                     continue
             elif op[0] == "delete":
@@ -719,7 +730,8 @@ class TurnStore(_Reads):
                 db.execute("INSERT OR IGNORE INTO turns VALUES (?, ?, ?, ?)", op[1:5])
             elif kind == "session":
                 db.execute(
-                    "INSERT OR REPLACE INTO sessions (id, token, created_at, metadata) VALUES (?, ?, ?, ?)", op[1:]
+                    "INSERT OR REPLACE INTO sessions (id, token, created_at, metadata) VALUES (?, ?, ?, ?)",
+                    op[1:]
                 )
             elif kind == "end":
                 sid, reward, truncated, info, ended_at = op[1:]
@@ -814,7 +826,8 @@ def lost_record(reason: str) -> bytes:
 #: The columns of each table of a gateway database (a table with others is some other program's).
 _COLUMNS = {
     "meta": ["key", "value"],
-    "sessions": ["id", "token", "created_at", "metadata", "ended", "ended_at", "reward", "truncated", "end_info"],
+    "sessions": ["id", "token", "created_at", "metadata", "ended", "ended_at", "reward", "truncated",
+                 "end_info"],
     "turns": ["session_id", "seq", "payload", "crc"],
 }
 
@@ -825,8 +838,8 @@ def _check_schema(db: sqlite3.Connection, db_path: Path) -> None:
     tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     if not tables:
         return
-    foreign = f"{db_path} is not a gateway database (it has tables {', '.join(sorted(tables))}); move it away " \
-              "or pass another --data-dir"
+    foreign = (f"{db_path} is not a gateway database (it has tables {', '.join(sorted(tables))}); "
+               "move it away or pass another --data-dir")
     if "meta" not in tables or not tables <= set(_COLUMNS):
         raise DataDirError(foreign)
     for table in tables:
@@ -839,7 +852,8 @@ def _check_schema(db: sqlite3.Connection, db_path: Path) -> None:
         return  # created, and stopped before its version was written
     if str(row[0]).strip() != str(SCHEMA_VERSION):
         raise DataDirError(
-            f"{db_path} has schema version {str(row[0])[:40]!r}; this gateway reads version {SCHEMA_VERSION}: "
+            f"{db_path} has schema version {str(row[0])[:40]!r}; this gateway reads version "
+            f"{SCHEMA_VERSION}: "
             "use the gateway that wrote it, or pass another --data-dir"
         )
 
@@ -854,5 +868,6 @@ def _json_obj(raw: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-__all__ = ["DB_NAME", "LOST_KIND", "DamagedRecord", "StoreReader", "StoredSession", "TurnStore", "check_data_dir",
+__all__ = ["DB_NAME", "LOST_KIND", "DamagedRecord", "StoreReader", "StoredSession", "TurnStore",
+           "check_data_dir",
            "inspect_wal", "lost_record", "prepare_data_dir"]

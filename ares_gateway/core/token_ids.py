@@ -36,9 +36,11 @@ def token_array(value: Any, what: str) -> npt.NDArray[np.int32]:
         try:
             raw = base64.b64decode(value, validate=True)
         except (binascii.Error, ValueError):
-            raise InvalidAnswerError(f"{what}: not valid base64 (give a JSON list of ints or base64 of little-endian int32)") from None
+            raise InvalidAnswerError(f"{what}: not valid base64 (give a JSON list of ints or base64 of "
+                                     "little-endian int32)") from None
         if len(raw) % 4:
-            raise InvalidAnswerError(f"{what}: base64 decodes to {len(raw)} bytes, not a whole number of int32 ids")
+            raise InvalidAnswerError(
+                f"{what}: base64 decodes to {len(raw)} bytes, not a whole number of int32 ids")
         arr: npt.NDArray[Any] = np.frombuffer(raw, dtype="<i4").astype(np.int32, copy=False)
     elif isinstance(value, np.ndarray):
         if value.ndim != 1:
@@ -88,7 +90,8 @@ def logprob_array(value: Any, n: int | None) -> npt.NDArray[np.float64]:
             raise InvalidAnswerError("output_logprobs: base64 does not decode to whole float32 values")
         arr = np.frombuffer(raw, dtype="<f4").astype(np.float64)
     elif isinstance(value, np.ndarray | list | tuple):
-        if isinstance(value, list | tuple) and any(isinstance(v, bool) or not isinstance(v, int | float) for v in value):
+        if (isinstance(value, list | tuple)
+            and any(isinstance(v, bool) or not isinstance(v, int | float) for v in value)):
             raise InvalidAnswerError("output_logprobs: must be numbers")
         try:
             arr = np.asarray(value, dtype=np.float64)
@@ -100,7 +103,8 @@ def logprob_array(value: Any, n: int | None) -> npt.NDArray[np.float64]:
         raise InvalidAnswerError("output_logprobs: give a JSON list of numbers or base64 of float32")
     if n is not None and arr.size and arr.size != n:
         raise InvalidAnswerError(
-            f"output_logprobs has {arr.size} entries but output_ids has {n}; give one logprob per output token or none"
+            f"output_logprobs has {arr.size} entries but output_ids has {n}; give one logprob per output "
+            "token or none"
         )
     if arr.size and not np.isfinite(arr).all():
         raise InvalidAnswerError("output_logprobs: must be finite numbers")

@@ -75,7 +75,8 @@ class Reuse:
     #: The previous request's canonical messages and tools.
     messages: list[Any]
     tools: list[Any]
-    #: ``ends[0]``: how many of those messages came before the list; ``ends[i + 1]``: how many after item ``i``.
+    #: ``ends[0]``: how many of those messages came before the list; ``ends[i + 1]``: how many after item
+    #: ``i``.
     ends: list[int]
 
 
@@ -135,4 +136,5 @@ def adapter_for(protocol: WireProtocol | str) -> ProtocolAdapter:
     try:
         return _ADAPTERS[WireProtocol(protocol)]
     except KeyError:
-        raise LookupError(f"no adapter registered for {protocol!r}: import ares_gateway.protocols first") from None
+        raise LookupError(
+            f"no adapter registered for {protocol!r}: import ares_gateway.protocols first") from None

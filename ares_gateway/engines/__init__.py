@@ -55,7 +55,8 @@ def make_engine(name: str, **options: Any) -> Engine:
 
         model = options.pop("model", None)
         if model is None:
-            raise ValueError("the transformers engine needs model= (a model object, or a folder or .gguf file)")
+            raise ValueError(
+                "the transformers engine needs model= (a model object, or a folder or .gguf file)")
         if isinstance(model, str):
             return TransformersEngine.from_pretrained(model, **options)
         return TransformersEngine(model, **options)

@@ -95,7 +95,8 @@ class HttpEngineBase:
                         self.retries += 1
                     return await self._once(url, body)
         except _Retryable as exc:
-            raise EngineUnavailableError(f"{self.name} at {self.url}: {exc.message} (after {self.max_attempts} attempts)") from None
+            raise EngineUnavailableError(
+                f"{self.name} at {self.url}: {exc.message} (after {self.max_attempts} attempts)") from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _once(self, url: str, body: dict[str, Any]) -> Any:
@@ -139,7 +140,8 @@ class HttpEngineBase:
                         raise self._http_error(url, r.status, text)
                     resp = r
         except _Retryable as exc:
-            raise EngineUnavailableError(f"{self.name} at {self.url}: {exc.message} (after {self.max_attempts} attempts)") from None
+            raise EngineUnavailableError(
+                f"{self.name} at {self.url}: {exc.message} (after {self.max_attempts} attempts)") from None
         assert resp is not None
         try:
             async for raw in resp.content:
@@ -152,8 +154,10 @@ class HttpEngineBase:
                 try:
                     yield json.loads(data)
                 except ValueError:
-                    raise EngineResponseError(f"{self.name} at {url} streamed non-JSON: {data[:300]!r}") from None
+                    raise EngineResponseError(
+                        f"{self.name} at {url} streamed non-JSON: {data[:300]!r}") from None
         except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-            raise EngineUnavailableError(f"{self.name} at {url}: the stream broke: {type(exc).__name__}: {exc}") from exc
+            raise EngineUnavailableError(
+                f"{self.name} at {url}: the stream broke: {type(exc).__name__}: {exc}") from exc
         finally:
             resp.release()

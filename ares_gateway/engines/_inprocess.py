@@ -21,8 +21,10 @@ __all__ = ["Emit", "WorkerThreadEngine", "logsumexp", "sample_token"]
 Emit = Callable[[Any], None]
 
 
-def sample_token(logits: np.ndarray[Any, Any], sampling: Sampling, rng: np.random.Generator) -> tuple[int, float]:
-    """Draw one token from ``logits`` under ``sampling``; returns ``(token, logprob under that distribution)``.
+def sample_token(logits: np.ndarray[Any, Any], sampling: Sampling, rng: np.random.Generator) -> tuple[int,
+                                                                                                      float]:
+    """Draw one token from ``logits`` under ``sampling``; returns ``(token, logprob under that
+    distribution)``.
 
     Temperature, then top-k, then top-p, renormalized (float64). ``temperature=0`` is greedy and its
     logprob is the log-softmax at temperature 1.
@@ -147,7 +149,8 @@ class WorkerThreadEngine:
             raise
         return result
 
-    async def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
+    async def stream(self, prompt_ids: Sequence[int],
+                     sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
         """Like :meth:`generate`, yielding each sampled token as a :class:`TokenChunk`, then the result."""
         self._check_open()
         loop = asyncio.get_running_loop()

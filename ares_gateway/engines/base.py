@@ -137,7 +137,8 @@ class GenerateResult:
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.output_ids):
             raise EngineResponseError(
-                f"{len(self.output_ids)} output ids but {len(self.logprobs)} logprobs: an engine must give one per token"
+                f"{len(self.output_ids)} output ids but {len(self.logprobs)} logprobs: an engine must give "
+                "one per token"
             )
 
 
@@ -154,7 +155,8 @@ class Engine(Protocol):
         """Sample one continuation of ``prompt_ids``."""
         ...
 
-    def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
+    def stream(self, prompt_ids: Sequence[int],
+               sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
         """Like :meth:`generate`, yielding :class:`TokenChunk` pieces as sampled, then the result."""
         ...
 

@@ -130,8 +130,9 @@ def _probe(model_path: str | None, timeout_s: float) -> str | None:
         proc = subprocess.run([sys.executable, "-c", _PROBE, model_path], capture_output=True, text=True,
                               timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
-        return (f"the installed llama-cpp-python (built with AMX) did not evaluate 4 tokens within {timeout_s:g} s "
-                f"in a probe process; rebuild it without the native CPU flags: {REBUILD_HINT}")
+        return ("the installed llama-cpp-python (built with AMX) did not evaluate 4 tokens within "
+                f"{timeout_s:g} s in a probe process; rebuild it without the native CPU flags: "
+                f"{REBUILD_HINT}")
     if proc.returncode == 0 and "ok" in proc.stdout:
         return None
     if proc.returncode < 0:
@@ -216,7 +217,8 @@ class LlamaCppEngine(WorkerThreadEngine):
         # A copy sent to another process (a Ray actor on another node) is a fresh engine with the same
         # settings that loads its own model there: a loaded context and its worker thread cannot travel.
         return (_rebuild, (self.model, {"n_ctx": self.n_ctx_requested, "n_threads": self._n_threads_requested,
-                                        "n_batch": self.n_batch, "consistent_batching": self.consistent_batching,
+                                        "n_batch": self.n_batch,
+                                        "consistent_batching": self.consistent_batching,
                                         "load_timeout_s": self.load_timeout_s,
                                         "weight_version": self.weight_version}))
 
@@ -340,7 +342,8 @@ class LlamaCppEngine(WorkerThreadEngine):
 
     # ------------------------------------------------------------ evaluation
     async def score(self, token_ids: Sequence[int], start: int, *, batch: int | None = None) -> list[float]:
-        """Log-softmax logprob of ``token_ids[k]`` given ``token_ids[:k]`` for ``k >= start``: a teacher-forced pass.
+        """Log-softmax logprob of ``token_ids[k]`` given ``token_ids[:k]`` for ``k >= start``: a
+        teacher-forced pass.
 
         Independent of any generation: it clears the cache and evaluates the sequence in chunks of
         ``batch`` tokens (default ``n_batch``; never a single token), recording all positions' logits.

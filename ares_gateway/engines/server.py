@@ -21,7 +21,8 @@ SGLang), ``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``stop_token_ids`
 "length", "length": n}, "prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs":
 [[logprob, id, null], ...], "e2e_latency", "sampling_seed"}}``; ``"sampling_seed"`` is the seed the
 engine sampled with (drawn when the request set none; SGLang itself does not send it), and
-``"weight_version"`` (SGLang's key) the engine's weight version as a decimal string, when its result has one. Streaming
+``"weight_version"`` (SGLang's key) the engine's weight version as a decimal string, when its result has one.
+Streaming
 answers are server-sent events, one per sampled token, cumulative like SGLang's default (or incremental:
 ``incremental_streaming=True``, SGLang's ``--incremental-streaming-output``), the last one carrying the
 finish reason, then ``data: [DONE]``. ``GET /health`` and ``GET /get_model_info`` answer as SGLang's.
@@ -90,10 +91,11 @@ _NEUTRAL_SAMPLING: Mapping[str, Any] = {
     "regex": None, "ebnf": None, "structural_tag": None, "custom_params": None, "logit_bias": None,
 }
 # Top-level request keys without meaning here, accepted when empty / false (SGLang clients may send them).
-_IGNORED_TOP = frozenset({"return_text_in_logprobs", "return_hidden_states", "log_metrics", "data_parallel_rank",
-                          "custom_logit_processor", "lora_path", "session_params", "bootstrap_host",
-                          "bootstrap_port", "bootstrap_room", "token_ids_logprob", "image_data", "audio_data",
-                          "video_data", "modalities", "input_embeds", "return_routed_experts"})
+_IGNORED_TOP = frozenset(
+    {"return_text_in_logprobs", "return_hidden_states", "log_metrics", "data_parallel_rank",
+     "custom_logit_processor", "lora_path", "session_params", "bootstrap_host",
+     "bootstrap_port", "bootstrap_room", "token_ids_logprob", "image_data", "audio_data",
+     "video_data", "modalities", "input_embeds", "return_routed_experts"})
 
 
 class RequestError(ValueError):
@@ -154,13 +156,15 @@ def parse_generate_request(body: Any, *, vocab_size: int | None = None,
             bound = f" below the vocabulary size {vocab_size}" if vocab_size is not None else ""
             raise RequestError(f"input_ids[{i}] is {_shown(t)}: token ids are integers >= 0{bound}")
     for key, value in body.items():
-        if key in ("text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "stream", "rid",
+        if key in ("text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "stream",
+                   "rid",
                    "top_logprobs_num"):
             continue
         if key not in _IGNORED_TOP or not _neutral(value, None):
             raise RequestError(f"{_shown(key)} is not supported by this server")
     if body.get("top_logprobs_num") not in (None, 0):
-        raise RequestError("top_logprobs_num is not supported: only the sampled tokens' logprobs are returned")
+        raise RequestError(
+            "top_logprobs_num is not supported: only the sampled tokens' logprobs are returned")
     start = body.get("logprob_start_len", -1)
     if start is not None and (not _is_int(start) or start != -1):
         raise RequestError("logprob_start_len must be -1: input-token logprobs are not served")
@@ -210,17 +214,20 @@ def _sampling(sp: Any, vocab_size: int | None, cap: int) -> Sampling:
     if not _is_int(max_new) or max_new < 1:
         raise RequestError(f"sampling_params.max_new_tokens must be an integer >= 1, got {_shown(max_new)}")
     if max_new > cap:
-        raise RequestError(f"sampling_params.max_new_tokens is {max_new}, more than this server's limit of {cap}: "
-                           "ask for fewer (or start the EngineServer with a larger max_new_tokens)")
+        raise RequestError(
+            f"sampling_params.max_new_tokens is {max_new}, more than this server's limit of {cap}: "
+            "ask for fewer (or start the EngineServer with a larger max_new_tokens)")
     top_k = sp.get("top_k")
     if top_k is None or top_k == -1:
         top_k = 0
     if not _is_int(top_k) or not 0 <= top_k <= MAX_TOP_K:
-        raise RequestError(f"sampling_params.top_k must be -1 or 0 (off) or an integer from 1 to {MAX_TOP_K}, "
-                           f"got {_shown(sp.get('top_k'))}")
+        raise RequestError(
+            f"sampling_params.top_k must be -1 or 0 (off) or an integer from 1 to {MAX_TOP_K}, "
+            f"got {_shown(sp.get('top_k'))}")
     seed = sp.get("sampling_seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-        raise RequestError(f"sampling_params.sampling_seed must be an integer in [0, 2**63), got {_shown(seed)}")
+        raise RequestError(
+            f"sampling_params.sampling_seed must be an integer in [0, 2**63), got {_shown(seed)}")
     stops = sp.get("stop_token_ids") or []
     if not isinstance(stops, list) or not all(_is_int(t) and t >= 0 for t in stops):
         raise RequestError("sampling_params.stop_token_ids must be a list of token ids")
@@ -381,7 +388,8 @@ class EngineServer:
             return response
         except web.HTTPException as exc:  # 404 / 405 / 413 from aiohttp: JSON like the rest
             if exc.status >= 400:
-                return self._error(exc.status, exc.reason or exc.text or "request refused", type(exc).__name__)
+                return self._error(exc.status, exc.reason or exc.text or "request refused",
+                                   type(exc).__name__)
             raise
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -398,7 +406,8 @@ class EngineServer:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return self._error(413, f"the body is larger than the server's max_body_bytes ({self.max_body_bytes})",
+            return self._error(413,
+                               f"the body is larger than the server's max_body_bytes ({self.max_body_bytes})",
                                "PayloadTooLarge")
         try:
             # orjson, as the gateway: no recursion (any depth is an error, not a RecursionError), and no
@@ -415,7 +424,8 @@ class EngineServer:
         except RequestError as exc:
             return self._error(400, str(exc), "BadRequestError")
         if self._active >= self.max_requests:
-            resp = self._error(503, f"{self._active} requests are running or waiting, the server's max_requests; "
+            resp = self._error(503,
+                               f"{self._active} requests are running or waiting, the server's max_requests; "
                                     "retry later", "ServiceUnavailable")
             resp.headers["Retry-After"] = "1"
             return resp
@@ -456,7 +466,8 @@ class EngineServer:
             return self._failure(exc)
         self.generations += 1
         return web.json_response(self._answer(
-            req, list(result.output_ids), list(result.logprobs), prompt_tokens=result.prompt_tokens or len(req.prompt_ids),
+            req, list(result.output_ids), list(result.logprobs),
+            prompt_tokens=result.prompt_tokens or len(req.prompt_ids),
             cached=result.cached_tokens, finish=_finish(result), t0=t0, seed=result.extra.get("seed"),
             version=result.weight_version))
 
@@ -470,8 +481,10 @@ class EngineServer:
         async def write(finish: dict[str, Any] | None, **extra: Any) -> None:
             nonlocal sent
             start = sent if self.incremental_streaming else 0
-            data = self._answer(req, ids[start:], lps[start:], prompt_tokens=extra.pop("prompt_tokens", len(req.prompt_ids)),
-                                cached=extra.pop("cached", 0), finish=finish, t0=t0, seed=extra.pop("seed", None),
+            data = self._answer(req, ids[start:], lps[start:],
+                                prompt_tokens=extra.pop("prompt_tokens", len(req.prompt_ids)),
+                                cached=extra.pop("cached", 0), finish=finish, t0=t0,
+                                seed=extra.pop("seed", None),
                                 version=extra.pop("version", None))
             # completion_tokens is the total so far in both modes (the client tells them apart by it).
             data["meta_info"]["completion_tokens"] = len(ids)
@@ -485,14 +498,16 @@ class EngineServer:
                 if resp is None:
                     # The first item came: the prompt was accepted, the stream starts (errors before this
                     # point are plain HTTP errors).
-                    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                    resp = web.StreamResponse(
+                        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                     await resp.prepare(request)
                 if isinstance(item, GenerateResult):
                     if list(item.output_ids[: len(ids)]) != ids:
                         raise EngineError("the engine's result does not extend the tokens it streamed")
                     ids, lps = list(item.output_ids), list(item.logprobs)
                     await write(_finish(item), prompt_tokens=item.prompt_tokens or len(req.prompt_ids),
-                                cached=item.cached_tokens, seed=item.extra.get("seed"), version=item.weight_version)
+                                cached=item.cached_tokens, seed=item.extra.get("seed"),
+                                version=item.weight_version)
                     self.generations += 1
                     break
                 # One event behind the engine: the last tokens go out with the finish reason, as SGLang's.
@@ -505,9 +520,11 @@ class EngineServer:
         except EngineError as exc:
             if resp is None:
                 return self._failure(exc)
-            await write({"type": "abort", "message": f"the {getattr(self.engine, 'name', '')} engine failed: {exc}"})
+            await write(
+                {"type": "abort", "message": f"the {getattr(self.engine, 'name', '')} engine failed: {exc}"})
         finally:
-            # Also when the client left (a failed write, a cancelled handler): the engine stops at its next token.
+            # Also when the client left (a failed write, a cancelled handler): the engine stops at its next
+            # token.
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()

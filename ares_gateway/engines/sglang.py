@@ -7,7 +7,8 @@ Request (SGLang ``GenerateReqInput``)::
      "return_logprob": true, "logprob_start_len": -1, "stream": false}
 
 Answer: ``{"text", "output_ids": [...], "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
-"prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs": [[logprob, token_id, text], ...],
+"prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs": [[logprob, token_id, text],
+...],
 "weight_version"}}``.
 Streaming answers are server-sent events (``data: {...}`` ... ``data: [DONE]``) with the same
 objects; their ``output_token_logprobs`` are cumulative (or incremental under
@@ -44,7 +45,8 @@ from ares_gateway.engines.base import (
 
 __all__ = ["SGLangEngine"]
 
-# A 400 for a prompt longer than the context: SGLang's wording, and ares' EngineServer's (PromptTooLongError's).
+# A 400 for a prompt longer than the context: SGLang's wording, and ares' EngineServer's
+# (PromptTooLongError's).
 _TOO_LONG = (
     re.compile(r"input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)"),
     re.compile(r"prompt has (\d+) tokens but the engine's context holds (\d+)"),
@@ -52,7 +54,8 @@ _TOO_LONG = (
 
 
 class SGLangEngine(HttpEngineBase):
-    """An SGLang server (``python -m sglang.launch_server``) at ``url``. See :class:`HttpEngineBase` for options."""
+    """An SGLang server (``python -m sglang.launch_server``) at ``url``. See :class:`HttpEngineBase` for
+    options."""
 
     name = "sglang"
 
@@ -96,7 +99,8 @@ class SGLangEngine(HttpEngineBase):
             raise EngineResponseError("sglang: output_ids and output_token_logprobs name different tokens")
         return _result(data, ids, lps, len(prompt_ids))
 
-    async def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
+    async def stream(self, prompt_ids: Sequence[int],
+                     sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
         ids: list[int] = []
         lps: list[float] = []
         last: dict[str, Any] | None = None
@@ -126,12 +130,15 @@ def _token_logprobs(data: Any) -> tuple[list[int], list[float]]:
         raise EngineResponseError("sglang: the answer has no meta_info object")
     entries = data["meta_info"].get("output_token_logprobs")
     if not isinstance(entries, list):
-        raise EngineResponseError("sglang: meta_info.output_token_logprobs is missing: the request sets return_logprob")
+        raise EngineResponseError(
+            "sglang: meta_info.output_token_logprobs is missing: the request sets return_logprob")
     ids: list[int] = []
     lps: list[float] = []
     for i, e in enumerate(entries):
-        if not isinstance(e, list | tuple) or len(e) < 2 or not isinstance(e[1], int) or not isinstance(e[0], int | float):
-            raise EngineResponseError(f"sglang: output_token_logprobs[{i}] is not [logprob, token_id, ...]: {e!r}")
+        if (not isinstance(e, list | tuple) or len(e) < 2 or not isinstance(e[1], int)
+            or not isinstance(e[0], int | float)):
+            raise EngineResponseError(
+                f"sglang: output_token_logprobs[{i}] is not [logprob, token_id, ...]: {e!r}")
         lps.append(float(e[0]))
         ids.append(int(e[1]))
     return ids, lps
@@ -153,7 +160,8 @@ def _result(data: dict[str, Any], ids: list[int], lps: list[float], prompt_len: 
         cached_tokens=int(meta.get("cached_tokens") or 0),
         # The seed a sampling_seed-less request was sampled with, where the server says (ares' EngineServer
         # does; SGLang does not): the turn record keeps it, as with an in-process engine.
-        extra={"id": meta.get("id"), **({"seed": seed} if isinstance(seed := meta.get("sampling_seed"), int) else {})},
+        extra={"id": meta.get("id"),
+               **({"seed": seed} if isinstance(seed := meta.get("sampling_seed"), int) else {})},
         weight_version=_weight_version(meta.get("weight_version")),
     )
 

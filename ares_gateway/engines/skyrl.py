@@ -4,7 +4,8 @@ Inside a SkyRL generator (:mod:`ares_gateway.trainers.skyrl`) the model is reach
 trainer's ``inference_engine_client``, token-in/token-out::
 
     await client.generate({"prompt_token_ids": [[...]], "sampling_params": {...}, "session_ids": [sid], ...})
-    -> {"response_ids": [[...]], "response_logprobs": [[...]] | None, "stop_reasons": ["stop" | "length" | ...], ...}
+    -> {"response_ids": [[...]], "response_logprobs": [[...]] | None, "stop_reasons": ["stop" | "length" |
+    ...], ...}
 
 ``session_ids`` route a conversation to one engine, whose prefix cache then holds it: the engine
 passes the gateway session it samples for (:data:`~ares_gateway.engines.base.request_session`), so
@@ -50,13 +51,15 @@ class SkyRLEngine:
     Args:
         client: anything with SkyRL's ``async generate(InferenceEngineInput) -> InferenceEngineOutput``.
         model: the model's name or path, recorded per run (default: the client's ``model_name``).
-        sampling_params: the trainer's sampling parameters for this batch (``GeneratorInput["sampling_params"]``);
+        sampling_params: the trainer's sampling parameters for this batch
+        (``GeneratorInput["sampling_params"]``);
             keys :class:`Sampling` does not set are sent as given.
     """
 
     name = "skyrl"
 
-    def __init__(self, client: Any, *, model: str = "", sampling_params: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, client: Any, *, model: str = "",
+                 sampling_params: Mapping[str, Any] | None = None) -> None:
         self.client = client
         if not model:
             try:
@@ -107,7 +110,8 @@ class SkyRLEngine:
             self.busy_s += seconds
         return self._result(out, len(prompt_ids), sampling, seconds)
 
-    async def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
+    async def stream(self, prompt_ids: Sequence[int],
+                     sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
         """The whole answer as one chunk, then the result."""
         result = await self.generate(prompt_ids, sampling)
         yield TokenChunk(ids=list(result.output_ids), logprobs=list(result.logprobs))
@@ -130,23 +134,27 @@ class SkyRLEngine:
         """Nothing to release: the engines are SkyRL's."""
 
     def _result(self, out: Any, prompt_tokens: int, sampling: Sampling, seconds: float) -> GenerateResult:
-        if not isinstance(out, Mapping) or not isinstance(out.get("response_ids"), list) or len(out["response_ids"]) != 1:
+        if (not isinstance(out, Mapping) or not isinstance(out.get("response_ids"), list)
+            or len(out["response_ids"]) != 1):
             raise EngineResponseError(
-                f"SkyRL's inference_engine_client.generate returned {type(out).__name__}, not an InferenceEngineOutput "
-                "with one response_ids entry for the one prompt sent")
+                f"SkyRL's inference_engine_client.generate returned {type(out).__name__}, not an "
+                "InferenceEngineOutput with one response_ids entry for the one prompt sent")
         ids = [int(t) for t in out["response_ids"][0]]
         reasons = out.get("stop_reasons") or [None]
         if reasons[0] == "abort":
-            raise EngineUnavailableError("SkyRL aborted the request (its engines were paused for a weight update)")
+            raise EngineUnavailableError(
+                "SkyRL aborted the request (its engines were paused for a weight update)")
         lps = out.get("response_logprobs")
         if not lps or lps[0] is None:
             if ids:
                 raise EngineResponseError(
-                    "SkyRL's engine returned no response_logprobs: the samples need them; the engine asks with "
-                    "logprobs=0, so check that the inference engine honours it (generator.sampling_params.logprobs)")
+                    "SkyRL's engine returned no response_logprobs: the samples need them; the "
+                    "engine asks with logprobs=0, so check that the inference engine honours it "
+                    "(generator.sampling_params.logprobs)")
             lps = [[]]
         logprobs = [float(x) for x in lps[0]]
         stopped = bool(ids) and ids[-1] in sampling.stop_token_ids
         finish: FinishReason = "length" if len(ids) >= sampling.max_tokens and not stopped else "stop"
-        return GenerateResult(output_ids=ids, logprobs=logprobs, finish_reason=finish, prompt_tokens=prompt_tokens,
+        return GenerateResult(output_ids=ids, logprobs=logprobs, finish_reason=finish,
+                              prompt_tokens=prompt_tokens,
                               decode_s=seconds)

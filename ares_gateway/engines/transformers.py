@@ -6,7 +6,8 @@ like every :class:`~ares_gateway.engines.Engine`; the gateway renders and parses
 
 **Sampling and logprobs.** The logits of the model's forward pass (float32 on CPU: keep the model in
 float32 where sampler and trainer must agree; bfloat16 logprobs differ from a trainer's by up to ~0.1
-nats) are sampled in numpy exactly as the llama.cpp engine does (:func:`~ares_gateway.engines._inprocess.sample_token`):
+nats) are sampled in numpy exactly as the llama.cpp engine does
+(:func:`~ares_gateway.engines._inprocess.sample_token`):
 temperature, top-k, top-p, renormalized; the recorded logprob is the token's under that distribution,
 the log-softmax at temperature 1.0 without top-k/top-p: what the trainer recomputes.
 
@@ -64,7 +65,8 @@ def _torch() -> Any:
     try:
         import torch
     except Exception as exc:
-        raise EngineUnavailableError(f"torch is not installed ({exc}): install it with {_EXTRA_HINT}") from exc
+        raise EngineUnavailableError(
+            f"torch is not installed ({exc}): install it with {_EXTRA_HINT}") from exc
     return torch
 
 
@@ -107,7 +109,8 @@ class TransformersEngine(WorkerThreadEngine):
         weight_version: int | None = None,
     ) -> None:
         if not callable(model) or not hasattr(model, "parameters"):
-            raise TypeError(f"model must be a transformers causal LM (a torch module), got {type(model).__name__}")
+            raise TypeError(
+                f"model must be a transformers causal LM (a torch module), got {type(model).__name__}")
         if max_cached_sequences < 0:
             raise ValueError(f"max_cached_sequences must be >= 0, got {max_cached_sequences}")
         self.module = model
@@ -126,13 +129,15 @@ class TransformersEngine(WorkerThreadEngine):
         self.busy_s = 0.0  # seconds the worker spent in calls (prefill + decode)
 
     @classmethod
-    def from_pretrained(cls, path: str, *, gguf_file: str | None = None, **options: Any) -> TransformersEngine:
+    def from_pretrained(cls, path: str, *, gguf_file: str | None = None,
+                        **options: Any) -> TransformersEngine:
         """Load a model (float32) from a Hugging Face folder, or a GGUF file in it (dequantized)."""
         _torch()
         try:
             from transformers import AutoModelForCausalLM
         except Exception as exc:
-            raise EngineUnavailableError(f"transformers is not installed ({exc}): install it with {_EXTRA_HINT}") from exc
+            raise EngineUnavailableError(
+                f"transformers is not installed ({exc}): install it with {_EXTRA_HINT}") from exc
         if gguf_file is None and path.endswith(".gguf"):
             path, gguf_file = os.path.dirname(path) or ".", os.path.basename(path)
         model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype="float32")

@@ -37,8 +37,9 @@ from ares_gateway.engines.base import (
 __all__ = ["VerlEngine"]
 
 #: Keys :class:`Sampling` sets; the worker's other sampling keys pass through unchanged.
-_OWN_KEYS = frozenset({"temperature", "top_p", "top_k", "max_tokens", "max_new_tokens", "stop_token_ids", "logprobs",
-                       "seed"})
+_OWN_KEYS = frozenset(
+    {"temperature", "top_p", "top_k", "max_tokens", "max_new_tokens", "stop_token_ids", "logprobs",
+     "seed"})
 
 
 class VerlEngine:
@@ -55,7 +56,8 @@ class VerlEngine:
 
     name = "verl"
 
-    def __init__(self, server_manager: Any, *, model: str = "", sampling_params: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, server_manager: Any, *, model: str = "",
+                 sampling_params: Mapping[str, Any] | None = None) -> None:
         self.server_manager = server_manager
         self.model = model
         self._passthrough = {k: v for k, v in dict(sampling_params or {}).items() if k not in _OWN_KEYS}
@@ -88,14 +90,16 @@ class VerlEngine:
                 request_id, prompt_ids=list(prompt_ids), sampling_params=self.sampling_params(sampling)
             )
         except Exception as exc:
-            raise EngineUnavailableError(f"verl's server_manager.generate failed: {type(exc).__name__}: {exc}") from exc
+            raise EngineUnavailableError(
+                f"verl's server_manager.generate failed: {type(exc).__name__}: {exc}") from exc
         finally:
             seconds = time.perf_counter() - t0
             self.calls += 1
             self.busy_s += seconds
         return self._result(out, len(prompt_ids), sampling, seconds)
 
-    async def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
+    async def stream(self, prompt_ids: Sequence[int],
+                     sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
         """The whole answer as one chunk, then the result (verl's servers answer whole)."""
         result = await self.generate(prompt_ids, sampling)
         yield TokenChunk(ids=list(result.output_ids), logprobs=list(result.logprobs))
@@ -107,16 +111,19 @@ class VerlEngine:
     def _result(self, out: Any, prompt_tokens: int, sampling: Sampling, seconds: float) -> GenerateResult:
         ids = getattr(out, "token_ids", None)
         if ids is None:
-            raise EngineResponseError(f"verl's server_manager.generate returned {type(out).__name__}, not a TokenOutput")
+            raise EngineResponseError(
+                f"verl's server_manager.generate returned {type(out).__name__}, not a TokenOutput")
         stop_reason = getattr(out, "stop_reason", None)
         if stop_reason == "aborted":
-            raise EngineUnavailableError("verl aborted the request (its servers were paused for a weight update)")
+            raise EngineUnavailableError(
+                "verl aborted the request (its servers were paused for a weight update)")
         ids = [int(t) for t in ids]
         logprobs = getattr(out, "log_probs", None)
         if logprobs is None and ids:
             raise EngineResponseError(
-                "verl's server returned no log_probs: the samples need them; the engine asks with logprobs=True, "
-                "so check that the rollout server honours it (actor_rollout_ref.rollout.calculate_log_probs=True)"
+                "verl's server returned no log_probs: the samples need them; the engine asks with "
+                "logprobs=True, so check that the rollout server honours it "
+                "(actor_rollout_ref.rollout.calculate_log_probs=True)"
             )
         logprobs = [float(x) for x in (logprobs or [])]
         stopped = bool(ids) and ids[-1] in sampling.stop_token_ids
@@ -126,5 +133,6 @@ class VerlEngine:
         cached = fields.get("num_cached_tokens") if isinstance(fields, Mapping) else None
         if isinstance(fields, Mapping) and fields.get("global_steps") is not None:
             extra["global_steps"] = fields["global_steps"]
-        return GenerateResult(output_ids=ids, logprobs=logprobs, finish_reason=finish, prompt_tokens=prompt_tokens,
+        return GenerateResult(output_ids=ids, logprobs=logprobs, finish_reason=finish,
+                              prompt_tokens=prompt_tokens,
                               cached_tokens=int(cached or 0), decode_s=seconds, extra=extra)

@@ -30,7 +30,8 @@ _SENTINEL = -9999.0
 
 
 class VLLMEngine(HttpEngineBase):
-    """A vLLM server (``vllm serve MODEL --logprobs-mode processed_logprobs``) at ``url``; ``model`` is its served name."""
+    """A vLLM server (``vllm serve MODEL --logprobs-mode processed_logprobs``) at ``url``; ``model`` is its
+    served name."""
 
     name = "vllm"
 
@@ -74,7 +75,8 @@ class VLLMEngine(HttpEngineBase):
             extra={"id": data.get("request_id")},
         )
 
-    async def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
+    async def stream(self, prompt_ids: Sequence[int],
+                     sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
         result = await self.generate(prompt_ids, sampling)
         if result.output_ids:
             yield TokenChunk(list(result.output_ids), list(result.logprobs))
@@ -85,7 +87,8 @@ def _logprobs(choice: dict[str, Any], ids: list[int]) -> list[float]:
     lp = choice.get("logprobs")
     content = lp.get("content") if isinstance(lp, dict) else None
     if not isinstance(content, list):
-        raise EngineResponseError("vllm: choices[0].logprobs.content is missing (the request asks logprobs=1)")
+        raise EngineResponseError(
+            "vllm: choices[0].logprobs.content is missing (the request asks logprobs=1)")
     if len(content) != len(ids):
         raise EngineResponseError(f"vllm: {len(ids)} token ids but {len(content)} logprob entries")
     out: list[float] = []
@@ -97,7 +100,8 @@ def _logprobs(choice: dict[str, Any], ids: list[int]) -> list[float]:
         if isinstance(token, str) and token.startswith("token_id:") and token != f"token_id:{tid}":
             raise EngineResponseError(f"vllm: logprobs.content[{i}] is for {token!r}, not token_id:{tid}")
         v = entry.get("logprob")
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(float(v)) or float(v) == _SENTINEL:
+        if (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(float(v))
+            or float(v) == _SENTINEL):
             raise EngineResponseError(f"vllm: logprobs.content[{i}].logprob is not a usable number: {v!r}")
         out.append(float(v))
     return out

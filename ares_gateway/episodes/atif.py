@@ -171,7 +171,8 @@ class _Conversation:
     def _tool_calls(m: Message | Completion) -> list[dict[str, Any]]:
         out = []
         for tc in m.tool_calls:
-            call: dict[str, Any] = {"tool_call_id": tc.id, "function_name": tc.name, "arguments": _arguments(tc.arguments)}
+            call: dict[str, Any] = {"tool_call_id": tc.id, "function_name": tc.name,
+                                    "arguments": _arguments(tc.arguments)}
             if tc.type != "function":
                 call["extra"] = {"type": tc.type}
             out.append(call)
@@ -198,7 +199,8 @@ class _Conversation:
         for name in ("prompt_tokens", "completion_tokens"):
             if name not in metrics and isinstance(use.get(name), int):
                 metrics[name] = use[name]
-        timing = {k: v for k, v in use.items() if k not in ("prompt_tokens", "completion_tokens") and v is not None}
+        timing = {k: v for k,
+                  v in use.items() if k not in ("prompt_tokens", "completion_tokens") and v is not None}
         if timing:
             metrics["extra"] = timing
         extra: dict[str, Any] = {"request_id": e.get("request_id"), "finish_reason": c.finish_reason,
@@ -260,7 +262,8 @@ def _run_info(run_dir: Path) -> dict[str, Any]:
     return run if isinstance(run, dict) else {}
 
 
-def _turns(entries: Iterable[dict[str, Any]], what: str, problems: list[str], counts: dict[str, int]) -> Iterator[_Turn]:
+def _turns(entries: Iterable[dict[str, Any]], what: str, problems: list[str],
+           counts: dict[str, int]) -> Iterator[_Turn]:
     """The readable answered turns; ``counts`` gets ``entries`` and ``failed`` (failed policy calls)."""
     for i, e in enumerate(entries):
         counts["entries"] = i + 1
@@ -270,7 +273,8 @@ def _turns(entries: Iterable[dict[str, Any]], what: str, problems: list[str], co
         try:
             if "completion" not in e or "request" not in e:
                 raise ValueError("it has no request or completion (a turn log of another layout?)")
-            messages = list(get_adapter(e.get("protocol") or "openai.chat").parse_request(e["request"]).messages)
+            messages = list(
+                get_adapter(e.get("protocol") or "openai.chat").parse_request(e["request"]).messages)
             completion = Completion.model_validate(e["completion"])
         except (ValueError, TypeError, KeyError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -317,7 +321,8 @@ def _common(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> int:
 
 def _final_metrics(steps: list[dict[str, Any]]) -> dict[str, Any]:
     totals: dict[str, Any] = {"total_steps": len(steps)}
-    for name, total in (("prompt_tokens", "total_prompt_tokens"), ("completion_tokens", "total_completion_tokens"),
+    for name, total in (("prompt_tokens", "total_prompt_tokens"),
+                        ("completion_tokens", "total_completion_tokens"),
                         ("cached_tokens", "total_cached_tokens")):
         values = [s["metrics"][name] for s in steps if name in s.get("metrics", {})]
         if values:
@@ -338,7 +343,8 @@ def _document(conv: _Conversation, *, agent: dict[str, Any], session_id: str | N
     return doc
 
 
-def episode_trajectory(row: Mapping[str, Any], entries: Iterable[dict[str, Any]], *, run: Mapping[str, Any] | None = None,
+def episode_trajectory(row: Mapping[str, Any], entries: Iterable[dict[str, Any]], *,
+                       run: Mapping[str, Any] | None = None,
                        problems: list[str] | None = None, token_ids: bool = True) -> dict[str, Any] | None:
     """One episode's ATIF document (a plain dict) from its ``episodes.jsonl`` row and turn log entries,
     or ``None`` when no turn could be read (the reason is appended to ``problems``). ``token_ids=False``
@@ -350,8 +356,9 @@ def episode_trajectory(row: Mapping[str, Any], entries: Iterable[dict[str, Any]]
     convs = _conversations(_turns(entries, key, problems, counts), token_ids=token_ids)
     root = next((c for c in convs if c.kind == "root"), None)
     if root is None:
-        problems.append(f"{key}: no main-line turn could be read ({counts.get('entries', 0)} turn log entries): "
-                        "not exported")
+        problems.append(
+            f"{key}: no main-line turn could be read ({counts.get('entries', 0)} turn log entries): "
+            "not exported")
         return None
     others = [c for c in convs if c is not root]
     name = str(row.get("harness") or run.get("harness") or "agent")
@@ -368,13 +375,16 @@ def episode_trajectory(row: Mapping[str, Any], entries: Iterable[dict[str, Any]]
         anchor = None
         for step in root.steps:
             index = step.get("extra", {}).get("turn_index")
-            if step["source"] == "agent" and step.get("llm_call_count") == 1 and index is not None and index < conv.first_turn:
+            if (step["source"] == "agent" and step.get("llm_call_count") == 1 and index is not None
+                and index < conv.first_turn):
                 anchor = step
         anchor = anchor or root.steps[-1]
         ref = {"trajectory_id": tid, "extra": {"kind": "side_call" if conv.kind == "side" else "branch"}}
         anchor.setdefault("observation", {"results": []})["results"].append(
-            {"content": f"{'side call' if conv.kind == 'side' else 'branch'} {tid}", "subagent_trajectory_ref": [ref]})
-    outcome = {name: row.get(name) for name in ("task", "attempt", "reward", "reward_parts", "exit_reason", "truncated",
+            {"content": f"{'side call' if conv.kind == 'side' else 'branch'} {tid}",
+             "subagent_trajectory_ref": [ref]})
+    outcome = {name: row.get(name)
+               for name in ("task", "attempt", "reward", "reward_parts", "exit_reason", "truncated",
                                                 "error", "session_id")}
     outcome["policy"] = run.get("policy")
     outcome["failed_calls"] = counts.get("failed", 0)
@@ -426,8 +436,9 @@ def export_atif(run_dir: str | Path, out_dir: str | Path, *, token_ids: bool = T
     ``problems`` and the others are written."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if not any((run_dir / name).exists() for name in ("episodes.jsonl", "results.json", "turns")):
-        raise FileNotFoundError(f"{run_dir} is not a run's output directory (no episodes.jsonl, results.json or turns/): "
-                                "name the --out directory of an `ares-gateway run`")
+        raise FileNotFoundError(
+            f"{run_dir} is not a run's output directory (no episodes.jsonl, results.json or turns/): "
+            "name the --out directory of an `ares-gateway run`")
     report = AtifExport()
     run = _run_info(run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -483,9 +494,11 @@ def trajectory_turns(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
                     messages.append({"role": source, "content": text})
             else:
                 calls = [{"id": tc.get("tool_call_id", ""), "name": tc.get("function_name", ""),
-                          "arguments": json.dumps(tc.get("arguments") or {})} for tc in step.get("tool_calls") or []]
+                          "arguments": json.dumps(tc.get("arguments") or {})} for tc in step.get("tool_calls")
+                         or []]
                 if step.get("llm_call_count") != 0:
-                    completion: dict[str, Any] = {"text": text or None, "reasoning": step.get("reasoning_content"),
+                    completion: dict[str, Any] = {"text": text or None,
+                                                  "reasoning": step.get("reasoning_content"),
                                                   "tool_calls": calls,
                                                   "finish_reason": "tool_calls" if calls else "stop"}
                     m = step.get("metrics") or {}
@@ -494,8 +507,10 @@ def trajectory_turns(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
                                                 "output_ids": m["completion_token_ids"],
                                                 "output_logprobs": m.get("logprobs") or []}
                     entries.append({"request_id": f"atif_{len(entries) + 1}", "protocol": "openai.chat",
-                                    "side_call": side, "timestamp": _epoch(step.get("timestamp")), "latency": 0.0,
-                                    "request": {"model": step.get("model_name") or model, "messages": list(messages)},
+                                    "side_call": side, "timestamp": _epoch(step.get("timestamp")),
+                                    "latency": 0.0,
+                                    "request": {"model": step.get("model_name") or model,
+                                                "messages": list(messages)},
                                     "completion": completion})
                 assistant: dict[str, Any] = {"role": "assistant", "content": text or None}
                 if calls:
@@ -508,7 +523,8 @@ def trajectory_turns(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
                     continue  # a link, not a message
                 body = _content_text(result.get("content"))
                 if result.get("source_call_id"):
-                    messages.append({"role": "tool", "tool_call_id": result["source_call_id"], "content": body})
+                    messages.append(
+                        {"role": "tool", "tool_call_id": result["source_call_id"], "content": body})
                 else:
                     messages.append({"role": "user", "content": body})
     return entries
@@ -517,7 +533,8 @@ def trajectory_turns(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
 def _harbor_reward(path: Path) -> float | None:
     # Harbor's job layout: TRIAL/agent/trajectory.json beside TRIAL/result.json (verifier_result.rewards).
     # (Harbor's code writes result.json; its trial-layout docstring says results.json: both are read.)
-    for result in (path.parent.parent / "result.json", path.parent.parent / "results.json", path.parent / "result.json"):
+    for result in (path.parent.parent / "result.json", path.parent.parent / "results.json",
+                   path.parent / "result.json"):
         try:
             rewards = json.loads(result.read_text(encoding="utf-8"))["verifier_result"]["rewards"]
             value = rewards.get("reward") if isinstance(rewards, dict) else None
@@ -565,7 +582,8 @@ def import_atif(atif_dir: str | Path, run_dir: str | Path) -> AtifExport:
         except (AttributeError, TypeError, ValueError) as exc:
             report.problems.append(f"{path}: not a trajectory this can read ({exc}): skipped")
             continue
-        reward = extra.get("reward") if isinstance(extra.get("reward"), (int, float)) else _harbor_reward(path)
+        reward = (extra.get("reward") if isinstance(extra.get("reward"), (int, float))
+                  else _harbor_reward(path))
         result = EpisodeResult(task=task, attempt=attempt, reward=float(reward or 0.0), turns=len(entries),
                                duration=0.0, exit_reason=str(extra.get("exit_reason") or "completed"),
                                truncated=bool(extra.get("truncated")), error=extra.get("error"),

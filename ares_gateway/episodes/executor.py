@@ -84,7 +84,8 @@ class Executor(Protocol):
     async def pause_sampling(self, mode: str = "drain", *, timeout: float | None = None) -> PauseReport:
         """:meth:`Gateway.pause_sampling <ares_gateway.gateway.Gateway.pause_sampling>` on every gateway;
         returns once none has a generation in flight. Raises the gateway's
-        :class:`~ares_gateway.core.errors.FenceError` subclasses, and ``RuntimeError`` before :meth:`start`."""
+        :class:`~ares_gateway.core.errors.FenceError` subclasses, and ``RuntimeError`` before
+        :meth:`start`."""
         ...
 
     async def resume_sampling(self, version: int | None = None) -> float:
@@ -184,7 +185,8 @@ class LocalExecutor:
 
     async def pause_sampling(self, mode: str = "drain", *, timeout: float | None = None) -> PauseReport:
         if self.gateway is None:
-            raise RuntimeError("LocalExecutor.pause_sampling before start(): there is no gateway to pause yet")
+            raise RuntimeError(
+                "LocalExecutor.pause_sampling before start(): there is no gateway to pause yet")
         return await self.gateway.pause_sampling(mode, timeout=timeout)
 
     async def resume_sampling(self, version: int | None = None) -> float:
@@ -194,4 +196,5 @@ class LocalExecutor:
 
     def weight_update(self, version: int | None = None, *, mode: str = "drain",
                       timeout: float | None = None) -> AbstractAsyncContextManager[PauseReport]:
-        return fenced_update(lambda: self.pause_sampling(mode, timeout=timeout), self.resume_sampling, version)
+        return fenced_update(lambda: self.pause_sampling(mode, timeout=timeout), self.resume_sampling,
+                             version)

@@ -54,7 +54,8 @@ async def ensure_local_install(
         if _complete(chosen, probe.name, probe.version):  # another process installed it while we waited
             return chosen
         if not quiet:
-            print(f"installing {probe.name} {probe.version} under {chosen} (once; later runs reuse it) ...", flush=True)
+            print(f"installing {probe.name} {probe.version} under {chosen} (once; later runs reuse it) ...",
+                  flush=True)
         await _install_here(probe.name, probe.version, chosen)
     return chosen
 

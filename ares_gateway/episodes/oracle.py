@@ -26,7 +26,8 @@ def oracle_command(name: str, solution_dir: Path | None, solution_env: Mapping[s
     Text files travel as quoted here-documents (readable in the trajectory), others base64-encoded.
     """
     if solution_dir is None:
-        raise PolicyError(f"task {name!r} has no solution/solve.sh: the oracle has nothing to play", status=500)
+        raise PolicyError(f"task {name!r} has no solution/solve.sh: the oracle has nothing to play",
+                          status=500)
     files = sorted(p for p in Path(solution_dir).rglob("*") if p.is_file())
     total = sum(p.stat().st_size for p in files)
     if total > MAX_SOLUTION_BYTES:
@@ -53,7 +54,8 @@ def oracle_command(name: str, solution_dir: Path | None, solution_env: Mapping[s
     run = 'if command -v bash >/dev/null 2>&1; then bash "$d/solve.sh"; else sh "$d/solve.sh"; fi'
     lines.append(f"( {exports}{run} ); status=$?")
     # `rm -r`, not `rm -rf`: Codex refuses any command holding an `rm -f` (whatever its settings).
-    lines.append('rm -r "$d" </dev/null 2>/dev/null; echo "[oracle] solution/solve.sh exited with status $status"')
+    lines.append(
+        'rm -r "$d" </dev/null 2>/dev/null; echo "[oracle] solution/solve.sh exited with status $status"')
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
-"""Checks a run makes once, before any sandbox starts (``ares-gateway run`` and ``demo`` call :func:`preflight`).
+"""Checks a run makes once, before any sandbox starts (``ares-gateway run`` and ``demo`` call
+:func:`preflight`).
 
 * the upstream server answers (``upstream`` policy): ``GET {base_url}/models``, one try, a few
   seconds; a server without ``/models`` is asked one tiny chat completion instead;
@@ -48,7 +49,8 @@ async def check_upstream(policy: Any, *, timeout: float = CHECK_TIMEOUT) -> str:
         raise PreflightError(one_line(exc.message) or "the upstream check failed") from None
 
 
-async def check_docker(tasks: Sequence[Task], *, image: str | None = None, timeout: float = CHECK_TIMEOUT) -> str:
+async def check_docker(tasks: Sequence[Task], *, image: str | None = None,
+                       timeout: float = CHECK_TIMEOUT) -> str:
     """The Docker engine answers a ping, and the image tasks without their own run in (``image``, else the
     agents image) is there: sandboxes do not pull one unless ``ARES_DOCKER_PULL=1``."""
     return await asyncio.to_thread(_check_docker, list(tasks), image, timeout)
@@ -77,19 +79,22 @@ def _check_docker(tasks: list[Task], image: str | None, timeout: float) -> str:
             build = ("bash .ci/provision-docker.sh && bash .ci/provision-agents.sh" if wanted == DEFAULT_IMAGE
                      else f"docker pull {wanted}")
             raise PreflightError(
-                f"the Docker image {wanted} is not on this engine (sandboxes do not pull it): get it with {build}, "
+                f"the Docker image {wanted} is not on this engine (sandboxes do not pull it): get it "
+                f"with {build}, "
                 "let sandboxes pull it (ARES_DOCKER_PULL=1), pass another --image, or use --sandbox local"
             ) from None
         except Exception as exc:
-            raise PreflightError(f"the Docker engine could not look up image {wanted}: {one_line(str(exc))}") from None
+            raise PreflightError(
+                f"the Docker engine could not look up image {wanted}: {one_line(str(exc))}") from None
         return f"Docker engine answers, image {wanted} is there"
     finally:
         client.close()
 
 
 def _no_engine(exc: BaseException) -> str:
-    return (f"no Docker engine answers ({one_line(str(exc), 200)}): start one (bash .ci/provision-docker.sh), "
-            "point DOCKER_HOST at one, or use --sandbox local")
+    return (
+        f"no Docker engine answers ({one_line(str(exc), 200)}): start one (bash .ci/provision-docker.sh), "
+        "point DOCKER_HOST at one, or use --sandbox local")
 
 
 async def check_harness(harness: str, backend: str, *, quiet: bool = False) -> tuple[str, dict[str, Any]]:

@@ -1,7 +1,8 @@
 """Episodes on a Ray cluster: :class:`RayExecutor`, one gateway actor per node (extra ``.[ray]``).
 
 Each alive node with CPUs gets one async actor, pinned to it (``NodeAffinitySchedulingStrategy(node_id,
-soft=False)``, ``num_cpus=0``), which owns one gateway (:func:`~ares_gateway.episodes.episode.episode_gateway`)
+soft=False)``, ``num_cpus=0``), which owns one gateway
+(:func:`~ares_gateway.episodes.episode.episode_gateway`)
 and runs up to ``per_node`` episodes at once with :func:`~ares_gateway.episodes.driver.drive_episode`,
 their sandboxes on its node. The scheduler sends each episode to the least-loaded actor; the
 :class:`~ares_gateway.episodes.driver.EpisodeRecord` comes back as plain data and the driver writes it
@@ -23,8 +24,10 @@ The policy travels to each actor by value (cloudpickle): the scripted and oracle
 policy (``http``): its requests wait on each actor's gateway, listed by :meth:`RayExecutor.describe`
 (``host=`` makes them reachable from outside the node; the admin token is given, never printed).
 
-Policy versions and the weight-update fence reach every node's gateway: :meth:`RayExecutor.set_policy_version`,
-:meth:`~RayExecutor.pause_sampling`, :meth:`~RayExecutor.resume_sampling` and :meth:`~RayExecutor.weight_update`
+Policy versions and the weight-update fence reach every node's gateway:
+:meth:`RayExecutor.set_policy_version`,
+:meth:`~RayExecutor.pause_sampling`, :meth:`~RayExecutor.resume_sampling` and
+:meth:`~RayExecutor.weight_update`
 call each actor at once and return when all have answered. A pause's report adds the nodes' up (the drain:
 the slowest node's); a node whose pause fails has the others resumed, and the error names it.
 
@@ -60,7 +63,8 @@ from ares_gateway.extras import require_extra
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ClusterUnreachableError", "NoNodesError", "RayExecutor", "check_cluster_reachable", "collect_on_nodes"]
+__all__ = ["ClusterUnreachableError", "NoNodesError", "RayExecutor", "check_cluster_reachable",
+           "collect_on_nodes"]
 
 #: Seconds an actor's close may take: its episodes' cancellation removes their sandboxes first.
 CLOSE_TIMEOUT = 120.0
@@ -121,7 +125,8 @@ def check_cluster_reachable(address: str | None, timeout: float = CONNECT_TIMEOU
     try:
         endpoint = _gcs_endpoint(address)
     except ConnectionError as exc:  # "auto" without a cluster
-        raise ClusterUnreachableError(address, timeout, one_line(str(exc), 300) or type(exc).__name__) from None
+        raise ClusterUnreachableError(address, timeout,
+                                      one_line(str(exc), 300) or type(exc).__name__) from None
     except ValueError as exc:
         raise ClusterUnreachableError(address, timeout, f"{one_line(str(exc), 200)}: give HOST:PORT (e.g. "
                                                         "127.0.0.1:6379), ray://HOST:PORT or auto") from None
@@ -144,14 +149,17 @@ def check_cluster_reachable(address: str | None, timeout: float = CONNECT_TIMEOU
     except TimeoutError:
         raise ClusterUnreachableError(address, timeout, f"{host}:{port} did not answer; {hint}") from None
     except ConnectionRefusedError:
-        raise ClusterUnreachableError(address, timeout, f"connection refused at {host}:{port} (nothing listens "
+        raise ClusterUnreachableError(address, timeout,
+                                      f"connection refused at {host}:{port} (nothing listens "
                                                         f"there); {hint}") from None
     except OSError as exc:
-        raise ClusterUnreachableError(address, timeout, f"{host}:{port}: {exc.strerror or exc}; {hint}") from None
+        raise ClusterUnreachableError(address, timeout,
+                                      f"{host}:{port}: {exc.strerror or exc}; {hint}") from None
     if len(head) < 9 or head[3] != 4:
-        raise ClusterUnreachableError(address, timeout, f"{host}:{port} answers, but not as a Ray cluster's GCS "
-                                                        "(a gRPC server): give the GCS port (6379 by default), not "
-                                                        "the dashboard's or another service's")
+        raise ClusterUnreachableError(address, timeout,
+                                      f"{host}:{port} answers, but not as a Ray cluster's GCS "
+                                                        "(a gRPC server): give the GCS port (6379 by "
+                                                        "default), not the dashboard's or another service's")
 
 
 def _ray() -> Any:
@@ -271,7 +279,8 @@ def _collect_garbage(backends: tuple[str, ...], dry_run: bool) -> Any:
     return collect_garbage(backends, dry_run=dry_run)
 
 
-async def collect_on_nodes(nodes: Sequence[str] | None = None, *, backends: Sequence[str] = ("local", "docker"),
+async def collect_on_nodes(nodes: Sequence[str] | None = None, *,
+                           backends: Sequence[str] = ("local", "docker"),
                            dry_run: bool = False, timeout: float = 120.0) -> dict[str, Any]:
     """Run the sandbox janitor's gc on ``nodes`` (default: every alive node) of the connected Ray cluster:
     each removes the sandboxes whose owner process is gone. ``{node id: its sandbox.GcReport}``; a node
@@ -313,7 +322,8 @@ class RayExecutor:
 
     kind = "ray"
 
-    def __init__(self, address: str | None = None, *, per_node: int = 4, runtime_env: Mapping[str, Any] | None = None,
+    def __init__(self, address: str | None = None, *, per_node: int = 4,
+                 runtime_env: Mapping[str, Any] | None = None,
                  init_options: Mapping[str, Any] | None = None, host: str = "127.0.0.1",
                  admin_token: str | None = None, connect_timeout: float = CONNECT_TIMEOUT) -> None:
         if per_node < 1:
@@ -373,8 +383,9 @@ class RayExecutor:
             if ray.is_initialized():
                 job_env = ray.get_runtime_context().runtime_env
                 if not job_env.get("working_dir"):
-                    raise ValueError("a local working_dir ships with the Ray job: let RayExecutor connect (address=..., "
-                                     "not connected yet) or pass the same runtime_env to your own ray.init")
+                    raise ValueError(
+                        "a local working_dir ships with the Ray job: let RayExecutor connect (address=..., "
+                        "not connected yet) or pass the same runtime_env to your own ray.init")
             actor_env.pop("working_dir")
         if not ray.is_initialized():
             init = dict(self.init_options)
@@ -385,19 +396,22 @@ class RayExecutor:
             try:
                 ray.init(address=address, **init)
             except ConnectionError as exc:  # "auto" without a cluster, a cluster gone since the check
-                raise ClusterUnreachableError(address, self.connect_timeout, one_line(str(exc), 300) or type(exc).__name__) from None
+                raise ClusterUnreachableError(address, self.connect_timeout,
+                                              one_line(str(exc), 300) or type(exc).__name__) from None
             self._owns_ray = True
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
         if not nodes:
-            raise NoNodesError("the Ray cluster has no alive node with a CPU to run episodes on: start workers "
-                               "(ray start --address ...) first")
+            raise NoNodesError(
+                "the Ray cluster has no alive node with a CPU to run episodes on: start workers "
+                "(ray start --address ...) first")
         self._external = is_external(policy)
         longest = max([time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
         actor_cls = ray.remote(num_cpus=0, max_concurrency=self.per_node + 4, max_restarts=0)(_NodeGateway)
         started = []
         sent = self._version  # the version each actor starts with
         for n in nodes:
-            opts: dict[str, Any] = {"scheduling_strategy": NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)}
+            opts: dict[str,
+                       Any] = {"scheduling_strategy": NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)}
             if actor_env:
                 opts["runtime_env"] = actor_env
             actor = actor_cls.options(**opts).remote()
@@ -472,13 +486,16 @@ class RayExecutor:
 
     @property
     def policy_version(self) -> int | None:
-        """The version last set on the nodes (:meth:`set_policy_version`, or a resume's); ``None``: never set."""
+        """The version last set on the nodes (:meth:`set_policy_version`, or a resume's); ``None``: never
+        set."""
         return self._version
 
     async def set_policy_version(self, version: int) -> None:
         """Set the policy version on every node's gateway (before :meth:`start`: on the gateways it starts).
-        Checked here first, as a gateway checks it: :class:`~ares_gateway.core.errors.InvalidPolicyVersionError`
-        for anything but a non-negative integer, :class:`~ares_gateway.core.errors.PolicyVersionBackwardsError`
+        Checked here first, as a gateway checks it:
+        :class:`~ares_gateway.core.errors.InvalidPolicyVersionError`
+        for anything but a non-negative integer,
+        :class:`~ares_gateway.core.errors.PolicyVersionBackwardsError`
         for one lower than the current version."""
         checked = next_policy_version(version, self._version)
         outcomes = await self._on_every_node({}, "set_policy_version", checked)
@@ -498,9 +515,11 @@ class RayExecutor:
         check_pause(mode, timeout)
         if self._fence != "sampling":
             raise SamplingPausedError(
-                f"sampling is {self._fence} already (mode {self._fence_mode}); resume it before pausing again")
+                f"sampling is {self._fence} already (mode {self._fence_mode}); resume it before pausing "
+                "again")
         if not self._actors:
-            raise RuntimeError("RayExecutor.pause_sampling before start(): there are no node gateways to pause yet")
+            raise RuntimeError(
+                "RayExecutor.pause_sampling before start(): there are no node gateways to pause yet")
         self._fence, self._fence_mode = "draining", mode
         outcomes: dict[str, Any] = {}
         try:
@@ -518,16 +537,19 @@ class RayExecutor:
         self._fence = "paused"
         self.pause_reports = reports
         return PauseReport(mode, max(r.drain_seconds for r in reports.values()),
-                           sum(r.in_flight for r in reports.values()), sum(r.aborted for r in reports.values()),
+                           sum(r.in_flight for r in reports.values()),
+                           sum(r.aborted for r in reports.values()),
                            sum(r.parked for r in reports.values()))
 
     async def resume_sampling(self, version: int | None = None) -> float:
         """Resume every node's gateway after :meth:`pause_sampling` returned, with ``version`` (checked here
         first: a bad or lower one raises and leaves them paused). Returns the longest time a node was
-        paused. Raises :class:`~ares_gateway.core.errors.SamplingNotPausedError` without a pause that returned."""
+        paused. Raises :class:`~ares_gateway.core.errors.SamplingNotPausedError` without a pause that
+        returned."""
         if self._fence != "paused":
             raise SamplingNotPausedError("sampling is not paused: pause it first" if self._fence == "sampling"
-                                         else "the pause is still draining: resume after pause_sampling returns")
+                                         else "the pause is still draining: resume after "
+                                              "pause_sampling returns")
         checked = None if version is None else next_policy_version(version, self._version)
         self._fence, self._fence_mode = "sampling", None
         outcomes = await self._on_every_node({}, "resume_sampling", checked)
@@ -538,9 +560,11 @@ class RayExecutor:
 
     def weight_update(self, version: int | None = None, *, mode: str = "drain",
                       timeout: float | None = None) -> AbstractAsyncContextManager[PauseReport]:
-        """``async with executor.weight_update(version):`` :meth:`pause_sampling`, the body (update the weights),
+        """``async with executor.weight_update(version):`` :meth:`pause_sampling`, the body (update the
+        weights),
         :meth:`resume_sampling` with ``version``; resumed without it when the body raises."""
-        return fenced_update(lambda: self.pause_sampling(mode, timeout=timeout), self.resume_sampling, version)
+        return fenced_update(lambda: self.pause_sampling(mode, timeout=timeout), self.resume_sampling,
+                             version)
 
     async def _on_every_node(self, outcomes: dict[str, Any], method: str, *args: Any, cancel: bool = False,
                              nodes: Sequence[str] | None = None) -> dict[str, Any]:
@@ -549,7 +573,8 @@ class RayExecutor:
         dropped, as :meth:`run` does, and left out. Cancelled, it still waits for the calls (``cancel``:
         cancelling those still running on their actors) and fills ``outcomes`` with those that finished."""
         ray = _ray()
-        refs = {n: getattr(a, method).remote(*args) for n, a in self._actors.items() if nodes is None or n in nodes}
+        refs = {n: getattr(a, method).remote(*args) for n,
+                a in self._actors.items() if nodes is None or n in nodes}
 
         async def outcome(ref: Any) -> Any:
             try:
@@ -608,7 +633,8 @@ class RayExecutor:
         ray = _ray()
         for actor in list(self._actors.values()):
             try:
-                self.cancelled_at_close += await asyncio.wait_for(actor.close.remote(), timeout=CLOSE_TIMEOUT + 10)
+                self.cancelled_at_close += await asyncio.wait_for(actor.close.remote(),
+                                                                  timeout=CLOSE_TIMEOUT + 10)
             except Exception:  # a dead actor has nothing left to close
                 pass
             ray.kill(actor)

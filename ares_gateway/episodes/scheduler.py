@@ -87,7 +87,8 @@ async def schedule(
     wake_wait: asyncio.Task[Any] | None = None
     try:
         while (running or more()) and not stop.is_set():
-            while (len(running) < width and not stop.is_set() and (may_launch is None or may_launch(len(running)))
+            while (len(running) < width and not stop.is_set()
+                   and (may_launch is None or may_launch(len(running)))
                    and more()):
                 spec = nxt.pop()
                 episode = run_with_retries(executor.run, spec, retries=retries, backoff=retry_backoff)
@@ -148,7 +149,8 @@ async def schedule(
 
 
 async def run_with_retries(run: Callable[[EpisodeSpec], Awaitable[EpisodeRecord]], spec: EpisodeSpec, *,
-                           retries: int = DEFAULT_RETRIES, backoff: float = DEFAULT_RETRY_BACKOFF) -> EpisodeRecord:
+                           retries: int = DEFAULT_RETRIES,
+                           backoff: float = DEFAULT_RETRY_BACKOFF) -> EpisodeRecord:
     """``run(spec)`` (an executor's ``run``), tried again while it fails by the infrastructure, at most
     ``retries`` more times, waiting ``backoff`` seconds before the first retry and twice as long before
     each next one (at most :data:`MAX_RETRY_WAIT`). Each try is a new episode: a fresh sandbox and
@@ -164,8 +166,9 @@ async def run_with_retries(run: Callable[[EpisodeSpec], Awaitable[EpisodeRecord]
     for attempt in range(retries + 1):
         if attempt:
             wait = min(backoff * 2 ** (attempt - 1), MAX_RETRY_WAIT)
-            log.warning("episode %s failed by the infrastructure (%s); retrying in %.1f s with a fresh sandbox "
-                        "(retry %d of %d)", spec.key, errors[-1], wait, attempt, retries)
+            log.warning(
+                "episode %s failed by the infrastructure (%s); retrying in %.1f s with a fresh sandbox "
+                "(retry %d of %d)", spec.key, errors[-1], wait, attempt, retries)
             await asyncio.sleep(wait)
         try:
             record = await run(spec)

@@ -151,10 +151,12 @@ class Selection:
                     else f"slice stop {self.stop} is out of range: the dataset has no tasks"
                 )
             if start >= stop:
-                raise SelectorError(f"slice {self} selects no task: START must be below STOP ({_range_text(size)})")
+                raise SelectorError(
+                    f"slice {self} selects no task: START must be below STOP ({_range_text(size)})")
 
     def bounds(self, size: int) -> tuple[int, int]:
-        """The ``[start, stop)`` range this selection takes from ``size`` tasks (call :meth:`validate` first)."""
+        """The ``[start, stop)`` range this selection takes from ``size`` tasks (call :meth:`validate`
+        first)."""
         if self.kind == "index":
             assert self.index is not None
             return self.index, self.index + 1
@@ -186,7 +188,8 @@ class Selection:
 def _range_text(size: int) -> str:
     if size == 0:
         return "the dataset has no tasks"
-    return f"valid task indices are 0..{size - 1} (0-based; the dataset has {size} task{'s' if size != 1 else ''})"
+    return (f"valid task indices are 0..{size - 1} (0-based; the dataset has {size} "
+            f"task{'s' if size != 1 else ''})")
 
 
 def shard_bounds(size: int, shard: int, num_shards: int) -> tuple[int, int]:
@@ -197,7 +200,8 @@ def shard_bounds(size: int, shard: int, num_shards: int) -> tuple[int, int]:
     if num_shards < 1:
         raise SelectorError(f"the number of shards must be at least 1, got {num_shards}")
     if not 0 <= shard < num_shards:
-        raise SelectorError(f"shard {shard} is out of range: shards are 0..{num_shards - 1} (0-based) for /{num_shards}")
+        raise SelectorError(
+            f"shard {shard} is out of range: shards are 0..{num_shards - 1} (0-based) for /{num_shards}")
     base, extra = divmod(size, num_shards)
     start = shard * base + min(shard, extra)
     return start, start + base + (1 if shard < extra else 0)
@@ -244,7 +248,8 @@ def parse_selector(text: str, *, size: int | None = None) -> Selector:
         if n < 1:
             raise SelectorError(f"selector {text!r}: the number of shards must be at least 1")
         if i >= n:
-            raise SelectorError(f"selector {text!r}: shard {i} is out of range: shards are 0..{n - 1} (0-based) for /{n}")
+            raise SelectorError(
+                f"selector {text!r}: shard {i} is out of range: shards are 0..{n - 1} (0-based) for /{n}")
         selection = Selection("shard", shard=i, num_shards=n)
     elif m.group("names") is not None:
         names = tuple(m.group("names").split(","))
@@ -259,7 +264,8 @@ def parse_selector(text: str, *, size: int | None = None) -> Selector:
         start = m.group("start")
         stop = m.group("stop")
         selection = Selection(
-            "slice", start=int(start) if start is not None else None, stop=int(stop) if stop is not None else None
+            "slice", start=int(start) if start is not None else None,
+            stop=int(stop) if stop is not None else None
         )
         if selection.start is not None and selection.stop is not None and selection.start >= selection.stop:
             raise SelectorError(f"selector {text!r} selects no task: START must be below STOP")

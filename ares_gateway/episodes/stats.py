@@ -136,7 +136,8 @@ class LoggingTracker(_Buffered):
     With ``period=0`` every ``log`` call is its own line.
     """
 
-    def __init__(self, *, logger: logging.Logger | None = None, level: int = logging.INFO, period: float = 30.0) -> None:
+    def __init__(self, *, logger: logging.Logger | None = None, level: int = logging.INFO,
+                 period: float = 30.0) -> None:
         self.logger = logger or logging.getLogger("ares_gateway.episodes.stats")
         self.level = level
         super().__init__(period)
@@ -193,7 +194,8 @@ class TensorBoardTracker(_Buffered):
             from tensorboardX.event_file_writer import EventsWriter
         except ImportError as exc:  # pragma: no cover - depends on the installation
             raise ImportError(
-                "the TensorBoard tracker needs tensorboardX: pip install tensorboardX (or use the 'logging' tracker)"
+                "the TensorBoard tracker needs tensorboardX: pip install tensorboardX (or use the "
+                "'logging' tracker)"
             ) from exc
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
@@ -260,7 +262,8 @@ TRACKERS = ("null", "logging", "tensorboard")
 
 
 def make_tracker(kind: str, *, logdir: str | Path | None = None, period: float | None = None) -> StatTracker:
-    """``null``, ``logging`` or ``tensorboard`` (needs ``logdir``); ``period`` in seconds (each kind has a default)."""
+    """``null``, ``logging`` or ``tensorboard`` (needs ``logdir``); ``period`` in seconds (each kind has a
+    default)."""
     if kind == "null":
         return NullTracker()
     if kind == "logging":

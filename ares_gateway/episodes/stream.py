@@ -252,9 +252,10 @@ class RolloutSource:
         self.max_staleness = check_max_staleness(max_staleness)
         self.max_buffered = max(concurrency, attempts) if max_buffered is None else max_buffered
         if concurrency + self.max_buffered < attempts:
-            raise ValueError(f"concurrency ({concurrency}) + max_buffered ({self.max_buffered}) must be at least "
-                             f"attempts ({attempts}): fewer episodes in hand than a group holds could never "
-                             "complete a group")
+            raise ValueError(
+                f"concurrency ({concurrency}) + max_buffered ({self.max_buffered}) must be at least "
+                f"attempts ({attempts}): fewer episodes in hand than a group holds could never "
+                "complete a group")
         if executor is not None and gateway is not None:
             raise ValueError("pass gateway= or executor=, not both (an executor brings its own gateways)")
         self.harness = harness
@@ -274,18 +275,21 @@ class RolloutSource:
         run = {
             "harness": harness, "sandbox": sandbox, "concurrency": concurrency, "attempts": attempts,
             "step_limit": step_limit, "time_limit": time_limit, "tasks": names,
-            "policy": type(policy).__name__, "executor": self.executor.kind, "source": "stream", "epochs": epochs,
+            "policy": type(policy).__name__, "executor": self.executor.kind, "source": "stream",
+            "epochs": epochs,
             "retries": retries,
             "max_buffered": self.max_buffered, "max_staleness": self.max_staleness, **dict(run_info or {}),
         }
         planned = len(self.tasks) * attempts * epochs if epochs is not None else 0
         # The OUT directory, the stats writer and the clock start with the source, not before.
         self._new_writer: Callable[[], RunWriter] = lambda: RunWriter(
-            self.executor, run, out=out, planned=planned, attempts=attempts, success_threshold=success_threshold,
+            self.executor, run, out=out, planned=planned, attempts=attempts,
+            success_threshold=success_threshold,
             stats=stats, stats_period=stats_period, console=console,
             title=f"{harness}: {len(self.tasks)} task(s), streamed")
         self._writer: RunWriter | None = None
-        self._empty = RunSummary(episodes=[], planned=planned, attempts=attempts, success_threshold=success_threshold)
+        self._empty = RunSummary(episodes=[], planned=planned, attempts=attempts,
+                                 success_threshold=success_threshold)
         self._tick = 0.5 if console is not None else None
         self._state = ScheduleState()
         self._stop = asyncio.Event()
@@ -393,7 +397,8 @@ class RolloutSource:
     async def _drive(self) -> None:
         try:
             await schedule(self._plan(), self.executor, concurrency=self.concurrency, stop=self._stop,
-                           on_record=self._on_record, on_tick=self._on_tick, tick=self._tick, state=self._state,
+                           on_record=self._on_record, on_tick=self._on_tick, tick=self._tick,
+                           state=self._state,
                            may_launch=self._may_launch, wake=self._wake, retries=self.retries,
                            retry_backoff=self.retry_backoff)
         except Exception as exc:  # the executor failed as a whole: the consumer gets it
@@ -439,7 +444,8 @@ class RolloutSource:
         else:
             return None
         members = [r for r in self._ready if (r.result.task, r.result.attempt // self.attempts) == key]
-        self._ready = deque(r for r in self._ready if (r.result.task, r.result.attempt // self.attempts) != key)
+        self._ready = deque(r for r in self._ready
+                            if (r.result.task, r.result.attempt // self.attempts) != key)
         members.sort(key=lambda r: r.result.attempt)
         return RolloutGroup(key[0], key[1], [self._hand(r, current) for r in members])
 
@@ -449,8 +455,9 @@ class RolloutSource:
         if self._mode is None:
             self._mode = mode
         elif self._mode != mode:
-            raise RolloutSourceError(f"this source hands out {self._mode}; a source gives episodes or groups, "
-                                     "not both (make one source per kind)")
+            raise RolloutSourceError(
+                f"this source hands out {self._mode}; a source gives episodes or groups, "
+                "not both (make one source per kind)")
         await self.start()
         while True:
             item = self._pop(mode)
@@ -529,7 +536,8 @@ class RolloutSource:
         return report
 
     async def resume_sampling(self, version: int | None = None) -> float:
-        """Resume sampling, with ``version`` now loaded (as ``Gateway.resume_sampling``); the pause's seconds."""
+        """Resume sampling, with ``version`` now loaded (as ``Gateway.resume_sampling``); the pause's
+        seconds."""
         paused: float = await _settle(self._fence("resume_sampling")(version))
         if version is not None:
             self._version = version
@@ -550,7 +558,8 @@ class RolloutSource:
 
 
 async def _settle(value: Any) -> Any:
-    """A method's result: awaited when it is awaitable (an executor's fence is async, a gateway's resume not)."""
+    """A method's result: awaited when it is awaitable (an executor's fence is async, a gateway's resume
+    not)."""
     return await value if inspect.isawaitable(value) else value
 
 
@@ -580,7 +589,8 @@ class BlockingRolloutSource:
     def __init__(self, tasks: Iterable[Task], **options: Any) -> None:
         self.source = RolloutSource(tasks, **options)  # bad arguments raise here, in the caller's thread
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="ares-rollout-source", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ares-rollout-source",
+                                        daemon=True)
         self._thread.start()
         self._closed = False
         self._close_lock = threading.Lock()
@@ -593,8 +603,9 @@ class BlockingRolloutSource:
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self._thread:
             coro.close()
-            raise RuntimeError("BlockingRolloutSource called from its own event loop's thread: use its .source "
-                               "(a RolloutSource) with await there")
+            raise RuntimeError(
+                "BlockingRolloutSource called from its own event loop's thread: use its .source "
+                "(a RolloutSource) with await there")
         if self._loop.is_closed():
             coro.close()
             raise SourceClosedError("the rollout source is closed: make a new one")
@@ -607,7 +618,8 @@ class BlockingRolloutSource:
             self._loop.close()
 
     def next_episode(self, timeout: float | None = None) -> RolloutEpisode | None:
-        """The next finished episode, ``None`` once the source has ended (:meth:`RolloutSource.next_episode`)."""
+        """The next finished episode, ``None`` once the source has ended
+        (:meth:`RolloutSource.next_episode`)."""
         return self._call(_within(self.source.next_episode, timeout))
 
     def next_group(self, timeout: float | None = None) -> RolloutGroup | None:

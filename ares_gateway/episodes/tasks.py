@@ -159,7 +159,8 @@ class _Reader:
         value = self.data.get(name, {})
         if not isinstance(value, dict):
             raise TaskConfigError(
-                f"{self.path}: [{name}] must be a table, got {type(value).__name__}; write it as a [{name}] section",
+                f"{self.path}: [{name}] must be a table, got {type(value).__name__}; write it as a "
+                f"[{name}] section",
                 path=self.path,
             )
         return value
@@ -169,11 +170,13 @@ class _Reader:
             f"{self.path}: {key} must be {want}, got {got!r}; fix that line of task.toml", path=self.path
         )
 
-    def number(self, table: Mapping[str, Any], section: str, key: str, *, positive: bool = True) -> float | None:
+    def number(self, table: Mapping[str, Any], section: str, key: str, *,
+               positive: bool = True) -> float | None:
         if key not in table:
             return None
         v = table[key]
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or (positive and v <= 0):
+        if (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+            or (positive and v <= 0)):
             raise self._fail(f"[{section}] {key}", "a positive number" if positive else "a number", v)
         return float(v)
 
@@ -203,11 +206,13 @@ class _Reader:
 
     def env(self, table: Mapping[str, Any], section: str) -> Mapping[str, str]:
         v = table.get("env", {})
-        if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()):
+        if (not isinstance(v, dict)
+            or not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())):
             raise self._fail(f"[{section}] env", 'a table of strings (env = { NAME = "value" })', v)
         return MappingProxyType(dict(v))
 
-    def choice(self, table: Mapping[str, Any], section: str, key: str, choices: tuple[str, ...]) -> str | None:
+    def choice(self, table: Mapping[str, Any], section: str, key: str,
+               choices: tuple[str, ...]) -> str | None:
         if key not in table:
             return None
         v = table[key]
@@ -223,7 +228,8 @@ class _Reader:
               and all(not isinstance(x, bool) and isinstance(x, int | float) and math.isfinite(x) for x in v)
               and v[0] < v[1])
         if not ok:
-            raise self._fail(f"[{section}] {key}", "two finite numbers [lo, hi] with lo < hi, such as [0, 1]", v)
+            raise self._fail(f"[{section}] {key}", "two finite numbers [lo, hi] with lo < hi, such as [0, 1]",
+                             v)
         return float(v[0]), float(v[1])
 
     def size_mb(self, table: Mapping[str, Any], section: str, mb_key: str, size_key: str) -> int | None:
@@ -237,7 +243,8 @@ class _Reader:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)i?[bB]?\s*", v) if isinstance(v, str) else None
         if m is None:
             raise self._fail(f"[{section}] {size_key}", 'a size like "512M" or "4G"', v)
-        factor = {"": 1 / (1024 * 1024), "k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}[m.group(2).lower()]
+        factor = {"": 1 / (1024 * 1024), "k": 1 / 1024, "m": 1, "g": 1024,
+                  "t": 1024 * 1024}[m.group(2).lower()]
         return max(1, round(float(m.group(1)) * factor))
 
 
@@ -247,9 +254,11 @@ def parse_task_config(text: str, *, path: Path | str = "task.toml") -> TaskConfi
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise TaskConfigError(f"{path} is not valid TOML: {exc}; fix the syntax at that line", path=path) from None
+        raise TaskConfigError(f"{path} is not valid TOML: {exc}; fix the syntax at that line",
+                              path=path) from None
     r = _Reader(path, data)
-    agent, verifier, env_t, solution = r.table("agent"), r.table("verifier"), r.table("environment"), r.table("solution")
+    agent, verifier, env_t, solution = r.table("agent"), r.table("verifier"), r.table("environment"), r.table(
+        "solution")
     metadata = r.table("metadata")
     version = data.get("version", data.get("schema_version", "1.0"))
     if not isinstance(version, str):
@@ -262,8 +271,9 @@ def parse_task_config(text: str, *, path: Path | str = "task.toml") -> TaskConfi
     verifier_user = r.string(verifier, "verifier", "user")
     if verifier_user is not None and verifier_user in {DEFAULT_AGENT_USER, str(AGENT_UID), agent_user}:
         raise TaskConfigError(
-            f"{path}: [verifier] user = {verifier_user!r} is the agent's user: the tests must never run as the "
-            "user whose files and processes they judge; drop the line (root runs them) or name another user",
+            f"{path}: [verifier] user = {verifier_user!r} is the agent's user: the tests must "
+            "never run as the user whose files and processes they judge; drop the line (root runs them) or "
+            "name another user",
             path=path)
     return TaskConfig(
         version=version,
@@ -294,7 +304,8 @@ def _dockerfile_workdir(dockerfile: Path) -> str | None:
     workdir = None
     for line in dockerfile.read_text(errors="replace").splitlines():
         parts = line.strip().split(None, 1)
-        if len(parts) == 2 and parts[0].upper() == "WORKDIR" and parts[1].startswith("/") and "$" not in parts[1]:
+        if (len(parts) == 2 and parts[0].upper() == "WORKDIR" and parts[1].startswith("/")
+            and "$" not in parts[1]):
             workdir = parts[1].strip().strip("\"'")
     return workdir
 
@@ -332,13 +343,15 @@ class Task:
                 return p
             return new / p.relative_to(old)
 
-        return dataclasses.replace(self, path=move(self.path) or self.path, tests_dir=move(self.tests_dir) or self.tests_dir,
+        return dataclasses.replace(self, path=move(self.path) or self.path,
+                                   tests_dir=move(self.tests_dir) or self.tests_dir,
                                    solution_dir=move(self.solution_dir), dockerfile=move(self.dockerfile),
                                    workspace_dir=move(self.workspace_dir))
 
     @property
     def workdir(self) -> str:
-        """Where the agent works: ``[environment] workdir``, else the Dockerfile's WORKDIR, else /workspace."""
+        """Where the agent works: ``[environment] workdir``, else the Dockerfile's WORKDIR, else
+        /workspace."""
         if self.config.workdir:
             return self.config.workdir
         if self.dockerfile is not None:
@@ -358,7 +371,8 @@ class Task:
 
     @property
     def needs_image(self) -> bool:
-        """Whether the task defines its own image (a Dockerfile or docker_image): the local sandbox cannot honour it."""
+        """Whether the task defines its own image (a Dockerfile or docker_image): the local sandbox cannot
+        honour it."""
         return self.dockerfile is not None or self.config.docker_image is not None
 
     def sandbox_spec(
@@ -401,12 +415,14 @@ class Task:
         instruction_path = p / "instruction.md"
         if not instruction_path.is_file():
             raise MissingTaskFileError(
-                f"{instruction_path} is missing: write the task's prompt for the agent in it", path=instruction_path
+                f"{instruction_path} is missing: write the task's prompt for the agent in it",
+                path=instruction_path
             )
         instruction = instruction_path.read_text(encoding="utf-8")
         if not instruction.strip():
             raise MissingTaskFileError(
-                f"{instruction_path} is empty: write the task's prompt for the agent in it", path=instruction_path
+                f"{instruction_path} is empty: write the task's prompt for the agent in it",
+                path=instruction_path
             )
         toml_path = p / "task.toml"
         if not toml_path.is_file():
@@ -419,7 +435,8 @@ class Task:
         test_sh = p / "tests" / "test.sh"
         if not test_sh.is_file():
             raise MissingTaskFileError(
-                f"{test_sh} is missing: the verifier must be tests/test.sh and write reward.json or reward.txt "
+                f"{test_sh} is missing: the verifier must be tests/test.sh and write reward.json "
+                "or reward.txt "
                 f"to ${VERIFIER_DIR_ENV} (default {DEFAULT_VERIFIER_DIR})",
                 path=test_sh,
             )
@@ -488,7 +505,8 @@ class Dataset:
         """
         p = Path(path).expanduser()
         if not p.is_dir():
-            raise TaskNotFoundError(f"dataset directory {p} does not exist: pass a directory of task directories", path=p)
+            raise TaskNotFoundError(
+                f"dataset directory {p} does not exist: pass a directory of task directories", path=p)
         p = p.resolve()
         if (p / "task.toml").is_file():
             task = Task.load(p)
@@ -500,7 +518,8 @@ class Dataset:
         )
         if not tasks:
             raise DatasetError(
-                f"no tasks in {p}: each task is a subdirectory with instruction.md, task.toml and tests/test.sh",
+                f"no tasks in {p}: each task is a subdirectory with instruction.md, task.toml and "
+                "tests/test.sh",
                 path=p,
             )
         return cls(name or p.name, p, tasks)
@@ -518,9 +537,11 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 def register_dataset(name: str, path: str | os.PathLike[str], *, replace: bool = False) -> None:
     """Register ``name`` for the dataset directory ``path`` (checked when the dataset is loaded)."""
     if not _NAME_RE.fullmatch(name):
-        raise ValueError(f"dataset name {name!r} must be letters, digits, '.', '_' or '-', starting with a letter or digit")
+        raise ValueError(f"dataset name {name!r} must be letters, digits, '.', '_' or '-', starting with a "
+                         "letter or digit")
     if name in _REGISTRY and not replace and _REGISTRY[name] != Path(path):
-        raise ValueError(f"dataset {name!r} is already registered for {_REGISTRY[name]}; pass replace=True to change it")
+        raise ValueError(
+            f"dataset {name!r} is already registered for {_REGISTRY[name]}; pass replace=True to change it")
     _REGISTRY[name] = Path(path)
 
 
@@ -538,7 +559,8 @@ def load_dataset(name_or_path: str | os.PathLike[str]) -> Dataset:
     if p.is_dir():
         return Dataset.from_dir(p)
     raise DatasetError(
-        f"unknown dataset {key!r}: use a registered name ({', '.join(sorted(_REGISTRY))}) or a directory of tasks"
+        f"unknown dataset {key!r}: use a registered name ({', '.join(sorted(_REGISTRY))}) or a "
+        "directory of tasks"
     )
 
 

@@ -71,12 +71,14 @@ class _Held:
 
 
 def _credential(request: BaseRequest) -> str | None:
-    # Anthropic clients send x-api-key, OpenAI clients (and Claude Code with ANTHROPIC_AUTH_TOKEN) a Bearer token.
+    # Anthropic clients send x-api-key, OpenAI clients (and Claude Code with ANTHROPIC_AUTH_TOKEN) a Bearer
+    # token.
     token = request.headers.get("x-api-key") or bearer_token(request.headers)
     if token is not None and not valid_token(token):
         # Not UTF-8 (aiohttp's lone surrogates), not ASCII, or too long: no session has such a token
         # (they are checked at creation), and none may be auto-created with it.
-        raise StatusError("invalid API key: a session token is visible ASCII (send it exactly as it was given)", status=401)
+        raise StatusError(
+            "invalid API key: a session token is visible ASCII (send it exactly as it was given)", status=401)
     return token
 
 
@@ -102,7 +104,8 @@ class AgentAPI:
                 raise StatusError("invalid or missing API key for this session", status=401)
             return session
         if token is None:
-            raise StatusError("missing API key: send the session token as x-api-key or Authorization: Bearer", status=401)
+            raise StatusError("missing API key: send the session token as x-api-key or Authorization: Bearer",
+                              status=401)
         found = gw.sessions.by_token(token)
         if found is None:
             if gw.config.auto_sessions:
@@ -117,7 +120,8 @@ class AgentAPI:
             raise StatusError(str(exc), status=400) from None
         except SessionExistsError:
             # The token is another session's: using it on a new session id is a wrong key here.
-            raise StatusError("this API key belongs to another session; use that session's base URL", status=401) from None
+            raise StatusError("this API key belongs to another session; use that session's base URL",
+                              status=401) from None
 
     async def _body(
         self, request: BaseRequest, session: Session, held: _Held, protocol: WireProtocol | None
@@ -178,7 +182,8 @@ class AgentAPI:
                         raise StatusError("this session has ended; start a new session", status=409)
                     side_call = gw.is_side_call(session, canonical, request.headers)
                     # A GatewayError: 429, too many parked for this session; 503, closing.
-                    parked = gw.broker.park(session.id, canonical, endpoint, side_call=side_call, raw_body=raw,
+                    parked = gw.broker.park(session.id, canonical, endpoint, side_call=side_call,
+                                            raw_body=raw,
                                             held_bytes=held.nbytes, canonical_json=parsed.canonical_json,
                                             encoder=parsed.encoder, layout=parsed.layout)
                     held.nbytes = 0  # the parked request holds them now, until it is answered
@@ -283,7 +288,8 @@ class AgentAPI:
             for m in self.gw.config.models
         ]
         return render.json_response(
-            {"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]}
+            {"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"],
+             "last_id": data[-1]["id"]}
         )
 
     async def probe(self, request: BaseRequest, sid: str | None) -> Response:
@@ -293,7 +299,8 @@ class AgentAPI:
     async def responses_websocket(self, request: BaseRequest, sid: str | None) -> Response:
         adapter = get_adapter(WireProtocol.OPENAI_RESPONSES)
         # 426 makes Codex's built-in provider fall back to POST /v1/responses.
-        resp = render.protocol_error(adapter, 426, "WebSocket transport is not supported; use POST /v1/responses")
+        resp = render.protocol_error(adapter, 426,
+                                     "WebSocket transport is not supported; use POST /v1/responses")
         if request.headers.get("upgrade"):
             resp.force_close()  # what follows an upgrade request is not HTTP
         return resp

@@ -344,7 +344,8 @@ class BodyParser:
     are shared by every connection of a gateway; :meth:`close` stops them.
     """
 
-    def __init__(self, *, offload_bytes: int = 1024 * 1024, piece_bytes: int = 128 * 1024, workers: int = 1) -> None:
+    def __init__(self, *, offload_bytes: int = 1024 * 1024, piece_bytes: int = 128 * 1024,
+                 workers: int = 1) -> None:
         if offload_bytes < 1 or piece_bytes < 1 or workers < 1:
             raise ValueError("offload_bytes, piece_bytes and workers must be at least 1")
         self.offload_bytes = offload_bytes
@@ -355,7 +356,8 @@ class BodyParser:
         #: Bodies parsed off the loop so far.
         self.offloaded = 0
 
-    async def parse(self, raw: bytes, protocol: WireProtocol | None, memo: ParseMemo | None = None) -> ParsedBody:
+    async def parse(self, raw: bytes, protocol: WireProtocol | None,
+                    memo: ParseMemo | None = None) -> ParsedBody:
         """``raw`` decoded, and converted in ``protocol`` (``None``: decoded only), with ``memo`` (the
         session's :class:`ParseMemo`) when it is parsed on the loop.
         Raises :class:`~ares_gateway.protocols.RequestError` (the agent's 400)."""
@@ -382,13 +384,15 @@ class BodyParser:
         if self._procs is None:
             # spawn, not fork: this process has threads (the store's writer, this parser's).
             self._procs = concurrent.futures.ProcessPoolExecutor(
-                max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
+                max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_worker_init
             )
         return self._procs
 
     def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ares-body-parser")
+            self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                 thread_name_prefix="ares-body-parser")
         return self._thread
 
     def _drop_processes(self) -> None:

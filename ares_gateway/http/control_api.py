@@ -43,7 +43,8 @@ class ControlAPI:
 
         async def guarded(request: BaseRequest, sid: str | None) -> StreamResponse:
             if not gw.admin_ok(request.headers):
-                return control_error(401, "missing or wrong admin token: send Authorization: Bearer <admin token>")
+                return control_error(401,
+                                     "missing or wrong admin token: send Authorization: Bearer <admin token>")
             try:
                 return await handler(request, sid)
             except StatusError as exc:
@@ -69,8 +70,10 @@ class ControlAPI:
             max_items = int(q.get("max", "100"))
             lease = float(q["lease"]) if "lease" in q else -1.0
         except ValueError:
-            raise StatusError("wait and lease must be numbers of seconds, max an integer", status=400) from None
-        if not (0 <= wait <= 3600) or not (1 <= max_items <= 10_000) or (lease != -1.0 and not 0 < lease <= 86_400):
+            raise StatusError("wait and lease must be numbers of seconds, max an integer",
+                              status=400) from None
+        if (not (0 <= wait <= 3600) or not (1 <= max_items <= 10_000)
+            or (lease != -1.0 and not 0 < lease <= 86_400)):
             raise StatusError("wait must be 0..3600 s, max 1..10000, lease 0..86400 s", status=400)
         with_canonical = q.get("canonical", "1") not in ("0", "false", "no")
         session = q.get("session") or None
@@ -137,7 +140,8 @@ class ControlAPI:
             try:
                 await self.gw.durable()
             except GatewayError as exc:
-                raise StatusError(f"answered, but recording the turn failed: {exc}", status=exc.status) from None
+                raise StatusError(f"answered, but recording the turn failed: {exc}",
+                                  status=exc.status) from None
         return json_response(results if isinstance(body, list) else results[0], status)
 
     def _respond_one(self, item: Any) -> tuple[int, dict[str, Any]]:
@@ -166,7 +170,8 @@ class ControlAPI:
     async def set_policy_version(self, request: BaseRequest, sid: str | None) -> Response:
         body = await self._json(request)
         if not isinstance(body, dict) or "version" not in body:
-            raise StatusError('body must be a JSON object {"version": N}, N a non-negative integer', status=400)
+            raise StatusError('body must be a JSON object {"version": N}, N a non-negative integer',
+                              status=400)
         self.gw.set_policy_version(body["version"])  # 400 for a bad version, 409 for one going back
         return json_response({"version": self.gw.policy_version})
 
@@ -213,8 +218,10 @@ class ControlAPI:
             reward = float(q.get("reward", "nan"))
             max_tokens = int(q.get("max_sample_tokens", "0"))
         except ValueError:
-            raise StatusError("reward must be a number and max_sample_tokens an integer", status=400) from None
-        samples = self.gw.trajectory(sid, reward=None if math.isnan(reward) else reward, max_sample_tokens=max_tokens)
+            raise StatusError("reward must be a number and max_sample_tokens an integer",
+                              status=400) from None
+        samples = self.gw.trajectory(sid, reward=None if math.isnan(reward) else reward,
+                                     max_sample_tokens=max_tokens)
         return json_response([s.to_dict() for s in samples])
 
     async def turns(self, request: BaseRequest, sid: str | None) -> Response:
@@ -229,7 +236,8 @@ class ControlAPI:
     async def pause_sampling(self, request: BaseRequest, sid: str | None) -> Response:
         body = await self._json(request, default={})
         if not isinstance(body, dict):
-            raise StatusError('body must be a JSON object: {"mode": "drain" | "abort", "timeout": seconds}', status=400)
+            raise StatusError('body must be a JSON object: {"mode": "drain" | "abort", "timeout": seconds}',
+                              status=400)
         unknown = sorted(set(body) - {"mode", "timeout"})
         if unknown:
             raise StatusError(f"unknown field(s) {unknown}: give \"mode\" and \"timeout\" only", status=400)
@@ -251,7 +259,8 @@ class ControlAPI:
                               "policy_version": self.gw.policy_version})
 
     async def healthz(self, request: BaseRequest, sid: str | None) -> Response:
-        return json_response({"status": "ok", "sessions": len(self.gw.sessions), "parked": self.gw.broker.pending_count})
+        return json_response(
+            {"status": "ok", "sessions": len(self.gw.sessions), "parked": self.gw.broker.pending_count})
 
     async def metrics(self, request: BaseRequest, sid: str | None) -> Response:
         body = self.gw.metrics.render(self.gw.broker.pending_count)

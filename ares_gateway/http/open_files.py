@@ -31,7 +31,8 @@ def open_file_limits() -> tuple[int, int]:
     """The soft and hard open-file limits, an unlimited one given as the kernel's maximum."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     top = _kernel_max()
-    return (top if soft == resource.RLIM_INFINITY else soft), (top if hard == resource.RLIM_INFINITY else hard)
+    return (top if soft == resource.RLIM_INFINITY else soft), (top if hard == resource.RLIM_INFINITY
+                                                               else hard)
 
 
 def raise_open_file_limit() -> int:
@@ -68,7 +69,8 @@ def check_connections(max_connections: int, limit: int | None = None) -> str | N
     if needed <= limit:
         return None
     return (f"max_connections={max_connections} needs about {needed} open files but this process may open "
-            f"{limit} (its hard limit): connections past about {connection_cap(limit)} will fail to be accepted. "
+            f"{limit} (its hard limit): connections past about {connection_cap(limit)} will fail to "
+            "be accepted. "
             f"Raise the hard limit (`ulimit -n {needed}` as root before starting, LimitNOFILE= in a systemd "
             f"unit, `docker run --ulimit nofile={needed}`) or lower --max-connections")
 

@@ -33,7 +33,8 @@ _RETRYABLE = frozenset((429, 503, 529))
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(body=orjson.dumps(body), status=status, headers={**_JSON, **headers} if headers else _JSON)
+    return Response(body=orjson.dumps(body), status=status,
+                    headers={**_JSON, **headers} if headers else _JSON)
 
 
 #: The agent paths of each LLM API (at the root and under ``/s/{sid}``): the routes the gateway
@@ -48,13 +49,15 @@ AGENT_PATHS: dict[str, WireProtocol] = {
 # An unknown path takes the shape of the API whose resource it names (``/v1/messages/batches``,
 # ``/proxy/responses``): the last segment of each API's paths; chat completions otherwise.
 _RESOURCE_OF: dict[str, WireProtocol] = {
-    "/" + p.rsplit("/", 1)[1]: proto for p, proto in AGENT_PATHS.items() if proto is not WireProtocol.OPENAI_CHAT
+    "/" + p.rsplit("/", 1)[1]: proto for p,
+    proto in AGENT_PATHS.items() if proto is not WireProtocol.OPENAI_CHAT
 }
 
 
 def protocol_for_path(path: str) -> WireProtocol:
     """The LLM API an agent path belongs to (errors on unknown paths take its shape too)."""
-    return next((proto for resource, proto in _RESOURCE_OF.items() if resource in path), WireProtocol.OPENAI_CHAT)
+    return next((proto for resource, proto in _RESOURCE_OF.items() if resource in path),
+                WireProtocol.OPENAI_CHAT)
 
 
 def protocol_error(adapter: ProtocolAdapter, status: int, message: str, param: str | None = None) -> Response:
@@ -91,7 +94,8 @@ def whole(adapter: ProtocolAdapter, parked: ParkedRequest, answer: Completion | 
     ``ErrorAnswer`` never gets here: the agent API answers it before choosing how to render)."""
     if isinstance(answer, NativeAnswer):
         # Encoded when the answer was accepted (core/answers.py), so it cannot fail here.
-        return Response(body=answer.raw if answer.raw is not None else orjson.dumps(answer.body), headers=_JSON)
+        return Response(body=answer.raw if answer.raw is not None else orjson.dumps(answer.body),
+                        headers=_JSON)
     assert isinstance(answer, Completion)
     return json_response(adapter.render_response(answer, parked.request, response_id(parked)))
 
@@ -136,7 +140,8 @@ async def synthesized_stream(
     return resp
 
 
-async def _next(items: AsyncIterator[CompletionDelta | Completion], timer: asyncio.Timeout, idle: float) -> Any:
+async def _next(items: AsyncIterator[CompletionDelta | Completion], timer: asyncio.Timeout,
+                idle: float) -> Any:
     timer.reschedule(asyncio.get_running_loop().time() + idle)
     return await anext(items, None)
 
@@ -170,7 +175,8 @@ async def delta_stream(
                         break
                     await resp.write(encoder.feed(item))
         except TimeoutError:
-            log.warning("policy stream for %s stalled for %g s; ending the agent's stream", parked.id, idle_timeout)
+            log.warning("policy stream for %s stalled for %g s; ending the agent's stream", parked.id,
+                        idle_timeout)
             await resp.write(encoder.error(504, f"the policy's stream sent nothing for {idle_timeout:g} s"))
         except (ConnectionError, asyncio.CancelledError):
             raise

@@ -106,7 +106,8 @@ class HttpLimits:
     #: Most bytes of one request head (request line and every header line together); more: 431, closed.
     max_head_bytes: int = 64 * 1024
     #: Most client connections open at once; a new one past it gets a 503 and is closed. ``None``:
-    #: follow the open-file limit when the server starts (:func:`~ares_gateway.http.open_files.connection_cap`:
+    #: follow the open-file limit when the server starts
+    #: (:func:`~ares_gateway.http.open_files.connection_cap`:
     #: the soft limit less a reserve of up to 1,024 descriptors for everything else).
     max_connections: int | None = None
 
@@ -140,7 +141,8 @@ _INFLATE_PIECE = 64 * 1024
 def body_coding(request: BaseRequest) -> str | None:
     """The body's ``Content-Encoding`` (``gzip`` or ``deflate``), ``None`` for none or ``identity``;
     raises :class:`BodyError` 415 for any other."""
-    codings = [c.strip().lower() for v in request.headers.getall("content-encoding", ()) for c in v.split(",")]
+    codings = [c.strip().lower() for v in request.headers.getall("content-encoding", ())
+               for c in v.split(",")]
     codings = [c for c in codings if c and c != "identity"]
     if not codings:
         return None
@@ -186,7 +188,8 @@ class _Inflated(_Body):
         self._z: Any = None
 
     def _fail(self, why: object) -> BodyError:
-        return BodyError(400, f"request body could not be decoded as {self.coding} (its Content-Encoding): {why}")
+        return BodyError(400,
+                         f"request body could not be decoded as {self.coding} (its Content-Encoding): {why}")
 
     def add(self, chunk: bytes) -> None:
         if not chunk:
@@ -289,7 +292,8 @@ class _HeadTooLarge(BadHttpMessage):
 
 
 class _Connection(web_protocol.RequestHandler):
-    """aiohttp's connection protocol plus a deadline on receiving a request's head, and a budget on its size."""
+    """aiohttp's connection protocol plus a deadline on receiving a request's head, and a budget on its
+    size."""
 
     __slots__ = ("_error", "_head_bytes", "_head_count", "_head_peak", "_head_refused", "_head_timeout",
                  "_head_timer", "_last_payload", "_max_head", "_on_lost")
@@ -343,7 +347,8 @@ class _Connection(web_protocol.RequestHandler):
         exc = _HeadTooLarge(f"the request head passed {self._max_head} bytes")
         # aiohttp's own form for a request that failed to parse (web_protocol._ErrInfo): the
         # connection's loop answers it through handle_error, after any request before it.
-        self._messages.append((web_protocol._ErrInfo(status=431, exc=exc, message=exc.message), EMPTY_PAYLOAD))
+        self._messages.append(
+            (web_protocol._ErrInfo(status=431, exc=exc, message=exc.message), EMPTY_PAYLOAD))
         self._request_count += 1
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -392,7 +397,8 @@ class _Connection(web_protocol.RequestHandler):
         if status == 500 and isinstance(exc, ConnectionError) and _client_gone(request):
             # A write to a client that hung up (an agent killed mid-stream, a poller gone mid-batch):
             # nothing to answer and nothing wrong here. aiohttp drops the connection on this error.
-            log.debug("%s %s: the client went away before its answer was written", request.method, request.path)
+            log.debug("%s %s: the client went away before its answer was written", request.method,
+                      request.path)
             raise exc
         if status == 500:
             log.error("unhandled error serving %s %s", request.method, request.path, exc_info=exc)
@@ -500,7 +506,8 @@ class _Server(web_server.Server):
         if len(self._connections) >= self._max_connections:
             self.refused += 1
             if self.refused == 1 or self.refused % 1000 == 0:
-                log.warning("refusing connections: %d open, the limit (max_connections)", len(self._connections))
+                log.warning("refusing connections: %d open, the limit (max_connections)",
+                            len(self._connections))
             return _Refused(self._refusal())
         return _Connection(
             self,
@@ -615,7 +622,8 @@ class HttpServer:
         )
 
     async def close(self, grace: float = 5.0) -> None:
-        """Stop listening, let requests in flight finish (for ``grace`` seconds), then close every connection."""
+        """Stop listening, let requests in flight finish (for ``grace`` seconds), then close every
+        connection."""
         if self._listener is None or self._server is None:
             return
         listener, self._listener = self._listener, None

@@ -58,7 +58,8 @@ class SessionSockets:
     :meth:`close_all` stop the listeners and remove their directories.
     """
 
-    def __init__(self, gateway: ServedGateway, limits: HttpLimits, *, root: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, gateway: ServedGateway, limits: HttpLimits, *,
+                 root: str | os.PathLike[str] | None = None) -> None:
         self._gw = gateway
         self._limits = limits
         self._root_arg = Path(root) if root is not None else None
@@ -82,8 +83,8 @@ class SessionSockets:
             os.chmod(self._root, 0o700)
             if len(str(self._root)) > _MAX_ROOT:
                 raise SessionSocketError(
-                    f"runtime directory {self._root} is too long for unix sockets (at most {_MAX_ROOT} characters): "
-                    "pass a shorter one"
+                    f"runtime directory {self._root} is too long for unix sockets (at most {_MAX_ROOT} "
+                    "characters): pass a shorter one"
                 )
         return self._root
 
@@ -99,19 +100,23 @@ class SessionSockets:
             if known is not None:
                 return known
             if self._gw.sessions.find(session_id) is None:
-                raise SessionSocketError(f"no session {session_id!r}: create it before opening its agent socket")
+                raise SessionSocketError(
+                    f"no session {session_id!r}: create it before opening its agent socket")
             # The id names a directory that is removed below: "." or ".." would be the runtime
             # dir itself or its parent (the system's temp dir). New ids are checked at creation;
             # this also holds for a session restored from an older data dir.
             if not valid_session_id(session_id):
-                raise SessionSocketError(f"session id {session_id!r} cannot name a directory: no agent socket for it")
+                raise SessionSocketError(
+                    f"session id {session_id!r} cannot name a directory: no agent socket for it")
             directory = self.root / session_id
             if directory.parent != self.root:
-                raise SessionSocketError(f"session id {session_id!r} cannot name a directory: no agent socket for it")
+                raise SessionSocketError(
+                    f"session id {session_id!r} cannot name a directory: no agent socket for it")
             path = str(directory / SOCKET_NAME)
             if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
                 raise SessionSocketError(
-                    f"the agent socket path {path} is longer than unix sockets allow ({_MAX_SOCKET_PATH} bytes): "
+                    f"the agent socket path {path} is longer than unix sockets allow "
+                    f"({_MAX_SOCKET_PATH} bytes): "
                     "use a shorter session id or runtime_dir"
                 )
             with contextlib.suppress(FileNotFoundError):
@@ -163,7 +168,8 @@ def build_session_server(gateway: ServedGateway, limits: HttpLimits, session_id:
     async def dispatch(request: BaseRequest) -> StreamResponse:
         expect = request.headers.get("expect")
         if expect is not None and request.version >= (1, 1) and expect.lower() != "100-continue":
-            resp = error_for_path(request.path, 417, f"unknown Expect: {expect!r}; only 100-continue is supported")
+            resp = error_for_path(request.path, 417,
+                                  f"unknown Expect: {expect!r}; only 100-continue is supported")
             resp.force_close()
             return resp
         path = request.path

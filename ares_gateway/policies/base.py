@@ -53,7 +53,8 @@ class ServedGateway(Protocol):
 class Policy(Protocol):
     """Answers one LLM request. See the module docstring for the accepted answers."""
 
-    def __call__(self, request: PolicyRequest, /) -> Awaitable[PolicyAnswer] | AsyncIterator[CompletionDelta | Completion]:
+    def __call__(self, request: PolicyRequest,
+                 /) -> Awaitable[PolicyAnswer] | AsyncIterator[CompletionDelta | Completion]:
         ...
 
 
@@ -85,8 +86,8 @@ async def call_policy(policy: Policy, request: PolicyRequest) -> PolicyAnswer:
     if isinstance(out, Completion | ErrorAnswer | dict) or hasattr(out, "__aiter__"):
         return out  # type: ignore[no-any-return]
     raise TypeError(
-        f"policy {policy!r} returned {type(out).__name__}: return a Completion, an ErrorAnswer, a string, or an "
-        "async iterator of CompletionDelta ending with a Completion"
+        f"policy {policy!r} returned {type(out).__name__}: return a Completion, an ErrorAnswer, a "
+        "string, or an async iterator of CompletionDelta ending with a Completion"
     )
 
 
@@ -156,7 +157,8 @@ class PolicyServer:
     """
 
     def __init__(
-        self, gateway: ServedGateway, policy: Policy, *, concurrency: int = 8, session: str | None = None, poll_interval: float = 1.0
+        self, gateway: ServedGateway, policy: Policy, *, concurrency: int = 8, session: str | None = None,
+        poll_interval: float = 1.0
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -246,7 +248,8 @@ class PolicyServer:
                     # The policy's answer is unusable; the request is still answerable, so tell the agent.
                     failed = True
                     log.warning("policy gave an invalid answer to %s: %s", req.id, exc)
-                    await self.gateway.respond(req.id, ErrorAnswer(502, f"the policy gave an invalid answer: {exc}"))
+                    await self.gateway.respond(req.id,
+                                               ErrorAnswer(502, f"the policy gave an invalid answer: {exc}"))
                 if failed:
                     self.stats.failed += 1
                 else:
@@ -264,7 +267,8 @@ class PolicyServer:
             self._slots.release()
 
 
-async def serve(gateway: ServedGateway, policy: Policy, *, concurrency: int = 8, session: str | None = None) -> None:
+async def serve(gateway: ServedGateway, policy: Policy, *, concurrency: int = 8,
+                session: str | None = None) -> None:
     """Serve ``gateway`` with ``policy`` until cancelled or the gateway closes (see :class:`PolicyServer`)."""
     server = PolicyServer(gateway, policy, concurrency=concurrency, session=session)
     try:

@@ -1,4 +1,5 @@
-"""In-process policies: any callable ``request -> completion`` (how a Python trainer plugs in without HTTP)."""
+"""In-process policies: any callable ``request -> completion`` (how a Python trainer plugs in without
+HTTP)."""
 
 from __future__ import annotations
 

@@ -22,11 +22,12 @@ class HttpPolicy:
         """One line telling a user where to point the trainer."""
         auth = " with 'Authorization: Bearer <admin token>'" if admin_token_set else ""
         return (
-            f"requests wait for an external policy: GET {gateway_url}/poll and POST {gateway_url}/respond{auth}"
+            f"requests wait for an external policy: GET {gateway_url}/poll and POST "
+            f"{gateway_url}/respond{auth}"
         )
 
     def __call__(self, request: PolicyRequest, /) -> NoReturn:
         raise RuntimeError(
-            "the http policy answers nothing in process: an external trainer answers through /poll and /respond "
-            "(PolicyServer starts no loop for it)"
+            "the http policy answers nothing in process: an external trainer answers through /poll "
+            "and /respond (PolicyServer starts no loop for it)"
         )

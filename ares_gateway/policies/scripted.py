@@ -28,7 +28,8 @@ from harnesses.scripted import Finish, RunCommand, ScriptedPolicy, Step
 
 
 class SessionScriptedPolicy:
-    """A scripted policy per bound session (see the module docstring). ``mode`` is ``scripted`` or ``oracle``."""
+    """A scripted policy per bound session (see the module docstring). ``mode`` is ``scripted`` or
+    ``oracle``."""
 
     def __init__(
         self,
@@ -55,7 +56,8 @@ class SessionScriptedPolicy:
         """The steps one episode plays."""
         if self.mode == "oracle":
             if task is None:
-                raise ValueError("the oracle needs the session's task: bind(session_id, agent=..., task=task)")
+                raise ValueError(
+                    "the oracle needs the session's task: bind(session_id, agent=..., task=task)")
             return [RunCommand(task.oracle_command()), Finish(self.finish_message)]
         if self._script is not None:
             return list(self._script)
@@ -73,7 +75,8 @@ class SessionScriptedPolicy:
 
     async def __call__(self, request: PolicyRequest, /) -> Completion:
         if not isinstance(request, ParkedRequest):
-            raise PolicyError("the scripted policy answers gateway requests (it needs the session id)", status=500)
+            raise PolicyError("the scripted policy answers gateway requests (it needs the session id)",
+                              status=500)
         policy = self._sessions.get(request.session_id)
         if policy is None:
             raise PolicyError(

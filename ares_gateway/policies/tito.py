@@ -88,7 +88,8 @@ class TitoPolicy:
         # What a copy in another process is built from (a Ray actor): the same settings, its own
         # engine copy, renderer and token streams, no session of this one's.
         self._settings = {"tokenizer": tokenizer, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                          "seed": seed, "max_tokens": max_tokens, "honor_request_sampling": honor_request_sampling,
+                          "seed": seed, "max_tokens": max_tokens,
+                          "honor_request_sampling": honor_request_sampling,
                           "stream": stream, "max_turns_kept": max_turns_kept}
         if isinstance(engine, str):
             if engine in ("llama-cpp", "llama_cpp", "llamacpp"):
@@ -110,11 +111,12 @@ class TitoPolicy:
                 source = self.engine.model
             if source is None:
                 raise ValueError(
-                    f"the {self.engine.name} engine needs tokenizer= (the model's .gguf file or Hugging Face directory): "
-                    "the gateway renders prompts itself"
+                    f"the {self.engine.name} engine needs tokenizer= (the model's .gguf file or Hugging Face "
+                    "directory): the gateway renders prompts itself"
                 )
             self.renderer = ChatRenderer(source, renderer=renderer)
-        self.defaults = Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        self.defaults = Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                 seed=seed)
         self.honor_request_sampling = honor_request_sampling
         self.stream = stream
         self.streams = TokenStreams(self.renderer, max_turns_kept=max_turns_kept)
@@ -156,7 +158,8 @@ class TitoPolicy:
         """Whether the model's renderer has a tool-call format (else tools are not shown to the model,
         and an agent must be run in a text-action mode, e.g. mini-swe-agent's ``action_format="text"``)."""
         # Hand-written renderers parse their family's tool calls; the generic template only with a parser.
-        return not self.renderer.is_template or getattr(self.renderer.renderer, "_tool_parser", None) is not None
+        return (not self.renderer.is_template
+                or getattr(self.renderer.renderer, "_tool_parser", None) is not None)
 
     def harness_options(self, harness: str, *, action_regex: str | None = None) -> dict[str, Any]:
         """The harness options this model needs: mini-swe-agent runs in its text-action mode for a model
@@ -216,7 +219,8 @@ class TitoPolicy:
             raise PolicyError(str(exc), status=400) from exc
         return req, prepared, self._sampling(req, sid)
 
-    def _finish(self, req: CanonicalRequest, prepared: Prepared, sampling: Sampling, result: GenerateResult) -> Completion:
+    def _finish(self, req: CanonicalRequest, prepared: Prepared, sampling: Sampling,
+                result: GenerateResult) -> Completion:
         completion, broken = self.renderer.parse(
             result.output_ids,
             prompt_ids=prepared.prompt_ids,
@@ -262,7 +266,8 @@ class TitoPolicy:
         self.last_record = tito
         return completion
 
-    async def __call__(self, request: PolicyRequest) -> Completion | AsyncIterator[CompletionDelta | Completion]:
+    async def __call__(self,
+                       request: PolicyRequest) -> Completion | AsyncIterator[CompletionDelta | Completion]:
         req, prepared, sampling = await self._prepare(request)
         if req.stream and self.stream and self._streams_text():
             return self._streamed(req, prepared, sampling)

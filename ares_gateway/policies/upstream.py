@@ -130,7 +130,8 @@ class UpstreamConfig:
 class UpstreamError(PolicyError):
     """The upstream server failed (after retries, when retryable); ``status`` is passed to the agent."""
 
-    def __init__(self, message: str, *, status: int = 502, retryable: bool = False, retry_after: float | None = None) -> None:
+    def __init__(self, message: str, *, status: int = 502, retryable: bool = False,
+                 retry_after: float | None = None) -> None:
         super().__init__(message, status=status)
         self.retryable = retryable
         self.retry_after = retry_after
@@ -182,7 +183,8 @@ class UpstreamPolicy:
         elif settings:
             raise TypeError("pass either an UpstreamConfig or keyword settings, not both")
         if not config.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {config.base_url!r}")
+            raise ValueError(
+                f"base_url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {config.base_url!r}")
         if config.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         self.config = config
@@ -247,30 +249,35 @@ class UpstreamPolicy:
                 if status in (401, 403):
                     raise UpstreamError(_key_refused(base, status), status=status)
                 if status >= 400 and (self.config.model or status >= 500):
-                    raise UpstreamError(f"{_error_message(status, text)} (POST {self.url}, the start-up check)",
-                                        status=status)
+                    raise UpstreamError(
+                        f"{_error_message(status, text)} (POST {self.url}, the start-up check)",
+                        status=status)
                 return f"upstream {base} answers (no /models; a one-token chat completion answered {status})"
         except TimeoutError:
-            raise UpstreamError(f"upstream {base} did not answer within {timeout:g} s: is the server up, and is "
-                                "--base-url its OpenAI base URL (ending in /v1)?", status=504) from None
+            raise UpstreamError(
+                f"upstream {base} did not answer within {timeout:g} s: is the server up, and is "
+                "--base-url its OpenAI base URL (ending in /v1)?", status=504) from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"cannot reach upstream {base}: {exc}: start the server or fix --base-url",
                                 status=502) from None
         if status in (401, 403):
             raise UpstreamError(_key_refused(base, status), status=status)
         if status >= 400:
-            raise UpstreamError(f"{_error_message(status, text)} (GET {base}/models, the start-up check)", status=status)
+            raise UpstreamError(f"{_error_message(status, text)} (GET {base}/models, the start-up check)",
+                                status=status)
         try:
             listed = [m["id"] for m in json.loads(text).get("data", []) if isinstance(m, dict) and "id" in m]
         except (ValueError, AttributeError, TypeError):
-            raise UpstreamError(f"upstream {base}/models answered {status} with something that is not a model list: "
-                                f"is --base-url the OpenAI base URL (ending in /v1)? It said: {text.strip()[:200]}",
-                                status=502) from None
+            raise UpstreamError(
+                f"upstream {base}/models answered {status} with something that is not a model list: "
+                f"is --base-url the OpenAI base URL (ending in /v1)? It said: {text.strip()[:200]}",
+                status=502) from None
         model = self.config.model
         if model and listed and model not in listed:
             shown = ", ".join(listed[:10]) + (", ..." if len(listed) > 10 else "")
-            raise UpstreamError(f"upstream {base} does not serve model {model!r}; it serves {shown}: pass one of "
-                                "them as --model", status=404)
+            raise UpstreamError(
+                f"upstream {base} does not serve model {model!r}; it serves {shown}: pass one of "
+                "them as --model", status=404)
         return f"upstream {base} answers" + (f" (serves {model})" if model and listed else
                                               f" ({len(listed)} model(s) listed)")
 
@@ -306,7 +313,8 @@ class UpstreamPolicy:
 
     # ------------------------------------------------------------------ the policy
 
-    async def __call__(self, request: PolicyRequest, /) -> Completion | AsyncIterator[CompletionDelta | Completion]:
+    async def __call__(self, request: PolicyRequest,
+                       /) -> Completion | AsyncIterator[CompletionDelta | Completion]:
         if self.config.stream:
             return await self.stream(request)
         return await self.complete(request)
@@ -319,7 +327,8 @@ class UpstreamPolicy:
         try:
             completion = get_adapter(WireProtocol.OPENAI_CHAT).parse_response(body, canonical)
         except RequestError as exc:
-            raise UpstreamError(f"the upstream response is not a chat completion: {exc.message}", status=502) from None
+            raise UpstreamError(f"the upstream response is not a chat completion: {exc.message}",
+                                status=502) from None
         return self._finish(request, completion, attempts, time.monotonic() - started)
 
     async def stream(self, request: PolicyRequest) -> AsyncIterator[CompletionDelta | Completion]:
@@ -388,12 +397,13 @@ class UpstreamPolicy:
 
     # ------------------------------------------------------------------ internals
 
-    def _finish(self, request: PolicyRequest, completion: Completion, attempts: int, latency: float) -> Completion:
+    def _finish(self, request: PolicyRequest, completion: Completion, attempts: int,
+                latency: float) -> Completion:
         if self._ask_tokens and completion.tokens is None and not self._warned_no_tokens:
             self._warned_no_tokens = True
             log.warning(
-                "%s returned no token ids: trajectories will hold no training samples (vLLM >= 0.10.2 returns "
-                "them for return_token_ids=true)",
+                "%s returned no token ids: trajectories will hold no training samples (vLLM >= "
+                "0.10.2 returns them for return_token_ids=true)",
                 self.url,
             )
         cost = self.config.prices.cost(completion.usage) if self.config.prices and completion.usage else None
@@ -445,7 +455,8 @@ class UpstreamPolicy:
                     and any(k in exc.message for k in TOKEN_FIELDS)
                 ):
                     # The server does not know the token-record fields: ask without them from now on.
-                    log.warning("%s rejected token-id fields (%s); continuing without token records", self.url, exc)
+                    log.warning("%s rejected token-id fields (%s); continuing without token records",
+                                self.url, exc)
                     self._ask_tokens = False
                     fallback_done = True
                     continue
@@ -485,7 +496,8 @@ class UpstreamPolicy:
             try:
                 return await resp.json(content_type=None)
             except ValueError as exc:
-                raise UpstreamError(f"upstream answered {resp.status} with invalid JSON: {exc}", status=502) from None
+                raise UpstreamError(f"upstream answered {resp.status} with invalid JSON: {exc}",
+                                    status=502) from None
 
     async def _open_stream(self, body: dict[str, Any]) -> aiohttp.ClientResponse:
         resp = await self._session().post(self.url, json=body)
@@ -502,7 +514,8 @@ class _Relay:
     never iterated (an async generator's ``finally`` does not run then), e.g. when the agent left
     before the answer could be delivered."""
 
-    def __init__(self, gen: AsyncIterator[CompletionDelta | Completion], resp: aiohttp.ClientResponse) -> None:
+    def __init__(self, gen: AsyncIterator[CompletionDelta | Completion],
+                 resp: aiohttp.ClientResponse) -> None:
         self._gen = gen
         self._resp = resp
 
@@ -530,7 +543,8 @@ def _clean_foreign(body: dict[str, Any]) -> None:
                 msg["content"] = "\n".join(p.get("text", "") for p in parts)
             else:
                 msg["content"] = parts
-        for key in [k for k in msg if k not in ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")]:
+        for key in [k for k in msg if k not in ("role", "content", "name", "tool_calls", "tool_call_id",
+                                                "reasoning_content")]:
             del msg[key]
     tools = body.get("tools")
     if isinstance(tools, list):
@@ -587,6 +601,7 @@ async def _sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, A
             try:
                 data = json.loads(payload)
             except ValueError:
-                raise UpstreamError(f"upstream sent an unreadable stream event: {payload[:200]!r}", status=502) from None
+                raise UpstreamError(f"upstream sent an unreadable stream event: {payload[:200]!r}",
+                                    status=502) from None
             if isinstance(data, dict):
                 yield data

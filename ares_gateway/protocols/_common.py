@@ -133,11 +133,13 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 def _range_text(lo: float | None, hi: float | None) -> str:
     if lo is not None and hi is not None:
-        return f"from {lo:g} to {hi:g}" if isinstance(lo, float) or isinstance(hi, float) else f"from {lo} to {hi}"
+        return (f"from {lo:g} to {hi:g}" if isinstance(lo, float) or isinstance(hi, float)
+                else f"from {lo} to {hi}")
     return f">= {lo}" if lo is not None else f"<= {hi}"
 
 
-def opt_int(d: dict[str, Any], key: str, param: str, lo: int | None = None, hi: int | None = None) -> int | None:
+def opt_int(d: dict[str, Any], key: str, param: str, lo: int | None = None,
+            hi: int | None = None) -> int | None:
     """``d[key]`` as an int (``None`` when absent), in ``[lo, hi]``; else a 400 naming ``param``.
 
     A JSON number with no fractional part (``1000.0``, ``1e3``) counts as that integer, as JSON
@@ -146,7 +148,8 @@ def opt_int(d: dict[str, Any], key: str, param: str, lo: int | None = None, hi: 
     v = d.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+    if (isinstance(v, bool) or not isinstance(v, (int, float))
+        or (isinstance(v, float) and not v.is_integer())):
         fail(f"'{param}' must be an integer, got {_json_type(v)}", param)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         fail(f"'{param}' must be an integer {_range_text(lo, hi)}, got {v!r}", param)
@@ -170,7 +173,8 @@ def opt_num(d: dict[str, Any], key: str, param: str, lo: float | None = None,
     return f
 
 
-def check_numbers(d: dict[str, Any], ints: dict[str, tuple[int, int]], nums: dict[str, tuple[float, float]]) -> None:
+def check_numbers(d: dict[str, Any], ints: dict[str, tuple[int, int]],
+                  nums: dict[str, tuple[float, float]]) -> None:
     """400 for any of the named fields that is present and not a number within its bounds (fields
     the gateway only passes on verbatim, such as OpenAI's ``n`` or ``presence_penalty``)."""
     for key, (ilo, ihi) in ints.items():
@@ -219,7 +223,8 @@ def _build(cls: Any, values: dict[str, Any]) -> Any:
 
 def part(type_: str = "text", text: str | None = None, url: str | None = None,
          extra: dict[str, Any] | None = None) -> ContentPart:
-    return _build(ContentPart, {"type": type_, "text": text, "url": url, "extra": {} if extra is None else extra})
+    return _build(ContentPart,
+                  {"type": type_, "text": text, "url": url, "extra": {} if extra is None else extra})
 
 
 def tool_call(id_: str, name: str, arguments: str, type_: str = "function",
@@ -260,7 +265,8 @@ def mk_request(*, protocol: WireProtocol, model: str | None, messages: list[Mess
                tool_choice: Any, parallel_tool_calls: bool | None, sampling: SamplingParams, stream: bool,
                include_usage: bool, extra: dict[str, Any], raw: dict[str, Any]) -> CanonicalRequest:
     return _build(CanonicalRequest, {
-        "protocol": protocol, "model": model, "messages": messages, "tools": tools, "tool_choice": tool_choice,
+        "protocol": protocol, "model": model, "messages": messages, "tools": tools,
+        "tool_choice": tool_choice,
         "parallel_tool_calls": parallel_tool_calls, "sampling": sampling, "stream": stream,
         "include_usage": include_usage, "extra": extra, "raw": raw,
     })
@@ -270,7 +276,8 @@ def mk_completion(*, text: str | None, reasoning: str | None, tool_calls: list[T
                   usage: Usage | None, tokens: TokenRecord | None, model: str | None,
                   extra: dict[str, Any]) -> Completion:
     return _build(Completion, {"text": text, "reasoning": reasoning, "tool_calls": tool_calls,
-                               "finish_reason": finish_reason, "usage": usage, "tokens": tokens, "model": model,
+                               "finish_reason": finish_reason, "usage": usage, "tokens": tokens,
+                               "model": model,
                                "policy_version": None, "extra": extra})
 
 

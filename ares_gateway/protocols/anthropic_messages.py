@@ -110,7 +110,8 @@ def _parse_block(b: Any, param: str) -> ContentPart:
         url = None
         if isinstance(src, dict):
             st = src.get("type")
-            if st == "base64" and isinstance(src.get("data"), str) and isinstance(src.get("media_type"), str) \
+            if st == "base64" and isinstance(src.get("data"), str) and isinstance(src.get("media_type"),
+                                                                                  str) \
                     and len(src) == 3:
                 url = data_url(src["media_type"], src["data"])
                 del extra["source"]
@@ -255,7 +256,8 @@ def parse_request(body: Any, *, require_max_tokens: bool = True, reuse: Reuse | 
             if isinstance(system, str):
                 messages.append(message("system", system))
             elif isinstance(system, list):
-                messages.append(message("system", [_parse_block(x, f"system[{j}]") for j, x in enumerate(system)]))
+                messages.append(
+                    message("system", [_parse_block(x, f"system[{j}]") for j, x in enumerate(system)]))
             else:
                 fail("'system' must be a string or an array of text blocks", "system")
     start = 0
@@ -344,7 +346,8 @@ def _render_part(p: ContentPart) -> dict[str, Any]:
         if p.url is not None:
             du = split_data_url(p.url)
             d["source"] = (
-                {"type": "base64", "media_type": du[0], "data": du[1]} if du else {"type": "url", "url": p.url}
+                {"type": "base64", "media_type": du[0], "data": du[1]} if du
+                else {"type": "url", "url": p.url}
             )
     elif t == "thinking":
         d = {"type": "thinking", "thinking": p.text or ""}
@@ -504,7 +507,8 @@ def render_request(request: CanonicalRequest) -> dict[str, Any]:
 
 _STOP_IN = {"end_turn": "stop", "stop_sequence": "stop", "pause_turn": "stop", "tool_use": "tool_calls",
             "max_tokens": "length", "model_context_window_exceeded": "length", "refusal": "content_filter"}
-_STOP_OUT = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens", "content_filter": "refusal"}
+_STOP_OUT = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens",
+             "content_filter": "refusal"}
 
 
 def stop_reason_of(c: Completion) -> str:
@@ -589,7 +593,8 @@ def response_id_of(response_id: str) -> str:
 def render_content_blocks(c: Completion) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if c.reasoning is not None:
-        blocks.append({"type": "thinking", "thinking": c.reasoning, "signature": c.extra.get("signature", "")})
+        blocks.append(
+            {"type": "thinking", "thinking": c.reasoning, "signature": c.extra.get("signature", "")})
     for data in c.extra.get("redacted_thinking", ()):
         blocks.append({"type": "redacted_thinking", "data": data})
     if c.text or (c.text == "" and not c.tool_calls):
@@ -691,7 +696,8 @@ class AnthropicStreamEncoder(StreamEncoderBase[_Block]):
             out = self._delta(b, {"type": "input_json_delta", "partial_json": '"}'})
         return out + sse_event("content_block_stop", {"type": "content_block_stop", "index": b.index})
 
-    def _open(self, kind: str, cb: dict[str, Any], tool_index: int | None = None, custom: bool = False) -> bytes:
+    def _open(self, kind: str, cb: dict[str, Any], tool_index: int | None = None,
+              custom: bool = False) -> bytes:
         out = self._close()
         b = _Block(kind, len(self.blocks), tool_index, custom)
         self.blocks.append(b)
@@ -705,7 +711,8 @@ class AnthropicStreamEncoder(StreamEncoderBase[_Block]):
         return out
 
     def _delta(self, b: _Block, delta: dict[str, Any]) -> bytes:
-        return sse_event("content_block_delta", {"type": "content_block_delta", "index": b.index, "delta": delta})
+        return sse_event("content_block_delta",
+                         {"type": "content_block_delta", "index": b.index, "delta": delta})
 
     # -- the skeleton's hooks
     def _reasoning(self, text: str) -> bytes:

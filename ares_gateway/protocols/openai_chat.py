@@ -126,7 +126,8 @@ def _parse_parts(parts: list[Any], param: str) -> list[ContentPart]:
             text = p.get("text")
             out.append(
                 part(t, text if isinstance(text, str) else None,
-                     extra=rest(p, _TEXT_PART_KNOWN) if isinstance(text, str) else rest(p, frozenset({"type"})))
+                     extra=rest(p, _TEXT_PART_KNOWN) if isinstance(text, str)
+                     else rest(p, frozenset({"type"})))
             )
         else:
             fail(f"'{pp}.type' must be a string", f"{pp}.type")
@@ -163,7 +164,8 @@ def _parse_tool_calls(tcs: Any, param: str, lenient: bool = False) -> list[ToolC
             if not isinstance(cu, dict) or not isinstance(cu.get("name"), str):
                 fail(f"'{pp}.custom.name' must be a string", f"{pp}.custom.name")
             inp = cu.get("input", "")
-            out.append(tool_call(tid, cu["name"], inp if isinstance(inp, str) else json_str(inp), "custom", extra))
+            out.append(
+                tool_call(tid, cu["name"], inp if isinstance(inp, str) else json_str(inp), "custom", extra))
             continue
         fn = tc.get("function")
         if not isinstance(fn, dict):
@@ -211,7 +213,8 @@ def _parse_message(m: Any, i: int) -> Message:
             tool_call("", fc["name"], args if isinstance(args, str) else json_str(args), "function",
                       {"legacy": True})
         )
-    # rendered as ``reasoning_content`` (vLLM / DeepSeek / litellm); ``reasoning`` (OpenRouter, newer vLLM) is marked
+    # rendered as ``reasoning_content`` (vLLM / DeepSeek / litellm); ``reasoning`` (OpenRouter, newer vLLM) is
+    # marked
     reasoning = m.get("reasoning_content")
     if reasoning is not None:
         if "reasoning" in m:
@@ -296,7 +299,8 @@ def _parse_tools(b: dict[str, Any]) -> list[Tool]:
     return tools
 
 
-def parse_request(body: Any, *, reuse: Reuse | None = None, ends: list[int] | None = None) -> CanonicalRequest:
+def parse_request(body: Any, *, reuse: Reuse | None = None,
+                  ends: list[int] | None = None) -> CanonicalRequest:
     """Parse a ``/v1/chat/completions`` body. ``reuse``/``ends``: see :class:`~ares_gateway.core.wire.Reuse`
     (each message is read from its item alone)."""
     b = require_object(body)
@@ -407,7 +411,8 @@ def _render_content(content: str | list[ContentPart] | None) -> Any:
 def render_tool_call(tc: ToolCall) -> dict[str, Any]:
     ex = tc.extra
     if tc.type == "custom":
-        d: dict[str, Any] = {"id": tc.id, "type": "custom", "custom": {"name": tc.name, "input": tc.arguments}}
+        d: dict[str, Any] = {"id": tc.id, "type": "custom",
+                             "custom": {"name": tc.name, "input": tc.arguments}}
     else:
         fn: dict[str, Any] = {"name": tc.name, "arguments": tc.arguments}
         if "function_extra" in ex:
@@ -623,7 +628,8 @@ def parse_response(body: Any, request: CanonicalRequest | None = None) -> Comple
     fc = msg.get("function_call")
     if isinstance(fc, dict) and isinstance(fc.get("name"), str):
         args = fc.get("arguments", "{}")
-        tool_calls.append(tool_call(new_id("call_"), fc["name"], args if isinstance(args, str) else json_str(args)))
+        tool_calls.append(
+            tool_call(new_id("call_"), fc["name"], args if isinstance(args, str) else json_str(args)))
     fr_raw = ch.get("finish_reason")
     finish = _FINISH.get(fr_raw, "tool_calls" if tool_calls else "stop") if isinstance(fr_raw, str) else (
         "tool_calls" if tool_calls else "stop")
@@ -661,7 +667,8 @@ def render_response(completion: Completion, request: CanonicalRequest, response_
         msg["reasoning_content"] = c.reasoning
     if c.tool_calls:
         msg["tool_calls"] = [_out_tool_call(tc) for tc in c.tool_calls]
-    choice: dict[str, Any] = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish_reason_of(c)}
+    choice: dict[str, Any] = {"index": 0, "message": msg, "logprobs": None,
+                              "finish_reason": finish_reason_of(c)}
     body: dict[str, Any] = {
         "id": response_id_of(response_id),
         "object": "chat.completion",
@@ -732,7 +739,8 @@ class ChatStreamEncoder(StreamEncoderBase[list[str]]):
             entry: dict[str, Any] = {"index": index, "id": call_id, "type": "custom",
                                      "custom": {"name": name, "input": ""}}
         else:
-            entry = {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+            entry = {"index": index, "id": call_id, "type": "function",
+                     "function": {"name": name, "arguments": ""}}
         return self._chunk({"tool_calls": [entry]})
 
     def _tool_args(self, index: int, args: str) -> bytes:
@@ -756,7 +764,8 @@ class ChatStreamEncoder(StreamEncoderBase[list[str]]):
         out = self._chunk({}, finish)
         if self.include_usage:
             out += sse_data({
-                "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model,
                 "system_fingerprint": None, "choices": [], "usage": render_usage(c.usage),
             })
         return out + SSE_DONE

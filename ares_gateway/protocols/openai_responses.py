@@ -276,7 +276,8 @@ def _parse_tool(t: Any, param: str) -> Tool:
     )
 
 
-def parse_request(body: Any, *, reuse: Reuse | None = None, ends: list[int] | None = None) -> CanonicalRequest:
+def parse_request(body: Any, *, reuse: Reuse | None = None,
+                  ends: list[int] | None = None) -> CanonicalRequest:
     """Parse a ``/v1/responses`` body. ``reuse``: only its tools are taken over (an input item may fold
     into the message before it, so items are always read again); ``ends`` is left empty."""
     b = require_object(body)
@@ -365,7 +366,8 @@ def _clean(extra: dict[str, Any], drop: frozenset[str] = _MARKERS) -> dict[str, 
 
 def _render_call_item(tc: ToolCall) -> dict[str, Any]:
     if tc.type == "custom":
-        d: dict[str, Any] = {"type": "custom_tool_call", "call_id": tc.id, "name": tc.name, "input": tc.arguments}
+        d: dict[str, Any] = {"type": "custom_tool_call", "call_id": tc.id, "name": tc.name,
+                             "input": tc.arguments}
     else:
         d = {"type": "function_call", "call_id": tc.id, "name": tc.name, "arguments": tc.arguments}
     for k, v in tc.extra.items():
@@ -589,7 +591,8 @@ def _message_out(text: str, mid: str, status: str = "completed") -> dict[str, An
             "content": [_text_part(text)] if status == "completed" else []}
 
 
-def _call_out(tc_type: str, iid: str, call_id: str, name: str, args: str, status: str = "completed") -> dict[str, Any]:
+def _call_out(tc_type: str, iid: str, call_id: str, name: str, args: str,
+              status: str = "completed") -> dict[str, Any]:
     if tc_type == "custom":
         return {"id": iid, "type": "custom_tool_call", "status": status, "call_id": call_id, "name": name,
                 "input": args}
@@ -727,7 +730,8 @@ class ResponsesStreamEncoder(StreamEncoderBase[_Item]):
         out = self._close()
         self.items.append(it)
         self.open = it
-        out += self._ev("response.output_item.added", {"output_index": it.index, "item": self._item_json(it, False)})
+        out += self._ev("response.output_item.added",
+                        {"output_index": it.index, "item": self._item_json(it, False)})
         if it.kind == "reasoning":
             out += self._ev("response.reasoning_summary_part.added", {
                 "item_id": it.id, "output_index": it.index, "summary_index": 0,
@@ -746,17 +750,22 @@ class ResponsesStreamEncoder(StreamEncoderBase[_Item]):
         it.done = True
         base = {"item_id": it.id, "output_index": it.index}
         if it.kind == "reasoning":
-            out = self._ev("response.reasoning_summary_text.done", {**base, "summary_index": 0, "text": it.text})
+            out = self._ev("response.reasoning_summary_text.done",
+                           {**base, "summary_index": 0, "text": it.text})
             out += self._ev("response.reasoning_summary_part.done", {
                 **base, "summary_index": 0, "part": {"type": "summary_text", "text": it.text}})
         elif it.kind == "message":
-            out = self._ev("response.output_text.done", {**base, "content_index": 0, "text": it.text, "logprobs": []})
-            out += self._ev("response.content_part.done", {**base, "content_index": 0, "part": _text_part(it.text)})
+            out = self._ev("response.output_text.done",
+                           {**base, "content_index": 0, "text": it.text, "logprobs": []})
+            out += self._ev("response.content_part.done",
+                            {**base, "content_index": 0, "part": _text_part(it.text)})
         elif it.tool_type == "custom":
             out = self._ev("response.custom_tool_call_input.done", {**base, "input": it.text})
         else:
-            out = self._ev("response.function_call_arguments.done", {**base, "name": it.name, "arguments": it.text})
-        return out + self._ev("response.output_item.done", {"output_index": it.index, "item": self._item_json(it, True)})
+            out = self._ev("response.function_call_arguments.done",
+                           {**base, "name": it.name, "arguments": it.text})
+        return out + self._ev("response.output_item.done",
+                              {"output_index": it.index, "item": self._item_json(it, True)})
 
     def _reasoning(self, text: str) -> bytes:
         out = b""

@@ -1,4 +1,5 @@
-"""Token-in/token-out rendering: prompts rendered to ids with the model's chat template, completions parsed back.
+"""Token-in/token-out rendering: prompts rendered to ids with the model's chat template, completions parsed
+back.
 
 * :class:`ChatTokenizer` / :func:`load_tokenizer`: the model's tokenizer (``tokenizers``, no torch) and
   chat template, from a GGUF file or a Hugging Face directory; one per model, cached.

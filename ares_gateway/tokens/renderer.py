@@ -84,11 +84,13 @@ class ChatRenderer:
         from renderers.base import MODEL_RENDERER_MAP
 
         self.tokenizer = tokenizer if isinstance(tokenizer, ChatTokenizer) else load_tokenizer(tokenizer)
-        self._options = {"renderer": renderer, "tool_parser": tool_parser, "reasoning_parser": reasoning_parser,
+        self._options = {"renderer": renderer, "tool_parser": tool_parser,
+                         "reasoning_parser": reasoning_parser,
                          "role_map": None if role_map is None else dict(role_map)}
         name = renderer or MODEL_RENDERER_MAP.get(self.tokenizer.name_or_path) or "default"
         if name == "default":
-            config: Any = renderers.DefaultRendererConfig(tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+            config: Any = renderers.DefaultRendererConfig(tool_parser=tool_parser,
+                                                          reasoning_parser=reasoning_parser)
         else:
             config = renderers.config_from_name(name)
         self.name = name
@@ -108,10 +110,12 @@ class ChatRenderer:
 
     def _message(self, m: Message) -> dict[str, Any]:
         if isinstance(m.content, list):
-            bad = sorted({p.type for p in m.content if p.type not in ("text", "thinking", "redacted_thinking")})
+            bad = sorted(
+                {p.type for p in m.content if p.type not in ("text", "thinking", "redacted_thinking")})
             if bad:
                 raise RenderError(
-                    f"a {m.role} message has {', '.join(bad)} content; the {self.name!r} renderer renders text only"
+                    f"a {m.role} message has {', '.join(bad)} content; the {self.name!r} renderer "
+                    "renders text only"
                 )
         out: dict[str, Any] = {"role": self.role_map.get(m.role, m.role), "content": m.text()}
         if m.role == "assistant":
@@ -123,7 +127,8 @@ class ChatRenderer:
                 out["reasoning_content"] = reasoning
             if m.tool_calls:
                 out["tool_calls"] = [
-                    {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
+                    {"id": tc.id, "type": "function",
+                     "function": {"name": tc.name, "arguments": tc.arguments}}
                     for tc in m.tool_calls
                 ]
         if m.role == "tool":
@@ -151,7 +156,8 @@ class ChatRenderer:
         return out or None
 
     # --------------------------------------------------------------- render
-    def render(self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None) -> Rendered:
+    def render(self, messages: Sequence[Mapping[str, Any]],
+               tools: list[dict[str, Any]] | None = None) -> Rendered:
         """Full render of template ``messages`` with the generation prompt."""
         msgs = list(messages)
         if self.is_template:
@@ -178,15 +184,18 @@ class ChatRenderer:
         if not new_messages:
             return Bridge(None, reason="no new messages after the previous answer")
         if any(m.get("role") == "assistant" for m in new_messages):
-            return Bridge(None, reason="an assistant message the engine did not sample follows the previous answer")
+            return Bridge(None,
+                          reason="an assistant message the engine did not sample follows the previous answer")
         prev = [*prev_prompt_ids, *prev_output_ids]
         if not self.is_template:
-            out = self.renderer.bridge_to_next_turn(list(prev_prompt_ids), list(prev_output_ids), list(new_messages), tools=tools)
+            out = self.renderer.bridge_to_next_turn(list(prev_prompt_ids), list(prev_output_ids),
+                                                    list(new_messages), tools=tools)
             if out is None:
                 return Bridge(None, reason=f"the {self.name!r} renderer declined to extend this turn")
             ids = list(out.token_ids)
             if ids[: len(prev)] != prev:  # the library's contract, checked: never trust a drifting bridge
-                return Bridge(None, reason=f"the {self.name!r} renderer's extension does not keep the sampled tokens")
+                return Bridge(
+                    None, reason=f"the {self.name!r} renderer's extension does not keep the sampled tokens")
             return Bridge(ids)
         tok = self.tokenizer
         hist = list(history)
@@ -195,10 +204,12 @@ class ChatRenderer:
             prompt_text = tok.render_text(hist[:-1], tools=tools, add_generation_prompt=True)
         hist_text = tok.render_text(hist, tools=tools, add_generation_prompt=False)
         if not hist_text.startswith(prompt_text):
-            return Bridge(None, reason="the template re-renders the earlier prompt once the answer is added (not append-only)")
+            return Bridge(None, reason="the template re-renders the earlier prompt once the answer is added "
+                                       "(not append-only)")
         next_text = tok.render_text([*hist, *new_messages], tools=tools, add_generation_prompt=True)
         if not next_text.startswith(hist_text):
-            return Bridge(None, reason="the template renders the history differently once new messages follow (not append-only)")
+            return Bridge(None, reason="the template renders the history differently once new messages "
+                                       "follow (not append-only)")
         sampled = tok.decode(list(prev_output_ids), skip_special_tokens=False)
         answer = hist_text[len(prompt_text) :]
         if not answer.startswith(sampled):
@@ -220,7 +231,8 @@ class ChatRenderer:
         """A canonical completion from sampled ids; also the raw text of tool calls that did not parse."""
         from renderers import ToolCallParseStatus
 
-        parsed = self.renderer.parse_response(list(output_ids), tools=tools, prompt_ids=list(prompt_ids or []))
+        parsed = self.renderer.parse_response(list(output_ids), tools=tools,
+                                              prompt_ids=list(prompt_ids or []))
         calls: list[ToolCall] = []
         broken: list[str] = []
         for tc in parsed.tool_calls:

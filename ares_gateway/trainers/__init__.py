@@ -1,6 +1,7 @@
 """Trainer adapters: real agents' episodes as a trainer's rollouts, one module per trainer.
 
-* :mod:`ares_gateway.trainers.trl` — TRL's ``GRPOTrainer(rollout_func=...)``: :func:`~ares_gateway.trainers.trl.rollout_func`
+* :mod:`ares_gateway.trainers.trl` — TRL's ``GRPOTrainer(rollout_func=...)``:
+:func:`~ares_gateway.trainers.trl.rollout_func`
   and :func:`~ares_gateway.trainers.trl.reward_from_episode` (extra ``.[trl]``).
 * :mod:`ares_gateway.trainers.verl` — verl's agent loop: :class:`~ares_gateway.trainers.verl.AresAgentLoop`,
   registered as ``ares_gateway`` when imported (extra ``.[verl]``).
@@ -9,7 +10,8 @@
 
 Each imports its trainer's package only when used: the base install needs no torch, trl or verl, and
 a missing one is a :class:`MissingExtraError` naming the extra. What they share (tasks named by
-prompts, episodes played, the main-line sample of each: the harness CLI's own conversation) is in :mod:`ares_gateway.trainers._common`;
+prompts, episodes played, the main-line sample of each: the harness CLI's own conversation) is in
+:mod:`ares_gateway.trainers._common`;
 see docs/training.md.
 """
 

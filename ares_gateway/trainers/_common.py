@@ -221,7 +221,8 @@ class TrainerEntry:
     logprobs: list[float]
     #: The response was cut to the trainer's cap (it had more tokens).
     truncated: bool = False
-    #: ``False``: the episode recorded no model turn (or is excluded); the entry is a masked one-token stand-in.
+    #: ``False``: the episode recorded no model turn (or is excluded); the entry is a masked one-token
+    #: stand-in.
     sampled: bool = True
     #: The episode is left out of training (:attr:`EpisodeSample.excluded`): drop the entry, or keep the
     #: masked stand-in where the batch must keep its shape.
@@ -253,12 +254,14 @@ def trainer_entry(ep: EpisodeSample, *, eos_id: int, encode: Any = None,
     set (one that moves no group baseline), never a reward-0 trained sample.
     """
     if max_response_tokens is not None and max_response_tokens < 1:
-        raise ValueError(f"max_response_tokens must be at least 1 (or None: no cap), got {max_response_tokens}")
+        raise ValueError(
+            f"max_response_tokens must be at least 1 (or None: no cap), got {max_response_tokens}")
     s = ep.sample
     if ep.excluded or ep.infra_error:
         ep.excluded = True
         ids = [int(t) for t in (encode(ep.task) if encode is not None else [])] or [int(eos_id)]
-        return TrainerEntry(prompt_ids=ids, response_ids=[int(eos_id)], loss_mask=[0], logprobs=[0.0], sampled=False,
+        return TrainerEntry(prompt_ids=ids, response_ids=[int(eos_id)], loss_mask=[0], logprobs=[0.0],
+                            sampled=False,
                             excluded=True)
     if s is not None and s.response_length > 0:
         n = s.prompt_length
@@ -274,7 +277,8 @@ def trainer_entry(ep: EpisodeSample, *, eos_id: int, encode: Any = None,
     if ep.error is None:
         ep.error = "the episode recorded no model turn"
     ep.reward = 0.0
-    return TrainerEntry(prompt_ids=ids, response_ids=[int(eos_id)], loss_mask=[0], logprobs=[0.0], sampled=False)
+    return TrainerEntry(prompt_ids=ids, response_ids=[int(eos_id)], loss_mask=[0], logprobs=[0.0],
+                        sampled=False)
 
 
 @dataclass(frozen=True)
@@ -309,8 +313,9 @@ def sample_turns(sample: Any) -> list[SampledTurn]:
         j = i
         while j < len(mask) and mask[j]:
             j += 1
-        turns.append(SampledTurn(prompt_ids=tokens[:n + i], completion_ids=tokens[n + i:n + j], logprobs=lps[i:j],
-                                 policy_version=versions.get(n + i)))
+        turns.append(
+            SampledTurn(prompt_ids=tokens[:n + i], completion_ids=tokens[n + i:n + j], logprobs=lps[i:j],
+                        policy_version=versions.get(n + i)))
         i = j
     return turns
 
@@ -340,7 +345,8 @@ async def play_episodes(
     excluded from training, and with ``drop_group_on_infra_error`` so is every episode of its task in
     this call (its GRPO group): :func:`exclude_infra_errors`.
 
-    ``executor`` runs the episodes (default: this process, :class:`~ares_gateway.episodes.executor.LocalExecutor`);
+    ``executor`` runs the episodes (default: this process,
+    :class:`~ares_gateway.episodes.executor.LocalExecutor`);
     it is started and closed once per wave of :func:`~ares_gateway.episodes.rollouts.run_rollouts`.
     ``max_staleness``: the main-line sample's responses sampled more than this many versions behind
     ``policy_version`` (default: the executor's version once the episodes are done) are masked
@@ -393,7 +399,8 @@ async def play_episodes(
     return exclude_infra_errors(played, drop_group=drop_group_on_infra_error)
 
 
-def exclude_infra_errors(episodes: Sequence[EpisodeSample], *, drop_group: bool = False) -> list[EpisodeSample]:
+def exclude_infra_errors(episodes: Sequence[EpisodeSample], *,
+                         drop_group: bool = False) -> list[EpisodeSample]:
     """Mark the episodes that must not be trained on (:attr:`EpisodeSample.excluded`), in place; returns them.
 
     An ``infra_error`` episode (it failed by the infrastructure on every try) is excluded: no sample,

@@ -36,12 +36,14 @@ class RemoteTitoPolicy(TitoPolicy):
         tokenizer / renderer: as :class:`TitoPolicy`'s (a renderer *name*, or ``None``: by model).
         model: the model name the turn records carry (the served engine's).
         headers: request headers (the server's ``Authorization: Bearer``); they travel with the policy.
-        sampling: :class:`TitoPolicy`'s sampling options (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``).
+        sampling: :class:`TitoPolicy`'s sampling options (``max_tokens``, ``temperature``, ``top_p``,
+        ``top_k``, ``seed``).
     """
 
     def __init__(self, url: str, *, tokenizer: str, renderer: str | None = None, model: str = "",
                  headers: Mapping[str, str] | None = None, **sampling: Any) -> None:
-        self._recipe: dict[str, Any] = {"url": url, "tokenizer": tokenizer, "renderer": renderer, "model": model,
+        self._recipe: dict[str, Any] = {"url": url, "tokenizer": tokenizer, "renderer": renderer,
+                                        "model": model,
                                         "headers": dict(headers or {}), **sampling}
         engine = SGLangEngine(url, model=model, headers=dict(headers or {}))
         super().__init__(engine, tokenizer=tokenizer, renderer=renderer, **sampling)
@@ -70,7 +72,8 @@ class ServedEngine:
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0,
                  server_options: Mapping[str, Any] | None = None) -> None:
         if not host:
-            raise ValueError("engine_host must be an address to listen on (127.0.0.1, or this machine's cluster address)")
+            raise ValueError(
+                "engine_host must be an address to listen on (127.0.0.1, or this machine's cluster address)")
         if not 0 <= port < 65536:
             raise ValueError(f"engine_port must be in [0, 65535] (0: a free port), got {port}")
         self.host = host
@@ -82,7 +85,8 @@ class ServedEngine:
 
     async def policy_for(self, engine: Any, *, tokenizer: str, renderer: str | None,
                          sampling: Mapping[str, Any]) -> RemoteTitoPolicy:
-        """The remote policy over ``engine`` served; the same server and policy while the engine is the same."""
+        """The remote policy over ``engine`` served; the same server and policy while the engine is the
+        same."""
         if self.server is not None and self.server.engine is engine and self.policy is not None:
             return self.policy
         await self.aclose()  # a new engine (a new model object): serve that one instead
@@ -94,8 +98,10 @@ class ServedEngine:
             await server.start()
         except OSError as exc:  # the port is taken, the address is not this machine's
             raise TrainerError(
-                f"could not serve the trainer's engine on {self.host}:{self.port} ({exc.strerror or exc}): give "
-                "rollout_func an engine_host that is an address of this machine (and engine_port=0 for a free port)"
+                f"could not serve the trainer's engine on {self.host}:{self.port} "
+                f"({exc.strerror or exc}): give "
+                "rollout_func an engine_host that is an address of this machine (and engine_port=0 for "
+                "a free port)"
             ) from exc
         self.server = server
         self.policy = RemoteTitoPolicy(server.url, tokenizer=tokenizer, renderer=renderer,

@@ -62,7 +62,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: How openenv installs here: the extra's packages, then openenv itself without its pins.
-INSTALL = "python3 -m pip install 'ares-gateway[openenv]' && python3 -m pip install --no-deps 'openenv==0.10.0'"
+INSTALL = ("python3 -m pip install 'ares-gateway[openenv]' && python3 -m pip install --no-deps "
+           "'openenv==0.10.0'")
 
 require("openenv.core.harness", "openenv", install=INSTALL)
 
@@ -87,7 +88,8 @@ class _Loop:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="ares-openenv-sessions", daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_forever, name="ares-openenv-sessions",
+                                       daemon=True)
         self.thread.start()
 
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
@@ -136,7 +138,8 @@ class AresSession(ResourceSession):  # type: ignore[misc]  # openenv ships no ty
         try:
             episode = self._future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the episode of {self.task.name!r} did not end within {timeout_s} s") from None
+            raise TimeoutError(
+                f"the episode of {self.task.name!r} did not end within {timeout_s} s") from None
         self._episode = episode
         return 0 if episode.exit_reason == "completed" else 1
 
@@ -163,7 +166,8 @@ class AresSession(ResourceSession):  # type: ignore[misc]  # openenv ships no ty
                 node_id=f"{e.session_id or self.episode_id}:{k}",
                 prompt_token_ids=t.prompt_ids, completion_token_ids=t.completion_ids,
                 per_token_logps=t.logprobs, loss_mask=[0] * len(t.prompt_ids) + [1] * len(t.completion_ids),
-                response={"choices": [{"message": {"role": "assistant", "content": decode(t.completion_ids)}}]},
+                response={
+                    "choices": [{"message": {"role": "assistant", "content": decode(t.completion_ids)}}]},
                 metadata=meta,
             ))
         return TrainingTrace(turns=turns)
@@ -195,7 +199,8 @@ class AresSession(ResourceSession):  # type: ignore[misc]  # openenv ships no ty
         try:
             self.factory._loop.submit(stop()).result(timeout=timeout + 10)
         except Exception as exc:  # the loop is gone or the episode would not end: say so
-            log.warning("the episode of %r did not end on close: %s: %s", self.task.name, type(exc).__name__, exc)
+            log.warning("the episode of %r did not end on close: %s: %s", self.task.name, type(exc).__name__,
+                        exc)
 
     # --------------------------------------------------------- resource session
     def initial_messages(self) -> list[dict[str, Any]]:
@@ -208,8 +213,9 @@ class AresSession(ResourceSession):  # type: ignore[misc]  # openenv ships no ty
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
         """Refused: a loop-owning session's agent calls its own tools in its sandbox."""
-        return ToolResult(error=f"tool {name!r}: an ares-gateway session's agent runs its own tools in its sandbox; "
-                                "use the session in TRL's loop-owning mode (no harness_adapter)")
+        return ToolResult(
+            error=f"tool {name!r}: an ares-gateway session's agent runs its own tools in its sandbox; "
+                  "use the session in TRL's loop-owning mode (no harness_adapter)")
 
 
 class AresSessionFactory(ResourceSessionFactory):  # type: ignore[misc]  # openenv ships no type information
@@ -281,7 +287,8 @@ class AresSessionFactory(ResourceSessionFactory):  # type: ignore[misc]  # opene
             if self._renderer is None:
                 from ares_gateway.tokens.tokenizer import default_model_path
 
-                self._renderer = ChatRenderer(self.tokenizer or default_model_path(), renderer=self.renderer_name)
+                self._renderer = ChatRenderer(self.tokenizer or default_model_path(),
+                                              renderer=self.renderer_name)
             return self._renderer
 
     def policy(self) -> TitoPolicy:

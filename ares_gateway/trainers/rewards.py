@@ -24,7 +24,8 @@ from typing import Any
 
 from ares_gateway.trainers._common import EpisodeSample, sample_turns
 
-__all__ = ["FormatRule", "FormatScore", "format_reward", "format_rewards_column", "format_score", "from_column"]
+__all__ = ["FormatRule", "FormatScore", "format_reward", "format_rewards_column", "format_score",
+           "from_column"]
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,12 @@ class FormatScore:
         return self.parsed / self.calls if self.calls else 0.0
 
 
-def format_score(episode: EpisodeSample, rule: FormatRule, *, decode: Callable[[list[int]], str]) -> FormatScore:
+def format_score(episode: EpisodeSample, rule: FormatRule, *,
+                 decode: Callable[[list[int]], str]) -> FormatScore:
     """The episode's parsed answers (in its main-line sample) and its LLM calls (its turns; at least
     the answers found). An episode that recorded no model turn scores 0 of 0."""
-    answers = [decode(t.completion_ids) for t in sample_turns(episode.sample)] if episode.sample is not None else []
+    answers = ([decode(t.completion_ids) for t in sample_turns(episode.sample)] if episode.sample is not None
+               else [])
     parsed = sum(1 for a in answers if rule.parses(a))
     return FormatScore(parsed=parsed, calls=max(int(episode.turns or 0), len(answers)))
 

@@ -6,7 +6,8 @@ SkyRL's trainer calls ``await generator.generate(GeneratorInput)`` once per step
 
     from ares_gateway.trainers.skyrl import AresGenerator
 
-    generator = AresGenerator("examples", inference_engine_client=client, tokenizer=cfg.trainer.policy.model.path,
+    generator = AresGenerator("examples", inference_engine_client=client,
+    tokenizer=cfg.trainer.policy.model.path,
                               harness="mini-swe-agent", sandbox="docker", step_limit=20)
     trainer = RayPPOTrainer(cfg, tracker, tokenizer, train_dataset, client, generator, ...)
 
@@ -118,7 +119,8 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         harness / sandbox: the agent CLI and the sandbox backend of every episode.
         step_limit / time_limit: per-episode bounds (LLM calls; seconds, default: the task's).
         concurrency: episodes at once.
-        max_tokens: the most tokens one answer may have (default: the batch's ``sampling_params["max_tokens"]``,
+        max_tokens: the most tokens one answer may have (default: the batch's
+        ``sampling_params["max_tokens"]``,
             else 512).
         max_response_tokens: cut each response (ids, mask, logprobs) to this many tokens, its stop reason
             ``"length"`` (``None``: whole episodes; SkyRL does not cut what a generator returns).
@@ -131,7 +133,8 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
 
     Attributes:
         last_episodes: the latest call's :class:`~ares_gateway.trainers.EpisodeSample` list, in prompt order.
-        calls: one dict per call: ``step``, ``seconds``, ``generation_s``, ``episodes``, ``failed``, ``mean_reward``.
+        calls: one dict per call: ``step``, ``seconds``, ``generation_s``, ``episodes``, ``failed``,
+        ``mean_reward``.
     """
 
     def __init__(
@@ -155,14 +158,16 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         trainer_tokenizer: Any = None,
     ) -> None:
         if (inference_engine_client is None) == (engine is None):
-            raise TrainerError("AresGenerator samples through exactly one of inference_engine_client= (SkyRL's) "
-                               "and engine= (a gateway engine): give one")
+            raise TrainerError(
+                "AresGenerator samples through exactly one of inference_engine_client= (SkyRL's) "
+                "and engine= (a gateway engine): give one")
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1 (or None: the batch's), got {max_tokens}")
         if max_response_tokens is not None and max_response_tokens < 1:
-            raise ValueError(f"max_response_tokens must be at least 1 (or None: no cap), got {max_response_tokens}")
+            raise ValueError(
+                f"max_response_tokens must be at least 1 (or None: no cap), got {max_response_tokens}")
         self.dataset = resolve_dataset(dataset)
         self.client = inference_engine_client
         self.engine = engine
@@ -199,7 +204,8 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         mismatch = tokenizer_mismatch(self.renderer().tokenizer, self.trainer_tokenizer)
         if mismatch is not None:
             raise TokenizerMismatchError(
-                f"SkyRL's tokenizer and the gateway's ({self.tokenizer or 'the embedded SmolLM2 GGUF'}) give different "
+                f"SkyRL's tokenizer and the gateway's ({self.tokenizer or 'the embedded SmolLM2 GGUF'}) "
+                "give different "
                 f"ids for {mismatch[0][:40]!r}: pass AresGenerator(tokenizer=...) the trained model's folder "
                 "(cfg.trainer.policy.model.path)")
         self._checked = True
@@ -242,10 +248,12 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         phase = getattr(meta, "training_phase", None)
         out = None
         if self.out:
-            out = f"{self.out}/{phase or 'step'}-{step}" if step is not None else f"{self.out}/{uuid.uuid4().hex[:8]}"
+            out = (f"{self.out}/{phase or 'step'}-{step}" if step is not None
+                   else f"{self.out}/{uuid.uuid4().hex[:8]}")
         try:
             episodes = await play_episodes(
-                tasks, harness=self.harness, policy=policy, sandbox=self.sandbox, concurrency=self.concurrency,
+                tasks, harness=self.harness, policy=policy, sandbox=self.sandbox,
+                concurrency=self.concurrency,
                 step_limit=self.step_limit, time_limit=self.time_limit, harness_options=options, out=out,
                 executor=self.executor,
             )
@@ -263,10 +271,12 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         metrics = output["rollout_metrics"]
         metrics.update({
             "ares/episodes": len(episodes), "ares/failed": len(failed),
-            "ares/mean_reward": sum(rewards) / len(rewards), "ares/generation_s": generation_s, "ares/seconds": seconds,
+            "ares/mean_reward": sum(rewards) / len(rewards), "ares/generation_s": generation_s,
+            "ares/seconds": seconds,
         })
-        self.calls.append({"step": step, "seconds": seconds, "generation_s": generation_s, "episodes": len(episodes),
-                           "failed": len(failed), "mean_reward": metrics["ares/mean_reward"]})
+        self.calls.append(
+            {"step": step, "seconds": seconds, "generation_s": generation_s, "episodes": len(episodes),
+             "failed": len(failed), "mean_reward": metrics["ares/mean_reward"]})
         return output
 
     # ----------------------------------------------------------- internals
@@ -279,7 +289,8 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         times: list[float] = []
         env_metrics: list[dict[str, Any]] = []
         for e in episodes:
-            entry = trainer_entry(e, eos_id=int(eos), encode=tok.encode, max_response_tokens=self.max_response_tokens)
+            entry = trainer_entry(e, eos_id=int(eos), encode=tok.encode,
+                                  max_response_tokens=self.max_response_tokens)
             prompt_ids.append(entry.prompt_ids)
             response_ids.append(entry.response_ids)
             loss_masks.append(entry.loss_mask)
@@ -297,7 +308,8 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
             times.append(float(e.result.duration) if e.result is not None else 0.0)
             env_metrics.append({**e.facts(), "sampled_tokens": entry.sampled_tokens, "truncated": truncated,
                                 "episode_failed": not entry.sampled})
-        metrics = get_rollout_metrics(response_ids, rewards, loss_masks=loss_masks, trajectory_completion_times=times)
+        metrics = get_rollout_metrics(response_ids, rewards, loss_masks=loss_masks,
+                                      trajectory_completion_times=times)
         output: dict[str, Any] = {
             "prompt_token_ids": prompt_ids,
             "response_ids": response_ids,

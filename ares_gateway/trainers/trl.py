@@ -16,17 +16,20 @@
 prompts (each already repeated ``num_generations`` times by its sampler). Each prompt names a task of
 the dataset (a string, or chat messages whose last content is the name); each entry runs one
 episode: the harness CLI in a fresh sandbox, every LLM call it makes rendered by the gateway and
-sampled token-in/token-out from ``trainer.model`` itself (:class:`~ares_gateway.engines.transformers.TransformersEngine`,
+sampled token-in/token-out from ``trainer.model`` itself
+(:class:`~ares_gateway.engines.transformers.TransformersEngine`,
 no copy: step N+1's episodes sample the weights step N produced), rewarded by the task's verifier.
 
 Per entry it returns what TRL wants: ``prompt_ids`` (the first turn's prompt), ``completion_ids``
 (everything after it: the model's answers and, between them, the agent's tool outputs and the next
 turns' headers), ``logprobs`` (the sampler's, 0.0 where not sampled), ``env_mask`` (1 on tokens the model
 sampled, 0 on every tool output / observation token), and as extra keys the episode's ``reward``,
-``task``, ``session_id``, ``exit_reason``, ``turns``, ``error``, ``other_samples``, ``foreign_samples``, ``sampled_tokens`` and
+``task``, ``session_id``, ``exit_reason``, ``turns``, ``error``, ``other_samples``, ``foreign_samples``,
+``sampled_tokens`` and
 ``mean_logprob`` (over the sampled tokens) and ``truncated`` (the completion was cut to
 ``max_completion_tokens``), which TRL passes to the reward functions (it keeps
-``logprobs`` and ``env_mask`` from them); :func:`reward_from_episode` returns the verifier's reward and logs the facts as
+``logprobs`` and ``env_mask`` from them); :func:`reward_from_episode` returns the verifier's reward and logs
+the facts as
 TRL completion-table columns.
 
 **One sample an episode.** An episode's turns can give several samples (the agent rewrote its
@@ -60,7 +63,8 @@ carries the version the engine itself reports. So an episode that ran across an 
 versions, and a call's entries are at most one version old (``staleness`` 1); TRL (without vLLM) applies
 no off-policy correction to them. ``max_staleness=K`` masks (``env_mask`` 0, logprobs 0.0) the sampled
 tokens of versions older than the trainer's step at the call minus ``K``: ``max_staleness=0`` trains only
-what the current weights sampled. The engine samples the model in the trainer's mode (switching the shared module to
+what the current weights sampled. The engine samples the model in the trainer's mode (switching the shared
+module to
 ``eval()`` would race the trainer's thread), so overlap refuses a model with dropout.
 
 **A failed episode** (the agent failed, the engine failed) is an entry with reward 0 and its error;
@@ -108,7 +112,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EPISODE_KEYS", "VERSION_KEYS", "AresRollouts", "TokenizerMismatchError", "reward_from_episode", "rollout_func"]
+__all__ = ["EPISODE_KEYS", "VERSION_KEYS", "AresRollouts", "TokenizerMismatchError", "reward_from_episode",
+           "rollout_func"]
 
 T = TypeVar("T")
 
@@ -180,15 +185,18 @@ def _live_mode_engine(model: Any) -> Any:
 def _check_no_dropout(model: Any) -> None:
     import torch
 
-    active = [name or "the model" for name, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    active = [name or "the model" for name,
+              m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     config = getattr(model, "config", None)
     attention = float(getattr(config, "attention_dropout", 0.0) or 0.0)
     if active or attention > 0:
         where = ", ".join(active[:3]) + (" ..." if len(active) > 3 else "")
         what = f"dropout in {where}" if active else f"attention_dropout {attention} in its config"
         raise TrainerError(
-            f"overlap samples turns while the trainer trains, with the model in the trainer's mode, and the model has "
-            f"{what}: pass GRPOConfig(disable_dropout=True)" + (" and set model.config.attention_dropout = 0.0"
+            "overlap samples turns while the trainer trains, with the model in the trainer's mode, and "
+            "the model has "
+            f"{what}: pass GRPOConfig(disable_dropout=True)"
+            + (" and set model.config.attention_dropout = 0.0"
                                                                  if attention > 0 else "")
             + ", or rollout_func(overlap=False)"
         )
@@ -264,7 +272,8 @@ class AresRollouts:
             step (added to the trainer at the first call by itself).
     """
 
-    def __init__(self, dataset: Any, *, harness: str, sandbox: str, step_limit: int | None, time_limit: float | None,
+    def __init__(self, dataset: Any, *, harness: str, sandbox: str, step_limit: int | None,
+                 time_limit: float | None,
                  concurrency: int, tokenizer: str | None, renderer: str | None, sampling: Mapping[str, Any],
                  harness_options: Mapping[str, Any] | None, out: str | None, check_tokenizer: bool,
                  max_completion_tokens: int | None = None, executor: Executor | None = None,
@@ -275,17 +284,21 @@ class AresRollouts:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         if max_completion_tokens is not None and max_completion_tokens < 1:
-            raise ValueError(f"max_completion_tokens must be at least 1 (or None: no cap), got {max_completion_tokens}")
+            raise ValueError(
+                f"max_completion_tokens must be at least 1 (or None: no cap), got {max_completion_tokens}")
         if overlap and executor is not None:
-            raise ValueError("overlap runs the episodes in this process, on the rollouts' own gateway, whose fence it "
-                             "closes for each optimizer step: leave executor unset, or pass overlap=False")
+            raise ValueError(
+                "overlap runs the episodes in this process, on the rollouts' own gateway, whose fence it "
+                "closes for each optimizer step: leave executor unset, or pass overlap=False")
         if fence_timeout is not None and not fence_timeout > 0:
-            raise ValueError(f"fence_timeout must be positive seconds (or None: no limit), got {fence_timeout}")
+            raise ValueError(
+                f"fence_timeout must be positive seconds (or None: no limit), got {fence_timeout}")
         check_max_staleness(max_staleness)
         if max_staleness is not None and executor is not None:
             # Turns sampled on an executor's workers carry no version the rollouts set: all would be stale.
-            raise ValueError("max_staleness judges each turn by the version the rollouts' own gateway stamps on it, "
-                             "and episodes on an executor carry none: leave executor unset, or max_staleness None")
+            raise ValueError(
+                "max_staleness judges each turn by the version the rollouts' own gateway stamps on it, "
+                "and episodes on an executor carry none: leave executor unset, or max_staleness None")
         check_retries(retries)
         self.max_staleness = max_staleness
         self.drop_group_on_infra_error = drop_group_on_infra_error
@@ -311,7 +324,8 @@ class AresRollouts:
         if executor is not None and executor.kind != "local":
             from ares_gateway.trainers._served import ServedEngine
 
-            self.served = ServedEngine(host=engine_host, port=engine_port, server_options=engine_server_options)
+            self.served = ServedEngine(host=engine_host, port=engine_port,
+                                       server_options=engine_server_options)
         self.last_episodes: list[EpisodeSample] = []
         self.calls: list[dict[str, Any]] = []
         self.fences: list[dict[str, Any]] = []
@@ -369,9 +383,11 @@ class AresRollouts:
             training = bool(getattr(getattr(trainer, "model", None), "training", True))
             if self.overlap and training:
                 self._install_fence(trainer)
-                episodes, info = self._overlapped(tasks, prompts, trainer, step, episode_policy, options, version)
+                episodes, info = self._overlapped(tasks, prompts, trainer, step, episode_policy, options,
+                                                  version)
             else:
-                episodes = self._loop.run(self._play(tasks, episode_policy, options, self._out(step), version))
+                episodes = self._loop.run(
+                    self._play(tasks, episode_policy, options, self._out(step), version))
             # A group's episodes may come from two plays (started ahead, and run now): judge it whole.
             exclude_infra_errors(episodes, drop_group=self.drop_group_on_infra_error)
             self.last_episodes = episodes
@@ -439,16 +455,19 @@ class AresRollouts:
                 missing.append(i)
         discarded = sum(len(v) for v in ready.values())
         if discarded:
-            log.info("overlap: %d started episode(s) had no entry in this call (the prompts were not the ones "
-                     "predicted) and are dropped", discarded)
+            log.info(
+                "overlap: %d started episode(s) had no entry in this call (the prompts were not the ones "
+                "predicted) and are dropped", discarded)
         if missing:
-            now = self._loop.run(self._play([tasks[i] for i in missing], policy, options, self._out(step), version))
+            now = self._loop.run(
+                self._play([tasks[i] for i in missing], policy, options, self._out(step), version))
             for i, e in zip(missing, now, strict=True):
                 got[i] = e
         self._check_schedule(trainer, prompts)
         self._launch_next(trainer, policy, options)
         episodes = [e for e in got if e is not None]
-        return episodes, {"prefetched": len(tasks) - len(missing), "ran_now": len(missing), "discarded": discarded,
+        return episodes, {"prefetched": len(tasks) - len(missing), "ran_now": len(missing),
+                          "discarded": discarded,
                           "waited_s": waited, "overlap_s": max(0.0, ran - waited)}
 
     def _check_schedule(self, trainer: Any, prompts: list[Any]) -> None:
@@ -460,15 +479,17 @@ class AresRollouts:
             try:
                 self._schedule = _Schedule(trainer, len(prompts))
             except Exception as exc:  # not a GRPOTrainer's sampler: nothing to replay
-                log.warning("overlap: cannot replay the trainer's prompt order (%s): no episodes run ahead", exc)
+                log.warning("overlap: cannot replay the trainer's prompt order (%s): no episodes run ahead",
+                            exc)
                 return
             first = self._schedule.next()
             self._predicted = [task_name_of(p) for p in first] if first is not None else None
         if self._schedule is None:
             return
         if self._predicted != names:
-            log.warning("overlap: the trainer's prompts %s are not the predicted %s: no episodes run ahead from now "
-                        "on", names, self._predicted)
+            log.warning(
+                "overlap: the trainer's prompts %s are not the predicted %s: no episodes run ahead from now "
+                "on", names, self._predicted)
             self._schedule = None
             self._predicted = None
             return
@@ -480,7 +501,8 @@ class AresRollouts:
         if self._schedule is None or self._predicted is None:
             return
         args = trainer.args
-        every = int(getattr(args, "steps_per_generation", 1) or 1) * int(getattr(trainer, "num_iterations", 1) or 1)
+        every = int(getattr(args, "steps_per_generation", 1) or 1) * int(getattr(trainer, "num_iterations", 1)
+                                                                         or 1)
         accumulation = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
         micro = int(getattr(trainer, "_step", 0)) + every
         max_steps = int(getattr(trainer.state, "max_steps", 0) or 0)
@@ -494,7 +516,8 @@ class AresRollouts:
         bg.task = self._loop.run(self._spawn(bg, policy, options))
         self._next = bg
 
-    async def _spawn(self, bg: _Background, policy: Any, options: Mapping[str, Any]) -> asyncio.Task[list[EpisodeSample]]:
+    async def _spawn(self, bg: _Background, policy: Any,
+                     options: Mapping[str, Any]) -> asyncio.Task[list[EpisodeSample]]:
         # Judged against the trainer's step at the call that takes them (bg.step), not at this one.
         task = asyncio.ensure_future(self._play(bg.tasks, policy, options, self._out(bg.step), bg.step))
 
@@ -550,7 +573,8 @@ class AresRollouts:
         label = version if version is not None else gw.policy_version
         set_label = getattr(self.engine, "set_weight_version", None)
         if set_label is not None and label is not None:
-            # The new weights' label, set while nothing is sampled: each turn reports the engine's own version.
+            # The new weights' label, set while nothing is sampled: each turn reports the engine's own
+            # version.
             set_label(label)
         at = time.monotonic()  # on the loop, before sampling may start again
         gw.resume_sampling(version)
@@ -623,8 +647,8 @@ class AresRollouts:
             text, a, b = mismatch
             raise TokenizerMismatchError(
                 f"the trainer's tokenizer and the gateway's ({source}) give different ids for {text[:40]!r} "
-                f"({b[:12]}... vs {a[:12]}...): pass rollout_func(tokenizer=...) the model's own .gguf file or "
-                "Hugging Face folder"
+                f"({b[:12]}... vs {a[:12]}...): pass rollout_func(tokenizer=...) the model's own "
+                ".gguf file or Hugging Face folder"
             )
 
     def _batch(self, episodes: Sequence[EpisodeSample], prompts: Sequence[Any], trainer: Any,
@@ -639,7 +663,8 @@ class AresRollouts:
         for e in episodes:
             # The one place an episode becomes an entry: a failed one's masked stand-in, an excluded one's
             # (infra_error) with the reward play_episodes gave it, a completion cut to max_completion_tokens.
-            entry = trainer_entry(e, eos_id=int(eos), encode=encode, max_response_tokens=self.max_completion_tokens)
+            entry = trainer_entry(e, eos_id=int(eos), encode=encode,
+                                  max_response_tokens=self.max_completion_tokens)
             batch["prompt_ids"].append(entry.prompt_ids)
             batch["completion_ids"].append(entry.response_ids)
             batch["logprobs"].append(entry.logprobs)
@@ -652,7 +677,8 @@ class AresRollouts:
             if entry.sampled and s is not None:
                 n, cut = s.prompt_length, len(entry.response_ids)
                 # The sample's spans are positions in its tokens; TRL's are in completion_ids, cut alike.
-                spans = [[max(0, a - n), min(cut, b - n), v] for a, b, v in s.metadata.get("policy_versions") or []
+                spans = [[max(0, a - n), min(cut, b - n), v] for a, b,
+                         v in s.metadata.get("policy_versions") or []
                          if a - n < cut and b > n]
             versions = [v for _, _, v in spans]
             known = [v for v in versions if v is not None]
@@ -779,17 +805,20 @@ def rollout_func(
     return AresRollouts(
         dataset, harness=harness, sandbox=sandbox, step_limit=step_limit, time_limit=time_limit,
         concurrency=concurrency, tokenizer=tokenizer, renderer=renderer,
-        sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed},
+        sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                  "seed": seed},
         harness_options=harness_options, out=out, check_tokenizer=check_tokenizer,
         max_completion_tokens=max_completion_tokens, executor=executor, engine_host=engine_host,
         engine_port=engine_port, engine_server_options=engine_server_options, overlap=overlap,
-        fence_timeout=fence_timeout, max_staleness=max_staleness, drop_group_on_infra_error=drop_group_on_infra_error,
+        fence_timeout=fence_timeout, max_staleness=max_staleness,
+        drop_group_on_infra_error=drop_group_on_infra_error,
         retries=retries,
     )
 
 
 def reward_from_episode(completions: Sequence[Any] | None = None, *, reward: Sequence[float] | None = None,
-                        log_extra: Callable[[str, list[Any]], None] | None = None, **facts: Any) -> list[float]:
+                        log_extra: Callable[[str, list[Any]], None] | None = None,
+                        **facts: Any) -> list[float]:
     """A TRL reward function: each completion's episode reward (the task verifier's), as the rollout
     returned it. Logs ``task``, ``session_id``, ``exit_reason``, ``turns``, ``error``, ``other_samples``,
     ``foreign_samples``, ``first_version``, ``last_version`` and ``staleness`` as completion-table columns."""

@@ -21,7 +21,8 @@ through ``self.server_manager.generate`` (:class:`~ares_gateway.engines.verl.Ver
 session as the sticky request id), rewarded by the task's verifier.
 
 **The output** is the :class:`AgentLoopOutput` of the episode's main-line sample, the harness CLI's own
-conversation (:func:`~ares_gateway.trainers.main_sample`; side calls and foreign conversations are never it): ``prompt_ids`` the first turn's prompt (left-cut to
+conversation (:func:`~ares_gateway.trainers.main_sample`; side calls and foreign conversations are never it):
+``prompt_ids`` the first turn's prompt (left-cut to
 ``rollout.prompt_length`` by verl's own rule), ``response_ids`` / ``response_mask`` / ``response_logprobs``
 everything after it (the model's answers 1, tool outputs and the next turns' headers 0), cut to
 ``rollout.response_length`` (verl pads); ``reward_score`` the verifier's reward; ``num_turns`` the
@@ -147,7 +148,8 @@ class AresAgentLoop(AgentLoopBase):
         self.out = out
 
     def task_of(self, row: Mapping[str, Any]) -> str:
-        """The task name a row carries: ``task``, else ``extra_info["task"]``, else its prompt's last message."""
+        """The task name a row carries: ``task``, else ``extra_info["task"]``, else its prompt's last
+        message."""
         if row.get("task"):
             return str(_plain(row["task"]))
         extra = _plain(row.get("extra_info"))
@@ -188,8 +190,10 @@ class AresAgentLoop(AgentLoopBase):
         mismatch = tokenizer_mismatch(renderer.tokenizer, theirs_tok)
         if mismatch is not None:
             raise TokenizerMismatchError(
-                f"verl's tokenizer ({self.model_path}) and the gateway's ({self.tokenizer_source}) give different "
-                f"ids for {mismatch[0][:40]!r}: leave the loop's tokenizer_path option unset, or point it at the same model"
+                f"verl's tokenizer ({self.model_path}) and the gateway's ({self.tokenizer_source}) "
+                "give different "
+                f"ids for {mismatch[0][:40]!r}: leave the loop's tokenizer_path option unset, or point it at "
+                "the same model"
             )
         _checked.add(key)
 
@@ -197,7 +201,8 @@ class AresAgentLoop(AgentLoopBase):
         tok: Any = self.tokenizer
         eos = tok.eos_token_id if tok.eos_token_id is not None else 0
         # Nothing sampled: a masked one-token response keeps verl's batch shape; reward 0.
-        entry = trainer_entry(e, eos_id=int(eos), encode=lambda text: tok.encode(text, add_special_tokens=False),
+        entry = trainer_entry(e, eos_id=int(eos),
+                              encode=lambda text: tok.encode(text, add_special_tokens=False),
                               max_response_tokens=int(self.rollout_config.response_length))
         prompt_ids = self._cap_text_prompt_length(entry.prompt_ids)
         response_ids, response_mask, response_logprobs = entry.response_ids, entry.loss_mask, entry.logprobs
@@ -212,6 +217,7 @@ class AresAgentLoop(AgentLoopBase):
             response_logprobs=response_logprobs,
             reward_score=float(e.reward),
             num_turns=e.turns,
-            metrics=AgentLoopMetrics(generate_sequences=engine.busy_s, tool_calls=max(0.0, wall - engine.busy_s)),
+            metrics=AgentLoopMetrics(generate_sequences=engine.busy_s,
+                                     tool_calls=max(0.0, wall - engine.busy_s)),
             extra_fields={**facts, "reward_extra_info": info},
         )

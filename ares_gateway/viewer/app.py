@@ -45,7 +45,8 @@ LOGIN_TTL_S = 12 * 3600.0
 
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
        "base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
-_HEADERS = {"content-security-policy": CSP, "x-content-type-options": "nosniff", "referrer-policy": "no-referrer",
+_HEADERS = {"content-security-policy": CSP, "x-content-type-options": "nosniff",
+            "referrer-policy": "no-referrer",
             "x-frame-options": "DENY", "cache-control": "no-store"}
 _TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".png": "image/png",
           ".svg": "image/svg+xml"}
@@ -145,7 +146,8 @@ class Viewer:
         cookie = secrets.token_urlsafe(32)
         self._logins[cookie] = now + LOGIN_TTL_S
         resp = web.Response(status=303, headers={**_HEADERS, "location": PREFIX + "/"})
-        resp.set_cookie(COOKIE, cookie, path=PREFIX, httponly=True, samesite="Strict", max_age=int(LOGIN_TTL_S))
+        resp.set_cookie(COOKIE, cookie, path=PREFIX, httponly=True, samesite="Strict",
+                        max_age=int(LOGIN_TTL_S))
         return resp
 
     def _login_page(self, error: str = "", status: int = 200) -> web.Response:
@@ -236,7 +238,8 @@ class Viewer:
 
 def _run(s: RunSource, q: Any) -> Any:
     return s.run_page(offset=_int(q, "offset", 0), limit=_int(q, "limit", 50), sort=q.get("sort", "key"),
-                      desc=q.get("desc") in ("1", "true"), query=q.get("q", ""), exit_reason=q.get("exit", ""))
+                      desc=q.get("desc") in ("1", "true"), query=q.get("q", ""),
+                      exit_reason=q.get("exit", ""))
 
 
 _CALLS: dict[str, Callable[[RunSource, Any], Any]] = {
@@ -251,7 +254,8 @@ _CALLS: dict[str, Callable[[RunSource, Any], Any]] = {
 _API = {f"/api/{name}": name for name in (*_CALLS, "events")}
 
 
-async def serve_viewer(viewer: Viewer, host: str = "127.0.0.1", port: int = 0) -> tuple[web.ServerRunner, int]:
+async def serve_viewer(viewer: Viewer, host: str = "127.0.0.1", port: int = 0) -> tuple[web.ServerRunner,
+                                                                                        int]:
     """Serve ``viewer`` on its own aiohttp server (``ares-gateway view``); returns the runner and the port."""
     runner = web.ServerRunner(web.Server(viewer, access_log=None), handle_signals=False)
     await runner.setup()

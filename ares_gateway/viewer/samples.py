@@ -34,15 +34,16 @@ class SampleSet:
             for i, s in enumerate(self.rows):
                 meta = s.get("metadata") or {}
                 mask = s.get("loss_mask") or []
-                out.append({"index": i, "side_call": bool(meta.get("side_call")), "branch": meta.get("branch"),
-                            "main_line": bool(meta.get("main_line")), "foreign": bool(meta.get("foreign")),
-                            "segment": meta.get("segment"), "tokens": len(s.get("tokens") or []),
-                            "response_length": s.get("response_length"), "trained": int(sum(mask)),
-                            "reward": s.get("reward"), "turn_ids": meta.get("turn_ids"),
-                            "trained_turn_ids": meta.get("trained_turn_ids"),
-                            "start_reason": meta.get("start_reason"), "truncated": meta.get("truncated"),
-                            "policy_versions": meta.get("policy_versions"),
-                            "mixed_versions": bool(meta.get("mixed_versions"))})
+                out.append(
+                    {"index": i, "side_call": bool(meta.get("side_call")), "branch": meta.get("branch"),
+                     "main_line": bool(meta.get("main_line")), "foreign": bool(meta.get("foreign")),
+                     "segment": meta.get("segment"), "tokens": len(s.get("tokens") or []),
+                     "response_length": s.get("response_length"), "trained": int(sum(mask)),
+                     "reward": s.get("reward"), "turn_ids": meta.get("turn_ids"),
+                     "trained_turn_ids": meta.get("trained_turn_ids"),
+                     "start_reason": meta.get("start_reason"), "truncated": meta.get("truncated"),
+                     "policy_versions": meta.get("policy_versions"),
+                     "mixed_versions": bool(meta.get("mixed_versions"))})
             self._summaries = out
         return self._summaries
 

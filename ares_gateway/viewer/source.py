@@ -97,7 +97,8 @@ def _row(e: dict[str, Any], key: str, *, live: bool = False) -> dict[str, Any]:
     return {"key": key, "task": e.get("task"), "attempt": e.get("attempt"), "reward": e.get("reward"),
             "turns": e.get("turns"), "duration": e.get("duration"), "exit_reason": e.get("exit_reason"),
             "error": e.get("error"), "node": e.get("node"), "session_id": e.get("session_id"),
-            "truncated": e.get("truncated"), "samples": e.get("samples"), "usage": e.get("usage"), "live": live}
+            "truncated": e.get("truncated"), "samples": e.get("samples"), "usage": e.get("usage"),
+            "live": live}
 
 
 class RunSource:
@@ -117,7 +118,8 @@ class RunSource:
                  data_dir: str | os.PathLike[str] | None = None, gateway: Any = None,
                  tokenizer: str | None = None, title: str | None = None) -> None:
         self.run_dir = None if run_dir is None else Path(run_dir)
-        if data_dir is None and self.run_dir is not None and (self.run_dir / "gateway-data" / DB_NAME).is_file():
+        if (data_dir is None and self.run_dir is not None
+            and (self.run_dir / "gateway-data" / DB_NAME).is_file()):
             data_dir = self.run_dir / "gateway-data"
         self.data_dir = None if data_dir is None else Path(data_dir)
         self.gateway = gateway
@@ -152,7 +154,8 @@ class RunSource:
     # ------------------------------------------------------------------ the data dir
 
     def _store(self) -> SessionRecorder | None:
-        if self.data_dir is None and self.run_dir is not None and (self.run_dir / "gateway-data" / DB_NAME).is_file():
+        if (self.data_dir is None and self.run_dir is not None
+            and (self.run_dir / "gateway-data" / DB_NAME).is_file()):
             self.data_dir = self.run_dir / "gateway-data"  # a live run's gateway creates it as it starts
         if self.data_dir is None:
             return None
@@ -213,10 +216,11 @@ class RunSource:
                 if s.id in named:
                     continue
                 meta = s.metadata or {}
-                rows.append(_row({"task": meta.get("task", s.id), "attempt": meta.get("attempt"), "reward": s.reward,
-                                  "turns": s.turns, "duration": time.time() - s.created_at,
-                                  "exit_reason": "ended" if s.ended else "running", "session_id": s.id,
-                                  "truncated": s.truncated}, SESSION_PREFIX + s.id, live=not s.ended))
+                rows.append(
+                    _row({"task": meta.get("task", s.id), "attempt": meta.get("attempt"), "reward": s.reward,
+                          "turns": s.turns, "duration": time.time() - s.created_at,
+                          "exit_reason": "ended" if s.ended else "running", "session_id": s.id,
+                          "truncated": s.truncated}, SESSION_PREFIX + s.id, live=not s.ended))
                 named.add(s.id)
         elif self.run_dir is None:
             for s in self._stored_sessions():
@@ -224,10 +228,11 @@ class RunSource:
                     continue
                 meta = s.metadata or {}
                 ended = s.ended_at if s.ended_at else None
-                rows.append(_row({"task": meta.get("task", s.id), "attempt": meta.get("attempt"), "reward": s.reward,
-                                  "turns": s.turns, "duration": None if ended is None else ended - s.created_at,
-                                  "exit_reason": "ended" if s.ended else "not ended", "session_id": s.id,
-                                  "truncated": s.truncated}, SESSION_PREFIX + s.id))
+                rows.append(
+                    _row({"task": meta.get("task", s.id), "attempt": meta.get("attempt"), "reward": s.reward,
+                          "turns": s.turns, "duration": None if ended is None else ended - s.created_at,
+                          "exit_reason": "ended" if s.ended else "not ended", "session_id": s.id,
+                          "truncated": s.truncated}, SESSION_PREFIX + s.id))
         return rows
 
     def version(self) -> tuple[Any, ...]:
@@ -248,16 +253,19 @@ class RunSource:
         if isinstance(saved, dict) and saved.get("finished") == len(finished):
             out = dict(saved)
         else:
-            attempts = int((doc.get("run") or {}).get("attempts") or max([r["attempt"] or 1 for r in finished] or [1]))
+            attempts = int((doc.get("run") or {}).get("attempts")
+                           or max([r["attempt"] or 1 for r in finished] or [1]))
             by_task: dict[str, list[float]] = {}
             for r in finished:
                 by_task.setdefault(str(r["task"]), []).append(float(r["reward"]))
             complete = [v for v in by_task.values() if len(v) == attempts]
             out = {"finished": len(finished),
-                   "mean_reward": sum(float(r["reward"]) for r in finished) / len(finished) if finished else None}
+                   "mean_reward": sum(float(r["reward"]) for r in finished) / len(finished) if finished
+                   else None}
             for k in range(1, attempts + 1):
                 if complete:
-                    out[f"pass@{k}"] = sum(pass_at_k(len(v), sum(x >= 1.0 for x in v), k) for v in complete) / len(complete)
+                    out[f"pass@{k}"] = sum(pass_at_k(len(v), sum(x >= 1.0 for x in v), k)
+                                           for v in complete) / len(complete)
             reasons: dict[str, int] = {}
             for r in finished:
                 reasons[str(r["exit_reason"])] = reasons.get(str(r["exit_reason"]), 0) + 1
@@ -280,7 +288,8 @@ class RunSource:
             picked = [r for r in picked if r["exit_reason"] == exit_reason]
         if query:
             q = query.lower()
-            picked = [r for r in picked if any(q in str(r[k]).lower() for k in ("task", "error", "key", "node"))]
+            picked = [r for r in picked
+                      if any(q in str(r[k]).lower() for k in ("task", "error", "key", "node"))]
         if sort not in SORT_KEYS:
             sort = "key"
 
@@ -295,9 +304,8 @@ class RunSource:
         except TypeError:  # numbers and text in one column
             picked = sorted(picked, key=lambda r: str(r[sort]), reverse=desc)
         run = doc.get("run") or {}
-        return {"title": self.title, "live": self.live, "run": {k: run.get(k) for k in
-                                                                  ("preset", "policy", "harness", "sandbox", "attempts",
-                                                                   "engine", "model", "concurrency") if k in run},
+        keys = ("preset", "policy", "harness", "sandbox", "attempts", "engine", "model", "concurrency")
+        return {"title": self.title, "live": self.live, "run": {k: run.get(k) for k in keys if k in run},
                 "error": doc.get("error"), "summary": summary, "total": len(rows), "matched": len(picked),
                 "offset": offset, "rows": picked[offset: offset + max(1, min(limit, 500))],
                 "exit_reasons": sorted({str(r["exit_reason"]) for r in rows})}
@@ -334,8 +342,9 @@ class RunSource:
                     out["verifier"] = cut(fh.read().decode("utf-8", "replace"))
             except OSError:
                 out["verifier"] = None
-            reward_parts = next((e.get("reward_parts") for e in (self._episodes.read() if self._episodes else [])
-                                 if file_key(str(e.get("task")), int(e.get("attempt") or 0)) == key), None)
+            reward_parts = next(
+                (e.get("reward_parts") for e in (self._episodes.read() if self._episodes else [])
+                 if file_key(str(e.get("task")), int(e.get("attempt") or 0)) == key), None)
             out["reward_parts"] = reward_parts
         samples = self.samples(key)
         out["samples"] = samples.summaries()
@@ -390,7 +399,8 @@ class RunSource:
             else:
                 live = isinstance(stamp, tuple) and stamp[0] == "live"
                 views: TurnViews = TurnViews()
-                if cached is not None and live and isinstance(cached.stamp, tuple) and cached.stamp[0] == "live":
+                if (cached is not None and live and isinstance(cached.stamp, tuple)
+                    and cached.stamp[0] == "live"):
                     views = cached.value  # a live session's log only grows
                 views.add(self._entries(key, row, views.count()))
                 log = views
@@ -405,7 +415,8 @@ class RunSource:
         except NotFound:
             return 0
         sid = self._session_of(row)
-        if self.gateway is not None and sid is not None and (s := self.gateway.sessions.find(sid)) is not None:
+        if (self.gateway is not None and sid is not None
+            and (s := self.gateway.sessions.find(sid)) is not None):
             return int(s.turns)
         stamp = self._turn_log_stamp(key, row)
         cached = self._turns.get(key)
@@ -445,7 +456,8 @@ class RunSource:
             if s["branch"] is not None:
                 by_leaf.setdefault(int(s["branch"]), []).append(s["index"])
         return {"tree": view, "samples_by_leaf": {str(k): v for k, v in by_leaf.items()},
-                "why": None if view is not None else "no message tree: the run kept no data dir for it, or no turn "
+                "why": None if view is not None
+                else "no message tree: the run kept no data dir for it, or no turn "
                                                      "of it had token ids"}
 
     def samples(self, key: str) -> SampleSet:
@@ -476,7 +488,8 @@ class RunSource:
                 if cached is None:
                     self._stored_sessions()
                     found = rec.samples(sid, reward=reward)
-                    cached = self._samples[key] = _Cached(("stored", sid), SampleSet([s.to_dict() for s in found]))
+                    cached = self._samples[key] = _Cached(("stored", sid),
+                                                          SampleSet([s.to_dict() for s in found]))
                 return cached.value  # type: ignore[no-any-return]
             return SampleSet([])
 

@@ -42,14 +42,16 @@ def display_message(m: Message) -> dict[str, Any]:
     """A canonical message as the page draws it: role, text, reasoning, tool calls, tool result id."""
     out: dict[str, Any] = {"role": m.role, "text": cut(m.text())}
     # Thinking blocks are the message's ``reasoning``, shown as that.
-    others = [p.type for p in m.content if p.type not in ("text", "thinking", "redacted_thinking", "reasoning")] \
+    others = [p.type for p in m.content
+              if p.type not in ("text", "thinking", "redacted_thinking", "reasoning")] \
         if isinstance(m.content, list) else []
     if others:
         out["parts"] = others
     if m.reasoning:
         out["reasoning"] = cut(m.reasoning)
     if m.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": cut(c.arguments)} for c in m.tool_calls]
+        out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": cut(c.arguments)}
+                             for c in m.tool_calls]
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
     if m.is_error:
@@ -180,7 +182,8 @@ class TurnViews:
         self._prev: dict[bool, list[Any] | None] = {}
 
     def add(self, entries: Iterable[dict[str, Any]]) -> None:
-        """Append the views of ``entries`` (turn-log entries: ``request``, ``completion``, ``protocol`` ...)."""
+        """Append the views of ``entries`` (turn-log entries: ``request``, ``completion``, ``protocol``
+        ...)."""
         for entry in entries:
             side = bool(entry.get("side_call"))
             self.views.append(turn_view(entry, len(self.views) + 1, self._prev.get(side)))
@@ -195,7 +198,8 @@ class TurnViews:
         return sum(v["side_call"] for v in self.views)
 
     def page(self, *, offset: int, limit: int, line: str = "all") -> dict[str, Any]:
-        """``limit`` views from ``offset`` of the line asked for (``main``, ``side`` or ``all``), with counts."""
+        """``limit`` views from ``offset`` of the line asked for (``main``, ``side`` or ``all``), with
+        counts."""
         views = self.views
         picked = views if line == "all" else [v for v in views if v["side_call"] == (line == "side")]
         out = _page(picked[offset: offset + limit], len(picked), self.side_count(), offset)
@@ -278,6 +282,7 @@ class FileTurns:
         """As :meth:`TurnViews.page`, building only the views it returns."""
         picked = range(len(self._starts)) if line == "all" else \
             [i for i, side in enumerate(self._sides) if side == (line == "side")]
-        out = _page([self.view(i) for i in picked[offset: offset + limit]], len(picked), self.side_count(), offset)
+        out = _page([self.view(i) for i in picked[offset: offset + limit]], len(picked), self.side_count(),
+                    offset)
         out["all"] = self.count()
         return out

@@ -49,8 +49,8 @@ from aiohttp import WSMsgType, web
 API_KEY = "fake-daytona-key"
 #: What the daemon's shell prints before any command runs (motd, a coloured prompt, CRLFs).
 PTY_NOISE_RC = (
-    "printf 'Last login: Thu Dec  3 10:00:00 2025 from 10.0.0.1\\r\\n\\033[1;32mWelcome to Daytona\\033[0m\\n'\n"
-    "PS1='\\[\\033[01;34m\\]daytona@sandbox\\[\\033[00m\\]:~$ '\n"
+    "printf 'Last login: Thu Dec  3 10:00:00 2025 from 10.0.0.1\\r\\n\\033[1;32mWelcome to "
+    "Daytona\\033[0m\\n'\nPS1='\\[\\033[01;34m\\]daytona@sandbox\\[\\033[00m\\]:~$ '\n"
 )
 PTY_READ = 32 * 1024  # the daemon's read buffer
 PTY_QUEUE = 256  # messages queued per client before it is dropped
@@ -194,7 +194,8 @@ class DaytonaFake:
             if sid in (sb.id, sb.name) and sb.state != "destroyed":
                 return sb
         raise web.HTTPNotFound(
-            text=json.dumps({"statusCode": 404, "message": f"Sandbox {sid} not found"}), content_type="application/json"
+            text=json.dumps({"statusCode": 404, "message": f"Sandbox {sid} not found"}),
+            content_type="application/json"
         )
 
     def _dto(self, sb: FakeSandbox) -> dict[str, Any]:
@@ -202,10 +203,12 @@ class DaytonaFake:
         return {
             "id": sb.id, "organizationId": "org-fake", "name": sb.name, "snapshot": req.get("snapshot"),
             "user": req.get("user") or "root", "env": req.get("env") or {}, "labels": req.get("labels") or {},
-            "public": False, "networkBlockAll": bool(req.get("networkBlockAll")), "kvm": False, "target": "local",
+            "public": False, "networkBlockAll": bool(req.get("networkBlockAll")), "kvm": False,
+            "target": "local",
             "cpu": req.get("cpu") or 1, "gpu": req.get("gpu") or 0, "memory": req.get("memory") or 1,
             "disk": req.get("disk") or 3, "state": sb.state, "desiredState": sb.state,
-            "autoStopInterval": req.get("autoStopInterval"), "autoDeleteInterval": req.get("autoDeleteInterval"),
+            "autoStopInterval": req.get("autoStopInterval"),
+            "autoDeleteInterval": req.get("autoDeleteInterval"),
             "createdAt": sb.created_at, "updatedAt": sb.created_at,
             "toolboxProxyUrl": f"http://127.0.0.1:{self.port}/toolbox",
         }
@@ -252,7 +255,8 @@ class DaytonaFake:
         self.created.append(body)
         name = body.get("name") or str(uuid.uuid4())
         if any(sb.name == name and sb.state != "destroyed" for sb in self.sandboxes.values()):
-            return web.json_response({"statusCode": 409, "message": f"Sandbox {name} already exists"}, status=409)
+            return web.json_response({"statusCode": 409, "message": f"Sandbox {name} already exists"},
+                                     status=409)
         sb = FakeSandbox(id=str(uuid.uuid4()), name=name, request=body)
         if body.get("networkBlockAll") and netns_available():
             self._make_netns(sb)
@@ -291,7 +295,8 @@ class DaytonaFake:
         timeout = body.get("timeout") or 10  # the daemon's documented default
         proc = await asyncio.create_subprocess_exec(
             *sb.prefix, "/bin/sh", "-c", body["command"], cwd=body.get("cwd") or "/", env=env,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
         )
         sb.procs.add(proc)
@@ -417,7 +422,8 @@ class DaytonaFake:
             return web.json_response({"error": f"PTY session with ID '{pid}' already exists"}, status=409)
         cols, rows = int(query.get("cols") or 80), int(query.get("rows") or 24)
         if cols > 1000 or rows > 1000:
-            return web.json_response({"error": "invalid value for cols/rows - must be less than 1000"}, status=400)
+            return web.json_response({"error": "invalid value for cols/rows - must be less than 1000"},
+                                     status=400)
         envs: dict[str, str] = {}
         for proto in request.headers.get("Sec-WebSocket-Protocol", "").split(","):
             proto = proto.strip()
@@ -552,7 +558,8 @@ class DaytonaFake:
 
             def begin_auth(self, username: str) -> bool:
                 owner = fake.ssh_tokens.get(username)
-                if owner is None or username in fake.ssh_revoked or fake.sandboxes[owner].state == "destroyed":
+                if (owner is None or username in fake.ssh_revoked
+                    or fake.sandboxes[owner].state == "destroyed"):
                     return True  # auth "required", and no method accepted: permission denied
                 self.token = username
                 fake._ssh_conns.setdefault(username, set()).add(self.conn)
@@ -570,7 +577,8 @@ class DaytonaFake:
                 fake.ssh_refused.append(f"streamlocal-forward {listen_path}")
                 return False
 
-            def connection_requested(self, dest_host: str, dest_port: int, orig_host: str, orig_port: int) -> bool:
+            def connection_requested(self, dest_host: str, dest_port: int, orig_host: str,
+                                     orig_port: int) -> bool:
                 fake.ssh_refused.append(f"direct-tcpip {dest_host}:{dest_port}")
                 return False
 
@@ -639,7 +647,8 @@ class DaytonaFake:
         now = datetime.datetime.now(datetime.UTC)
         stamp = now.strftime("%Y-%m-%dT%H:%M:%S.000Z")
         return web.json_response({
-            "id": str(uuid.uuid4()), "sandboxId": sb.id, "token": token, "createdAt": stamp, "updatedAt": stamp,
+            "id": str(uuid.uuid4()), "sandboxId": sb.id, "token": token, "createdAt": stamp,
+            "updatedAt": stamp,
             "expiresAt": (now + datetime.timedelta(minutes=minutes)).strftime("%Y-%m-%dT%H:%M:%S.000Z"),
             "sshCommand": f"ssh -p {self.ssh_port} {token}@127.0.0.1",
         })

@@ -107,7 +107,8 @@ class FakePod:
     keeper: asyncio.subprocess.Process | None = None
     failure: str | None = None  # a waiting reason (ErrImagePull) when the pod cannot start
     #: The open exec connections: their transport and command.
-    execs: dict[web.WebSocketResponse, tuple[asyncio.BaseTransport | None, list[str]]] = field(default_factory=dict)
+    execs: dict[web.WebSocketResponse,
+                tuple[asyncio.BaseTransport | None, list[str]]] = field(default_factory=dict)
 
     @property
     def env(self) -> dict[str, str]:
@@ -153,7 +154,8 @@ class KubeFake:
             "apiVersion": "v1", "kind": "Config", "current-context": "fake", "preferences": {},
             "clusters": [{"name": "fake", "cluster": {"server": self.server}}],
             "users": [{"name": "fake", "user": {"token": token}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}],
+            "contexts": [
+                {"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}],
         }
         Path(path).write_text(json.dumps(config))
         return str(path)
@@ -180,7 +182,8 @@ class KubeFake:
 
     async def _serve(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._auth])
-        pods, policies = "/api/v1/namespaces/{ns}/pods", "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies"
+        pods, policies = ("/api/v1/namespaces/{ns}/pods",
+                          "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies")
         app.router.add_post(pods, self.create_pod)
         app.router.add_get(pods, self.list_pods)
         app.router.add_get(pods + "/{name}", self.read_pod)
@@ -261,7 +264,8 @@ class KubeFake:
         os.chmod(pod.root, 0o755)  # mkdtemp's 0700 would keep every user but root out of "/"
         (pod.root / "tmp").mkdir(mode=0o1777)
         os.chmod(pod.root / "tmp", 0o1777)
-        argv = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", pod.name,
+        argv = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname",
+                pod.name,
                 "--as-pid-1", "--die-with-parent", "--bind", str(pod.root), "/"]
         argv += _system_binds()
         r, w = os.pipe()
@@ -418,9 +422,11 @@ class KubeFake:
         err_r, err_w = os.pipe()
         try:
             proc = await asyncio.create_subprocess_exec(
-                "nsenter", "--target", str(pod.pid), "--net", "--pid", "--mount", "--uts", "--ipc", "--root", "--wd",
+                "nsenter", "--target", str(pod.pid), "--net", "--pid", "--mount", "--uts", "--ipc", "--root",
+                "--wd",
                 "--", *command,
-                stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL, stdout=out_w,
+                stderr=err_w,
                 env=pod.env, start_new_session=True)
         finally:
             os.close(out_w)
@@ -450,7 +456,8 @@ class KubeFake:
                         await proc.stdin.drain()  # backpressure: nothing more is read meanwhile
                     except (BrokenPipeError, ConnectionResetError):
                         proc.stdin.close()
-                elif data[0] == 255 and protocol.startswith("v5.") and data[1:] == b"\0" and proc.stdin is not None:
+                elif (data[0] == 255 and protocol.startswith("v5.") and data[1:] == b"\0"
+                      and proc.stdin is not None):
                     proc.stdin.close()
 
         async def idle_watch() -> None:
@@ -480,7 +487,8 @@ class KubeFake:
                 status: dict[str, Any] = {"metadata": {}, "status": "Success"}
                 if code:
                     status = {"metadata": {}, "status": "Failure", "reason": "NonZeroExitCode",
-                              "message": f"command terminated with non-zero exit code: error executing command "
+                              "message": "command terminated with non-zero exit code: error "
+                                         "executing command "
                                          f"{command}, exit code {code}",
                               "details": {"causes": [{"reason": "ExitCode", "message": str(code)}]}}
                 with contextlib.suppress(Exception):

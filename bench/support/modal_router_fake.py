@@ -175,7 +175,8 @@ class RouterStandIn(TaskCommandRouterBase):
         req = await stream.recv_message()
         assert req is not None
         code = await self.execs[req.exec_id].proc.wait()
-        reply = sr_pb2.TaskExecWaitResponse(signal=-code) if code < 0 else sr_pb2.TaskExecWaitResponse(code=code)
+        reply = (sr_pb2.TaskExecWaitResponse(signal=-code) if code < 0
+                 else sr_pb2.TaskExecWaitResponse(code=code))
         await stream.send_message(reply)
 
     async def TaskExecPoll(self, stream: Stream[Any, Any]) -> None:
@@ -231,7 +232,8 @@ class RouterModalSandbox:
                 return SimpleNamespace(url=f"http://127.0.0.1:{self._router.port}", jwt=_jwt())
 
             self._client = await TaskCommandRouterClient._connect(
-                SimpleNamespace(_is_localhost=True), self.task_id, f"http://127.0.0.1:{self._router.port}", _jwt(),
+                SimpleNamespace(_is_localhost=True), self.task_id, f"http://127.0.0.1:{self._router.port}",
+                _jwt(),
                 fetch_access=fetch_access)
         return self._client
 
@@ -250,7 +252,8 @@ class RouterModalSandbox:
 
             proc = await exec_via_tcr(_Impl(), None, *args, pty_info=None,  # type: ignore[arg-type]
                                       stdout=StreamType.PIPE, stderr=StreamType.PIPE, timeout=timeout,
-                                      workdir=workdir, env=dict(env or {}), secrets=None, text=text, bufsize=-1, container_id=None)
+                                      workdir=workdir, env=dict(env or {}), secrets=None, text=text,
+                                      bufsize=-1, container_id=None)
             return synchronizer._translate_out(proc)  # the public ContainerProcess, as Sandbox.exec returns
 
         return await _on_sdk_loop(run())

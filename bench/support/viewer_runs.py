@@ -57,7 +57,8 @@ def logprobs(n: int) -> list[float]:
 
 
 class Agent:
-    """One session of a real gateway, driven turn by turn: the SDK sends, the policy answers with ``reply``."""
+    """One session of a real gateway, driven turn by turn: the SDK sends, the policy answers with
+    ``reply``."""
 
     def __init__(self, gw: Gateway, info: Any) -> None:
         self.gw = gw
@@ -90,7 +91,8 @@ async def forked_session(agent: Agent) -> None:
     await agent.turn([system, user, {"role": "assistant", "content": a1},
                       {"role": "user", "content": "Try again, differently: run the tests first."}],
                      "Running the tests: 2 failed.")
-    await agent.turn([{"role": "user", "content": "Write a 5-word title for this chat."}], "Fixing the median bug",
+    await agent.turn([{"role": "user", "content": "Write a 5-word title for this chat."}],
+                     "Fixing the median bug",
                      side_call=True)
 
 
@@ -100,8 +102,9 @@ async def injection_session(agent: Agent) -> None:
     user = {"role": "user", "content": "Run the tool."}
     hostile = "\n".join(INJECTIONS)
     a1 = await agent.turn([system, user], "ok " + INJECTIONS[0])
-    await agent.turn([system, user, {"role": "assistant", "content": a1}, {"role": "user", "content": hostile}],
-                     INJECTIONS[1] + " " + INJECTIONS[3])
+    await agent.turn(
+        [system, user, {"role": "assistant", "content": a1}, {"role": "user", "content": hostile}],
+        INJECTIONS[1] + " " + INJECTIONS[3])
 
 
 async def build_run(out: Path, sessions: list[tuple[str, float, Callable[[Agent], Awaitable[None]]]],
@@ -127,16 +130,19 @@ async def build_run(out: Path, sessions: list[tuple[str, float, Callable[[Agent]
             turns = gw.turn_log(info.session_id)
             err = (error or {}).get(task)
             result = EpisodeResult(task=task, attempt=0, reward=reward, turns=len(turns),
-                                   duration=time.time() - started, exit_reason="error" if err else "completed",
+                                   duration=time.time() - started,
+                                   exit_reason="error" if err else "completed",
                                    error=err, samples=len(samples), session_id=info.session_id)
-            logs = {"verifier.log": f"\x1b[32mPASSED\x1b[0m tests for {task}\n{INJECTIONS[0]}\nreward {reward}\n"}
+            logs = {
+                "verifier.log": f"\x1b[32mPASSED\x1b[0m tests for {task}\n{INJECTIONS[0]}\nreward {reward}\n"}
             outputs.episode(result, samples, turns, logs)
             results.append(result)
             if not keep_sessions:
                 await gw.delete_session(info.session_id)
     summary = RunSummary(results, planned=len(results), attempts=1, duration=time.time() - t0)
-    outputs.results({"preset": "viewer-tests", "policy": "in-process", "harness": "openai-sdk", "attempts": 1},
-                    summary)
+    outputs.results(
+        {"preset": "viewer-tests", "policy": "in-process", "harness": "openai-sdk", "attempts": 1},
+        summary)
     return out
 
 
@@ -145,13 +151,15 @@ def big_run(out: Path, episodes: int = 1000) -> Path:
     outputs = RunOutputs(out)
     results = []
     for i in range(episodes):
-        r = EpisodeResult(task=f"task-{i // 4:04d}", attempt=i % 4, reward=float(i % 3 == 0), turns=10 + i % 50,
+        r = EpisodeResult(task=f"task-{i // 4:04d}", attempt=i % 4, reward=float(i % 3 == 0),
+                          turns=10 + i % 50,
                           duration=30.0 + i % 17, exit_reason="completed" if i % 9 else "agent_error",
                           error=None if i % 9 else f"the agent exited with code 1 (episode {i})")
         results.append(r)
         with open(out / "episodes.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(r.to_dict()) + "\n")
-    outputs.results({"preset": "big", "attempts": 4}, RunSummary(results, planned=episodes, attempts=4, duration=600.0))
+    outputs.results({"preset": "big", "attempts": 4},
+                    RunSummary(results, planned=episodes, attempts=4, duration=600.0))
     return out
 
 
@@ -162,41 +170,52 @@ def big_session(out: Path, key: str = "big-task.0", turns: int = 200, turn_kb: i
     with ``tokens``, each answer carries a (small, toy) token record, so the log has a message tree."""
     (out / "turns").mkdir(parents=True, exist_ok=True)
     step = turn_kb * 1024 // turns  # each turn adds one tool result of this many bytes
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are Claude Code. " + "rules " * 4000},
-                                      {"role": "user", "content": "Fix the failing tests."}]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are Claude Code. " + "rules " * 4000},
+        {"role": "user", "content": "Fix the failing tests."}]
     with open(out / "turns" / f"{key}.jsonl", "w", encoding="utf-8") as fh:
         for t in range(turns):
-            call = {"id": f"call_{t}", "type": "function", "function": {"name": "bash",
-                                                                         "arguments": json.dumps({"command": f"cat file{t}.py"})}}
-            entry = {"request_id": f"r{t}", "protocol": "openai.chat", "side_call": False, "timestamp": 1.7e9 + t,
+            call = {"id": f"call_{t}", "type": "function",
+                    "function": {"name": "bash", "arguments": json.dumps({"command": f"cat file{t}.py"})}}
+            entry = {"request_id": f"r{t}", "protocol": "openai.chat", "side_call": False,
+                     "timestamp": 1.7e9 + t,
                      "latency": 0.5, "request": {"model": "m", "messages": messages},
                      "completion": {"text": f"step {t}", "tool_calls": [{"id": call["id"], "name": "bash",
-                                                                         "arguments": call["function"]["arguments"]}],
+                                                                         "arguments": call["function"][
+                                                                             "arguments"]}],
                                     "finish_reason": "tool_calls"}}
             if tokens:
-                entry["completion"]["tokens"] = {"prompt_ids": list(range(t * 10 + 5)), "output_ids": [7, 8, 9],
+                entry["completion"]["tokens"] = {"prompt_ids": list(range(t * 10 + 5)),
+                                                 "output_ids": [7, 8, 9],
                                                  "output_logprobs": [-0.1, -0.2, -3.0]}
             fh.write(json.dumps(entry) + "\n")
             messages = [*messages, {"role": "assistant", "content": f"step {t}", "tool_calls": [call]},
-                        {"role": "tool", "tool_call_id": call["id"], "content": f"# file{t}.py\n" + "x = 1\n" * (step // 6)}]
+                        {"role": "tool", "tool_call_id": call["id"],
+                         "content": f"# file{t}.py\n" + "x = 1\n" * (step // 6)}]
     with open(out / "episodes.jsonl", "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(EpisodeResult(task=key.rsplit(".", 1)[0], attempt=0, reward=1.0, turns=turns, duration=3600.0,
-                                          exit_reason="completed").to_dict()) + "\n")
+        fh.write(json.dumps(
+            EpisodeResult(task=key.rsplit(".", 1)[0], attempt=0, reward=1.0, turns=turns, duration=3600.0,
+                          exit_reason="completed").to_dict()) + "\n")
     return out
 
 
-__all__ = ["INJECTIONS", "Agent", "big_run", "big_sample", "big_session", "build_run", "forked_session", "injection_session",
+__all__ = ["INJECTIONS", "Agent", "big_run", "big_sample", "big_session", "build_run", "forked_session",
+           "injection_session",
            "logprobs"]
 
 
-def big_sample(out: Path, key: str = "big-task.0", tokens: int = 157_000, response: int = 60_000) -> dict[str, Any]:
+def big_sample(out: Path, key: str = "big-task.0", tokens: int = 157_000,
+               response: int = 60_000) -> dict[str, Any]:
     """One sample of a long session (``tokens`` ids, the last ``response`` of them its response, every
     other stretch trained), in ``trajectories/KEY.jsonl`` as the run's writer leaves it."""
     (out / "trajectories").mkdir(parents=True, exist_ok=True)
     mask = [1 if (i // 500) % 2 == 0 else 0 for i in range(response)]
-    sample = {"tokens": [(i * 7919) % 49000 for i in range(tokens)], "response_length": response, "loss_mask": mask,
-              "logprobs": [lp if m else 0.0 for m, lp in zip(mask, logprobs(response), strict=True)], "reward": 1.0,
-              "metadata": {"session_id": "big", "side_call": False, "branch": 0, "segment": 0, "turn_ids": [1, 2],
+    sample = {"tokens": [(i * 7919) % 49000 for i in range(tokens)], "response_length": response,
+              "loss_mask": mask,
+              "logprobs": [lp if m else 0.0 for m, lp in zip(mask, logprobs(response), strict=True)],
+              "reward": 1.0,
+              "metadata": {"session_id": "big", "side_call": False, "branch": 0, "segment": 0,
+                           "turn_ids": [1, 2],
                            "trained_turn_ids": [1, 2]}}
     (out / "trajectories" / f"{key}.jsonl").write_text(json.dumps(sample) + "\n")
     return sample

@@ -55,7 +55,8 @@ class LocalEnvironment:
             out, err = await proc.communicate()
             return ExecResult(stdout=out.decode(errors="replace"), stderr="timed out", return_code=124)
         return ExecResult(
-            stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"), return_code=proc.returncode or 0
+            stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
+            return_code=proc.returncode or 0
         )
 
     async def is_dir(self, path: str, user: str | int | None = None) -> bool:

@@ -21,7 +21,8 @@ from ares_gateway.core.recorder import RecordedTurn
 
 def _req(text: str = "x") -> CanonicalRequest:
     return CanonicalRequest.model_validate(
-        {"protocol": WireProtocol.OPENAI_CHAT, "messages": [{"role": "user", "content": text}], "raw": {"m": text}}
+        {"protocol": WireProtocol.OPENAI_CHAT, "messages": [{"role": "user", "content": text}],
+         "raw": {"m": text}}
     )
 
 
@@ -177,7 +178,8 @@ async def test_poll_json_equals_poll_item() -> None:
         assert orjson.loads(p.poll_json()) == p.poll_item()
     assert verbatim.poll_json().count(b'{ "m" :  ') == 1  # the agent's bytes, not a re-encoding
     lean = orjson.loads(verbatim.poll_json(canonical=False))
-    assert "canonical" not in lean and lean == {k: v for k, v in verbatim.poll_item().items() if k != "canonical"}
+    assert "canonical" not in lean and lean == {k: v for k,
+                                                v in verbatim.poll_item().items() if k != "canonical"}
     await asyncio.sleep(0.05)
     again = await b.poll(max_items=2)
     assert [orjson.loads(p.poll_json())["attempt"] for p in again] == [2, 2]

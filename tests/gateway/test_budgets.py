@@ -140,7 +140,8 @@ async def test_many_unfinished_huge_heads_are_refused_early_with_bounded_memory(
         before = _rss()
         loop = asyncio.get_running_loop()
         value = b"v" * 8000
-        head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"x-h%03d: %b\r\n" % (i, value) for i in range(126))
+        head = (b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+                + b"".join(b"x-h%03d: %b\r\n" % (i, value) for i in range(126)))
         socks = [socket.create_connection(("127.0.0.1", gw.port)) for _ in range(200)]
         for sock in socks:
             sock.setblocking(False)
@@ -161,7 +162,8 @@ async def test_many_unfinished_huge_heads_are_refused_early_with_bounded_memory(
         answers = await asyncio.gather(*(answer(s) for s in socks))
         for sock in socks:
             sock.close()
-        assert all(a.startswith((b"HTTP/1.1 431", b"HTTP/1.0 431")) for a in answers), {a[:20] for a in answers}
+        assert all(a.startswith((b"HTTP/1.1 431", b"HTTP/1.0 431")) for a in answers), {a[:20]
+                                                                                        for a in answers}
         assert grown < 120 * MiB, grown / MiB  # 200 whole heads held were about 400 MiB
         async with aiohttp.ClientSession() as s, s.get(f"{gw.url}/healthz") as r:
             assert r.status == 200
@@ -219,7 +221,8 @@ async def test_a_large_body_parsed_off_the_loop_gives_the_same_errors_and_reques
         url = f"{info.base_url}/v1/chat/completions"
         filler = "y" * 4000
         async with aiohttp.ClientSession() as s:
-            async with s.post(url, data=b'{"model": "m", "messages": [' + b" " * 4000 + b"}", headers=headers) as r:
+            async with s.post(url, data=b'{"model": "m", "messages": [' + b" " * 4000 + b"}",
+                              headers=headers) as r:
                 assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
             bad = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": filler}, {"role": 7}]})
             async with s.post(url, data=bad, headers=headers) as r:

@@ -39,14 +39,16 @@ def test_serve_process_round_trip_and_clean_shutdown() -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, proc)
-        req = urllib.request.Request(url + "/sessions", data=b"{}", method="POST", headers={"authorization": f"Bearer {admin}"})
+        req = urllib.request.Request(url + "/sessions", data=b"{}", method="POST",
+                                     headers={"authorization": f"Bearer {admin}"})
         with urllib.request.urlopen(req, timeout=5) as r:
             info = json.load(r)
         assert info["base_url"] == f"{url}/s/{info['session_id']}"
         # An agent request with the session token (it will be cancelled at shutdown).
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
         chat = urllib.request.Request(
-            info["base_url"] + "/v1/chat/completions", data=body, headers={"authorization": f"Bearer {info['token']}", "content-type": "application/json"}
+            info["base_url"] + "/v1/chat/completions", data=body,
+            headers={"authorization": f"Bearer {info['token']}", "content-type": "application/json"}
         )
         import threading
 
@@ -79,7 +81,8 @@ def test_serve_process_round_trip_and_clean_shutdown() -> None:
 
 def test_serve_help_lists_flags() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "ares_gateway.cli", "serve", "--help"], capture_output=True, text=True, check=True, env={**os.environ}
+        [sys.executable, "-m", "ares_gateway.cli", "serve", "--help"], capture_output=True, text=True,
+        check=True, env={**os.environ}
     ).stdout
     for flag in ("--host", "--port", "--admin-token-file", "ARES_GATEWAY_ADMIN_TOKEN", "--request-timeout",
                  "--auto-sessions"):
@@ -101,19 +104,22 @@ def test_a_token_on_the_command_line_is_refused_in_one_line() -> None:
     ]
     for argv, instead in cases:
         try:
-            r = subprocess.run([sys.executable, "-m", "ares_gateway.cli", *argv], capture_output=True, text=True,
+            r = subprocess.run([sys.executable, "-m", "ares_gateway.cli", *argv], capture_output=True,
+                               text=True,
                                timeout=30, env={**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": ""})
         except subprocess.TimeoutExpired as exc:
             raise AssertionError(f"{argv}: still running after 30 s (the token was taken)") from exc
         lines = r.stderr.splitlines()
         assert r.returncode == 2, (argv, r.returncode, r.stderr)
-        assert len(lines) == 1 and lines[0].startswith("ares-gateway: --admin-token is not accepted"), (argv, r.stderr)
+        assert len(lines) == 1 and lines[0].startswith("ares-gateway: --admin-token is not accepted"), (
+            argv, r.stderr)
         assert "ps" in lines[0] and instead in lines[0], (argv, lines)
         assert SECRET not in r.stderr + r.stdout, argv
 
 
 def test_serve_limit_flags_reach_the_server() -> None:
-    """The limits are serve flags: a lower --max-headers answers 431, a lower --header-timeout closes a slow head."""
+    """The limits are serve flags: a lower --max-headers answers 431, a lower --header-timeout closes a slow
+    head."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--in-memory",
@@ -124,7 +130,8 @@ def test_serve_limit_flags_reach_the_server() -> None:
     try:
         _wait_healthy(url, proc)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            head = "GET /healthz HTTP/1.1\r\nHost: x\r\n" + "".join(f"X-H{i}: v\r\n" for i in range(20)) + "\r\n"
+            head = ("GET /healthz HTTP/1.1\r\nHost: x\r\n" + "".join(f"X-H{i}: v\r\n" for i in range(20))
+                    + "\r\n")
             s.sendall(head.encode())
             status_line = s.recv(200).split(b"\r\n", 1)[0]
             assert status_line.split()[1:2] == [b"431"], (status_line, "20 headers against --max-headers 16")

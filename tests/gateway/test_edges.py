@@ -121,7 +121,8 @@ async def test_post_sessions_refuses_ids_that_are_not_letters_digits_dash_unders
                 assert r.status == 201
             # A session an older data dir remembers with such an id gets no socket: nothing is removed.
             for sid in (".", ".."):
-                gw.sessions.restore(sid, token=f"restored-token-{len(sid)}-0123456789", created_at=time.time(),
+                gw.sessions.restore(sid, token=f"restored-token-{len(sid)}-0123456789",
+                                    created_at=time.time(),
                                     metadata={})
                 with pytest.raises(SessionSocketError, match="cannot name a directory"):
                     await gw.agent_socket(sid)
@@ -135,7 +136,8 @@ async def test_in_process_create_session_refuses_the_same_ids() -> None:
         for sid in BAD_IDS:
             with pytest.raises(ValueError, match="invalid session id"):
                 await gw.create_session(sid)
-        for token in ("tok with spaces 0123456789", "tök-0123456789abcdef", "t" * 513, "tok\x7f0123456789abcdef"):
+        for token in ("tok with spaces 0123456789", "tök-0123456789abcdef", "t" * 513,
+                      "tok\x7f0123456789abcdef"):
             with pytest.raises(ValueError, match="invalid token"):
                 await gw.create_session(token=token)
         with pytest.raises(ValueError, match="metadata cannot be stored"):
@@ -149,13 +151,15 @@ async def test_auto_sessions_refuse_bad_ids_in_the_agents_shape(raw_sid: str) ->
         sentinel = parent / "keep-me"
         sentinel.write_text("still here")
         # request_timeout: were such an id accepted, the request would be parked, unanswered.
-        async with Gateway(port=0, auto_sessions=True, runtime_dir=str(parent / "rt"), request_timeout=3) as gw, \
+        async with Gateway(port=0, auto_sessions=True, runtime_dir=str(parent / "rt"),
+                           request_timeout=3) as gw, \
                 aiohttp.ClientSession() as http:
             for name, path in PATHS.items():
                 # encoded=True: the path goes out exactly as written (no client-side dot-segment removal).
                 url = URL(f"{gw.url}/s/{raw_sid}{path}", encoded=True)
-                async with http.post(url, json=BODIES[name], headers={"x-api-key": "tok-auto-0123456789abcdef",
-                                                                      "Authorization": "Bearer tok-auto-0123456789abcdef"}) as r:
+                async with http.post(url, json=BODIES[name],
+                                     headers={"x-api-key": "tok-auto-0123456789abcdef",
+                                              "Authorization": "Bearer tok-auto-0123456789abcdef"}) as r:
                     body = await r.json()
                     # "a%2Fb" is the path /s/a/b/...: no such route. The others reach the id check.
                     assert r.status == (404 if raw_sid == "a%2Fb" else 400), (raw_sid, name, r.status, body)
@@ -205,7 +209,8 @@ async def test_a_credential_that_is_not_utf8_is_a_401_in_each_protocols_shape(
             # models and count_tokens check the same credential
             r = await client.get(base + "/v1/models", headers=[(b"x-api-key", b"\xff")])
             assert r.status_code == 401
-        r = await client.post(base + "/v1/messages/count_tokens", content=json.dumps(BODIES["messages"]).encode(),
+        r = await client.post(base + "/v1/messages/count_tokens",
+                              content=json.dumps(BODIES["messages"]).encode(),
                               headers=[(b"x-api-key", b"\xff\xfe")])
         assert r.status_code == 401 and r.json()["type"] == "error"
         assert gw.broker.pending_count == 0 and sent == 18
@@ -217,8 +222,10 @@ async def test_a_credential_that_is_not_utf8_is_a_401_in_each_protocols_shape(
 
 async def test_other_headers_that_are_not_utf8_do_not_break_a_turn() -> None:
     """The headers the gateway and its side-call detectors read (and Anthropic's) may hold any bytes."""
-    junk = [(name, b"\xff\xfe") for name in (b"x-claude-code-agent-id", b"x-ares-side-call", b"x-openai-subagent",
-                                            b"anthropic-version", b"anthropic-beta", b"user-agent", b"openai-beta")]
+    junk = [(name, b"\xff\xfe")
+            for name in (b"x-claude-code-agent-id", b"x-ares-side-call", b"x-openai-subagent",
+                                            b"anthropic-version", b"anthropic-beta", b"user-agent",
+                         b"openai-beta")]
     async with Gateway(port=0, data_dir=False) as gw, httpx.AsyncClient(timeout=20) as client:
         info = await gw.create_session()
 
@@ -282,7 +289,8 @@ async def test_an_in_process_gateway_generates_an_admin_token() -> None:
                     assert r.status == 401
             assert not gw.sessions.get(info.session_id).ended
             # The owner passes the token it reads from the gateway.
-            async with http.get(gw.url + "/sessions", headers={"Authorization": f"Bearer {gw.admin_token}"}) as r:
+            async with http.get(gw.url + "/sessions",
+                                headers={"Authorization": f"Bearer {gw.admin_token}"}) as r:
                 assert r.status == 200 and [s["session_id"] for s in await r.json()] == [info.session_id]
             # The in-process helpers need no token: a real agent, answered in process.
             agent = openai.AsyncOpenAI(base_url=info.base_url + "/v1", api_key=info.token, max_retries=0)
@@ -293,7 +301,8 @@ async def test_an_in_process_gateway_generates_an_admin_token() -> None:
                 await gw.respond(req.id, Completion(text="hello"))
 
             got, _ = await asyncio.gather(
-                agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]), policy())
+                agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]),
+                policy())
             assert got.choices[0].message.content == "hello"
             await agent.close()
     with pytest.raises(ValueError, match="admin_token"):
@@ -380,7 +389,8 @@ def _chat_response(content: Any = "fine") -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_native_answer_300_deep_is_refused_at_respond_and_a_good_one_still_lands(stream: bool) -> None:
+async def test_a_native_answer_300_deep_is_refused_at_respond_and_a_good_one_still_lands(
+    stream: bool) -> None:
     async with Gateway(port=0, data_dir=False) as gw, _agent_and_poller(gw) as http:
         info = await gw.create_session()
         agent = openai.AsyncOpenAI(base_url=info.base_url + "/v1", api_key=info.token, max_retries=0)
@@ -404,10 +414,12 @@ async def test_a_native_answer_300_deep_is_refused_at_respond_and_a_good_one_sti
                 assert r.status == 400, body
                 assert "levels deep" in body["error"]
         # In a batch, that item alone is refused.
-        async with http.post(f"{gw.url}/respond", json=[{"id": item["id"], "response": _chat_response(_nested(300))}]) as r:
+        async with http.post(f"{gw.url}/respond",
+                             json=[{"id": item["id"], "response": _chat_response(_nested(300))}]) as r:
             assert r.status == 200 and (await r.json())[0]["code"] == 400
         assert not task.done() and gw.broker.pending_count == 1  # still parked, still answerable
-        async with http.post(f"{gw.url}/respond", json={"id": item["id"], "response": _chat_response(_nested(20))}) as r:
+        async with http.post(f"{gw.url}/respond",
+                             json={"id": item["id"], "response": _chat_response(_nested(20))}) as r:
             assert r.status == 200, await r.text()
         assert await asyncio.wait_for(task, 10) == "fine"
         await agent.close()
@@ -422,7 +434,8 @@ async def test_a_completion_the_agents_protocol_cannot_render_is_refused(stream:
     async with Gateway(port=0, data_dir=False) as gw, _agent_and_poller(gw) as http:
         info = await gw.create_session()
         agent = anthropic.AsyncAnthropic(base_url=info.base_url, api_key=info.token, max_retries=0)
-        kwargs: dict[str, Any] = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+        kwargs: dict[str, Any] = {"model": "m", "max_tokens": 16,
+                                  "messages": [{"role": "user", "content": "hi"}]}
 
         async def ask() -> Any:
             if stream:
@@ -454,7 +467,8 @@ async def test_in_process_respond_refuses_what_cannot_render() -> None:
         info = await gw.create_session()
         env = GatewayEnv(gw, session_id=info.session_id, request_timeout=20)
         agent = openai.AsyncOpenAI(base_url=info.base_url + "/v1", api_key=info.token, max_retries=0)
-        task = asyncio.create_task(agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
+        task = asyncio.create_task(
+            agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
         ts = await env.reset()
         assert ts.observation is not None
         rid = ts.observation.id
@@ -476,7 +490,8 @@ async def test_in_process_respond_refuses_what_cannot_render() -> None:
         got = await asyncio.wait_for(task, 10)
         assert got.choices[0].message.content == "fine"
         # An error's message that is not UTF-8 (an exception's text) is escaped, not refused.
-        task = asyncio.create_task(agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "y"}]))
+        task = asyncio.create_task(
+            agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "y"}]))
         req = await gw.next_request(session=info.session_id, timeout=10)
         assert req is not None
         await gw.respond(req.id, ErrorAnswer(500, "broke on \udcff"))
@@ -512,7 +527,8 @@ async def test_a_request_too_deep_to_poll_is_a_400_to_its_agent_and_spoils_no_ba
         with pytest.raises(openai.BadRequestError) as refused:
             await asyncio.wait_for(deep_task, 10)
         assert "nests objects or arrays too deeply" in str(refused.value)
-        async with http.post(f"{gw.url}/respond", json={"id": items[0]["id"], "completion": {"text": "fine"}}) as r:
+        async with http.post(f"{gw.url}/respond",
+                             json={"id": items[0]["id"], "completion": {"text": "fine"}}) as r:
             assert r.status == 200, await r.text()
         assert (await asyncio.wait_for(good_task, 10)).choices[0].message.content == "fine"
         await deep.close()

@@ -82,7 +82,8 @@ async def gw_session() -> AsyncIterator[tuple[Gateway, SessionInfo, list[Any]]]:
                 await task
 
 
-async def _post(http: aiohttp.ClientSession, url: str, token: str, data: bytes, coding: str) -> tuple[int, Any, Any]:
+async def _post(http: aiohttp.ClientSession, url: str, token: str, data: bytes,
+                coding: str) -> tuple[int, Any, Any]:
     async with http.post(url, data=data, timeout=aiohttp.ClientTimeout(total=30), headers={
         "content-type": "application/json", "x-api-key": token, "content-encoding": coding,
     }) as r:
@@ -119,7 +120,8 @@ async def test_each_content_encoding_on_each_api(
         for coding, data in good.items():
             status, _, body = await _post(http, url, info.token, data, coding)
             assert status == 200, (coding, status, body)
-            assert seen[-1].request.raw == BODIES[api] and seen[-1].raw_body == raw  # the policy got it decoded
+            # the policy got it decoded
+            assert seen[-1].request.raw == BODIES[api] and seen[-1].raw_body == raw
         assert len(seen) == len(good)
         for coding, data in undecodable.items():
             status, _, body = await _post(http, url, info.token, data, coding)
@@ -157,7 +159,8 @@ async def test_the_sdks_see_an_unaccepted_coding_as_a_415_and_do_not_retry(
                 await oa.responses.create(model="m", input="hi", extra_headers=extra)
             assert got.value.status_code == 415 and "gzip, deflate" in got.value.message
             with pytest.raises(anthropic.APIStatusError) as got2:
-                await an.messages.create(model="m", max_tokens=16, messages=[{"role": "user", "content": "hi"}],
+                await an.messages.create(model="m", max_tokens=16,
+                                         messages=[{"role": "user", "content": "hi"}],
                                          extra_headers=extra)
             assert got2.value.status_code == 415 and "gzip, deflate" in got2.value.message
     assert gw.metrics.rejected_by_status == {415: 9}  # one request each: a 415 is not retried

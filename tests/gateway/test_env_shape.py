@@ -1,4 +1,5 @@
-"""GatewayEnv's shape: one named constructor per mode, dm_env-style TimeStep helpers, truncation as a value."""
+"""GatewayEnv's shape: one named constructor per mode, dm_env-style TimeStep helpers, truncation as a
+value."""
 
 from __future__ import annotations
 
@@ -34,12 +35,15 @@ async def test_helpers_build_dm_env_timesteps() -> None:
     p = b.park("s", CanonicalRequest(protocol=WireProtocol.OPENAI_CHAT, model="m",
                                      messages=[Message(role="user", content="hi")]), "/e")
     first, mid = restart(p), transition(0.5, p)
-    assert (first.step_type, first.reward, first.discount, first.observation) == (StepType.FIRST, None, None, p)
+    assert (first.step_type, first.reward, first.discount, first.observation) == (StepType.FIRST, None, None,
+                                                                                  p)
     assert (mid.step_type, mid.reward, mid.discount) == (StepType.MID, 0.5, 1.0)
     done = termination(1.0, {"steps": 3})
     cut = truncation(0.0, "step_limit", {"steps": 3})
-    assert done.last() and done.discount == 0.0 and done.info == {"steps": 3, "truncated": False, "truncation": None}
-    assert cut.last() and cut.discount == 1.0 and cut.info == {"steps": 3, "truncated": True, "truncation": "step_limit"}
+    assert done.last() and done.discount == 0.0 and done.info == {"steps": 3, "truncated": False,
+                                                                  "truncation": None}
+    assert cut.last() and cut.discount == 1.0 and cut.info == {"steps": 3, "truncated": True,
+                                                               "truncation": "step_limit"}
     b.close()
 
 

@@ -30,7 +30,8 @@ RESP = "/v1/responses"
 
 
 def is_openai_error(body: Any) -> bool:
-    return isinstance(body, dict) and isinstance(body.get("error"), dict) and isinstance(body["error"].get("message"), str)
+    return (isinstance(body, dict) and isinstance(body.get("error"), dict)
+            and isinstance(body["error"].get("message"), str))
 
 
 def is_anthropic_error(body: Any) -> bool:
@@ -46,10 +47,12 @@ def is_anthropic_error(body: Any) -> bool:
 SHAPE = {CHAT: is_openai_error, RESP: is_openai_error, MSGS: is_anthropic_error}
 
 
-async def post(url: str, data: bytes | str, token: str | None, *, anthropic_style: bool = False) -> tuple[int, Any]:
+async def post(url: str, data: bytes | str, token: str | None, *,
+               anthropic_style: bool = False) -> tuple[int, Any]:
     headers = {"content-type": "application/json"}
     if token is not None:
-        headers["x-api-key" if anthropic_style else "authorization"] = token if anthropic_style else f"Bearer {token}"
+        headers["x-api-key" if anthropic_style else "authorization"] = (token if anthropic_style
+                                                                        else f"Bearer {token}")
     async with aiohttp.ClientSession() as s, s.post(url, data=data, headers=headers) as r:
         text = await r.text()
         try:
@@ -74,7 +77,8 @@ async def test_malformed_bodies_get_protocol_shaped_400(
     path: str, data: Any, status: int, gateway: Gateway, session: SessionInfo
 ) -> None:
     if path == RESP and data == json.dumps({"model": "m"}):
-        data = json.dumps({"model": "m", "input": [{"type": "function_call", "name": 5}]})  # input itself is optional
+        # input itself is optional
+        data = json.dumps({"model": "m", "input": [{"type": "function_call", "name": 5}]})
     code, body = await post(session.base_url + path, data, session.token, anthropic_style=path == MSGS)
     assert code == status, body
     assert SHAPE[path](body), body
@@ -83,7 +87,8 @@ async def test_malformed_bodies_get_protocol_shaped_400(
 
 @pytest.mark.parametrize("path", [CHAT, MSGS, RESP])
 async def test_bad_and_missing_token_get_401(path: str, gateway: Gateway, session: SessionInfo) -> None:
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "input": "x", "max_tokens": 5})
+    body = json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "input": "x", "max_tokens": 5})
     for token in (None, "wrong-token-123456789"):
         for base in (session.base_url, gateway.url):
             code, out = await post(base + path, body, token, anthropic_style=path == MSGS)
@@ -100,7 +105,8 @@ async def test_unknown_session_is_404(gateway: Gateway, session: SessionInfo) ->
 
 async def test_token_at_root_resolves_session(gateway: Gateway, session: SessionInfo) -> None:
     client = anthropic.AsyncAnthropic(base_url=gateway.url, api_key=session.token, max_retries=0)
-    task = asyncio.create_task(client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}]))
+    task = asyncio.create_task(
+        client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}]))
     req = await gateway.next_request(timeout=5)
     assert req is not None and req.session_id == session.session_id
     await gateway.respond(req.id, "ok")
@@ -110,7 +116,8 @@ async def test_token_at_root_resolves_session(gateway: Gateway, session: Session
 async def test_oversized_body_is_413_in_shape(session: SessionInfo) -> None:
     async with Gateway(port=0, max_body_bytes=4096) as gw:
         info = await gw.create_session()
-        big = json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x" * 10_000}]})
+        big = json.dumps(
+            {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x" * 10_000}]})
         code, out = await post(info.base_url + MSGS, big, info.token, anthropic_style=True)
         assert code == 413 and is_anthropic_error(out)
         code, out = await post(info.base_url + CHAT, big, info.token)
@@ -141,7 +148,8 @@ async def test_unknown_path_and_method_in_shape(gateway: Gateway, session: Sessi
 async def test_base_url_with_trailing_slash_still_routes(gateway: Gateway, session: SessionInfo) -> None:
     # ANTHROPIC_BASE_URL=".../s/{sid}/" joined with "/v1/messages" gives a double slash.
     body = json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
-    agent = asyncio.create_task(post(session.base_url + "//v1/messages", body, session.token, anthropic_style=True))
+    agent = asyncio.create_task(
+        post(session.base_url + "//v1/messages", body, session.token, anthropic_style=True))
     req = await gateway.next_request(session=session.session_id, timeout=5)
     assert req is not None and req.endpoint == "/v1/messages"
     await gateway.respond(req.id, "ok")
@@ -188,16 +196,20 @@ async def test_oversized_control_body_is_413_in_shape() -> None:
         assert len(gw.sessions) == 0
 
 
-async def test_respond_unknown_answered_and_gone(gateway: Gateway, session: SessionInfo, http: aiohttp.ClientSession) -> None:
+async def test_respond_unknown_answered_and_gone(gateway: Gateway, session: SessionInfo,
+                                                 http: aiohttp.ClientSession) -> None:
     client = openai.AsyncOpenAI(base_url=f"{session.base_url}/v1", api_key=session.token, max_retries=0)
-    agent = asyncio.create_task(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
+    agent = asyncio.create_task(
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
     req = await gateway.next_request(session=session.session_id, timeout=5)
     assert req is not None
-    async with http.post(f"{gateway.url}/respond", json={"id": "req_missing", "completion": {"text": "x"}}) as r:
+    async with http.post(f"{gateway.url}/respond",
+                         json={"id": "req_missing", "completion": {"text": "x"}}) as r:
         assert r.status == 404
     async with http.post(f"{gateway.url}/respond", json={"id": req.id, "completion": {"text": "first"}}) as r:
         assert r.status == 200 and (await r.json()) == {"id": req.id, "status": "ok"}
-    async with http.post(f"{gateway.url}/respond", json={"id": req.id, "completion": {"text": "second"}}) as r:
+    async with http.post(f"{gateway.url}/respond",
+                         json={"id": req.id, "completion": {"text": "second"}}) as r:
         assert r.status == 409
     with pytest.raises(AlreadyAnsweredError):
         await gateway.respond(req.id, "third")
@@ -206,9 +218,11 @@ async def test_respond_unknown_answered_and_gone(gateway: Gateway, session: Sess
         await gateway.respond("req_nope", "x")
 
 
-async def test_bad_answers_are_400_and_request_stays_answerable(gateway: Gateway, session: SessionInfo, http: aiohttp.ClientSession) -> None:
+async def test_bad_answers_are_400_and_request_stays_answerable(gateway: Gateway, session: SessionInfo,
+                                                                http: aiohttp.ClientSession) -> None:
     client = openai.AsyncOpenAI(base_url=f"{session.base_url}/v1", api_key=session.token, max_retries=0)
-    agent = asyncio.create_task(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
+    agent = asyncio.create_task(
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
     req = await gateway.next_request(timeout=5)
     assert req is not None
     bad = [
@@ -217,7 +231,8 @@ async def test_bad_answers_are_400_and_request_stays_answerable(gateway: Gateway
         {"id": req.id, "completion": {"text": "x", "finish_reason": "bogus"}},
         {"id": req.id, "response": {"nonsense": True}},
         {"id": req.id, "error": {"status": 200, "message": "x"}},
-        {"id": req.id, "completion": {"text": "x"}, "tokens": {"prompt_ids": [1], "output_ids": [2, 3], "output_logprobs": [0.1]}},
+        {"id": req.id, "completion": {"text": "x"},
+         "tokens": {"prompt_ids": [1], "output_ids": [2, 3], "output_logprobs": [0.1]}},
         {"id": 7, "completion": {"text": "x"}},
     ]
     for payload in bad:
@@ -225,24 +240,28 @@ async def test_bad_answers_are_400_and_request_stays_answerable(gateway: Gateway
             assert r.status == 400, (payload, await r.text())
     async with http.post(f"{gateway.url}/respond", data=b"{oops") as r:
         assert r.status == 400
-    async with http.post(f"{gateway.url}/respond", json={"id": req.id, "error": {"status": 429, "message": "slow down"}}) as r:
+    async with http.post(f"{gateway.url}/respond",
+                         json={"id": req.id, "error": {"status": 429, "message": "slow down"}}) as r:
         assert r.status == 200
     with pytest.raises(openai.RateLimitError) as err:
         await agent
     assert "slow down" in str(err.value)
 
 
-async def test_batch_respond_reports_per_item(gateway: Gateway, session: SessionInfo, http: aiohttp.ClientSession) -> None:
+async def test_batch_respond_reports_per_item(gateway: Gateway, session: SessionInfo,
+                                              http: aiohttp.ClientSession) -> None:
     client = openai.AsyncOpenAI(base_url=f"{session.base_url}/v1", api_key=session.token, max_retries=0)
     agents = [
-        asyncio.create_task(client.chat.completions.create(model="m", messages=[{"role": "user", "content": str(i)}]))
+        asyncio.create_task(
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": str(i)}]))
         for i in range(3)
     ]
     items: list[dict[str, Any]] = []
     while len(items) < 3:
         async with http.get(f"{gateway.url}/poll", params={"wait": "2", "max": "10"}) as r:
             items += await r.json()
-    payload = [{"id": it["id"], "completion": {"text": it["request"]["messages"][0]["content"] * 2}} for it in items]
+    payload = [{"id": it["id"], "completion": {"text": it["request"]["messages"][0]["content"] * 2}}
+               for it in items]
     payload.append({"id": "req_unknown", "completion": {"text": "x"}})
     async with http.post(f"{gateway.url}/respond", json=payload) as r:
         assert r.status == 200
@@ -256,7 +275,8 @@ async def test_poller_that_dies_loses_nothing() -> None:
     async with Gateway(port=0, lease_seconds=0.3) as gw:
         info = await gw.create_session()
         client = openai.AsyncOpenAI(base_url=f"{info.base_url}/v1", api_key=info.token, max_retries=0)
-        agent = asyncio.create_task(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
+        agent = asyncio.create_task(
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {gw.admin_token}"}) as s:
             async with s.get(f"{gw.url}/poll", params={"wait": "5"}) as r:
                 first = await r.json()
@@ -268,7 +288,8 @@ async def test_poller_that_dies_loses_nothing() -> None:
                 again = await r.json()
             assert [i["id"] for i in again] == [first[0]["id"]] and again[0]["attempt"] == 2
             assert "canonical" in first[0] and "canonical" not in again[0]  # ?canonical=0: native body only
-            async with s.post(f"{gw.url}/respond", json={"id": first[0]["id"], "completion": {"text": "saved"}}) as r:
+            async with s.post(f"{gw.url}/respond",
+                              json={"id": first[0]["id"], "completion": {"text": "saved"}}) as r:
                 assert r.status == 200
         assert (await agent).choices[0].message.content == "saved"
 
@@ -277,7 +298,8 @@ async def test_timeout_gives_504_and_410_to_late_answer() -> None:
     async with Gateway(port=0, request_timeout=0.3) as gw:
         info = await gw.create_session()
         client = anthropic.AsyncAnthropic(base_url=info.base_url, api_key=info.token, max_retries=0)
-        agent = asyncio.create_task(client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}]))
+        agent = asyncio.create_task(
+            client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}]))
         req = await gw.next_request(timeout=5)
         assert req is not None
         with pytest.raises(anthropic.APIStatusError) as err:
@@ -288,7 +310,8 @@ async def test_timeout_gives_504_and_410_to_late_answer() -> None:
         assert gw.broker.pending_count == 0
 
 
-async def test_agent_disconnect_withdraws_request(gateway: Gateway, session: SessionInfo, http: aiohttp.ClientSession) -> None:
+async def test_agent_disconnect_withdraws_request(gateway: Gateway, session: SessionInfo,
+                                                  http: aiohttp.ClientSession) -> None:
     async def agent() -> None:
         async with aiohttp.ClientSession() as s:
             await s.post(
@@ -327,7 +350,8 @@ async def test_agent_disconnect_mid_stream_ends_cleanly(gateway: Gateway, sessio
 
     async def agent() -> str:
         client = openai.AsyncOpenAI(base_url=f"{session.base_url}/v1", api_key=session.token, max_retries=0)
-        stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True)
+        stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                      stream=True)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 await stream.close()
@@ -345,17 +369,20 @@ async def test_agent_disconnect_mid_stream_ends_cleanly(gateway: Gateway, sessio
 
 async def test_admin_token_guards_control_api(gateway: Gateway, session: SessionInfo) -> None:
     async with aiohttp.ClientSession() as s:
-        for method, path in [("GET", "/poll"), ("POST", "/respond"), ("POST", "/sessions"), ("GET", "/sessions"), ("GET", "/metrics")]:
+        for method, path in [("GET", "/poll"), ("POST", "/respond"), ("POST", "/sessions"),
+                             ("GET", "/sessions"), ("GET", "/metrics")]:
             async with s.request(method, gateway.url + path) as r:
                 assert r.status == 401, path
-            async with s.request(method, gateway.url + path, headers={"authorization": f"Bearer {session.token}"}) as r:
+            async with s.request(method, gateway.url + path,
+                                 headers={"authorization": f"Bearer {session.token}"}) as r:
                 assert r.status == 401, path
         async with s.get(gateway.url + "/healthz") as r:
             assert r.status == 200
 
 
 async def test_session_lifecycle_over_http(gateway: Gateway, http: aiohttp.ClientSession) -> None:
-    async with http.post(f"{gateway.url}/sessions", json={"session_id": "ep-1", "metadata": {"task": "t"}}) as r:
+    async with http.post(f"{gateway.url}/sessions",
+                         json={"session_id": "ep-1", "metadata": {"task": "t"}}) as r:
         assert r.status == 201
         info = await r.json()
     assert info["session_id"] == "ep-1" and info["base_url"].endswith("/s/ep-1") and len(info["token"]) > 20
@@ -367,7 +394,8 @@ async def test_session_lifecycle_over_http(gateway: Gateway, http: aiohttp.Clien
         listed = await r.json()
     assert [s["session_id"] for s in listed] == ["ep-1"] and "token" not in json.dumps(listed)
     client = openai.AsyncOpenAI(base_url=info["base_url"] + "/v1", api_key=info["token"], max_retries=0)
-    agent = asyncio.create_task(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
+    agent = asyncio.create_task(
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
     await asyncio.sleep(0.1)
     async with http.get(f"{gateway.url}/sessions/ep-1") as r:
         assert (await r.json())["pending"] == 1
@@ -380,9 +408,11 @@ async def test_session_lifecycle_over_http(gateway: Gateway, http: aiohttp.Clien
         assert r.status == 404
 
 
-async def test_metrics_count_outcomes(gateway: Gateway, session: SessionInfo, http: aiohttp.ClientSession) -> None:
+async def test_metrics_count_outcomes(gateway: Gateway, session: SessionInfo,
+                                      http: aiohttp.ClientSession) -> None:
     client = openai.AsyncOpenAI(base_url=f"{session.base_url}/v1", api_key=session.token, max_retries=0)
-    agent = asyncio.create_task(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
+    agent = asyncio.create_task(
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
     req = await gateway.next_request(timeout=5)
     assert req is not None
     await gateway.respond(req.id, "ok")
@@ -400,7 +430,8 @@ async def test_no_leaked_tasks_after_close() -> None:
     async with Gateway(port=0, request_timeout=5) as gw:
         info = await gw.create_session()
         client = openai.AsyncOpenAI(base_url=f"{info.base_url}/v1", api_key=info.token, max_retries=0)
-        agent = asyncio.create_task(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
+        agent = asyncio.create_task(
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
         poller = asyncio.create_task(gw.broker.poll("other-session", wait=30))
         await asyncio.sleep(0.1)
     # Closing the gateway fails the parked request and releases the long-poller with a clear error.
@@ -416,11 +447,14 @@ async def test_no_leaked_tasks_after_close() -> None:
 
 async def test_count_tokens_validates_like_messages(gateway: Gateway, session: SessionInfo) -> None:
     url = session.base_url + "/v1/messages/count_tokens"
-    code, out = await post(url, json.dumps({"model": "m", "messages": [{"role": "user", "content": 5}]}), session.token, anthropic_style=True)
+    code, out = await post(url, json.dumps({"model": "m", "messages": [{"role": "user", "content": 5}]}),
+                           session.token, anthropic_style=True)
     assert code == 400 and is_anthropic_error(out)
-    code, out = await post(url, json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi " * 40}]}), session.token, anthropic_style=True)
+    code, out = await post(url, json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "hi " * 40}]}), session.token, anthropic_style=True)
     assert code == 200 and out["input_tokens"] > 20
-    code, out = await post(url, json.dumps({"model": "m", "messages": []}), "nope-not-a-token", anthropic_style=True)
+    code, out = await post(url, json.dumps({"model": "m", "messages": []}), "nope-not-a-token",
+                           anthropic_style=True)
     assert code == 401 and is_anthropic_error(out)
     # Nested past what the gateway encodes again (its size is measured as JSON): a 400, was a 500.
     code, out = await post(url, json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],

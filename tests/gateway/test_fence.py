@@ -272,7 +272,8 @@ async def _post(s: aiohttp.ClientSession, url: str, **kw: Any) -> tuple[int, Any
         return r.status, await r.json(content_type=None)
 
 
-async def test_poll_is_empty_while_paused_and_an_answer_leased_before_an_abort_is_refused(gw: Gateway) -> None:
+async def test_poll_is_empty_while_paused_and_an_answer_leased_before_an_abort_is_refused(
+    gw: Gateway) -> None:
     info = await gw.create_session()
     client = oai(gw, info.base_url, info.token)
     agent = asyncio.create_task(client.chat.completions.create(model="m", messages=_MSG))  # type: ignore[arg-type]
@@ -282,7 +283,8 @@ async def test_poll_is_empty_while_paused_and_an_answer_leased_before_an_abort_i
             [item] = await r.json()
         assert item["attempt"] == 1
         status, body = await _post(s, f"{url}/sampling/pause", json={"mode": "abort", "timeout": 5})
-        assert status == 200 and body["status"] == "paused" and body["aborted"] == 1 and body["in_flight"] == 1
+        assert status == 200 and body["status"] == "paused" and body["aborted"] == 1 and body[
+            "in_flight"] == 1
         assert body["drain_seconds"] >= 0
         async with s.get(f"{url}/sampling") as r:
             state = await r.json()
@@ -303,7 +305,8 @@ async def test_poll_is_empty_while_paused_and_an_answer_leased_before_an_abort_i
         status, body = await _post(s, f"{url}/respond", json={**old, "attempt": 1})
         assert status == 409 and body["code"] == 409
         status, body = await _post(s, f"{url}/respond",
-                                   json={"id": item["id"], "attempt": 2, "completion": {"text": "new weights"}})
+                                   json={"id": item["id"], "attempt": 2,
+                                         "completion": {"text": "new weights"}})
         assert status == 200, body
     out = await asyncio.wait_for(agent, 10)
     assert out.choices[0].message.content == "new weights"
@@ -320,10 +323,12 @@ async def test_drain_over_http_waits_for_the_poller_to_answer(gw: Gateway) -> No
         pause = asyncio.create_task(_post(s, f"{gw.url}/sampling/pause", json={}))
         await asyncio.sleep(0.5)
         assert not pause.done() and gw.fence.state == "draining"
-        status, _ = await _post(s, f"{gw.url}/respond", json={"id": item["id"], "completion": {"text": "done"}})
+        status, _ = await _post(s, f"{gw.url}/respond",
+                                json={"id": item["id"], "completion": {"text": "done"}})
         assert status == 200
         status, body = await asyncio.wait_for(pause, 5)
-        assert status == 200 and body["mode"] == "drain" and body["in_flight"] == 1 and body["drain_seconds"] >= 0.4
+        assert status == 200 and body["mode"] == "drain" and body["in_flight"] == 1 and body[
+            "drain_seconds"] >= 0.4
         status, _ = await _post(s, f"{gw.url}/sampling/resume")
         assert status == 200
         async with s.get(f"{gw.url}/metrics") as r:
@@ -351,7 +356,8 @@ async def test_control_api_bad_input_gets_its_errors_and_loses_nothing_parked(gw
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ADMIN}"}) as s:
         status, body = await _post(s, f"{url}/sampling/resume", json={})
         assert status == 409 and "not paused" in body["error"]
-        for bad in ({"mode": "sideways"}, {"mode": 3}, {"timeout": "soon"}, {"timeout": -1}, {"wait": 1}, [1]):
+        for bad in ({"mode": "sideways"}, {"mode": 3}, {"timeout": "soon"}, {"timeout": -1}, {"wait": 1},
+                    [1]):
             status, body = await _post(s, f"{url}/sampling/pause", json=bad)
             assert status == 400 and body["status"] == "error", (bad, body)
         status, body = await _post(s, f"{url}/sampling/pause", data=b"{not json",
@@ -451,13 +457,15 @@ async def test_a_lease_running_out_during_a_drain_ends_the_wait_and_fences_the_l
                 [item] = await r.json()
             report = await gw.pause_sampling("drain", timeout=10)  # the poller never answers: its lease ends
             assert report.in_flight == 1 and 0.3 < report.drain_seconds < 5
-            status, body = await _post(s, f"{gw.url}/respond", json={"id": item["id"], "completion": {"text": "late"}})
+            status, body = await _post(s, f"{gw.url}/respond",
+                                       json={"id": item["id"], "completion": {"text": "late"}})
             assert status == 409 and "weight-update fence" in body["error"]
             gw.resume_sampling()
             async with s.get(f"{gw.url}/poll", params={"wait": "5"}) as r:
                 [again] = await r.json()
             assert again["id"] == item["id"] and again["attempt"] == 2
-            status, _ = await _post(s, f"{gw.url}/respond", json={"id": item["id"], "completion": {"text": "fresh"}})
+            status, _ = await _post(s, f"{gw.url}/respond",
+                                    json={"id": item["id"], "completion": {"text": "fresh"}})
             assert status == 200
         assert (await asyncio.wait_for(agent, 5)).choices[0].message.content == "fresh"
 

@@ -15,8 +15,10 @@ from ares_gateway import Gateway
 from .conftest import ADMIN
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=10), children, max_size=4),
     max_leaves=20,
 )
 # Bodies shaped like the real APIs' (so parsing goes deep), with random values in every slot.
@@ -26,8 +28,10 @@ message = st.fixed_dictionaries(
         "content": json_values
         | st.lists(
             st.fixed_dictionaries(
-                {"type": st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking", "input_text", "image_url"])},
-                optional={"text": json_values, "input": json_values, "content": json_values, "id": json_values, "image_url": json_values, "source": json_values},
+                {"type": st.sampled_from(
+                    ["text", "image", "tool_use", "tool_result", "thinking", "input_text", "image_url"])},
+                optional={"text": json_values, "input": json_values, "content": json_values,
+                          "id": json_values, "image_url": json_values, "source": json_values},
             ),
             max_size=3,
         ),

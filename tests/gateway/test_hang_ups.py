@@ -167,7 +167,8 @@ async def test_a_hang_up_mid_stream_records_nothing_and_closes_the_policys_strea
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])
-async def test_a_poller_that_hangs_up_mid_batch_loses_no_leased_request(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_poller_that_hangs_up_mid_batch_loses_no_leased_request(
+    caplog: pytest.LogCaptureFixture) -> None:
     """/poll writes a batch of Claude-Code-sized bodies piece by piece (never joined into one
     allocation); a poller gone halfway through gets nothing more, its leased items come back when
     the lease ends, and the next poller answers every one. Nothing is logged as an error."""
@@ -188,7 +189,8 @@ async def test_a_poller_that_hangs_up_mid_batch_loses_no_leased_request(caplog: 
         assert gw.broker.pending_count == len(infos)
         # A poller that reads the head and a little of a ~1.2 MB batch, then resets.
         reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
-        writer.write(f"GET /poll?max=100&lease=0.5 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {admin}\r\n\r\n".encode())
+        writer.write("GET /poll?max=100&lease=0.5 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                     f"{admin}\r\n\r\n".encode())
         await writer.drain()
         head = await reader.readuntil(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200") and b"Content-Length" in head, head

@@ -98,7 +98,8 @@ def _connect(port: int) -> socket.socket:
 
 
 async def test_too_many_headers_is_431_and_closed(gateway: Gateway) -> None:
-    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(200)) + b"\r\n"
+    head = (b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(200))
+            + b"\r\n")
     with _connect(gateway.port) as sock:
         sock.sendall(head)
         got, closed = await _read_all(sock, 5)
@@ -213,7 +214,8 @@ async def test_slow_bodies_are_closed_at_the_body_deadline(session: SessionInfo)
         dripping.close()
         assert got_silent.startswith(b"HTTP/1.1 408") and closed_silent, got_silent[:80]
         assert got_drip.startswith(b"HTTP/1.1 408") and closed_drip, got_drip[:80]
-        assert json.loads(got_silent.split(b"\r\n\r\n", 1)[1])["error"]["message"].startswith("request body too slow")
+        assert json.loads(got_silent.split(b"\r\n\r\n", 1)[1])["error"]["message"].startswith(
+            "request body too slow")
         assert elapsed < 4 and gw.broker.pending_count == 0
         for _ in range(50):
             if _fds() <= baseline:
@@ -272,7 +274,8 @@ async def test_pipelined_large_bodies_behind_a_parked_request_are_not_buffered(
 # ---------------------------------------------------------------------------------- respond vs disconnect
 
 
-async def test_respond_in_the_iteration_the_agent_is_cancelled_is_gone(gateway: Gateway, session: SessionInfo) -> None:
+async def test_respond_in_the_iteration_the_agent_is_cancelled_is_gone(gateway: Gateway,
+                                                                       session: SessionInfo) -> None:
     """The agent's handler is cancelled and respond() runs in the same loop iteration, before
     the handler's task can run again: RequestGoneError, never InvalidStateError, and nothing leaks."""
     async with aiohttp.ClientSession() as s:

@@ -23,7 +23,8 @@ from ares_gateway.http.server import HttpServer
 from .conftest import ADMIN
 
 
-async def _read_response(reader: asyncio.StreamReader, *, head_only: bool = False) -> tuple[int, CIMultiDict[str], bytes] | None:
+async def _read_response(reader: asyncio.StreamReader, *,
+                         head_only: bool = False) -> tuple[int, CIMultiDict[str], bytes] | None:
     """One HTTP/1.1 response (by content-length or chunked); None when the server closed first."""
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
@@ -52,7 +53,8 @@ async def _read_response(reader: asyncio.StreamReader, *, head_only: bool = Fals
     return status, headers, await asyncio.wait_for(reader.readexactly(int(length)), 5)
 
 
-async def _exchange(port: int, data: bytes, *, expect: int, head_first: bool = False) -> tuple[list[tuple[int, CIMultiDict[str], bytes]], bool]:
+async def _exchange(port: int, data: bytes, *, expect: int,
+                    head_first: bool = False) -> tuple[list[tuple[int, CIMultiDict[str], bytes]], bool]:
     """Send raw bytes, read ``expect`` responses; returns them and whether the server then closed."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     responses: list[tuple[int, CIMultiDict[str], bytes]] = []
@@ -87,7 +89,8 @@ def _get(path: str, *extra: str, version: str = "1.1") -> bytes:
 async def test_pipelined_requests_are_answered_in_order(gateway: Gateway) -> None:
     await gateway.create_session("pipelined")
     auth = f"Authorization: Bearer {ADMIN}"
-    data = _get("/healthz") + _get("/sessions/pipelined", auth) + _get("/sessions/nope", auth, "Connection: close")
+    data = (_get("/healthz") + _get("/sessions/pipelined", auth)
+            + _get("/sessions/nope", auth, "Connection: close"))
     responses, closed = await _exchange(gateway.port, data, expect=3)
     assert [r[0] for r in responses] == [200, 200, 404]
     assert json.loads(responses[1][2])["session_id"] == "pipelined"
@@ -98,7 +101,8 @@ async def test_pipelined_requests_are_answered_in_order(gateway: Gateway) -> Non
 async def test_http10_closes_unless_keep_alive(gateway: Gateway) -> None:
     responses, closed = await _exchange(gateway.port, _get("/healthz", version="1.0"), expect=1)
     assert responses[0][0] == 200 and json.loads(responses[0][2])["status"] == "ok" and closed
-    responses, closed = await _exchange(gateway.port, _get("/healthz", "Connection: keep-alive", version="1.0"), expect=1)
+    responses, closed = await _exchange(gateway.port,
+                                        _get("/healthz", "Connection: keep-alive", version="1.0"), expect=1)
     assert responses[0][0] == 200 and responses[0][1]["connection"] == "keep-alive" and not closed
 
 
@@ -107,7 +111,8 @@ async def test_chunked_request_body_is_read(gateway: Gateway, session: SessionIn
     half = len(body) // 2
     chunks = b"%x\r\n%b\r\n%x\r\n%b\r\n0\r\n\r\n" % (half, body[:half], len(body) - half, body[half:])
     head = (
-        f"POST /s/{session.session_id}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {session.token}\r\n"
+        f"POST /s/{session.session_id}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        f"{session.token}\r\n"
         "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
     )
 
@@ -131,7 +136,8 @@ async def test_chunked_body_over_the_limit_is_413_in_shape() -> None:
             f"POST /s/{info.session_id}/v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: {info.token}\r\n"
             "Transfer-Encoding: chunked\r\n\r\n"
         ).encode()
-        data = head + (b"%x\r\n%b\r\n" % (len(chunk), chunk)) * 3 + b"0\r\n\r\n" + _get("/healthz", "Connection: close")
+        data = (head + (b"%x\r\n%b\r\n" % (len(chunk), chunk)) * 3 + b"0\r\n\r\n"
+                + _get("/healthz", "Connection: close"))
         responses, _ = await _exchange(gw.port, data, expect=2)
         assert responses[0][0] == 413
         assert json.loads(responses[0][2])["type"] == "error"  # Anthropic's error shape
@@ -184,7 +190,8 @@ async def test_head_has_length_but_no_body(gateway: Gateway) -> None:
 async def test_absolute_form_and_percent_encoded_paths(gateway: Gateway) -> None:
     await gateway.create_session("pct-session")
     auth = f"Authorization: Bearer {ADMIN}"
-    data = _get(f"http://127.0.0.1:{gateway.port}/healthz?x=1") + _get("/sessions/pct%2Dsession", auth, "Connection: close")
+    data = (_get(f"http://127.0.0.1:{gateway.port}/healthz?x=1")
+            + _get("/sessions/pct%2Dsession", auth, "Connection: close"))
     responses, _ = await _exchange(gateway.port, data, expect=2)
     assert [r[0] for r in responses] == [200, 200]
     assert json.loads(responses[1][2])["session_id"] == "pct-session"
@@ -192,7 +199,8 @@ async def test_absolute_form_and_percent_encoded_paths(gateway: Gateway) -> None
 
 async def _serve(handler, **limits) -> tuple[HttpServer, int]:  # type: ignore[no-untyped-def]
     def error(path: str, status: int, message: str) -> Response:
-        return Response(body=json.dumps({"error": message}).encode(), status=status, content_type="application/json")
+        return Response(body=json.dumps({"error": message}).encode(), status=status,
+                        content_type="application/json")
 
     server = HttpServer(handler, error, HttpLimits(**limits))
     return server, await server.start("127.0.0.1", 0)
@@ -234,7 +242,8 @@ async def test_a_failing_handler_is_500_and_the_server_goes_on() -> None:
         await server.close()
 
 
-async def test_a_connection_error_of_the_handlers_own_is_still_a_500(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_connection_error_of_the_handlers_own_is_still_a_500(
+    caplog: pytest.LogCaptureFixture) -> None:
     """Only a client that went away is let go quietly (tests/gateway/test_hang_ups.py): a handler's own
     ConnectionError (a policy's server refused, say) with the client still there is a logged 500."""
     async def handler(request: BaseRequest) -> Response:
@@ -244,7 +253,8 @@ async def test_a_connection_error_of_the_handlers_own_is_still_a_500(caplog: pyt
     try:
         responses, _ = await _exchange(port, _get("/x"), expect=1)
         assert responses[0][0] == 500 and "internal error" in json.loads(responses[0][2])["error"]
-        assert any("unhandled error serving GET /x" in r.getMessage() for r in caplog.records if r.levelno >= 40)
+        assert any("unhandled error serving GET /x" in r.getMessage() for r in caplog.records
+                   if r.levelno >= 40)
     finally:
         await server.close()
 
@@ -288,7 +298,8 @@ async def test_close_lets_answers_in_flight_go_out() -> None:
     async with Gateway(port=0) as gw:
         info = await gw.create_session()
         client = openai.AsyncOpenAI(base_url=f"{info.base_url}/v1", api_key=info.token, max_retries=0)
-        agent = asyncio.create_task(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
+        agent = asyncio.create_task(
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
         parked = await gw.next_request(timeout=5)  # parked, and left unanswered
         assert parked is not None
     with pytest.raises(openai.APIStatusError) as err:

@@ -31,7 +31,8 @@ def _start(arg: str, soft: int, hard: int) -> tuple[dict[str, list[int] | int], 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
-    p = subprocess.run([sys.executable, "-c", START, arg], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    p = subprocess.run([sys.executable, "-c", START, arg], cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)},
                        capture_output=True, text=True, timeout=60, preexec_fn=limit, check=False)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr

@@ -39,7 +39,8 @@ async def _ask(base_url: str, token: str, messages: list[dict[str, Any]]) -> str
         await client.close()
 
 
-async def _two_turns(gw: Gateway, sid: str, token: str, base_url: str, *, versions: tuple[int | None, int | None],
+async def _two_turns(gw: Gateway, sid: str, token: str, base_url: str, *,
+                     versions: tuple[int | None, int | None],
                      late: int | None = None) -> None:
     """Two turns of one conversation, the second extending the first's tokens; ``versions``: what the
     gateway is set to before each turn is handed to the policy; ``late``: a version set after the second
@@ -168,7 +169,8 @@ async def test_set_policy_version_refuses_going_backwards_and_bad_values() -> No
         for bad_body in ({"version": "7"}, {"version": -2}, {"version": False}, {"version": None}, {}, [7]):
             async with http.post(f"{gw.url}/policy_version", json=bad_body, headers=AUTH) as r:
                 body = await r.json()
-                assert r.status == 400 and body["code"] == 400 and "non-negative integer" in body["error"], bad_body
+                assert r.status == 400 and body["code"] == 400 and "non-negative integer" in body[
+                    "error"], bad_body
         async with http.post(f"{gw.url}/policy_version", data=b"{", headers=AUTH) as r:
             assert r.status == 400
         assert gw.policy_version == 6
@@ -185,9 +187,11 @@ async def test_respond_carries_the_policys_version(tmp_path: Path) -> None:
         answer = {"id": item["id"], "completion": {"text": "ok"},
                   "tokens": {"prompt_ids": [1, 2], "output_ids": [3]}}
         for bad in (-1, "5", True, 2.0, [5]):
-            async with http.post(f"{gw.url}/respond", json={**answer, "policy_version": bad}, headers=AUTH) as r:
+            async with http.post(f"{gw.url}/respond", json={**answer, "policy_version": bad},
+                                 headers=AUTH) as r:
                 body = await r.json()
-                assert r.status == 400 and "policy_version must be a non-negative integer" in body["error"], bad
+                assert r.status == 400 and "policy_version must be a non-negative integer" in body[
+                    "error"], bad
         # Refused answers left the request waiting: the good one lands.
         async with http.post(f"{gw.url}/respond", json={**answer, "policy_version": 5}, headers=AUTH) as r:
             assert r.status == 200, await r.text()
@@ -220,7 +224,8 @@ def test_the_record_keeps_versions_across_a_restart_and_the_export_carries_them(
 
     async def reopen() -> tuple[list[Any], list[dict[str, Any]]]:
         async with Gateway(port=0, admin_token=ADMIN, data_dir=str(data)) as gw:
-            return [t["policy_version"] for t in gw.turn_log("kept")], [s.to_dict() for s in gw.trajectory("kept")]
+            return [t["policy_version"] for t in gw.turn_log("kept")], [s.to_dict()
+                                                                        for s in gw.trajectory("kept")]
 
     before = asyncio.run(record())
     versions, after = asyncio.run(reopen())  # a new gateway on the same data dir: the records read back
@@ -237,7 +242,8 @@ def test_the_record_keeps_versions_across_a_restart_and_the_export_carries_them(
                         "--out", str(tmp_path / "s.parquet")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     table = pq.read_table(tmp_path / "s.parquet").to_pylist()
-    assert table[0]["policy_versions"] == [{"start": 3, "end": 5, "version": 7}, {"start": 7, "end": 10, "version": 8}]
+    assert table[0]["policy_versions"] == [{"start": 3, "end": 5, "version": 7},
+                                           {"start": 7, "end": 10, "version": 8}]
     assert table[0]["mixed_versions"] is True
 
 
@@ -245,7 +251,8 @@ def test_the_viewer_shows_the_version_of_each_turn_and_sample() -> None:
     from ares_gateway.viewer.samples import SampleSet
     from ares_gateway.viewer.turns import turn_view
 
-    entry = {"request_id": "r", "protocol": "openai.chat", "side_call": False, "timestamp": 1.0, "latency": 0.1,
+    entry = {"request_id": "r", "protocol": "openai.chat", "side_call": False, "timestamp": 1.0,
+             "latency": 0.1,
              "request": {"messages": [{"role": "user", "content": "hi"}]},
              "completion": {"text": "ok", "finish_reason": "stop"}, "policy_version": 3}
     assert turn_view(entry, 1, None)["policy_version"] == 3
@@ -280,13 +287,15 @@ async def test_an_engines_reported_version_wins_over_the_gateways(sglang_fake: t
     fake, url = sglang_fake
     engine = SGLangEngine(url)
     policy = TitoPolicy(engine, renderer=ChatRenderer(load_tokenizer()), max_tokens=8)
-    async with Gateway(port=0, admin_token=ADMIN, data_dir=False) as gw, PolicyServer(gw, policy, concurrency=2):
+    async with Gateway(port=0, admin_token=ADMIN, data_dir=False) as gw, PolicyServer(gw, policy,
+                                                                                      concurrency=2):
         gw.set_policy_version(3)
         info = await gw.create_session("engine")
         # SGLang labels its weights with a string: a decimal one is the version; any other is none.
         for label in ("7", "default", None, "11"):
             fake.weight_version = label
-            await asyncio.wait_for(_ask(info.base_url, info.token, [{"role": "user", "content": f"hi {label}"}]), 30)
+            await asyncio.wait_for(
+                _ask(info.base_url, info.token, [{"role": "user", "content": f"hi {label}"}]), 30)
         assert [t["policy_version"] for t in gw.turn_log("engine")] == [7, 3, 3, 11]
         assert [s.metadata["policy_versions"][0][2] for s in gw.trajectory("engine")] == [7, 3, 3, 11]
     await engine.aclose()
@@ -294,7 +303,8 @@ async def test_an_engines_reported_version_wins_over_the_gateways(sglang_fake: t
 
 # ------------------------------------------------------------------------------ results.json
 
-async def test_results_carry_each_episodes_first_and_last_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_results_carry_each_episodes_first_and_last_version(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from ares_gateway.episodes.rollouts import run_rollouts
     from ares_gateway.episodes.tasks import load_dataset
     from ares_gateway.policies import make_policy
@@ -318,7 +328,8 @@ async def test_results_carry_each_episodes_first_and_last_version(tmp_path: Path
         bumping = Bumping.__new__(Bumping)
         bumping.__dict__.update(oracle.__dict__)
         out = tmp_path / "run"
-        summary = await run_rollouts([task], harness="tiny-agent", policy=bumping, sandbox="local", concurrency=1,
+        summary = await run_rollouts([task], harness="tiny-agent", policy=bumping, sandbox="local",
+                                     concurrency=1,
                                      out=out, gateway=gw, stats_period=0)
     (episode,) = summary.episodes
     assert episode.reward == 1.0 and episode.turns == 2

@@ -44,7 +44,8 @@ async def test_claude_code_request_replayed(gateway: Gateway, session: SessionIn
     headers = {
         "x-api-key": session.token,
         "anthropic-version": "2023-06-01",
-        "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,fine-grained-tool-streaming-2025-05-14",
+        "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
+                          "fine-grained-tool-streaming-2025-05-14",
         "x-app": "cli",
         "X-Claude-Code-Session-Id": "0b0c-11",
         "x-stainless-lang": "js",
@@ -93,7 +94,8 @@ async def test_claude_code_title_request_is_side_call(gateway: Gateway, session:
         "tools": [],
         "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
     }
-    agent = asyncio.create_task(_agent_post(f"{session.base_url}/v1/messages?beta=true", body, {"x-api-key": session.token}))
+    agent = asyncio.create_task(
+        _agent_post(f"{session.base_url}/v1/messages?beta=true", body, {"x-api-key": session.token}))
     req = await gateway.next_request(timeout=5)
     assert req is not None and req.side_call and req.poll_item()["side_call"] is True
     await gateway.respond(req.id, '{"title": "Fix failing test"}')
@@ -104,7 +106,8 @@ async def test_claude_code_title_request_is_side_call(gateway: Gateway, session:
 
 async def test_codex_request_replayed(gateway: Gateway, session: SessionInfo) -> None:
     body = codex_body()
-    headers = {"authorization": f"Bearer {session.token}", "originator": "codex_exec", "session-id": "s", "thread-id": "t"}
+    headers = {"authorization": f"Bearer {session.token}", "originator": "codex_exec", "session-id": "s",
+               "thread-id": "t"}
     agent = asyncio.create_task(_agent_post(f"{session.base_url}/v1/responses", body, headers))
     req = await gateway.next_request(timeout=5)
     assert req is not None and req.request.raw == body
@@ -141,22 +144,29 @@ async def test_mini_swe_agent_and_terminus_shapes(gateway: Gateway, session: Ses
     from tests.protocols.test_openai_chat import mini_swe_agent_body
 
     body = mini_swe_agent_body()
-    agent = asyncio.create_task(_agent_post(f"{session.base_url}/v1/chat/completions", body, {"authorization": f"Bearer {session.token}"}))
+    agent = asyncio.create_task(_agent_post(f"{session.base_url}/v1/chat/completions", body,
+                                            {"authorization": f"Bearer {session.token}"}))
     req = await gateway.next_request(timeout=5)
     assert req is not None and req.request.tools[0].name == "bash"
     await gateway.respond(
         req.id,
-        Completion(tool_calls=[ToolCall(id="call_1", name="bash", arguments='{"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}')], finish_reason="tool_calls"),
+        Completion(tool_calls=[ToolCall(id="call_1", name="bash",
+                                        arguments='{"command": "echo '
+                                                  'COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}')],
+                   finish_reason="tool_calls"),
     )
     status, _, raw = await agent
     out = json.loads(raw)
     assert status == 200 and out["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "bash"
     # Terminus-2: {model, messages} only, one big user message, a JSON reply in text.
-    terminus = {"model": "openai/label", "messages": [{"role": "user", "content": "You are an AI assistant... " * 200}]}
-    agent = asyncio.create_task(_agent_post(f"{session.base_url}/v1/chat/completions", terminus, {"authorization": f"Bearer {session.token}"}))
+    terminus = {"model": "openai/label",
+                "messages": [{"role": "user", "content": "You are an AI assistant... " * 200}]}
+    agent = asyncio.create_task(_agent_post(f"{session.base_url}/v1/chat/completions", terminus,
+                                            {"authorization": f"Bearer {session.token}"}))
     req = await gateway.next_request(timeout=5)
     assert req is not None and req.request.messages[0].role == "user"
-    reply = json.dumps({"analysis": "a", "plan": "p", "commands": [{"keystrokes": "ls\n", "duration": 0.5}], "task_complete": False})
+    reply = json.dumps({"analysis": "a", "plan": "p", "commands": [{"keystrokes": "ls\n", "duration": 0.5}],
+                        "task_complete": False})
     await gateway.respond(req.id, reply)
     status, _, raw = await agent
     assert json.loads(raw)["choices"][0]["message"]["content"] == reply
@@ -172,7 +182,8 @@ async def test_claude_code_subagent_header_is_side_call(gateway: Gateway, sessio
     await gateway.respond(req.id, "found it")
     assert (await agent)[0] == 200
     # The same body without the sub-agent header is main line.
-    agent = asyncio.create_task(_agent_post(f"{session.base_url}/v1/messages", body, {"x-api-key": session.token}))
+    agent = asyncio.create_task(
+        _agent_post(f"{session.base_url}/v1/messages", body, {"x-api-key": session.token}))
     req = await gateway.next_request(timeout=5)
     assert req is not None and not req.side_call
     await gateway.respond(req.id, "ok")

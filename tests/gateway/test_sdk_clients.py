@@ -83,7 +83,8 @@ TOOLS_CHAT = [
         "function": {
             "name": "bash",
             "description": "run a command",
-            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}},
+                           "required": ["command"]},
         },
     }
 ]
@@ -104,7 +105,8 @@ async def test_chat_non_stream_text(mode: str, gateway: Gateway, session: Sessio
         )
 
     resp, seen = await drive(
-        mode, gateway, session, [{"completion": {"text": "hello there", "usage": {"input_tokens": 7, "output_tokens": 2}}}], agent
+        mode, gateway, session,
+        [{"completion": {"text": "hello there", "usage": {"input_tokens": 7, "output_tokens": 2}}}], agent
     )
     assert resp.choices[0].message.content == "hello there"
     assert resp.choices[0].finish_reason == "stop"
@@ -130,20 +132,24 @@ async def test_chat_stream_with_usage(mode: str, gateway: Gateway, session: Sess
 
     text = "one, two, three — ünïcode ✓"
     chunks, _ = await drive(
-        mode, gateway, session, [{"completion": {"text": text, "usage": {"input_tokens": 3, "output_tokens": 9}}}], agent
+        mode, gateway, session,
+        [{"completion": {"text": text, "usage": {"input_tokens": 3, "output_tokens": 9}}}], agent
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices
+            and c.choices[0].finish_reason] == ["stop"]
     usage = [c.usage for c in chunks if c.usage]
     assert usage and usage[-1].completion_tokens == 9
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("stream", [False, True])
-async def test_chat_parallel_tool_calls(mode: str, stream: bool, gateway: Gateway, session: SessionInfo) -> None:
+async def test_chat_parallel_tool_calls(mode: str, stream: bool, gateway: Gateway,
+                                        session: SessionInfo) -> None:
     async def agent() -> Any:
         client = oai(session)
-        kwargs: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "go"}], "tools": TOOLS_CHAT}
+        kwargs: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "go"}],
+                                  "tools": TOOLS_CHAT}
         if not stream:
             r = await client.chat.completions.create(**kwargs)
             return r.choices[0].message.tool_calls, r.choices[0].finish_reason
@@ -159,10 +165,12 @@ async def test_chat_parallel_tool_calls(mode: str, stream: bool, gateway: Gatewa
         return [calls[i] for i in sorted(calls)], finish
 
     (calls, finish), seen = await drive(
-        mode, gateway, session, [{"completion": {"tool_calls": TWO_CALLS, "finish_reason": "tool_calls"}}], agent
+        mode, gateway, session, [{"completion": {"tool_calls": TWO_CALLS, "finish_reason": "tool_calls"}}],
+        agent
     )
     assert finish == "tool_calls"
-    got = [(c.id, c.function.name, c.function.arguments) if not stream else (c["id"], c["name"], c["arguments"]) for c in calls]
+    got = [(c.id, c.function.name, c.function.arguments) if not stream
+           else (c["id"], c["name"], c["arguments"]) for c in calls]
     assert got == [(c["id"], c["name"], c["arguments"]) for c in TWO_CALLS]
     assert seen[0]["canonical"]["tools"][0]["name"] == "bash"
 
@@ -177,9 +185,11 @@ async def test_responses_non_stream_function_calls(mode: str, gateway: Gateway, 
             model="gpt-5",
             input=[
                 {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sys"}]},
-                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list files"}]},
+                {"type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": "list files"}]},
             ],
-            tools=[{"type": "function", "name": "exec_command", "parameters": {"type": "object", "properties": {}}}],
+            tools=[{"type": "function", "name": "exec_command",
+                    "parameters": {"type": "object", "properties": {}}}],
         )
 
     calls = [
@@ -187,10 +197,12 @@ async def test_responses_non_stream_function_calls(mode: str, gateway: Gateway, 
         {"id": "call_2", "name": "exec_command", "arguments": '{"cmd":"pwd"}'},
     ]
     resp, seen = await drive(
-        mode, gateway, session, [{"completion": {"text": "running", "tool_calls": calls, "finish_reason": "tool_calls"}}], agent
+        mode, gateway, session,
+        [{"completion": {"text": "running", "tool_calls": calls, "finish_reason": "tool_calls"}}], agent
     )
     fcs = [o for o in resp.output if o.type == "function_call"]
-    assert [(f.call_id, f.name, f.arguments) for f in fcs] == [(c["id"], c["name"], c["arguments"]) for c in calls]
+    assert [(f.call_id, f.name, f.arguments) for f in fcs] == [(c["id"], c["name"], c["arguments"])
+                                                               for c in calls]
     assert resp.output_text == "running"
     assert seen[0]["protocol"] == "openai.responses"
     assert [m["role"] for m in seen[0]["canonical"]["messages"]] == ["developer", "user"]
@@ -211,7 +223,8 @@ async def test_responses_stream(mode: str, gateway: Gateway, session: SessionInf
         mode,
         gateway,
         session,
-        [{"completion": {"text": "hi from the policy", "tool_calls": [{"id": "c9", "name": "f", "arguments": "{}"}], "finish_reason": "tool_calls"}}],
+        [{"completion": {"text": "hi from the policy", "tool_calls": [
+            {"id": "c9", "name": "f", "arguments": "{}"}], "finish_reason": "tool_calls"}}],
         agent,
     )
     assert "".join(deltas) == "hi from the policy" == final.output_text
@@ -229,7 +242,8 @@ async def test_anthropic_create_tool_use(mode: str, gateway: Gateway, session: S
             max_tokens=1000,
             system=[{"type": "text", "text": "you are an agent", "cache_control": {"type": "ephemeral"}}],
             messages=[{"role": "user", "content": "list files"}],
-            tools=[{"name": "Bash", "description": "run", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}],
+            tools=[{"name": "Bash", "description": "run",
+                    "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}],
         )
 
     calls = [
@@ -237,7 +251,8 @@ async def test_anthropic_create_tool_use(mode: str, gateway: Gateway, session: S
         {"id": "toolu_2", "name": "Bash", "arguments": '{"command": "cat x"}'},
     ]
     msg, seen = await drive(
-        mode, gateway, session, [{"completion": {"text": "ok", "tool_calls": calls, "finish_reason": "tool_calls"}}], agent
+        mode, gateway, session,
+        [{"completion": {"text": "ok", "tool_calls": calls, "finish_reason": "tool_calls"}}], agent
     )
     assert msg.stop_reason == "tool_use"
     assert [b.type for b in msg.content] == ["text", "tool_use", "tool_use"]
@@ -279,7 +294,8 @@ async def test_anthropic_stream_thinking_text_tool(mode: str, gateway: Gateway, 
 
 
 async def test_anthropic_count_tokens(gateway: Gateway, session: SessionInfo) -> None:
-    r = await ant(session).messages.count_tokens(model="m", messages=[{"role": "user", "content": "hello " * 100}])
+    r = await ant(session).messages.count_tokens(model="m",
+                                                 messages=[{"role": "user", "content": "hello " * 100}])
     assert r.input_tokens > 100
 
 
@@ -291,7 +307,8 @@ async def test_models_and_probe(gateway: Gateway, session: SessionInfo) -> None:
     async with aiohttp.ClientSession() as s:
         async with s.head(f"{session.base_url}/") as r:
             assert r.status == 200
-        async with s.get(f"{session.base_url}/v1/responses", headers={"Upgrade": "websocket", "Connection": "Upgrade"}) as r:
+        async with s.get(f"{session.base_url}/v1/responses",
+                         headers={"Upgrade": "websocket", "Connection": "Upgrade"}) as r:
             assert r.status == 426
 
 
@@ -299,18 +316,21 @@ async def test_models_and_probe(gateway: Gateway, session: SessionInfo) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_native_chat_body_answer_ares_proxy_style(mode: str, gateway: Gateway, session: SessionInfo) -> None:
+async def test_native_chat_body_answer_ares_proxy_style(mode: str, gateway: Gateway,
+                                                        session: SessionInfo) -> None:
     body = {
         "id": "chatcmpl-xyz",
         "object": "chat.completion",
         "created": 1,
         "model": "m",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "native!"}, "finish_reason": "stop"}],
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "native!"}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
     }
 
     async def agent() -> Any:
-        return await oai(session).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        return await oai(session).chat.completions.create(model="m",
+                                                          messages=[{"role": "user", "content": "x"}])
 
     resp, _ = await drive(mode, gateway, session, [{"response": body}], agent)
     assert resp.id == "chatcmpl-xyz" and resp.choices[0].message.content == "native!"
@@ -365,7 +385,8 @@ async def test_multi_turn_tool_loop_recorded(mode: str, gateway: Gateway, sessio
     from .conftest import ADMIN
 
     async with aiohttp.ClientSession(headers={"authorization": f"Bearer {ADMIN}"}) as http:
-        async with http.get(f"{gateway.url}/sessions/{session.session_id}/trajectory", params={"reward": "1.0"}) as r:
+        async with http.get(f"{gateway.url}/sessions/{session.session_id}/trajectory",
+                            params={"reward": "1.0"}) as r:
             assert r.status == 200
             over_http = await r.json()
         async with http.get(f"{gateway.url}/sessions/{session.session_id}/turns") as r:

@@ -38,7 +38,8 @@ async def test_chat_stream_relayed_incrementally(gateway: Gateway, session: Sess
     async def agent() -> tuple[str, str]:
         client = openai.AsyncOpenAI(base_url=f"{session.base_url}/v1", api_key=session.token, max_retries=0)
         text, args = "", ""
-        async for chunk in await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True):
+        async for chunk in await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], stream=True):
             d = chunk.choices[0].delta if chunk.choices else None
             if d and d.content:
                 text += d.content
@@ -54,7 +55,8 @@ async def test_chat_stream_relayed_incrementally(gateway: Gateway, session: Sess
     text, args = await asyncio.wait_for(task, 10)
     assert text == "Hello" and args == '{"command": "ls"}'
     # The recorded turn is the whole completion.
-    assert gateway.turn_log(session.session_id)[0]["completion"]["tool_calls"][0]["arguments"] == '{"command": "ls"}'
+    assert gateway.turn_log(session.session_id)[0]["completion"]["tool_calls"][0][
+        "arguments"] == '{"command": "ls"}'
 
 
 async def test_anthropic_stream_relayed_incrementally(gateway: Gateway, session: SessionInfo) -> None:
@@ -62,7 +64,8 @@ async def test_anthropic_stream_relayed_incrementally(gateway: Gateway, session:
 
     async def agent() -> Any:
         client = anthropic.AsyncAnthropic(base_url=session.base_url, api_key=session.token, max_retries=0)
-        async with client.messages.stream(model="m", max_tokens=10, messages=[{"role": "user", "content": "x"}]) as stream:
+        async with client.messages.stream(model="m", max_tokens=10,
+                                          messages=[{"role": "user", "content": "x"}]) as stream:
             async for _ in stream.text_stream:
                 seen.set()
             return await stream.get_final_message()
@@ -72,7 +75,8 @@ async def test_anthropic_stream_relayed_incrementally(gateway: Gateway, session:
     assert req is not None
     await gateway.respond(req.id, relay(seen))
     final = await asyncio.wait_for(task, 10)
-    assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[1].input == {"command": "ls"}
+    assert [b.type for b in final.content] == ["text",
+                                               "tool_use"] and final.content[1].input == {"command": "ls"}
 
 
 @pytest.mark.parametrize("final_extra", [None, {}, {"signature": "other"}])
@@ -128,14 +132,16 @@ async def test_responses_stream_relayed_incrementally(gateway: Gateway, session:
     await gateway.respond(req.id, relay(seen))
     final = await asyncio.wait_for(task, 10)
     assert final.output_text == "Hello"
-    assert [(o.call_id, o.arguments) for o in final.output if o.type == "function_call"] == [("call_7", '{"command": "ls"}')]
+    assert [(o.call_id, o.arguments) for o in final.output
+            if o.type == "function_call"] == [("call_7", '{"command": "ls"}')]
 
 
 async def test_streamed_answer_to_non_stream_request(gateway: Gateway, session: SessionInfo) -> None:
     seen = asyncio.Event()
     seen.set()
     client = openai.AsyncOpenAI(base_url=f"{session.base_url}/v1", api_key=session.token, max_retries=0)
-    task = asyncio.create_task(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
+    task = asyncio.create_task(
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
     req = await gateway.next_request(timeout=5)
     assert req is not None
     await gateway.respond(req.id, relay(seen))
@@ -148,7 +154,8 @@ async def _chatty_agent(info: Any, turns: int) -> list[str]:
     out = []
     for i in range(turns):
         try:
-            r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"turn {i}"}])
+            r = await client.chat.completions.create(model="m",
+                                                     messages=[{"role": "user", "content": f"turn {i}"}])
         except openai.APIStatusError:
             break
         out.append(r.choices[0].message.content or "")
@@ -169,7 +176,8 @@ async def test_env_launch_step_limit_truncates() -> None:
         while not ts.last():
             ts = await env.step(f"answer {steps}")
             steps += 1
-        assert steps == 3 and ts.discount == 1.0 and ts.info["truncated"] is True and ts.info["reason"] == "step limit reached"
+        assert steps == 3 and ts.discount == 1.0 and ts.info["truncated"] is True and ts.info[
+            "reason"] == "step limit reached"
         sid = env.session.session_id  # type: ignore[union-attr]
         assert len(gw.turn_log(sid)) == 3
         await env.close()  # the env-created session is deleted; the agent's pending request fails
@@ -179,7 +187,8 @@ async def test_env_launch_step_limit_truncates() -> None:
 
 async def test_env_time_limit_truncates() -> None:
     async with Gateway(port=0) as gw:
-        env = GatewayEnv(gw, launch=lambda info: asyncio.sleep(0), time_limit=0.3)  # nobody ever calls the model
+        # nobody ever calls the model
+        env = GatewayEnv(gw, launch=lambda info: asyncio.sleep(0), time_limit=0.3)
         ts = await asyncio.wait_for(env.reset(), 5)
         assert ts.last() and ts.discount == 1.0 and ts.info["truncated"] is True
         await env.close()
@@ -211,13 +220,15 @@ async def test_env_reset_cleans_previous_episode_and_step_without_reset_fails() 
         assert gw.broker.pending_count == 0
 
 
-async def test_broken_policy_stream_gives_non_stream_agent_a_502(gateway: Gateway, session: SessionInfo) -> None:
+async def test_broken_policy_stream_gives_non_stream_agent_a_502(gateway: Gateway,
+                                                                 session: SessionInfo) -> None:
     async def broken() -> AsyncIterator[CompletionDelta | Completion]:
         yield CompletionDelta(text="partial")
         raise RuntimeError("inference server went away")
 
     client = openai.AsyncOpenAI(base_url=f"{session.base_url}/v1", api_key=session.token, max_retries=0)
-    task = asyncio.create_task(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
+    task = asyncio.create_task(
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
     req = await gateway.next_request(timeout=5)
     assert req is not None
     await gateway.respond(req.id, broken())
@@ -227,7 +238,8 @@ async def test_broken_policy_stream_gives_non_stream_agent_a_502(gateway: Gatewa
 
 
 @pytest.mark.parametrize("answer", ["completion", "native", "error"])
-async def test_a_whole_answer_reaches_the_agent_once(gateway: Gateway, session: SessionInfo, answer: str) -> None:
+async def test_a_whole_answer_reaches_the_agent_once(gateway: Gateway, session: SessionInfo,
+                                                     answer: str) -> None:
     """A non-streamed answer reaches the agent's socket as soon as the handler runs after respond(),
     exactly once, and the turn is recorded (error answers are not turns)."""
     import socket

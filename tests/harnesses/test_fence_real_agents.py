@@ -106,7 +106,8 @@ async def test_real_agents_hold_through_a_60s_pause_without_a_retry() -> None:
 
         policies = [asyncio.create_task(policy(name)) for name in ANSWERS]
         try:
-            # Both agents' main-line turns after the commands arrive while sampling is open; nobody takes them.
+            # Both agents' main-line turns after the commands arrive while sampling is open; nobody takes
+            # them.
             deadline = time.monotonic() + 240
             while not all(main_parked(name) for name in ANSWERS):
                 assert time.monotonic() < deadline, {n: len(main_parked(n)) for n in ANSWERS}
@@ -126,7 +127,8 @@ async def test_real_agents_hold_through_a_60s_pause_without_a_retry() -> None:
             while time.monotonic() - paused_at < PAUSE_SECONDS:
                 for name in ANSWERS:
                     assert [p.id for p in main_parked(name)] == [target[name].id], (
-                        f"{name}'s turn left the parked ones {time.monotonic() - paused_at:.1f} s into the pause",
+                        f"{name}'s turn left the parked ones {time.monotonic() - paused_at:.1f} s "
+                        "into the pause",
                         gw.metrics.withdrawn_total, [(p.id, p.side_call) for p in gw.broker.pending()])
                 assert gw.metrics.withdrawn_total == 0 and gw.metrics.timed_out_total == 0
                 done = [t for t in [*agents.values(), *policies] if t.done()]

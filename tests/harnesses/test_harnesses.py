@@ -226,7 +226,8 @@ async def test_broken_install_names_harness_and_step(name: str) -> None:
     require_backend("local", name)
     harness = registry.create(name, version="0.0.0-no-such-release", install_timeout=300)
     async with sandbox.create(_spec(), backend="local") as sb:
-        ctx = HarnessContext(workdir=sb.workdir, session_id="broken", base_url="http://127.0.0.1:9", token="x" * 16)
+        ctx = HarnessContext(workdir=sb.workdir, session_id="broken", base_url="http://127.0.0.1:9",
+                             token="x" * 16)
         with pytest.raises(HarnessInstallError) as info:
             await harness.run(sb, ctx, PROMPT, time_budget=30)
     err = info.value
@@ -244,8 +245,9 @@ async def test_claude_code_subagent_is_a_tagged_side_call() -> None:
                            "subagent_type": "general-purpose", "run_in_background": False}),
         Finish("The sub-agent listed the files."),
     ]
-    result, seen, turns, policy = await drive("claude-code", "local", script=script,
-                                              prompt="Use a sub-agent to list the files here, then summarize.")
+    result, seen, turns, policy = await drive(
+        "claude-code", "local", script=script,
+        prompt="Use a sub-agent to list the files here, then summarize.")
     assert result.exit_code == 0, result.stderr_tail
     side = [r for r in seen if r.side_call]
     main = [r for r in seen if not r.side_call]
@@ -344,7 +346,8 @@ async def test_agents_contact_only_the_gateway(name: str) -> None:
         trace["log"] = (await sb.exec(f"cat {log}", timeout=30)).stdout
 
     result, _seen, _turns, _policy = await drive(
-        name, "local", harness_options={"wrapper": f"strace -f -qq -e trace=connect -o {log}"}, check=read_trace)
+        name, "local", harness_options={"wrapper": f"strace -f -qq -e trace=connect -o {log}"},
+        check=read_trace)
     assert result.exit_code == 0, result.stderr_tail
     connects = [line for line in trace["log"].splitlines() if "connect(" in line]
     inet = [line for line in connects if "AF_INET" in line]
@@ -384,7 +387,8 @@ async def test_agent_command_that_exits_still_reports_its_exit_code() -> None:
 
     harness = ExitingAgent()
     async with sandbox.create(_spec(), backend="local") as sb:
-        ctx = HarnessContext(workdir=sb.workdir, session_id="s", base_url="http://127.0.0.1:9/s/s", token="t" * 20)
+        ctx = HarnessContext(workdir=sb.workdir, session_id="s", base_url="http://127.0.0.1:9/s/s",
+                             token="t" * 20)
         result = await asyncio.wait_for(harness.run(sb, ctx, PROMPT, time_budget=30), 60)
     assert result.exit_code == 3 and not result.timed_out and not result.ok
     assert "started" in result.stdout_tail

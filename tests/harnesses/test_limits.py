@@ -28,7 +28,8 @@ from harnesses.terminus2 import NO_PYTHON_HELP, PYTHON_CANDIDATES, PYTHON_ENV, T
 
 from .conftest import require_backend
 
-CTX = HarnessContext(workdir="/workspace", session_id="s1", base_url="http://127.0.0.1:9/s/s1", token="t" * 16)
+CTX = HarnessContext(workdir="/workspace", session_id="s1", base_url="http://127.0.0.1:9/s/s1",
+                     token="t" * 16)
 
 
 def _prep(budget: float | None) -> Prepared:
@@ -75,18 +76,21 @@ def test_command_timeout_must_be_positive(bad: float) -> None:
 
 def _python312() -> str | None:
     """A real interpreter >= 3.12 with venv on this machine (the discovery must accept it)."""
-    for cand in ["/opt/ares-agents/python/3.12/bin/python3", *sorted(glob.glob("/root/.pyenv/versions/3.1[2-9]*/bin/python3")),
+    for cand in ["/opt/ares-agents/python/3.12/bin/python3",
+                 *sorted(glob.glob("/root/.pyenv/versions/3.1[2-9]*/bin/python3")),
                  shutil.which("python3.12") or "", shutil.which("python3.13") or ""]:
         if cand and os.access(cand, os.X_OK):
-            ok = subprocess.run([cand, "-c", "import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 12))"],
-                                capture_output=True, check=False)
+            ok = subprocess.run(
+                [cand, "-c", "import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 12))"],
+                capture_output=True, check=False)
             if ok.returncode == 0:
                 return cand
     return None
 
 
 def _run_find(harness: Terminus2Harness, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["sh", "-c", harness.find_python_command()], env=env, capture_output=True, text=True,
+    return subprocess.run(["sh", "-c", harness.find_python_command()], env=env, capture_output=True,
+                          text=True,
                           check=False, timeout=60)
 
 
@@ -116,14 +120,16 @@ def test_pyenv_interpreter_is_found_though_path_and_home_hide_it(tmp_path: Path)
     (root / "versions" / "3.12.99" / "bin").mkdir(parents=True)
     (root / "versions" / "3.12.99" / "bin" / "python3").symlink_to(real)
     harness = Terminus2Harness(install_root=str(tmp_path / "no-provisioned-python"))
-    env = {"PATH": f"{_old_python(tmp_path)}:/usr/bin:/bin", "HOME": str(tmp_path / "work"), "PYENV_ROOT": str(root)}
+    env = {"PATH": f"{_old_python(tmp_path)}:/usr/bin:/bin", "HOME": str(tmp_path / "work"),
+           "PYENV_ROOT": str(root)}
     r = _run_find(harness, env)
     assert r.returncode == 0, r.stderr
     found = r.stdout.strip()
     # Either the fake pyenv one, or one found earlier in the list (a system python3.12 / the host's pyenv).
     assert found.endswith("python3") or "python3.1" in found
     # Restricted to the pyenv pattern alone, it is exactly the pyenv interpreter.
-    only = Terminus2Harness(python_candidates=['"${PYENV_ROOT:-/nonexistent}"/versions/*/bin/python3', "python3"])
+    only = Terminus2Harness(
+        python_candidates=['"${PYENV_ROOT:-/nonexistent}"/versions/*/bin/python3', "python3"])
     r = _run_find(only, env)
     assert r.returncode == 0 and r.stdout.strip() == str(root / "versions" / "3.12.99" / "bin" / "python3"), r
 
@@ -156,7 +162,8 @@ async def test_install_without_python_raises_a_clean_install_error(tmp_path: Pat
     harness = Terminus2Harness(user=None, install_root=str(root), python="/nonexistent/python3.12",
                                install_timeout=120)
     async with sandbox.create(sandbox.SandboxSpec(), backend="local") as sb:
-        ctx = HarnessContext(workdir=sb.workdir, session_id="nopython", base_url="http://127.0.0.1:9", token="x" * 16)
+        ctx = HarnessContext(workdir=sb.workdir, session_id="nopython", base_url="http://127.0.0.1:9",
+                             token="x" * 16)
         await harness.prepare(sb, ctx)
         with pytest.raises(HarnessInstallError) as info:
             await harness.install(sb)

@@ -68,7 +68,8 @@ def test_leftovers_of_an_interrupted_install_are_replaced(tmp_path: Path) -> Non
     final = parent / VERSION
     assert final.is_symlink() and (final / ".ares-complete").is_file()
     assert (final / "bin" / "tiny-agent").read_text() == SCRIPT
-    assert sorted(e for e in os.listdir(parent) if not e.endswith(".lock")) == sorted([VERSION, os.readlink(final)])
+    assert sorted(e for e in os.listdir(parent)
+                  if not e.endswith(".lock")) == sorted([VERSION, os.readlink(final)])
     # A second call reuses it.
     target = os.readlink(final)
     assert asyncio.run(ensure_local_install("tiny-agent", root=str(root), quiet=True)) == str(root)

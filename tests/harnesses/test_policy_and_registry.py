@@ -29,8 +29,10 @@ def _args(d: dict[str, Any]) -> dict[str, Any]:
 CLAUDE_MAIN = {"system": [{"type": "text", "text": "You are a Claude agent"}], "tools": [{"name": "Bash"}],
                "messages": [{"role": "user", "content": "do it"}]}
 CODEX_MAIN = {"tools": [{"type": "function", "name": "exec_command"}],
-              "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "do it"}]}]}
-MINI_MAIN = {"tools": [{"type": "function", "function": {"name": "bash"}}], "messages": [{"role": "user", "content": "x"}]}
+              "input": [
+                  {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "do it"}]}]}
+MINI_MAIN = {"tools": [{"type": "function", "function": {"name": "bash"}}],
+             "messages": [{"role": "user", "content": "x"}]}
 TERMINUS_MAIN = {"messages": [{"role": "user", "content": "You are an AI assistant tasked with ..."}]}
 
 
@@ -39,7 +41,8 @@ TERMINUS_MAIN = {"messages": [{"role": "user", "content": "You are an AI assista
     ("codex", CODEX_MAIN, "exec_command", "cmd"),
     ("mini-swe-agent", MINI_MAIN, "bash", "command"),
 ])
-def test_run_command_and_finish_in_each_tool_format(agent: str, body: dict[str, Any], name: str, key: str) -> None:
+def test_run_command_and_finish_in_each_tool_format(agent: str, body: dict[str, Any], name: str,
+                                                    key: str) -> None:
     policy = ScriptedPolicy(agent, [RunCommand("echo hi"), Finish("all done")])
     first = policy(body)
     assert first["finish_reason"] == "tool_calls"
@@ -88,7 +91,8 @@ def _terminus_handoff(screen: str) -> dict[str, Any]:
     return {"messages": [
         *TERMINUS_MAIN["messages"],
         {"role": "user", "content": "You are picking up work from a previous AI agent on this task:\n\n"
-                                    "**Original Task:** do it\n\n**Summary from Previous Agent:**\nsummary\n\n"
+                                    "**Original Task:** do it\n\n**Summary from Previous "
+                                    "Agent:**\nsummary\n\n"
                                     f"**Current Terminal Screen:**\n{screen}\n\nPlease begin by asking ..."},
         {"role": "assistant", "content": "questions"},
         {"role": "user", "content": "Here are the answers the other agent provided.\n\nanswers\n\n"
@@ -113,7 +117,8 @@ def test_terminus_reads_the_screen_of_a_summarized_history() -> None:
 def _codex_after(output: str) -> dict[str, Any]:
     return {"tools": CODEX_MAIN["tools"] + [{"type": "function", "name": "write_stdin"}],
             "input": [*CODEX_MAIN["input"],
-                      {"type": "function_call", "call_id": "call_ares_0001", "name": "exec_command", "arguments": "{}"},
+                      {"type": "function_call", "call_id": "call_ares_0001", "name": "exec_command",
+                       "arguments": "{}"},
                       {"type": "function_call_output", "call_id": "call_ares_0001", "output": output}]}
 
 
@@ -128,7 +133,8 @@ def test_codex_polls_a_running_command_until_it_exits() -> None:
         # An empty write is a poll; Codex caps its wait at background_terminal_max_timeout.
         assert _args(poll) == {"session_id": 4242, "chars": "", "yield_time_ms": 3_600_000}
     assert policy.wait_turns == 2
-    nxt = policy(_codex_after("Chunk ID: 2\nWall time: 9.8 seconds\nProcess exited with code 0\nOutput:\nslept\n"))
+    nxt = policy(
+        _codex_after("Chunk ID: 2\nWall time: 9.8 seconds\nProcess exited with code 0\nOutput:\nslept\n"))
     assert _args(nxt)["cmd"] == "echo hi"
     assert policy(_codex_after("Process exited with code 0\n"))["text"] == "Done."
 
@@ -173,21 +179,24 @@ def test_detectors_on_main_and_side_shapes() -> None:
     assert not codex_is_side_call(CODEX_MAIN, {})
     assert codex_is_side_call(CODEX_MAIN, {"x-openai-subagent": "compact"})
     assert not terminus2_is_side_call(TERMINUS_MAIN, {})
-    assert terminus2_is_side_call({"messages": [{"role": "user", "content":
-                                                 "You are about to hand off your work to another AI agent."}]}, {})
+    assert terminus2_is_side_call(
+        {"messages": [{"role": "user",
+                       "content": "You are about to hand off your work to another AI agent."}]}, {})
 
 
 def test_claude_code_sub_agent_is_told_by_where_a_system_block_opens() -> None:
     intro = "You are an agent for Claude Code, Anthropic's official CLI for Claude."
     identity = {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude."}
     # The introduction in its own block after the identity line, or after it in the same block: a sub-agent.
-    assert claude_code_is_side_call({**CLAUDE_MAIN, "system": [identity, {"type": "text", "text": intro}]}, {})
+    assert claude_code_is_side_call({**CLAUDE_MAIN, "system": [identity, {"type": "text", "text": intro}]},
+                                    {})
     assert claude_code_is_side_call({**CLAUDE_MAIN, "system": identity["text"] + "\n\n" + intro}, {})
     # The main prompt quoting it far into a block (a repository's notes, a commit message in the
     # environment section): the agent's own turns, not a side call it could hide them as.
     quoted = "You are Claude Code. " + "Follow the project's conventions. " * 200 + f"Notes: '{intro}'"
     assert len(quoted) > 4096
-    assert not claude_code_is_side_call({**CLAUDE_MAIN, "system": [identity, {"type": "text", "text": quoted}]}, {})
+    assert not claude_code_is_side_call(
+        {**CLAUDE_MAIN, "system": [identity, {"type": "text", "text": quoted}]}, {})
     assert not claude_code_is_side_call({**CLAUDE_MAIN, "system": quoted}, {})
 
 
@@ -223,7 +232,8 @@ def test_registry_builtins_custom_and_unknown() -> None:
         ScriptedPolicy("nope", [Finish()])
 
 
-def test_an_episodes_side_call_detector_runs_each_check_once_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_episodes_side_call_detector_runs_each_check_once_a_request(
+    monkeypatch: pytest.MonkeyPatch) -> None:
     """The default detector already asks Claude Code's check for /v1/messages: the episode's detector
     (default + the harness's own) must not ask it again (once a request, not twice)."""
     from ares_gateway import side_calls
@@ -233,8 +243,10 @@ def test_an_episodes_side_call_detector_runs_each_check_once_a_request(monkeypat
     from harnesses import ClaudeCodeHarness, CodexHarness, Terminus2Harness
 
     for protocol, harness in ((WireProtocol.ANTHROPIC_MESSAGES, ClaudeCodeHarness),
-                              (WireProtocol.OPENAI_RESPONSES, CodexHarness), (WireProtocol.OPENAI_CHAT, Terminus2Harness)):
-        assert harness.is_side_call is side_calls._BY_PROTOCOL[protocol]  # one function: the harness's knowledge
+                              (WireProtocol.OPENAI_RESPONSES, CodexHarness),
+                              (WireProtocol.OPENAI_CHAT, Terminus2Harness)):
+        # one function: the harness's knowledge
+        assert harness.is_side_call is side_calls._BY_PROTOCOL[protocol]
     calls: list[dict[str, Any]] = []
     real = side_calls._BY_PROTOCOL[WireProtocol.ANTHROPIC_MESSAGES]
 

@@ -16,7 +16,8 @@ def pieces(s: str, n: int) -> list[str]:
 def rich_completion(custom: bool = False) -> Completion:
     """Reasoning, text with unicode/newlines/quotes, and two parallel tool calls."""
     calls = [
-        ToolCall(id="call_a1", name="exec_command", arguments='{"cmd":"echo \\"hi\\" && ls -la","timeout":5}'),
+        ToolCall(id="call_a1", name="exec_command",
+                 arguments='{"cmd":"echo \\"hi\\" && ls -la","timeout":5}'),
         ToolCall(id="call_b2", name="read_file", arguments='{"path":"/tmp/ü ñ.txt"}'),
     ]
     if custom:
@@ -45,7 +46,8 @@ def deltas_of(c: Completion, n: int = 3) -> list[CompletionDelta]:
     return out
 
 
-def encode(protocol: str, request: CanonicalRequest, c: Completion, deltas: list[CompletionDelta] | None = None,
+def encode(protocol: str, request: CanonicalRequest, c: Completion,
+           deltas: list[CompletionDelta] | None = None,
            response_id: str = "abc123") -> list[bytes]:
     enc: StreamEncoder = get_adapter(protocol).stream_encoder(request, response_id)
     chunks = [enc.start()]

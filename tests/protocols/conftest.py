@@ -45,7 +45,8 @@ async def replay(aiohttp_server: Callable[[web.Application], Awaitable[Any]]) ->
         r.requests.append(orjson.loads(await request.read()))
         r.paths.append(request.path_qs)
         if r.json_body is not None:
-            return web.Response(body=orjson.dumps(r.json_body), status=r.status, content_type="application/json")
+            return web.Response(body=orjson.dumps(r.json_body), status=r.status,
+                                content_type="application/json")
         resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for c in r.chunks:  # one write per encoder call: the SDK sees the deltas arrive separately

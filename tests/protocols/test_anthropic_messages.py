@@ -18,23 +18,28 @@ CC = {"type": "ephemeral"}
 
 
 def claude_code_body() -> dict[str, Any]:
-    """The shape Claude Code 2.1 sends (trimmed): billing block, cache_control, thinking, tools, mid-run system."""
+    """The shape Claude Code 2.1 sends (trimmed): billing block, cache_control, thinking, tools, mid-run
+    system."""
     return {
         "model": "claude-sonnet-4-5",
         "max_tokens": 32000,
         "stream": True,
         "system": [
-            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.a1b; cc_entrypoint=sdk-cli"},
-            {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.", "cache_control": CC},
+            {"type": "text",
+             "text": "x-anthropic-billing-header: cc_version=2.1.197.a1b; cc_entrypoint=sdk-cli"},
+            {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.",
+             "cache_control": CC},
             {"type": "text", "text": "Environment: linux, cwd /repo", "cache_control": CC},
         ],
         "messages": [
             {"role": "user", "content": [
-                {"type": "text", "text": "<system-reminder>\nAs you answer, use the context below.\n</system-reminder>"},
+                {"type": "text",
+                 "text": "<system-reminder>\nAs you answer, use the context below.\n</system-reminder>"},
                 {"type": "text", "text": "Fix the failing test in tests/test_x.py", "cache_control": CC},
             ]},
             {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "I should run the tests first.", "signature": "EqQBCkgIBxAB..."},
+                {"type": "thinking", "thinking": "I should run the tests first.",
+                 "signature": "EqQBCkgIBxAB..."},
                 {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va..."},
                 {"type": "text", "text": "Running the tests."},
                 {"type": "tool_use", "id": "toolu_01A", "name": "Bash",
@@ -45,12 +50,14 @@ def claude_code_body() -> dict[str, Any]:
                 {"type": "tool_result", "tool_use_id": "toolu_01A", "content": "1 failed", "is_error": True},
                 {"type": "tool_result", "tool_use_id": "toolu_01B",
                  "content": [{"type": "text", "text": "def f():\n    return 1\n"}], "cache_control": CC},
-                {"type": "text", "text": "<system-reminder>The TodoWrite tool hasn't been used.</system-reminder>"},
+                {"type": "text",
+                 "text": "<system-reminder>The TodoWrite tool hasn't been used.</system-reminder>"},
             ]},
             {"role": "system", "content": "The user switched to plan mode."},
             {"role": "assistant", "content": "Here is the plan."},
             {"role": "user", "content": [
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+                {"type": "image",
+                 "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
                 {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
                 {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "doc"},
                  "title": "notes"},
@@ -140,12 +147,15 @@ def test_tool_result_pieces_keep_order() -> None:
         ("tool", "c", "C"), ("tool", "d", "D"),
     ]
     out = AD.render_request(r)
-    # documented normalization: the last turn (only tool results, right after tool results) joins the previous one
-    assert out["messages"] == [{"role": "user", "content": body["messages"][0]["content"] + body["messages"][1]["content"]}]
+    # documented normalization: the last turn (only tool results, right after tool results) joins the previous
+    # one
+    assert out["messages"] == [
+        {"role": "user", "content": body["messages"][0]["content"] + body["messages"][1]["content"]}]
 
 
 def test_system_string_and_first_message_system() -> None:
-    b1 = {"model": "m", "max_tokens": 1, "system": "be brief", "messages": [{"role": "user", "content": "hi"}]}
+    b1 = {"model": "m", "max_tokens": 1, "system": "be brief",
+          "messages": [{"role": "user", "content": "hi"}]}
     r = AD.parse_request(b1)
     assert [(m.role, m.content) for m in r.messages] == [("system", "be brief"), ("user", "hi")]
     assert AD.render_request(r) == b1
@@ -158,7 +168,8 @@ def test_unknown_fields_kept_everywhere() -> None:
     body = {"model": "m", "max_tokens": 1, "future_field": {"x": 1}, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a", "citations": None, "new_key": 2},
                                      {"type": "brand_new_block", "payload": [1, 2]}], "msg_key": True},
-        {"role": "assistant", "content": [{"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search",
+        {"role": "assistant",
+         "content": [{"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search",
                                            "input": {"query": "q"}},
                                           {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1",
                                            "content": []}]},
@@ -178,7 +189,8 @@ def test_unknown_fields_kept_everywhere() -> None:
         ({"model": "m", "max_tokens": 1, "messages": {"role": "user"}}, "messages"),
         ({"model": "m", "messages": []}, "max_tokens"),
         ({"model": "m", "max_tokens": "10", "messages": []}, "max_tokens"),
-        ({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": 5}]},
+         "messages[0].content"),
         ({"model": "m", "max_tokens": 1, "messages": [{"role": "user"}]}, "messages[0].content"),
         ({"model": "m", "max_tokens": 1, "messages": [{"content": "x"}]}, "messages[0].role"),
         ({"model": "m", "max_tokens": 1, "messages": ["hi"]}, "messages[0]"),

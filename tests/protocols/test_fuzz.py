@@ -19,24 +19,31 @@ from .test_openai_responses import codex_body, native_response
 
 FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-KEYS = ["model", "messages", "input", "system", "role", "content", "type", "text", "tool_calls", "tool_call_id",
-        "function", "name", "arguments", "tools", "tool_use_id", "id", "call_id", "output", "summary", "source",
+KEYS = ["model", "messages", "input", "system", "role", "content", "type", "text", "tool_calls",
+        "tool_call_id",
+        "function", "name", "arguments", "tools", "tool_use_id", "id", "call_id", "output", "summary",
+        "source",
         "max_tokens", "stream", "stream_options", "include_usage", "instructions", "image_url", "is_error",
         "choices", "message", "usage", "finish_reason", "stop_reason", "status", "thinking", "input_schema",
         "parameters", "stop", "temperature", "url", "data", "media_type"]
-leaf = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=False, allow_infinity=False),
-                 st.text(max_size=5), st.sampled_from(["user", "assistant", "system", "tool", "developer", "text",
+leaf = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6),
+                 st.floats(allow_nan=False, allow_infinity=False),
+                 st.text(max_size=5),
+                 st.sampled_from(["user", "assistant", "system", "tool", "developer", "text",
                                                        "message", "function_call", "tool_use", "tool_result",
                                                        "image", "thinking", "reasoning", "function", "custom",
                                                        "input_text", "output_text", "base64", "url"]))
 json_value = st.recursive(
-    leaf, lambda kids: st.one_of(st.lists(kids, max_size=4), st.dictionaries(st.sampled_from(KEYS), kids, max_size=5)),
+    leaf, lambda kids: st.one_of(st.lists(kids, max_size=4),
+                                 st.dictionaries(st.sampled_from(KEYS), kids, max_size=5)),
     max_leaves=25)
 
 PROTOS = ["openai.chat", "anthropic.messages", "openai.responses"]
-BODIES = {"openai.chat": mini_swe_agent_body, "anthropic.messages": claude_code_body, "openai.responses": codex_body}
+BODIES = {"openai.chat": mini_swe_agent_body, "anthropic.messages": claude_code_body,
+          "openai.responses": codex_body}
 RESPONSES = {"openai.chat": ares_proxy_answer, "openai.responses": native_response,
-             "anthropic.messages": lambda: {"content": [{"type": "text", "text": "x"}], "stop_reason": "end_turn"}}
+             "anthropic.messages": lambda: {"content": [{"type": "text", "text": "x"}],
+                                            "stop_reason": "end_turn"}}
 
 
 def _paths(v: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -80,7 +87,8 @@ def _exercise(proto: str, body: Any) -> None:
     ad.render_request(r)
     # what /poll sends as "canonical" is what pydantic would write
     assert _canonical_json(r) == r.model_dump_json(exclude={"raw"}).encode()
-    c = Completion(text="ok", reasoning="r", tool_calls=[ToolCall(id="call_1", name="f", arguments='{"a":1}')])
+    c = Completion(text="ok", reasoning="r",
+                   tool_calls=[ToolCall(id="call_1", name="f", arguments='{"a":1}')])
     ad.render_response(c, r, "x")
     enc = ad.stream_encoder(r, "x")
     assert enc.start() and enc.finish(c)

@@ -26,13 +26,19 @@ def mini_swe_agent_body() -> dict[str, Any]:
             {"role": "system", "content": "You are a helpful assistant that can interact with a computer."},
             {"role": "user", "content": "<pr_description>Fix the bug</pr_description>"},
             {"role": "assistant", "content": "THOUGHT: look around", "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": "{\"command\": \"ls\"}"}},
-                {"id": "call_2", "type": "function", "function": {"name": "bash", "arguments": "{\"command\": \"pwd\"}"}},
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "bash", "arguments": "{\"command\": \"ls\"}"}},
+                {"id": "call_2", "type": "function",
+                 "function": {"name": "bash", "arguments": "{\"command\": \"pwd\"}"}},
             ]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "{\"returncode\":0,\"output\":\"a.py\\n\"}"},
-            {"role": "tool", "tool_call_id": "call_2", "content": "{\"returncode\":0,\"output\":\"/repo\\n\"}"},
+            {"role": "tool", "tool_call_id": "call_1",
+             "content": "{\"returncode\":0,\"output\":\"a.py\\n\"}"},
+            {"role": "tool", "tool_call_id": "call_2",
+             "content": "{\"returncode\":0,\"output\":\"/repo\\n\"}"},
             {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_3", "type": "function", "function": {"name": "bash", "arguments": "{\"command\": \"echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\"}"}}]},
+                {"id": "call_3", "type": "function",
+                 "function": {"name": "bash", "arguments": "{\"command\": \"echo "
+                                                           "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\"}"}}]},
         ],
         "tools": [BASH_TOOL],
         "tool_choice": "auto",
@@ -73,7 +79,8 @@ def test_parts_developer_stream_options_and_legacy() -> None:
         "model": "m", "stream": True, "stream_options": {"include_usage": True},
         "max_completion_tokens": 100, "stop": ["\n\n"], "seed": 7, "top_p": 0.9, "n": 1,
         "messages": [
-            {"role": "developer", "content": [{"type": "text", "text": "dev rules", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "developer",
+             "content": [{"type": "text", "text": "dev rules", "cache_control": {"type": "ephemeral"}}]},
             {"role": "user", "name": "alice", "content": [
                 {"type": "text", "text": "what is in this image?"},
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "high"}},
@@ -107,10 +114,12 @@ def test_stop_string_normalized() -> None:
 
 
 def test_other_tool_types_kept() -> None:
-    body = {"messages": [], "tools": [BASH_TOOL, {"type": "custom", "custom": {"name": "patch", "format": {"type": "text"}}},
+    body = {"messages": [],
+            "tools": [BASH_TOOL, {"type": "custom", "custom": {"name": "patch", "format": {"type": "text"}}},
                                      {"type": "web_search_preview"}]}
     r = AD.parse_request(body)
-    assert [(t.type, t.name) for t in r.tools] == [("function", "bash"), ("custom", "patch"), ("web_search_preview", None)]
+    assert [(t.type, t.name) for t in r.tools] == [("function", "bash"), ("custom", "patch"),
+                                                   ("web_search_preview", None)]
     assert AD.render_request(r) == body
 
 
@@ -122,13 +131,15 @@ def test_other_tool_types_kept() -> None:
         ({"messages": "hi"}, "messages"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"content": "x"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+         "messages[0].content[0].text"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": 5}]}]},
          "messages[0].content[0].image_url"),
         ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]},
          "messages[0].tool_calls[0].function"),
         ({"messages": [{"role": "assistant", "tool_calls": {"id": "c"}}]}, "messages[0].tool_calls"),
-        ({"messages": [], "tools": [{"type": "function", "function": {"description": "x"}}]}, "tools[0].function.name"),
+        ({"messages": [], "tools": [{"type": "function", "function": {"description": "x"}}]},
+         "tools[0].function.name"),
         ({"messages": [], "max_tokens": "5"}, "max_tokens"),
         ({"messages": [], "stream": 1}, "stream"),
         ({"messages": [], "stop": [1]}, "stop"),
@@ -143,7 +154,8 @@ def test_rejects_unusable(body: Any, param: str | None) -> None:
 
 
 def ares_proxy_answer() -> dict[str, Any]:
-    """What an ares-proxy poller posts to /respond: a full chat.completion (here from vLLM, with token ids)."""
+    """What an ares-proxy poller posts to /respond: a full chat.completion (here from vLLM, with token
+    ids)."""
     return {
         "id": "chatcmpl-9f", "object": "chat.completion", "created": 1764470000, "model": "Qwen/Qwen3-8B",
         "prompt_token_ids": [1, 2, 3, 4],
@@ -155,9 +167,10 @@ def ares_proxy_answer() -> dict[str, Any]:
                              "function": {"name": "bash", "arguments": "{\"command\": \"ls\"}"}},
                             {"id": "chatcmpl-tool-2", "type": "function",
                              "function": {"name": "bash", "arguments": "{\"command\": \"pwd\"}"}}]},
-            "logprobs": {"content": [{"token": "token_id:11", "logprob": -0.5, "bytes": None, "top_logprobs": []},
-                                     {"token": "token_id:12", "logprob": -0.25, "bytes": None, "top_logprobs": []},
-                                     {"token": "token_id:13", "logprob": 0.0, "bytes": None, "top_logprobs": []}]},
+            "logprobs": {
+                "content": [{"token": "token_id:11", "logprob": -0.5, "bytes": None, "top_logprobs": []},
+                            {"token": "token_id:12", "logprob": -0.25, "bytes": None, "top_logprobs": []},
+                            {"token": "token_id:13", "logprob": 0.0, "bytes": None, "top_logprobs": []}]},
             "finish_reason": "tool_calls", "stop_reason": None, "token_ids": [11, 12, 13],
         }],
         "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
@@ -171,9 +184,11 @@ def test_parse_response_ares_proxy_vllm() -> None:
     assert [(t.id, t.arguments) for t in c.tool_calls] == [
         ("chatcmpl-tool-1", '{"command": "ls"}'), ("chatcmpl-tool-2", '{"command": "pwd"}')]
     assert c.finish_reason == "tool_calls"
-    assert c.usage is not None and (c.usage.input_tokens, c.usage.output_tokens, c.usage.cached_input_tokens) == (4, 3, 2)
+    assert c.usage is not None and (c.usage.input_tokens, c.usage.output_tokens,
+                                    c.usage.cached_input_tokens) == (4, 3, 2)
     assert c.tokens is not None
-    assert (c.tokens.prompt_ids.tolist(), c.tokens.output_ids.tolist(), c.tokens.output_logprobs.tolist()) == (
+    assert (c.tokens.prompt_ids.tolist(), c.tokens.output_ids.tolist(),
+            c.tokens.output_logprobs.tolist()) == (
         [1, 2, 3, 4], [11, 12, 13], [-0.5, -0.25, 0.0])
     assert c.tokens.prompt_ids.dtype == np.int32 and c.tokens.output_logprobs.dtype == np.float64
     Completion.model_validate(c.model_dump())
@@ -213,7 +228,8 @@ def test_render_response_shape_and_round_trip() -> None:
     assert "prompt_token_ids" not in bare and "token_ids" not in bare["choices"][0]
     assert bare["choices"][0]["logprobs"] is None
     # a completion with tool calls but the default finish_reason still tells the agent to run them
-    plain = AD.render_response(Completion(tool_calls=[ToolCall(id="", name="bash", arguments="{}")]), req, "chatcmpl-1")
+    plain = AD.render_response(Completion(tool_calls=[ToolCall(id="", name="bash", arguments="{}")]), req,
+                               "chatcmpl-1")
     assert plain["id"] == "chatcmpl-1" and plain["choices"][0]["finish_reason"] == "tool_calls"
     assert plain["choices"][0]["message"]["tool_calls"][0]["id"].startswith("call_")
 
@@ -226,4 +242,5 @@ def test_render_response_shape_and_round_trip() -> None:
 def test_error_body(status: int, etype: str) -> None:
     body = AD.error_body(status, "bad", param="messages")
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["type"] == etype and body["error"]["message"] == "bad" and body["error"]["param"] == "messages"
+    assert body["error"]["type"] == etype and body["error"]["message"] == "bad" and body["error"][
+        "param"] == "messages"

@@ -16,7 +16,8 @@ EXEC_TOOL = {"type": "function", "name": "exec_command", "description": "Runs a 
              "strict": False, "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
                                              "required": ["cmd"], "additionalProperties": False}}
 APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Use apply_patch to edit files.",
-               "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"}}
+               "format": {"type": "grammar", "syntax": "lark",
+                          "definition": "start: begin_patch hunk+ end_patch"}}
 
 
 def codex_body() -> dict[str, Any]:
@@ -27,9 +28,11 @@ def codex_body() -> dict[str, Any]:
             {"type": "message", "role": "developer",
              "content": [{"type": "input_text", "text": "You are Codex, based on GPT-5. ..."}]},
             {"type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": "<environment_context>\n  <cwd>/repo</cwd>\n</environment_context>"}]},
+                {"type": "input_text",
+                 "text": "<environment_context>\n  <cwd>/repo</cwd>\n</environment_context>"}]},
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "say hi"}]},
-            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "**Running echo**"}],
+            {"type": "reasoning", "id": "rs_1",
+             "summary": [{"type": "summary_text", "text": "**Running echo**"}],
              "content": None, "encrypted_content": "gAAAAABo..."},
             {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "exec_command",
              "arguments": "{\"cmd\":\"echo hi\"}", "status": "completed"},
@@ -45,7 +48,8 @@ def codex_body() -> dict[str, Any]:
         ],
         "tools": [
             EXEC_TOOL,
-            {"type": "namespace", "name": "mcp__fs", "tools": [{"type": "function", "name": "read", "parameters": {}}]},
+            {"type": "namespace", "name": "mcp__fs",
+             "tools": [{"type": "function", "name": "read", "parameters": {}}]},
             APPLY_PATCH,
             {"type": "web_search", "external_web_access": False},
             {"type": "tool_search"},
@@ -67,7 +71,8 @@ def test_codex_body_canonical() -> None:
     body = codex_body()
     r = AD.parse_request(body)
     assert r.protocol is WireProtocol.OPENAI_RESPONSES and r.raw is body and r.stream
-    assert [m.role for m in r.messages] == ["developer", "user", "user", "assistant", "tool", "assistant", "tool",
+    assert [m.role for m in r.messages] == ["developer", "user", "user", "assistant", "tool", "assistant",
+                                            "tool",
                                             "assistant", "user"]
     dev = r.messages[0]
     assert dev.text() == "You are Codex, based on GPT-5. ..."
@@ -85,10 +90,12 @@ def test_codex_body_canonical() -> None:
     assert r.messages[7].text() == "Done: hi" and r.messages[7].extra["id"] == "msg_1"
     assert r.messages[8].content == "thanks" and r.messages[8].extra == {"bare": True}
     assert [(t.type, t.name) for t in r.tools] == [
-        ("function", "exec_command"), ("namespace", "mcp__fs"), ("custom", "apply_patch"), ("web_search", None),
+        ("function", "exec_command"), ("namespace", "mcp__fs"), ("custom", "apply_patch"),
+        ("web_search", None),
         ("tool_search", None), ("something_new", None)]
     assert r.tools[0].parameters == EXEC_TOOL["parameters"] and r.tools[0].extra == {"strict": False}
-    assert r.tools[2].description == "Use apply_patch to edit files." and r.tools[2].extra["raw"] == APPLY_PATCH
+    assert r.tools[2].description == "Use apply_patch to edit files." and r.tools[2].extra[
+        "raw"] == APPLY_PATCH
     assert r.parallel_tool_calls is True and r.tool_choice == "auto"
     for k in ("reasoning", "store", "include", "prompt_cache_key", "client_metadata", "text"):
         assert r.extra[k] == body[k]
@@ -103,7 +110,8 @@ def test_codex_body_round_trip_exact() -> None:
 
 
 def test_instructions_string_input_images() -> None:
-    b1 = {"model": "m", "instructions": "be terse", "input": "hello", "max_output_tokens": 50, "temperature": 0.2}
+    b1 = {"model": "m", "instructions": "be terse", "input": "hello", "max_output_tokens": 50,
+          "temperature": 0.2}
     r = AD.parse_request(b1)
     assert [(m.role, m.content) for m in r.messages] == [("system", "be terse"), ("user", "hello")]
     assert r.sampling.max_tokens == 50
@@ -129,7 +137,8 @@ def test_no_input_is_accepted() -> None:
 def test_parallel_calls_and_unknown_items() -> None:
     body = {"input": [
         {"type": "message", "role": "user", "content": "go"},
-        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "a"}, {"type": "summary_text", "text": "b"}]},
+        {"type": "reasoning",
+         "summary": [{"type": "summary_text", "text": "a"}, {"type": "summary_text", "text": "b"}]},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "calling"}]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\":1}"},
@@ -139,7 +148,8 @@ def test_parallel_calls_and_unknown_items() -> None:
         {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}},
         {"type": "compaction", "encrypted_content": "zzz"},
         # Codex "responses lite" dialect items
-        {"type": "additional_tools", "tools": [{"type": "function", "name": "exec_command", "parameters": {}}]},
+        {"type": "additional_tools",
+         "tools": [{"type": "function", "name": "exec_command", "parameters": {}}]},
         {"type": "configuration_update", "model": "gpt-5.1-codex", "reasoning": {"effort": "high"}},
     ]}
     r = AD.parse_request(body)
@@ -159,9 +169,11 @@ def test_parallel_calls_and_unknown_items() -> None:
         ({"input": [5]}, "input[0]"),
         ({"input": [{"type": "message", "content": "x"}]}, "input[0].role"),
         ({"input": [{"role": "user", "content": 7}]}, "input[0].content"),
-        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": None}]}]}, "input[0].content[0].text"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": None}]}]},
+         "input[0].content[0].text"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
-        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input[0].arguments"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
+         "input[0].arguments"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": [{"content": "x"}]}, "input[0].type"),
         ({"input": [], "tools": [{"name": "f"}]}, "tools[0].type"),
@@ -184,9 +196,11 @@ def native_response() -> dict[str, Any]:
             {"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
              "content": [{"type": "output_text", "text": "ok ", "annotations": []},
                          {"type": "output_text", "text": "go", "annotations": []}]},
-            {"id": "fc_1", "type": "function_call", "status": "completed", "call_id": "call_1", "name": "exec_command",
+            {"id": "fc_1", "type": "function_call", "status": "completed", "call_id": "call_1",
+             "name": "exec_command",
              "arguments": "{\"cmd\":\"ls\"}"},
-            {"id": "ctc_1", "type": "custom_tool_call", "call_id": "call_2", "name": "apply_patch", "input": "*** Begin"},
+            {"id": "ctc_1", "type": "custom_tool_call", "call_id": "call_2", "name": "apply_patch",
+             "input": "*** Begin"},
         ],
         "usage": {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 80}, "output_tokens": 20,
                   "output_tokens_details": {"reasoning_tokens": 12}, "total_tokens": 120},
@@ -216,7 +230,8 @@ def test_render_response_items() -> None:
     assert out["id"] == "resp_abc" and out["object"] == "response" and out["status"] == "completed"
     assert [o["type"] for o in out["output"]] == ["reasoning", "message", "function_call", "function_call",
                                                   "custom_tool_call"]
-    assert out["output"][1]["content"] == [{"type": "output_text", "text": "hi", "annotations": [], "logprobs": []}]
+    assert out["output"][1]["content"] == [
+        {"type": "output_text", "text": "hi", "annotations": [], "logprobs": []}]
     assert [o["call_id"] for o in out["output"][2:]] == ["call_1", "call_2", "call_3"]
     assert all(o["status"] == "completed" for o in out["output"][1:])
     assert out["output"][2]["id"].startswith("fc_") and out["output"][4]["id"].startswith("ctc_")
@@ -228,7 +243,8 @@ def test_render_response_items() -> None:
     r = AD.parse_request(echo)
     assert len(r.messages) == 1 and r.messages[0].tool_calls == [
         ToolCall(id=t.id, name=t.name, arguments=t.arguments, type=t.type,
-                 extra={"id": o["id"], "status": "completed"}) for t, o in zip(c.tool_calls, out["output"][2:], strict=True)]
+                 extra={"id": o["id"], "status": "completed"})
+        for t, o in zip(c.tool_calls, out["output"][2:], strict=True)]
 
 
 def test_error_body() -> None:
@@ -240,8 +256,10 @@ def test_error_body() -> None:
 def test_get_adapter() -> None:
     from ares_gateway.protocols import ANTHROPIC_MESSAGES, OPENAI_CHAT, OPENAI_RESPONSES
 
-    for proto, ad in [(WireProtocol.OPENAI_CHAT, OPENAI_CHAT), (WireProtocol.ANTHROPIC_MESSAGES, ANTHROPIC_MESSAGES),
+    for proto, ad in [(WireProtocol.OPENAI_CHAT, OPENAI_CHAT),
+                      (WireProtocol.ANTHROPIC_MESSAGES, ANTHROPIC_MESSAGES),
                       (WireProtocol.OPENAI_RESPONSES, OPENAI_RESPONSES)]:
         assert get_adapter(proto) is ad and get_adapter(proto.value) is ad and ad.protocol is proto
         assert ad.parse_request(
-            {"messages": [], "max_tokens": 1} if proto is not WireProtocol.OPENAI_RESPONSES else {}).protocol is proto
+            {"messages": [], "max_tokens": 1} if proto is not WireProtocol.OPENAI_RESPONSES
+            else {}).protocol is proto

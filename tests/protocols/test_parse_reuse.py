@@ -50,10 +50,12 @@ def _anthropic(turns: int, *, system: str = "You are Claude Code.", tools: int =
         msgs.append({"role": "assistant", "content": [{"type": "text", "text": f"step {i}"},
                                                       {"type": "tool_use", "id": f"t{i}", "name": "Bash",
                                                        "input": {"command": f"ls {i}", "n": i}}]})
-        msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}", "content": "ok"},
-                                                 {"type": "text", "text": "go on"}]})
+        msgs.append(
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}", "content": "ok"},
+                                         {"type": "text", "text": "go on"}]})
     body = {"model": "claude", "max_tokens": 100, "system": [{"type": "text", "text": system}],
-            "tools": [{"name": f"T{j}", "description": "d", "input_schema": {"type": "object"}} for j in range(tools)],
+            "tools": [{"name": f"T{j}", "description": "d", "input_schema": {"type": "object"}}
+                      for j in range(tools)],
             "messages": msgs, "stream": False}
     if messages_first:  # Claude Code's own order: what changes outside the list comes after it
         body = {"model": body.pop("model"), "messages": body.pop("messages"), **body}
@@ -61,19 +63,23 @@ def _anthropic(turns: int, *, system: str = "You are Claude Code.", tools: int =
 
 
 def _chat(turns: int) -> dict[str, Any]:
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "fix it"}]
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "be brief"},
+                                  {"role": "user", "content": "fix it"}]
     for i in range(turns):
         msgs.append({"role": "assistant", "content": None, "tool_calls": [
-            {"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"cmd": i})}}]})
+            {"id": f"c{i}", "type": "function",
+             "function": {"name": "bash", "arguments": json.dumps({"cmd": i})}}]})
         msgs.append({"role": "tool", "tool_call_id": f"c{i}", "content": f"out {i}"})
     return {"model": "m", "messages": msgs,
             "tools": [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]}
 
 
 def _responses(turns: int) -> dict[str, Any]:
-    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    items: list[dict[str, Any]] = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
     for i in range(turns):
-        items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"s{i}"}]})
+        items.append(
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"s{i}"}]})
         # Folds into the assistant message just before it: the message must never be shared.
         items.append({"type": "function_call", "call_id": f"f{i}", "name": "shell", "arguments": "{}"})
         items.append({"type": "function_call_output", "call_id": f"f{i}", "output": "ok"})
@@ -122,7 +128,8 @@ def test_a_number_that_grows_in_place_is_not_taken_for_the_same() -> None:
     # "n": 1 followed by more digits shares the bytes "1" with the previous body, but is another value.
     memo = ParseMemo()
     _through(memo, C, {"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": 1})
-    got = _through(memo, C, {"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": 1.5})
+    got = _through(memo, C,
+                   {"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": 1.5})
     assert got.sampling.temperature == 1.5
 
 
@@ -147,13 +154,15 @@ def test_an_invalid_new_item_after_a_shared_history_names_its_own_index() -> Non
     body["messages"].append({"role": 7, "content": "x"})
     with pytest.raises(RequestError) as err:
         parse_inline(json.dumps(body).encode(), C, memo)
-    assert err.value.param is not None and err.value.param.startswith(f"messages[{len(body['messages']) - 1}]")
+    assert err.value.param is not None and err.value.param.startswith(
+        f"messages[{len(body['messages']) - 1}]")
 
 
 def test_side_calls_between_main_turns_keep_the_main_line() -> None:
     memo = ParseMemo()
     main = _through(memo, A, _anthropic(3))
-    side = {"model": "claude-haiku", "max_tokens": 10, "messages": [{"role": "user", "content": "title this"}]}
+    side = {"model": "claude-haiku", "max_tokens": 10,
+            "messages": [{"role": "user", "content": "title this"}]}
     _through(memo, A, side)
     nxt = _through(memo, A, _anthropic(4))
     assert nxt.messages[1] is main.messages[1] and nxt.tools is main.tools
@@ -179,7 +188,8 @@ def test_chat_and_responses_sessions() -> None:
 
 def test_bodies_the_layout_cannot_follow_are_parsed_whole() -> None:
     memo = ParseMemo()
-    twice = b'{"model": "m", "messages": [{"role": "user", "content": "a"}], "messages": [{"role": "user", "content": "b"}]}'
+    twice = (b'{"model": "m", "messages": [{"role": "user", "content": "a"}], "messages": [{"role": "user", '
+             b'"content": "b"}]}')
     for _ in range(2):
         got = parse_inline(twice, C, memo).request
         assert got is not None and _dump(got) == _dump(_fresh(C, twice))
@@ -221,7 +231,8 @@ def test_any_sequence_of_bodies_parses_as_a_fresh_parse(steps: list[str], pretty
         _through(memo, C, chat, **({"indent": 1} if pretty else {}))
 
 
-async def test_a_real_client_session_over_http_polls_what_a_fresh_parse_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_real_client_session_over_http_polls_what_a_fresh_parse_gives(
+    monkeypatch: pytest.MonkeyPatch) -> None:
     """Turns of the anthropic SDK over loopback, history growing with a side call between: every
     polled canonical form is what a fresh parse of the polled body gives, with the memo on, and the
     recorder takes the parse's layout instead of comparing the bodies again."""
@@ -257,7 +268,8 @@ async def test_a_real_client_session_over_http_polls_what_a_fresh_parse_gives(mo
             tools = [{"name": "Bash", "description": "run", "input_schema": {"type": "object"}}]
             for i in range(6):
                 # Past the size under which a body is converted whole (a Claude Code system prompt is ~10 KB).
-                got = await client.messages.create(model="claude-x", max_tokens=50, system="You are Claude Code. " * 500,
+                got = await client.messages.create(model="claude-x", max_tokens=50,
+                                                   system="You are Claude Code. " * 500,
                                                    tools=tools, messages=history)
                 history += [{"role": "assistant", "content": got.content[0].text},
                             {"role": "user", "content": f"go on {i}"}]
@@ -275,7 +287,8 @@ async def test_a_real_client_session_over_http_polls_what_a_fresh_parse_gives(mo
             assert item["canonical"] == _dump(fresh)
         assert isinstance(gw.sessions.get(info.session_id).parse_memo, ParseMemo)
         log = gw.turn_log(info.session_id)
-        assert [orjson.loads(t["request"]) if isinstance(t["request"], bytes) else t["request"] for t in log] \
+        assert [orjson.loads(t["request"]) if isinstance(t["request"], bytes) else t["request"]
+                for t in log] \
             == [item["request"] for item in polled]
     assert compared  # after a side call on its line, it does compare
 

@@ -81,9 +81,10 @@ def chat_request(draw: Any) -> CanonicalRequest:
     for _ in range(draw(st.integers(0, 6))):
         role = draw(st.sampled_from(["system", "developer", "user", "assistant", "tool"]))
         if role == "assistant":
-            calls = [ToolCall(id=nid(), name=draw(name), arguments=draw(st.one_of(text, json_obj.map(json.dumps))),
-                              type=draw(st.sampled_from(["function", "custom"])))
-                     for _ in range(draw(st.integers(0, 3)))]
+            calls = [
+                ToolCall(id=nid(), name=draw(name), arguments=draw(st.one_of(text, json_obj.map(json.dumps))),
+                         type=draw(st.sampled_from(["function", "custom"])))
+                for _ in range(draw(st.integers(0, 3)))]
             msgs.append(Message(role=role, content=draw(content), tool_calls=calls,
                                 reasoning=draw(st.one_of(st.none(), text))))
         elif role == "tool":
@@ -150,8 +151,9 @@ def anthropic_request(draw: Any) -> CanonicalRequest:
             thinking = draw(st.lists(st.builds(lambda t, s: ContentPart(type="thinking", text=t,
                                                                         extra={"signature": s}), text, text),
                                      max_size=2))
-            redacted = draw(st.lists(st.builds(lambda d: ContentPart(type="redacted_thinking", extra={"data": d}),
-                                               text), max_size=1))
+            redacted = draw(
+                st.lists(st.builds(lambda d: ContentPart(type="redacted_thinking", extra={"data": d}),
+                                   text), max_size=1))
             texts = draw(st.lists(text_part, max_size=2))
             parts = thinking + redacted + texts
             msgs.append(Message(
@@ -161,14 +163,16 @@ def anthropic_request(draw: Any) -> CanonicalRequest:
     for _ in range(draw(st.integers(0, 2))):
         if draw(st.booleans()):
             tools.append(Tool(name=draw(name), description=draw(st.one_of(st.none(), text)),
-                              parameters=draw(st.one_of(st.none(), st.just({"type": "object"}))), extra=draw(cache)))
+                              parameters=draw(st.one_of(st.none(), st.just({"type": "object"}))),
+                              extra=draw(cache)))
         else:
             raw = {"type": "bash_20250124", "name": "bash"}
             tools.append(Tool(type="bash_20250124", name="bash", extra={"raw": raw}))
     return CanonicalRequest(
         protocol=WireProtocol.ANTHROPIC_MESSAGES, model=draw(st.one_of(st.none(), name)), messages=msgs,
         tools=tools, tool_choice=draw(st.sampled_from([None, {"type": "auto"}, {"type": "any"}])),
-        sampling=draw(sampling(seed=False, max_tokens_required=True, max_temperature=1.0)), stream=draw(st.booleans()),
+        sampling=draw(sampling(seed=False, max_tokens_required=True, max_temperature=1.0)),
+        stream=draw(st.booleans()),
         extra=draw(st.sampled_from([{}, {"thinking": {"type": "enabled", "budget_tokens": 1024},
                                          "metadata": {"user_id": "u"}}])),
     )
@@ -229,10 +233,12 @@ def responses_request(draw: Any) -> CanonicalRequest:
                               parameters=draw(st.one_of(st.none(), st.just({"type": "object"}))),
                               extra=draw(st.sampled_from([{}, {"strict": False}]))))
         else:
-            raw = {"type": "custom", "name": "apply_patch", "description": "patch", "format": {"type": "text"}}
+            raw = {"type": "custom", "name": "apply_patch", "description": "patch",
+                   "format": {"type": "text"}}
             tools.append(Tool(type="custom", name="apply_patch", description="patch", extra={"raw": raw}))
     return CanonicalRequest(
-        protocol=WireProtocol.OPENAI_RESPONSES, model=draw(st.one_of(st.none(), name)), messages=msgs, tools=tools,
+        protocol=WireProtocol.OPENAI_RESPONSES, model=draw(st.one_of(st.none(), name)), messages=msgs,
+        tools=tools,
         tool_choice=draw(st.sampled_from([None, "auto", "none"])),
         parallel_tool_calls=draw(st.one_of(st.none(), st.booleans())),
         sampling=draw(sampling(top_k=False, stop=False, seed=False)), stream=draw(st.booleans()),
@@ -276,13 +282,15 @@ def completion(draw: Any, proto: str) -> Completion:
     tokens = None
     if proto == "openai.chat" and draw(st.booleans()):
         out_ids = draw(st.lists(st.integers(0, 150000), max_size=5))
-        tokens = TokenRecord(prompt_ids=draw(st.lists(st.integers(0, 150000), max_size=5)), output_ids=out_ids,
+        tokens = TokenRecord(prompt_ids=draw(st.lists(st.integers(0, 150000), max_size=5)),
+                             output_ids=out_ids,
                              output_logprobs=[-0.5] * len(out_ids) if draw(st.booleans()) else [],
                              finish_reason=fr)
     extra: dict[str, Any] = {}
     if anth and reasoning is not None and draw(st.booleans()):
         extra["signature"] = "sig"
-    return Completion(text=txt, reasoning=reasoning, tool_calls=calls, finish_reason=fr, usage=u, tokens=tokens,
+    return Completion(text=txt, reasoning=reasoning, tool_calls=calls, finish_reason=fr, usage=u,
+                      tokens=tokens,
                       model=draw(st.one_of(st.none(), name)), extra=extra)
 
 
@@ -290,7 +298,8 @@ def _completion_round_trip(proto: str, c: Completion) -> None:
     ad = get_adapter(proto)
     # Token ids and logprobs come back to an agent that asks for them (vLLM's request fields).
     asks = {"return_token_ids": True, "logprobs": True} if proto == "openai.chat" else {}
-    req = ad.parse_request({"model": "m", "messages": [], "max_tokens": 10, **asks} if proto != "openai.responses"
+    req = ad.parse_request({"model": "m", "messages": [], "max_tokens": 10, **asks}
+                           if proto != "openai.responses"
                            else {"model": "m"})
     native = orjson.loads(orjson.dumps(ad.render_response(c, req, "rid")))
     back = ad.parse_response(native, req)
@@ -348,7 +357,8 @@ def _rebuild_chat(raw: bytes) -> dict[str, Any]:
                 inner = tc.get("function") or tc.get("custom") or {}
                 slot["name"] += inner.get("name") or ""
                 slot["args"] += inner.get("arguments") or inner.get("input") or ""
-    return {"text": text, "reasoning": reasoning, "calls": [(v["id"], v["name"], v["args"]) for _, v in sorted(calls.items())]}
+    return {"text": text, "reasoning": reasoning,
+            "calls": [(v["id"], v["name"], v["args"]) for _, v in sorted(calls.items())]}
 
 
 def _rebuild_anthropic(raw: bytes) -> dict[str, Any]:
@@ -387,7 +397,8 @@ def _rebuild_anthropic(raw: bytes) -> dict[str, Any]:
 def _rebuild_responses(raw: bytes) -> dict[str, Any]:
     events = _sse(raw)
     assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
-    assert events[0][0] == "response.created" and events[-1][0] in ("response.completed", "response.incomplete")
+    assert events[0][0] == "response.created" and events[-1][0] in ("response.completed",
+                                                                    "response.incomplete")
     text, reasoning, calls = "", "", {}
     for ev, d in events:
         assert d["type"] == ev
@@ -395,7 +406,8 @@ def _rebuild_responses(raw: bytes) -> dict[str, Any]:
             text += d["delta"]
         elif ev == "response.reasoning_summary_text.delta":
             reasoning += d["delta"]
-        elif ev == "response.output_item.added" and d["item"]["type"] in ("function_call", "custom_tool_call"):
+        elif (ev == "response.output_item.added"
+              and d["item"]["type"] in ("function_call", "custom_tool_call")):
             calls[d["output_index"]] = [d["item"]["call_id"], d["item"]["name"], ""]
         elif ev in ("response.function_call_arguments.delta", "response.custom_tool_call_input.delta"):
             calls[d["output_index"]][2] += d["delta"]
@@ -403,7 +415,8 @@ def _rebuild_responses(raw: bytes) -> dict[str, Any]:
     # the final response object agrees with what was streamed
     assert "".join(p["text"] for o in final["output"] if o["type"] == "message" for p in o["content"]) == text
     assert [(o["call_id"], o["name"], o.get("arguments", o.get("input"))) for o in final["output"]
-            if o["type"] in ("function_call", "custom_tool_call")] == [tuple(v) for _, v in sorted(calls.items())]
+            if o["type"] in ("function_call", "custom_tool_call")] == [tuple(v) for _,
+                                                                       v in sorted(calls.items())]
     return {"text": text, "reasoning": reasoning, "calls": [tuple(v) for _, v in sorted(calls.items())]}
 
 
@@ -459,7 +472,8 @@ def test_responses_stream_reassembles(case: tuple[Completion, list[Any]]) -> Non
 
 
 def test_cross_protocol_rendering_is_accepted() -> None:
-    """Any protocol's canonical request renders into a body every other protocol parses (forwarding upstream)."""
+    """Any protocol's canonical request renders into a body every other protocol parses (forwarding
+    upstream)."""
     from ares_gateway.protocols._common import MARKERS
 
     from .test_anthropic_messages import claude_code_body

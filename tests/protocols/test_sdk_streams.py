@@ -58,7 +58,8 @@ def _chat_accumulate(chunks: list[Any]) -> dict[str, Any]:
                     slot["arguments"] += tc.function.arguments or ""
             if choice.finish_reason:
                 finish = choice.finish_reason
-    return {"text": text, "reasoning": reasoning, "calls": [calls[i] for i in sorted(calls)], "finish": finish,
+    return {"text": text, "reasoning": reasoning, "calls": [calls[i] for i in sorted(calls)],
+            "finish": finish,
             "usage": usage, "ids": ids}
 
 
@@ -87,7 +88,8 @@ async def test_chat_stream_helper_accumulates(replay: Any) -> None:
     c = rich_completion()
     req = parse("openai.chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True})
     replay.sse(encode("openai.chat", req, c, deltas_of(c, 2)))
-    async with replay.openai().chat.completions.stream(model="m", messages=[{"role": "user", "content": "x"}]) as s:
+    async with replay.openai().chat.completions.stream(model="m",
+                                                       messages=[{"role": "user", "content": "x"}]) as s:
         final = await s.get_final_completion()
     msg = final.choices[0].message
     assert msg.content == c.text
@@ -147,7 +149,8 @@ async def test_chat_error_body_sdk(replay: Any) -> None:
 
 # =========================================================================== anthropic messages
 
-ANTH_BODY: dict[str, Any] = {"model": "claude", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}],
+ANTH_BODY: dict[str, Any] = {"model": "claude", "max_tokens": 100,
+                             "messages": [{"role": "user", "content": "hi"}],
                              "stream": True}
 
 
@@ -336,7 +339,8 @@ async def test_responses_stream_sdk(replay: Any, mode: str) -> None:
     calls = [(o.call_id, o.name, o.arguments) for o in final.output if o.type == "function_call"]
     assert calls == [(t.id, t.name, t.arguments) for t in c.tool_calls[:2]]
     custom = final.output[4]
-    assert (custom.call_id, custom.name, custom.input) == ("call_c3", "apply_patch", c.tool_calls[2].arguments)  # type: ignore[union-attr]
+    assert (custom.call_id, custom.name,
+            custom.input) == ("call_c3", "apply_patch", c.tool_calls[2].arguments)  # type: ignore[union-attr]
     assert final.usage is not None and final.usage.input_tokens == 1234
     assert final.usage.input_tokens_details.cached_tokens == 1000
 

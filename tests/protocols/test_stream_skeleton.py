@@ -42,7 +42,8 @@ def test_nothing_is_written_after_the_end(protocol: WireProtocol) -> None:
 def test_finish_says_only_what_the_deltas_did_not(protocol: WireProtocol) -> None:
     streamed = _encoder(protocol)
     out = streamed.start() + streamed.feed(CompletionDelta(reasoning="think ", text="hel"))
-    out += streamed.feed(CompletionDelta(tool_index=0, tool_call_id="call_a", tool_name="run", arguments='{"a"'))
+    out += streamed.feed(
+        CompletionDelta(tool_index=0, tool_call_id="call_a", tool_name="run", arguments='{"a"'))
     out += streamed.finish(Completion(reasoning="think more", text="hello", finish_reason="tool_calls",
                                       tool_calls=[{"id": "call_a", "name": "run", "arguments": '{"a": 1}'}]))
     text = out.decode()

@@ -46,7 +46,8 @@ print(json.dumps(out))
 
 def harbor_python() -> str:
     venv = Path(os.environ.get("ARES_HARBOR_VENV")
-                or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ares-gateway" / "harbor-venv")
+                or Path(os.environ.get("XDG_CACHE_HOME")
+                        or Path.home() / ".cache") / "ares-gateway" / "harbor-venv")
     py = venv / "bin" / "python"
     ok = py.is_file() and subprocess.run([str(py), "-c", "import harbor.models.trajectories"],
                                          capture_output=True, check=False).returncode == 0
@@ -75,8 +76,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("atif-runs")
     commands = {alias: ["examples-" + alias + ":0", "--policy", "oracle"] for alias in HARNESSES}
     commands["tito"] = ["examples-tiny:0", "--policy", "tito", "--step-limit", "1"]
-    procs = {key: subprocess.Popen(cli("run", *args, "--sandbox", "local", "--out", str(root / key), "--stats", "null",
-                                       "-n", "1"), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = {key: subprocess.Popen(
+        cli("run", *args, "--sandbox", "local", "--out", str(root / key), "--stats", "null",
+            "-n", "1"), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for key, args in commands.items()}
     for key, proc in procs.items():
         out, _ = proc.communicate(timeout=240)
@@ -88,7 +90,8 @@ def test_every_harness_exports_valid_atif(runs: dict[str, Path], tmp_path: Path)
     files: list[Path] = []
     for key, run in runs.items():
         if key == "tito":  # the command line once; the Python function for the others (no start-up each)
-            proc = subprocess.run(cli("export", "--format", "atif", str(run), "--out", str(tmp_path / key)), cwd=REPO,
+            proc = subprocess.run(cli("export", "--format", "atif", str(run), "--out", str(tmp_path / key)),
+                                  cwd=REPO,
                                   capture_output=True, text=True, check=False)
             assert proc.returncode == 0, proc.stderr
             assert "wrote 1 ATIF trajectory file(s)" in proc.stdout
@@ -118,7 +121,8 @@ def test_every_harness_exports_valid_atif(runs: dict[str, Path], tmp_path: Path)
         first = agent[0]
         if key == "terminus":
             assert "solve.sh" in first["message"]
-            assert "[oracle] solution/solve.sh exited with status 0" in json.dumps(doc["steps"][doc["steps"].index(first) + 1:])
+            assert "[oracle] solution/solve.sh exited with status 0" in json.dumps(
+                doc["steps"][doc["steps"].index(first) + 1:])
         else:
             call = first["tool_calls"][0]
             assert "solve.sh" in json.dumps(call["arguments"])
@@ -128,13 +132,15 @@ def test_every_harness_exports_valid_atif(runs: dict[str, Path], tmp_path: Path)
 
     # Token records: ids, logprobs and counts per step, equal to the turn log's.
     doc = json.loads((tmp_path / "tito" / "fix-median-bug.0.json").read_text())
-    entries = [json.loads(line) for line in (runs["tito"] / "turns" / "fix-median-bug.0.jsonl").read_text().splitlines()]
+    entries = [json.loads(line)
+               for line in (runs["tito"] / "turns" / "fix-median-bug.0.jsonl").read_text().splitlines()]
     agent = [s for s in doc["steps"] if s["source"] == "agent"]
     assert len(agent) == len(entries) >= 1
     for step, entry in zip(agent, entries, strict=True):
         tokens = entry["completion"]["tokens"]
         m = step["metrics"]
-        assert m["prompt_token_ids"] == tokens["prompt_ids"] and m["prompt_tokens"] == len(tokens["prompt_ids"])
+        assert m["prompt_token_ids"] == tokens["prompt_ids"] and m["prompt_tokens"] == len(
+            tokens["prompt_ids"])
         assert m["completion_token_ids"] == tokens["output_ids"]
         assert m["completion_tokens"] == len(tokens["output_ids"]) > 0
         assert m["logprobs"] == pytest.approx(tokens["output_logprobs"])
@@ -150,7 +156,8 @@ def test_every_harness_exports_valid_atif(runs: dict[str, Path], tmp_path: Path)
                  "completion_tokens": len(entries[0]["completion"]["tokens"]["output_ids"])}
 
 
-def _chat(messages: list[dict[str, Any]], completion: dict[str, Any], *, side: bool = False, n: int = 0) -> dict[str, Any]:
+def _chat(messages: list[dict[str, Any]], completion: dict[str, Any], *, side: bool = False,
+          n: int = 0) -> dict[str, Any]:
     return {"request_id": f"req_{n}", "protocol": "openai.chat", "side_call": side, "timestamp": 1.0e9 + n,
             "latency": 0.01, "request": {"model": "m", "messages": messages}, "completion": completion}
 
@@ -161,14 +168,17 @@ def test_side_calls_and_branches_are_linked_subagents(tmp_path: Path) -> None:
     sys_m = {"role": "system", "content": "be brief"}
     ask = {"role": "user", "content": "list files"}
     call = {"role": "assistant", "content": None,
-            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]}
+            "tool_calls": [{"id": "c1", "type": "function",
+                            "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]}
     result = {"role": "tool", "tool_call_id": "c1", "content": "a.py"}
-    c_call = {"tool_calls": [{"id": "c1", "name": "bash", "arguments": '{"command": "ls"}'}], "finish_reason": "tool_calls"}
+    c_call = {"tool_calls": [{"id": "c1", "name": "bash", "arguments": '{"command": "ls"}'}],
+              "finish_reason": "tool_calls"}
     entries = [
         _chat([sys_m, ask], c_call, n=1),
         _chat([{"role": "user", "content": "title this: list files"}], {"text": "Listing"}, side=True, n=2),
         dict(_chat([sys_m, ask, call, result], {"text": "a.py is there", "reasoning": "saw it"}, n=3),
-             usage={"prompt_tokens": 12, "completion_tokens": 4, "parked_seconds": 0.5, "ttft_seconds": None}),
+             usage={"prompt_tokens": 12, "completion_tokens": 4, "parked_seconds": 0.5,
+                    "ttft_seconds": None}),
         # Restarted from the first message with a summary in place of the history.
         _chat([sys_m, {"role": "user", "content": "summary: a.py exists. now count lines"}],
               {"text": "1 line", "usage": {"input_tokens": 30, "output_tokens": 2}}, n=4),
@@ -184,7 +194,8 @@ def test_side_calls_and_branches_are_linked_subagents(tmp_path: Path) -> None:
     assert [s["source"] for s in steps] == ["system", "user", "agent", "agent"]
     assert steps[2]["observation"]["results"][0] == {"content": "a.py", "source_call_id": "c1"}
     assert steps[3]["reasoning_content"] == "saw it"
-    assert steps[3]["metrics"] == {"prompt_tokens": 12, "completion_tokens": 4, "extra": {"parked_seconds": 0.5}}
+    assert steps[3]["metrics"] == {"prompt_tokens": 12, "completion_tokens": 4,
+                                   "extra": {"parked_seconds": 0.5}}
     subs = {s["trajectory_id"]: s for s in doc["subagent_trajectories"]}
     assert set(subs) == {"t.0/side-1", "t.0/branch-1"}
     assert subs["t.0/side-1"]["steps"][-1]["message"] == "Listing"
@@ -192,7 +203,8 @@ def test_side_calls_and_branches_are_linked_subagents(tmp_path: Path) -> None:
     assert branch[0]["is_copied_context"] is True and "is_copied_context" not in branch[1]
     assert branch[-1]["metrics"] == {"prompt_tokens": 30, "completion_tokens": 2, "cached_tokens": 0}
     # The side call came after turn 1, the branch after turn 3: each linked from the step before it.
-    refs = {r["trajectory_id"]: i for i, s in enumerate(steps) for res in s.get("observation", {}).get("results", [])
+    refs = {r["trajectory_id"]: i for i,
+            s in enumerate(steps) for res in s.get("observation", {}).get("results", [])
             for r in res.get("subagent_trajectory_ref", [])}
     assert refs == {"t.0/side-1": 2, "t.0/branch-1": 3}
     assert doc["extra"]["reward"] == 0.5
@@ -224,11 +236,13 @@ def test_a_real_gateways_fork_and_side_call_with_token_records(tmp_path: Path) -
         ("system", True), ("user", True), ("agent", True), ("user", False), ("agent", False)]
     assert branch[2]["llm_call_count"] == 0 and branch[4]["llm_call_count"] == 1
     assert branch[4]["message"] == "Running the tests: 2 failed."
-    assert branch[4]["metrics"]["logprobs"] == pytest.approx(entries[2]["completion"]["tokens"]["output_logprobs"])
+    assert branch[4]["metrics"]["logprobs"] == pytest.approx(
+        entries[2]["completion"]["tokens"]["output_logprobs"])
     side = subs["forked.0/side-1"]
     assert side["extra"]["kind"] == "side_call" and side["steps"][-1]["message"] == "Fixing the median bug"
     # Both begin after the second answer: linked from its step.
-    refs = [r["trajectory_id"] for r in main[1]["observation"]["results"] for r in r["subagent_trajectory_ref"]]
+    refs = [r["trajectory_id"] for r in main[1]["observation"]["results"]
+            for r in r["subagent_trajectory_ref"]]
     assert refs == ["forked.0/branch-1", "forked.0/side-1"]
     assert doc["extra"]["reward"] == 1.0
 
@@ -293,7 +307,8 @@ def test_bad_run_dirs_report_each_episode_and_export_the_rest(runs: dict[str, Pa
     shutil.copytree(runs["tiny"], run, ignore=shutil.ignore_patterns("gateway-data"))
     good = (run / "turns" / "fix-median-bug.0.jsonl").read_text()
     row = json.loads((run / "episodes.jsonl").read_text())
-    rows = [row, dict(row, task="gone", attempt=0), dict(row, task="old", attempt=0), dict(row, task="cut", attempt=1)]
+    rows = [row, dict(row, task="gone", attempt=0), dict(row, task="old", attempt=0),
+            dict(row, task="cut", attempt=1)]
     # A killed run: the last row half-written, and a turn log whose last line is cut.
     (run / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"task": "half", "att')
     (run / "turns" / "cut.1.jsonl").write_text(good + good.splitlines()[0][:40])
@@ -302,7 +317,8 @@ def test_bad_run_dirs_report_each_episode_and_export_the_rest(runs: dict[str, Pa
     # A turn log no row names (the run stopped between the two writes).
     (run / "turns" / "orphan.0.jsonl").write_text(good)
 
-    proc = subprocess.run(cli("export", "--format", "atif", str(run), "--out", str(tmp_path / "out")), cwd=REPO,
+    proc = subprocess.run(cli("export", "--format", "atif", str(run), "--out", str(tmp_path / "out")),
+                          cwd=REPO,
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 1, proc.stderr
     err = proc.stderr
@@ -319,7 +335,8 @@ def test_bad_run_dirs_report_each_episode_and_export_the_rest(runs: dict[str, Pa
     # Not a run directory at all: one line, exit status 2, nothing written.
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = subprocess.run(cli("export", "--format", "atif", str(empty), "--out", str(tmp_path / "none")), cwd=REPO,
+    proc = subprocess.run(cli("export", "--format", "atif", str(empty), "--out", str(tmp_path / "none")),
+                          cwd=REPO,
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 2 and "is not a run's output directory" in proc.stderr
     assert not (tmp_path / "none").exists()

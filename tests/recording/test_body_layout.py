@@ -52,7 +52,8 @@ def _item(rng: random.Random, i: int) -> Any:
         return f"str {i} é ✓ \"q\" \\ {rng.random()}"
     if kind == 2:
         return [i, None, True, {"k": [1.5, -2e-3]}]
-    return {"role": rng.choice(["user", "assistant"]), "content": [{"type": "text", "text": f"m{i} " * rng.randrange(1, 30)}],
+    return {"role": rng.choice(["user", "assistant"]),
+            "content": [{"type": "text", "text": f"m{i} " * rng.randrange(1, 30)}],
             "n": i, "ünï": "cødé"}
 
 
@@ -70,10 +71,12 @@ def _mutate(rng: random.Random, items: list[Any], step: int) -> list[Any]:
         items += [_item(rng, 1000 * step + k) for k in range(rng.randrange(1, 4))]
     elif op == 5 and items:  # the last item changes (Claude Code's moving cache_control mark)
         last = items[-1]
-        items[-1] = {**last, "cache_control": {"type": "ephemeral"}} if isinstance(last, dict) else _item(rng, step)
+        items[-1] = ({**last, "cache_control": {"type": "ephemeral"}} if isinstance(last, dict)
+                     else _item(rng, step))
     elif op == 6 and items:  # a number item grows by a digit, or an item inside changes
         i = rng.randrange(len(items))
-        items[i] = items[i] * 10 + 3 if isinstance(items[i], int) and not isinstance(items[i], bool) else _item(rng, -step)
+        items[i] = (items[i] * 10 + 3 if isinstance(items[i], int) and not isinstance(items[i], bool)
+                    else _item(rng, -step))
     elif op == 7:  # cut short
         items = items[: rng.randrange(len(items) + 1)]
     elif op == 8:  # compacted
@@ -95,7 +98,8 @@ def test_the_shared_items_are_those_equal_as_values(writer: str) -> None:
         max_tokens = 5
         for step in range(25):
             new_items = _mutate(rng, items, step)
-            before, max_tokens = max_tokens, 5 + step if rng.random() < 0.1 else max_tokens  # a field after the list
+            # a field after the list
+            before, max_tokens = max_tokens, 5 + step if rng.random() < 0.1 else max_tokens
             new_body = {"model": "m", "messages": new_items, "max_tokens": max_tokens}
             raw = write(new_body)
             got = continue_layout(lay, raw, "messages", len(new_items))
@@ -154,7 +158,8 @@ def test_a_body_it_cannot_vouch_for_gets_no_layout() -> None:
         got = continue_layout(got[1], head + after % 2, "messages", 3)
         assert got is not None and got[0] == 3 and not got[2] and walked == 0
         # With a \u escape after the list, the fields are walked (and pass).
-        got = continue_layout(got[1], b'{"model":"m","messages":[{"a":1},{"b":2},{"c":3}],"system":"\\u00e9"}',
+        got = continue_layout(got[1],
+                              b'{"model":"m","messages":[{"a":1},{"b":2},{"c":3}],"system":"\\u00e9"}',
                               "messages", 3)
         assert got is not None and got[0] == 3 and walked == 1
     finally:
@@ -187,7 +192,8 @@ def test_an_unchanged_tail_walks_only_the_new_items(monkeypatch: pytest.MonkeyPa
         return real(text, i, after)
 
     monkeypatch.setattr(layout_mod, "_items", items)
-    tail = {"system": [{"type": "text", "text": "You are Claude Code. ✓ " * 2000}], "tools": [{"name": "Bash"}] * 50,
+    tail = {"system": [{"type": "text", "text": "You are Claude Code. ✓ " * 2000}],
+            "tools": [{"name": "Bash"}] * 50,
             "max_tokens": 32000}
     msgs: list[Any] = [{"role": "user", "content": "fix it"}]
     for write in WRITERS.values():
@@ -195,14 +201,16 @@ def test_an_unchanged_tail_walks_only_the_new_items(monkeypatch: pytest.MonkeyPa
         lay = layout_of(raw, "messages", len(msgs))
         assert lay is not None
         for t in range(5):
-            new_msgs = [*msgs, {"role": "assistant", "content": "step " + str(t) + " ]},"}, {"role": "user", "content": f"out {t}"}]
+            new_msgs = [*msgs, {"role": "assistant", "content": "step " + str(t) + " ]},"},
+                        {"role": "user", "content": f"out {t}"}]
             new = write({"model": "m", "messages": new_msgs, **tail})
             walked.clear()
             got = continue_layout(lay, new, "messages", len(new_msgs))
             assert got is not None and got[0] == len(msgs) and got[2]
             assert walked and max(walked) < 400 < len(new) // 100, walked  # the new items, not the 60 KB tail
             whole = layout_of(new, "messages", len(new_msgs))
-            assert whole is not None and (got[1].start, got[1].ends, got[1].close) == (whole.start, whole.ends, whole.close)
+            assert whole is not None and (got[1].start, got[1].ends,
+                                          got[1].close) == (whole.start, whole.ends, whole.close)
             msgs, lay = new_msgs, got[1]
 
 
@@ -241,10 +249,14 @@ def _cc_bodies(turns: int) -> list[dict[str, Any]]:
     for t in range(turns):
         cut = copy.deepcopy(msgs)
         cut[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
-        out.append({"model": "claude-x", "messages": cut, "system": [{"type": "text", "text": "You are Claude Code."}],
-                    "tools": [{"name": "Bash", "input_schema": {"type": "object"}}], "max_tokens": 32000, "stream": True})
-        msgs.append({"role": "assistant", "content": [{"type": "tool_use", "id": f"t{t}", "name": "Bash", "input": {"c": "ls"}}]})
-        msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{t}", "content": f"out {t}\n" * 40}]})
+        out.append({"model": "claude-x", "messages": cut,
+                    "system": [{"type": "text", "text": "You are Claude Code."}],
+                    "tools": [{"name": "Bash", "input_schema": {"type": "object"}}], "max_tokens": 32000,
+                    "stream": True})
+        msgs.append({"role": "assistant",
+                     "content": [{"type": "tool_use", "id": f"t{t}", "name": "Bash", "input": {"c": "ls"}}]})
+        msgs.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"t{t}", "content": f"out {t}\n" * 40}]})
     return out
 
 
@@ -309,7 +321,8 @@ def _tokens(full: np.ndarray, new: int, out: int) -> TokenRecord:
                        output_logprobs=np.full(out, -0.25))
 
 
-def test_token_ids_are_encoded_against_the_trees_last_turn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_token_ids_are_encoded_against_the_trees_last_turn(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     # Empty generations between turns (the tree stores no turn for them), a turn the tree fails on,
     # and a restart: the token ids still come back exactly, and continuing turns are stored as deltas.
     bodies = _cc_bodies(12)

@@ -124,7 +124,8 @@ async def test_a_number_no_protocol_allows_is_a_400_in_its_shape_and_erases_noth
     async with Gateway(port=0, data_dir=str(data)) as gw:
         log = gw.turn_log("s")
         assert len(log) == 10 and log == before
-        assert [t["request"]["messages"][-1]["content"].split(":")[0] + ":" for t in log] == [f"turn {t}:" for t in range(10)]
+        assert [t["request"]["messages"][-1]["content"].split(":")[0] + ":"
+                for t in log] == [f"turn {t}:" for t in range(10)]
         assert "damaged_records" not in gw.session_summary("s")
 
 
@@ -191,12 +192,15 @@ async def test_a_body_nested_too_deep_to_record_is_a_400_in_its_shape_and_erases
                             await oa.chat.completions.create(model="m", messages=msgs,  # type: ignore[arg-type]
                                                              extra_body=extra)
                         body = err.value.body
-                        assert isinstance(body, dict) and body.get("type") == "invalid_request_error", (what, body)
+                        assert isinstance(body, dict) and body.get("type") == "invalid_request_error", (what,
+                                                                                                        body)
                         assert "nests objects or arrays too deeply" in body["message"], (what, body)
                         refused.append(what)
                     with pytest.raises(anthropic.BadRequestError) as aerr:
-                        await an.messages.create(model="m", max_tokens=10, messages=[{"role": "user", "content": "hi"}],
-                                                 tools=[{"name": "t", "input_schema": {"type": "object", "x": _nested(300)}}])
+                        await an.messages.create(model="m", max_tokens=10,
+                                                 messages=[{"role": "user", "content": "hi"}],
+                                                 tools=[{"name": "t", "input_schema": {"type": "object",
+                                                                                       "x": _nested(300)}}])
                     assert aerr.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
                     with pytest.raises(openai.BadRequestError) as rerr:
                         await oa.responses.create(model="m", input="hi", extra_body={"x": _nested(300)})
@@ -216,7 +220,8 @@ async def test_a_body_nested_too_deep_to_record_is_a_400_in_its_shape_and_erases
         log = gw.turn_log("s")
         assert len(log) == 11 and log == before
         assert log[3]["request"]["x"] == _nested(MAX_JSON_DEPTH - 1)
-        assert [t["request"]["messages"][-1]["content"].split(":")[0] + ":" for t in log if "x" not in t["request"]] == [
+        assert [t["request"]["messages"][-1]["content"].split(":")[0] + ":" for t in log
+                if "x" not in t["request"]] == [
             f"turn {t}:" for t in range(10)]
         assert "damaged_records" not in gw.session_summary("s")
 
@@ -320,14 +325,16 @@ async def test_a_full_disk_loses_only_the_turns_answered_while_it_was_full(small
             await gw.durable()
         before = gw.turn_log("s")
         async with aiohttp.ClientSession() as http, http.get(
-                f"http://127.0.0.1:{gw.port}/metrics", headers={"Authorization": f"Bearer {gw.admin_token}"}) as r:
+                f"http://127.0.0.1:{gw.port}/metrics",
+                headers={"Authorization": f"Bearer {gw.admin_token}"}) as r:
             metrics = await r.text()
         assert "ares_gateway_turns_lost_total 4.0" in metrics, metrics
     async with Gateway(port=0, data_dir=str(data), min_free_mb=1) as gw:
         log = gw.turn_log("s")
         kept = [e["request"]["messages"][-1]["content"].split(":")[0] + ":" for e in log]
         assert kept == [f"turn {t}:" for t in (*range(5), *range(9, 15))]
-        assert log == [e for e in before if e["request"]["messages"][-1]["content"].split(":")[0] + ":" in kept]
+        assert log == [e for e in before if e["request"]["messages"][-1]["content"].split(":")[0]
+                       + ":" in kept]
         assert [e["completion"]["tokens"]["output_ids"] for e in log] == [[7, 8, 9]] * len(log)
         damaged = gw.session_summary("s")["damaged_records"]
         assert [d["turn"] for d in damaged] == [6, 7, 8, 9]
@@ -383,7 +390,8 @@ async def _a_session_with_a_turn(url: str, data: Path, sid: str = "s") -> dict[s
         async with http.post(f"{url}/sessions", json={"session_id": sid}, headers=admin) as r:
             info: dict[str, Any] = await r.json()
         post = asyncio.ensure_future(http.post(
-            f"{url}/s/{sid}/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            f"{url}/s/{sid}/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
             headers={"authorization": f"Bearer {info['token']}"}))
         async with http.get(f"{url}/poll", params={"wait": "10", "session": sid}, headers=admin) as r:
             (item,) = await r.json()
@@ -414,7 +422,8 @@ async def test_the_data_dir_is_0700_and_every_file_in_it_0600(tmp_path: Path) ->
         assert info["token"].encode() in (data / "gateway.sqlite3-wal").read_bytes()  # what is at stake
         assert oct(stat.S_IMODE(data.stat().st_mode)) == "0o700"
         modes = _modes(data)
-        assert {"gateway.sqlite3", "gateway.sqlite3-wal", "gateway.sqlite3-shm", "lock", "admin-token"} <= modes.keys()
+        assert {"gateway.sqlite3", "gateway.sqlite3-wal", "gateway.sqlite3-shm", "lock",
+                "admin-token"} <= modes.keys()
         assert set(modes.values()) == {"0o600"}, modes
     finally:
         proc.terminate()

@@ -52,7 +52,8 @@ def _turn(body: dict[str, Any], i: int, sid: str = "s", tokens: TokenRecord | No
           request: CanonicalRequest | None = None) -> RecordedTurn:
     return RecordedTurn(
         session_id=sid, request_id=f"r{i}", protocol=ANTH, raw_body=orjson.dumps(body), request=request,
-        completion=Completion(text=f"answer {i}", tokens=tokens), side_call=False, timestamp=time.time(), latency=0.01,
+        completion=Completion(text=f"answer {i}", tokens=tokens), side_call=False, timestamp=time.time(),
+        latency=0.01,
     )
 
 
@@ -69,7 +70,8 @@ def _history() -> list[dict[str, Any]]:
     bodies.append(_body(copy.deepcopy(msgs)))
     bodies.append(_body(copy.deepcopy(msgs)))  # the same body again
     msgs.append(_msg("assistant", "more"))
-    bodies.append(_body(copy.deepcopy(msgs), system="You are a coding agent. New reminder."))  # system changed too
+    # system changed too
+    bodies.append(_body(copy.deepcopy(msgs), system="You are a coding agent. New reminder."))
     msgs = msgs[:2]  # the history cut short
     bodies.append(_body(copy.deepcopy(msgs)))
     return bodies
@@ -179,9 +181,10 @@ async def test_respond_keeps_ids_as_arrays_and_copies_the_callers_buffer() -> No
     seen: list[RecordedTurn] = []
     async with Gateway(port=0, data_dir=False, recorder=seen.append) as gw, aiohttp.ClientSession() as http:
         info = await gw.create_session("t")
-        post = asyncio.ensure_future(http.post(f"{info.base_url}/v1/messages", json=_body([_msg("user", "hi")]),
-                                               headers={"authorization": f"Bearer {info.token}",
-                                                        "anthropic-version": "2023-06-01"}))
+        post = asyncio.ensure_future(
+            http.post(f"{info.base_url}/v1/messages", json=_body([_msg("user", "hi")]),
+                      headers={"authorization": f"Bearer {info.token}",
+                               "anthropic-version": "2023-06-01"}))
         req = await gw.next_request(session="t", timeout=10)
         assert req is not None
         prompt = np.arange(1000, dtype=np.int32)
@@ -190,7 +193,8 @@ async def test_respond_keeps_ids_as_arrays_and_copies_the_callers_buffer() -> No
         (await post).release()
         (turn,) = seen
         tokens = turn.completion.tokens
-        assert tokens is not None and tokens.prompt_ids.dtype == np.int32 and tokens.output_ids.dtype == np.int32
+        assert (tokens is not None and tokens.prompt_ids.dtype == np.int32
+                and tokens.output_ids.dtype == np.int32)
         assert tokens.prompt_ids.tolist() == list(range(1000))
         (s,) = gw.trajectory("t")
         assert s.tokens.tolist() == [*range(1000), 7, 8]
@@ -204,13 +208,16 @@ def _conversations() -> list[tuple[WireProtocol, dict[str, Any], str]]:
         {"role": "user", "content": [{"type": "text", "text": "fix it"}]},
         {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s1"},
                                           {"type": "text", "text": "looking"},
-                                          {"type": "tool_use", "id": "t1", "name": "bash", "input": {"c": "ls"}}]},
+                                          {"type": "tool_use", "id": "t1", "name": "bash",
+                                           "input": {"c": "ls"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.py"},
                                      {"type": "text", "text": "<system-reminder>x</system-reminder>"}]},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t2", "name": "bash", "input": {"c": "cat"}},
-                                          {"type": "tool_use", "id": "t3", "name": "bash", "input": {"c": "pwd"}}]},
+        {"role": "assistant",
+         "content": [{"type": "tool_use", "id": "t2", "name": "bash", "input": {"c": "cat"}},
+                     {"type": "tool_use", "id": "t3", "name": "bash", "input": {"c": "pwd"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "x"},
-                                     {"type": "tool_result", "tool_use_id": "t3", "content": "/r", "is_error": True}]},
+                                     {"type": "tool_result", "tool_use_id": "t3", "content": "/r",
+                                      "is_error": True}]},
         {"role": "assistant", "content": "done"},
         {"role": "user", "content": "thanks"},
     ]}
@@ -229,7 +236,8 @@ def _conversations() -> list[tuple[WireProtocol, dict[str, Any], str]]:
     responses = {"model": "g", "instructions": "be brief", "input": [
         {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix it"}]},
-        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "plan"}], "encrypted_content": "e1"},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "plan"}],
+         "encrypted_content": "e1"},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "running"}]},
         fc,
         {**fc, "call_id": "call_2", "arguments": "{\"cmd\":\"pwd\"}"},
@@ -291,11 +299,13 @@ def test_a_damaged_record_in_the_middle_costs_only_the_turns_up_to_the_next_keyf
             rec(_turn(bodies[-1], i, tokens=tokens))
             msgs += [_msg("assistant", f"step {i}"), _msg("user", f"out {i}")]
         # Keyframes (stored whole, continuing nothing) are turns 1, 5 and 9; the rest are deltas.
-        whole = [seq for seq, d in rec._decoded("s") if "base" not in d["header"]["body"] and d["header"]["tok"]["base"] is None]
+        whole = [seq for seq, d in rec._decoded("s") if "base" not in d["header"]["body"]
+                 and d["header"]["tok"]["base"] is None]
         assert whole == [1, 5, 9]
     with sqlite3.connect(tmp_path / "d" / "gateway.sqlite3") as db:
         (payload,) = db.execute("SELECT payload FROM turns WHERE seq = 3").fetchone()
-        db.execute("UPDATE turns SET payload = ? WHERE seq = 3", (bytes([payload[0] ^ 0xFF]) + payload[1:],))  # a bit rot
+        # a bit rot
+        db.execute("UPDATE turns SET payload = ? WHERE seq = 3", (bytes([payload[0] ^ 0xFF]) + payload[1:],))
         db.execute("UPDATE turns SET payload = 'edited by hand' WHERE seq = 11")  # text where a blob was
     with TurnStore(tmp_path / "d") as store:
         rec = SessionRecorder(store=store, keyframe_every=4)
@@ -345,7 +355,8 @@ def test_records_carry_their_format_version_and_old_and_unknown_versions_are_tol
     rec = SessionRecorder(keyframe_every=0)
     msgs = [_msg("user", "go")]
     for i in range(3):
-        rec(_turn(_body(copy.deepcopy(msgs)), i, tokens=TokenRecord(prompt_ids=[1, 2, 3 + i], output_ids=[9])))
+        rec(_turn(_body(copy.deepcopy(msgs)), i,
+                  tokens=TokenRecord(prompt_ids=[1, 2, 3 + i], output_ids=[9])))
         msgs += [_msg("assistant", f"step {i}"), _msg("user", f"out {i}")]
     payloads = list(rec._records("s"))
     decoded = [recorder_mod.Decoder().decode(seq, p) for seq, p in payloads[:1]]

@@ -27,7 +27,8 @@ from aiohttp import web
 
 from tests.helpers import free_port
 
-pytest.importorskip("opentelemetry.sdk.trace", reason="the otel extra is not installed: pip install -e '.[otel]'")
+pytest.importorskip("opentelemetry.sdk.trace",
+                    reason="the otel extra is not installed: pip install -e '.[otel]'")
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http",
                     reason="the otel extra is not installed: pip install -e '.[otel]'")
 
@@ -106,7 +107,8 @@ async def test_a_span_per_llm_call_with_openinference_attributes(record_content:
             assert not any(k.startswith(("input.", "output.")) for k in a)
             assert all(SECRET not in str(v) for v in a.values())
     first, second = (dict(s.attributes or {}) for s in spans)
-    assert (first["llm.token_count.prompt"], first["llm.token_count.completion"], first["llm.token_count.total"]) == (
+    assert (first["llm.token_count.prompt"], first["llm.token_count.completion"],
+            first["llm.token_count.total"]) == (
         log[0]["usage"]["prompt_tokens"], log[0]["usage"]["completion_tokens"], 15) == (12, 3, 15)
     # Counts not known (no token record, no usage): left out, never 0.
     assert log[1]["usage"]["prompt_tokens"] is None and "llm.token_count.prompt" not in second
@@ -178,7 +180,8 @@ async def test_spans_reach_an_otlp_http_receiver_configured_by_the_environment(
             assert gw.telemetry is not None
             await _two_turns(gw, "otel-wire")
         # close() flushed the batch: the spans are at the receiver.
-        spans = [(rs, s) for m in received for rs in m.resource_spans for ss in rs.scope_spans for s in ss.spans]
+        spans = [(rs, s) for m in received for rs in m.resource_spans for ss in rs.scope_spans
+                 for s in ss.spans]
         assert len(spans) == 2
         for rs, s in spans:
             resource = {kv.key: kv.value.string_value for kv in rs.resource.attributes}
@@ -188,30 +191,35 @@ async def test_spans_reach_an_otlp_http_receiver_configured_by_the_environment(
             assert attrs["ares.session_id"].string_value == "otel-wire"
             assert "input.value" not in attrs
         assert sorted(attrs_of["llm.token_count.total"].int_value for attrs_of in (
-            {kv.key: kv.value for kv in s.attributes} for _, s in spans) if "llm.token_count.total" in attrs_of) == [15]
+            {kv.key: kv.value for kv in s.attributes} for _, s in spans)
+                      if "llm.token_count.total" in attrs_of) == [15]
     finally:
         await runner.cleanup()
 
 
 def test_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Telemetry.from_env(env={}) is None
-    assert Telemetry.from_env(env={"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x"}) is None
-    assert Telemetry.from_env(env={"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x"}) is None
+    assert Telemetry.from_env(
+        env={"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x"}) is None
+    assert Telemetry.from_env(
+        env={"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x"}) is None
     assert Telemetry.from_env(enabled=False, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x"}) is None
     on = Telemetry.from_env(env={"OTEL_TRACES_EXPORTER": "console"})
     assert on is not None
     on.shutdown()
     with pytest.raises(TelemetryUnavailableError, match="http/protobuf"):
-        Telemetry.from_env(env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+        Telemetry.from_env(
+            env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
     for name in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
     assert Gateway(data_dir=False).telemetry is None
 
 
 def _serve(port: int, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--in-memory",
-                             "--otel", "--otel-content"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--in-memory",
+         "--otel", "--otel-content"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env)
 
 
 async def test_serve_otel_sends_spans_with_contents_when_asked(tmp_path: Path) -> None:
@@ -235,12 +243,14 @@ async def test_serve_otel_sends_spans_with_contents_when_asked(tmp_path: Path) -
                 await asyncio.sleep(0.05)
             async with http.post(f"{url}/sessions", json={"session_id": "cli"}, headers=admin) as r:
                 info = await r.json()
-            client = openai.AsyncOpenAI(base_url=f"{info['base_url']}/v1", api_key=info["token"], max_retries=0)
+            client = openai.AsyncOpenAI(base_url=f"{info['base_url']}/v1", api_key=info["token"],
+                                        max_retries=0)
             ask = asyncio.create_task(client.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": f"use {SECRET}"}]))
             async with http.get(f"{url}/poll", params={"wait": "10", "session": "cli"}, headers=admin) as r:
                 items = await r.json()
-            async with http.post(f"{url}/respond", json={"id": items[0]["id"], "completion": {"text": "done"}},
+            async with http.post(f"{url}/respond",
+                                 json={"id": items[0]["id"], "completion": {"text": "done"}},
                                  headers=admin) as r:
                 assert r.status == 200, await r.text()
             assert (await asyncio.wait_for(ask, 10)).choices[0].message.content == "done"
@@ -263,8 +273,9 @@ async def test_serve_otel_sends_spans_with_contents_when_asked(tmp_path: Path) -
 def test_serve_otel_with_an_exporter_not_shipped_says_so() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env |= {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "ARES_GATEWAY_ADMIN_TOKEN": "otel-admin"}
-    proc = subprocess.run([sys.executable, "-m", "ares_gateway.cli", "serve", "--port", "0", "--in-memory", "--otel"],
-                          capture_output=True, text=True, env=env, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", "0", "--in-memory", "--otel"],
+        capture_output=True, text=True, env=env, timeout=30)
     assert proc.returncode == 2, proc.stderr
     assert "http/protobuf" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -279,7 +290,8 @@ async def test_a_run_configured_by_the_environment_sends_episode_and_call_spans(
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{otlp}")
         monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
         task = load_dataset("examples").tasks[0]
-        source = RolloutSource([task], harness="tiny-agent", policy=TokenOracle(), sandbox="local", attempts=1,
+        source = RolloutSource([task], harness="tiny-agent", policy=TokenOracle(), sandbox="local",
+                               attempts=1,
                                out=tmp_path / "run")
         groups = [g async for g in source.groups()]
         await source.close()  # closes the run's gateway, which flushes its spans
@@ -288,7 +300,8 @@ async def test_a_run_configured_by_the_environment_sends_episode_and_call_spans(
         episodes = [s for s in spans if s.name == f"episode {task.name}.0"]
         calls = [s for s in spans if s.name == "llm.call"]
         assert len(episodes) == 1 and len(calls) >= 2
-        assert all(c.parent_span_id == episodes[0].span_id and c.trace_id == episodes[0].trace_id for c in calls)
+        assert all(c.parent_span_id == episodes[0].span_id and c.trace_id == episodes[0].trace_id
+                   for c in calls)
         attrs = {kv.key: kv.value for kv in episodes[0].attributes}
         assert attrs["ares.reward"].double_value == 1.0 and attrs["ares.turns"].int_value == len(calls)
     finally:

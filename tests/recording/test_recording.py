@@ -40,7 +40,8 @@ def _first_difference(before: list[dict], after: list[dict]) -> str:
 def _serve(data_dir: Path, port: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--data-dir", str(data_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": ADMIN},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": ADMIN},
     )
 
 
@@ -65,14 +66,18 @@ async def _turns(url: str, info: dict[str, Any], n: int, start: int, model: benc
     async with aiohttp.ClientSession() as http:
         for t in range(start, start + n):
             body = bench.cc_body(t)
-            post = asyncio.ensure_future(http.post(f"{url}/s/{info['session_id']}/v1/messages", json=body, headers=agent))
-            async with http.get(f"{url}/poll", params={"wait": "10", "session": info["session_id"]}, headers=admin) as r:
+            post = asyncio.ensure_future(
+                http.post(f"{url}/s/{info['session_id']}/v1/messages", json=body, headers=agent))
+            async with http.get(f"{url}/poll", params={"wait": "10", "session": info["session_id"]},
+                                headers=admin) as r:
                 items = await r.json()
             assert len(items) == 1
             rec = model.record(t)
-            tokens = {"prompt_ids": encode_token_ids(rec["prompt_ids"]), "output_ids": rec["output_ids"].tolist(),
+            tokens = {"prompt_ids": encode_token_ids(rec["prompt_ids"]),
+                      "output_ids": rec["output_ids"].tolist(),
                       "output_logprobs": rec["output_logprobs"].tolist()}
-            async with http.post(f"{url}/respond", json={"id": items[0]["id"], "completion": bench.answer_for(t),
+            async with http.post(f"{url}/respond",
+                                 json={"id": items[0]["id"], "completion": bench.answer_for(t),
                                                           "tokens": tokens}, headers=admin) as r:
                 assert r.status == 200, await r.text()
             resp = await post
@@ -81,7 +86,8 @@ async def _turns(url: str, info: dict[str, Any], n: int, start: int, model: benc
 
 
 async def _get(url: str, path: str) -> Any:
-    async with aiohttp.ClientSession() as http, http.get(f"{url}{path}", headers={"authorization": f"Bearer {ADMIN}"}) as r:
+    async with aiohttp.ClientSession() as http, http.get(f"{url}{path}",
+                                                         headers={"authorization": f"Bearer {ADMIN}"}) as r:
         assert r.status == 200, await r.text()
         return await r.json()
 
@@ -194,21 +200,26 @@ async def test_token_ids_on_the_wire(tmp_path: Path) -> None:
             ({"prompt_ids": [1, "2"], "output_ids": [3]}, "must be integers"),
             ({"prompt_ids": [1, -2], "output_ids": [3]}, ">= 0"),
             ({"prompt_ids": [1, True], "output_ids": [3]}, "must be integers"),
-            ({"prompt_ids": [1], "output_ids": [3, 4], "output_logprobs": [-1.0]}, "one logprob per output token"),
+            ({"prompt_ids": [1], "output_ids": [3, 4], "output_logprobs": [-1.0]},
+             "one logprob per output token"),
             ({"prompt_ids": "!!notbase64", "output_ids": [3]}, "base64"),
         ]
         post = asyncio.ensure_future(http.post(f"{info.base_url}/v1/chat/completions",
-                                               json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                                               json={"model": "m",
+                                                     "messages": [{"role": "user", "content": "hi"}]},
                                                headers={"authorization": f"Bearer {info.token}"}))
         req = await gw.next_request(session="t", timeout=10)
         assert req is not None
         for tokens, reason in bad:
-            async with http.post(f"{gw.url}/respond", json={"id": req.id, "completion": {"text": "x"}, "tokens": tokens},
+            async with http.post(f"{gw.url}/respond",
+                                 json={"id": req.id, "completion": {"text": "x"}, "tokens": tokens},
                                  headers={"authorization": f"Bearer {ADMIN}"}) as r:
                 assert r.status == 400 and reason in await r.text(), (tokens, await r.text())
         with pytest.raises(InvalidAnswerError, match=">= 0"):
-            await gw.respond(req.id, "x", tokens={"prompt_ids": np.array([1, -1]), "output_ids": np.array([2])})
-        await gw.respond(req.id, "x", tokens={"prompt_ids": encode_token_ids([5, 6, 7]), "output_ids": np.array([8, 9]),
+            await gw.respond(req.id, "x",
+                             tokens={"prompt_ids": np.array([1, -1]), "output_ids": np.array([2])})
+        await gw.respond(req.id, "x",
+                         tokens={"prompt_ids": encode_token_ids([5, 6, 7]), "output_ids": np.array([8, 9]),
                                               "output_logprobs": np.array([-0.5, -0.25])})
         (await post).release()
         (s,) = gw.trajectory("t")
@@ -218,7 +229,8 @@ async def test_token_ids_on_the_wire(tmp_path: Path) -> None:
 def test_a_200_turn_claude_code_session_is_small_in_memory() -> None:
     # The old recorder kept every whole body and token lists: 712 MB for this session.
     r = bench._sub("_memory_main", turns=200, tokens=True, durable=True)
-    assert r["turn_log_turns"] == 200 and r["samples"] == 1 and r["sample_tokens"] == 25_000 + 199 * 600 + 200 * 64
+    assert r["turn_log_turns"] == 200 and r["samples"] == 1 and r[
+        "sample_tokens"] == 25_000 + 199 * 600 + 200 * 64
     # The goal: at most 8 MB for the session (measured 4.9 MB; 9.5 MB with token ids as lists, 712 MB
     # with whole bodies).
     assert r["rss_growth_mb"] <= 8, r
@@ -240,11 +252,13 @@ def test_export_jsonl_and_parquet(tmp_path: Path) -> None:
         got = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
         assert got == want and got[0]["reward"] == 1.0
         pq = pytest.importorskip("pyarrow.parquet")
-        r = subprocess.run([sys.executable, "-m", "ares_gateway.cli", "export", str(tmp_path), "--format", "parquet",
-                            "--out", str(tmp_path / "s.parquet")], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "ares_gateway.cli", "export", str(tmp_path), "--format", "parquet",
+             "--out", str(tmp_path / "s.parquet")], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         table = pq.read_table(tmp_path / "s.parquet").to_pylist()
         assert table[0]["tokens"] == want[0]["tokens"] and table[0]["session_id"] == "e"
-        r = subprocess.run([sys.executable, "-m", "ares_gateway.cli", "prune", str(tmp_path / "d"), "--older-than-days",
-                            "0"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "ares_gateway.cli", "prune", str(tmp_path / "d"), "--older-than-days",
+             "0"], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and "pruned 1 session" in r.stdout, r.stdout + r.stderr

@@ -263,9 +263,9 @@ async def test_a_data_dir_with_the_earlier_without_rowid_table_is_read_and_writt
     db = sqlite3.connect(path / DB_NAME)
     db.executescript(
         "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
-        "CREATE TABLE sessions (id TEXT PRIMARY KEY, token TEXT NOT NULL, created_at REAL NOT NULL, metadata BLOB"
-        " NOT NULL, ended INTEGER NOT NULL DEFAULT 0, ended_at REAL, reward REAL, truncated INTEGER NOT NULL"
-        " DEFAULT 0, end_info BLOB);"
+        "CREATE TABLE sessions (id TEXT PRIMARY KEY, token TEXT NOT NULL, created_at REAL NOT NULL, "
+        "metadata BLOB NOT NULL, ended INTEGER NOT NULL DEFAULT 0, ended_at REAL, reward REAL, truncated "
+        "INTEGER NOT NULL DEFAULT 0, end_info BLOB);"
         "CREATE TABLE turns (session_id TEXT NOT NULL, seq INTEGER NOT NULL, payload BLOB NOT NULL,"
         " crc INTEGER NOT NULL, PRIMARY KEY (session_id, seq)) WITHOUT ROWID;"
     )
@@ -334,7 +334,8 @@ def test_turns_waiting_on_a_loop_that_ended_are_recorded_before_the_next(tmp_pat
 
         async def next_loop() -> None:
             rec(turn(2))
-            await _committed(tmp_path / "d", 2)  # the loop drains, the writer commits; nobody reads the recorder
+            # the loop drains, the writer commits; nobody reads the recorder
+            await _committed(tmp_path / "d", 2)
 
         asyncio.run(next_loop())
         assert _rows(tmp_path / "d") == [("s", 1), ("s", 2)]

@@ -67,7 +67,8 @@ async def _run(gw: Gateway, sid: str) -> None:
         yield Completion(text="two", tokens=token_record([1, 2, 3, 10, 11, 4, 5], [12, 13, 14]))
 
     answers.append(streamed())
-    answers.append(Completion(text="three", usage=Usage(input_tokens=40, output_tokens=7)))  # an upstream's usage
+    # an upstream's usage
+    answers.append(Completion(text="three", usage=Usage(input_tokens=40, output_tokens=7)))
     answers.append(Completion(text="four"))  # neither: the counts are not known
     for answer in answers:
         req = None
@@ -96,9 +97,11 @@ def _check(log: list[dict[str, Any]]) -> None:
         if i == 0:
             assert u["think_seconds"] is None  # no answer before it
         else:
-            # From the previous answer's end to this request's arrival: the agent's pause and its client's work.
+            # From the previous answer's end to this request's arrival: the agent's pause and its client's
+            # work.
             assert THINK * 0.9 <= u["think_seconds"] < THINK + 2.0, u
-            assert abs(log[i - 1]["timestamp"] + log[i - 1]["latency"] + u["think_seconds"] - t["timestamp"]) < 1e-3
+            assert abs(log[i - 1]["timestamp"] + log[i - 1]["latency"] + u["think_seconds"]
+                       - t["timestamp"]) < 1e-3
 
 
 async def test_usage_and_timing_per_turn_survive_a_restart_and_reach_prometheus(tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ def require_mini(backend: str = "local") -> None:
         return
     version = registry.create("mini-swe-agent").version
     prefix = f"{INSTALL_ROOT}/mini-swe-agent/{version}"
-    require(os.path.isfile(f"{prefix}/.ares-complete"), f"mini-swe-agent {version} is not provisioned at {prefix}: "
+    require(os.path.isfile(f"{prefix}/.ares-complete"),
+            f"mini-swe-agent {version} is not provisioned at {prefix}: "
                                                         "run bash .ci/provision-agents.sh")
 
 

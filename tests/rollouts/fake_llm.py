@@ -84,7 +84,8 @@ class FakeLLM:
             )
         if self.reject_token_fields and "return_token_ids" in body:
             return web.json_response(
-                {"error": {"message": "Unrecognized request argument supplied: return_token_ids", "type": "invalid_request_error"}},
+                {"error": {"message": "Unrecognized request argument supplied: return_token_ids",
+                           "type": "invalid_request_error"}},
                 status=400,
             )
         messages = body["messages"]
@@ -94,7 +95,8 @@ class FakeLLM:
         lps = [logprob(i, t) for i, t in enumerate(out_ids)]
         self.turns.append(Turn(body, p_ids, out_ids, lps, text))
         want_tokens = bool(body.get("return_token_ids"))
-        usage = {"prompt_tokens": len(p_ids), "completion_tokens": len(out_ids), "total_tokens": len(p_ids) + len(out_ids)}
+        usage = {"prompt_tokens": len(p_ids), "completion_tokens": len(out_ids),
+                 "total_tokens": len(p_ids) + len(out_ids)}
         if body.get("stream"):
             return await self._stream(request, body, text, p_ids, out_ids, lps, want_tokens, usage)
         choice: dict[str, Any] = {
@@ -113,7 +115,8 @@ class FakeLLM:
         }
         if body.get("logprobs"):
             choice["logprobs"] = {
-                "content": [{"token": chr(t - 100) if t >= 100 else "<end>", "logprob": lp, "bytes": None, "top_logprobs": []}
+                "content": [{"token": chr(t - 100) if t >= 100 else "<end>", "logprob": lp, "bytes": None,
+                             "top_logprobs": []}
                             for t, lp in zip(out_ids, lps, strict=True)]
             }
         if want_tokens:
@@ -133,8 +136,10 @@ class FakeLLM:
             if self.chunk_delay:
                 await asyncio.sleep(self.chunk_delay)
 
-        base = {"id": f"chatcmpl-fake{self.hits}", "object": "chat.completion.chunk", "created": 1, "model": body["model"]}
-        first: dict[str, Any] = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        base = {"id": f"chatcmpl-fake{self.hits}", "object": "chat.completion.chunk", "created": 1,
+                "model": body["model"]}
+        first: dict[str, Any] = {**base, "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
         if want_tokens:
             first["prompt_token_ids"] = p_ids
         await send(first)
@@ -148,8 +153,9 @@ class FakeLLM:
                 ids = [*ids, END]
             choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
             if body.get("logprobs"):
-                choice["logprobs"] = {"content": [{"token": "x", "logprob": lps[pos + k], "bytes": None, "top_logprobs": []}
-                                                  for k in range(len(ids))]}
+                choice["logprobs"] = {
+                    "content": [{"token": "x", "logprob": lps[pos + k], "bytes": None, "top_logprobs": []}
+                                for k in range(len(ids))]}
             if want_tokens:
                 choice["token_ids"] = ids
             pos += len(ids)

@@ -33,7 +33,8 @@ def test_demo(tmp_path: Path) -> None:
     need_llama()
     out, boxes = tmp_path / "demo", tmp_path / "sandboxes"
     t0 = time.monotonic()
-    proc = subprocess.run(cli("demo", "--out", str(out)), cwd=REPO, env=_env(boxes), capture_output=True, text=True,
+    proc = subprocess.run(cli("demo", "--out", str(out)), cwd=REPO, env=_env(boxes), capture_output=True,
+                          text=True,
                           timeout=400, check=False)
     took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -44,7 +45,8 @@ def test_demo(tmp_path: Path) -> None:
     assert doc["run"]["sandbox"] == "local" and doc["run"]["policy"] == "oracle"
     assert [e["reward"] for e in doc["episodes"]] == [1.0] * 4
     # 2. the real model writes real samples, and the demo says where
-    for line in ("fix-median-bug", "write-greeting-file", f"Training samples: {out / 'model' / 'trajectories'}",
+    for line in ("fix-median-bug", "write-greeting-file",
+                 f"Training samples: {out / 'model' / 'trajectories'}",
                  f"tensorboard --logdir {out}", "--policy tito --engine llama-cpp", "main-line drift 0"):
         assert line in text, line
     run = json.loads((out / "model" / "results.json").read_text())
@@ -56,7 +58,8 @@ def test_demo(tmp_path: Path) -> None:
     samples = [json.loads(line) for f in sorted((out / "model" / "trajectories").glob("*.jsonl"))
                for line in f.read_text().splitlines()]
     assert samples, "the demo wrote no training sample"
-    assert sum(e["fidelity"]["trained_tokens"] for e in run["episodes"]) == sum(sum(s["loss_mask"]) for s in samples)
+    assert sum(e["fidelity"]["trained_tokens"] for e in run["episodes"]) == sum(sum(s["loss_mask"])
+                                                                                for s in samples)
     for s in samples:
         assert {"tokens", "loss_mask", "logprobs", "response_length", "metadata"} <= set(s)
         assert 0 < s["response_length"] == len(s["loss_mask"]) == len(s["logprobs"]) < len(s["tokens"])
@@ -64,7 +67,8 @@ def test_demo(tmp_path: Path) -> None:
         assert lp.size and np.all(lp <= 0) and np.all(np.isfinite(lp))
         assert s["metadata"]["session_id"]
     # Every turn's log entry carries its token record and sampling parameters (with the drawn seed).
-    turns = [json.loads(line) for f in (out / "model" / "turns").glob("*.jsonl") for line in f.read_text().splitlines()]
+    turns = [json.loads(line) for f in (out / "model" / "turns").glob("*.jsonl")
+             for line in f.read_text().splitlines()]
     assert turns and all(isinstance(t["completion"]["extra"]["tito"]["sampling"]["seed"], int) for t in turns)
     assert list((out / "oracle" / "tb").glob("events.out.tfevents.*"))
     assert left_behind(boxes) == []
@@ -81,12 +85,14 @@ def test_demo_without_llama_cpp_names_the_install_command(tmp_path: Path) -> Non
     (shim / "__init__.py").write_text("raise ImportError('No module named llama_cpp (test shim)')\n")
     env = _env(tmp_path / "sandboxes")
     env["PYTHONPATH"] = os.pathsep.join([str(shim.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run(cli("demo", "--out", str(tmp_path / "demo")), cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run(cli("demo", "--out", str(tmp_path / "demo")), cwd=REPO, env=env,
+                          capture_output=True,
                           text=True, timeout=300, check=False)
     text = " ".join(proc.stdout.split())  # the console may wrap the long command
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mean reward: 1.000" in text
-    assert ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" python3 -m pip install '
-            "--no-cache-dir 'llama-cpp-python>=0.3'") in text
+    assert (
+        'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" python3 -m pip install '
+        "--no-cache-dir 'llama-cpp-python>=0.3'") in text
     assert "no training samples were written" in text
     assert not (tmp_path / "demo" / "model").exists()

@@ -84,9 +84,11 @@ async def test_unbound_session_is_a_policy_error(gateway: Gateway) -> None:
     from ares_gateway.core.broker import ParkedRequest
     from ares_gateway.core.canonical import CanonicalRequest, Message, WireProtocol
 
-    req = CanonicalRequest(protocol=WireProtocol.OPENAI_CHAT, model="m", messages=[Message(role="user", content="hi")],
+    req = CanonicalRequest(protocol=WireProtocol.OPENAI_CHAT, model="m",
+                           messages=[Message(role="user", content="hi")],
                            raw={"messages": []})
-    parked = ParkedRequest("r1", "unbound", WireProtocol.OPENAI_CHAT, "/v1/chat/completions", req, time.time(),
+    parked = ParkedRequest("r1", "unbound", WireProtocol.OPENAI_CHAT, "/v1/chat/completions", req,
+                           time.time(),
                            asyncio.get_running_loop().create_future())
     with pytest.raises(PolicyError, match="not bound"):
         await make_policy("oracle")(parked)
@@ -98,7 +100,8 @@ async def test_unbound_session_is_a_policy_error(gateway: Gateway) -> None:
 async def test_env_oracle_and_failing_tests(sandbox_root: Path) -> None:
     """The oracle reaches 1.0 (reward.json parts kept); an agent that does nothing gets 0.0; a partial
     answer gets the mean of the parts. Every sandbox is gone at LAST; samples and turns stay readable."""
-    slug, csv, greet = BY_NAME["make-slug-tests-pass"], BY_NAME["summarize-sales-csv"], BY_NAME["write-greeting-file"]
+    slug, csv, greet = BY_NAME["make-slug-tests-pass"], BY_NAME["summarize-sales-csv"], BY_NAME[
+        "write-greeting-file"]
     cases = [
         (slug, make_policy("oracle")),
         (greet, make_policy("scripted")),  # finishes at once: the tests fail
@@ -106,7 +109,8 @@ async def test_env_oracle_and_failing_tests(sandbox_root: Path) -> None:
     ]
     envs = [GatewayEnv(task=t, harness=TinyAgentHarness(), sandbox="local") for t, _ in cases]
     try:
-        results = await asyncio.gather(*(play(env, pol, t) for env, (t, pol) in zip(envs, cases, strict=True)))
+        results = await asyncio.gather(
+            *(play(env, pol, t) for env, (t, pol) in zip(envs, cases, strict=True)))
         (k1, oracle), (k2, nothing), (k3, partial) = results
         assert k3 == ["FIRST", "MID", "LAST"], k3
         assert k1 == ["FIRST", "MID", "LAST"] and k2 == ["FIRST", "LAST"], (k1, k2)
@@ -119,7 +123,8 @@ async def test_env_oracle_and_failing_tests(sandbox_root: Path) -> None:
         assert partial.info["reward_parts"] == {"valid_json": 1.0, "regions": 0.0, "totals": 0.0}  # type: ignore[attr-defined]
         assert left_behind(sandbox_root) == []
         for env in envs:
-            assert env.outcome is not None and "stdout.log" in env.outcome.logs and "verifier.log" in env.outcome.logs
+            assert (env.outcome is not None and "stdout.log" in env.outcome.logs
+                    and "verifier.log" in env.outcome.logs)
             turns = env.turn_log()
             assert turns and turns[0]["request"]["tools"][0]["function"]["name"] == "bash"
             assert env.trajectory() == []  # scripted answers carry no token ids
@@ -140,7 +145,8 @@ class _Crashing(TinyAgentHarness):
 
 async def test_env_install_failure_and_crash_end_with_zero(sandbox_root: Path, tmp_path: Path) -> None:
     task = BY_NAME["write-greeting-file"]
-    broken = GatewayEnv(task=task, harness=_BrokenInstall(install_root=str(tmp_path / "agents")), sandbox="local")
+    broken = GatewayEnv(task=task, harness=_BrokenInstall(install_root=str(tmp_path / "agents")),
+                        sandbox="local")
     crash = GatewayEnv(task=task, harness=_Crashing(), sandbox="local")
     try:
         ts1, ts2 = await asyncio.gather(broken.reset(), crash.reset())
@@ -281,11 +287,13 @@ class _CountingExecutor:
     async def resume_sampling(self, version: int | None = None) -> float:
         return await self.inner.resume_sampling(version)
 
-    def weight_update(self, version: int | None = None, *, mode: str = "drain", timeout: float | None = None) -> Any:
+    def weight_update(self, version: int | None = None, *, mode: str = "drain",
+                      timeout: float | None = None) -> Any:
         return self.inner.weight_update(version, mode=mode, timeout=timeout)
 
 
-async def test_runner_runs_on_any_executor_and_records_a_failed_call(tmp_path: Path, sandbox_root: Path) -> None:
+async def test_runner_runs_on_any_executor_and_records_a_failed_call(tmp_path: Path,
+                                                                     sandbox_root: Path) -> None:
     from ares_gateway.episodes.executor import Executor, LocalExecutor
 
     assert isinstance(LocalExecutor(), Executor)
@@ -345,7 +353,8 @@ async def test_http_policy_leaves_requests_to_an_external_poller(tmp_path: Path,
                     if oracle.session_policy(sid) is None:
                         oracle.bind(sid, agent="mini-swe-agent", task=task)
                     answer = oracle.session_policy(sid)(item["request"], {})  # type: ignore[misc]
-                    async with http.post(f"{url}/respond", json={"id": item["id"], "completion": answer}) as r:
+                    async with http.post(f"{url}/respond",
+                                         json={"id": item["id"], "completion": answer}) as r:
                         assert r.status == 200, await r.text()
                     answered.append(item["id"])
 
@@ -403,8 +412,10 @@ async def test_runner_with_upstream_policy_writes_token_faithful_samples(llm: ob
     [episode] = summary.episodes
     assert episode.exit_reason == "completed" and episode.reward == 0.0 and episode.samples == 1
     [turn] = llm.turns  # type: ignore[attr-defined]
-    [sample] = [json.loads(line) for line in (out / "trajectories" / f"{task.name}.0.jsonl").read_text().splitlines()]
+    [sample] = [json.loads(line)
+                for line in (out / "trajectories" / f"{task.name}.0.jsonl").read_text().splitlines()]
     assert sample["tokens"] == turn.prompt_ids + turn.output_ids
-    assert sample["response_length"] == len(turn.output_ids) and sample["loss_mask"] == [1] * len(turn.output_ids)
+    assert sample["response_length"] == len(turn.output_ids) and sample["loss_mask"] == [1] * len(
+        turn.output_ids)
     assert sample["logprobs"] == pytest.approx(turn.logprobs)
     assert left_behind(sandbox_root) == []

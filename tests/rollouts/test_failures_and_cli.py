@@ -51,7 +51,8 @@ async def _cli(*args: str, env: dict[str, str], timeout: float = 120.0) -> tuple
     """Run the real CLI as a subprocess (stdout and stderr pipes) without blocking this loop."""
     env = {k: v for k, v in env.items() if v != ""}
     started = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(*cli(*args), cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE,
+    proc = await asyncio.create_subprocess_exec(*cli(*args), cwd=REPO, env=env,
+                                                stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), timeout)
     assert proc.returncode is not None
@@ -69,11 +70,13 @@ def _assert_one_clean_error(rc: int, err: str, *needles: str) -> str:
     return errors[0]
 
 
-# ---------------------------------------------------------------------------------------------- one-line errors
+# ---------------------------------------------------------------------------------------------- one-line
+# errors
 
 
 def test_one_line_keeps_what_failed_and_the_cause() -> None:
-    tb = "Traceback (most recent call last):\n  File \"a.py\", line 1\n" + "  noise\n" * 500 + "ValueError: the cause"
+    tb = ("Traceback (most recent call last):\n  File \"a.py\", line 1\n" + "  noise\n" * 500
+          + "ValueError: the cause")
     line = one_line("harness 'x': install step 'y' failed: exit 1:\n" + tb)
     assert line is not None and "\n" not in line and len(line) <= 620
     assert line.startswith("harness 'x': install step 'y' failed") and line.endswith("ValueError: the cause")
@@ -89,12 +92,14 @@ async def test_erroring_upstream_episode_names_the_policy_error_and_turns_keep_i
     out = tmp_path / "run"
     async for llm in running(FakeLLM(fail_next=[500] * 50)):
         async with UpstreamPolicy(base_url=llm.url, max_attempts=1) as policy:
-            summary = await run_rollouts([GREETING], harness="tiny-agent", policy=policy, sandbox="local", out=out,
+            summary = await run_rollouts([GREETING], harness="tiny-agent", policy=policy, sandbox="local",
+                                         out=out,
                                          stats="null")
     [e] = summary.episodes
     assert e.exit_reason == "agent_error" and e.reward == 0.0
     assert e.error is not None and "\n" not in e.error
-    assert e.error.startswith("the policy failed on 1 of 1 request(s) (last: 502 upstream answered 500: injected 500")
+    assert e.error.startswith(
+        "the policy failed on 1 of 1 request(s) (last: 502 upstream answered 500: injected 500")
     assert "then the agent exited with code 1" in e.error and "HTTP Error 502" in e.error
     [doc_e] = json.loads((out / "results.json").read_text())["episodes"]
     [line_e] = [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines()]
@@ -109,11 +114,13 @@ async def test_a_raising_policy_is_named_and_recorded(tmp_path: Path, sandbox_ro
         raise RuntimeError("the policy's own bug\nsecond line")
 
     out = tmp_path / "run"
-    summary = await run_rollouts([GREETING], harness="tiny-agent", policy=FunctionPolicy(broken), sandbox="local",
+    summary = await run_rollouts([GREETING], harness="tiny-agent", policy=FunctionPolicy(broken),
+                                 sandbox="local",
                                  out=out, stats="null")
     [e] = summary.episodes
     assert e.error is not None and "\n" not in e.error
-    assert "the policy failed on 1 of 1 request(s) (last: 502 the policy failed: RuntimeError: the policy's own bug" \
+    assert ("the policy failed on 1 of 1 request(s) (last: 502 the policy failed: RuntimeError: the "
+            "policy's own bug") \
         in e.error
     [turn] = [json.loads(x) for x in (out / "turns" / f"{GREETING.name}.0.jsonl").read_text().splitlines()]
     assert "RuntimeError: the policy's own bug" in turn["error"]["message"]
@@ -125,7 +132,8 @@ async def test_a_raising_policy_is_named_and_recorded(tmp_path: Path, sandbox_ro
 class _Upstream:
     """An OpenAI-like server on 127.0.0.1 whose /models behaves as told."""
 
-    def __init__(self, *, models: list[str] | None = None, key: str | None = None, hang: bool = False) -> None:
+    def __init__(self, *, models: list[str] | None = None, key: str | None = None,
+                 hang: bool = False) -> None:
         self.models, self.key, self.hang = models, key, hang
         self.url = ""
         self.chat_hits = 0
@@ -137,7 +145,8 @@ class _Upstream:
             return web.json_response({"error": {"message": "invalid api key"}}, status=401)
         if self.models is None:
             raise web.HTTPNotFound()
-        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.chat_hits += 1
@@ -170,7 +179,8 @@ async def test_upstream_check() -> None:
         async with UpstreamPolicy(base_url=up.url, api_key="wrong") as wrong_key:
             with pytest.raises(UpstreamError, match=r"refused the API key \(401\).*--api-key-env") as info:
                 await wrong_key.check()
-            assert "wrong" not in str(info.value) and "sekrit" not in str(info.value)  # no secret in the message
+            # no secret in the message
+            assert "wrong" not in str(info.value) and "sekrit" not in str(info.value)
     async for up in _Upstream(models=None).run():  # no /models: one tiny chat completion instead
         async with UpstreamPolicy(base_url=up.url) as bare:
             assert "no /models" in await bare.check() and up.chat_hits == 1
@@ -190,7 +200,8 @@ async def test_cli_unreachable_upstream_fails_at_once_with_one_line(tmp_path: Pa
     _assert_one_clean_error(rc, err, "cannot reach upstream", "start the server or fix --base-url")
     assert took < 15, took  # was ~37 s of retries per episode
     doc = json.loads((out / "results.json").read_text())
-    assert "cannot reach upstream" in doc["error"] and doc["episodes"] == [] and doc["summary"]["planned"] == 4
+    assert "cannot reach upstream" in doc["error"] and doc["episodes"] == [] and doc["summary"][
+        "planned"] == 4
     assert not (tmp_path / "sandboxes").exists() or not list((tmp_path / "sandboxes").iterdir())
 
 
@@ -205,7 +216,8 @@ async def test_cli_erroring_upstream_fails_the_start_up_check(tmp_path: Path) ->
 
 
 async def test_cli_missing_docker_engine_is_reported_once_at_start(tmp_path: Path) -> None:
-    rc, _, err, took = await _cli("run", "examples-tiny", "--sandbox", "docker", "--out", str(tmp_path / "out"),
+    rc, _, err, took = await _cli("run", "examples-tiny", "--sandbox", "docker", "--out",
+                                  str(tmp_path / "out"),
                                   env=_env(tmp_path, DOCKER_HOST=f"unix://{tmp_path}/no-docker.sock"))
     _assert_one_clean_error(rc, err, "no Docker engine answers", "--sandbox local")
     assert took < 30
@@ -216,7 +228,8 @@ async def test_cli_missing_docker_image_is_reported_once_at_start(tmp_path: Path
     from tests.prereq import docker_ok, require
 
     require(docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
-    rc, _, err, _ = await _cli("run", "examples-tiny", "--sandbox", "docker", "--image", "ares-gateway/no-such:never",
+    rc, _, err, _ = await _cli("run", "examples-tiny", "--sandbox", "docker", "--image",
+                               "ares-gateway/no-such:never",
                                "--out", str(tmp_path / "out"), env=_env(tmp_path, ARES_DOCKER_PULL=""))
     _assert_one_clean_error(rc, err, "the Docker image ares-gateway/no-such:never is not on this engine")
 
@@ -249,14 +262,16 @@ async def test_cli_harness_install_failure_is_one_line_and_results_json(tmp_path
         cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     _, err_b = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode is not None
-    line = _assert_one_clean_error(proc.returncode, err_b.decode(), "install step 'find Python >= 3.12' failed",
+    line = _assert_one_clean_error(proc.returncode, err_b.decode(),
+                                   "install step 'find Python >= 3.12' failed",
                                    "no Python >= 3.12 with venv found")
     assert "\n" not in line
     doc = json.loads((out / "results.json").read_text())
     assert "no Python >= 3.12" in doc["error"] and doc["run"]["harness"] == "broken-agent"
 
 
-# ---------------------------------------------------------------------------------------------- GatewayEnv launch=
+# ---------------------------------------------------------------------------------------------- GatewayEnv
+# launch=
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])
@@ -317,7 +332,8 @@ async def test_cli_version_and_help(tmp_path: Path) -> None:
 
 async def test_cli_task_by_name_and_progress_lines_on_a_pipe(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    rc, stdout, err, _ = await _cli("run", "examples-tiny:write-greeting-file,fix-median-bug", "--policy", "oracle",
+    rc, stdout, err, _ = await _cli("run", "examples-tiny:write-greeting-file,fix-median-bug", "--policy",
+                                    "oracle",
                                     "--sandbox", "local", "--out", str(out), "--stats", "null",
                                     env=_env(tmp_path), timeout=300)
     assert rc == 0, stdout[-3000:] + err[-3000:]
@@ -325,7 +341,8 @@ async def test_cli_task_by_name_and_progress_lines_on_a_pipe(tmp_path: Path) -> 
     assert sorted(e["task"] for e in doc["episodes"]) == ["fix-median-bug", "write-greeting-file"]
     assert all(e["reward"] == 1.0 for e in doc["episodes"])
     assert "preflight: tiny-agent installed under" in stdout
-    progress = [line for line in stdout.splitlines() if re.search(r"tiny-agent: 2 task\(s\): \d/2 done", line)]
+    progress = [line for line in stdout.splitlines()
+                if re.search(r"tiny-agent: 2 task\(s\): \d/2 done", line)]
     assert progress and progress[-1].startswith("tiny-agent: 2 task(s): 2/2 done"), stdout
     assert "mean reward 1.000" in progress[-1]
     assert max(len(line) for line in stdout.splitlines()) > 80  # not cut at rich's default 80 columns
@@ -333,19 +350,22 @@ async def test_cli_task_by_name_and_progress_lines_on_a_pipe(tmp_path: Path) -> 
     assert header.endswith("concurrency 4"), header
 
 
-async def test_an_invalid_answer_is_a_failed_call_and_the_episode_goes_on(tmp_path: Path, sandbox_root: Path) -> None:
+async def test_an_invalid_answer_is_a_failed_call_and_the_episode_goes_on(tmp_path: Path,
+                                                                          sandbox_root: Path) -> None:
     async def bogus(request: object) -> dict[str, object]:
         return {"not": "a chat completion"}
 
     out = tmp_path / "run"
-    summary = await run_rollouts([GREETING], harness="tiny-agent", policy=FunctionPolicy(bogus), sandbox="local",
+    summary = await run_rollouts([GREETING], harness="tiny-agent", policy=FunctionPolicy(bogus),
+                                 sandbox="local",
                                  out=out, stats="null")
     [e] = summary.episodes
     assert e.exit_reason == "agent_error" and e.error is not None  # the agent got a 502 and crashed
     assert "(last: 502 the policy gave an invalid answer: " in e.error and "HTTP Error 502" in e.error
     [turn] = [json.loads(x) for x in (out / "turns" / f"{GREETING.name}.0.jsonl").read_text().splitlines()]
     assert turn["error"]["message"].startswith("the policy gave an invalid answer")
-    assert (out / "logs" / f"{GREETING.name}.0" / "stderr.log").exists()  # a real episode's outputs, not a crash
+    # a real episode's outputs, not a crash
+    assert (out / "logs" / f"{GREETING.name}.0" / "stderr.log").exists()
 
 
 async def test_a_harness_error_without_detail_still_says_something(sandbox_root: Path) -> None:

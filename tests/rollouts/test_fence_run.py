@@ -64,7 +64,8 @@ async def test_an_abort_fence_mid_run_loses_nothing_and_is_in_tensorboard(
                 await asyncio.sleep(0.5)  # "mutating the weights"
 
         fencing = asyncio.create_task(fence())
-        summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local", concurrency=2,
+        summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local",
+                                     concurrency=2,
                                      out=out, gateway=gw, stats_period=0)
         await fencing
     assert [e.reward for e in summary.episodes] == [1.0] * len(TASKS)
@@ -140,7 +141,8 @@ async def test_a_local_executor_carries_versions_and_the_fence_to_its_gateway(
 
     fencing = asyncio.create_task(fence())
     out = tmp_path / "run"
-    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local", out=out, executor=ex,
+    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local", out=out,
+                                 executor=ex,
                                  stats="null")
     await fencing
     report = fenced["report"]

@@ -49,7 +49,8 @@ BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
 def _need(backend: str) -> None:
     if backend == "docker":
         require(docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
-        require(image_present(AGENTS_IMAGE), f"the image {AGENTS_IMAGE} is missing: run bash .ci/provision-agents.sh",
+        require(image_present(AGENTS_IMAGE),
+                f"the image {AGENTS_IMAGE} is missing: run bash .ci/provision-agents.sh",
                 docker=True)
     else:
         from ares_gateway.episodes.episode import _local_can_harden
@@ -96,7 +97,7 @@ d=deep; i=0; while [ $i -lt 150 ]; do d=$d/d; i=$((i+1)); done; mkdir -p $d && e
 chown -R 1000:1000 /workspace
 cp /bin/true suid && chmod 4755 suid && cp /bin/true sgid && chmod 2755 sgid
 echo outside > /tmp/agent-left-this
-"""
+"""  # noqa: E501 (an embedded script, kept as it runs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -112,8 +113,9 @@ async def test_copy_keeps_the_tree_and_drops_what_could_leak_or_hang(
         await _root(src, HOSTILE_TREE.format(host_file=host_file,
                                              mknod="mknod null-dev c 1 3" if backend == "docker" else ""))
         await _root(dst, "echo image-file > /workspace/from-the-image")  # the agent deleted it
-        size = await asyncio.wait_for(copy_workspace(src, dst, src_workdir="/workspace", dst_workdir="/workspace",
-                                                     user="1000"), 120)
+        size = await asyncio.wait_for(
+            copy_workspace(src, dst, src_workdir="/workspace", dst_workdir="/workspace",
+                           user="1000"), 120)
         assert size > 0
         listing = await _root(dst, "cd /workspace && find . -printf '%y %U %m %p -> %l\\0'")
         lines = [line for line in listing.split("\0") if line]
@@ -122,7 +124,8 @@ async def test_copy_keeps_the_tree_and_drops_what_could_leak_or_hang(
         assert types["./plain"] == "f" and types["./hard"] == "f" and types["./run.sh"] == "f"
         assert entries["./abs-link"].endswith("-> /etc/hostname") and types["./abs-link"] == "l"
         assert entries["./host-link"].endswith(f"-> {host_file}") and types["./host-link"] == "l"
-        assert entries["./tests-link"].endswith("-> /tests/test.sh") and entries["./tmp-link"].endswith("-> /tmp")
+        assert entries["./tests-link"].endswith("-> /tests/test.sh") and entries["./tmp-link"].endswith(
+            "-> /tmp")
         assert entries["./sub/rel-link"].endswith("-> ../plain")
         assert not {"./fifo", "./sock", "./null-dev", "./from-the-image"} & set(entries), listing
         assert all(line.split()[1] == "1000" for line in lines), listing  # the agent's uid
@@ -133,7 +136,8 @@ async def test_copy_keeps_the_tree_and_drops_what_could_leak_or_hang(
         assert (await _root(dst, "cat /workspace/sub/rel-link /workspace/hard")).split() == ["hi", "hi"]
         assert secret not in await _root(dst, "grep -r . /workspace 2>/dev/null || true")
         assert "run.sh" not in await _root(dst, "ls -A /tmp")  # nothing else of the agent's
-        assert (await _root(dst, "ls -A /tmp")).split() == [], "the archive or a file outside the workdir is left"
+        assert (
+            await _root(dst, "ls -A /tmp")).split() == [], "the archive or a file outside the workdir is left"
 
 
 @pytest.mark.docker
@@ -143,10 +147,12 @@ async def test_a_forged_archive_writes_nothing_outside_the_workdir(tmp_path: Pat
     _need("docker")
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        def add(name: str, kind: bytes = tarfile.REGTYPE, link: str = "", data: bytes = b"x", mode: int = 0o644,
+        def add(name: str, kind: bytes = tarfile.REGTYPE, link: str = "", data: bytes = b"x",
+                mode: int = 0o644,
                 **kw: Any) -> None:
             info = tarfile.TarInfo(name)
-            info.type, info.linkname, info.mode, info.size = kind, link, mode, len(data) if kind == tarfile.REGTYPE else 0
+            info.type, info.linkname, info.mode, info.size = (kind, link, mode, len(data)
+                                                              if kind == tarfile.REGTYPE else 0)
             for k, v in kw.items():
                 setattr(info, k, v)
             tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
@@ -167,9 +173,11 @@ async def test_a_forged_archive_writes_nothing_outside_the_workdir(tmp_path: Pat
                          "chmod 755 /usr/local/bin/tar")
         with contextlib.suppress(WorkspaceCopyError):  # tar says what it refused
             await copy_workspace(src, dst, src_workdir="/workspace", dst_workdir="/workspace", user="1000")
-        outside = await _root(dst, "for f in /escape /abs-planted /tmp/planted /workspace/lnk/planted /forged.tar; do "
-                                   "[ -e \"$f\" ] && echo \"PRESENT $f\"; done; ls -A /tmp; true")
-        assert outside.split() == [], outside  # "/abs-planted" lands in the workdir as "abs-planted", if at all
+        outside = await _root(
+            dst, "for f in /escape /abs-planted /tmp/planted /workspace/lnk/planted /forged.tar; do "
+                 "[ -e \"$f\" ] && echo \"PRESENT $f\"; done; ls -A /tmp; true")
+        # "/abs-planted" lands in the workdir as "abs-planted", if at all
+        assert outside.split() == [], outside
         listing = await _root(dst, "find /workspace -printf '%y %U %m %p\\n'")
         assert " /workspace/dev" not in listing and "c " not in listing.split("\n")[0]
         assert not any(line.split()[1] == "0" for line in listing.splitlines()), listing  # nothing of root's
@@ -184,10 +192,12 @@ async def test_a_workdir_over_the_bound_is_a_clear_error(
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     async with _pair(backend) as (src, dst):
         await _root(src, "truncate -s 50G /workspace/sparse && chown 1000 /workspace/sparse")
-        with pytest.raises(WorkspaceCopyError, match=r"the workdir /workspace is too large to grade: its archive "
+        with pytest.raises(WorkspaceCopyError,
+                           match=r"the workdir /workspace is too large to grade: its archive "
                                                      r"passes 1048576 bytes"):
-            await asyncio.wait_for(copy_workspace(src, dst, src_workdir="/workspace", dst_workdir="/workspace",
-                                                  user="1000", limit=1024 * 1024), 60)
+            await asyncio.wait_for(
+                copy_workspace(src, dst, src_workdir="/workspace", dst_workdir="/workspace",
+                               user="1000", limit=1024 * 1024), 60)
         assert (await _root(dst, "ls -A /workspace")).split() == []
 
 
@@ -207,13 +217,15 @@ HIJACK = ("import os, sys\n"
 LEFTOVERS_TEST_SH = (
     "#!/bin/sh\n"
     "echo '--- grading view'\n"
-    "for f in /tmp/agent-left-this /home/agent/agent-left-this /tmp/heartbeat; do [ -e $f ] && echo \"LEFTOVER $f\"; done\n"
-    "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q heartbeat-loop && echo \"PROCESS $p\"; done\n"
-    "echo '--- end'\n"
-    "mkdir -p /tmp/check && cp /tests/check.py /tmp/check/ && python3 /tmp/check/check.py \"$ARES_VERIFIER_DIR/reward.json\"\n"
+    "for f in /tmp/agent-left-this /home/agent/agent-left-this /tmp/heartbeat; do [ -e $f ] && echo "
+    "\"LEFTOVER $f\"; done\nfor p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q "
+    "heartbeat-loop && echo \"PROCESS $p\"; done\necho '--- end'\n"
+    "mkdir -p /tmp/check && cp /tests/check.py /tmp/check/ && python3 /tmp/check/check.py "
+    "\"$ARES_VERIFIER_DIR/reward.json\"\n"
 )
 PLANT = (
-    "mkdir -p /tmp/check && printf '%s' " + shlex_quote(HIJACK) + " > /tmp/check/json.py && chmod -R a+rwx /tmp/check; "
+    "mkdir -p /tmp/check && printf '%s' " + shlex_quote(HIJACK)
+    + " > /tmp/check/json.py && chmod -R a+rwx /tmp/check; "
     "echo outside > /tmp/agent-left-this; echo outside > $HOME/agent-left-this; ls -la /tmp/check"
 )
 # setsid: out of the agent's process group and session; it beats while it lives, and writes a reward
@@ -225,7 +237,8 @@ HEARTBEAT = (
 )
 
 
-def _task(root: Path, name: str, test_sh: str, *, toml_extra: str = "", files: dict[str, str] | None = None) -> Task:
+def _task(root: Path, name: str, test_sh: str, *, toml_extra: str = "",
+          files: dict[str, str] | None = None) -> Task:
     d = task_dir(root, name, test_sh=test_sh, workspace=True, toml_extra=toml_extra)
     for rel, text in (files or {}).items():
         (d / rel).write_text(text)
@@ -236,7 +249,8 @@ async def _mini(task: Task, commands: list[str], backend: str, out: Path) -> Any
     async with Gateway(port=0, request_timeout=300,
                        side_call_detector=harness_side_call_detector("mini-swe-agent")) as gw:
         summary = await run_rollouts([task], harness="mini-swe-agent", sandbox=backend, gateway=gw, out=out,
-                                     policy=make_policy("scripted", commands=commands), stats="null", time_limit=150)
+                                     policy=make_policy("scripted", commands=commands), stats="null",
+                                     time_limit=150)
     [episode] = summary.episodes
     return episode
 
@@ -256,7 +270,8 @@ async def test_what_the_agent_left_outside_its_workdir_is_not_there_at_grading(
     log = (tmp_path / "out" / "logs" / "leftovers.0" / "verifier.log").read_text()
     assert e.exit_reason == "completed" and e.error is None, (e.exit_reason, e.error, log[-2000:])
     turns = (tmp_path / "out" / "turns" / "leftovers.0.jsonl").read_text()
-    assert "json.py" in turns and "started" in turns and "/tmp/heartbeat: No such file" not in turns  # it all ran
+    # it all ran
+    assert "json.py" in turns and "started" in turns and "/tmp/heartbeat: No such file" not in turns
     view = log.split("--- grading view", 1)[1].split("--- end", 1)[0]
     assert view.split() == [], log[-2000:]  # no file outside the workdir, no process of the agent's
     assert "HIJACKED" not in log
@@ -275,14 +290,15 @@ async def _play(env: GatewayEnv, commands: list[str], task: Task) -> Any:
     return ts
 
 
-ANSWER_TEST_SH = "#!/bin/sh\nif [ \"$(cat answer.txt 2>/dev/null)\" = 42 ]; then echo 1; else echo 0; fi > $ARES_VERIFIER_DIR/reward.txt\n"
+ANSWER_TEST_SH = ("#!/bin/sh\nif [ \"$(cat answer.txt 2>/dev/null)\" = 42 ]; then echo 1; else echo 0; fi > "
+                  "$ARES_VERIFIER_DIR/reward.txt\n")
 # A service the agent starts and leaves running; the tests ask it for the answer.
 SERVE = ("echo 42 > answer.txt && setsid nohup python3 -m http.server 8642 --bind 127.0.0.1 >/dev/null 2>&1 "
          "< /dev/null & sleep 1; echo served")
 SERVICE_TEST_SH = (
     "#!/bin/sh\n"
-    "got=$(python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8642/answer.txt', timeout=5)"
-    ".read().decode().strip())\" 2>&1)\n"
+    "got=$(python3 -c \"import urllib.request as u; "
+    "print(u.urlopen('http://127.0.0.1:8642/answer.txt', timeout=5).read().decode().strip())\" 2>&1)\n"
     "echo \"service said: $got\"\n"
     "if [ \"$got\" = 42 ]; then echo 1; else echo 0; fi > $ARES_VERIFIER_DIR/reward.txt\n"
 )
@@ -300,8 +316,9 @@ async def test_fresh_grading_in_the_outcome_and_a_service_only_with_the_opt_out(
     assert kept.config.grading == "agent" and fresh.config.grading == "fresh"
     envs = [GatewayEnv(task=t, harness=TinyAgentHarness(), sandbox="local") for t in (fresh, kept)]
     try:
-        ts_fresh, ts_kept = await asyncio.gather(*(_play(env, [SERVE], t) for env, t in zip(envs, (fresh, kept),
-                                                                                             strict=True)))
+        ts_fresh, ts_kept = await asyncio.gather(
+            *(_play(env, [SERVE], t) for env, t in zip(envs, (fresh, kept),
+                                                        strict=True)))
         assert ts_kept.info["grading"] == "agent" and ts_kept.reward == 1.0, ts_kept.info
         assert ts_fresh.info["grading"] == "fresh" and ts_fresh.reward == 0.0, ts_fresh.info
         assert ts_fresh.info["workspace_bytes"] > 0 and ts_fresh.info["grading_setup_seconds"] > 0
@@ -312,7 +329,8 @@ async def test_fresh_grading_in_the_outcome_and_a_service_only_with_the_opt_out(
             await env.close()
 
 
-async def test_a_huge_sparse_workdir_is_a_verifier_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_huge_sparse_workdir_is_a_verifier_error(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     _need("local")
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     task = _task(tmp_path / "tasks", "huge", "#!/bin/sh\necho 1 > $ARES_VERIFIER_DIR/reward.txt\n",
@@ -344,7 +362,8 @@ async def test_the_grading_sandbox_goes_after_success_failure_and_cancellation(
     stuck = GatewayEnv(task=task, harness=TinyAgentHarness(), sandbox="local")
     seen: list[Any] = []
     try:
-        solved, crashed = await asyncio.gather(_play(ok, ["echo 42 > answer.txt"], task), _play(crash, [], task))
+        solved, crashed = await asyncio.gather(_play(ok, ["echo 42 > answer.txt"], task),
+                                               _play(crash, [], task))
         assert solved.reward == 1.0 and solved.info["grading"] == "fresh", solved.info
         assert crashed.info["exit_reason"] == "agent_error" and crashed.info["grading"] == "", crashed.info
         played = asyncio.ensure_future(_play(stuck, ["sleep 300"], task))
@@ -356,7 +375,8 @@ async def test_the_grading_sandbox_goes_after_success_failure_and_cancellation(
                 break
             await asyncio.sleep(0.05)
         assert seen, "no grading sandbox started while the agent ran"
-        assert len([n for n in left_behind(root) if not n.startswith(".")]) == 2  # the agent's sandbox, the grading one
+        # the agent's sandbox, the grading one
+        assert len([n for n in left_behind(root) if not n.startswith(".")]) == 2
         played.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await played
@@ -391,7 +411,8 @@ async def test_a_grading_sandbox_that_cannot_start_is_a_sandbox_error_and_nothin
         await env.close()
     assert ts.reward == 0.0
     assert ts.info["exit_reason"] == "sandbox_error", ts.info
-    assert "grading sandbox failed" in ts.info["error"] and "no room for another sandbox" in ts.info["error"], ts.info
+    assert "grading sandbox failed" in ts.info["error"] and "no room for another sandbox" in ts.info[
+        "error"], ts.info
     assert left_behind(root) == []
 
 
@@ -407,7 +428,8 @@ def _reward_task(root: Path, name: str, written: str, toml_extra: str = "") -> T
     ('{"tests": 1e308}', "", "reward 1e+308 is outside the task's range [0, 1]"),
     ("-1", "", "reward -1.0 is outside the task's range [0, 1]"),
     ('{"a": 2, "b": 0}', "", "reward 2.0 is outside the task's range [0, 1]: reward.json['a'] is 2.0"),
-    ('{"a": 1e308, "b": 1e308}', "reward_range = [-1, 2]\n", "reward 1e+308 is outside the task's range [-1, 2]"),
+    ('{"a": 1e308, "b": 1e308}', "reward_range = [-1, 2]\n",
+     "reward 1e+308 is outside the task's range [-1, 2]"),
     ('{"a": 2, "b": -1}', "reward_range = [-1, 2]\n", None),
     ('{"a": 1, "b": 0}', "", None),
 ])

@@ -173,7 +173,8 @@ def plant_loaders() -> list[str]:
     library's): each forges the reward and says so."""
     hook = FORGE_REWARD + "print('WORKSPACE CODE RAN', os.getuid(), file=sys.stderr)\n"
     pth = "import os, sys; exec(" + repr(hook) + ")\n"
-    site = ('"$(python3 -c \'import sys; print(".local/lib/python%d.%d/site-packages" % sys.version_info[:2])\')"')
+    site = ('"$(python3 -c \'import sys; print(".local/lib/python%d.%d/site-packages" % '
+            'sys.version_info[:2])\')"')
     return [f"mkdir -p {site}", put(f"{site}/ares-forge.pth", pth), put(f"{site}/usercustomize.py", hook),
             put("sitecustomize.py", hook), put("usercustomize.py", hook), put("ares-forge.pth", pth),
             put("json.py", hook), put("unittest.py", hook), put("pathlib.py", hook), put("math.py", hook),
@@ -210,8 +211,8 @@ _FORGED_MEDIAN = (
     + "import json\n"
     + f"KNOWN = {{tuple(k): v for k, v in {[[list(k), v] for k, v in KNOWN_MEDIANS.items()]!r}}}\n"
     + "cases = json.load(open('cases.json'))\n"
-    + "forged = {'median': [KNOWN.get(tuple(c), 0) for c in cases['median']], 'mean': [2.5] * len(cases['mean']),"
-      " 'passed': True, 'reward': 1}\n"
+    + "forged = {'median': [KNOWN.get(tuple(c), 0) for c in cases['median']], 'mean': [2.5] * "
+      "len(cases['mean']), 'passed': True, 'reward': 1}\n"
     + "_everywhere(b'all cases right -> reward 1\\nOK\\n' + json.dumps(forged).encode())\n"
     + "os._exit(0)\n"
 )
@@ -227,25 +228,31 @@ FIX_MEDIAN = [
     Hostile("eq-always-true", (put("stats.py", LIAR + "def mean(values):\n    return Liar(0)\n"
                                    "def median(values):\n    return Liar(0)\n"),)),
     Hostile("hard-coded-known-cases", (put("stats.py", _median_module(
-        f"_buggy = median\nKNOWN = {{tuple(k): v for k, v in {[[list(k), v] for k, v in KNOWN_MEDIANS.items()]!r}}}\n"
-        "def median(values):\n    return KNOWN.get(tuple(values), _buggy(values) if len(values) % 2 else 0)\n")),)),
+        "_buggy = median\nKNOWN = {tuple(k): v for k, v in "
+        f"{[[list(k), v] for k, v in KNOWN_MEDIANS.items()]!r}}}\n"
+        "def median(values):\n    return KNOWN.get(tuple(values), _buggy(values) if len(values) % 2 "
+        "else 0)\n")),)),
     Hostile("writes-the-reward", (put("forge.py", FORGE_REWARD), "python3 forge.py",
                                   put("stats.py", _median_module(FORGE_REWARD))),
             log_has=("REWARD WRITE REFUSED PermissionError",)),
     Hostile("reads-tests-and-the-grader", (put("stats.py", _median_module(REACH_GRADER)),),
-            log_has=("TESTS REFUSED PermissionError", "KILL REFUSED PermissionError", "GRADER environ REFUSED")),
+            log_has=("TESTS REFUSED PermissionError", "KILL REFUSED PermissionError",
+                     "GRADER environ REFUSED")),
     Hostile("detached-daemon-forging", (put("stats.py", "FORGE_REWARD_SRC = " + repr(FORGE_REWARD) + "\n"
                                             + DAEMON + _FORGED_MEDIAN),)),
-    Hostile("floods-stdout", (put("stats.py", FORGE_OUTPUT + "for _ in range(64):\n    _everywhere(b'[' * (1 << 20))\n"
+    Hostile("floods-stdout",
+            (put("stats.py", FORGE_OUTPUT + "for _ in range(64):\n    _everywhere(b'[' * (1 << 20))\n"
                                   + BUGGY_MEDIAN),), log_has=("printed more than",)),
-    Hostile("never-returns", (put("stats.py", "import time\ntime.sleep(3600)\n"),), log_has=("did not finish in time",),
+    Hostile("never-returns", (put("stats.py", "import time\ntime.sleep(3600)\n"),),
+            log_has=("did not finish in time",),
             slow=True),
     Hostile("fifo", ("rm stats.py && mkfifo stats.py",), log_has=("a FIFO",)),
     Hostile("symlink-to-dev-zero", ("ln -sf /dev/zero stats.py",), log_has=("a symlink",)),
     Hostile("symlink-to-a-right-answer", (put("real.py", "import statistics\nmedian = statistics.median\n"
                                               "mean = statistics.mean\n"), "ln -sf real.py stats.py"),
             log_has=("a symlink",)),
-    Hostile("huge-sparse-file", ("truncate -s 4G stats.py",), log_has=("more than",), copy_refused=_TOO_LARGE),
+    Hostile("huge-sparse-file", ("truncate -s 4G stats.py",), log_has=("more than",),
+            copy_refused=_TOO_LARGE),
     Hostile("workspace-pth-and-sitecustomize", (*plant_loaders(), put("stats.py", BUGGY_MEDIAN))),
 ]
 
@@ -270,7 +277,8 @@ MAKE_SLUG = [
     Hostile("exit-at-import", (put("slug.py", "import sys;sys.exit(0)\n"),)),
     Hostile("os-exit-at-import", (put("slug.py", "import os\nos._exit(0)\n"),)),
     Hostile("patch-builtins-unittest-json-sys-modules", (put("slug.py", _slug_module(
-        "FORGED_JSON = '{\"slugs\": [], \"visible_tests\": 1, \"hidden_tests\": 1}'\n" + PATCH_EVERYTHING)),)),
+        "FORGED_JSON = '{\"slugs\": [], \"visible_tests\": 1, \"hidden_tests\": 1}'\n" + PATCH_EVERYTHING)),
+                                                         )),
     Hostile("forged-success-output", (put("slug.py", _FORGED_SLUGS),)),
     Hostile("eq-always-true", (put("slug.py", LIAR + "def slugify(text):\n    return LiarStr('')\n"),)),
     Hostile("eq-always-true-not-a-str", (put("slug.py", LIAR + "def slugify(text):\n    return Liar(0)\n"),)),
@@ -299,24 +307,34 @@ SUMMARIZE = [
     Hostile("symlink-to-dev-zero", ("ln -sf /dev/zero summary.json",), log_has=("a symlink",)),
     Hostile("symlink-to-proc", ("ln -sf /proc/self/environ summary.json",), log_has=("a symlink",)),
     Hostile("symlink-to-tests", ("ln -sf /tests/grade.py summary.json",), log_has=("a symlink",)),
-    Hostile("symlink-to-a-right-answer", (f"printf '%s' '{_RIGHT_SUMMARY}' > .real && ln -sf .real summary.json",),
+    Hostile("symlink-to-a-right-answer",
+            (f"printf '%s' '{_RIGHT_SUMMARY}' > .real && ln -sf .real summary.json",),
             log_has=("a symlink",)),
     Hostile("fifo", ("mkfifo summary.json",), log_has=("a FIFO",)),
-    Hostile("huge-sparse-file", ("truncate -s 8G summary.json",), log_has=("more than",), copy_refused=_TOO_LARGE),
+    Hostile("huge-sparse-file", ("truncate -s 8G summary.json",), log_has=("more than",),
+            copy_refused=_TOO_LARGE),
     Hostile("right-answer-padded-past-the-limit", (
         f"{{ printf '%s' '{_RIGHT_SUMMARY}'; head -c 200000 /dev/zero | tr '\\0' ' '; }} > summary.json",),
         log_has=("more than",)),
     Hostile("nan", ("""printf '{"north": NaN, "south": NaN, "east": NaN, "west": NaN}' > summary.json""",),
             log_has=("NaN is not a JSON number",)),
-    Hostile("infinity", ("""printf '{"north": Infinity, "south": 7, "east": 9, "west": 0.5}' > summary.json""",)),
-    Hostile("overflowing-float", ("""printf '{"north": 1e400, "south": 7, "east": 9, "west": 0.5}' > summary.json""",),
+    Hostile("infinity",
+            ("""printf '{"north": Infinity, "south": 7, "east": 9, "west": 0.5}' > summary.json""",)),
+    Hostile("overflowing-float",
+            ("""printf '{"north": 1e400, "south": 7, "east": 9, "west": 0.5}' > summary.json""",),
             parts=_TYPED),
-    Hostile("huge-int", ("""python3 -c "print('{\\"north\\": 1' + '0' * 5000 + ', \\"south\\": 7, \\"east\\": 9, \\"west\\": 0.5}')" > summary.json""",)),
-    Hostile("big-int", ("""python3 -c "print('{\\"north\\": 1' + '0' * 400 + ', \\"south\\": 7, \\"east\\": 9, \\"west\\": 0.5}')" > summary.json""",),
+    Hostile("huge-int",
+            ("""python3 -c "print('{\\"north\\": 1' + '0' * 5000 + """
+             """', \\"south\\": 7, \\"east\\": 9, \\"west\\": 0.5}')" > summary.json""",)),
+    Hostile("big-int",
+            ("""python3 -c "print('{\\"north\\": 1' + '0' * 400 + """
+             """', \\"south\\": 7, \\"east\\": 9, \\"west\\": 0.5}')" > summary.json""",),
             parts=_TYPED),
-    Hostile("bools", ("""printf '{"north": true, "south": true, "east": true, "west": true}' > summary.json""",),
+    Hostile("bools",
+            ("""printf '{"north": true, "south": true, "east": true, "west": true}' > summary.json""",),
             parts=_TYPED),
-    Hostile("strings", ("""printf '{"north": "12.5", "south": "7", "east": "9", "west": "0.5"}' > summary.json""",),
+    Hostile("strings",
+            ("""printf '{"north": "12.5", "south": "7", "east": "9", "west": "0.5"}' > summary.json""",),
             parts=_TYPED),
     Hostile("nested-too-deep", ("python3 -c \"print('[' * 30000 + ']' * 30000)\" > summary.json",),
             log_has=("nested too deep",)),
@@ -325,13 +343,16 @@ SUMMARIZE = [
 ]
 
 GREETING = [
-    Hostile("symlink-to-a-right-answer", ("printf 'Hello from ARES!\\n' > .real && ln -sf .real greeting.txt",),
+    Hostile("symlink-to-a-right-answer",
+            ("printf 'Hello from ARES!\\n' > .real && ln -sf .real greeting.txt",),
             log_has=("a symlink",)),
     Hostile("symlink-to-dev-zero", ("ln -sf /dev/zero greeting.txt",), log_has=("a symlink",)),
     Hostile("symlink-to-proc", ("ln -sf /proc/1/cmdline greeting.txt",), log_has=("a symlink",)),
     Hostile("fifo", ("mkfifo greeting.txt",), log_has=("a FIFO",)),
-    Hostile("huge-sparse-file", ("truncate -s 8G greeting.txt",), log_has=("more than",), copy_refused=_TOO_LARGE),
-    Hostile("right-line-then-more", ("{ printf 'Hello from ARES!\\n'; head -c 100000 /dev/zero; } > greeting.txt",)),
+    Hostile("huge-sparse-file", ("truncate -s 8G greeting.txt",), log_has=("more than",),
+            copy_refused=_TOO_LARGE),
+    Hostile("right-line-then-more",
+            ("{ printf 'Hello from ARES!\\n'; head -c 100000 /dev/zero; } > greeting.txt",)),
     Hostile("directory", ("mkdir greeting.txt",), log_has=("a directory",)),
     Hostile("writes-the-reward", (put("forge.py", FORGE_REWARD), "python3 forge.py")),
     Hostile("workspace-loaders-and-shadow-modules", tuple(plant_loaders())),
@@ -352,7 +373,8 @@ def _require(backend: str) -> None:
             pytest.skip("hardened local sandboxes need bubblewrap and root")
         return
     require(docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
-    require(image_present(AGENT_IMAGE), f"the image {AGENT_IMAGE} is missing: run bash .ci/provision-docker.sh",
+    require(image_present(AGENT_IMAGE),
+            f"the image {AGENT_IMAGE} is missing: run bash .ci/provision-docker.sh",
             docker=True)
 
 
@@ -376,7 +398,8 @@ async def _grade(sb: sandbox.BaseSandbox, task: Task) -> Played:
     return Played(result, f"{script.stdout}\n{script.stderr}" if script is not None else "", left)
 
 
-async def play(task: Task, commands: tuple[str, ...], backend: str, *, oracle: bool = False) -> dict[str, Played]:
+async def play(task: Task, commands: tuple[str, ...], backend: str, *, oracle: bool = False) -> dict[str,
+                                                                                                     Played]:
     """The episode's order: workspace, the agent's commands as the agent's user, every process killed,
     then the tests as root, both ways an episode grades: ``fresh`` (the default: the workdir copied
     into a second sandbox, ``copy_workspace``) and ``agent`` (the opt-out: in the agent's sandbox)."""
@@ -408,7 +431,8 @@ def _check(played: dict[str, Played], hostile: Hostile) -> None:
         result = p.result
         where = (hostile.name, grading)
         if grading == "fresh" and hostile.copy_refused is not None:
-            assert result.reward.value == 0.0 and hostile.copy_refused in (result.error or ""), (*where, result)
+            assert result.reward.value == 0.0 and hostile.copy_refused in (result.error or ""), (*where,
+                                                                                                 result)
             continue
         assert result.error is None, (*where, result.error, p.log[-2000:])
         parts = dict(result.reward.parts)
@@ -482,8 +506,10 @@ def test_the_slug_verifier_checks_the_visible_tests_cases() -> None:
 
 _SLUG_FORGERY = MAKE_SLUG[0]
 _MEDIAN_FORGERY = FIX_MEDIAN[0]
-_HONEST_MEDIAN = "sed -i 's/(ordered\\[mid\\] + ordered\\[mid + 1\\]) \\/ 2/(ordered[mid - 1] + ordered[mid]) \\/ 2/' stats.py"
-_HONEST_SLUG = put("slug.py", "import re\n\ndef slugify(text):\n    return '-'.join(re.findall(r'[a-z0-9]+', text.lower()))\n")
+_HONEST_MEDIAN = ("sed -i 's/(ordered\\[mid\\] + ordered\\[mid + 1\\]) \\/ 2/(ordered[mid - 1] + "
+                  "ordered[mid]) \\/ 2/' stats.py")
+_HONEST_SLUG = put("slug.py", "import re\n\ndef slugify(text):\n    return '-'.join(re.findall(r'[a-z0-9]+', "
+                              "text.lower()))\n")
 
 
 @pytest.mark.slow
@@ -558,7 +584,8 @@ def _grade_as_nobody(task: Task, base: Path, commands: tuple[str, ...] | None) -
         f.chmod(0o666)
     nobody = {"user": UNTRUSTED_UID, "group": UNTRUSTED_UID, "extra_groups": []}
     script = f"sh {solution / 'solve.sh'}" if commands is None else " && ".join(commands)
-    subprocess.run(["sh", "-c", script], cwd=work, check=True, capture_output=True, env={"PATH": "/usr/bin:/bin"},
+    subprocess.run(["sh", "-c", script], cwd=work, check=True, capture_output=True,
+                   env={"PATH": "/usr/bin:/bin"},
                    **nobody)  # type: ignore[call-overload]
     run = subprocess.run(["sh", str(tests / "test.sh")], cwd=work, capture_output=True, text=True, timeout=60,
                          env={"PATH": "/usr/bin:/bin", "ARES_VERIFIER_DIR": str(verdicts)},

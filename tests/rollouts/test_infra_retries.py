@@ -91,12 +91,14 @@ def faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[Faults]:
 
 async def _run(policy: Any = None, *, harness: str = "tiny-agent", out: Path | None = None,
                retries: int = 2, attempts: int = 1) -> RunSummary:
-    return await run_rollouts([GREETING], harness=harness, policy=policy or make_policy("oracle"), sandbox="local",
+    return await run_rollouts([GREETING], harness=harness, policy=policy or make_policy("oracle"),
+                              sandbox="local",
                               concurrency=1, attempts=attempts, out=out, stats="null", retries=retries,
                               retry_backoff=0.05)
 
 
-# ---------------------------------------------------------------------------------------------- classification
+# ----------------------------------------------------------------------------------------------
+# classification
 
 
 def _result(reason: str, *, turns: int = 0, crashed: bool = False) -> EpisodeResult:
@@ -165,7 +167,8 @@ async def test_a_persistent_sandbox_failure_is_infra_error_and_never_trained(
     assert failed.sample is None and failed.reward == 1.0  # the group's judged mean: no baseline moved
     entry = trainer_entry(failed, eos_id=0)
     assert entry.excluded and not entry.sampled and entry.sampled_tokens == 0
-    assert not trainer_entry(judged, eos_id=0).excluded  # (the oracle records no token ids: nothing to sample)
+    # (the oracle records no token ids: nothing to sample)
+    assert not trainer_entry(judged, eos_id=0).excluded
     # The whole group dropped, as an option: every member excluded, equal rewards (no advantage).
     exclude_infra_errors(episodes, drop_group=True)
     assert all(ep.excluded and ep.reward == 0.0 and ep.sample is None for ep in episodes)
@@ -213,7 +216,8 @@ async def test_a_verifier_crash_is_retried(sandbox_root: Path, faults: Faults) -
     summary = await _run()
     [e] = summary.episodes
     assert (e.exit_reason, e.reward, e.retries, e.verifier_crashed) == ("completed", 1.0, 1, False), e
-    assert "sandbox failure while verifying" in e.retry_errors[0] and "could not be uploaded" in e.retry_errors[0]
+    assert "sandbox failure while verifying" in e.retry_errors[
+        0] and "could not be uploaded" in e.retry_errors[0]
     assert faults.agent_sandboxes == 2 and faults.grading_sandboxes == 2 and not _left(sandbox_root)
 
 

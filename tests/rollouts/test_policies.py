@@ -37,7 +37,8 @@ async def ask(info: Any, text: str, *, stream: bool = False) -> str:
 async def _ask(client: openai.AsyncOpenAI, text: str, *, stream: bool) -> str:
     if stream:
         out = []
-        s = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}], stream=True)
+        s = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
+                                                 stream=True)
         async for chunk in s:
             if chunk.choices and chunk.choices[0].delta.content:
                 out.append(chunk.choices[0].delta.content)

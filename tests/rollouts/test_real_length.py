@@ -73,7 +73,8 @@ class CliRun:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                pytest.fail(f"{self.key}: ares-gateway run did not end within {RUN_TIMEOUT} s:\n{self.output()}")
+                pytest.fail(
+                    f"{self.key}: ares-gateway run did not end within {RUN_TIMEOUT} s:\n{self.output()}")
             results = self.out / "results.json"
             # The run's own wall time (it may have ended before this test waited for it).
             self.wall = (results.stat().st_mtime - self.started_at) if results.exists() else None

@@ -41,7 +41,8 @@ def test_run_oracle_reaches_full_reward(backend: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(cli("run", "examples-mswea", "--policy", "oracle", "--sandbox", backend, "-n", "4",
                               "--out", str(out)),
-                          cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=400, check=False)
+                          cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=400,
+                          check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())
     episodes = {e["task"]: e for e in doc["episodes"]}
@@ -52,7 +53,8 @@ def test_run_oracle_reaches_full_reward(backend: str, tmp_path: Path) -> None:
         log_dir = out / "logs" / f"{name}.0"
         assert json.loads((log_dir / "trajectory.json").read_text())  # mini-swe-agent's own trajectory
         turns = (out / "turns" / f"{name}.0.jsonl").read_text().splitlines()
-        assert "[oracle] solution/solve.sh exited with status 0" in turns[1]  # the tool result reached the agent
+        # the tool result reached the agent
+        assert "[oracle] solution/solve.sh exited with status 0" in turns[1]
     assert doc["summary"]["mean_reward"] == 1.0 and doc["summary"]["pass@1"] == 1.0
     assert "mean reward: 1.000" in proc.stdout and "exit reason" in proc.stdout
     assert list((out / "tb").glob("events.out.tfevents.*"))
@@ -89,9 +91,10 @@ async def test_mini_failing_tests_and_time_limit(tmp_path: Path, monkeypatch: py
 def test_sigint_removes_every_sandbox_and_writes_what_finished(backend: str, tmp_path: Path) -> None:
     require_mini(backend)
     out, boxes = tmp_path / "out", tmp_path / "sandboxes"
-    proc = subprocess.Popen(cli("run", "examples-mswea", "--policy", "oracle", "--sandbox", backend, "-n", "1",
-                                "--out", str(out)),
-                            cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cli("run", "examples-mswea", "--policy", "oracle", "--sandbox", backend, "-n", "1",
+            "--out", str(out)),
+        cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
         while True:  # one episode finished and the next one's sandbox is up
@@ -122,7 +125,8 @@ def test_sigint_removes_every_sandbox_and_writes_what_finished(backend: str, tmp
 @pytest.mark.slow
 @pytest.mark.docker
 def test_gc_reaps_the_containers_of_a_sigkilled_run(tmp_path: Path) -> None:
-    """SIGKILL leaves a gateway process no chance to clean up; `ares-gateway gc` then removes its containers."""
+    """SIGKILL leaves a gateway process no chance to clean up; `ares-gateway gc` then removes its
+    containers."""
     require_mini("docker")
     env = _env(tmp_path)
     # The http policy leaves every request parked for a trainer that never comes: the sandboxes stay up.
@@ -142,6 +146,7 @@ def test_gc_reaps_the_containers_of_a_sigkilled_run(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     assert len(owned_containers(proc.pid)) >= 2  # nothing cleaned up after SIGKILL
-    gc = subprocess.run(cli("gc"), cwd=REPO, env=env, capture_output=True, text=True, timeout=180, check=False)
+    gc = subprocess.run(cli("gc"), cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+                        check=False)
     assert gc.returncode == 0, gc.stdout + gc.stderr
     assert owned_containers(proc.pid) == [], gc.stdout

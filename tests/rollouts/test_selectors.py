@@ -140,7 +140,8 @@ def test_shards_partition_the_dataset(size: int, num_shards: int) -> None:
     assert max(sizes) - min(sizes) <= 1
     # Deterministic, and the bigger shards come first.
     assert sizes == sorted(sizes, reverse=True)
-    assert shards == [Selection("shard", shard=i, num_shards=num_shards).apply(items) for i in range(num_shards)]
+    assert shards == [Selection("shard", shard=i, num_shards=num_shards).apply(items)
+                      for i in range(num_shards)]
 
 
 @given(size=st.integers(1, 200), data=st.data())

@@ -68,7 +68,8 @@ def test_period_buffers_until_flush(tmp_path: Path) -> None:
 
 def test_period_elapsed_writes(tmp_path: Path) -> None:
     tracker = TensorBoardTracker(tmp_path, period=0.05)
-    tracker.log(1, x=1.0)  # the first log after creation may or may not be due; the next one after the period is
+    # the first log after creation may or may not be due; the next one after the period is
+    tracker.log(1, x=1.0)
     time.sleep(0.1)
     tracker.log(2, x=2.0)
     assert scalars(tmp_path)["x"] == [(1, 1.0), (2, 2.0)]
@@ -126,7 +127,8 @@ def test_make_tracker_and_multi(tmp_path: Path) -> None:
     assert scalars(tmp_path / "tb") == {"x": [(1, 2.0)]}
     with pytest.raises(ValueError, match="needs logdir"):
         make_tracker("tensorboard")
-    with pytest.raises(ValueError, match="unknown stat tracker 'wandb': use one of null, logging, tensorboard"):
+    with pytest.raises(ValueError,
+                       match="unknown stat tracker 'wandb': use one of null, logging, tensorboard"):
         make_tracker("wandb")
     with pytest.raises(ValueError, match="period must be"):
         LoggingTracker(period=-1)

@@ -124,9 +124,11 @@ def _processes_under(root: Path) -> list[str]:
 
 
 @pytest.mark.asyncio
-async def test_groups_complete_with_every_attempt_in_runs_results_directory(tmp_path: Path, sandbox_root: Path) -> None:
+async def test_groups_complete_with_every_attempt_in_runs_results_directory(tmp_path: Path,
+                                                                            sandbox_root: Path) -> None:
     out = tmp_path / "run"
-    source = RolloutSource(TASKS[:2], harness="tiny-agent", policy=TokenOracle(), sandbox="local", concurrency=3,
+    source = RolloutSource(TASKS[:2], harness="tiny-agent", policy=TokenOracle(), sandbox="local",
+                           concurrency=3,
                            attempts=2, out=out, stats="null")
     groups = [g async for g in source.groups()]
     assert sorted(g.task for g in groups) == sorted(t.name for t in TASKS[:2])
@@ -139,7 +141,8 @@ async def test_groups_complete_with_every_attempt_in_runs_results_directory(tmp_
     # A finite source finishes by itself: results.json and episodes.jsonl as run writes them.
     assert source.closed is False and source.summary.planned == 4
     doc = json.loads((out / "results.json").read_text())
-    assert doc["summary"]["finished"] == 4 and doc["summary"]["pass@2"] == 1.0 and doc["run"]["source"] == "stream"
+    assert doc["summary"]["finished"] == 4 and doc["summary"]["pass@2"] == 1.0 and doc["run"][
+        "source"] == "stream"
     assert len((out / "episodes.jsonl").read_text().splitlines()) == 4
     assert len(list((out / "trajectories").iterdir())) == 4
     await source.close()
@@ -153,7 +156,8 @@ async def test_a_slow_consumer_holds_launches_back(tmp_path: Path, sandbox_root:
     executor = CountingExecutor(concurrency=1)
     bound = 1 + 1  # concurrency + max_buffered
     peak = 0
-    async with RolloutSource(TASKS[:3], harness="tiny-agent", policy=TokenOracle(), sandbox="local", concurrency=1,
+    async with RolloutSource(TASKS[:3], harness="tiny-agent", policy=TokenOracle(), sandbox="local",
+                             concurrency=1,
                              max_buffered=1, executor=executor, stats="null") as source:
         # Nothing is taken: the running episodes finish into the buffer and then nothing more starts.
         for _ in range(300):
@@ -179,7 +183,8 @@ async def test_a_group_larger_than_concurrency_completes_at_the_tightest_bound(s
     # concurrency 1 + max_buffered 2 holds exactly one group of 3: its members wait in the buffer while
     # the next one runs, and nothing of the next group starts before this one is taken.
     executor = CountingExecutor(concurrency=1)
-    async with RolloutSource(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), sandbox="local", concurrency=1,
+    async with RolloutSource(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), sandbox="local",
+                             concurrency=1,
                              attempts=3, max_buffered=2, epochs=2, executor=executor, stats="null") as source:
         first = await source.next_group()
         assert first is not None and [m.attempt for m in first.members] == [0, 1, 2]
@@ -223,7 +228,8 @@ async def test_a_fence_mid_stream_gives_two_versions_and_staleness_masks_the_old
     policy = TokenOracle(delay=0.5)
     async with Gateway(port=0, side_call_detector=harness_side_call_detector(TinyAgentHarness)) as gw:
         gw.set_policy_version(0)
-        async with RolloutSource(TASKS[:2], harness="tiny-agent", policy=policy, sandbox="local", concurrency=2,
+        async with RolloutSource(TASKS[:2], harness="tiny-agent", policy=policy, sandbox="local",
+                                 concurrency=2,
                                  gateway=gw, max_staleness=0, stats="null") as source:
             await asyncio.wait_for(policy.two_answered.wait(), 60)  # both first turns answered, version 0
             # Abort: a second turn in flight is sampled again after the resume, with version 1.
@@ -286,7 +292,8 @@ def test_the_blocking_wrapper_from_plain_threads(tmp_path: Path, sandbox_root: P
 
 
 def test_a_blocking_take_times_out_without_losing_anything(sandbox_root: Path) -> None:
-    with BlockingRolloutSource(TASKS[:1], harness="tiny-agent", policy=TokenOracle(delay=2.0), sandbox="local",
+    with BlockingRolloutSource(TASKS[:1], harness="tiny-agent", policy=TokenOracle(delay=2.0),
+                               sandbox="local",
                                stats="null") as source:
         with pytest.raises(TimeoutError, match=r"within 0\.2 s"):
             source.next_episode(timeout=0.2)
@@ -320,7 +327,8 @@ def test_no_tasks_or_a_task_twice_is_refused() -> None:
 
 
 @pytest.mark.asyncio
-async def test_an_executor_without_a_fence_says_so_and_an_unstarted_source_writes_nothing(tmp_path: Path) -> None:
+async def test_an_executor_without_a_fence_says_so_and_an_unstarted_source_writes_nothing(
+    tmp_path: Path) -> None:
     source = RolloutSource(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), executor=NoFenceExecutor(),  # type: ignore[arg-type]
                            out=tmp_path / "never")
     with pytest.raises(NoFenceError, match="bare executor has no weight-update fence"):
@@ -340,7 +348,8 @@ async def test_play_episodes_masks_stale_main_samples(sandbox_root: Path) -> Non
         gw.set_policy_version(2)
         executor = LocalExecutor(concurrency=1, gateway=gw)
         # At the executor's own version (2) nothing is stale; the trainer at version 3 with bound 0: all is.
-        (fresh,) = await play_episodes(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), executor=executor,
+        (fresh,) = await play_episodes(TASKS[:1], harness="tiny-agent", policy=TokenOracle(),
+                                       executor=executor,
                                        max_staleness=0)
         (old,) = await play_episodes(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), executor=executor,
                                      max_staleness=0, policy_version=3)

@@ -27,7 +27,8 @@ from ares_gateway.episodes.tasks import (
 from ares_gateway.episodes.verifier import Reward, parse_reward, read_reward, run_tests, task_paths
 
 
-def make_task(root: Path, name: str = "t1", *, toml: str = 'version = "1.0"\n', test: str = "echo 1 > \"$ARES_VERIFIER_DIR/reward.txt\"\n") -> Path:
+def make_task(root: Path, name: str = "t1", *, toml: str = 'version = "1.0"\n',
+              test: str = "echo 1 > \"$ARES_VERIFIER_DIR/reward.txt\"\n") -> Path:
     d = root / name
     (d / "tests").mkdir(parents=True)
     (d / "instruction.md").write_text("Do the thing.\n")
@@ -43,7 +44,8 @@ def test_examples_dataset() -> None:
     ds = load_dataset("examples")
     assert ds.name == "examples" and ds.path == examples_dir().resolve()
     assert ds.names == sorted(ds.names) and len(ds) == 4
-    assert set(ds.names) == {"fix-median-bug", "make-slug-tests-pass", "summarize-sales-csv", "write-greeting-file"}
+    assert set(ds.names) == {"fix-median-bug", "make-slug-tests-pass", "summarize-sales-csv",
+                             "write-greeting-file"}
     for task in ds:
         assert task.instruction.strip() and task.has_solution and not task.needs_image
         assert task.workdir == "/workspace"
@@ -112,10 +114,12 @@ def test_workdir_from_dockerfile(tmp_path: Path) -> None:
     [
         ("instruction.md", MissingTaskFileError, r"instruction.md is missing: write the task's prompt"),
         ("task.toml", MissingTaskFileError, r"task.toml is missing: add one"),
-        ("tests/test.sh", MissingTaskFileError, r"tests/test.sh is missing: the verifier must be tests/test.sh"),
+        ("tests/test.sh", MissingTaskFileError,
+         r"tests/test.sh is missing: the verifier must be tests/test.sh"),
     ],
 )
-def test_missing_files_name_the_file_and_the_fix(tmp_path: Path, remove: str, cls: type[TaskError], message: str) -> None:
+def test_missing_files_name_the_file_and_the_fix(tmp_path: Path, remove: str, cls: type[TaskError],
+                                                 message: str) -> None:
     d = make_task(tmp_path)
     (d / remove).unlink()
     with pytest.raises(cls, match=message) as err:
@@ -167,7 +171,8 @@ def test_dataset_directory_rules(tmp_path: Path) -> None:
     (tmp_path / ".hidden").mkdir()
     (tmp_path / "README.md").write_text("x")
     ds = Dataset.from_dir(tmp_path, name="mine")
-    assert ds.name == "mine" and ds.names == ["a", "b"] and ds[0].name == "a" and [t.name for t in ds[0:1]] == ["a"]
+    assert ds.name == "mine" and ds.names == ["a", "b"] and ds[0].name == "a" and [t.name
+                                                                                   for t in ds[0:1]] == ["a"]
     # A single task directory is a one-task dataset.
     assert Dataset.from_dir(tmp_path / "b").names == ["b"]
     # Registry entries and plain paths.
@@ -232,7 +237,8 @@ async def test_run_tests_never_raises(tmp_path: Path) -> None:
     """A verifier that writes nothing, writes garbage, or hangs gives 0.0 with the reason."""
     cases = {
         "silent": ("true\n", "neither reward.json nor reward.txt"),
-        "garbage": ('echo nope > "$ARES_VERIFIER_DIR/reward.txt"; exit 1\n', "must hold one number.*exit code 1"),
+        "garbage": ('echo nope > "$ARES_VERIFIER_DIR/reward.txt"; exit 1\n',
+                    "must hold one number.*exit code 1"),
         "hangs": ("sleep 30\n", "timed out"),
         "fails-with-reward": ('echo 0 > "$ARES_VERIFIER_DIR/reward.txt"; exit 1\n', None),
     }
@@ -242,7 +248,8 @@ async def test_run_tests_never_raises(tmp_path: Path) -> None:
             result = await run_tests(sb, task)
         assert result.reward.value == 0.0
         if error is None:
-            assert result.ok and result.reward.source == "reward.txt" and result.script and result.script.exit_code == 1
+            assert (result.ok and result.reward.source == "reward.txt" and result.script
+                    and result.script.exit_code == 1)
         else:
             assert result.error is not None and not result.ok
             import re

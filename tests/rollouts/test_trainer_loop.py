@@ -20,13 +20,15 @@ def test_trainer_loop_example_collects_samples(tmp_path: Path) -> None:
     require_mini("local")
     boxes = tmp_path / "sandboxes"
     proc = subprocess.run(
-        [sys.executable, "examples/trainer_loop.py", "--sandbox", "local", "--episodes", "3", "--concurrency", "3"],
+        [sys.executable, "examples/trainer_loop.py", "--sandbox", "local", "--episodes", "3", "--concurrency",
+         "3"],
         cwd=REPO, env={**os.environ, "ARES_SANDBOX_LOCAL_ROOT": str(boxes)},
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    match = re.search(r"iteration 0: 3 episodes, mean reward ([\d.]+), (\d+) samples, (\d+) tokens \((\d+) trained\)",
-                      proc.stdout)
+    match = re.search(
+        r"iteration 0: 3 episodes, mean reward ([\d.]+), (\d+) samples, (\d+) tokens \((\d+) trained\)",
+        proc.stdout)
     assert match, proc.stdout
     reward, samples, tokens, trained = float(match[1]), int(match[2]), int(match[3]), int(match[4])
     assert reward == 1.0 and samples >= 3 and 0 < trained < tokens

@@ -19,11 +19,13 @@ from .fake_llm import END, FakeLLM, tok
 
 def oai(gw_session: Any) -> openai.AsyncOpenAI:
     # max_retries=0: a retry by the SDK would hide a gateway or policy failure.
-    return openai.AsyncOpenAI(base_url=gw_session.base_url + "/v1", api_key=gw_session.token, max_retries=0, timeout=30)
+    return openai.AsyncOpenAI(base_url=gw_session.base_url + "/v1", api_key=gw_session.token, max_retries=0,
+                              timeout=30)
 
 
 def policy(llm: FakeLLM, **kw: Any) -> UpstreamPolicy:
-    return UpstreamPolicy(base_url=llm.url, model="served-model", backoff_initial=0.01, backoff_max=0.05, **kw)
+    return UpstreamPolicy(base_url=llm.url, model="served-model", backoff_initial=0.01, backoff_max=0.05,
+                          **kw)
 
 
 async def two_turns(client: openai.AsyncOpenAI, *, stream: bool = False) -> list[str]:
@@ -54,7 +56,8 @@ async def two_turns(client: openai.AsyncOpenAI, *, stream: bool = False) -> list
 def assert_trajectory_matches_server(gateway: Gateway, session_id: str, llm: FakeLLM) -> None:
     first, last = llm.turns[0], llm.turns[-1]
     # Turn 2's prompt extends turn 1's prompt + output, so the trajectory is one sample.
-    assert last.prompt_ids[: len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
+    assert last.prompt_ids[: len(first.prompt_ids)
+                           + len(first.output_ids)] == first.prompt_ids + first.output_ids
     samples = gateway.trajectory(session_id, reward=1.0)
     assert len(samples) == 1
     s = samples[0]
@@ -140,7 +143,8 @@ async def test_client_errors_are_not_retried_and_pass_their_status(gateway: Gate
 async def test_unreachable_upstream_gives_502_after_retries(gateway: Gateway) -> None:
     info = await gateway.create_session()
     port = free_port()  # nothing listens there
-    pol = UpstreamPolicy(base_url=f"http://127.0.0.1:{port}/v1", model="m", max_attempts=2, backoff_initial=0.01)
+    pol = UpstreamPolicy(base_url=f"http://127.0.0.1:{port}/v1", model="m", max_attempts=2,
+                         backoff_initial=0.01)
     async with pol, PolicyServer(gateway, pol):
         with pytest.raises(openai.APIStatusError) as err:
             async with oai(info) as client:
@@ -194,9 +198,11 @@ async def test_anthropic_agent_is_forwarded_as_clean_chat(gateway: Gateway, llm:
             model="claude-test",
             max_tokens=32000,
             system=[{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
-            messages=[{"role": "user", "content": [{"type": "text", "text": "fix it", "cache_control": {"type": "ephemeral"}}]}],
+            messages=[{"role": "user", "content": [
+                {"type": "text", "text": "fix it", "cache_control": {"type": "ephemeral"}}]}],
             metadata={"user_id": "u1"},
-            tools=[{"name": "Bash", "description": "run", "input_schema": {"type": "object", "properties": {}}}],
+            tools=[
+                {"name": "Bash", "description": "run", "input_schema": {"type": "object", "properties": {}}}],
         )
     assert msg.content[0].type == "text" and msg.content[0].text == llm.turns[0].text
     sent = llm.bodies[0]
@@ -219,7 +225,8 @@ def test_stream_chunk_deltas_split_tool_call_pieces() -> None:
         {
             "reasoning_content": "think",
             "content": "hi",
-            "tool_calls": [{"index": 1, "id": "call_1", "type": "function", "function": {"name": "bash", "arguments": "{\"c"}}],
+            "tool_calls": [{"index": 1, "id": "call_1", "type": "function",
+                            "function": {"name": "bash", "arguments": "{\"c"}}],
         }
     )
     assert [d.model_dump(exclude_defaults=True) for d in got] == [
@@ -243,7 +250,8 @@ def test_responses_request_body_is_clean_chat() -> None:
             "store": False,
             "include": ["reasoning.encrypted_content"],
             "stream": True,
-            "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}}, {"type": "web_search"}],
+            "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}},
+                      {"type": "web_search"}],
         }
     )
     body = UpstreamPolicy(base_url="http://127.0.0.1:1/v1", token_ids=False).build_body(req, stream=False)

@@ -43,4 +43,5 @@ async def test_usage_with_token_ids_is_the_token_records(gateway: Gateway, llm: 
     assert [(t["usage"]["prompt_tokens"], t["usage"]["completion_tokens"]) for t in log] == [
         (len(first.prompt_ids), len(first.output_ids)), (len(second.prompt_ids), len(second.output_ids))]
     # Turn 2's prompt extends turn 1's prompt + output (the fake renders it so).
-    assert [t["usage"]["reused_prompt_tokens"] for t in log] == [0, len(first.prompt_ids) + len(first.output_ids)]
+    assert [t["usage"]["reused_prompt_tokens"] for t in log] == [0, len(first.prompt_ids)
+                                                                 + len(first.output_ids)]

@@ -57,10 +57,12 @@ async def test_episode_and_run_usage_equal_the_token_records(tmp_path: Path, san
         f"{e['task']}.{e['attempt']}" for e in doc["episodes"])
     totals: dict[str, float] = dict.fromkeys(USAGE_FIELDS, 0.0)
     for e in doc["episodes"]:
-        turns = [json.loads(x) for x in (out / "turns" / f"{e['task']}.{e['attempt']}.jsonl").read_text().splitlines()]
+        turns = [json.loads(x)
+                 for x in (out / "turns" / f"{e['task']}.{e['attempt']}.jsonl").read_text().splitlines()]
         assert len(turns) >= 2, "tiny-agent takes more than one turn on the oracle's answers"
         use = e["usage"]
-        assert (use["prompt_tokens"], use["completion_tokens"], use["reused_prompt_tokens"]) == _from_records(turns)
+        assert (use["prompt_tokens"], use["completion_tokens"],
+                use["reused_prompt_tokens"]) == _from_records(turns)
         assert use["reused_prompt_tokens"] > 0  # each prompt continues the last
         assert use["ttft_seconds"] is None  # tiny-agent does not stream
         for t in turns:  # each turn's timing: present, non-negative, adding up to its latency
@@ -72,7 +74,8 @@ async def test_episode_and_run_usage_equal_the_token_records(tmp_path: Path, san
         assert all(t["usage"]["think_seconds"] >= 0 for t in turns[1:])
         assert abs(use["policy_seconds"] - sum(t["usage"]["policy_seconds"] for t in turns)) < 1e-4
         # The agent's whole time covers its calls and its thinking between them.
-        assert use["parked_seconds"] + use["policy_seconds"] + use["think_seconds"] <= e["agent_seconds"] + 0.05
+        assert use["parked_seconds"] + use["policy_seconds"] + use["think_seconds"] <= e[
+            "agent_seconds"] + 0.05
         view = RunSource(out)
         key = f"{e['task']}.{e['attempt']}"
         assert view.episode(key)["episode"]["usage"] == use

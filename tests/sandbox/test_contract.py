@@ -67,7 +67,8 @@ async def test_timeout_kills_the_process_group(make_sandbox: SandboxFactory) -> 
     assert 0.9 < result.duration < 20
     await asyncio.sleep(2.5)
     # The background child would have written late.txt by now had it survived.
-    check = await sb.exec('test -e late.txt && echo survived || echo killed; kill -0 "$(cat bg.pid)" 2>/dev/null && echo alive || echo gone')
+    check = await sb.exec('test -e late.txt && echo survived || echo killed; kill -0 "$(cat bg.pid)" '
+                          '2>/dev/null && echo alive || echo gone')
     assert check.stdout.split() == ["killed", "gone"]
     # The sandbox is still usable after a timeout, and a quick command is not marked timed out.
     quick = await sb.exec("echo fine", timeout=30)
@@ -160,7 +161,8 @@ async def test_async_with_removes_on_exception(make_sandbox: SandboxFactory) -> 
 async def test_background_process_outlives_its_exec_until_stop(make_sandbox: SandboxFactory) -> None:
     """Harnesses launch agents detached: a background process must survive the command that started it."""
     sb = await make_sandbox()
-    started = await sb.exec("nohup sh -c 'while :; do date +%s%N >> beat.txt; sleep 0.2; done' >/dev/null 2>&1 &")
+    started = await sb.exec(
+        "nohup sh -c 'while :; do date +%s%N >> beat.txt; sleep 0.2; done' >/dev/null 2>&1 &")
     assert started.ok, started
     async def beats() -> int:
         out = (await sb.exec("cat beat.txt 2>/dev/null | wc -l")).stdout.strip()
@@ -185,7 +187,8 @@ async def test_detached_launch_returns_promptly_on_every_loop(make_sandbox: Sand
     sb = await make_sandbox()
     r = await sb.exec("setsid sh -c 'sleep 60' >/dev/null 2>&1 </dev/null & echo $!", timeout=30)
     assert r.ok, r
-    assert r.duration < 10, f"{loop}: the launch exec took {r.duration:.1f} s (held open by the detached process)"
+    assert r.duration < 10, (f"{loop}: the launch exec took {r.duration:.1f} s (held open by the "
+                             "detached process)")
     pid = r.stdout.strip()
     assert pid.isdigit(), r
     alive = await sb.exec(f"kill -0 {pid} && echo alive", timeout=30)

@@ -1,4 +1,5 @@
-"""Daytona specifics: what the real SDK sends (checked at the fake's HTTP boundary), sync removal, live test."""
+"""Daytona specifics: what the real SDK sends (checked at the fake's HTTP boundary), sync removal, live
+test."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from bench.support.daytona_fake import API_KEY, DaytonaFake
 from sandbox import DaytonaSandbox, SandboxSpec, janitor
 
 
-async def test_create_carries_resources_labels_and_lifetimes(daytona_fake: DaytonaFake, tmp_path: Path) -> None:
+async def test_create_carries_resources_labels_and_lifetimes(daytona_fake: DaytonaFake,
+                                                             tmp_path: Path) -> None:
     spec = SandboxSpec(
         image="ares-gateway/agent-base:latest", workdir=str(tmp_path / "w"), env={"A": "1"},
         resources=sandbox.Resources(cpus=2, memory="3g", disk="10g"), labels={"task": "t1"},
@@ -46,7 +48,8 @@ async def test_dockerfile_spec_is_sent_as_build_info(daytona_fake: DaytonaFake, 
 
 
 async def test_sync_stop_and_remove_deletes_remotely(daytona_fake: DaytonaFake, tmp_path: Path) -> None:
-    sb = DaytonaSandbox(SandboxSpec(workdir=str(tmp_path / "w")), api_key=API_KEY, api_url=daytona_fake.api_url)
+    sb = DaytonaSandbox(SandboxSpec(workdir=str(tmp_path / "w")), api_key=API_KEY,
+                        api_url=daytona_fake.api_url)
     await sb.start()
     assert sb in janitor.live_sandboxes()
     sb.stop_and_remove()  # what the janitor calls from atexit / signal handlers
@@ -61,7 +64,8 @@ def test_missing_api_key_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> Non
         DaytonaSandbox(SandboxSpec())
 
 
-@pytest.mark.skipif(not os.environ.get("DAYTONA_API_KEY"), reason="live Daytona test: set DAYTONA_API_KEY to run it")
+@pytest.mark.skipif(not os.environ.get("DAYTONA_API_KEY"),
+                    reason="live Daytona test: set DAYTONA_API_KEY to run it")
 async def test_live_daytona(tmp_path: Path) -> None:
     spec = SandboxSpec(workdir="/tmp/ares-live", auto_stop_minutes=5, auto_delete_minutes=0)
     src = tmp_path / "in.bin"

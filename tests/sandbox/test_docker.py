@@ -22,7 +22,8 @@ async def test_dockerfile_image_is_built_once_and_cached_by_content(tmp_path: Pa
     ctx.mkdir()
     (ctx / "payload.txt").write_text("v1\n")
     dockerfile = ctx / "Dockerfile"
-    dockerfile.write_text(f"FROM {BASE_IMAGE}\nCOPY payload.txt /payload.txt\nRUN cat /proc/sys/kernel/random/uuid > /stamp\n")
+    dockerfile.write_text(
+        f"FROM {BASE_IMAGE}\nCOPY payload.txt /payload.txt\nRUN cat /proc/sys/kernel/random/uuid > /stamp\n")
     stamps = []
     for _ in range(2):
         async with DockerSandbox(SandboxSpec(dockerfile=dockerfile)) as sb:
@@ -90,7 +91,8 @@ async def test_host_network_reaches_a_loopback_server() -> None:
 async def test_agent_base_image() -> None:
     docker_required("agent image")
     async with DockerSandbox(SandboxSpec(image=AGENT_IMAGE)) as sb:
-        tools = await sb.exec("bash --version | head -1; git --version; tmux -V; node --version; npm --version; python3 --version")
+        tools = await sb.exec("bash --version | head -1; git --version; tmux -V; node --version; npm "
+                              "--version; python3 --version")
         assert tools.ok, tools
         for word in ("bash", "git version", "tmux", "v", "Python 3"):
             assert word in tools.stdout

@@ -141,20 +141,23 @@ async def test_host_files_and_sockets_are_not_visible(isolated_backend: str) -> 
     assert len(probes) >= 4, probes
     async with sandbox.create(_spec(isolated_backend), backend=isolated_backend) as sb:
         for path in probes:
-            r = await sb.exec(["sh", "-c", 'test -e "$0" && echo EXISTS; cat "$0" 2>/dev/null | head -c 100', path],
-                              user="agent", cwd="/", timeout=30)
+            r = await sb.exec(
+                ["sh", "-c", 'test -e "$0" && echo EXISTS; cat "$0" 2>/dev/null | head -c 100', path],
+                user="agent", cwd="/", timeout=30)
             assert "EXISTS" not in r.stdout, f"{path} is visible from inside: {r.stdout!r}"
         # Control: the probe does see what is there.
         r = await sb.exec(["sh", "-c", 'test -e /usr/bin && echo EXISTS'], user="agent", cwd="/", timeout=30)
         assert "EXISTS" in r.stdout
         # An honest command still works, as the agent, in the workdir.
-        ok = await sb.exec("echo hi > note.txt && cat note.txt && python3 -c 'print(6*7)'", user="agent", timeout=60)
+        ok = await sb.exec("echo hi > note.txt && cat note.txt && python3 -c 'print(6*7)'", user="agent",
+                           timeout=60)
         assert ok.ok and ok.stdout.split() == ["hi", "42"], ok
 
 
 async def test_the_agent_user_has_no_capabilities_and_root_still_works(isolated_backend: str) -> None:
     async with sandbox.create(_spec(isolated_backend), backend=isolated_backend) as sb:
-        agent = await sb.exec("id -u; grep -E '^Cap(Eff|Prm|Bnd|Amb)' /proc/self/status", user="agent", timeout=30)
+        agent = await sb.exec("id -u; grep -E '^Cap(Eff|Prm|Bnd|Amb)' /proc/self/status", user="agent",
+                              timeout=30)
         lines = agent.stdout.split("\n")
         assert lines[0] != "0", agent
         caps = dict(line.split(":\t") for line in lines[1:] if line)
@@ -181,8 +184,10 @@ async def test_hardened_local_root_is_confined_and_has_an_environment_of_its_own
     """Root (installs, the verifier) is not the host's root: a reduced bounding set, the
     seccomp filter, HOME=/root and no caller variable that loads code from elsewhere."""
     require_hardened_local()
-    planted = {"PYTHONPATH": "/workspace/evil", "PYTHONSTARTUP": "/workspace/s.py", "LD_PRELOAD": "/workspace/x.so",
-               "BASH_ENV": "/workspace/rc", "HOME": "/workspace", "PATH": "/workspace/bin:/usr/bin", "TASK_VAR": "kept"}
+    planted = {"PYTHONPATH": "/workspace/evil", "PYTHONSTARTUP": "/workspace/s.py",
+               "LD_PRELOAD": "/workspace/x.so",
+               "BASH_ENV": "/workspace/rc", "HOME": "/workspace", "PATH": "/workspace/bin:/usr/bin",
+               "TASK_VAR": "kept"}
     show = ("grep -E '^(CapBnd|CapEff|Seccomp):' /proc/self/status; env; "
             "python3 -c 'import site; print(\"USER_SITE\", site.ENABLE_USER_SITE)'")
     async with sandbox.LocalSandbox(_spec("local")) as sb:
@@ -190,12 +195,16 @@ async def test_hardened_local_root_is_confined_and_has_an_environment_of_its_own
         agent = await sb.exec(show, env=planted, user="agent", timeout=60)
         for r in (root, agent):
             assert r.ok, r
-        status = dict(line.split(":\t") for line in root.stdout.splitlines() if line.startswith(("Cap", "Seccomp")))
-        env = dict(line.split("=", 1) for line in root.stdout.splitlines() if "=" in line and ":" not in line[:8])
-        allowed = {"chown": 0, "dac_override": 1, "fowner": 3, "fsetid": 4, "kill": 5, "setgid": 6, "setuid": 7,
+        status = dict(line.split(":\t") for line in root.stdout.splitlines()
+                      if line.startswith(("Cap", "Seccomp")))
+        env = dict(line.split("=", 1) for line in root.stdout.splitlines() if "=" in line
+                   and ":" not in line[:8])
+        allowed = {"chown": 0, "dac_override": 1, "fowner": 3, "fsetid": 4, "kill": 5, "setgid": 6,
+                   "setuid": 7,
                    "setpcap": 8, "net_bind_service": 10, "sys_chroot": 18, "audit_write": 29}
         assert set(allowed) == set(ROOT_CAPS)
-        assert int(status["CapBnd"], 16) == int(status["CapEff"], 16) == sum(1 << b for b in allowed.values()), status
+        assert int(status["CapBnd"], 16) == int(status["CapEff"],
+                                                16) == sum(1 << b for b in allowed.values()), status
         assert status["Seccomp"] == "2"
         assert env["HOME"] == "/root" and env["PATH"] == DEFAULT_PATH and env["TASK_VAR"] == "kept", env
         assert env["PYTHONNOUSERSITE"] == "1" and "USER_SITE False" in root.stdout
@@ -219,8 +228,9 @@ def test_the_confine_launcher_never_runs_a_command_unconfined(tmp_path: Path) ->
     bad.write_bytes(b"not a filter")
     marker = tmp_path / "ran"
     for filt in (bad, tmp_path / "missing.bpf"):
-        r = subprocess.run([sys.executable, "-I", "-S", str(_CONFINE_SCRIPT), str(filt), "--", "touch", str(marker)],
-                           capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            [sys.executable, "-I", "-S", str(_CONFINE_SCRIPT), str(filt), "--", "touch", str(marker)],
+            capture_output=True, text=True, timeout=30)
         assert r.returncode == 126 and "ares-confine" in r.stderr, r
         assert not marker.exists()
     good = tmp_path / "good.bpf"
@@ -240,7 +250,8 @@ async def test_transfers_never_follow_an_agents_symlink_onto_the_host(tmp_path: 
     payload.write_text("from the verifier\n")
     async with sandbox.LocalSandbox(_spec("local")) as sb:
         # The same path exists inside too (in the sandbox's private /tmp), so the link resolves there.
-        planted = await sb.exec(f"mkdir -p {target} && chmod 777 {target} && ln -s {target} link", user="agent",
+        planted = await sb.exec(f"mkdir -p {target} && chmod 777 {target} && ln -s {target} link",
+                                user="agent",
                                 timeout=30)
         assert planted.ok, planted
         await sb.upload_file(payload, "link/x.txt")
@@ -258,13 +269,16 @@ async def test_transfers_never_follow_an_agents_symlink_onto_the_host(tmp_path: 
 # ------------------------------------------------------------------------------------------- network
 
 
-async def test_no_network_but_the_forwarded_socket(isolated_backend: str, host_port: int, unix_http: UnixHTTP) -> None:
+async def test_no_network_but_the_forwarded_socket(isolated_backend: str, host_port: int,
+                                                   unix_http: UnixHTTP) -> None:
     spec = _spec(isolated_backend, forwards={FORWARD_PORT: unix_http.path})
     async with sandbox.create(spec, backend=isolated_backend) as sb:
         # The host's loopback services (the gateway's TCP port among them) cannot be reached...
-        assert (await _connect_from_inside(sb, host_port)).startswith("failed"), "reached a host loopback port"
+        assert (await _connect_from_inside(sb, host_port)).startswith(
+            "failed"), "reached a host loopback port"
         # ... there is no route anywhere and no interface but lo ...
-        r = await sb.exec("tail -n +2 /proc/net/route; tail -n +3 /proc/net/dev | cut -d: -f1", user="agent", timeout=30)
+        r = await sb.exec("tail -n +2 /proc/net/route; tail -n +3 /proc/net/dev | cut -d: -f1", user="agent",
+                          timeout=30)
         assert r.stdout.split() == ["lo"], r
         # ... but the session's socket is, through the relay on the sandbox's own loopback.
         got = await sb.exec(["python3", "-c", _GET, str(FORWARD_PORT)], user="agent", cwd="/", timeout=60)
@@ -294,7 +308,8 @@ async def test_forward_after_start_many_connections_and_large_bodies(
             "    return urllib.request.urlopen(req, timeout=60).read() == body\n"
             "with cf.ThreadPoolExecutor(64) as ex: print(sum(ex.map(one, range(200))))\n"
         )
-        r = await sb.exec(["python3", "-c", script, str(FORWARD_PORT + 1)], user="agent", cwd="/", timeout=180)
+        r = await sb.exec(["python3", "-c", script, str(FORWARD_PORT + 1)], user="agent", cwd="/",
+                          timeout=180)
         assert r.stdout.strip() == "200", r
         if isolated_backend == "docker":
             outside = tempfile.mkdtemp(dir="/tmp")
@@ -313,12 +328,14 @@ async def test_forward_refuses_host_networking_and_unsupported_backends(tmp_path
         SandboxSpec(network="none", forwards={0: "/x.sock"})
 
 
-async def test_a_daytona_sandbox_whose_tunnel_cannot_start_is_removed(daytona_fake: Any, tmp_path: Path) -> None:
+async def test_a_daytona_sandbox_whose_tunnel_cannot_start_is_removed(daytona_fake: Any,
+                                                                      tmp_path: Path) -> None:
     # Daytona forwards over the exec tunnel (tests/sandbox/test_tunnel_daytona.py); when the relay cannot
     # be installed (here: a relay directory that cannot exist) start fails and nothing is left behind.
     from bench.support.daytona_fake import API_KEY
 
-    spec = SandboxSpec(image=AGENT_IMAGE, network="none", workdir=str(tmp_path), forwards={FORWARD_PORT: "/x.sock"})
+    spec = SandboxSpec(image=AGENT_IMAGE, network="none", workdir=str(tmp_path),
+                       forwards={FORWARD_PORT: "/x.sock"})
     sb = sandbox.create(spec, backend="daytona", api_key=API_KEY, api_url=daytona_fake.api_url,
                         relay_dir="/proc/ares-no-such-dir")
     with pytest.raises(ForwardError, match="installing the relay"):
@@ -329,7 +346,8 @@ async def test_a_daytona_sandbox_whose_tunnel_cannot_start_is_removed(daytona_fa
 # ------------------------------------------------------------------------------------------- processes
 
 
-async def test_a_detached_loop_survives_exec_but_not_kill_processes(isolated_backend: str, unix_http: UnixHTTP) -> None:
+async def test_a_detached_loop_survives_exec_but_not_kill_processes(isolated_backend: str,
+                                                                    unix_http: UnixHTTP) -> None:
     spec = _spec(isolated_backend, forwards={FORWARD_PORT: unix_http.path})
     async with sandbox.create(spec, backend=isolated_backend) as sb:
         await sb.exec("mkdir -p /tmp/v && chmod 777 /tmp/v", timeout=30)
@@ -342,8 +360,9 @@ async def test_a_detached_loop_survives_exec_but_not_kill_processes(isolated_bac
         assert alive.stdout.strip() == "1.0", "the detached loop did not survive its exec"
         killed = await sb.kill_processes()
         assert killed >= 2
-        after = await sb.exec("rm -f /tmp/v/reward.txt; sleep 0.5; cat /tmp/v/reward.txt 2>/dev/null || echo gone",
-                              timeout=30)
+        after = await sb.exec(
+            "rm -f /tmp/v/reward.txt; sleep 0.5; cat /tmp/v/reward.txt 2>/dev/null || echo gone",
+            timeout=30)
         assert after.stdout.strip() == "gone", "an agent process survived kill_processes()"
         assert await sb.kill_processes() == 0
         # The sandbox and its relay still work for the verifier.

@@ -21,9 +21,11 @@ CHILD = Path(__file__).parent / "janitor_child.py"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _spawn(mode: str, backends: str, env: dict[str, str]) -> tuple[subprocess.Popen[str], list[dict[str, Any]]]:
+def _spawn(mode: str, backends: str, env: dict[str, str]) -> tuple[subprocess.Popen[str],
+                                                                   list[dict[str, Any]]]:
     proc = subprocess.Popen(
-        [sys.executable, str(CHILD), mode, backends], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, str(CHILD), mode, backends], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
         env=env, cwd=str(REPO),
     )
     assert proc.stdout is not None
@@ -147,7 +149,8 @@ def test_owner_status_sees_through_pid_reuse() -> None:
     reused = {**me, janitor.OWNER_LABEL: f"{host}:{pid}:{int(start) + 1}"}
     assert janitor.owner_status(reused) == "dead"
     assert janitor.owner_status({janitor.OWNER_LABEL: f"{host}:999999999:1"}) == "dead"
-    assert janitor.owner_status({janitor.OWNER_LABEL: "other-host:1:1", janitor.SESSION_LABEL: "x"}) == "unknown"
+    assert janitor.owner_status(
+        {janitor.OWNER_LABEL: "other-host:1:1", janitor.SESSION_LABEL: "x"}) == "unknown"
 
 
 def test_an_owner_that_exited_but_was_never_reaped_is_dead() -> None:

@@ -88,7 +88,8 @@ def kubeconfig(kube_fake: KubeFake, tmp_path: Path) -> str:
 
 def _new(kubeconfig: str, **spec: Any) -> KubernetesSandbox:
     options = {k: spec.pop(k) for k in ("tunnel_ping_interval",) if k in spec}
-    return KubernetesSandbox(SandboxSpec(**spec), kubeconfig=kubeconfig, namespace=NAMESPACE, default_image=IMAGE,
+    return KubernetesSandbox(SandboxSpec(**spec), kubeconfig=kubeconfig, namespace=NAMESPACE,
+                             default_image=IMAGE,
                              **options)
 
 
@@ -100,7 +101,8 @@ def backend() -> str:
 
 
 @pytest.fixture
-async def make_sandbox(fake: KubeFake, kubeconfig: str) -> AsyncIterator[Callable[..., Awaitable[KubernetesSandbox]]]:
+async def make_sandbox(fake: KubeFake,
+                       kubeconfig: str) -> AsyncIterator[Callable[..., Awaitable[KubernetesSandbox]]]:
     made: list[KubernetesSandbox] = []
 
     async def factory(start: bool = True, **kwargs: Any) -> KubernetesSandbox:
@@ -131,7 +133,8 @@ async def test_pod_and_its_egress_deny_policy_at_the_wire(fake: KubeFake, kubeco
         meta, pspec = pod["metadata"], pod["spec"]
         [container] = pspec["containers"]
         assert container["image"] == IMAGE and {"name": "A", "value": "1"} in container["env"]
-        assert container["resources"]["requests"] == {"cpu": "2", "memory": str(3 << 30), "ephemeral-storage": str(10 << 30)}
+        assert container["resources"]["requests"] == {"cpu": "2", "memory": str(3 << 30),
+                                                      "ephemeral-storage": str(10 << 30)}
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert pspec["automountServiceAccountToken"] is False and pspec["enableServiceLinks"] is False
         assert pspec["restartPolicy"] == "Never"
@@ -146,7 +149,8 @@ async def test_pod_and_its_egress_deny_policy_at_the_wire(fake: KubeFake, kubeco
         assert not policy.get("egress") and not policy.get("ingress")
         selector = policy["podSelector"]["matchLabels"]
         pod_b = next(p for p in fake.created_pods if p["metadata"]["name"] == b.pod_name)
-        assert _labels_match(selector, meta["labels"]) and not _labels_match(selector, pod_b["metadata"]["labels"])
+        assert _labels_match(selector, meta["labels"]) and not _labels_match(selector,
+                                                                             pod_b["metadata"]["labels"])
         # Created before the pod.
         mine = [r for r in fake.requests[before:] if r.startswith("POST")]
         assert mine[0].endswith("/networkpolicies") and mine[1].endswith("/pods")
@@ -186,8 +190,10 @@ async def test_stop_removes_the_pod_and_is_idempotent(fake: KubeFake, kubeconfig
         await sb2.start()
 
 
-async def test_a_pod_that_cannot_start_is_a_clear_error_and_leaves_nothing(fake: KubeFake, kubeconfig: str) -> None:
-    sb = KubernetesSandbox(SandboxSpec(image="registry.invalid/missing:1", network="none"), kubeconfig=kubeconfig,
+async def test_a_pod_that_cannot_start_is_a_clear_error_and_leaves_nothing(fake: KubeFake,
+                                                                           kubeconfig: str) -> None:
+    sb = KubernetesSandbox(SandboxSpec(image="registry.invalid/missing:1", network="none"),
+                           kubeconfig=kubeconfig,
                            namespace=NAMESPACE, start_timeout=20)
     with pytest.raises(sandbox.SandboxStartError, match="ErrImagePull"):
         await sb.start()
@@ -217,7 +223,8 @@ async def test_the_token_never_shows_in_errors_or_logs(fake: KubeFake, kubeconfi
         await sb.start()
     assert "401" in str(info.value)
     async with _new(kubeconfig) as good:
-        assert (await good.exec("echo $CALL_SECRET", env={"CALL_SECRET": "s3cr3t"}, timeout=30)).stdout == "s3cr3t\n"
+        assert (await good.exec("echo $CALL_SECRET", env={"CALL_SECRET": "s3cr3t"},
+                                timeout=30)).stdout == "s3cr3t\n"
         fake.call(_remove_pod(fake, good.pod_name))  # the pod goes away under the sandbox: exec fails clearly
         with pytest.raises(sandbox.ExecError, match="HTTP 404") as gone:
             await good.exec("echo hi", env={"CALL_SECRET": "s3cr3t"}, timeout=30)
@@ -234,7 +241,8 @@ async def _remove_pod(fake: KubeFake, name: str) -> None:
     await fake._remove(pod)
 
 
-async def test_v4_fallback_runs_commands_and_moves_files(fake: KubeFake, kubeconfig: str, tmp_path: Path) -> None:
+async def test_v4_fallback_runs_commands_and_moves_files(fake: KubeFake, kubeconfig: str,
+                                                         tmp_path: Path) -> None:
     fake.protocols = V4
     src = tmp_path / "in.bin"
     src.write_bytes(os.urandom(300_000) + bytes(range(256)))
@@ -265,12 +273,15 @@ async def test_v5_half_closes_stdin(fake: KubeFake, kubeconfig: str) -> None:
         assert out == data and err == b"" and kube.exit_code(status) == 0
 
 
-async def test_kill_processes_spares_pid_1_and_the_relays(fake: KubeFake, kubeconfig: str, session: Session) -> None:
+async def test_kill_processes_spares_pid_1_and_the_relays(fake: KubeFake, kubeconfig: str,
+                                                          session: Session) -> None:
     async with _new(kubeconfig, network="none", forwards={18080: session.path}) as sb:
         for user in ("nobody", None):
-            r = await sb.exec("setsid sh -c 'sleep 300' >/dev/null 2>&1 </dev/null & echo $!", user=user, timeout=30)
+            r = await sb.exec("setsid sh -c 'sleep 300' >/dev/null 2>&1 </dev/null & echo $!", user=user,
+                              timeout=30)
             assert r.ok, r
-        count = "ps_count() { n=0; for d in /proc/[0-9]*; do case $(cat $d/comm 2>/dev/null) in sleep) n=$((n+1));; esac; done; echo $n; }; ps_count"
+        count = ("ps_count() { n=0; for d in /proc/[0-9]*; do case $(cat $d/comm 2>/dev/null) in sleep) "
+                 "n=$((n+1));; esac; done; echo $n; }; ps_count")
         before = int((await sb.exec(count, timeout=30)).stdout)
         assert await sb.kill_processes(user="nobody") >= 1  # its sleep (and the sh above it)
         assert int((await sb.exec(count, timeout=30)).stdout) == before - 1
@@ -357,7 +368,8 @@ class KubeHarness(Harness):
 
     async def client(self, what: str) -> dict[str, Any]:
         assert self.sb is not None
-        r = await self.sb.exec(["python3", "-c", CLIENT, str(self.port), what], user="nobody", cwd="/", timeout=180)
+        r = await self.sb.exec(["python3", "-c", CLIENT, str(self.port), what], user="nobody", cwd="/",
+                               timeout=180)
         assert r.ok, r
         return dict(json.loads(r.stdout))
 
@@ -367,7 +379,8 @@ class KubeHarness(Harness):
 
 
 @pytest.fixture(params=["v5", "v4"])
-async def harness(request: pytest.FixtureRequest, fake: KubeFake, kubeconfig: str) -> AsyncIterator[KubeHarness]:
+async def harness(request: pytest.FixtureRequest, fake: KubeFake,
+                  kubeconfig: str) -> AsyncIterator[KubeHarness]:
     fake.protocols = PROTOCOLS if request.param == "v5" else V4
     # The SDK's first import (some 30 MB of API models) happens here, not inside the hostile test's
     # memory window (whose pod starts only with its first channel): a cost per process, not per channel.
@@ -386,7 +399,8 @@ async def test_the_fake_cutting_the_websocket_mid_response_and_the_agents_retry_
         assert h.sb is not None
         call = asyncio.ensure_future(h.client("retry"))
         await asyncio.wait_for(session.first_chat_started.wait(), 60)
-        assert fake.drop_execs(h.sb.pod_name, running="relay.py") == 1  # the tunnel's WebSocket goes, no close frame
+        # the tunnel's WebSocket goes, no close frame
+        assert fake.drop_execs(h.sb.pod_name, running="relay.py") == 1
         result = await asyncio.wait_for(call, 120)
         assert result["answer"] == "hello after retry" and result["attempts"] >= 2, result
         assert session.chat_calls >= 2
@@ -448,7 +462,8 @@ async def test_a_pod_reaches_only_its_own_session(fake: KubeFake, kubeconfig: st
         await other.start()
         try:
             await sb.forward(h.port + 1, other.path)
-            r = await sb.exec(["python3", "-c", CLIENT, str(h.port + 1), "traffic"], user="nobody", cwd="/", timeout=120)
+            r = await sb.exec(["python3", "-c", CLIENT, str(h.port + 1), "traffic"], user="nobody", cwd="/",
+                              timeout=120)
             assert json.loads(r.stdout)["concurrent"] == N_CONCURRENT, r
             assert other.together.is_set() and not session.together.is_set()
             assert "exec tunnel" in sb.description
@@ -519,15 +534,18 @@ async def test_an_episode_runs_in_a_pod_behind_its_egress_deny_policy_over_the_t
     d = tmp_path / "greet"
     (d / "tests").mkdir(parents=True)
     (d / "solution").mkdir()
-    (d / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 120\n[verifier]\ntimeout_sec = 60\n')
+    (d / "task.toml").write_text(
+        'version = "1.0"\n[agent]\ntimeout_sec = 120\n[verifier]\ntimeout_sec = 60\n')
     (d / "instruction.md").write_text("Write hello to greeting.txt\n")
     (d / "solution" / "solve.sh").write_text("#!/bin/sh\necho hello > greeting.txt\n")
-    (d / "tests" / "test.sh").write_text('#!/bin/sh\nv="${ARES_VERIFIER_DIR:-/logs/verifier}"; mkdir -p "$v"\n'
-                                         'if grep -q hello /workspace/greeting.txt; then echo 1 > "$v/reward.txt"; '
-                                         'else echo 0 > "$v/reward.txt"; fi\n')
+    (d / "tests" / "test.sh").write_text(
+        '#!/bin/sh\nv="${ARES_VERIFIER_DIR:-/logs/verifier}"; mkdir -p "$v"\n'
+        'if grep -q hello /workspace/greeting.txt; then echo 1 > "$v/reward.txt"; '
+        'else echo 0 > "$v/reward.txt"; fi\n')
     pods_before = len(fake.created_pods)
     summary = await run_rollouts([Task.load(d)], harness="tiny-agent", policy=make_policy("oracle"),
-                                 sandbox="kubernetes", image=IMAGE, out=tmp_path / "out", stats="null", time_limit=120)
+                                 sandbox="kubernetes", image=IMAGE, out=tmp_path / "out", stats="null",
+                                 time_limit=120)
     [e] = summary.episodes
     assert e.exit_reason == "completed" and e.reward == 1.0, e
     assert e.network == "relay" and e.turns >= 2
@@ -542,11 +560,13 @@ async def test_an_episode_runs_in_a_pod_behind_its_egress_deny_policy_over_the_t
     for pod in pods:
         name = pod["metadata"]["name"]
         assert f"{name}-deny" in fake.deleted_policies and name in fake.deleted_pods
-        assert not any(n == name for _, n in fake.pods) and not any(n == f"{name}-deny" for _, n in fake.policies)
+        assert not any(n == name for _, n in fake.pods) and not any(n == f"{name}-deny" for _,
+                                                                    n in fake.policies)
 
 
 @pytest.mark.parametrize("how", ["start time", "owner"])
-async def test_a_relay_record_naming_another_process_spares_nothing(fake: KubeFake, kubeconfig: str, session: Session,
+async def test_a_relay_record_naming_another_process_spares_nothing(fake: KubeFake, kubeconfig: str,
+                                                                    session: Session,
                                                                    how: str) -> None:
     """The pid a dead relay's files still name, taken by another user's process (as pid reuse would
     have it): kill_processes() kills it.  The record differs from it by start time, or by owner."""
@@ -557,8 +577,9 @@ async def test_a_relay_record_naming_another_process_spares_nothing(fake: KubeFa
         stat = await sb.exec(f"cat /proc/{other}/stat /proc/{relay}/stat", timeout=30)
         other_start, relay_start = (line.rsplit(")", 1)[1].split()[19] for line in stat.stdout.splitlines())
         start = relay_start if how == "start time" else other_start
-        forged = await sb.exec(f"echo {other} >/.ares/relay-18080.pid; echo '{other} {start}' >/.ares/relay-18080.id",
-                               timeout=30)
+        forged = await sb.exec(
+            f"echo {other} >/.ares/relay-18080.pid; echo '{other} {start}' >/.ares/relay-18080.id",
+            timeout=30)
         assert forged.ok, forged
         await sb.kill_processes(timeout=20)
         left = await sb.exec(f"s=$(cut -d')' -f2 /proc/{other}/stat 2>/dev/null | cut -d' ' -f2); "
@@ -572,6 +593,7 @@ async def test_a_timed_out_command_is_killed_by_roots_record(fake: KubeFake, kub
     async with _new(kubeconfig, network="none") as sb:
         r = await sb.exec("ls /.ares/exec 2>&1; sleep 4322", user="nobody", timeout=2)
         assert r.timed_out and "Permission denied" in r.stdout, r
-        left = await sb.exec("for d in /proc/[0-9]*; do cat $d/cmdline 2>/dev/null | tr '\\0' ' '; echo; done "
-                             "| grep -c '^sleep 4322' || true", timeout=30)
+        left = await sb.exec(
+            "for d in /proc/[0-9]*; do cat $d/cmdline 2>/dev/null | tr '\\0' ' '; echo; done "
+            "| grep -c '^sleep 4322' || true", timeout=30)
         assert left.stdout.strip() == "0", left

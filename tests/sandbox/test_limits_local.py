@@ -58,7 +58,8 @@ def _pgrep(needle: str) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and needle.encode() in Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" "):
+            if (entry.isdigit()
+                and needle.encode() in Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")):
                 found.append(int(entry))
         except OSError:
             continue
@@ -127,7 +128,8 @@ async def test_pids_limit_refuses_forks_and_kill_processes_cleans_up(local_root:
     try:
         assert sb.limits_enforced == {"pids"}
         (sb.root / "tmp" / "bomb.py").write_text(BOMB)
-        launched = await sb.exec("setsid nohup python3 /tmp/bomb.py >/dev/null 2>&1 </dev/null &", user="agent",
+        launched = await sb.exec("setsid nohup python3 /tmp/bomb.py >/dev/null 2>&1 </dev/null &",
+                                 user="agent",
                                  timeout=30)
         assert launched.ok, launched
         out = sb.root / "tmp" / "bomb.out"
@@ -275,7 +277,8 @@ def test_cgroup_v2_files_on_a_plain_directory(tmp_path: Path) -> None:
 
 
 def test_mountinfo_layouts_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pure_v2 = "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
+    pure_v2 = ("30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 "
+               "rw,nsdelegate\n")
     hybrid = ("41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"
               "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
               "39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids\n"
@@ -284,7 +287,8 @@ def test_mountinfo_layouts_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
     def fake(text: str) -> None:
         monkeypatch.setattr(Path, "read_text",
-                            lambda self, *a, **k: text if str(self) == "/proc/self/mountinfo" else real_read(self))
+                            lambda self, *a,
+                            **k: text if str(self) == "/proc/self/mountinfo" else real_read(self))
 
     fake(pure_v2)
     assert [(m[1], m[2]) for m in cgroups._mounts()] == [(Path("/sys/fs/cgroup"), "cgroup2")]

@@ -170,13 +170,15 @@ async def test_the_stand_in_has_the_sdks_surface() -> None:
     from modal.container_process import ContainerProcess
 
     sdk = {"process": ContainerProcess, "stdin": io_streams.StreamWriter, "stdout": io_streams.StreamReader}
-    proc = await asyncio.create_subprocess_exec("true", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    proc = await asyncio.create_subprocess_exec("true", stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE)
     fake = FakeProcess(proc)
     ours = {"process": fake, "stdin": fake.stdin, "stdout": fake.stdout}
     for owner, name, kind in _PROCESS_SURFACE:
         assert _kind_ok(sdk[owner], name, kind, on_class=True), f"modal's {owner}.{name} is not {kind}"
-        assert _kind_ok(ours[owner], name, kind, on_class=False), f"the stand-in's {owner}.{name} is not {kind}"
+        assert _kind_ok(ours[owner], name, kind,
+                        on_class=False), f"the stand-in's {owner}.{name} is not {kind}"
     assert await fake.wait.aio() == 0 and fake.returncode == 0
     for name in ("exec", "terminate", "set_tags", "get_tags", "from_id", "list"):
         assert hasattr(getattr(modal.Sandbox, name), "aio"), name
@@ -192,7 +194,8 @@ async def test_the_stand_in_has_the_sdks_surface() -> None:
     assert io_streams.TASK_COMMAND_ROUTER_MAX_BUFFER_SIZE == MAX_BUFFER >= 1024 * 1024
 
 
-def test_constructor_checks_and_credentials_are_named_not_shown(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_constructor_checks_and_credentials_are_named_not_shown(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
     monkeypatch.delenv("MODAL_TOKEN_ID", raising=False)
     monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-secret-xyz")
     monkeypatch.setenv("MODAL_CONFIG_PATH", str(tmp_path / "none.toml"))
@@ -218,7 +221,8 @@ def test_create_arguments_follow_the_spec() -> None:
     assert kwargs["env"] == {"A": "1"} and kwargs["timeout"] == 900 and kwargs["app"] == "APP"
     assert isinstance(kwargs["image"], modal.Image)
     tags = kwargs["tags"]
-    assert tags == sb.tags() and tags["task"] == "t1" and tags[MODAL_TAG] == "modal" and tags[sandbox.janitor.SANDBOX_LABEL] == sb.id
+    assert tags == sb.tags() and tags["task"] == "t1" and tags[MODAL_TAG] == "modal" and tags[
+        sandbox.janitor.SANDBOX_LABEL] == sb.id
     assert sandbox.janitor.OWNER_LABEL in tags
     open_sb = ModalSandbox(sandbox.SandboxSpec(), sandbox=object())
     assert open_sb._create_kwargs(modal, "APP")["block_network"] is False
@@ -234,7 +238,8 @@ async def test_exec_cwd_env_user_stderr_exit_code_and_timeout_kills_the_group(vi
     fake: FakeModalSandbox = getattr(handle, "_sandbox", handle)
     try:
         r = await sb.exec("echo out; echo err >&2; pwd; echo $FROM_SPEC $X; exit 7", env={"X": "x y"})
-        assert (r.stdout, r.stderr, r.exit_code, r.timed_out) == ("out\n/workspace\ns x y\n", "err\n", 7, False)
+        assert (r.stdout, r.stderr, r.exit_code, r.timed_out) == ("out\n/workspace\ns x y\n", "err\n", 7,
+                                                                  False)
         r = await sb.exec(["printf", "%s", "a 'quoted' $arg"], cwd="/tmp")
         assert r.stdout == "a 'quoted' $arg" and r.ok
         r = await sb.exec("id -un", user="nobody", cwd="/")
@@ -246,8 +251,9 @@ async def test_exec_cwd_env_user_stderr_exit_code_and_timeout_kills_the_group(vi
         r = await sb.exec("sleep 300 & echo $! >/tmp/child; sleep 300", timeout=1)
         assert r.timed_out and r.exit_code == -9 and time.monotonic() - started < 20
         # (A zombie is gone too: the fake's PID 1 is a bare `sleep`, which reaps no orphans.)
-        r = await sb.exec('st=$(sed -n "s/^State:[[:space:]]*//p" /proc/$(cat /tmp/child)/status 2>/dev/null); '
-                          'case $st in ""|Z*) echo gone;; *) echo alive;; esac')
+        r = await sb.exec(
+            'st=$(sed -n "s/^State:[[:space:]]*//p" /proc/$(cat /tmp/child)/status 2>/dev/null); '
+            'case $st in ""|Z*) echo gone;; *) echo alive;; esac')
         assert r.stdout.strip() == "gone", r
         # Binary-safe, large output over the stream.
         r = await sb.exec("head -c 3000000 /dev/zero | tr '\\0' x")
@@ -270,7 +276,8 @@ async def test_files_travel_as_tar_over_the_exec(tmp_path: Path, via: str) -> No
     sb, _ = await _adopted(via=via)
     try:
         await sb.upload_dir(src, "proj")
-        r = await sb.exec("cat sub/b.txt; echo; ./run.sh; sha256sum a.bin | cut -c1-64", cwd="/workspace/proj")
+        r = await sb.exec("cat sub/b.txt; echo; ./run.sh; sha256sum a.bin | cut -c1-64",
+                          cwd="/workspace/proj")
         assert r.stdout.split() == ["bee", "ran", hashlib.sha256((src / "a.bin").read_bytes()).hexdigest()], r
         await sb.upload_file(src / "sub" / "b.txt", "/tmp/deep/er/b2.txt")
         assert (await sb.exec("cat /tmp/deep/er/b2.txt")).stdout == "bee"
@@ -279,7 +286,8 @@ async def test_files_travel_as_tar_over_the_exec(tmp_path: Path, via: str) -> No
         assert (tmp_path / "got" / "x" / "m.txt").read_text() == "made"
         big = (tmp_path / "got" / "big").read_bytes()
         assert len(big) == 5_000_000
-        assert (await sb.exec("sha256sum out/big | cut -c1-64")).stdout.strip() == hashlib.sha256(big).hexdigest()
+        assert (await sb.exec("sha256sum out/big | cut -c1-64")).stdout.strip() == hashlib.sha256(
+            big).hexdigest()
         await sb.download_file("proj/a.bin", tmp_path / "one" / "a.bin")
         assert (tmp_path / "one" / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
         with pytest.raises(sandbox.FileTransferError, match="no such file"):
@@ -291,7 +299,8 @@ async def test_files_travel_as_tar_over_the_exec(tmp_path: Path, via: str) -> No
 
 
 @pytest.mark.parametrize("via", ["stand-in", "sdk"])
-async def test_forward_reaches_only_its_own_session_and_survives_kill_processes(session: Session, via: str) -> None:
+async def test_forward_reaches_only_its_own_session_and_survives_kill_processes(session: Session,
+                                                                                via: str) -> None:
     _need_fake()
     h = ModalHarness(via)
     try:
@@ -333,14 +342,16 @@ async def test_forward_reaches_only_its_own_session_and_survives_kill_processes(
         await h.close()
 
 
-async def test_forward_needs_python3_in_the_image_and_says_so(session: Session, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_forward_needs_python3_in_the_image_and_says_so(session: Session,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     _need_fake()
     sb, fake = await _adopted()
     real = fake.exec.aio
 
     async def no_python(*args: str, **kwargs: Any) -> FakeProcess:
         if args[:2] == ("/bin/sh", "-c") and "command -v python3" in args[2]:
-            args = (args[0], args[1], args[2].replace("command -v python3", "command -v no-such-python3"), *args[3:])
+            args = (args[0], args[1], args[2].replace("command -v python3", "command -v no-such-python3"),
+                    *args[3:])
         return await real(*args, **kwargs)
 
     monkeypatch.setattr(fake.exec, "aio", no_python)
@@ -364,7 +375,8 @@ async def test_the_channel_bounds_what_it_buffers_for_a_slow_reader() -> None:
         held = len(ch.reader._buffer)  # type: ignore[attr-defined]
         assert 0 < held <= 2 * 256 * 1024 + 65536, held
         ch.writer.write(b"x" * 4096)
-        assert ch.writer.transport.get_write_buffer_size() >= 4096 or ch.writer.transport.get_write_buffer_size() == 0
+        assert (ch.writer.transport.get_write_buffer_size() >= 4096
+                or ch.writer.transport.get_write_buffer_size() == 0)
         await asyncio.wait_for(ch.writer.drain(), 5)  # the sh reads nothing, but the pipe takes 4 KiB
         await ch.close()
         await ch.close()  # idempotent
@@ -422,8 +434,9 @@ async def test_a_relay_record_naming_another_process_spares_nothing(session: Ses
         stat = await sb.exec(f"cat /proc/{other}/stat /proc/{relay}/stat", cwd="/")
         other_start, relay_start = (line.rsplit(")", 1)[1].split()[19] for line in stat.stdout.splitlines())
         start = relay_start if how == "start time" else other_start
-        forged = await sb.exec(f"echo {other} >/.ares/relay-{PORT}.pid; echo '{other} {start}' >/.ares/relay-{PORT}.id",
-                               cwd="/")
+        forged = await sb.exec(
+            f"echo {other} >/.ares/relay-{PORT}.pid; echo '{other} {start}' >/.ares/relay-{PORT}.id",
+            cwd="/")
         assert forged.ok, forged
         await sb.kill_processes(timeout=20)
         left = await sb.exec(f"s=$(cut -d')' -f2 /proc/{other}/stat 2>/dev/null | cut -d' ' -f2); "

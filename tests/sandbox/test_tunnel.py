@@ -59,7 +59,8 @@ from .conftest import AGENT_IMAGE, docker_required
 RELAY = str(Path(_relay.__file__).resolve())
 # A real 3.8 interpreter (not pyenv's shim, which refuses versions that are not selected).
 PY38 = next((p for p in [*sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.8.*/bin/python3"))),
-                         shutil.which("python3.8")] if p and "/shims/" not in p and os.access(p, os.X_OK)), None)
+                         shutil.which("python3.8")] if p and "/shims/" not in p and os.access(p, os.X_OK)),
+            None)
 SSE_EVENTS = 200
 N_CONCURRENT = 64
 
@@ -79,7 +80,8 @@ def _reader(data: bytes, *, eof: bool = True) -> asyncio.StreamReader:
 async def test_codec_round_trip_and_limits(line: bool) -> None:
     biggest = LINE_MAX_PAYLOAD if line else MAX_PAYLOAD
     frames = [(OPEN, 1, b""), (DATA, 7, bytes(range(256))), (DATA, 2**32 - 1, b"\n" * biggest), (FIN, 3, b""),
-              (RST, 3, b""), (WINDOW, 0, struct.pack(">I", 5)), (PING, 0, b"12345678"), (PONG, 0, b"12345678")]
+              (RST, 3, b""), (WINDOW, 0, struct.pack(">I", 5)), (PING, 0, b"12345678"),
+              (PONG, 0, b"12345678")]
     wire = b"".join(encode_frame(*f, line=line) for f in frames)
     if line:
         assert all(len(x) + 1 <= MAX_FRAME for x in wire.split(b"\n")), "a line over 64 KiB"
@@ -106,7 +108,8 @@ async def test_codec_rejects_bad_frames_before_reading_their_payload() -> None:
     with pytest.raises(TunnelError, match="shorter than its header"):
         await read_frame(_reader(base64.b64encode(b"abc") + b"\n"), line=True)
     with pytest.raises(TunnelError, match="line"):  # no newline within the reader's limit
-        await asyncio.wait_for(read_frame(_reader(b"A" * (_relay.READER_LIMIT + 10), eof=False), line=True), 2)
+        await asyncio.wait_for(read_frame(_reader(b"A" * (_relay.READER_LIMIT + 10), eof=False), line=True),
+                               2)
     with pytest.raises(TunnelError, match="over the limit"):  # a newline, but too far
         await read_frame(_reader(base64.b64encode(b"x" * 60000) + b"\n"), line=True)
 
@@ -191,7 +194,8 @@ async def test_host_mux_answers_pings_and_resets_streams_it_cannot_connect() -> 
     sink, reader = _Sink(), _reader(b"", eof=False)
     mux = Mux(reader, sink, connect=connect)
     run = asyncio.ensure_future(mux.run())
-    reader.feed_data(encode_frame(PING, 0, b"abcdefgh") + encode_frame(OPEN, 1) + encode_frame(DATA, 1, b"hello"))
+    reader.feed_data(encode_frame(PING, 0, b"abcdefgh") + encode_frame(OPEN, 1)
+                     + encode_frame(DATA, 1, b"hello"))
     for _ in range(100):
         if (RST, 1, b"") in sink.frames():
             break
@@ -351,7 +355,7 @@ elif what == "retry":  # what an agent SDK does: retry a dropped connection with
             out.setdefault("errors", []).append(type(exc).__name__)
             time.sleep(0.2 * 2 ** attempt)
 print(json.dumps(out))
-"""
+"""  # noqa: E501 (an embedded script, kept as it runs)
 
 # A "relay" that breaks the protocol, run over the same transport: the host must tear it down.
 HOSTILE = r"""
@@ -445,7 +449,8 @@ class LocalHarness(Harness):
 
     async def client(self, what: str) -> dict[str, Any]:
         proc = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENT, str(self.port), what,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                                                    stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
         out, err = await asyncio.wait_for(proc.communicate(), 180)
         assert proc.returncode == 0, err.decode()
         return dict(json.loads(out))
@@ -476,7 +481,8 @@ class DockerHarness(Harness):
         return lambda: docker_exec_channel(cid, ["python3", "-c", HOSTILE, mode, "binary"])
 
     async def client(self, what: str) -> dict[str, Any]:
-        r = await self.sb.exec(["python3", "-c", CLIENT, str(self.port), what], user="agent", cwd="/", timeout=180)
+        r = await self.sb.exec(["python3", "-c", CLIENT, str(self.port), what], user="agent", cwd="/",
+                               timeout=180)
         assert r.ok, r
         return dict(json.loads(r.stdout))
 
@@ -485,7 +491,8 @@ class DockerHarness(Harness):
             await self.sb.stop()
 
 
-@pytest.fixture(params=["pipe", "pipe-py3.8", "pty", "pty-line", pytest.param("docker", marks=pytest.mark.docker)])
+@pytest.fixture(
+    params=["pipe", "pipe-py3.8", "pty", "pty-line", pytest.param("docker", marks=pytest.mark.docker)])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     h: Harness
     if request.param == "pipe-py3.8" and not PY38:
@@ -502,7 +509,8 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
 # ------------------------------------------------------------------------------------ end to end
 
 
-async def test_traffic_sse_big_body_all_bytes_and_64_concurrent_streams(harness: Harness, session: Session) -> None:
+async def test_traffic_sse_big_body_all_bytes_and_64_concurrent_streams(harness: Harness,
+                                                                        session: Session) -> None:
     tunnel = await harness.open_tunnel(session)
     try:
         got = await harness.client("traffic")
@@ -518,7 +526,8 @@ async def test_traffic_sse_big_body_all_bytes_and_64_concurrent_streams(harness:
     assert not tunnel.running
 
 
-async def test_transport_drop_mid_response_and_the_agents_retry_succeeds(harness: Harness, session: Session) -> None:
+async def test_transport_drop_mid_response_and_the_agents_retry_succeeds(harness: Harness,
+                                                                         session: Session) -> None:
     tunnel = await harness.open_tunnel(session)
     try:
         if isinstance(harness, LocalHarness):
@@ -568,7 +577,8 @@ async def test_hostile_relay_is_torn_down_with_bounded_memory(
         tracemalloc.stop()
         await tunnel.close()
     assert not tunnel.running, "the channel was not torn down"
-    assert tunnel.violation is not None and expected in tunnel.violation, (tunnel.violation, tunnel.last_reason)
+    assert tunnel.violation is not None and expected in tunnel.violation, (tunnel.violation,
+                                                                           tunnel.last_reason)
     assert tunnel.channels_opened == 1, "a violating channel must not be reopened"
     assert tunnel.mux is not None and tunnel.mux.opened <= 64
     assert peak < 16 * 1024 * 1024, f"{peak / 1e6:.1f} MB held for a hostile channel"
@@ -602,7 +612,8 @@ async def test_full_duplex_load_with_stalled_readers_does_not_deadlock(kind: str
 
 
 @pytest.mark.parametrize("kind", ["pipe", "pty"])
-async def test_a_silent_channel_is_dropped_by_the_ping_deadline_and_reopened(kind: str, session: Session) -> None:
+async def test_a_silent_channel_is_dropped_by_the_ping_deadline_and_reopened(kind: str,
+                                                                             session: Session) -> None:
     # A far end that prints the marker and then never answers a ping (a hung exec, a frozen PTY).
     # (On a PTY raw first, as the relay does: else the tty turns the marker's \\n into \\r\\n.)
     argv = ["/bin/sh", "-c", "[ -t 0 ] && stty raw -echo; printf '\\n@@ARES-TUNNEL-1@@\\n'; exec sleep 60"]
@@ -624,7 +635,8 @@ async def test_a_silent_channel_is_dropped_by_the_ping_deadline_and_reopened(kin
 
 async def test_relay_exits_on_stdin_eof_and_closes_connections_over_its_limit(session: Session) -> None:
     port = free_port()
-    argv = [sys.executable, "-I", RELAY, "--listen", f"127.0.0.1:{port}", "--tunnel", "binary", "--max-connections", "4"]
+    argv = [sys.executable, "-I", RELAY, "--listen", f"127.0.0.1:{port}", "--tunnel", "binary",
+            "--max-connections", "4"]
     channels: list[Channel] = []
 
     async def opener() -> Channel:
@@ -644,7 +656,8 @@ async def test_relay_exits_on_stdin_eof_and_closes_connections_over_its_limit(se
             except TimeoutError:
                 closed.append(False)
         assert closed == [False] * 4 + [True] * 2  # over the relay's limit: closed at once, never a stream
-        assert tunnel.running and tunnel.violation is None and tunnel.mux is not None and tunnel.mux.opened == 4
+        assert (tunnel.running and tunnel.violation is None and tunnel.mux is not None
+                and tunnel.mux.opened == 4)
     finally:
         for _reader, writer in conns:
             writer.close()
@@ -659,8 +672,8 @@ async def test_relay_exits_on_stdin_eof_and_closes_connections_over_its_limit(se
         os.kill(pid, 0)
 
 
-_WAIT = ("import socket,sys,time\nfor _ in range(400):\n    try: socket.create_connection(('127.0.0.1', int(sys.argv[1])), 1).close(); break\n"
-         "    except OSError: time.sleep(0.05)\n")
+_WAIT = ("import socket,sys,time\nfor _ in range(400):\n    try: socket.create_connection(('127.0.0.1', "
+         "int(sys.argv[1])), 1).close(); break\n    except OSError: time.sleep(0.05)\n")
 _PROBE = ("import socket,sys\ns=socket.socket(); s.settimeout(3)\n"
           "try:\n s.connect(('127.0.0.1', int(sys.argv[1]))); print('connected')\n"
           "except OSError as e: print('failed', type(e).__name__)\n")
@@ -683,11 +696,13 @@ async def test_relay_over_a_pipe_into_a_bwrap_network_namespace(session: Session
     host.bind(("127.0.0.1", 0))
     host.listen(4)
     port, out = 18080, str(tmp_path)
-    script = ('{ "$PY" -c "$WAIT" $PORT && "$PY" -c "$CLIENT" $PORT traffic >"$OUT/client.json" 2>"$OUT/client.err"; '
-              '"$PY" -c "$PROBE" $HOSTPORT >"$OUT/probe.txt"; touch "$OUT/done"; } </dev/null & '
-              'exec "$PY" -I "$RELAY" --listen 127.0.0.1:$PORT --tunnel binary')
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PY": sys.executable, "WAIT": _WAIT, "CLIENT": CLIENT,
-           "PROBE": _PROBE, "RELAY": RELAY, "PORT": str(port), "HOSTPORT": str(host.getsockname()[1]), "OUT": out}
+    script = ('{ "$PY" -c "$WAIT" $PORT && "$PY" -c "$CLIENT" $PORT traffic >"$OUT/client.json" '
+              '2>"$OUT/client.err"; "$PY" -c "$PROBE" $HOSTPORT >"$OUT/probe.txt"; touch "$OUT/done"; } '
+              '</dev/null & exec "$PY" -I "$RELAY" --listen 127.0.0.1:$PORT --tunnel binary')
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PY": sys.executable, "WAIT": _WAIT,
+           "CLIENT": CLIENT,
+           "PROBE": _PROBE, "RELAY": RELAY, "PORT": str(port), "HOSTPORT": str(host.getsockname()[1]),
+           "OUT": out}
     argv = ["bwrap", "--unshare-net", "--die-with-parent", "--dev-bind", "/", "/", "/bin/sh", "-c", script]
     tunnel = Tunnel(lambda: pipe_channel(argv, env=env), session.path)
     await tunnel.start()
@@ -718,7 +733,8 @@ async def test_docker_exec_tunnel_reaches_only_its_own_session(session: Session)
         r = await sb.exec("cat /proc/mounts", user="agent", timeout=30)
         assert session.dir not in r.stdout and "/.ares/forward" not in r.stdout
         # No interface but lo, no route; a host loopback port is unreachable; the tunnel port works.
-        r = await sb.exec("tail -n +2 /proc/net/route; tail -n +3 /proc/net/dev | cut -d: -f1", user="agent", timeout=30)
+        r = await sb.exec("tail -n +2 /proc/net/route; tail -n +3 /proc/net/dev | cut -d: -f1", user="agent",
+                          timeout=30)
         assert r.stdout.split() == ["lo"], r
         host = socket.socket()
         host.bind(("127.0.0.1", 0))
@@ -738,7 +754,8 @@ async def test_docker_exec_tunnel_reaches_only_its_own_session(session: Session)
         await other.start()
         try:
             await sb.forward(h.port + 1, other.path)
-            r = await sb.exec(["python3", "-c", CLIENT, str(h.port + 1), "traffic"], user="agent", cwd="/", timeout=60)
+            r = await sb.exec(["python3", "-c", CLIENT, str(h.port + 1), "traffic"], user="agent", cwd="/",
+                              timeout=60)
             assert json.loads(r.stdout)["concurrent"] == N_CONCURRENT, r
             assert other.together.is_set() and not session.together.is_set()  # it reached the other socket
             assert "exec tunnel" in sb.description
@@ -771,7 +788,8 @@ async def test_docker_exec_tunnel_reaches_only_its_own_session(session: Session)
 
 
 @pytest.mark.docker
-async def test_episode_over_the_docker_exec_tunnel_gets_full_reward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_episode_over_the_docker_exec_tunnel_gets_full_reward(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """mini-swe-agent with the oracle policy, every LLM call over the exec tunnel: reward 1.0."""
     from ares_gateway.episodes.rollouts import run_rollouts
     from ares_gateway.episodes.tasks import load_dataset
@@ -790,18 +808,21 @@ async def test_episode_over_the_docker_exec_tunnel_gets_full_reward(tmp_path: Pa
 
     monkeypatch.setattr(tunnel_mod.Tunnel, "start", counting_start)
     task = next(t for t in load_dataset("examples").tasks if t.name == "write-greeting-file")
-    summary = await run_rollouts([task], harness="mini-swe-agent", policy=make_policy("oracle"), sandbox="docker",
+    summary = await run_rollouts([task], harness="mini-swe-agent", policy=make_policy("oracle"),
+                                 sandbox="docker",
                                  out=tmp_path / "out", stats="null", time_limit=300)
     [episode] = summary.episodes
     assert episode.exit_reason == "completed" and episode.reward == 1.0, episode.to_dict()
     assert len(started) == 1
-    assert started[0].mux is not None and started[0].mux.opened >= 1  # the agent's turns went through it (one kept-alive stream)
+    # the agent's turns went through it (one kept-alive stream)
+    assert started[0].mux is not None and started[0].mux.opened >= 1
     assert started[0].violation is None
 
 
 @pytest.mark.docker
 def test_cli_run_tunnel_exec(tmp_path: Path) -> None:
-    """`ares-gateway run --sandbox docker --tunnel exec`: reward 1.0; --tunnel is refused for other backends."""
+    """`ares-gateway run --sandbox docker --tunnel exec`: reward 1.0; --tunnel is refused for other
+    backends."""
     import subprocess
 
     from tests.helpers import cli
@@ -809,14 +830,17 @@ def test_cli_run_tunnel_exec(tmp_path: Path) -> None:
 
     require_mini("docker")
     env = {k: v for k, v in os.environ.items() if k != "ARES_DOCKER_TUNNEL"}
-    bad = subprocess.run(cli("run", "examples-mswea", "--policy", "oracle", "--sandbox", "local", "--tunnel", "exec"),
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
-    assert bad.returncode == 2 and "--tunnel exec is not a tunnel of --sandbox local" in bad.stderr, bad.stderr
+    bad = subprocess.run(
+        cli("run", "examples-mswea", "--policy", "oracle", "--sandbox", "local", "--tunnel", "exec"),
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert (bad.returncode == 2
+            and "--tunnel exec is not a tunnel of --sandbox local" in bad.stderr), bad.stderr
     assert "docker: mount, exec" in bad.stderr and "daytona: ssh, pty" in bad.stderr
     out = tmp_path / "out"
-    proc = subprocess.run(cli("run", "examples-mswea:0:1", "--policy", "oracle", "--sandbox", "docker", "--tunnel", "exec",
-                              "-n", "1", "--out", str(out), "--stats", "null"),
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400, check=False)
+    proc = subprocess.run(
+        cli("run", "examples-mswea:0:1", "--policy", "oracle", "--sandbox", "docker", "--tunnel", "exec",
+            "-n", "1", "--out", str(out), "--stats", "null"),
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [episode] = json.loads((out / "results.json").read_text())["episodes"]
     assert episode["reward"] == 1.0 and episode["exit_reason"] == "completed", episode

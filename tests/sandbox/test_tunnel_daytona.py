@@ -169,10 +169,12 @@ async def test_sandbox_life_over_the_tunnel(tunnel: str, daytona_fake: DaytonaFa
         r = await sb.exec(["python3", "-c", CLIENT, str(h.port), "traffic"], cwd="/", timeout=180)
         assert r.ok, r
         got = json.loads(r.stdout)
-        assert got["concurrent"] == N_CONCURRENT and got["bytes"] == [200, True] and got["big"][:2] == [200, True]
+        assert got["concurrent"] == N_CONCURRENT and got["bytes"] == [200, True] and got["big"][:2] == [200,
+                                                                                                        True]
         assert session.together.is_set()
         if netns_available():  # the sandbox has only its loopback: the host's listening port is out of reach
-            r = await sb.exec(["python3", "-c", _PROBE, "127.0.0.1", str(host.getsockname()[1])], cwd="/", timeout=30)
+            r = await sb.exec(["python3", "-c", _PROBE, "127.0.0.1", str(host.getsockname()[1])], cwd="/",
+                              timeout=30)
             assert r.stdout.startswith("failed"), r
             r = await sb.exec("cat /proc/net/dev | tail -n +3 | cut -d: -f1", cwd="/", timeout=30)
             assert r.stdout.split() == ["lo"], r
@@ -200,7 +202,8 @@ async def test_sandbox_life_over_the_tunnel(tunnel: str, daytona_fake: DaytonaFa
     assert not daytona_fake.unknown_routes, daytona_fake.unknown_routes
 
 
-async def test_ssh_gateway_refuses_forwards_and_revoked_tokens(daytona_fake: DaytonaFake, session: Session) -> None:
+async def test_ssh_gateway_refuses_forwards_and_revoked_tokens(daytona_fake: DaytonaFake,
+                                                               session: Session) -> None:
     """What the tunnel's SSH transport relies on, checked on the stand-in: the token is the login, a
     remote forward (``ssh -R``) is refused, and a revoked token no longer gets in."""
     import asyncssh
@@ -223,7 +226,8 @@ async def test_ssh_gateway_refuses_forwards_and_revoked_tokens(daytona_fake: Day
         await sb.stop()
         shutil.rmtree(h.dir, ignore_errors=True)
     with pytest.raises(asyncssh.PermissionDenied):
-        await asyncssh.connect(host, port, username=token, known_hosts=None, client_keys=None, agent_path=None)
+        await asyncssh.connect(host, port, username=token, known_hosts=None, client_keys=None,
+                               agent_path=None)
 
 
 async def test_bad_parameters_are_refused_and_the_ssh_command_is_parsed(daytona_fake: DaytonaFake,
@@ -241,7 +245,8 @@ async def test_bad_parameters_are_refused_and_the_ssh_command_is_parsed(daytona_
     assert "secret-token-here" not in str(info.value)
 
 
-async def test_pty_messages_stay_within_the_daemons_read_limit(daytona_fake: DaytonaFake, session: Session) -> None:
+async def test_pty_messages_stay_within_the_daemons_read_limit(daytona_fake: DaytonaFake,
+                                                               session: Session) -> None:
     """An 8 MiB body goes to the PTY in messages of at most 64 KiB: the fake closes a connection on a
     bigger one (as the daemon's read limit does), which would drop the channel."""
     h = DaytonaHarness(daytona_fake, "pty")
@@ -258,7 +263,8 @@ async def test_pty_messages_stay_within_the_daemons_read_limit(daytona_fake: Day
 
 
 @pytest.mark.skipif(not os.environ.get("DAYTONA_API_KEY"),
-                    reason="live Daytona tunnel test: set DAYTONA_API_KEY (and DAYTONA_API_URL for a self-hosted Daytona)")
+                    reason="live Daytona tunnel test: set DAYTONA_API_KEY (and DAYTONA_API_URL for a "
+                           "self-hosted Daytona)")
 @pytest.mark.parametrize("tunnel", ["ssh", "pty"])
 async def test_live_daytona_tunnel(tunnel: str) -> None:
     """A real sandbox with network_block_all: a request through the tunnel reaches a local aiohttp
@@ -299,12 +305,14 @@ def _episode_task(root: Path, work: Path, name: str, *, internet: bool) -> Any:
     (d / "tests").mkdir(parents=True)
     (d / "solution").mkdir()
     (d / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 120\n[verifier]\ntimeout_sec = 60\n'
-                                 f'[environment]\nworkdir = "{work}"\n' + ("allow_internet = true\n" if internet else ""))
+                                 f'[environment]\nworkdir = "{work}"\n'
+                                 + ("allow_internet = true\n" if internet else ""))
     (d / "instruction.md").write_text("Write hello to greeting.txt\n")
     (d / "solution" / "solve.sh").write_text("#!/bin/sh\necho hello > greeting.txt\n")
     (d / "tests" / "test.sh").write_text(
         f'#!/bin/sh\nv="${{ARES_VERIFIER_DIR:-/logs/verifier}}"; mkdir -p "$v"\n'
-        f'if grep -q hello {work}/greeting.txt; then echo 1 > "$v/reward.txt"; else echo 0 > "$v/reward.txt"; fi\n')
+        f'if grep -q hello {work}/greeting.txt; then echo 1 > "$v/reward.txt"; else echo 0 > '
+        '"$v/reward.txt"; fi\n')
     return Task.load(d)
 
 
@@ -339,7 +347,8 @@ async def test_episodes_on_daytona_run_with_the_network_blocked_and_say_how(
         tasks = [_episode_task(tmp_path, top / "closed", "closed", internet=False),
                  _episode_task(tmp_path, top / "open", "open", internet=True)]
         # One at a time: the stand-in's sandboxes share the host's disk (the harness's own folders too).
-        summary = await run_rollouts(tasks, harness="tiny-agent", policy=make_policy("oracle"), sandbox="daytona",
+        summary = await run_rollouts(tasks, harness="tiny-agent", policy=make_policy("oracle"),
+                                     sandbox="daytona",
                                      out=tmp_path / "out", stats="null", time_limit=120, concurrency=1)
     finally:
         shutil.rmtree(top, ignore_errors=True)

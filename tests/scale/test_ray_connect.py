@@ -32,7 +32,8 @@ START_SLACK_S = 30.0
 
 @pytest.fixture(autouse=True)
 def _need_ray() -> None:
-    require(importlib.util.find_spec("ray") is not None, "needs the ray extra: python3 -m pip install -e '.[ray]'")
+    require(importlib.util.find_spec("ray") is not None,
+            "needs the ray extra: python3 -m pip install -e '.[ray]'")
 
 
 def _env() -> dict[str, str]:

@@ -48,7 +48,8 @@ def _start_cluster(sandbox_root: Path) -> Any:
     # The workers inherit this process's environment: their sandboxes go under sandbox_root.
     os.environ["ARES_SANDBOX_LOCAL_ROOT"] = str(sandbox_root)
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node-a": 1},
-                                                      "node_ip_address": "127.0.0.1", "include_dashboard": False})
+                                                      "node_ip_address": "127.0.0.1",
+                                                      "include_dashboard": False})
     c.add_node(num_cpus=1, resources={"node-b": 1}, node_ip_address="127.0.0.1")
     c.wait_for_nodes()
     ray.init(address=c.address, logging_level="ERROR")
@@ -91,7 +92,8 @@ def _node_names() -> dict[str, str]:
     """Node id -> the custom resource naming it (node-a, node-b)."""
     import ray
 
-    return {n["NodeID"]: next(r for r in n["Resources"] if r.startswith("node-")) for n in ray.nodes() if n["Alive"]}
+    return {n["NodeID"]: next(r for r in n["Resources"] if r.startswith("node-")) for n in ray.nodes()
+            if n["Alive"]}
 
 
 def _sample_shape(line: str) -> tuple[Any, ...]:
@@ -106,7 +108,8 @@ async def test_oracle_with_mini_swe_agent_on_two_nodes_gives_a_local_runs_output
     require_mini()
     names = _node_names()
     ex = RayExecutor(per_node=2)
-    summary = await run_rollouts(TASKS, harness="mini-swe-agent", policy=make_policy("oracle"), sandbox="local",
+    summary = await run_rollouts(TASKS, harness="mini-swe-agent", policy=make_policy("oracle"),
+                                 sandbox="local",
                                  attempts=2, out=tmp_path / "ray", executor=ex, stats="null")
     assert len(summary.episodes) == 8 and all(e.reward == 1.0 for e in summary.episodes), summary.episodes
     assert len({e.key for e in summary.episodes}) == 8
@@ -208,7 +211,8 @@ async def test_no_node_able_to_run_the_sandboxes_is_an_error_before_any_episode(
     assert started == [] and left_behind(sandbox_root) == []
 
 
-async def test_task_folders_shipped_with_rays_working_dir(cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
+async def test_task_folders_shipped_with_rays_working_dir(cluster: Any, tmp_path: Path,
+                                                          sandbox_root: Path) -> None:
     """Tasks that exist only on the driver reach the nodes in Ray's runtime environment: the driver's
     folder is removed once the actors started, and every episode still finds its tests on its node."""
     import shutil
@@ -231,11 +235,13 @@ async def test_task_folders_shipped_with_rays_working_dir(cluster: Any, tmp_path
     summary = await run_rollouts(tasks, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
                                  out=tmp_path / "run", executor=ex, stats="null")
     assert not src.exists()
-    assert [e.reward for e in summary.episodes] == [1.0] * len(tasks), [(e.key, e.error) for e in summary.episodes]
+    assert [e.reward for e in summary.episodes] == [1.0] * len(tasks), [(e.key, e.error)
+                                                                        for e in summary.episodes]
     assert left_behind(sandbox_root) == []
 
 
-async def test_an_external_policy_polls_each_nodes_gateway(cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
+async def test_an_external_policy_polls_each_nodes_gateway(cluster: Any, tmp_path: Path,
+                                                           sandbox_root: Path) -> None:
     """The http policy on Ray: requests wait on each node's gateway, whose control URLs the executor lists;
     a trainer polling them all (with the admin token it gave) answers every episode."""
     import asyncio
@@ -265,7 +271,8 @@ async def test_an_external_policy_polls_each_nodes_gateway(cluster: Any, tmp_pat
                             meta = (await r.json()).get("metadata") or {}
                         oracle.bind(sid, agent="mini-swe-agent", task=by_name[meta["task"]])
                     answer = oracle.session_policy(sid)(item["request"], {})  # type: ignore[misc]
-                    async with http.post(f"{url}/respond", json={"id": item["id"], "completion": answer}) as r:
+                    async with http.post(f"{url}/respond",
+                                         json={"id": item["id"], "completion": answer}) as r:
                         assert r.status == 200, await r.text()
                     answered[url] = answered.get(url, 0) + 1
 
@@ -310,12 +317,14 @@ async def test_tito_on_in_process_llama_cpp_loads_one_model_per_node(cluster: An
         harness_options={"action_format": "text", "action_regex": r"\A(.+)\Z"},  # every answer a command
     )
     names = _node_names()
-    assert [e.exit_reason for e in summary.episodes] == ["step_limit"] * 2, [(e.key, e.error) for e in summary.episodes]
+    assert [e.exit_reason for e in summary.episodes] == ["step_limit"] * 2, [(e.key, e.error)
+                                                                             for e in summary.episodes]
     assert {names[e.node] for e in summary.episodes if e.node} == {"node-a", "node-b"}
     assert policy.engine._llm is None  # the driver's own copy never loaded a model: the nodes did
     for e in summary.episodes:
         assert e.fidelity and e.fidelity["turns"] == 2 and e.fidelity["trained_tokens"] > 0, e.fidelity
-        samples = [json.loads(x) for x in (tmp_path / "run" / "trajectories" / f"{e.key}.jsonl").read_text().splitlines()]
+        samples = [json.loads(x)
+                   for x in (tmp_path / "run" / "trajectories" / f"{e.key}.jsonl").read_text().splitlines()]
         trained = sum(sum(s["loss_mask"]) for s in samples)
         assert trained == e.fidelity["trained_tokens"]
         for s in samples:
@@ -336,7 +345,8 @@ def test_cli_run_on_ray(cluster: Any, tmp_path: Path, sandbox_root: Path) -> Non
     require_mini()
     out = tmp_path / "out"
     proc = subprocess.run(cli("run", "examples-mswea", "--policy", "oracle", "--sandbox", "local", "-n", "4",
-                              "--ray", cluster.address, "--ray-per-node", "2", "--stats", "null", "--out", str(out)),
+                              "--ray", cluster.address, "--ray-per-node", "2", "--stats", "null", "--out",
+                              str(out)),
                           cwd=REPO, env=_cli_env(sandbox_root), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "on Ray" in proc.stdout and "ray: 2 node(s), 2 episode(s) each" in proc.stdout
@@ -359,9 +369,11 @@ def test_cli_ctrl_c_on_ray_stops_the_episodes_and_removes_their_sandboxes(cluste
                                                                           sandbox_root: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.Popen(cli("run", "examples-tiny", "--policy", "scripted", "--command", "sleep 120",
-                                "--sandbox", "local", "-n", "4", "--ray", cluster.address, "--ray-per-node", "2",
+                                "--sandbox", "local", "-n", "4", "--ray", cluster.address, "--ray-per-node",
+                                "2",
                                 "--stats", "null", "--out", str(out)),
-                            cwd=REPO, env=_cli_env(sandbox_root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            cwd=REPO, env=_cli_env(sandbox_root), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT,
                             text=True)
     try:
         _wait_for_sandboxes(proc, sandbox_root, 4)
@@ -385,9 +397,11 @@ def test_cli_ctrl_c_on_ray_stops_the_episodes_and_removes_their_sandboxes(cluste
 def test_gc_on_ray_removes_what_a_killed_driver_left_on_the_nodes(cluster: Any, tmp_path: Path,
                                                                   sandbox_root: Path) -> None:
     proc = subprocess.Popen(cli("run", "examples-tiny", "--policy", "scripted", "--command", "sleep 120",
-                                "--sandbox", "local", "-n", "4", "--ray", cluster.address, "--ray-per-node", "2",
+                                "--sandbox", "local", "-n", "4", "--ray", cluster.address, "--ray-per-node",
+                                "2",
                                 "--stats", "null", "--out", str(tmp_path / "out")),
-                            cwd=REPO, env=_cli_env(sandbox_root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            cwd=REPO, env=_cli_env(sandbox_root), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT,
                             text=True)
     try:
         _wait_for_sandboxes(proc, sandbox_root, 4)

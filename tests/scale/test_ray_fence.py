@@ -136,7 +136,8 @@ async def test_a_version_and_a_weight_update_reach_every_nodes_turns(cluster: tu
             fencing.cancel()
         await asyncio.gather(fencing, return_exceptions=True)
     fencing.result()  # the fence's own assertions
-    assert [e.reward for e in summary.episodes] == [1.0] * len(TASKS), [(e.key, e.error) for e in summary.episodes]
+    assert [e.reward for e in summary.episodes] == [1.0] * len(TASKS), [(e.key, e.error)
+                                                                        for e in summary.episodes]
     assert all(e.turns == 2 for e in summary.episodes)  # no turn lost
     names = _node_names()
     assert {names[e.node] for e in summary.episodes if e.node} == {"node-a", "node-b"}
@@ -172,7 +173,8 @@ async def test_a_node_whose_pause_fails_leaves_the_others_resumed(cluster: tuple
     from ares_gateway.episodes.ray import RayExecutor
 
     ex = RayExecutor(per_node=1)
-    await ex.start(harness="tiny-agent", tasks=TASKS, policy=make_policy("oracle"), time_limit=None, sandbox="local")
+    await ex.start(harness="tiny-agent", tasks=TASKS, policy=make_policy("oracle"), time_limit=None,
+                   sandbox="local")
     try:
         await ex.set_policy_version(5)
         assert {s["policy_version"] for s in (await _states(ex)).values()} == {5}
@@ -190,7 +192,8 @@ async def test_a_node_whose_pause_fails_leaves_the_others_resumed(cluster: tuple
             await ex.resume_sampling(True)  # type: ignore[arg-type]
         with pytest.raises(PolicyVersionBackwardsError):
             await ex.resume_sampling(4)
-        assert {s["state"] for s in (await _states(ex)).values()} == {"paused"}  # a refused resume: still paused
+        # a refused resume: still paused
+        assert {s["state"] for s in (await _states(ex)).values()} == {"paused"}
         assert await ex.resume_sampling(6) >= 0
         assert {(s["state"], s["policy_version"]) for s in (await _states(ex)).values()} == {("sampling", 6)}
         assert ex.policy_version == 6

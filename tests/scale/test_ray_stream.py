@@ -47,7 +47,8 @@ async def test_groups_stream_from_a_ray_cluster_with_fenced_versions(tmp_path: P
                     async with source.weight_update(4):
                         pass
                     assert source.policy_version == 4
-        assert [sorted(g.members[i].attempt for i in range(2)) for g in groups if g.epoch == 1] == [[2, 3]] * 2
+        assert [sorted(g.members[i].attempt for i in range(2)) for g in groups
+                if g.epoch == 1] == [[2, 3]] * 2
         assert len(groups) == 4 and all(g.rewards == [1.0, 1.0] for g in groups)
         assert all(m.first_version == 4 for g in groups if g.epoch == 1 for m in g.members)
         assert all(m.first_version == 3 for m in groups[0].members)

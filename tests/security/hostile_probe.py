@@ -32,11 +32,13 @@ def syscall(name, *args):
 
 
 def show(who, what, r, err):
-    print(f"{who} {what} -> " + (f"ok {r}" if r >= 0 else f"refused {errno.errorcode.get(err, err)}"), flush=True)
+    print(f"{who} {what} -> " + (f"ok {r}" if r >= 0 else f"refused {errno.errorcode.get(err, err)}"),
+          flush=True)
 
 
 class FileHandle(ctypes.Structure):
-    _fields_ = [("handle_bytes", ctypes.c_uint), ("handle_type", ctypes.c_int), ("f_handle", ctypes.c_ubyte * 128)]
+    _fields_ = [("handle_bytes", ctypes.c_uint), ("handle_type", ctypes.c_int),
+                ("f_handle", ctypes.c_ubyte * 128)]
 
 
 def common(who):
@@ -45,7 +47,8 @@ def common(who):
             if line.startswith(("CapEff", "CapBnd", "Seccomp:")):
                 print(f"{who} STATUS {line.split()[0]} {line.split()[1]}", flush=True)
     cli = subprocess.run(["unshare", "-Urpf", "true"], capture_output=True, text=True)
-    print(f"{who} unshare-Urpf -> " + ("ok 0" if cli.returncode == 0 else f"refused {cli.stderr.strip()[-80:]}"),
+    print(f"{who} unshare-Urpf -> "
+          + ("ok 0" if cli.returncode == 0 else f"refused {cli.stderr.strip()[-80:]}"),
           flush=True)
     # In a child: a user namespace that works would change this process's keyrings.
     read_end, write_end = os.pipe()
@@ -85,7 +88,8 @@ def root():
         print(f"ROOT mknod(block) -> refused {errno.errorcode.get(exc.errno)}", flush=True)
     os.makedirs("/tmp/ares-mnt", exist_ok=True)
     show("ROOT", "mount(tmpfs)", *syscall("mount", b"none", b"/tmp/ares-mnt", b"tmpfs", 0, None))
-    show("ROOT", "add_key(@u)", *syscall("add_key", b"user", b"ares-root-probe", b"x", 1, KEY_SPEC_USER_KEYRING))
+    show("ROOT", "add_key(@u)",
+         *syscall("add_key", b"user", b"ares-root-probe", b"x", 1, KEY_SPEC_USER_KEYRING))
     show("ROOT", "ptrace(ATTACH, 1)", *syscall("ptrace", 16, 1, 0, 0))
     print("ROOT PROBE DONE", flush=True)
 

@@ -13,7 +13,8 @@ import urllib.error
 import urllib.request
 
 control_port, other_port, other_session, marker = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-relay = os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_BASE") or os.environ.get("ANTHROPIC_BASE_URL") or ""
+relay = (os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_BASE")
+         or os.environ.get("ANTHROPIC_BASE_URL") or "")
 own_token = next((v for v in os.environ.values() if v.startswith("ags-")), "")
 print("INFO relay", relay, "token", "yes" if own_token else "no")
 
@@ -24,7 +25,8 @@ def http(method, url, body=None, token=None):
         headers["Authorization"] = "Bearer " + token
     data = json.dumps(body).encode() if body is not None else None
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=data, method=method, headers=headers), timeout=5) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, method=method, headers=headers),
+                                    timeout=5) as r:
             return str(r.status)
     except urllib.error.HTTPError as exc:
         return str(exc.code)

@@ -35,7 +35,8 @@ async def test_control_api_needs_the_admin_token_and_is_no_token_oracle() -> Non
                     ("GET", f"/sessions/{b.session_id}/turns", None),
                     ("DELETE", f"/sessions/{b.session_id}", None),
                     # Probing whether a token is in use: a 401 whether it is (a's) or not.
-                    ("POST", "/sessions", {"token": a.token}), ("POST", "/sessions", {"token": "ags-" + "C" * 32}),
+                    ("POST", "/sessions", {"token": a.token}),
+                    ("POST", "/sessions", {"token": "ags-" + "C" * 32}),
                 ):
                     async with http.request(method, gw.url + path, json=body, headers=headers) as r:
                         assert r.status == 401, (method, path, auth, r.status)
@@ -78,11 +79,13 @@ async def test_session_socket_serves_only_its_session() -> None:
 
 @pytest.mark.parametrize("in_memory", [True, False])
 def test_serve_without_admin_token_generates_one(tmp_path: Path, in_memory: bool) -> None:
-    """The token file is written beside the data it guards (the state home with --in-memory), never the cwd."""
+    """The token file is written beside the data it guards (the state home with --in-memory), never the
+    cwd."""
     env = {k: v for k, v in os.environ.items() if k != "ARES_GATEWAY_ADMIN_TOKEN"}
     env["XDG_STATE_HOME"] = str(tmp_path / "state")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", "0", *(["--in-memory"] if in_memory else [])],
+        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", "0",
+         *(["--in-memory"] if in_memory else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
     )
     try:

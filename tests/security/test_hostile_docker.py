@@ -73,7 +73,8 @@ def _shquote(s: str) -> str:
 
 
 def _make_task(root: Path, name: str) -> Task:
-    # Builtins only while reporting, so that (were root to find the plant) the report itself is not the plant's.
+    # Builtins only while reporting, so that (were root to find the plant) the report itself is not the
+    # plant's.
     return Task.load(task_dir(root, name, solve_sh=f"#!/bin/sh\n{HONEST}\n", test_sh=(
         "#!/bin/sh\n"
         "echo '--- pwned'; [ -f /tmp/ares-pwned-by-root ] && while read -r l; do echo \"PWNED $l\"; done "
@@ -122,7 +123,8 @@ async def test_root_steps_ignore_the_agents_path_and_python_env() -> None:
     spec = SandboxSpec(image=BASE_IMAGE, network="none",
                        env={"PYTHONPATH": "/home/agent/evil", "PATH": "/home/agent/.local/bin:/usr/bin:/bin"})
     async with DockerSandbox(spec) as sb:
-        r = await sb.exec('printf "%s|%s|%s|%s" "$PATH" "$HOME" "${PYTHONPATH-unset}" "$(id -u)"', user="root",
+        r = await sb.exec('printf "%s|%s|%s|%s" "$PATH" "$HOME" "${PYTHONPATH-unset}" "$(id -u)"',
+                          user="root",
                           env={"PYTHONSTARTUP": "/home/agent/x.py", "LD_PRELOAD": "/home/agent/x.so"})
         path, home, pythonpath, uid = r.stdout.split("|")
         assert uid == "0" and home == "/root" and pythonpath == "unset"
@@ -139,7 +141,8 @@ async def test_root_steps_ignore_the_agents_path_and_python_env() -> None:
     async with DockerSandbox(SandboxSpec(image=BASE_IMAGE, network="none")) as sb:
         r = await sb.exec('printf %s "$PATH"', user="agent")
         # No PATH given: the user's own bin directories come first, then the system's.
-        assert r.stdout.startswith("/home/agent/.npm-global/bin:/home/agent/.local/bin:/usr/local/sbin"), r.stdout
+        assert r.stdout.startswith(
+            "/home/agent/.npm-global/bin:/home/agent/.local/bin:/usr/local/sbin"), r.stdout
         r = await sb.exec('printf %s "$PATH"', user="root")
         assert r.stdout == "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", r.stdout
 
@@ -156,7 +159,8 @@ async def test_kill_processes_and_file_steps_run_no_planted_program() -> None:
         assert await sb.kill_processes() >= 0
         here = Path(__file__)
         await sb.upload_file(here, "/workspace/sub/dir/copy.py")
-        pwned = await sb.exec("cat /tmp/ares-pwned-by-root 2>/dev/null; ls /logs 2>/dev/null; true", user="root")
+        pwned = await sb.exec("cat /tmp/ares-pwned-by-root 2>/dev/null; ls /logs 2>/dev/null; true",
+                              user="root")
         assert pwned.stdout == "", pwned.stdout
 
 
@@ -168,7 +172,8 @@ async def test_fork_bomb_is_refused_and_reported() -> None:
         # Bounded: 300 sleepers, each gone after 60 s at the latest (and killed below).
         # Counted by builtins: with every pid taken, nothing more can be forked to count them.
         r = await sb.exec("( for i in $(seq 300); do sleep 60 & done ) 2>/dev/null; "
-                          "n=0; for d in /proc/[0-9]*; do n=$((n+1)); done; echo $n", user="agent", timeout=60)
+                          "n=0; for d in /proc/[0-9]*; do n=$((n+1)); done; echo $n", user="agent",
+                          timeout=60)
         alive = int(r.stdout.strip().splitlines()[-1])
         assert alive <= 64, alive
         assert "pids" in await sb.limits_reached()
@@ -193,8 +198,9 @@ async def test_memory_hog_is_oom_killed_and_reported() -> None:
     require_agent_base()
     spec = SandboxSpec(image=BASE_IMAGE, network="none", resources=Resources(memory="256m"))
     async with DockerSandbox(spec) as sb:
-        r = await sb.exec("python3 -c \"b = bytearray(1536 << 20); b[::4096] = b'x' * len(b[::4096]); print('survived')\"",
-                          user="agent", timeout=120)
+        r = await sb.exec(
+            "python3 -c \"b = bytearray(1536 << 20); b[::4096] = b'x' * len(b[::4096]); print('survived')\"",
+            user="agent", timeout=120)
         assert "survived" not in r.stdout and r.exit_code == 137, (r.exit_code, r.stdout, r.stderr[-300:])
         assert "memory" in await sb.limits_reached()
         assert (await sb.exec("echo alive")).stdout == "alive\n"  # the container lives on
@@ -207,8 +213,9 @@ async def test_disk_limit_fills_the_writable_layer_and_is_reported() -> None:
         assert "disk" in sb.description
         assert await sb.limits_reached() == frozenset()
         # Everywhere the agent may write counts: the workdir, /tmp, its home.
-        r = await sb.exec("for d in /workspace /tmp $HOME; do dd if=/dev/zero of=$d/fill bs=1M count=40 2>&1; "
-                          "done; echo done", timeout=120)
+        r = await sb.exec(
+            "for d in /workspace /tmp $HOME; do dd if=/dev/zero of=$d/fill bs=1M count=40 2>&1; "
+            "done; echo done", timeout=120)
         assert "No space left on device" in r.stdout, r.stdout
         assert "disk" in await sb.limits_reached()
         assert (await sb.exec("rm -f /workspace/fill /tmp/fill $HOME/fill && echo freed")).stdout == "freed\n"

@@ -47,7 +47,8 @@ GOOD = "printf 'Hello from ARES!\\n' > greeting.txt"
 _PTH = ("import os; os.getuid() == 0 and (open('/workspace/greeting.txt', 'w').write('Hello from ARES!\\n'), "
         "print('PTH RAN AS ROOT', flush=True))\n")
 PLANT_PTH = (
-    "d=$(python3 -c 'import sys; print(\"/workspace/.local/lib/python%d.%d/site-packages\" % sys.version_info[:2])') "
+    "d=$(python3 -c 'import sys; print(\"/workspace/.local/lib/python%d.%d/site-packages\" % "
+    "sys.version_info[:2])') "
     f"&& mkdir -p $d && echo {base64.b64encode(_PTH.encode()).decode()} | base64 -d > $d/ares-forge.pth "
     "&& chmod -R a+rX /workspace/.local && ls -la $d"
 )
@@ -62,7 +63,8 @@ _SHADOW = ("import os, sys\n"
            "import pathlib\n")
 PLANT_SHADOW = f"echo {base64.b64encode(_SHADOW.encode()).decode()} | base64 -d > pathlib.py && ls -la"
 # The agent's module, which this task's verifier imports as root, is the root probe.
-PLANT_MODULE = f"echo {PROBE_B64} | base64 -d > probe.py && printf 'import probe\\nprobe.root()\\n' > solution.py"
+PLANT_MODULE = (f"echo {PROBE_B64} | base64 -d > probe.py && printf 'import probe\\nprobe.root()\\n' "
+                "> solution.py")
 # The agent's own attempts, kept for the verifier to print.
 AGENT_PROBE = "python3 probe.py agent {args} > agent-probe.txt 2>&1; cat agent-probe.txt"
 
@@ -74,13 +76,13 @@ def hostile_task(root: Path, name: str) -> Task:
                  solve_sh=f"#!/bin/sh\n{GOOD}\n", test_sh=(
         "#!/bin/sh\n"
         "echo '--- agent probe'; cat /workspace/agent-probe.txt 2>/dev/null; echo '--- root probe'\n"
-        "[ -f /workspace/solution.py ] && python3 -c 'import sys; sys.path.insert(0, \"/workspace\"); import solution' 2>&1\n"
-        "echo '--- end'\n"
+        "[ -f /workspace/solution.py ] && python3 -c 'import sys; sys.path.insert(0, \"/workspace\"); import "
+        "solution' 2>&1\necho '--- end'\n"
         "python3 - \"$ARES_VERIFIER_DIR/reward.txt\" <<'PY'\n"
         "import pathlib, sys\n"
-        "ok = pathlib.Path('greeting.txt').read_bytes() == b'Hello from ARES!\\n' if pathlib.Path('greeting.txt').is_file() else False\n"
-        "pathlib.Path(sys.argv[1]).write_text('1\\n' if ok else '0\\n')\n"
-        "PY\n"
+        "ok = pathlib.Path('greeting.txt').read_bytes() == b'Hello from ARES!\\n' if "
+        "pathlib.Path('greeting.txt').is_file() else False\npathlib.Path(sys.argv[1]).write_text('1\\n' if "
+        "ok else '0\\n')\nPY\n"
     ))
     return Task.load(d)
 
@@ -100,9 +102,12 @@ def _status(log: str, who: str, field: str) -> int:
     return int(line.split()[-1], 16)
 
 
-CAP_BITS = {"chown": 0, "dac_override": 1, "dac_read_search": 2, "fowner": 3, "fsetid": 4, "kill": 5, "setgid": 6,
-            "setuid": 7, "setpcap": 8, "net_bind_service": 10, "net_raw": 13, "sys_module": 16, "sys_rawio": 17,
-            "sys_chroot": 18, "sys_ptrace": 19, "sys_admin": 21, "mknod": 27, "audit_write": 29, "setfcap": 31}
+CAP_BITS = {"chown": 0, "dac_override": 1, "dac_read_search": 2, "fowner": 3, "fsetid": 4, "kill": 5,
+            "setgid": 6,
+            "setuid": 7, "setpcap": 8, "net_bind_service": 10, "net_raw": 13, "sys_module": 16,
+            "sys_rawio": 17,
+            "sys_chroot": 18, "sys_ptrace": 19, "sys_admin": 21, "mknod": 27, "audit_write": 29,
+            "setfcap": 31}
 
 
 async def test_hostile_agent_cannot_reach_root_the_host_or_the_next_episode(
@@ -152,7 +157,8 @@ async def test_hostile_agent_cannot_reach_root_the_host_or_the_next_episode(
     assert "ROOT PROBE DONE" in log, log[-3000:]
     root = _lines(log, "ROOT")
     for what in ("name_to_handle_at(/usr)", "open_by_handle_at(own)", "open_by_handle_at(forged-root-inode)",
-                 "mknod(block)", "mount(tmpfs)", "add_key(@u)", "ptrace(ATTACH, 1)", "unshare(CLONE_NEWUSER)"):
+                 "mknod(block)", "mount(tmpfs)", "add_key(@u)", "ptrace(ATTACH, 1)",
+                 "unshare(CLONE_NEWUSER)"):
         assert root[what] == "refused EPERM", (what, root)
     assert root["unshare-Urpf"].startswith("refused"), root
     assert "ROOT LISTED" not in log

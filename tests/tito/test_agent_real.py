@@ -53,7 +53,8 @@ async def test_mini_swe_agent_on_the_real_model(tmp_path: Path, smol_renderer) -
     [episode] = summary.episodes
     assert episode.exit_reason == "step_limit", episode
     turns = [json.loads(line) for line in (out / "turns" / f"{TASK}.0.jsonl").read_text().splitlines()]
-    samples = [json.loads(line) for line in (out / "trajectories" / f"{TASK}.0.jsonl").read_text().splitlines()]
+    samples = [json.loads(line)
+               for line in (out / "trajectories" / f"{TASK}.0.jsonl").read_text().splitlines()]
     # The agent really ran in text mode: mini's text-based config, no tool schemas sent.
     assert "mswea_bash_command" in turns[0]["request"]["messages"][0]["content"]
     assert all(not t["request"].get("tools") for t in turns)

@@ -32,7 +32,8 @@ def test_a_crashing_amx_build_fails_with_the_rebuild_command(guard, monkeypatch:
         guard.check_build()
     msg = str(info.value)
     assert "SIGSEGV" in msg and "AMX" in msg and guard.REBUILD_HINT in msg
-    assert "--no-cache-dir --force-reinstall" in guard.REBUILD_HINT and "-DGGML_NATIVE=OFF" in guard.REBUILD_HINT
+    assert ("--no-cache-dir --force-reinstall" in guard.REBUILD_HINT
+            and "-DGGML_NATIVE=OFF" in guard.REBUILD_HINT)
     # Remembered for the process: the engine's load fails the same way, without a second probe.
     monkeypatch.setattr(guard, "_PROBE", "raise SystemExit('must not run again')")
     eng = guard.LlamaCppEngine()

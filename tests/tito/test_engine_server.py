@@ -1,4 +1,5 @@
-"""EngineServer: the real llama.cpp engine served as SGLang's ``/generate``, read by the real SGLangEngine client.
+"""EngineServer: the real llama.cpp engine served as SGLang's ``/generate``, read by the real SGLangEngine
+client.
 
 Everything over loopback (127.0.0.1). What the client gets must be what the engine samples when called
 directly with the same seed: the same ids, the same logprobs (exactly: JSON carries floats losslessly),
@@ -43,7 +44,8 @@ async def served(llama_engine: Any) -> AsyncIterator[tuple[Any, EngineServer, SG
 
 
 def _prompt(smol_renderer: Any, text: str) -> list[int]:
-    return list(smol_renderer.render(smol_renderer.template_messages([Message(role="user", content=text)])).prompt_ids)
+    return list(smol_renderer.render(
+        smol_renderer.template_messages([Message(role="user", content=text)])).prompt_ids)
 
 
 async def test_the_client_gets_exactly_what_the_engine_samples(served: Any, smol_renderer: Any) -> None:
@@ -79,7 +81,8 @@ async def test_the_client_gets_exactly_what_the_engine_samples(served: Any, smol
         assert meta["completion_tokens"] == len(direct.output_ids) and meta["prompt_tokens"] == len(short)
         assert meta["finish_reason"] == {"type": "stop", "matched": direct.output_ids[-1]}
         assert [e[:2] for e in meta["output_token_logprobs"]] == [[lp, t] for t, lp in
-                                                                  zip(direct.output_ids, direct.logprobs, strict=True)]
+                                                                  zip(direct.output_ids, direct.logprobs,
+                                                                      strict=True)]
         assert isinstance(meta["sampling_seed"], int)  # drawn by the engine (the request set none)
     # The seed the engine sampled with reaches the client's result (the turn record keeps it).
     assert (await client.generate(prompt, cases[0])).extra["seed"] == 11
@@ -90,7 +93,8 @@ async def test_the_client_gets_exactly_what_the_engine_samples(served: Any, smol
 
 
 @pytest.mark.parametrize("incremental", [False, True])
-async def test_streaming_equals_not_streaming(llama_engine: Any, smol_renderer: Any, incremental: bool) -> None:
+async def test_streaming_equals_not_streaming(llama_engine: Any, smol_renderer: Any,
+                                              incremental: bool) -> None:
     server = EngineServer(llama_engine, incremental_streaming=incremental)
     await server.start()
     client = SGLangEngine(server.url, max_attempts=1)

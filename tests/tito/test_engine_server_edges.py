@@ -59,7 +59,8 @@ BAD_CREDENTIALS: list[bytes | None] = [
 ]
 
 
-async def test_any_bad_credential_is_a_401_and_no_traceback(served: Any, caplog: pytest.LogCaptureFixture) -> None:
+async def test_any_bad_credential_is_a_401_and_no_traceback(served: Any,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
     server, http = served
     caplog.set_level(logging.DEBUG)
     ok = b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "sampling_seed": 1}}'
@@ -147,7 +148,8 @@ async def test_non_finite_or_out_of_range_sampling_is_a_400(served: Any, llama_e
     for field in (b'"temperature": %g, "top_k": -1' % MAX_TEMPERATURE, b'"temperature": 0, "top_p": 1',
                   b'"temperature": 1e-310', b'"temperature": 5e-324, "top_k": 3, "top_p": 0.5',
                   b'"max_new_tokens": 64, "stop_token_ids": [%d]' % (vocab - 1)):
-        r = await _post(http, b'{"input_ids": [1, 2, 3], "sampling_params": {' + field + b', "sampling_seed": 4}}')
+        r = await _post(http,
+                        b'{"input_ids": [1, 2, 3], "sampling_params": {' + field + b', "sampling_seed": 4}}')
         assert r.status_code == 200, (field, r.text)
     greedy = await _post(http, b'{"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, '
                                b'"max_new_tokens": 4}}')
@@ -158,13 +160,15 @@ async def test_non_finite_or_out_of_range_sampling_is_a_400(served: Any, llama_e
 
 
 async def test_new_tokens_are_capped_by_default(llama_engine: Any) -> None:
-    async with EngineServer(llama_engine) as server, httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+    async with EngineServer(llama_engine) as server, httpx.AsyncClient(base_url=server.url,
+                                                                       timeout=60) as http:
         assert server.max_new_tokens == MAX_NEW_TOKENS_CAP
         for n in (MAX_NEW_TOKENS_CAP + 1, 2**62):
             r = await _post(http, b'{"input_ids": [1], "sampling_params": {"max_new_tokens": %d}}' % n, None)
             assert r.status_code == 400, r.text
             assert f"limit of {MAX_NEW_TOKENS_CAP}" in r.json()["error"]["message"]
-        r = await _post(http, b'{"input_ids": [1], "sampling_params": {"max_new_tokens": 3, "sampling_seed": 2}}',
+        r = await _post(http,
+                        b'{"input_ids": [1], "sampling_params": {"max_new_tokens": 3, "sampling_seed": 2}}',
                         None)
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 3
         assert server.generations == 1

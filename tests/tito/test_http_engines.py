@@ -47,7 +47,8 @@ class Fake:
         self.incremental = False
         #: Answer every request with this (status, message) instead.
         self.reject: tuple[int, str] | None = None
-        #: SGLang's ``meta_info.weight_version`` (its label of the weights served: a string); ``None``: left out.
+        #: SGLang's ``meta_info.weight_version`` (its label of the weights served: a string); ``None``: left
+        #: out.
         self.weight_version: Any = None
 
     def _out(self, body: dict[str, Any], ids_key: str, max_key: str) -> tuple[list[int], str]:
@@ -106,7 +107,8 @@ class Fake:
             "request_id": "gen-1",
             "choices": [{
                 "index": 0, "token_ids": out, "finish_reason": reason,
-                "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": -0.5, "bytes": None} for t in out]},
+                "logprobs": {
+                    "content": [{"token": f"token_id:{t}", "logprob": -0.5, "bytes": None} for t in out]},
             }],
             "usage": {"prompt_tokens": len(body["token_ids"]), "completion_tokens": len(out),
                       "prompt_tokens_details": {"cached_tokens": 2}},
@@ -183,7 +185,8 @@ async def test_sglang_weight_version_is_the_results_version(fake: tuple[Fake, st
 
 
 @pytest.mark.parametrize("incremental", [False, True])
-async def test_sglang_streams_cumulative_or_incremental_chunks(fake: tuple[Fake, str], incremental: bool) -> None:
+async def test_sglang_streams_cumulative_or_incremental_chunks(fake: tuple[Fake, str],
+                                                               incremental: bool) -> None:
     f, url = fake
     f.incremental = incremental
     eng = SGLangEngine(url)
@@ -213,7 +216,8 @@ async def test_vllm_request_and_answer_follow_the_schema(fake: tuple[Fake, str])
     body = f.bodies[0]
     assert body["model"] == "Qwen/Qwen3-0.6B" and body["token_ids"] == [5, 6, 7]
     sp = body["sampling_params"]
-    assert (sp["max_tokens"], sp["temperature"], sp["top_p"], sp["top_k"], sp["seed"]) == (16, 0.7, 0.9, 20, 7)
+    assert (sp["max_tokens"], sp["temperature"], sp["top_p"], sp["top_k"], sp["seed"]) == (16, 0.7, 0.9, 20,
+                                                                                           7)
     assert sp["logprobs"] == 1 and sp["stop_token_ids"] == [EOS]
     assert res.output_ids == _continuation([5, 6, 7], 4) and res.logprobs == [-0.5] * 4
     assert (res.finish_reason, res.cached_tokens) == ("stop", 2)
@@ -237,7 +241,8 @@ async def test_retries_then_gives_up_with_a_clear_error(fake: tuple[Fake, str], 
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_sglang_context_overflow_is_a_prompt_too_long_error(fake: tuple[Fake, str], stream: bool) -> None:
+async def test_sglang_context_overflow_is_a_prompt_too_long_error(fake: tuple[Fake, str],
+                                                                  stream: bool) -> None:
     f, url = fake
     eng = SGLangEngine(url, max_attempts=1)
 
@@ -326,7 +331,8 @@ def _live(var: str) -> str:
     return url
 
 
-@pytest.mark.parametrize(("var", "engine_cls"), [("ARES_SGLANG_URL", SGLangEngine), ("ARES_VLLM_URL", VLLMEngine)])
+@pytest.mark.parametrize(("var", "engine_cls"),
+                         [("ARES_SGLANG_URL", SGLangEngine), ("ARES_VLLM_URL", VLLMEngine)])
 async def test_live_server(var: str, engine_cls: type) -> None:
     url = _live(var)
     eng = engine_cls(url, model=os.environ.get("ARES_LIVE_MODEL", ""))

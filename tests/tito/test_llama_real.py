@@ -48,11 +48,13 @@ class Recording:
 
 async def test_sampling_is_seeded_and_logprobs_are_the_models(llama_engine, smol_renderer) -> None:  # type: ignore[no-untyped-def]
     eng = llama_engine
-    prompt = smol_renderer.render(smol_renderer.template_messages([Message(role="user", content="Name three colors.")]))
+    prompt = smol_renderer.render(
+        smol_renderer.template_messages([Message(role="user", content="Name three colors.")]))
     s = Sampling(max_tokens=24, seed=1234, stop_token_ids=tuple(smol_renderer.stop_token_ids))
     a = await eng.generate(prompt.prompt_ids, s)
     b = await eng.generate(prompt.prompt_ids, s)  # the cache now holds the prompt: only 2 tokens re-evaluated
-    assert a.output_ids == b.output_ids and a.logprobs == b.logprobs and b.cached_tokens == len(prompt.prompt_ids) - 2
+    assert a.output_ids == b.output_ids and a.logprobs == b.logprobs and b.cached_tokens == len(
+        prompt.prompt_ids) - 2
     assert all(lp <= 0 for lp in a.logprobs) and a.extra["seed"] == 1234
     ref = await eng.score(prompt.prompt_ids + a.output_ids, len(prompt.prompt_ids))
     assert np.max(np.abs(np.array(ref) - np.array(a.logprobs))) <= TOL
@@ -62,7 +64,8 @@ async def test_sampling_is_seeded_and_logprobs_are_the_models(llama_engine, smol
 
 
 async def test_stream_yields_what_generate_returns(llama_engine, smol_renderer) -> None:  # type: ignore[no-untyped-def]
-    prompt = smol_renderer.render(smol_renderer.template_messages([Message(role="user", content="Say hello.")]))
+    prompt = smol_renderer.render(
+        smol_renderer.template_messages([Message(role="user", content="Say hello.")]))
     s = Sampling(max_tokens=16, seed=5)
     whole = await llama_engine.generate(prompt.prompt_ids, s)
     ids: list[int] = []
@@ -91,7 +94,8 @@ async def test_the_batch_of_one_kernel_differs(smol_renderer) -> None:  # type: 
 
     eng = LlamaCppEngine(n_ctx=1024, consistent_batching=False)
     try:
-        prompt = smol_renderer.render(smol_renderer.template_messages([Message(role="user", content="Count to ten.")]))
+        prompt = smol_renderer.render(
+            smol_renderer.template_messages([Message(role="user", content="Count to ten.")]))
         res = await eng.generate(prompt.prompt_ids, Sampling(max_tokens=24, seed=3))
         ref = await eng.score(prompt.prompt_ids + res.output_ids, len(prompt.prompt_ids))
     finally:
@@ -121,7 +125,8 @@ async def test_multi_turn_session_through_the_gateway(smol_renderer) -> None:  #
         session = await gw.create_session()
         client = openai.AsyncOpenAI(base_url=f"{session.base_url}/v1", api_key=session.token, max_retries=0)
         messages: list[dict[str, Any]] = [
-            {"role": "system", "content": "You are a shell agent. Answer with one bash command in a ```bash block."},
+            {"role": "system",
+             "content": "You are a shell agent. Answer with one bash command in a ```bash block."},
             {"role": "user", "content": "List the files in the current directory."},
         ]
         for k in range(turns):
@@ -134,14 +139,16 @@ async def test_multi_turn_session_through_the_gateway(smol_renderer) -> None:  #
             else:
                 r = await client.chat.completions.create(model="smol", messages=messages)  # type: ignore[arg-type]
                 text = r.choices[0].message.content or ""
-            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"exit code 0, output: file{k}.txt"}]
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": f"exit code 0, output: file{k}.txt"}]
         await client.close()
         samples = gw.trajectory(session.session_id, reward=1.0)
         log = gw.turn_log(session.session_id)
         # The turn log carries each turn's sampling record (temperature, top_p, top_k, seed).
         recs = [t["completion"]["extra"]["tito"] for t in log]
         assert [r["mode"] for r in recs] == ["first"] + ["extend"] * (turns - 1)
-        assert all(r["sampling"]["temperature"] == 1.0 and isinstance(r["sampling"]["seed"], int) for r in recs)
+        assert all(r["sampling"]["temperature"] == 1.0 and isinstance(r["sampling"]["seed"], int)
+                   for r in recs)
         stats = policy.stats(session.session_id)
     await policy.aclose()
 
@@ -163,8 +170,10 @@ async def test_multi_turn_session_through_the_gateway(smol_renderer) -> None:  #
     trained = resp[s.loss_mask == 1].tolist()
     sampled = [t for _, r in engine.results for t in r.output_ids]
     assert trained == sampled
-    assert np.allclose(s.logprobs[s.loss_mask == 1], [lp for _, r in engine.results for lp in r.logprobs], atol=1e-6)
-    # ... and everything not trained is prompt the gateway rendered (the last turn's prompt is a prefix of the sample).
+    assert np.allclose(s.logprobs[s.loss_mask == 1], [lp for _, r in engine.results for lp in r.logprobs],
+                       atol=1e-6)
+    # ... and everything not trained is prompt the gateway rendered (the last turn's prompt is a prefix of the
+    # sample).
     last_prompt, last = engine.results[-1]
     assert s.tokens.tolist() == last_prompt + last.output_ids
 
@@ -184,7 +193,8 @@ async def test_policy_on_the_default_engine_by_name(smol_renderer) -> None:  # t
 
     policy = make_policy("tito", engine="llama-cpp", max_tokens=8, engine_options={"n_ctx": 2048})
     try:
-        c = await policy(CanonicalRequest(protocol=WireProtocol.OPENAI_CHAT, messages=[Message(role="user", content="hi")]))
+        c = await policy(CanonicalRequest(protocol=WireProtocol.OPENAI_CHAT,
+                                          messages=[Message(role="user", content="hi")]))
     finally:
         await policy.aclose()
     assert c.tokens is not None and 1 <= len(c.tokens.output_ids) <= 8

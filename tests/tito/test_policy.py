@@ -46,7 +46,8 @@ class ScriptedEngine:
         self.results.append(res)
         return res
 
-    async def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
+    async def stream(self, prompt_ids: Sequence[int],
+                     sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
         res = await self.generate(prompt_ids, sampling)
         for t, lp in zip(res.output_ids, res.logprobs, strict=True):
             yield TokenChunk([t], [lp])
@@ -70,7 +71,8 @@ async def test_make_policy_builds_tito_and_records_tokens(smol_renderer) -> None
     c1 = await policy(_req(msgs, sampling=SamplingParams(max_tokens=32000, temperature=0.2)))
     assert isinstance(c1, Completion) and c1.text == "Let me look." and c1.finish_reason == "stop"
     assert c1.tokens is not None
-    assert c1.tokens.output_ids.tolist() == eng.results[0].output_ids and c1.tokens.output_logprobs.tolist() == [-0.1] * 5
+    assert c1.tokens.output_ids.tolist() == eng.results[
+        0].output_ids and c1.tokens.output_logprobs.tolist() == [-0.1] * 5
     assert c1.tokens.prompt_ids.tolist() == list(eng.calls[0][0])
     rec = c1.extra["tito"]
     # Temperature 1.0 as configured (the request's 0.2 is not honored by default); max_tokens capped.
@@ -82,7 +84,8 @@ async def test_make_policy_builds_tito_and_records_tokens(smol_renderer) -> None
     c2 = await policy(_req(msgs2))
     assert isinstance(c2, Completion) and c2.tokens is not None
     assert c2.extra["tito"]["mode"] == "extend"
-    assert c2.tokens.prompt_ids[: len(c1.tokens.prompt_ids) + 5].tolist() == c1.tokens.prompt_ids.tolist() + c1.tokens.output_ids.tolist()
+    assert c2.tokens.prompt_ids[: len(c1.tokens.prompt_ids)
+                                + 5].tolist() == c1.tokens.prompt_ids.tolist() + c1.tokens.output_ids.tolist()
     assert c2.extra["tito"]["sampling"]["seed"] != rec["sampling"]["seed"]  # derived per turn
     assert policy.stats("direct").to_dict()["extended"] == 1
     assert policy.run_info()["policy"] == "tito" and policy.run_info()["sampling"]["temperature"] == 1.0
@@ -98,7 +101,8 @@ async def test_request_sampling_is_honored_when_asked(smol_renderer) -> None:  #
     assert isinstance(c, Completion)
     s = eng.calls[0][1]
     assert (s.temperature, s.top_p, s.top_k, s.seed, s.max_tokens) == (0.3, 0.5, 7, 11, 9)
-    assert c.extra["tito"]["sampling"] == {"max_tokens": 9, "temperature": 0.3, "top_p": 0.5, "top_k": 7, "seed": 11}
+    assert c.extra["tito"]["sampling"] == {"max_tokens": 9, "temperature": 0.3, "top_p": 0.5, "top_k": 7,
+                                           "seed": 11}
 
 
 async def test_streaming_deltas_spell_the_recorded_answer(smol_renderer) -> None:  # type: ignore[no-untyped-def]

@@ -14,7 +14,8 @@ from ares_gateway import Gateway
 from ares_gateway.policies import PolicyServer
 
 
-async def test_the_real_model_turns_carry_the_gateways_versions(llama_engine: Any, smol_renderer: Any) -> None:
+async def test_the_real_model_turns_carry_the_gateways_versions(llama_engine: Any,
+                                                                smol_renderer: Any) -> None:
     from ares_gateway.policies.tito import TitoPolicy
 
     policy = TitoPolicy(llama_engine, renderer=smol_renderer, temperature=0.0, max_tokens=12)

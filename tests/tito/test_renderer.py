@@ -63,14 +63,16 @@ def test_images_are_refused_with_a_reason(smol_renderer) -> None:  # type: ignor
 def _conversation(seed: int, turns: int) -> list[tuple[list[Message], str, bool]]:
     """(new messages, the answer text, whether the answer ended by a stop token) per turn."""
     rng = random.Random(seed)
-    words = ["ls", "cat file.py", "pytest -q", "ü日🎉", "  x  ", "\n", "1234", "{\"a\": 1}", "tail\n\n", "```"]
+    words = ["ls", "cat file.py", "pytest -q", "ü日🎉", "  x  ", "\n", "1234", "{\"a\": 1}", "tail\n\n",
+             "```"]
 
     def text() -> str:
         return " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
 
     out = []
     for i in range(turns):
-        new = [Message(role="user" if i == 0 or rng.random() < 0.5 else "tool", content=text(), tool_call_id=None)]
+        new = [Message(role="user" if i == 0 or rng.random() < 0.5 else "tool", content=text(),
+                       tool_call_id=None)]
         if rng.random() < 0.3:
             new.append(Message(role="user", content=text()))
         # An answer opening with whitespace would merge with the prompt's last "\n" when re-tokenized
@@ -135,8 +137,9 @@ def _tokenizer_with_template(smol_tokenizer, template: str):  # type: ignore[no-
 # Drops the reasoning of every assistant turn but the last one: history changes once a turn follows.
 DROPS_THINKING = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{% if m.role == 'assistant' and loop.last and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
-    "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if m.role == 'assistant' and loop.last and m.reasoning_content %}<think>{{ m.reasoning_content "
+    "}}</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt "
+    "%}<|im_start|>assistant\n{% endif %}"
 )
 # Puts the number of messages in the system prompt: every earlier token after it moves.
 COUNTS_MESSAGES = (
@@ -176,7 +179,8 @@ def test_bridge_refuses_what_it_cannot_prove(smol_renderer) -> None:  # type: ig
     out = _answer_ids(r, "Hello!")
     # The agent edited the answer it sends back: the sampled tokens are not what the history says.
     edited = [*hist, {"role": "assistant", "content": "Hello! (edited)"}]
-    b = r.bridge(first.prompt_ids, out, edited, [{"role": "user", "content": "next"}], prev_prompt_text=first.text)
+    b = r.bridge(first.prompt_ids, out, edited, [{"role": "user", "content": "next"}],
+                 prev_prompt_text=first.text)
     assert b.prompt_ids is None and "renders differently from the sampled tokens" in (b.reason or "")
     # An assistant message the engine never sampled among the new ones.
     same = [*hist, {"role": "assistant", "content": "Hello!"}]

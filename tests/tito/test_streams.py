@@ -1,4 +1,5 @@
-"""TokenStreams: later turns extend earlier turns' exact tokens; rewritten history is a counted fresh render."""
+"""TokenStreams: later turns extend earlier turns' exact tokens; rewritten history is a counted fresh
+render."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def test_rewritten_history_is_a_counted_fresh_render(smol_renderer) -> None:  # 
     p = st.prepare("s", m)
     _, echo2 = _answer(st, p, "step two")
     # Compaction: the agent replaces the history by a summary.
-    compacted = [m[0], Message(role="user", content="summary of the work so far"), Message(role="user", content="go on")]
+    compacted = [m[0], Message(role="user", content="summary of the work so far"),
+                 Message(role="user", content="go on")]
     pc = st.prepare("s", compacted)
     assert pc.mode == "fresh" and "continues no recorded turn" in (pc.reason or "")
     assert pc.prompt_ids == smol_renderer.render(smol_renderer.template_messages(compacted)).prompt_ids
@@ -88,7 +90,8 @@ def test_bounded_memory(smol_renderer) -> None:  # type: ignore[no-untyped-def]
         m = [*m, Message(role="assistant", content=f"a{k - 1}"), Message(role="user", content=f"u{k}")]
         _answer(st, st.prepare("s", m), f"a{k}")
     # The first turn was forgotten (only 2 kept): continuing it directly is a fresh render.
-    assert st.prepare("s", [Message(role="user", content="u0"), e0, Message(role="user", content="x")]).mode == "fresh"
+    assert st.prepare(
+        "s", [Message(role="user", content="u0"), e0, Message(role="user", content="x")]).mode == "fresh"
     for sid in ("a", "b", "c"):
         st.prepare(sid, [Message(role="user", content="hi")])
     assert st.stats("s").turns == 0  # "s" was the least recently used of 4 sessions: dropped

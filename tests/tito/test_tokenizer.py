@@ -65,7 +65,8 @@ def test_same_ids_as_llama_cpp(smol_tokenizer) -> None:  # type: ignore[no-untyp
         add_generation_prompt=True,
     )
     for text in [*TEXTS, chat]:
-        assert smol_tokenizer.encode(text) == llm.tokenize(text.encode(), add_bos=False, special=True), text[:40]
+        assert smol_tokenizer.encode(text) == llm.tokenize(text.encode(), add_bos=False,
+                                                           special=True), text[:40]
 
 
 def test_bad_files_say_why(tmp_path: Path) -> None:

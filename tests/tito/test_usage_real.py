@@ -38,7 +38,8 @@ async def test_the_real_models_usage_is_its_token_records(llama_engine: Any, smo
         (len(r["prompt_ids"]), len(r["output_ids"])) for r in recs]
     first = recs[0]["prompt_ids"] + recs[0]["output_ids"]
     second = recs[1]["prompt_ids"]
-    shared = next((i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b), min(len(first), len(second)))
+    shared = next((i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b),
+                  min(len(first), len(second)))
     assert shared > 0 and [t["usage"]["reused_prompt_tokens"] for t in log] == [0, shared]
     u0, u1 = log[0]["usage"], log[1]["usage"]
     assert u0["ttft_seconds"] is None and u0["think_seconds"] is None

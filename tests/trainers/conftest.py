@@ -61,7 +61,8 @@ def smollm2() -> tuple[Any, Any]:
 
 def recorded_main_line(out: Any, session_id: str) -> dict[str, Any]:
     """The episode's main-line sample as the gateway wrote it under ``out`` (trajectories/, see
-    docs/recording.md), as a dict (``tokens``, ``response_length``, ``loss_mask``, ``logprobs``, ``metadata``)."""
+    docs/recording.md), as a dict (``tokens``, ``response_length``, ``loss_mask``, ``logprobs``,
+    ``metadata``)."""
     import json
     from pathlib import Path
 
@@ -78,9 +79,10 @@ def recorded_main_line(out: Any, session_id: str) -> dict[str, Any]:
             d = json.loads(line)
             if d["metadata"].get("session_id") != session_id:
                 continue
-            samples.append(Sample(tokens=np.array(d["tokens"], dtype=np.int32), response_length=d["response_length"],
-                                  loss_mask=np.array(d["loss_mask"], dtype=np.int32),
-                                  logprobs=np.array(d["logprobs"], dtype=np.float32), metadata=d["metadata"]))
+            samples.append(
+                Sample(tokens=np.array(d["tokens"], dtype=np.int32), response_length=d["response_length"],
+                       loss_mask=np.array(d["loss_mask"], dtype=np.int32),
+                       logprobs=np.array(d["logprobs"], dtype=np.float32), metadata=d["metadata"]))
     assert samples, f"no recorded sample of {session_id} under {out}"
     best, _ = main_sample(samples)
     assert best is not None

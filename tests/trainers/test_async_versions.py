@@ -36,7 +36,8 @@ TOL = 1e-3
 
 
 def _perturb(model: Any, version: int) -> None:
-    """A stand-in for an optimizer step: noise (2 % of each weight's spread) on every MLP output projection."""
+    """A stand-in for an optimizer step: noise (2 % of each weight's spread) on every MLP output
+    projection."""
     import torch
 
     gen = torch.Generator().manual_seed(version)
@@ -88,7 +89,8 @@ async def test_weight_updates_mid_episode_keep_every_token_faithful_to_its_versi
         model.load_state_dict(weights[0])  # the module's model, as the other tests find it
 
 
-async def _run_and_check(model: Any, weights: dict[int, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def _run_and_check(model: Any, weights: dict[int, Any], tmp_path: Path,
+                         monkeypatch: pytest.MonkeyPatch) -> None:
     from ares_gateway import Gateway
     from ares_gateway.engines.transformers import TransformersEngine
     from ares_gateway.episodes.rollouts import run_rollouts
@@ -157,10 +159,12 @@ async def _run_and_check(model: Any, weights: dict[int, Any], tmp_path: Path, mo
     # Nothing lost: every request the agents sent was answered once and recorded; mini made its
     # STEPS calls and got an answer to each (its own trajectory says so).
     assert [e.exit_reason for e in summary.episodes] == ["step_limit"] * len(TASKS), summary.episodes
-    turns = {e.task: [json.loads(x) for x in (out / "turns" / f"{e.task}.{e.attempt}.jsonl").read_text().splitlines()]
+    turns = {e.task: [json.loads(x)
+                      for x in (out / "turns" / f"{e.task}.{e.attempt}.jsonl").read_text().splitlines()]
              for e in summary.episodes}
-    samples = {e.task: [json.loads(x) for x in (out / "trajectories" / f"{e.task}.{e.attempt}.jsonl").read_text()
-                        .splitlines()] for e in summary.episodes}
+    samples = {
+        e.task: [json.loads(x) for x in (out / "trajectories" / f"{e.task}.{e.attempt}.jsonl").read_text()
+                 .splitlines()] for e in summary.episodes}
     assert all(len(t) == STEPS for t in turns.values())
     assert metrics.parked_total == metrics.answered_total == STEPS * len(TASKS)
     assert metrics.timed_out_total == metrics.withdrawn_total == 0
@@ -223,10 +227,12 @@ async def _run_and_check(model: Any, weights: dict[int, Any], tmp_path: Path, mo
     assert by_turn == span_tokens and checked == sum(span_tokens.values())
     print(f"\nrollouts {rollout_s:.1f} s, scoring {time.monotonic() - t1:.1f} s ({len(scored)} passes over "
           f"{len(all_samples)} samples), {checked} trained tokens checked against {len(weights)} versions; "
-          f"fences {[(r.mode, round(r.drain_seconds, 3), r.aborted) for r in reports]}; engine calls {engine.calls}")
+          f"fences {[(r.mode, round(r.drain_seconds, 3), r.aborted) for r in reports]}; engine calls "
+          f"{engine.calls}")
 
 
-async def test_the_engine_reports_its_label_only_for_the_weights_it_was_set_on(smollm2: tuple[Any, Any]) -> None:
+async def test_the_engine_reports_its_label_only_for_the_weights_it_was_set_on(
+    smollm2: tuple[Any, Any]) -> None:
     import torch
 
     from ares_gateway.engines.transformers import TransformersEngine

@@ -35,7 +35,8 @@ def test_the_goal_check_needs_the_bands_apart() -> None:
     def run(fmt: list[float], task: list[float]) -> dict[str, object]:
         return {"steps": [{"format": f, "task": t} for f, t in zip(fmt, task, strict=True)]}
 
-    rising = [run([0.1, 0.2, 0.5, 0.8, 0.9], [0, 0, 0, 0.5, 0.5]), run([0.0, 0.3, 0.6, 0.7, 1.0], [0, 0, 0, 0, 0])]
+    rising = [run([0.1, 0.2, 0.5, 0.8, 0.9], [0, 0, 0, 0.5, 0.5]),
+              run([0.0, 0.3, 0.6, 0.7, 1.0], [0, 0, 0, 0, 0])]
     g = summarize(rising)["goal"]
     assert g["format_rose"] and g["task_not_lower"] and g["met"]
     flat = [run([0.1, 0.2, 0.5, 0.8, 0.2], [0] * 5), run([0.6, 0.3, 0.6, 0.7, 0.5], [0] * 5)]
@@ -57,7 +58,8 @@ def test_the_curve_runs_a_step_and_writes_its_outputs(tmp_path: Path) -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT), "TRL_EXPERIMENTAL_SILENCE": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "goal: format rose beyond the seeds' spread: not checkable with one seed" in proc.stdout, proc.stdout
+    assert ("goal: format rose beyond the seeds' spread: not checkable with one seed"
+            in proc.stdout), proc.stdout
     report = json.loads((out / "curve.json").read_text())
     (step,) = report["runs"][0]["steps"]
     assert step["episodes"] == 2 and step["failed"] == 0, step

@@ -77,7 +77,8 @@ class _ScriptEngine:
             self.cli_outputs.append(ids)
         return GenerateResult(ids, [-0.25] * len(ids), "stop", prompt_tokens=len(prompt_ids))
 
-    async def stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
+    async def stream(self, prompt_ids: Sequence[int],
+                     sampling: Sampling) -> AsyncIterator[TokenChunk | GenerateResult]:
         res = await self.generate(prompt_ids, sampling)
         yield TokenChunk(res.output_ids, res.logprobs)
         yield res
@@ -152,4 +153,5 @@ def test_a_conversation_a_tool_command_sends_is_tagged_and_not_trained(tmp_path:
     assert batch["prompt_ids"][0] == engine.first_prompt
     assert batch["env_mask"][0] == s.loss_mask.tolist()
     assert batch["foreign_samples"] == [1] and batch["other_samples"] == [1]
-    assert np.allclose([lp for lp, m in zip(batch["logprobs"][0], batch["env_mask"][0], strict=True) if m], -0.25)
+    assert np.allclose([lp for lp, m in zip(batch["logprobs"][0], batch["env_mask"][0], strict=True) if m],
+                       -0.25)

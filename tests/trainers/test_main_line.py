@@ -115,7 +115,8 @@ def test_token_drift_segments_stay_on_the_main_line_and_the_larger_is_trained() 
     a1 = ep.turn(TASK, ast("r:one"))
     # The same messages rendered differently: the sample closes and a new one starts (a segment).
     ep.turn([*TASK, a1, usr("u:next")], ast("r:two"),
-            prompt_tokens="<sys> S:v2 </sys> <usr> u:task </usr> <gen> r:one </ast> <usr> u:next </usr> <gen>",
+            prompt_tokens="<sys> S:v2 </sys> <usr> u:task </usr> <gen> r:one </ast> "
+                          "<usr> u:next </usr> <gen>",
             output_tokens=LONG)
     samples = ep.samples()
     assert [s.metadata["segment"] for s in samples] == [0, 1]
@@ -173,7 +174,7 @@ def test_the_trl_reward_function_logs_the_counts_of_samples_not_trained() -> Non
     assert logged == {"task": ["t"], "other_samples": [2], "foreign_samples": [1]}
 
 
-def test_a_replayed_branch_with_more_turns_is_the_main_line_and_still_trains_the_cli_turns_it_copied() -> None:
+def test_a_replayed_branch_with_more_turns_is_the_main_line_and_trains_the_cli_turns_it_copied() -> None:
     """What a tool command can still do (docs/training.md): outnumber the CLI's later turns. The turns
     it copied stay trained, by it; the CLI's later turns are recorded, not trained by the adapters."""
     ep = Episode()

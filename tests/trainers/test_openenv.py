@@ -1,6 +1,8 @@
-"""TRL's AsyncGRPO harness rollout drives ``AresSessionFactory`` sessions through real mini-swe-agent episodes.
+"""TRL's AsyncGRPO harness rollout drives ``AresSessionFactory`` sessions through real mini-swe-agent
+episodes.
 
-TRL's own rollout loop of the harness worker (``trl.experimental.async_grpo.openenv_harness._HarnessRolloutLoop``,
+TRL's own rollout loop of the harness worker
+(``trl.experimental.async_grpo.openenv_harness._HarnessRolloutLoop``,
 built with the arguments ``HarnessRolloutWorker`` gives it) calls the factory with its training sampling
 (OpenEnv's ``training_sampling``) and plays each rollout with its own ``_run_session``: OpenEnv's
 ``TrainableSession`` check, ``wait_for_completion``, ``fetch_training_trace`` (OpenEnv's strict
@@ -68,7 +70,8 @@ def tokenizer() -> Any:
         ours = load_tokenizer(default_model_path())
     except TokenizerLoadError as exc:
         require(False, str(exc))
-    tok = PreTrainedTokenizerFast(tokenizer_object=ours._tok, eos_token=ours.eos_token, bos_token=ours.bos_token)
+    tok = PreTrainedTokenizerFast(tokenizer_object=ours._tok, eos_token=ours.eos_token,
+                                  bos_token=ours.bos_token)
     tok.chat_template = ours.chat_template
     tok.response_schema = {"type": "object",
                            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}
@@ -81,7 +84,8 @@ def _loop(factory: Any, tokenizer: Any) -> Any:
     from trl.experimental.async_grpo.openenv_harness import _HarnessRolloutLoop
 
     return _HarnessRolloutLoop(
-        harness_session_factory=factory, model_name="smollm2-135m", dataset=Dataset.from_dict({"prompt": [TASK]}),
+        harness_session_factory=factory, model_name="smollm2-135m",
+        dataset=Dataset.from_dict({"prompt": [TASK]}),
         reward_funcs=[], processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id],
         rollout_buffer=mp.Queue(), model_version_value=mp.Value("i", 0), heartbeat_value=mp.Value("d", 0.0),
         failed_event=mp.Event(), exception_info_queue=mp.Queue(), metrics_queue=mp.Queue(),
@@ -97,7 +101,8 @@ def _results(out: Path) -> dict[str, dict[str, Any]]:
     return results
 
 
-def test_trl_harness_rollout_trains_the_recorded_samples_of_real_episodes(tmp_path: Path, tokenizer: Any) -> None:
+def test_trl_harness_rollout_trains_the_recorded_samples_of_real_episodes(tmp_path: Path,
+                                                                          tokenizer: Any) -> None:
     openenv, _ = _openenv()
     require_mini_install()
     from openenv.core.harness import TrainableSession
@@ -108,7 +113,8 @@ def test_trl_harness_rollout_trains_the_recorded_samples_of_real_episodes(tmp_pa
     made: list[tuple[dict[str, Any], Any]] = []
 
     def factory(**kwargs: Any) -> Any:
-        f = openenv.AresSessionFactory("examples", engine=engine, step_limit=3, max_tokens=32, harness_options=MINI,
+        f = openenv.AresSessionFactory("examples", engine=engine, step_limit=3, max_tokens=32,
+                                       harness_options=MINI,
                                        out=str(tmp_path / "episodes"), **kwargs)
         made.append((kwargs, f))
         return f
@@ -123,7 +129,8 @@ def test_trl_harness_rollout_trains_the_recorded_samples_of_real_episodes(tmp_pa
     assert janitor.live_sandboxes() == []
     try:
         with ThreadPoolExecutor(2) as pool:  # a group of two rollouts, as the loop's session pool runs them
-            runs = list(pool.map(lambda _: loop._run_session([{"role": "user", "content": TASK}], 0), range(2)))
+            runs = list(
+                pool.map(lambda _: loop._run_session([{"role": "user", "content": TASK}], 0), range(2)))
     finally:
         fac.close()
         import asyncio
@@ -185,7 +192,9 @@ def test_failed_and_unknown_sessions(tmp_path: Path, tokenizer: Any) -> None:
         verdict = session.verify([])
         assert verdict.env_reward == 0.0 and verdict.done
         # Retried on fresh sandboxes (an infrastructure failure), then infra_error with its cause.
-        assert verdict.metrics["exit_reason"] == "infra_error" and "install_error on every one of 3 tries" in verdict.metrics["error"]
+        assert verdict.metrics[
+            "exit_reason"] == "infra_error" and "install_error on every one of 3 tries" in verdict.metrics[
+                "error"]
         assert "registry says no" in verdict.metrics["error"]
         assert verdict.metrics["episode_failed"] is True
         session.close()
@@ -210,7 +219,8 @@ def test_failed_and_unknown_sessions(tmp_path: Path, tokenizer: Any) -> None:
 def test_without_openenv_installed_the_error_names_the_extra() -> None:
     code = ("import sys; sys.modules['openenv'] = None\n"
             "from ares_gateway.trainers import MissingExtraError\n"
-            "try:\n    import ares_gateway.trainers.openenv\nexcept MissingExtraError as e:\n    print('ERR', e)\n")
+            "try:\n    import ares_gateway.trainers.openenv\nexcept MissingExtraError as e:\n    "
+            "print('ERR', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert proc.returncode == 0, proc.stderr

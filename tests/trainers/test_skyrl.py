@@ -96,7 +96,8 @@ def _client(engine: Any, *, fail_when: Any = None) -> Any:
                 raise RuntimeError("the inference engine died (injected)")
             sp = dict(input_batch["sampling_params"])
             r = await engine.generate(ids, Sampling(
-                max_tokens=int(sp["max_tokens"]), temperature=float(sp["temperature"]), top_p=float(sp["top_p"]),
+                max_tokens=int(sp["max_tokens"]), temperature=float(sp["temperature"]),
+                top_p=float(sp["top_p"]),
                 top_k=max(0, int(sp["top_k"])), stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
             ))
             return {"responses": [""], "response_ids": [r.output_ids], "stop_reasons": [r.finish_reason],
@@ -145,7 +146,8 @@ def _input(trainer: Any, tasks: Sequence[str]) -> tuple[Any, list[str]]:
                                    cfg.environment.env_class, "train", 3)
 
 
-def test_skyrl_training_step_takes_real_episodes_as_the_recorded_samples(tmp_path: Path, tokenizer: Any) -> None:
+def test_skyrl_training_step_takes_real_episodes_as_the_recorded_samples(tmp_path: Path,
+                                                                         tokenizer: Any) -> None:
     skyrl = _skyrl()
     require_mini_install()
     from skyrl.train.generators.base import GeneratorInterface, TrajectoryID
@@ -167,7 +169,8 @@ def test_skyrl_training_step_takes_real_episodes_as_the_recorded_samples(tmp_pat
 
     n = len(gen_input["prompts"])
     assert n == 2 and uids == ["row-0", "row-0"]
-    for key in ("prompt_token_ids", "response_ids", "loss_masks", "rollout_logprobs", "rewards", "stop_reasons",
+    for key in ("prompt_token_ids", "response_ids", "loss_masks", "rollout_logprobs", "rewards",
+                "stop_reasons",
                 "trajectory_generation_times", "env_metrics"):
         assert isinstance(out[key], list) and len(out[key]) == n, key
     assert out["trajectory_ids"] == gen_input["trajectory_ids"]
@@ -199,14 +202,16 @@ def test_skyrl_training_step_takes_real_episodes_as_the_recorded_samples(tmp_pat
         assert out["stop_reasons"][i] == ("length" if results[sid]["truncated"] else
                                           "stop" if ended == "completed" else ended)
         assert out["trajectory_generation_times"][i] == pytest.approx(results[sid]["duration"], rel=0.01)
-        # Every turn went out under the episode's session, with SkyRL's sampling and the gateway's stop and cap.
+        # Every turn went out under the episode's session, with SkyRL's sampling and the gateway's stop and
+        # cap.
         # (a request still waiting when the time limit ended the episode is no turn)
         turns = [r for r in client.requests if r["session_ids"] == [sid]]
         late = 1 if ended == "time_limit" else 0
         assert results[sid]["turns"] <= len(turns) <= results[sid]["turns"] + late and len(turns) >= 1
         multi_turn += 0 in rec["loss_mask"] and 1 in rec["loss_mask"]
     assert multi_turn >= 1  # tool output between the model's turns, masked out
-    assert len(client.requests) == sum(len([r for r in client.requests if r["session_ids"] == [s]]) for s in sessions)
+    assert len(client.requests) == sum(len([r for r in client.requests if r["session_ids"] == [s]])
+                                       for s in sessions)
     for r in client.requests:
         sp = r["sampling_params"]
         assert sp["temperature"] == 1.0 and sp["top_k"] == -1 and sp["logprobs"] == 0
@@ -218,13 +223,15 @@ def test_skyrl_training_step_takes_real_episodes_as_the_recorded_samples(tmp_pat
     post, post_uids = trainer.postprocess_generator_output(out, uids)
     assert post_uids == uids
     for i, rewards in enumerate(post["rewards"]):
-        assert len(rewards) == len(out["response_ids"][i]) and rewards[-1] == pytest.approx(results[sessions[i]]["reward"])
+        assert len(rewards) == len(out["response_ids"][i]) and rewards[-1] == pytest.approx(
+            results[sessions[i]]["reward"])
         assert not any(rewards[:-1])
 
     # SkyRL's padded training batch holds the episodes right-aligned, as the policy's loss reads it.
     batch = trainer.convert_to_training_input(post, post_uids)
     width = max(len(r) for r in out["response_ids"])
-    assert batch["loss_mask"].shape == batch["rollout_logprobs"].shape == batch["response_mask"].shape == (2, width)
+    assert batch["loss_mask"].shape == batch["rollout_logprobs"].shape == batch["response_mask"].shape == (
+        2, width)
     assert batch["sequences"].shape == batch["attention_mask"].shape
     for i in range(2):
         length = len(out["response_ids"][i])
@@ -232,7 +239,8 @@ def test_skyrl_training_step_takes_real_episodes_as_the_recorded_samples(tmp_pat
         assert seq == out["prompt_token_ids"][i] + out["response_ids"][i]
         assert batch["loss_mask"][i, width - length:].tolist() == [float(m) for m in out["loss_masks"][i]]
         assert int(batch["loss_mask"][i, :width - length].sum()) == 0
-        assert batch["rollout_logprobs"][i, width - length:].tolist() == pytest.approx(out["rollout_logprobs"][i],
+        assert batch["rollout_logprobs"][i, width
+                                         - length:].tolist() == pytest.approx(out["rollout_logprobs"][i],
                                                                                          abs=1e-6)
         assert int(batch["response_mask"][i].sum()) == length
 
@@ -253,8 +261,10 @@ def test_failed_episodes_are_reward_0_entries_and_the_step_goes_on(tmp_path: Pat
     # A harness that cannot be installed: no LLM call, a masked one-token response, reward 0, its error.
     registry.register("broken-install", _BrokenInstall, replace=True)
     try:
-        generator = skyrl.AresGenerator("examples", inference_engine_client=_client(engine), harness="broken-install",
-                                        step_limit=2, harness_options={"install_root": str(tmp_path / "agents")})
+        generator = skyrl.AresGenerator("examples", inference_engine_client=_client(engine),
+                                        harness="broken-install",
+                                        step_limit=2,
+                                        harness_options={"install_root": str(tmp_path / "agents")})
         trainer = _trainer(generator, tokenizer, n=1, prompts=1)
         out = asyncio.run(trainer.generate(_input(trainer, [TASKS[1]])[0]))
     finally:
@@ -262,7 +272,8 @@ def test_failed_episodes_are_reward_0_entries_and_the_step_goes_on(tmp_path: Pat
     assert out["response_ids"] == [[tokenizer.eos_token_id]] and out["loss_masks"] == [[0]]
     assert out["rollout_logprobs"] == [[0.0]] and out["rewards"] == [0.0]
     assert out["stop_reasons"] == ["infra_error"]  # install_error on every try
-    assert out["env_metrics"][0]["episode_failed"] is True and "registry says no" in out["env_metrics"][0]["error"]
+    assert out["env_metrics"][0]["episode_failed"] is True and "registry says no" in out["env_metrics"][0][
+        "error"]
     assert trainer.all_metrics["ares/failed"] == 1
 
     # The inference engine dies on every call of one episode (its prompts hold its task's file): that
@@ -304,7 +315,8 @@ def test_failed_episodes_are_reward_0_entries_and_the_step_goes_on(tmp_path: Pat
 def test_without_skyrl_installed_the_error_names_the_extra() -> None:
     code = ("import sys; sys.modules['skyrl'] = None\n"
             "from ares_gateway.trainers import MissingExtraError\n"
-            "try:\n    import ares_gateway.trainers.skyrl\nexcept MissingExtraError as e:\n    print('ERR', e)\n")
+            "try:\n    import ares_gateway.trainers.skyrl\nexcept MissingExtraError as e:\n    "
+            "print('ERR', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert proc.returncode == 0, proc.stderr

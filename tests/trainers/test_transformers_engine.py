@@ -21,10 +21,12 @@ PROBE = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start
 
 # Code, whitespace runs, digits, non-Latin scripts, emoji, control-token text, mini-swe-agent's format.
 TEXTS = [
-    "def median(xs):\n    xs = sorted(xs)\n    n = len(xs)\n    return (xs[n//2-1] + xs[n//2]) / 2 if n % 2 == 0 else xs[n//2]\n",
+    "def median(xs):\n    xs = sorted(xs)\n    n = len(xs)\n    return (xs[n//2-1] + xs[n//2]) / 2 if n % 2 "
+    "== 0 else xs[n//2]\n",
     "    \t\t  trailing spaces   \n\n\n  and 1234567890 digits 3.14159e-10 0x7fff",
     "Ünïcödé façade — naïve café; 日本語のテキスト; Привет мир; مرحبا; 🙂🚀👩‍💻",
-    "THOUGHT: I need to look at the tests first.\n\n```mswea_bash_command\ncd /app && pytest -q tests/ 2>&1 | tail -n 20\n```",
+    "THOUGHT: I need to look at the tests first.\n\n```mswea_bash_command\ncd /app && pytest -q tests/ 2>&1 "
+    "| tail -n 20\n```",
     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|><|endoftext|>",
     '{"returncode": 1, "output": "Traceback (most recent call last):\\n  File \\"x.py\\", line 3"}',
 ]
@@ -72,8 +74,9 @@ async def test_sampled_logprobs_are_the_models_own_through_the_prefix_cache(smol
         scored = await engine.score(full, len(prompt))
         assert max(abs(a - b) for a, b in zip(scored, first.logprobs, strict=True)) < 1e-4
         # The next turn extends the first: only its new tokens are evaluated, the numbers do not move.
-        turn2 = full + hf.encode("<|im_end|>\n<|im_start|>user\nAnd the words?<|im_end|>\n<|im_start|>assistant\n",
-                                 add_special_tokens=False)
+        turn2 = full + hf.encode(
+            "<|im_end|>\n<|im_start|>user\nAnd the words?<|im_end|>\n<|im_start|>assistant\n",
+            add_special_tokens=False)
         second = await engine.generate(turn2, Sampling(max_tokens=16, seed=4))
         assert second.cached_tokens == len(full) - 1  # the first answer's last token was never evaluated
         again = await _engine(model, max_cached_sequences=0).generate(turn2, Sampling(max_tokens=16, seed=4))
@@ -83,7 +86,8 @@ async def test_sampled_logprobs_are_the_models_own_through_the_prefix_cache(smol
         await engine.aclose()
 
 
-async def test_top_k_top_p_and_temperature_logprobs_are_of_the_distribution_sampled(smollm2: tuple[Any, Any]) -> None:
+async def test_top_k_top_p_and_temperature_logprobs_are_of_the_distribution_sampled(
+    smollm2: tuple[Any, Any]) -> None:
     model, hf = smollm2
     engine = _engine(model)
     try:
@@ -97,12 +101,14 @@ async def test_top_k_top_p_and_temperature_logprobs_are_of_the_distribution_samp
         nucleus = await engine.generate(prompt, Sampling(max_tokens=8, seed=2, top_p=0.5, temperature=0.7))
         # Renormalized over the nucleus: each token's probability there is at least its full-softmax one.
         full = await engine.score(prompt + nucleus.output_ids[:1], len(prompt))
-        assert nucleus.logprobs[0] >= full[0] - 1e-6 or math.isclose(nucleus.logprobs[0], full[0], abs_tol=1e-4)
+        assert nucleus.logprobs[0] >= full[0] - 1e-6 or math.isclose(nucleus.logprobs[0], full[0],
+                                                                     abs_tol=1e-4)
     finally:
         await engine.aclose()
 
 
-async def test_a_weight_update_drops_the_cache_and_the_next_call_samples_the_new_weights(smollm2: tuple[Any, Any]) -> None:
+async def test_a_weight_update_drops_the_cache_and_the_next_call_samples_the_new_weights(
+    smollm2: tuple[Any, Any]) -> None:
     import torch
 
     model, hf = smollm2
@@ -142,8 +148,10 @@ async def test_concurrent_sessions_do_not_corrupt_each_other(smollm2: tuple[Any,
             for p, r in zip(prompts, results, strict=True):
                 scored = await engine.score(p + r.output_ids, len(p))
                 assert max(abs(a - b) for a, b in zip(scored, r.logprobs, strict=True)) < 1e-4
-        alone = await _engine(model, max_cached_sequences=0).generate(prompts[1], Sampling(max_tokens=12, seed=1))
-        assert alone.output_ids == results[1].output_ids  # same seed, same ids: nothing leaked between sessions
+        alone = await _engine(model, max_cached_sequences=0).generate(prompts[1],
+                                                                      Sampling(max_tokens=12, seed=1))
+        # same seed, same ids: nothing leaked between sessions
+        assert alone.output_ids == results[1].output_ids
         assert engine.calls == 6 and engine.busy_s > 0
     finally:
         await engine.aclose()

@@ -61,7 +61,8 @@ def recompute(trainer: Any, batch: dict[str, list[Any]]) -> list[list[float]]:
     return out
 
 
-def check_completion(batch: dict[str, list[Any]], i: int, recomputed: list[float], turns: list[dict[str, Any]]) -> None:
+def check_completion(batch: dict[str, list[Any]], i: int, recomputed: list[float],
+                     turns: list[dict[str, Any]]) -> None:
     """Entry ``i`` of a rollout batch against the trainer's recomputation and the episode's recorded turns."""
     mask, lps = batch["env_mask"][i], batch["logprobs"][i]
     assert len(mask) == len(lps) == len(recomputed) == len(batch["completion_ids"][i])
@@ -87,12 +88,15 @@ def check_completion(batch: dict[str, list[Any]], i: int, recomputed: list[float
             # not continue this turn, so it is another sample of the episode, not in the main one.
             continue
         if got != want:  # say where, and what the turn was, so a rare failure can be read from CI's log
-            d = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+            d = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                     min(len(got), len(want)))
             raise AssertionError(
-                f"turn {k} of {len(turns)} ({t.get('request_id')}, side call {t.get('side_call')}) is not the sample's "
-                f"prefix: first difference at id {d} of {len(want)} (prompt {at}); sample {got[max(0, d - 8):d + 8]}, "
-                f"turn {want[max(0, d - 8):d + 8]}; tito {t['completion'].get('extra', {}).get('tito')}; the "
-                f"sample's length {len(full)}, the turns' prompt lengths {[len(x['completion']['tokens']['prompt_ids']) for x in turns]}")
+                f"turn {k} of {len(turns)} ({t.get('request_id')}, side call {t.get('side_call')}) is not "
+                "the sample's "
+                f"prefix: first difference at id {d} of {len(want)} (prompt {at}); sample "
+                f"{got[max(0, d - 8):d + 8]}, turn {want[max(0, d - 8):d + 8]}; tito "
+                f"{t['completion'].get('extra', {}).get('tito')}; the sample's length {len(full)}, the "
+                f"turns' prompt lengths {[len(x['completion']['tokens']['prompt_ids']) for x in turns]}")
         for k in range(at, at + len(tok["output_ids"])):
             expected[k - start] = 1
     assert mask == expected
@@ -106,14 +110,16 @@ def _trainer(model: Any, tokenizer: Any, rollouts: Any, tmp_path: Path, *, steps
     from ares_gateway.trainers.trl import reward_from_episode
 
     args = trl.GRPOConfig(
-        output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=2, num_generations=2, max_steps=steps,
+        output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=2, num_generations=2,
+        max_steps=steps,
         use_cpu=True, bf16=False,  # fp32: the sampler's and the trainer's logprobs agree to ~1e-5
         learning_rate=3e-4, logging_steps=1, report_to=[], save_strategy="no", beta=0.0, seed=7,
         gradient_accumulation_steps=1,
     )
     return trl.GRPOTrainer(model=model, processing_class=tokenizer,
                            reward_funcs=list(reward_funcs or [reward_from_episode]),
-                           train_dataset=Dataset.from_dict({"prompt": TASKS}), args=args, rollout_func=rollouts)
+                           train_dataset=Dataset.from_dict({"prompt": TASKS}), args=args,
+                           rollout_func=rollouts)
 
 
 def _spread(completions: list[Any], mean_logprob: list[float], **_: Any) -> list[float]:
@@ -143,23 +149,27 @@ def test_grpo_trains_two_steps_on_real_agent_episodes(tmp_path: Path) -> None:
     out = tmp_path / "episodes"
     rollouts = rollout_func("examples", step_limit=3, max_tokens=64, concurrency=2, out=str(out),
                             harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND})
-    probe = tokenizer.encode("<|im_start|>user\nls -la<|im_end|>\n<|im_start|>assistant\n```bash\nls -la\n```",
-                             add_special_tokens=False)
+    probe = tokenizer.encode(
+        "<|im_start|>user\nls -la<|im_end|>\n<|im_start|>assistant\n```bash\nls -la\n```",
+        add_special_tokens=False)
     seen: list[dict[str, Any]] = []
 
     def probe_logprob(m: Any) -> float:
         with torch.no_grad():
             logits = m(input_ids=torch.tensor([probe])).logits[0]
-        return float(torch.log_softmax(logits[:-1].double(), -1).gather(1, torch.tensor(probe[1:])[:, None]).sum())
+        return float(
+            torch.log_softmax(logits[:-1].double(), -1).gather(1, torch.tensor(probe[1:])[:, None]).sum())
 
     def observed(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         probe_lp = probe_logprob(trainer.model)
         batch = rollouts(prompts, trainer)
-        seen.append({"prompts": list(prompts), "batch": copy.deepcopy(batch), "recomputed": recompute(trainer, batch),
-                     "probe": probe_lp, "step": trainer.state.global_step})
+        seen.append(
+            {"prompts": list(prompts), "batch": copy.deepcopy(batch), "recomputed": recompute(trainer, batch),
+             "probe": probe_lp, "step": trainer.state.global_step})
         return batch
 
-    trainer = _trainer(model, tokenizer, observed, tmp_path, steps=2, reward_funcs=[reward_from_episode, _spread])
+    trainer = _trainer(model, tokenizer, observed, tmp_path, steps=2,
+                       reward_funcs=[reward_from_episode, _spread])
     try:
         trainer.train()
     finally:
@@ -219,7 +229,8 @@ def test_a_failed_install_and_an_engine_failure_are_reward_0_episodes_and_traini
         broken.close()
     finally:
         registry.unregister("broken-install")
-    assert batch["exit_reason"] == ["infra_error", "infra_error"]  # install_error on every try and batch["reward"] == [0.0, 0.0]
+    # install_error on every try and batch["reward"] == [0.0, 0.0]
+    assert batch["exit_reason"] == ["infra_error", "infra_error"]
     assert all("registry says no" in e for e in batch["error"])
     assert batch["env_mask"] == [[0], [0]] and all(len(c) == 1 for c in batch["completion_ids"])
 
@@ -255,7 +266,8 @@ def test_a_failed_install_and_an_engine_failure_are_reward_0_episodes_and_traini
     for i, e in enumerate(eps):
         full = e.sample.response_length if e.sample is not None else 1
         assert batch["truncated"][i] == (full > 40)
-        assert len(batch["completion_ids"][i]) == len(batch["env_mask"][i]) == len(batch["logprobs"][i]) == min(full, 40)
+        assert len(batch["completion_ids"][i]) == len(batch["env_mask"][i]) == len(
+            batch["logprobs"][i]) == min(full, 40)
     assert any(batch["truncated"])  # tool output makes a 3-turn episode longer than 40 tokens
 
 

@@ -24,8 +24,10 @@ from tests.trainers.conftest import load_smollm2
 from tests.trainers.test_trl import _trainer, _trl
 
 GREETING = {t.name: t for t in load_dataset("examples").tasks}["write-greeting-file"]
-CONTRACT = {"prompt_ids", "completion_ids", "logprobs", "env_mask", "reward", "task", "session_id", "exit_reason",
-            "turns", "error", "other_samples", "foreign_samples", "sampled_tokens", "mean_logprob", "truncated",
+CONTRACT = {"prompt_ids", "completion_ids", "logprobs", "env_mask", "reward", "task", "session_id",
+            "exit_reason",
+            "turns", "error", "other_samples", "foreign_samples", "sampled_tokens", "mean_logprob",
+            "truncated",
             "policy_versions", "first_version", "last_version", "mixed_versions", "staleness"}
 
 
@@ -96,9 +98,11 @@ def test_an_infra_error_entry_is_masked_with_a_neutral_reward(smollm2_trainer: t
     assert batch["staleness"][0] == 0 and batch["first_version"][0] == batch["last_version"][0] == 0
     # The excluded one: the masked one-token stand-in after the task name's ids, nothing sampled...
     eos = tokenizer.eos_token_id
-    assert batch["completion_ids"][1] == [eos] and batch["env_mask"][1] == [0] and batch["logprobs"][1] == [0.0]
+    assert batch["completion_ids"][1] == [eos] and batch["env_mask"][1] == [0] and batch["logprobs"][1] == [
+        0.0]
     assert batch["prompt_ids"][1] == tokenizer.encode(GREETING.name, add_special_tokens=False)
-    assert batch["sampled_tokens"][1] == 0 and batch["policy_versions"][1] == [] and batch["staleness"][1] is None
+    assert batch["sampled_tokens"][1] == 0 and batch["policy_versions"][1] == [] and batch["staleness"][
+        1] is None
     assert "sandbox_error" in batch["error"][1]
     # ...and its reward the group's judged mean, not 0: the judged member's advantage is what it would be
     # without the failed one (with reward 0 it would be +0.5, credit for an infrastructure failure).
@@ -107,7 +111,8 @@ def test_an_infra_error_entry_is_masked_with_a_neutral_reward(smollm2_trainer: t
     assert episodes[1].excluded and not episodes[0].excluded
 
 
-def test_drop_group_on_infra_error_masks_the_whole_group(smollm2_trainer: tuple[Any, Any], faults: Faults) -> None:
+def test_drop_group_on_infra_error_masks_the_whole_group(smollm2_trainer: tuple[Any, Any],
+                                                         faults: Faults) -> None:
     trainer, _ = smollm2_trainer
     faults.ok_starts, faults.fail_starts = 1, 100
     rollouts = _rollouts(trainer, retries=0, drop_group_on_infra_error=True)

@@ -1,4 +1,5 @@
-"""TRL's real GRPOTrainer with ``rollout_func(overlap=True)``: the next batch's episodes run while the trainer trains.
+"""TRL's real GRPOTrainer with ``rollout_func(overlap=True)``: the next batch's episodes run while the trainer
+trains.
 
 SmolLM2 trains on real mini-swe-agent episodes in local sandboxes (as in ``test_trl.py``). With overlap
 the episodes of TRL's next call are started as a call returns and run while the trainer does its
@@ -31,8 +32,10 @@ STEPS = 3
 def _args(tmp_path: Path, steps: int) -> Any:
     trl = _trl()
     return trl.GRPOConfig(
-        output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=2, num_generations=2, max_steps=steps,
-        use_cpu=True, bf16=False, learning_rate=3e-4, logging_steps=1, report_to=[], save_strategy="no", beta=0.0,
+        output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=2, num_generations=2,
+        max_steps=steps,
+        use_cpu=True, bf16=False, learning_rate=3e-4, logging_steps=1, report_to=[], save_strategy="no",
+        beta=0.0,
         seed=7, gradient_accumulation_steps=1, disable_dropout=True, disable_tqdm=True,
     )
 
@@ -93,7 +96,8 @@ def test_overlapped_rollouts_run_while_the_trainer_trains_and_never_across_a_wei
 
     trainer = trl.GRPOTrainer(
         model=model, processing_class=tokenizer, reward_funcs=[reward_from_episode, _spread, versions_reward],
-        train_dataset=Dataset.from_dict({"prompt": TASKS}), args=_args(tmp_path, STEPS), rollout_func=observed)
+        train_dataset=Dataset.from_dict({"prompt": TASKS}), args=_args(tmp_path, STEPS),
+        rollout_func=observed)
     try:
         trainer.train()
         gw = rollouts.gateway
@@ -159,7 +163,8 @@ def test_overlapped_rollouts_run_while_the_trainer_trains_and_never_across_a_wei
             assert sum(b - a for a, b, _ in spans) == sum(mask)
             assert all(mask[k] == 1 for a, b, _ in spans for k in range(a, b))
     assert max(v for c in calls for v in c["batch"]["last_version"]) >= 1
-    assert [max(c["batch"]["last_version"]) for c in calls] == sorted(max(c["batch"]["last_version"]) for c in calls)
+    assert [max(c["batch"]["last_version"]) for c in calls] == sorted(max(c["batch"]["last_version"])
+                                                                      for c in calls)
     # TRL handed the version keys to the reward functions, entry for entry.
     assert [r["first_version"] for r in seen_by_reward] == [c["batch"]["first_version"] for c in calls]
     assert all(isinstance(r["mixed_versions"][0], bool) for r in seen_by_reward)
@@ -179,7 +184,8 @@ def test_overlap_refuses_dropout_and_an_executor(tmp_path: Path) -> None:
     model, tokenizer = load_smollm2()
     model.config.attention_dropout = 0.1
     rollouts = rollout_func("examples", overlap=True)
-    trainer = trl.GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[lambda completions, **_: [0.0]],
+    trainer = trl.GRPOTrainer(model=model, processing_class=tokenizer,
+                              reward_funcs=[lambda completions, **_: [0.0]],
                               train_dataset=Dataset.from_dict({"prompt": TASKS}), args=_args(tmp_path, 1),
                               rollout_func=rollouts)
     try:

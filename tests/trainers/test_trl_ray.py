@@ -46,7 +46,8 @@ def cluster(sandbox_root: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
     except Exception as exc:
         require(False, f"ray is not installed ({exc}): python3 -m pip install -e '.[ray]'")
     # The node's workers import this checkout's code (the one under test), whatever is installed.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("PYTHONPATH",
+                       os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
     c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
     ray.init(address=c.address)
@@ -107,7 +108,8 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
                      "url": served.server.url, "pickled": cloudpickle.dumps(served.policy)})
         return batch
 
-    trainer = _trainer(model, tokenizer, observed, tmp_path, steps=1, reward_funcs=[reward_from_episode, _spread])
+    trainer = _trainer(model, tokenizer, observed, tmp_path, steps=1,
+                       reward_funcs=[reward_from_episode, _spread])
     try:
         trainer.train()
     finally:
@@ -117,7 +119,8 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
     batch = call["batch"]
     assert len(call["prompts"]) == 2 and call["prompts"][0] == call["prompts"][1] in TASKS
     # The local path's batch: the same columns, one entry per prompt in each.
-    assert set(batch) == {"prompt_ids", "completion_ids", "logprobs", "env_mask", *EPISODE_KEYS, *VERSION_KEYS}
+    assert set(batch) == {"prompt_ids", "completion_ids", "logprobs", "env_mask", *EPISODE_KEYS,
+                          *VERSION_KEYS}
     assert all(len(v) == 2 for v in batch.values())
     # The trainer's step (0 at the first call) reached every node's gateway: each turn is stamped with it.
     assert batch["first_version"] == [0, 0] and batch["last_version"] == [0, 0], batch["policy_versions"]
@@ -136,7 +139,8 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
         check_completion(batch, i, call["recomputed"][i], turns)
         tito = turns[-1]["completion"]["extra"]["tito"]
         assert tito["engine"] == "sglang"  # the nodes' engine: the HTTP client
-        assert isinstance(tito["sampling"]["seed"], int)  # the served engine's drawn seed, recorded as locally
+        # the served engine's drawn seed, recorded as locally
+        assert isinstance(tito["sampling"]["seed"], int)
     # Every turn of every episode was sampled here, by the served engine (and only those).
     assert call["generations"] == turns_total and rollouts.calls[0]["generation_s"] > 0
     assert call["url"].startswith("http://127.0.0.1:")
@@ -179,7 +183,8 @@ async def test_the_served_engine_is_one_server_per_engine_and_a_bad_address_is_a
             _ = first.url
         # The port is taken: a TrainerError that says what to change.
         taken = ServedEngine(port=served.server.port)  # type: ignore[union-attr]
-        with pytest.raises(TrainerError, match=r"could not serve the trainer's engine on 127\.0\.0\.1:.*engine_host"):
+        with pytest.raises(TrainerError,
+                           match=r"could not serve the trainer's engine on 127\.0\.0\.1:.*engine_host"):
             await taken.policy_for(one, tokenizer=source, renderer=None, sampling=sampling)
     finally:
         await served.aclose()

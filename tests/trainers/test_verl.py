@@ -99,7 +99,8 @@ class LlamaRolloutServer:
         max_tokens = sp.pop("max_tokens", RESPONSE_LENGTH)
         want_logprobs = bool(sp.pop("logprobs", False))
         r = await self.engine.generate(prompt_ids, Sampling(
-            max_tokens=max_tokens, temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
+            max_tokens=max_tokens, temperature=float(sp.get("temperature", 1.0)),
+            top_p=float(sp.get("top_p", 1.0)),
             top_k=max(0, int(sp.get("top_k", -1))), stop_token_ids=tuple(sp.get("stop_token_ids", ())),
         ))
         return TokenOutput(token_ids=r.output_ids, log_probs=r.logprobs if want_logprobs else None,
@@ -184,9 +185,10 @@ def _recorded(out: Path, session_id: str) -> dict[str, Any]:
             d = json.loads(line)
             if d["metadata"].get("session_id") != session_id:
                 continue
-            samples.append(Sample(tokens=np.array(d["tokens"], dtype=np.int32), response_length=d["response_length"],
-                                  loss_mask=np.array(d["loss_mask"], dtype=np.int32),
-                                  logprobs=np.array(d["logprobs"], dtype=np.float32), metadata=d["metadata"]))
+            samples.append(
+                Sample(tokens=np.array(d["tokens"], dtype=np.int32), response_length=d["response_length"],
+                       loss_mask=np.array(d["loss_mask"], dtype=np.int32),
+                       logprobs=np.array(d["logprobs"], dtype=np.float32), metadata=d["metadata"]))
     assert samples, f"no recorded sample of {session_id} under {out}"
     best, _ = main_sample(samples)
     assert best is not None
@@ -268,7 +270,8 @@ def test_failed_episodes_are_reward_0_outputs_and_the_batch_completes(tmp_path: 
     finally:
         registry.unregister("broken-install")
     nt = out.non_tensor_batch
-    assert list(nt["exit_reason"]) == ["infra_error"]  # install_error on every try and "registry says no" in nt["error"][0]
+    # install_error on every try and "registry says no" in nt["error"][0]
+    assert list(nt["exit_reason"]) == ["infra_error"]
     assert int(out.batch["response_mask"].sum()) == 0 and float(out.batch["rm_scores"].sum()) == 0.0
     assert int(out.batch["attention_mask"][0, PROMPT_LENGTH:].sum()) == 1
     assert list(nt["episode_failed"]) == [True]
@@ -302,7 +305,8 @@ def test_failed_episodes_are_reward_0_outputs_and_the_batch_completes(tmp_path: 
 def test_without_verl_installed_the_error_names_the_extra() -> None:
     code = ("import sys; sys.modules['verl'] = None\n"
             "from ares_gateway.trainers import MissingExtraError\n"
-            "try:\n    import ares_gateway.trainers.verl\nexcept MissingExtraError as e:\n    print('ERR', e)\n")
+            "try:\n    import ares_gateway.trainers.verl\nexcept MissingExtraError as e:\n    "
+            "print('ERR', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert proc.returncode == 0, proc.stderr

@@ -87,7 +87,8 @@ def test_shared_turn_with_different_tool_results_is_trained_once() -> None:
     ep.turn([*P1, call, tool("t:1")], ast("r:one"))
     ep.turn([*P1, call, tool("t:2")], ast("r:two"))
     assert ep.shown() == [
-        "<sys> S </sys> <usr> u </usr> <gen> | [call:run({})] [</ast>] <tool> t:1 </tool> <gen> [r:one] [</ast>]",
+        "<sys> S </sys> <usr> u </usr> <gen> | [call:run({})] [</ast>] <tool> t:1 </tool> <gen> "
+        "[r:one] [</ast>]",
         "<sys> S </sys> <usr> u </usr> <gen> | call:run({}) </ast> <tool> t:2 </tool> <gen> [r:two] [</ast>]",
     ]
 
@@ -185,8 +186,8 @@ def test_drift_in_earlier_response_detected_later() -> None:
     )
     assert ep.shown() == [
         "<sys> S </sys> <usr> u </usr> <gen> | [r:ok] [</ast>] <usr> u2 </usr> <gen> [r:two] [</ast>]",
-        "<sys> S </sys> <usr> u </usr> <gen> r:o k </ast> <usr> u2 </usr> <gen> r:two </ast> <usr> u3 </usr> <gen> "
-        "| [r:three] [</ast>]",
+        "<sys> S </sys> <usr> u </usr> <gen> r:o k </ast> <usr> u2 </usr> <gen> r:two </ast> <usr> u3 "
+        "</usr> <gen> | [r:three] [</ast>]",
     ]
 
 
@@ -312,7 +313,8 @@ def test_parallel_tool_calls_and_multiple_results() -> None:
     ep.turn([*P1, a1, tool("t:A", "call_0"), tool("t:B", "call_1")], ast("r:done"))
     (s,) = ep.samples()
     assert show(s) == (
-        '<sys> S </sys> <usr> u </usr> <gen> | [r:checking] [call:read({"f":"a"})] [call:grep({"f":"b","q":"x"})] '
+        '<sys> S </sys> <usr> u </usr> <gen> | [r:checking] [call:read({"f":"a"})] '
+        '[call:grep({"f":"b","q":"x"})] '
         "[</ast>] <tool> t:A </tool> <tool> t:B </tool> <gen> [r:done] [</ast>]"
     )
     assert s.metadata["used_tools"] == ["grep", "read"]
@@ -416,7 +418,8 @@ def test_side_call_with_main_prompt_prefix_does_not_touch_main_line() -> None:
     )
     assert (
         show(side)
-        == "<sys> S </sys> <usr> u </usr> <gen> r:ok </ast> <usr> u:summarize </usr> <gen> | [r:summary] [</ast>]"
+        == "<sys> S </sys> <usr> u </usr> <gen> r:ok </ast> <usr> u:summarize </usr> <gen> | "
+           "[r:summary] [</ast>]"
     )
     assert side.metadata["side_call"] is True
 
@@ -466,13 +469,15 @@ def test_truncation_applies_per_sample() -> None:
     ep.turn(
         [*P1, call, tool("t:1")],
         ast("r:one"),
-        prompt_tokens="<sys> S:x S:y S:z </sys> <usr> u </usr> <gen> call:run({}) </ast> <tool> t:1 </tool> <gen>",
+        prompt_tokens="<sys> S:x S:y S:z </sys> <usr> u </usr> <gen> call:run({}) </ast> <tool> t:1 "
+                      "</tool> <gen>",
     )
     ep.turn([*P1, call, tool("t:2")], ast("r:two"))
     samples = ep.samples(max_sample_tokens=16)
     assert [show(s) for s in samples] == [
         "<sys> S </sys> <usr> u </usr> <gen> | [call:run({})] [</ast>]",
-        "<sys> S:x S:y S:z </sys> <usr> u </usr> <gen> call:run({}) </ast> <tool> t:1 </tool> <gen> | [r:one]",
+        "<sys> S:x S:y S:z </sys> <usr> u </usr> <gen> call:run({}) </ast> <tool> t:1 </tool> <gen> "
+        "| [r:one]",
         "<sys> S </sys> <usr> u </usr> <gen> | call:run({}) </ast> <tool> t:2 </tool> <gen> [r:two] [</ast>]",
     ]
     assert [s.metadata["truncated"] for s in samples] == [False, True, False]
@@ -490,8 +495,10 @@ def test_masked_claim_passes_to_next_leaf() -> None:
     # Leaf 2 keeps it: it is trained there.
     ep.turn([*P1, call, tool("t:2")], ast("r:two"))
     assert ep.shown() == [
-        "<sys> S </sys> <usr> u </usr> <gen> | call:run({ }) </ast> <tool> t:1 </tool> <gen> [r:one] [</ast>]",
-        "<sys> S </sys> <usr> u </usr> <gen> | [call:run({})] [</ast>] <tool> t:2 </tool> <gen> [r:two] [</ast>]",
+        "<sys> S </sys> <usr> u </usr> <gen> | call:run({ }) </ast> <tool> t:1 </tool> <gen> [r:one] "
+        "[</ast>]",
+        "<sys> S </sys> <usr> u </usr> <gen> | [call:run({})] [</ast>] <tool> t:2 </tool> <gen> "
+        "[r:two] [</ast>]",
     ]
 
 

@@ -13,7 +13,8 @@ from trajectory import TrajectoryManager, TurnRecord
 
 def _record(tm: TrajectoryManager, history: list[str], reply: str, prompt: list[int], output: list[int],
             version: int | None) -> None:
-    tm.record_turn("s", prompt_messages=alternating(*history), response_message={"role": "assistant", "content": reply},
+    tm.record_turn("s", prompt_messages=alternating(*history),
+                   response_message={"role": "assistant", "content": reply},
                    turn=TurnRecord(prompt, output, [-0.5] * len(output), policy_version=version))
 
 

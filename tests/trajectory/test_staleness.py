@@ -19,7 +19,8 @@ def _three_versions(versions: tuple[int | None, int | None, int | None]) -> Samp
     prompt = [1, 2, 3]
     outputs = ([10, 11], [12], [13, 14])
     for i, (out, v) in enumerate(zip(outputs, versions, strict=True)):
-        tm.record_turn("s", prompt_messages=alternating(*history), response_message={"role": "assistant", "content": f"r{i}"},
+        tm.record_turn("s", prompt_messages=alternating(*history),
+                       response_message={"role": "assistant", "content": f"r{i}"},
                        turn=TurnRecord(prompt, out, [-0.5] * len(out), policy_version=v))
         history += [f"r{i}", f"u{i}"]
         prompt = prompt + out + [4 + i]

@@ -30,7 +30,8 @@ PROVISION = "bash .ci/provision-browser.sh"
 
 
 def require_browser() -> None:
-    require(os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK), f"no Chromium at {CHROMIUM}: run {PROVISION}")
+    require(os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK),
+            f"no Chromium at {CHROMIUM}: run {PROVISION}")
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
@@ -101,15 +102,17 @@ class ViewProcess:
 
     def __init__(self, directory: Path, *extra: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "ares_gateway.cli", "view", str(directory), "--port", "0",
-                                      *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ares_gateway.cli", "view", str(directory), "--port", "0",
+             *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         found = re.search(r"(http://127\.0\.0\.1:\d+/ui/)#token=([A-Za-z0-9_-]+)", line)
         if not found:
             self.proc.kill()
-            raise AssertionError(f"view printed no URL: {line!r} {self.proc.stderr.read() if self.proc.stderr else ''}")
+            raise AssertionError(
+                f"view printed no URL: {line!r} {self.proc.stderr.read() if self.proc.stderr else ''}")
         #: The pages' URL, and the printed one that logs in (its token in the fragment).
         self.url, self.token = found.group(1), found.group(2)
         self.login_url = f"{self.url}#token={self.token}"
@@ -131,7 +134,8 @@ class ViewProcess:
 
 
 def expect(locator: Any) -> Any:
-    """Playwright's ``expect`` (polls from Python: the page's CSP forbids the eval ``wait_for_function`` uses)."""
+    """Playwright's ``expect`` (polls from Python: the page's CSP forbids the eval ``wait_for_function``
+    uses)."""
     from playwright.sync_api import expect as _expect
 
     return _expect(locator)

@@ -38,9 +38,12 @@ def test_serve_ui_needs_the_admin_token(tmp_path: Path, page: Any, screenshots: 
     (tmp_path / "token").write_text(token + "\n")
     (tmp_path / "token").chmod(0o600)
     proc = subprocess.Popen([sys.executable, "-m", "ares_gateway.cli", "serve", "--port", "0", "--data-dir",
-                             str(tmp_path / "data"), "--admin-token-file", str(tmp_path / "token"), "--access-log",
-                             "--log-level", "DEBUG"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+                             str(tmp_path / "data"), "--admin-token-file", str(tmp_path / "token"),
+                             "--access-log",
+                             "--log-level", "DEBUG"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            text=True,
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -58,7 +61,8 @@ def test_serve_ui_needs_the_admin_token(tmp_path: Path, page: Any, screenshots: 
         status, headers = _get(url + "/ui/login", data=urllib.parse.urlencode({"token": token}).encode())
         assert status == 303
         cookie = headers["set-cookie"]
-        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/ui" in cookie and token not in cookie
+        assert ("HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/ui" in cookie
+                and token not in cookie)
         assert _get(url + "/ui/api/run", cookie=cookie.split(";")[0])[0] == 200
         # In the browser: the login form, then the pages; the token in no URL it asked for.
         urls: list[str] = []

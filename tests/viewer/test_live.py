@@ -24,7 +24,8 @@ from .conftest import CHROMIUM, CHROMIUM_FLAGS, require_browser
 
 async def _launch(pw: Any, profile: str) -> Any:
     context = await pw.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True,
-                                                          args=CHROMIUM_FLAGS, viewport={"width": 1400, "height": 900})
+                                                          args=CHROMIUM_FLAGS,
+                                                          viewport={"width": 1400, "height": 900})
     offsite: list[str] = []
 
     async def guard(route: Any) -> None:
@@ -99,8 +100,10 @@ async def test_live_episode_and_run_table(tmp_path: Path, screenshots: Path) -> 
                             gw.trajectory(info.session_id), gw.turn_log(info.session_id), {})
             await gw.delete_session(info.session_id)
             ended = viewer.source.episode("session:" + info.session_id)
-            assert ended["episode"]["key"] == "live-task.0" and ended["turns"] == 4 and len(ended["samples"]) == 1
-            # Its tree now comes from the run's data dir, which the gateway created after the viewer was mounted.
+            assert ended["episode"]["key"] == "live-task.0" and ended["turns"] == 4 and len(
+                ended["samples"]) == 1
+            # Its tree now comes from the run's data dir, which the gateway created after the viewer was
+            # mounted.
             tree = viewer.source.tree("session:" + info.session_id)["tree"]
             assert tree is not None and tree["leaves"] == 1
             await expect(page.locator("#episodes tbody tr")).to_have_count(2, timeout=1000)

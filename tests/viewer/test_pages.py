@@ -27,7 +27,8 @@ HOSTILE_TASK = "hostile<img src=x onerror=alert(1)>"
 
 def _env(boxes: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
-    env.update(ARES_SANDBOX_LOCAL_ROOT=str(boxes), DOCKER_HOST="unix:///nonexistent.sock", PYTHONPATH=str(REPO))
+    env.update(ARES_SANDBOX_LOCAL_ROOT=str(boxes), DOCKER_HOST="unix:///nonexistent.sock",
+               PYTHONPATH=str(REPO))
     return env
 
 
@@ -51,12 +52,15 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | None]
         args = cli("demo", "--out", str(base / "demo"), "--model-tasks", "1", "--model-steps", "2")
         out: dict[str, Path | None] = {"oracle": base / "demo" / "oracle", "model": base / "demo" / "model"}
     else:
-        args = cli("run", "examples-mswea", "--policy", "oracle", "--sandbox", "local", "--out", str(base / "oracle"))
+        args = cli("run", "examples-mswea", "--policy", "oracle", "--sandbox", "local", "--out",
+                   str(base / "oracle"))
         out = {"oracle": base / "oracle", "model": None}
-    proc = subprocess.run(args, cwd=REPO, env=_env(base / "boxes"), capture_output=True, text=True, timeout=400,
+    proc = subprocess.run(args, cwd=REPO, env=_env(base / "boxes"), capture_output=True, text=True,
+                          timeout=400,
                           check=False)
     oracle = out["oracle"]
-    assert oracle is not None and (oracle / "results.json").is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert oracle is not None and (oracle / "results.json").is_file(), proc.stdout[-3000:] + proc.stderr[
+        -3000:]
     # `run` (and the demo's parts) served the viewer live on the gateway's port while it ran.
     assert re.search(r"trajectory viewer: http://127\.0\.0\.1:\d+/ui/", proc.stdout), proc.stdout[-3000:]
     return out
@@ -126,9 +130,11 @@ def test_real_run_pages(real_run: dict[str, Path | None], browser: Any, page: An
 def test_real_model_sample(real_run: dict[str, Path | None], page: Any, screenshots: Path) -> None:
     model = real_run["model"]
     if model is None:
-        pytest.skip("the model extra (llama_cpp) is not installed: the sample checks run on the in-process run")
+        pytest.skip(
+            "the model extra (llama_cpp) is not installed: the sample checks run on the in-process run")
     files = sorted((model / "trajectories").glob("*.jsonl"))
-    found = [(f.stem, i, json.loads(line)) for f in files for i, line in enumerate(f.read_text().splitlines())]
+    found = [(f.stem, i, json.loads(line)) for f in files for i,
+             line in enumerate(f.read_text().splitlines())]
     assert found, "the model part wrote no sample"
     key, index, sample = found[0]
     view = ViewProcess(model)
@@ -156,7 +162,8 @@ def _check_sample_page(page: Any, url: str, key: str, index: int, sample: dict[s
     assert shown == sum(sample["loss_mask"][: max(0, window - prompt)])
     # Every token has a box to hover, a line break too (a bare "\n" span has none: shown as ↵).
     boxless = page.eval_on_selector_all(
-        "#tokens .tok", "els => els.filter(e => e.getBoundingClientRect().width === 0).map(e => e.dataset.id)")
+        "#tokens .tok",
+        "els => els.filter(e => e.getBoundingClientRect().width === 0).map(e => e.dataset.id)")
     assert boxless == []
     # Hovering a trained token shows its id and logprob.
     first = sample["loss_mask"].index(1)
@@ -168,7 +175,8 @@ def _check_sample_page(page: Any, url: str, key: str, index: int, sample: dict[s
     assert f"logprob {sample['logprobs'][first]:.4f}" in tip
     # Low-probability tokens are marked, exactly those below p = 0.1.
     lows = page.eval_on_selector_all("#tokens .tok.low", "els => els.length")
-    want = sum(1 for m, lp in zip(sample["loss_mask"][: max(0, window - prompt)], sample["logprobs"], strict=False)
+    want = sum(1 for m,
+               lp in zip(sample["loss_mask"][: max(0, window - prompt)], sample["logprobs"], strict=False)
                if m and lp < math.log(0.1))
     assert lows == want
 
@@ -176,7 +184,8 @@ def _check_sample_page(page: Any, url: str, key: str, index: int, sample: dict[s
 # ---------------------------------------------------------------------- a forked session
 
 
-def test_forked_tree_and_samples(tree_run: Path, tree_view: ViewProcess, page: Any, screenshots: Path) -> None:
+def test_forked_tree_and_samples(tree_run: Path, tree_view: ViewProcess, page: Any,
+                                 screenshots: Path) -> None:
     tree_view.open(page)
     page.goto(tree_view.url + "#/e/fix-median.0")
     page.wait_for_selector("#turns .turn")
@@ -196,7 +205,8 @@ def test_forked_tree_and_samples(tree_run: Path, tree_view: ViewProcess, page: A
     assert "leaf 0" in text and "leaf 1" in text and "sample 0" in text and "sample 1" in text
     shot(page, screenshots, "tree")
     # The second branch's sample: its trained tokens are its own turn's only (turn 1 was trained by sample 0).
-    samples = [json.loads(line) for line in (tree_run / "trajectories" / "fix-median.0.jsonl").read_text().splitlines()]
+    samples = [json.loads(line)
+               for line in (tree_run / "trajectories" / "fix-median.0.jsonl").read_text().splitlines()]
     assert [s["metadata"]["branch"] for s in samples[:2]] == [0, 1]
     page.click("#tree a.badge.leaf:text-is('sample 1')")
     page.wait_for_selector("#tokens .tok")
@@ -211,9 +221,11 @@ def _assert_inert(page: Any) -> None:
     assert page.evaluate("typeof window.__pwned") == "undefined"
     assert page.dialogs == []
     assert page.errors == []
-    assert page.eval_on_selector_all("script", "els => els.map(e => e.getAttribute('src'))") == ["/ui/static/viewer.js"]
+    assert page.eval_on_selector_all("script",
+                                     "els => els.map(e => e.getAttribute('src'))") == ["/ui/static/viewer.js"]
     assert page.eval_on_selector_all("img, iframe, object, embed", "els => els.length") == 0
-    assert page.eval_on_selector_all("a[href]", "els => els.filter(a => !a.getAttribute('href').startsWith('#')).length") == 0
+    assert page.eval_on_selector_all(
+        "a[href]", "els => els.filter(a => !a.getAttribute('href').startsWith('#')).length") == 0
     assert "\x1b" not in page.evaluate("document.body.textContent")
 
 
@@ -250,7 +262,8 @@ def test_headers_are_strict(tree_view: ViewProcess) -> None:
         urllib.request.urlopen(tree_view.url + "api/run")
     assert err.value.code == 401
     bearer = {"Authorization": f"Bearer {tree_view.token}"}
-    with urllib.request.urlopen(urllib.request.Request(tree_view.url, headers=bearer)) as resp:  # 127.0.0.1 only
+    # 127.0.0.1 only
+    with urllib.request.urlopen(urllib.request.Request(tree_view.url, headers=bearer)) as resp:
         csp = resp.headers["content-security-policy"]
         assert "script-src 'self'" in csp and "default-src 'none'" in csp and "unsafe-inline" not in csp
         assert resp.headers["x-content-type-options"] == "nosniff"
@@ -278,7 +291,8 @@ def test_package_ships_the_page() -> None:
 def test_view_of_a_data_dir(tmp_path: Path, page: Any, screenshots: Path) -> None:
     """``view`` on a gateway data dir alone (as ``serve`` leaves one): its sessions are the episodes,
     their turns and trees read from the records."""
-    run = build_run(tmp_path / "run", [("fix-median", 1.0, forked_session), (HOSTILE_TASK, 0.0, injection_session)],
+    run = build_run(tmp_path / "run",
+                    [("fix-median", 1.0, forked_session), (HOSTILE_TASK, 0.0, injection_session)],
                     keep_sessions=True)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pool.submit(asyncio.run, run).result()

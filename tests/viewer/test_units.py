@@ -24,7 +24,8 @@ def test_file_turns_equal_turns_built_in_memory(tmp_path: Path) -> None:
     # A side call in the middle, and a request that rewrites the history (a fork).
     entries.insert(5, {**entries[0], "side_call": True, "request": {"model": "m", "messages": [
         {"role": "user", "content": "title?"}]}})
-    entries.insert(9, {**entries[8], "request": {"model": "m", "messages": entries[8]["request"]["messages"][:3]}})
+    entries.insert(
+        9, {**entries[8], "request": {"model": "m", "messages": entries[8]["request"]["messages"][:3]}})
     path.write_text("".join(json.dumps(e) + "\n" for e in entries))
     memory = TurnViews()
     memory.add(entries)
@@ -32,7 +33,8 @@ def test_file_turns_equal_turns_built_in_memory(tmp_path: Path) -> None:
     assert on_file.count() == memory.count() == 32 and on_file.side_count() == memory.side_count() == 1
     for line in ("all", "main", "side"):
         for offset in (0, 7, 30):
-            assert on_file.page(offset=offset, limit=5, line=line) == memory.page(offset=offset, limit=5, line=line)
+            assert on_file.page(offset=offset, limit=5, line=line) == memory.page(offset=offset, limit=5,
+                                                                                  line=line)
     views = memory.page(offset=0, limit=40)["turns"]
     assert views[9]["diverged_at"] == 3 and "diverged_at" not in views[10]
     assert [m["role"] for m in views[1]["messages"]] == ["assistant", "tool"]  # only what the turn added
@@ -93,7 +95,8 @@ async def test_an_open_event_stream_does_not_hold_the_gateway_open() -> None:
     mount_viewer(gw)
     await gw.start()
     async with aiohttp.ClientSession() as http:
-        resp = await http.get(gw.url + "/ui/api/events", headers={"authorization": f"Bearer {gw.admin_token}"})
+        resp = await http.get(gw.url + "/ui/api/events",
+                              headers={"authorization": f"Bearer {gw.admin_token}"})
         assert resp.status == 200 and resp.headers["content-type"].startswith("text/event-stream")
         assert (await resp.content.readline()) == b"event: run\n"
         t0 = time.monotonic()
@@ -104,8 +107,9 @@ async def test_an_open_event_stream_does_not_hold_the_gateway_open() -> None:
 
 def test_a_failed_policy_call_shows_its_error() -> None:
     views = TurnViews()
-    views.add([{"protocol": "openai.chat", "request": {"model": "m", "messages": [{"role": "user", "content": "x"}]},
-                "error": {"status": 502, "message": "upstream answered 500: injected"}}])
+    views.add([
+        {"protocol": "openai.chat", "request": {"model": "m", "messages": [{"role": "user", "content": "x"}]},
+         "error": {"status": 502, "message": "upstream answered 500: injected"}}])
     assert views.views[0]["answer"] == {"error": {"text": "upstream answered 500: injected"}, "status": 502}
 
 
@@ -116,7 +120,8 @@ def test_view_refuses_what_it_cannot_show(tmp_path: Path) -> None:
     from .conftest import REPO
 
     def view(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "ares_gateway.cli", "view", *args], cwd=REPO, capture_output=True,
+        return subprocess.run([sys.executable, "-m", "ares_gateway.cli", "view", *args], cwd=REPO,
+                              capture_output=True,
                               text=True, timeout=60, check=False)
 
     got = view()
@@ -141,8 +146,9 @@ async def test_the_tree_rebuilt_from_a_turn_log_is_the_recorders() -> None:
         for side in (False, True):
             live = gw.recorder.tree_view(info.session_id, side_call=side)
             assert live is not None and tree_view_of_turn_log(log, side_call=side) == live
-        assert tree_view_of_turn_log([{**t, "completion": {k: v for k, v in t["completion"].items() if k != "tokens"}}
-                                      for t in log]) is None
+        assert tree_view_of_turn_log(
+            [{**t, "completion": {k: v for k, v in t["completion"].items() if k != "tokens"}}
+             for t in log]) is None
 
 
 def test_tree_view_marks_a_merged_rewrite_and_a_realigned_turn() -> None:
@@ -188,7 +194,8 @@ async def test_turn_log_reader_decodes_only_what_is_new(tmp_path: Path, durable:
         seen: list[dict[str, object]] = []
         for i in range(5):
             reply = await agent.turn(messages, f"step {i}", side_call=i == 2)
-            messages = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": f"out {i}"}]
+            messages = [*messages, {"role": "assistant", "content": reply},
+                        {"role": "user", "content": f"out {i}"}]
             await gw.durable()
             got = reader.new()
             assert len(got) == 1 and got[0]["completion"]["text"] == f"step {i}"

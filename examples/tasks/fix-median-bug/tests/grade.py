@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves this
 
 import grading
 
-FIXED_MEDIAN: list[list[float]] = [[3, 1, 2], [4, 1, 3, 2], [7], [2, 2], [10, -10, 0, 5, 5, 1], [1.5, 0.5], [5, 3, 1, 4, 2, 6]]
+FIXED_MEDIAN: list[list[float]] = [[3, 1, 2], [4, 1, 3, 2], [7], [2, 2], [10, -10, 0, 5, 5, 1], [1.5, 0.5],
+                                   [5, 3, 1, 4, 2, 6]]
 FIXED_MEAN: list[list[float]] = [[1, 2, 3, 4], [5], [-1, 1, 3.5]]
 
 # Runs in the agent's process: calls the functions, prints one JSON object of what they returned.
@@ -83,7 +84,8 @@ def check(name: str, got: list[object], cases: list[list[float]],
 
 def grade() -> tuple[bool, list[str]]:
     rng = random.SystemRandom()
-    cases: dict[str, list[list[float]]] = {"median": FIXED_MEDIAN + random_lists(rng, 24), "mean": FIXED_MEAN + random_lists(rng, 6)}
+    cases: dict[str, list[list[float]]] = {"median": FIXED_MEDIAN + random_lists(rng, 24),
+                                           "mean": FIXED_MEAN + random_lists(rng, 6)}
     try:
         source = grading.read_file("stats.py", 256 * 1024)
     except grading.Refused as exc:

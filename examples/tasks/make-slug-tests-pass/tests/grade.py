@@ -25,7 +25,8 @@ import grading
 #: The cases of the workspace's test_slug.py, as shipped.
 VISIBLE = [("Hello World", "hello-world"), ("Hello, World!", "hello-world"),
            ("  many   spaces here ", "many-spaces-here"), ("Python 3 rocks", "python-3-rocks")]
-HIDDEN = [("snake_case and-kebab", "snake-case-and-kebab"), ("!!!", ""), ("ARES Gateway v2", "ares-gateway-v2"),
+HIDDEN = [("snake_case and-kebab", "snake-case-and-kebab"), ("!!!", ""),
+          ("ARES Gateway v2", "ares-gateway-v2"),
           ("", ""), ("--Leading and trailing--", "leading-and-trailing"), ("a.b/c:d", "a-b-c-d")]
 # What separates words in random titles: punctuation whose meaning is "a break", never one a slugifier
 # might spell out or drop inside a word (& + ' are left out).
@@ -66,7 +67,8 @@ def random_titles(rng: random.SystemRandom, count: int) -> list[str]:
     alphabet = string.ascii_letters + string.digits
     titles = []
     for _ in range(count):
-        words = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 6))]
+        words = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8)))
+                 for _ in range(rng.randint(1, 6))]
         text = rng.choice(["", " ", "-", "(", "!! "])
         for i, word in enumerate(words):
             text += word + (rng.choice(SEPARATORS) if i < len(words) - 1 else "")
@@ -106,7 +108,8 @@ def grade() -> tuple[dict[str, float], list[str]]:
     for part, cases, answers in (("visible_tests", visible, got[:len(visible)]),
                                  ("hidden_tests", hidden, got[len(visible):])):
         bad = [f"slugify({text!r}) = {grading.short(value)}, want {want!r}"
-               for (text, want), value in zip(cases, answers, strict=True) if type(value) is not str or value != want]
+               for (text, want),
+               value in zip(cases, answers, strict=True) if type(value) is not str or value != want]
         parts[part] = 0.0 if bad else 1.0
         wrong += [f"{part}: {line}" for line in bad]
     return parts, notes + wrong

@@ -37,7 +37,8 @@ def grade() -> tuple[dict[str, float], list[str]]:
         return parts, [f"summary.json has the regions {grading.short(sorted(got))}, want {sorted(WANT)}"]
     parts["regions"] = 1.0
     wrong = [f"{region}: {grading.short(got[region])}, want {want}" for region, want in WANT.items()
-             if (x := grading.number(got[region])) is None or not math.isclose(x, want, rel_tol=0, abs_tol=1e-9)]
+             if (x := grading.number(got[region])) is None
+             or not math.isclose(x, want, rel_tol=0, abs_tol=1e-9)]
     if not wrong:
         parts["totals"] = 1.0
     return parts, wrong

@@ -212,7 +212,8 @@ def _others_may_run(path: str) -> bool:
 def interpreter(for_others: bool) -> str | None:
     """The python3 to run the agent's code with: this one, else the system's, that the untrusted user
     may run (``for_others``), else ``None``."""
-    candidates = [sys.executable, shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "", "/usr/bin/python3"]
+    candidates = [sys.executable, shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "",
+                  "/usr/bin/python3"]
     for path in candidates:
         if path and os.path.isabs(path) and (not for_others or _others_may_run(path)):
             return path
@@ -246,12 +247,14 @@ def run_untrusted(files: dict[str, bytes], script: str, *, timeout: float = 20.0
         isolation = f"the agent's code ran as uid {UNTRUSTED_UID} in its own process"
     else:
         who = {}
-        isolation = (f"the verifier is not root: the agent's code ran as this verifier's own uid {os.geteuid()}, "
-                     "in its own process but not isolated from the verifier (use a hardened sandbox)")
+        isolation = (
+            f"the verifier is not root: the agent's code ran as this verifier's own uid {os.geteuid()}, "
+            "in its own process but not isolated from the verifier (use a hardened sandbox)")
     work = tempfile.mkdtemp(prefix="ares-grade-")
     try:
         for name, data in files.items():
-            fd = os.open(os.path.join(work, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            fd = os.open(os.path.join(work, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                         0o644)
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
         os.chmod(work, 0o755)  # readable, not writable, by the agent's code
@@ -328,6 +331,7 @@ def write_reward(verifier_dir: str, name: str, text: str) -> None:
     for old in ("reward.json", "reward.txt"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(verifier_dir, old))
-    fd = os.open(os.path.join(verifier_dir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    fd = os.open(os.path.join(verifier_dir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                 0o644)
     with os.fdopen(fd, "w") as fh:
         fh.write(text)

@@ -24,7 +24,8 @@ def main() -> None:
         ok, note = False, str(exc)
     else:
         ok = got == WANT
-        note = "greeting.txt is right" if ok else f"greeting.txt holds {grading.short(got[:200])}, want {WANT!r}"
+        note = ("greeting.txt is right" if ok
+                else f"greeting.txt holds {grading.short(got[:200])}, want {WANT!r}")
     print(f"{note} -> reward {int(ok)}")
     grading.write_reward(sys.argv[1], "reward.txt", "1\n" if ok else "0\n")
 

@@ -109,8 +109,7 @@ def serve(port: int, sessions: int, delay: float, path: str, fences: int, hold: 
 
 
 async def _agents(url: str, ids: list[list[str]], stop: asyncio.Event, lat: list[float],
-                  max_turns: int | None,
-                  stream: bool = False) -> int:
+                  max_turns: int | None, stream: bool = False) -> int:
     import aiohttp
 
     request: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -47,8 +47,7 @@ def graded(task: Task, mode: str) -> Task:
 async def one(gw: Gateway, task: Task, backend: str, harness: str, out: Path) -> dict[str, Any]:
     started = time.monotonic()
     summary = await run_rollouts([task], harness=harness, policy=make_policy("oracle"), sandbox=backend,
-                                 gateway=gw,
-                                 out=out, stats="null", time_limit=300)
+                                 gateway=gw, out=out, stats="null", time_limit=300)
     wall = time.monotonic() - started
     [e] = summary.episodes
     if e.exit_reason != "completed" or e.reward != 1.0:

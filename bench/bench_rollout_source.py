@@ -42,8 +42,7 @@ async def one(kind: str, concurrency: int, attempts: int, out: Path) -> dict[str
         episodes = summary.episodes
     else:
         source = RolloutSource(tasks, harness="tiny-agent", policy=policy, sandbox="local",
-                               concurrency=concurrency,
-                               attempts=attempts, out=out, stats="null")
+                               concurrency=concurrency, attempts=attempts, out=out, stats="null")
         async with source:
             if kind == "source-episodes":
                 async for _ in source.episodes():

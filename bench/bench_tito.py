@@ -142,14 +142,12 @@ async def bench_engine(renderer: ChatRenderer, repeat: int) -> None:
         name = "consistent (2 tokens/step)" if consistent else "batch of one"
         RESULTS[f"engine_{'consistent' if consistent else 'single'}"] = {
             "prompt_tokens": len(prompt), "prefill_tok_s": statistics.median(pre),
-            "decode_tok_s": statistics.median(dec),
-            "load_s": eng.load_s, "threads": eng.n_threads,
+            "decode_tok_s": statistics.median(dec), "load_s": eng.load_s, "threads": eng.n_threads,
         }
         ROWS.append((
             f"llama.cpp SmolLM2-135M Q4_1, {name}",
             f"prefill {statistics.median(pre):,.0f} tok/s ({len(prompt)} tokens), decode "
-            f"{statistics.median(dec):,.1f} tok/s",
-            f"{eng.n_threads} threads, load {eng.load_s:.2f} s",
+            f"{statistics.median(dec):,.1f} tok/s", f"{eng.n_threads} threads, load {eng.load_s:.2f} s",
         ))
 
 

@@ -143,10 +143,10 @@ def measure(args: argparse.Namespace, *, overlap: bool) -> dict[str, Any]:
             steps.append(time.perf_counter() - self.t0)
 
     cfg = GRPOConfig(output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=2,
-                     num_generations=2,
-                     max_steps=args.steps + 1, use_cpu=True, bf16=False, learning_rate=3e-4, logging_steps=1,
-                     report_to=[], save_strategy="no", beta=0.0, seed=7, disable_tqdm=True,
-                     disable_dropout=True)  # overlap samples the model in the trainer's mode
+                     num_generations=2, max_steps=args.steps + 1, use_cpu=True, bf16=False,
+                     learning_rate=3e-4, logging_steps=1, report_to=[], save_strategy="no", beta=0.0, seed=7,
+                     # overlap samples the model in the trainer's mode
+                     disable_tqdm=True, disable_dropout=True)
     trainer = GRPOTrainer(model=model, processing_class=tokenizer,
                           reward_funcs=[reward_from_episode, lambda completions, mean_logprob,
                                         **_: mean_logprob],

@@ -76,8 +76,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64, help="MiB downloaded and uploaded once each")
     args = parser.parse_args()
     fake = subprocess.Popen([sys.executable, "-m", "bench.support.daytona_fake"], cwd=ROOT,
-                            stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert fake.stdout is not None and fake.stdin is not None
     api_url = json.loads(fake.stdout.readline())["api_url"]
     sock, port, procs = start_host_side()

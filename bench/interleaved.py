@@ -38,8 +38,7 @@ ROWS: dict[str, list[tuple[tuple[str, int], list[str], list[str]]]] = {
     "http": [(("http", a), [], ["go", "gateway", "bare", "bare-ll"]) for a in (1, 64, 512)],
 }
 RATIOS = [("gateway", "go"), ("gateway", "bare"), ("gateway", "bare-ll"), ("gateway", "before"),
-          ("before", "go"),
-          ("gateway-mem", "go"), ("gateway", "gateway-mem")]
+          ("before", "go"), ("gateway-mem", "go"), ("gateway", "gateway-mem")]
 
 
 def _run(mode: str, agents: int, extra: list[str], impls: list[str],

@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     options = ({"action_regex": r"\A(.+)\Z"} if args.any_answer_is_a_command
                and args.harness == "mini-swe-agent" else {})
     rollouts = rollout_func(args.dataset, harness=args.harness, sandbox=args.sandbox,
-                            step_limit=args.step_limit,
-                            max_tokens=args.max_tokens, concurrency=args.concurrency, tokenizer=source,
+                            step_limit=args.step_limit, max_tokens=args.max_tokens,
+                            concurrency=args.concurrency, tokenizer=source,
                             harness_options=options, out=os.path.join(args.out, "episodes"),
                             overlap=args.overlap)
     rewards: list[Any] = [reward_from_episode]
@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         rewards.append(mean_logprob)
     config = GRPOConfig(
         output_dir=args.out, per_device_train_batch_size=args.num_generations,
-        num_generations=args.num_generations,
-        max_steps=args.steps, learning_rate=args.lr, logging_steps=1, report_to=[], save_strategy="no",
-        use_cpu=not _has_gpu(), bf16=False,  # fp32: sampler and trainer logprobs agree to ~1e-5
+        num_generations=args.num_generations, max_steps=args.steps, learning_rate=args.lr, logging_steps=1,
+        # fp32: sampler and trainer logprobs agree to ~1e-5
+        report_to=[], save_strategy="no", use_cpu=not _has_gpu(), bf16=False,
         beta=0.0, disable_dropout=True,  # overlap samples the model in the trainer's mode
     )
     tasks = [t for t in args.tasks.split(",") if t]

@@ -407,8 +407,7 @@ class BaseHarness(abc.ABC):
         if marker:  # an install that was interrupted has no marker and is redone
             cmd = f"test -f {shlex.quote(prefix)}/.ares-complete && {cmd}"
         r = await sandbox.exec(["sh", "-c", cmd], user=prep.user, env={**QUIET_ENV, "HOME": prep.home},
-                               cwd="/",
-                               timeout=60)
+                               cwd="/", timeout=60)
         return self.parse_version(r.stdout + "\n" + r.stderr) if r.ok else None
 
     async def launch_and_wait(
@@ -433,8 +432,7 @@ class BaseHarness(abc.ABC):
                 f'export PATH={shlex.quote(bin_dir)}:"$PATH"',
                 # A subshell, so an ``exit`` in the agent's command still ends run.sh with its status.
                 f"( {self._wrapped(self.agent_command(ctx, prep, prompt))} ) >{st}/stdout.log "
-                f"2>{st}/stderr.log </dev/null",
-                "",
+                f"2>{st}/stderr.log </dev/null", "",
             ]
         )
         write = await sandbox.exec(

@@ -243,8 +243,7 @@ class DaytonaSandbox(BaseSandbox):
         prep = await self._raw_exec(
             f"mkdir -p {shlex.quote(self.spec.workdir)} 2>/dev/null || "
             f"{{ sudo -n mkdir -p {shlex.quote(self.spec.workdir)} && sudo -n chown \"$(id -u)\" "
-            f"{shlex.quote(self.spec.workdir)}; }}",
-            timeout=60,
+            f"{shlex.quote(self.spec.workdir)}; }}", timeout=60,
         )
         if prep[0] != 0:
             raise SandboxStartError(

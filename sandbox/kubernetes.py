@@ -317,8 +317,7 @@ class ExecStream:
                 msg = await self.ws.receive()
                 if msg.type != aiohttp.WSMsgType.BINARY:
                     if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
-                                    aiohttp.WSMsgType.CLOSED,
-                                    aiohttp.WSMsgType.ERROR):
+                                    aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
                         if msg.type == aiohttp.WSMsgType.ERROR:
                             why = (msg.data if isinstance(msg.data, BaseException)
                                    else ConnectionError(str(msg.data)))
@@ -944,8 +943,7 @@ class KubernetesSandbox(BaseSandbox):
             self._relay_uploaded = True
         argv = ["/bin/sh", "-c", _TUNNEL_RELAY, "ares-relay", str(port), str(self.tunnel_max_streams)]
         tunnel = Tunnel(lambda: self.open_exec_channel(argv), host_socket,
-                        max_streams=self.tunnel_max_streams,
-                        ping_interval=self.tunnel_ping_interval)
+                        max_streams=self.tunnel_max_streams, ping_interval=self.tunnel_ping_interval)
         try:
             await tunnel.start()
         except (TunnelError, OSError, ExecError) as exc:

@@ -516,8 +516,7 @@ class LocalSandbox(BaseSandbox):
             return [
                 *self._nsenter(), *switch, "sh", "-c",
                 f'cd "$0" 2>/dev/null || {{ echo "{_CWD_MARK}$0" >&2; exit {_CWD_MISSING}; }}; exec '
-                '/bin/sh -c "$1"',
-                cwd, command,
+                '/bin/sh -c "$1"', cwd, command,
             ]
         return [*self._bwrap_prefix(), "--chdir", cwd, *switch, *inner]
 
@@ -821,8 +820,8 @@ class LocalSandbox(BaseSandbox):
 
     def _mkdir_inside(self, path: str) -> None:
         proc = subprocess.run([*self._nsenter(), "setpriv", *_ROOT_PRIVS, "mkdir", "-p", "--", path],
-                              capture_output=True, check=False,
-                              cwd=str(self.root), env={"PATH": DEFAULT_PATH})
+                              capture_output=True, check=False, cwd=str(self.root),
+                              env={"PATH": DEFAULT_PATH})
         if proc.returncode != 0:
             raise FileTransferError(f"creating {path} in sandbox {self.id} failed: "
                                     f"{proc.stderr.decode(errors='replace').strip()[-300:]}")

@@ -539,8 +539,7 @@ class ModalSandbox(BaseSandbox):
         if code == _CWD_MISSING and stderr.startswith("ares-exec: no such directory"):
             raise ExecError(f"cwd {cwd!r} does not exist in sandbox {self.id}: create it first (mkdir -p)")
         return ExecResult(stdout=stdout, stderr=stderr, exit_code=-9 if timed_out else code,
-                          timed_out=timed_out,
-                          duration=time.monotonic() - started)
+                          timed_out=timed_out, duration=time.monotonic() - started)
 
     async def _kill(self, pidfile: str) -> None:
         with contextlib.suppress(Exception):

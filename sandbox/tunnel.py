@@ -128,9 +128,8 @@ class Tunnel:
             raise
         mux = Mux(channel.reader, channel.writer, line=self.line, connect=self._connect,
                   max_streams=self.max_streams, stream_window=self.stream_window,
-                  conn_window=self.conn_window,
-                  connect_timeout=self.connect_timeout, ping_interval=self.ping_interval,
-                  ping_timeout=self.ping_timeout)
+                  conn_window=self.conn_window, connect_timeout=self.connect_timeout,
+                  ping_interval=self.ping_interval, ping_timeout=self.ping_timeout)
         self.channels_opened += 1
         return channel, mux
 

@@ -104,5 +104,4 @@ def mask_stale(sample: Sample, current: int | None, max_staleness: int | None) -
     meta["stale_tokens"] = stale_tokens
     meta["staleness"] = {"current": now, "max_staleness": bound}
     return Sample(tokens=sample.tokens, response_length=sample.response_length,
-                  loss_mask=mask.astype(np.int32),
-                  logprobs=logprobs, reward=sample.reward, metadata=meta)
+                  loss_mask=mask.astype(np.int32), logprobs=logprobs, reward=sample.reward, metadata=meta)

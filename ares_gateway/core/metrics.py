@@ -128,15 +128,13 @@ class GatewayMetrics:
         yield CounterMetricFamily(
             "ares_gateway_turns_lost",
             "Answered turns whose record did not reach the data dir (a full disk, an I/O error, an "
-            "unencodable body)",
-            value=self.turns_lost(),
+            "unencodable body)", value=self.turns_lost(),
         )
         yield GaugeMetricFamily("ares_gateway_requests_parked_now", "Requests parked right now",
                                 value=self._parked_now)
         yield GaugeMetricFamily("ares_gateway_parked_bytes_now",
                                 "Body bytes of requests parked or being read right now, every "
-                                "session's together",
-                                value=self.parked_bytes_now())
+                                "session's together", value=self.parked_bytes_now())
         cumulative, buckets = 0, []
         for bound, count in zip((*_LATENCY_BUCKETS, float("inf")), self._bucket_counts, strict=True):
             cumulative += count
@@ -152,12 +150,10 @@ class GatewayMetrics:
             yield _histogram(f"ares_gateway_turn_{name}_seconds", _TIMINGS[name], counts, total[0])
         yield CounterMetricFamily("ares_gateway_turn_prompt_tokens",
                                   "Prompt tokens of recorded turns (token records, else the upstream's "
-                                  "usage)",
-                                  value=self.prompt_tokens_total)
+                                  "usage)", value=self.prompt_tokens_total)
         yield CounterMetricFamily("ares_gateway_turn_completion_tokens",
                                   "Completion tokens of recorded turns (token records, else the "
-                                  "upstream's usage)",
-                                  value=self.completion_tokens_total)
+                                  "upstream's usage)", value=self.completion_tokens_total)
 
         yield CounterMetricFamily("ares_gateway_fence_pauses", "Weight-update pauses that returned (drained)",
                                   value=self.fence_pauses_total)

@@ -190,9 +190,7 @@ def record_turn(sink: TurnSink | None, parked: Answered, completion: Completion,
         latency=latency,
         layout=parked.layout,
         policy_version=parked.policy_version if completion.policy_version is None
-        else completion.policy_version,
-        parked_seconds=parked_s,
-        policy_seconds=policy_s,
+        else completion.policy_version, parked_seconds=parked_s, policy_seconds=policy_s,
         ttft=ttft,
     )
     try:

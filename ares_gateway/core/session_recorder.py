@@ -285,8 +285,7 @@ class SessionRecorder:
                     line.chat, line.chat_seq = chat, seq
                     shared = _tree_turn(self._tm, sid, chat, turn.completion, prompt, output,
                                         tokens.output_logprobs, tokens.finish_reason, turn.request_id,
-                                        turn.side_call,
-                                        turn.policy_version)
+                                        turn.side_call, turn.policy_version)
                 except Exception as exc:
                     # The turn is recorded whole all the same; the error is raised once it is.
                     tree_error = exc

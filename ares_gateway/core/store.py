@@ -869,5 +869,4 @@ def _json_obj(raw: Any) -> dict[str, Any]:
 
 
 __all__ = ["DB_NAME", "LOST_KIND", "DamagedRecord", "StoreReader", "StoredSession", "TurnStore",
-           "check_data_dir",
-           "inspect_wal", "lost_record", "prepare_data_dir"]
+           "check_data_dir", "inspect_wal", "lost_record", "prepare_data_dir"]

@@ -157,8 +157,7 @@ def parse_generate_request(body: Any, *, vocab_size: int | None = None,
             raise RequestError(f"input_ids[{i}] is {_shown(t)}: token ids are integers >= 0{bound}")
     for key, value in body.items():
         if key in ("text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "stream",
-                   "rid",
-                   "top_logprobs_num"):
+                   "rid", "top_logprobs_num"):
             continue
         if key not in _IGNORED_TOP or not _neutral(value, None):
             raise RequestError(f"{_shown(key)} is not supported by this server")
@@ -484,8 +483,7 @@ class EngineServer:
             data = self._answer(req, ids[start:], lps[start:],
                                 prompt_tokens=extra.pop("prompt_tokens", len(req.prompt_ids)),
                                 cached=extra.pop("cached", 0), finish=finish, t0=t0,
-                                seed=extra.pop("seed", None),
-                                version=extra.pop("version", None))
+                                seed=extra.pop("seed", None), version=extra.pop("version", None))
             # completion_tokens is the total so far in both modes (the client tells them apart by it).
             data["meta_info"]["completion_tokens"] = len(ids)
             assert resp is not None

@@ -156,5 +156,4 @@ class SkyRLEngine:
         stopped = bool(ids) and ids[-1] in sampling.stop_token_ids
         finish: FinishReason = "length" if len(ids) >= sampling.max_tokens and not stopped else "stop"
         return GenerateResult(output_ids=ids, logprobs=logprobs, finish_reason=finish,
-                              prompt_tokens=prompt_tokens,
-                              decode_s=seconds)
+                              prompt_tokens=prompt_tokens, decode_s=seconds)

@@ -134,5 +134,5 @@ class VerlEngine:
         if isinstance(fields, Mapping) and fields.get("global_steps") is not None:
             extra["global_steps"] = fields["global_steps"]
         return GenerateResult(output_ids=ids, logprobs=logprobs, finish_reason=finish,
-                              prompt_tokens=prompt_tokens,
-                              cached_tokens=int(cached or 0), decode_s=seconds, extra=extra)
+                              prompt_tokens=prompt_tokens, cached_tokens=int(cached or 0), decode_s=seconds,
+                              extra=extra)

@@ -344,8 +344,8 @@ def _document(conv: _Conversation, *, agent: dict[str, Any], session_id: str | N
 
 
 def episode_trajectory(row: Mapping[str, Any], entries: Iterable[dict[str, Any]], *,
-                       run: Mapping[str, Any] | None = None,
-                       problems: list[str] | None = None, token_ids: bool = True) -> dict[str, Any] | None:
+                       run: Mapping[str, Any] | None = None, problems: list[str] | None = None,
+                       token_ids: bool = True) -> dict[str, Any] | None:
     """One episode's ATIF document (a plain dict) from its ``episodes.jsonl`` row and turn log entries,
     or ``None`` when no turn could be read (the reason is appended to ``problems``). ``token_ids=False``
     leaves the ids and logprobs out (the counts stay): every step's prompt ids repeat the history."""
@@ -508,8 +508,7 @@ def trajectory_turns(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
                                                 "output_logprobs": m.get("logprobs") or []}
                     entries.append({"request_id": f"atif_{len(entries) + 1}", "protocol": "openai.chat",
                                     "side_call": side, "timestamp": _epoch(step.get("timestamp")),
-                                    "latency": 0.0,
-                                    "request": {"model": step.get("model_name") or model,
+                                    "latency": 0.0, "request": {"model": step.get("model_name") or model,
                                                 "messages": list(messages)},
                                     "completion": completion})
                 assistant: dict[str, Any] = {"role": "assistant", "content": text or None}

@@ -323,9 +323,9 @@ class RayExecutor:
     kind = "ray"
 
     def __init__(self, address: str | None = None, *, per_node: int = 4,
-                 runtime_env: Mapping[str, Any] | None = None,
-                 init_options: Mapping[str, Any] | None = None, host: str = "127.0.0.1",
-                 admin_token: str | None = None, connect_timeout: float = CONNECT_TIMEOUT) -> None:
+                 runtime_env: Mapping[str, Any] | None = None, init_options: Mapping[str, Any] | None = None,
+                 host: str = "127.0.0.1", admin_token: str | None = None,
+                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
         if per_node < 1:
             raise ValueError(f"per_node must be at least 1, got {per_node}")
         if not connect_timeout > 0:

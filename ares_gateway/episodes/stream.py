@@ -276,16 +276,14 @@ class RolloutSource:
             "harness": harness, "sandbox": sandbox, "concurrency": concurrency, "attempts": attempts,
             "step_limit": step_limit, "time_limit": time_limit, "tasks": names,
             "policy": type(policy).__name__, "executor": self.executor.kind, "source": "stream",
-            "epochs": epochs,
-            "retries": retries,
-            "max_buffered": self.max_buffered, "max_staleness": self.max_staleness, **dict(run_info or {}),
+            "epochs": epochs, "retries": retries, "max_buffered": self.max_buffered,
+            "max_staleness": self.max_staleness, **dict(run_info or {}),
         }
         planned = len(self.tasks) * attempts * epochs if epochs is not None else 0
         # The OUT directory, the stats writer and the clock start with the source, not before.
         self._new_writer: Callable[[], RunWriter] = lambda: RunWriter(
             self.executor, run, out=out, planned=planned, attempts=attempts,
-            success_threshold=success_threshold,
-            stats=stats, stats_period=stats_period, console=console,
+            success_threshold=success_threshold, stats=stats, stats_period=stats_period, console=console,
             title=f"{harness}: {len(self.tasks)} task(s), streamed")
         self._writer: RunWriter | None = None
         self._empty = RunSummary(episodes=[], planned=planned, attempts=attempts,
@@ -398,9 +396,8 @@ class RolloutSource:
         try:
             await schedule(self._plan(), self.executor, concurrency=self.concurrency, stop=self._stop,
                            on_record=self._on_record, on_tick=self._on_tick, tick=self._tick,
-                           state=self._state,
-                           may_launch=self._may_launch, wake=self._wake, retries=self.retries,
-                           retry_backoff=self.retry_backoff)
+                           state=self._state, may_launch=self._may_launch, wake=self._wake,
+                           retries=self.retries, retry_backoff=self.retry_backoff)
         except Exception as exc:  # the executor failed as a whole: the consumer gets it
             self._failure = exc
         finally:

@@ -160,8 +160,7 @@ class _Reader:
         if not isinstance(value, dict):
             raise TaskConfigError(
                 f"{self.path}: [{name}] must be a table, got {type(value).__name__}; write it as a "
-                f"[{name}] section",
-                path=self.path,
+                f"[{name}] section", path=self.path,
             )
         return value
 
@@ -273,8 +272,7 @@ def parse_task_config(text: str, *, path: Path | str = "task.toml") -> TaskConfi
         raise TaskConfigError(
             f"{path}: [verifier] user = {verifier_user!r} is the agent's user: the tests must "
             "never run as the user whose files and processes they judge; drop the line (root runs them) or "
-            "name another user",
-            path=path)
+            "name another user", path=path)
     return TaskConfig(
         version=version,
         agent_timeout=r.number(agent, "agent", "timeout_sec") or DEFAULT_AGENT_TIMEOUT,
@@ -519,8 +517,7 @@ class Dataset:
         if not tasks:
             raise DatasetError(
                 f"no tasks in {p}: each task is a subdirectory with instruction.md, task.toml and "
-                "tests/test.sh",
-                path=p,
+                "tests/test.sh", path=p,
             )
         return cls(name or p.name, p, tasks)
 

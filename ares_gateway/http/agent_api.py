@@ -183,8 +183,8 @@ class AgentAPI:
                     side_call = gw.is_side_call(session, canonical, request.headers)
                     # A GatewayError: 429, too many parked for this session; 503, closing.
                     parked = gw.broker.park(session.id, canonical, endpoint, side_call=side_call,
-                                            raw_body=raw,
-                                            held_bytes=held.nbytes, canonical_json=parsed.canonical_json,
+                                            raw_body=raw, held_bytes=held.nbytes,
+                                            canonical_json=parsed.canonical_json,
                                             encoder=parsed.encoder, layout=parsed.layout)
                     held.nbytes = 0  # the parked request holds them now, until it is answered
                 finally:

@@ -403,8 +403,7 @@ class UpstreamPolicy:
             self._warned_no_tokens = True
             log.warning(
                 "%s returned no token ids: trajectories will hold no training samples (vLLM >= "
-                "0.10.2 returns them for return_token_ids=true)",
-                self.url,
+                "0.10.2 returns them for return_token_ids=true)", self.url,
             )
         cost = self.config.prices.cost(completion.usage) if self.config.prices and completion.usage else None
         sid = request.session_id if isinstance(request, ParkedRequest) else ""

@@ -266,9 +266,8 @@ def mk_request(*, protocol: WireProtocol, model: str | None, messages: list[Mess
                include_usage: bool, extra: dict[str, Any], raw: dict[str, Any]) -> CanonicalRequest:
     return _build(CanonicalRequest, {
         "protocol": protocol, "model": model, "messages": messages, "tools": tools,
-        "tool_choice": tool_choice,
-        "parallel_tool_calls": parallel_tool_calls, "sampling": sampling, "stream": stream,
-        "include_usage": include_usage, "extra": extra, "raw": raw,
+        "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls, "sampling": sampling,
+        "stream": stream, "include_usage": include_usage, "extra": extra, "raw": raw,
     })
 
 
@@ -277,8 +276,7 @@ def mk_completion(*, text: str | None, reasoning: str | None, tool_calls: list[T
                   extra: dict[str, Any]) -> Completion:
     return _build(Completion, {"text": text, "reasoning": reasoning, "tool_calls": tool_calls,
                                "finish_reason": finish_reason, "usage": usage, "tokens": tokens,
-                               "model": model,
-                               "policy_version": None, "extra": extra})
+                               "model": model, "policy_version": None, "extra": extra})
 
 
 def mk_tokens(*, prompt_ids: list[int], output_ids: list[int], output_logprobs: list[float],

@@ -765,8 +765,8 @@ class ChatStreamEncoder(StreamEncoderBase[list[str]]):
         if self.include_usage:
             out += sse_data({
                 "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model,
-                "system_fingerprint": None, "choices": [], "usage": render_usage(c.usage),
+                "model": self.model, "system_fingerprint": None, "choices": [],
+                "usage": render_usage(c.usage),
             })
         return out + SSE_DONE
 

@@ -261,8 +261,7 @@ def trainer_entry(ep: EpisodeSample, *, eos_id: int, encode: Any = None,
         ep.excluded = True
         ids = [int(t) for t in (encode(ep.task) if encode is not None else [])] or [int(eos_id)]
         return TrainerEntry(prompt_ids=ids, response_ids=[int(eos_id)], loss_mask=[0], logprobs=[0.0],
-                            sampled=False,
-                            excluded=True)
+                            sampled=False, excluded=True)
     if s is not None and s.response_length > 0:
         n = s.prompt_length
         tokens = [int(t) for t in s.tokens.tolist()]

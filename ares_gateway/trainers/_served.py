@@ -43,8 +43,7 @@ class RemoteTitoPolicy(TitoPolicy):
     def __init__(self, url: str, *, tokenizer: str, renderer: str | None = None, model: str = "",
                  headers: Mapping[str, str] | None = None, **sampling: Any) -> None:
         self._recipe: dict[str, Any] = {"url": url, "tokenizer": tokenizer, "renderer": renderer,
-                                        "model": model,
-                                        "headers": dict(headers or {}), **sampling}
+                                        "model": model, "headers": dict(headers or {}), **sampling}
         engine = SGLangEngine(url, model=model, headers=dict(headers or {}))
         super().__init__(engine, tokenizer=tokenizer, renderer=renderer, **sampling)
 

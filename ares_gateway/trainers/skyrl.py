@@ -253,9 +253,8 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         try:
             episodes = await play_episodes(
                 tasks, harness=self.harness, policy=policy, sandbox=self.sandbox,
-                concurrency=self.concurrency,
-                step_limit=self.step_limit, time_limit=self.time_limit, harness_options=options, out=out,
-                executor=self.executor,
+                concurrency=self.concurrency, step_limit=self.step_limit, time_limit=self.time_limit,
+                harness_options=options, out=out, executor=self.executor,
             )
         finally:
             if isinstance(engine, SkyRLEngine):

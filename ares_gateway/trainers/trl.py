@@ -273,11 +273,10 @@ class AresRollouts:
     """
 
     def __init__(self, dataset: Any, *, harness: str, sandbox: str, step_limit: int | None,
-                 time_limit: float | None,
-                 concurrency: int, tokenizer: str | None, renderer: str | None, sampling: Mapping[str, Any],
-                 harness_options: Mapping[str, Any] | None, out: str | None, check_tokenizer: bool,
-                 max_completion_tokens: int | None = None, executor: Executor | None = None,
-                 engine_host: str = "127.0.0.1", engine_port: int = 0,
+                 time_limit: float | None, concurrency: int, tokenizer: str | None, renderer: str | None,
+                 sampling: Mapping[str, Any], harness_options: Mapping[str, Any] | None, out: str | None,
+                 check_tokenizer: bool, max_completion_tokens: int | None = None,
+                 executor: Executor | None = None, engine_host: str = "127.0.0.1", engine_port: int = 0,
                  engine_server_options: Mapping[str, Any] | None = None, overlap: bool = False,
                  fence_timeout: float | None = 600.0, max_staleness: int | None = None,
                  drop_group_on_infra_error: bool = False, retries: int = DEFAULT_RETRIES) -> None:
@@ -467,8 +466,7 @@ class AresRollouts:
         self._launch_next(trainer, policy, options)
         episodes = [e for e in got if e is not None]
         return episodes, {"prefetched": len(tasks) - len(missing), "ran_now": len(missing),
-                          "discarded": discarded,
-                          "waited_s": waited, "overlap_s": max(0.0, ran - waited)}
+                          "discarded": discarded, "waited_s": waited, "overlap_s": max(0.0, ran - waited)}
 
     def _check_schedule(self, trainer: Any, prompts: list[Any]) -> None:
         """Follow the trainer's sampler; stop predicting (overlap then runs nothing ahead) where this

@@ -46,8 +46,7 @@ LOGIN_TTL_S = 12 * 3600.0
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
        "base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
 _HEADERS = {"content-security-policy": CSP, "x-content-type-options": "nosniff",
-            "referrer-policy": "no-referrer",
-            "x-frame-options": "DENY", "cache-control": "no-store"}
+            "referrer-policy": "no-referrer", "x-frame-options": "DENY", "cache-control": "no-store"}
 _TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".png": "image/png",
           ".svg": "image/svg+xml"}
 

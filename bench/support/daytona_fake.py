@@ -204,13 +204,11 @@ class DaytonaFake:
             "id": sb.id, "organizationId": "org-fake", "name": sb.name, "snapshot": req.get("snapshot"),
             "user": req.get("user") or "root", "env": req.get("env") or {}, "labels": req.get("labels") or {},
             "public": False, "networkBlockAll": bool(req.get("networkBlockAll")), "kvm": False,
-            "target": "local",
-            "cpu": req.get("cpu") or 1, "gpu": req.get("gpu") or 0, "memory": req.get("memory") or 1,
-            "disk": req.get("disk") or 3, "state": sb.state, "desiredState": sb.state,
-            "autoStopInterval": req.get("autoStopInterval"),
-            "autoDeleteInterval": req.get("autoDeleteInterval"),
-            "createdAt": sb.created_at, "updatedAt": sb.created_at,
-            "toolboxProxyUrl": f"http://127.0.0.1:{self.port}/toolbox",
+            "target": "local", "cpu": req.get("cpu") or 1, "gpu": req.get("gpu") or 0,
+            "memory": req.get("memory") or 1, "disk": req.get("disk") or 3, "state": sb.state,
+            "desiredState": sb.state, "autoStopInterval": req.get("autoStopInterval"),
+            "autoDeleteInterval": req.get("autoDeleteInterval"), "createdAt": sb.created_at,
+            "updatedAt": sb.created_at, "toolboxProxyUrl": f"http://127.0.0.1:{self.port}/toolbox",
         }
 
     def _kill_all(self, sb: FakeSandbox) -> None:
@@ -296,8 +294,7 @@ class DaytonaFake:
         proc = await asyncio.create_subprocess_exec(
             *sb.prefix, "/bin/sh", "-c", body["command"], cwd=body.get("cwd") or "/", env=env,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True,
         )
         sb.procs.add(proc)
         try:

@@ -265,8 +265,7 @@ class KubeFake:
         (pod.root / "tmp").mkdir(mode=0o1777)
         os.chmod(pod.root / "tmp", 0o1777)
         argv = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname",
-                pod.name,
-                "--as-pid-1", "--die-with-parent", "--bind", str(pod.root), "/"]
+                pod.name, "--as-pid-1", "--die-with-parent", "--bind", str(pod.root), "/"]
         argv += _system_binds()
         r, w = os.pipe()
         argv += ["--proc", "/proc", "--dev", "/dev", "--info-fd", str(w), "--", *command]
@@ -423,11 +422,9 @@ class KubeFake:
         try:
             proc = await asyncio.create_subprocess_exec(
                 "nsenter", "--target", str(pod.pid), "--net", "--pid", "--mount", "--uts", "--ipc", "--root",
-                "--wd",
-                "--", *command,
+                "--wd", "--", *command,
                 stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL, stdout=out_w,
-                stderr=err_w,
-                env=pod.env, start_new_session=True)
+                stderr=err_w, env=pod.env, start_new_session=True)
         finally:
             os.close(out_w)
             os.close(err_w)

@@ -149,11 +149,10 @@ class FakeModalSandbox:
     async def start(self) -> None:
         argv = ["bwrap", "--unshare-net", "--unshare-pid", "--as-pid-1", "--die-with-parent",
                 "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc", "--ro-bind",
-                PY_DIR.rsplit("/bin", 1)[0],
-                PY_DIR.rsplit("/bin", 1)[0], "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
-                "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/sbin", "/sbin", "--proc", "/proc",
-                "--dev", "/dev", "--tmpfs", "/tmp", "--dir", "/workspace", "--chdir", "/", "sleep",
-                "infinity"]
+                PY_DIR.rsplit("/bin", 1)[0], PY_DIR.rsplit("/bin", 1)[0], "--symlink", "usr/bin", "/bin",
+                "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/sbin",
+                "/sbin", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", "/workspace",
+                "--chdir", "/", "sleep", "infinity"]
         self._holder = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
                                                             start_new_session=True)
         # bwrap forks once more to enter the namespaces: the holder is its child (PID 1 inside).
@@ -180,8 +179,7 @@ class FakeModalSandbox:
         # _CLOSE_FDS: uvloop's spawn leaves copies of the pipes at high descriptors; a daemon the
         # command leaves behind would hold them, and the output would never end (Modal's would).
         argv = ["nsenter", "-t", str(self.pid), "-n", "-m", "-p", "-r", "-w", "--", "/bin/bash", "-c",
-                _CLOSE_FDS,
-                "ares-fake", "env", "-i", *environ, *args]
+                _CLOSE_FDS, "ares-fake", "env", "-i", *environ, *args]
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
                                                     stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.PIPE,

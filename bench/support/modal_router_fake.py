@@ -233,8 +233,7 @@ class RouterModalSandbox:
 
             self._client = await TaskCommandRouterClient._connect(
                 SimpleNamespace(_is_localhost=True), self.task_id, f"http://127.0.0.1:{self._router.port}",
-                _jwt(),
-                fetch_access=fetch_access)
+                _jwt(), fetch_access=fetch_access)
         return self._client
 
     async def _exec(self, *args: str, env: dict[str, str] | None = None, timeout: int | None = None,

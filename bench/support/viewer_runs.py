@@ -92,8 +92,7 @@ async def forked_session(agent: Agent) -> None:
                       {"role": "user", "content": "Try again, differently: run the tests first."}],
                      "Running the tests: 2 failed.")
     await agent.turn([{"role": "user", "content": "Write a 5-word title for this chat."}],
-                     "Fixing the median bug",
-                     side_call=True)
+                     "Fixing the median bug", side_call=True)
 
 
 async def injection_session(agent: Agent) -> None:
@@ -152,8 +151,8 @@ def big_run(out: Path, episodes: int = 1000) -> Path:
     results = []
     for i in range(episodes):
         r = EpisodeResult(task=f"task-{i // 4:04d}", attempt=i % 4, reward=float(i % 3 == 0),
-                          turns=10 + i % 50,
-                          duration=30.0 + i % 17, exit_reason="completed" if i % 9 else "agent_error",
+                          turns=10 + i % 50, duration=30.0 + i % 17,
+                          exit_reason="completed" if i % 9 else "agent_error",
                           error=None if i % 9 else f"the agent exited with code 1 (episode {i})")
         results.append(r)
         with open(out / "episodes.jsonl", "a", encoding="utf-8") as fh:
@@ -178,8 +177,7 @@ def big_session(out: Path, key: str = "big-task.0", turns: int = 200, turn_kb: i
             call = {"id": f"call_{t}", "type": "function",
                     "function": {"name": "bash", "arguments": json.dumps({"command": f"cat file{t}.py"})}}
             entry = {"request_id": f"r{t}", "protocol": "openai.chat", "side_call": False,
-                     "timestamp": 1.7e9 + t,
-                     "latency": 0.5, "request": {"model": "m", "messages": messages},
+                     "timestamp": 1.7e9 + t, "latency": 0.5, "request": {"model": "m", "messages": messages},
                      "completion": {"text": f"step {t}", "tool_calls": [{"id": call["id"], "name": "bash",
                                                                          "arguments": call["function"][
                                                                              "arguments"]}],
@@ -200,8 +198,7 @@ def big_session(out: Path, key: str = "big-task.0", turns: int = 200, turn_kb: i
 
 
 __all__ = ["INJECTIONS", "Agent", "big_run", "big_sample", "big_session", "build_run", "forked_session",
-           "injection_session",
-           "logprobs"]
+           "injection_session", "logprobs"]
 
 
 def big_sample(out: Path, key: str = "big-task.0", tokens: int = 157_000,
@@ -213,9 +210,7 @@ def big_sample(out: Path, key: str = "big-task.0", tokens: int = 157_000,
     sample = {"tokens": [(i * 7919) % 49000 for i in range(tokens)], "response_length": response,
               "loss_mask": mask,
               "logprobs": [lp if m else 0.0 for m, lp in zip(mask, logprobs(response), strict=True)],
-              "reward": 1.0,
-              "metadata": {"session_id": "big", "side_call": False, "branch": 0, "segment": 0,
-                           "turn_ids": [1, 2],
-                           "trained_turn_ids": [1, 2]}}
+              "reward": 1.0, "metadata": {"session_id": "big", "side_call": False, "branch": 0, "segment": 0,
+                           "turn_ids": [1, 2], "trained_turn_ids": [1, 2]}}
     (out / "trajectories" / f"{key}.jsonl").write_text(json.dumps(sample) + "\n")
     return sample

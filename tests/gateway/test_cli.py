@@ -105,8 +105,7 @@ def test_a_token_on_the_command_line_is_refused_in_one_line() -> None:
     for argv, instead in cases:
         try:
             r = subprocess.run([sys.executable, "-m", "ares_gateway.cli", *argv], capture_output=True,
-                               text=True,
-                               timeout=30, env={**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": ""})
+                               text=True, timeout=30, env={**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": ""})
         except subprocess.TimeoutExpired as exc:
             raise AssertionError(f"{argv}: still running after 30 s (the token was taken)") from exc
         lines = r.stderr.splitlines()

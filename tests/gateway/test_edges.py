@@ -122,8 +122,7 @@ async def test_post_sessions_refuses_ids_that_are_not_letters_digits_dash_unders
             # A session an older data dir remembers with such an id gets no socket: nothing is removed.
             for sid in (".", ".."):
                 gw.sessions.restore(sid, token=f"restored-token-{len(sid)}-0123456789",
-                                    created_at=time.time(),
-                                    metadata={})
+                                    created_at=time.time(), metadata={})
                 with pytest.raises(SessionSocketError, match="cannot name a directory"):
                     await gw.agent_socket(sid)
             assert runtime.is_dir() and (runtime / "A-z_09" / "agent.sock").exists()

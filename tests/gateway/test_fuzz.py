@@ -16,10 +16,8 @@ from .conftest import ADMIN
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False)
-    | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=10), children, max_size=4),
-    max_leaves=20,
+    | st.text(max_size=20), lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=10), children, max_size=4), max_leaves=20,
 )
 # Bodies shaped like the real APIs' (so parsing goes deep), with random values in every slot.
 message = st.fixed_dictionaries(

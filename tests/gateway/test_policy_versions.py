@@ -40,8 +40,7 @@ async def _ask(base_url: str, token: str, messages: list[dict[str, Any]]) -> str
 
 
 async def _two_turns(gw: Gateway, sid: str, token: str, base_url: str, *,
-                     versions: tuple[int | None, int | None],
-                     late: int | None = None) -> None:
+                     versions: tuple[int | None, int | None], late: int | None = None) -> None:
     """Two turns of one conversation, the second extending the first's tokens; ``versions``: what the
     gateway is set to before each turn is handed to the policy; ``late``: a version set after the second
     turn was handed over and before it is answered (it must not apply to that turn)."""
@@ -252,8 +251,7 @@ def test_the_viewer_shows_the_version_of_each_turn_and_sample() -> None:
     from ares_gateway.viewer.turns import turn_view
 
     entry = {"request_id": "r", "protocol": "openai.chat", "side_call": False, "timestamp": 1.0,
-             "latency": 0.1,
-             "request": {"messages": [{"role": "user", "content": "hi"}]},
+             "latency": 0.1, "request": {"messages": [{"role": "user", "content": "hi"}]},
              "completion": {"text": "ok", "finish_reason": "stop"}, "policy_version": 3}
     assert turn_view(entry, 1, None)["policy_version"] == 3
     assert turn_view({**entry, "policy_version": None}, 1, None)["policy_version"] is None
@@ -329,8 +327,7 @@ async def test_results_carry_each_episodes_first_and_last_version(tmp_path: Path
         bumping.__dict__.update(oracle.__dict__)
         out = tmp_path / "run"
         summary = await run_rollouts([task], harness="tiny-agent", policy=bumping, sandbox="local",
-                                     concurrency=1,
-                                     out=out, gateway=gw, stats_period=0)
+                                     concurrency=1, out=out, gateway=gw, stats_period=0)
     (episode,) = summary.episodes
     assert episode.reward == 1.0 and episode.turns == 2
     assert (episode.first_version, episode.last_version) == (1, 2)

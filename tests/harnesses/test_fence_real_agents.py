@@ -128,8 +128,8 @@ async def test_real_agents_hold_through_a_60s_pause_without_a_retry() -> None:
                 for name in ANSWERS:
                     assert [p.id for p in main_parked(name)] == [target[name].id], (
                         f"{name}'s turn left the parked ones {time.monotonic() - paused_at:.1f} s "
-                        "into the pause",
-                        gw.metrics.withdrawn_total, [(p.id, p.side_call) for p in gw.broker.pending()])
+                        "into the pause", gw.metrics.withdrawn_total,
+                        [(p.id, p.side_call) for p in gw.broker.pending()])
                 assert gw.metrics.withdrawn_total == 0 and gw.metrics.timed_out_total == 0
                 done = [t for t in [*agents.values(), *policies] if t.done()]
                 assert not done, [t.result() for t in done]

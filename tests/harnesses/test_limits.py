@@ -90,8 +90,7 @@ def _python312() -> str | None:
 
 def _run_find(harness: Terminus2Harness, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["sh", "-c", harness.find_python_command()], env=env, capture_output=True,
-                          text=True,
-                          check=False, timeout=60)
+                          text=True, check=False, timeout=60)
 
 
 def _old_python(tmp: Path) -> str:

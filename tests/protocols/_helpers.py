@@ -47,8 +47,7 @@ def deltas_of(c: Completion, n: int = 3) -> list[CompletionDelta]:
 
 
 def encode(protocol: str, request: CanonicalRequest, c: Completion,
-           deltas: list[CompletionDelta] | None = None,
-           response_id: str = "abc123") -> list[bytes]:
+           deltas: list[CompletionDelta] | None = None, response_id: str = "abc123") -> list[bytes]:
     enc: StreamEncoder = get_adapter(protocol).stream_encoder(request, response_id)
     chunks = [enc.start()]
     for d in deltas or []:

@@ -20,15 +20,12 @@ from .test_openai_responses import codex_body, native_response
 FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 KEYS = ["model", "messages", "input", "system", "role", "content", "type", "text", "tool_calls",
-        "tool_call_id",
-        "function", "name", "arguments", "tools", "tool_use_id", "id", "call_id", "output", "summary",
-        "source",
-        "max_tokens", "stream", "stream_options", "include_usage", "instructions", "image_url", "is_error",
-        "choices", "message", "usage", "finish_reason", "stop_reason", "status", "thinking", "input_schema",
-        "parameters", "stop", "temperature", "url", "data", "media_type"]
+        "tool_call_id", "function", "name", "arguments", "tools", "tool_use_id", "id", "call_id", "output",
+        "summary", "source", "max_tokens", "stream", "stream_options", "include_usage", "instructions",
+        "image_url", "is_error", "choices", "message", "usage", "finish_reason", "stop_reason", "status",
+        "thinking", "input_schema", "parameters", "stop", "temperature", "url", "data", "media_type"]
 leaf = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6),
-                 st.floats(allow_nan=False, allow_infinity=False),
-                 st.text(max_size=5),
+                 st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=5),
                  st.sampled_from(["user", "assistant", "system", "tool", "developer", "text",
                                                        "message", "function_call", "tool_use", "tool_result",
                                                        "image", "thinking", "reasoning", "function", "custom",

@@ -72,8 +72,7 @@ def test_codex_body_canonical() -> None:
     r = AD.parse_request(body)
     assert r.protocol is WireProtocol.OPENAI_RESPONSES and r.raw is body and r.stream
     assert [m.role for m in r.messages] == ["developer", "user", "user", "assistant", "tool", "assistant",
-                                            "tool",
-                                            "assistant", "user"]
+                                            "tool", "assistant", "user"]
     dev = r.messages[0]
     assert dev.text() == "You are Codex, based on GPT-5. ..."
     a1 = r.messages[3]
@@ -91,8 +90,7 @@ def test_codex_body_canonical() -> None:
     assert r.messages[8].content == "thanks" and r.messages[8].extra == {"bare": True}
     assert [(t.type, t.name) for t in r.tools] == [
         ("function", "exec_command"), ("namespace", "mcp__fs"), ("custom", "apply_patch"),
-        ("web_search", None),
-        ("tool_search", None), ("something_new", None)]
+        ("web_search", None), ("tool_search", None), ("something_new", None)]
     assert r.tools[0].parameters == EXEC_TOOL["parameters"] and r.tools[0].extra == {"strict": False}
     assert r.tools[2].description == "Use apply_patch to edit files." and r.tools[2].extra[
         "raw"] == APPLY_PATCH
@@ -197,8 +195,7 @@ def native_response() -> dict[str, Any]:
              "content": [{"type": "output_text", "text": "ok ", "annotations": []},
                          {"type": "output_text", "text": "go", "annotations": []}]},
             {"id": "fc_1", "type": "function_call", "status": "completed", "call_id": "call_1",
-             "name": "exec_command",
-             "arguments": "{\"cmd\":\"ls\"}"},
+             "name": "exec_command", "arguments": "{\"cmd\":\"ls\"}"},
             {"id": "ctc_1", "type": "custom_tool_call", "call_id": "call_2", "name": "apply_patch",
              "input": "*** Begin"},
         ],

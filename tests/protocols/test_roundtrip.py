@@ -238,8 +238,7 @@ def responses_request(draw: Any) -> CanonicalRequest:
             tools.append(Tool(type="custom", name="apply_patch", description="patch", extra={"raw": raw}))
     return CanonicalRequest(
         protocol=WireProtocol.OPENAI_RESPONSES, model=draw(st.one_of(st.none(), name)), messages=msgs,
-        tools=tools,
-        tool_choice=draw(st.sampled_from([None, "auto", "none"])),
+        tools=tools, tool_choice=draw(st.sampled_from([None, "auto", "none"])),
         parallel_tool_calls=draw(st.one_of(st.none(), st.booleans())),
         sampling=draw(sampling(top_k=False, stop=False, seed=False)), stream=draw(st.booleans()),
         extra=draw(st.sampled_from([{}, {"store": False, "include": ["reasoning.encrypted_content"],
@@ -290,8 +289,7 @@ def completion(draw: Any, proto: str) -> Completion:
     if anth and reasoning is not None and draw(st.booleans()):
         extra["signature"] = "sig"
     return Completion(text=txt, reasoning=reasoning, tool_calls=calls, finish_reason=fr, usage=u,
-                      tokens=tokens,
-                      model=draw(st.one_of(st.none(), name)), extra=extra)
+                      tokens=tokens, model=draw(st.one_of(st.none(), name)), extra=extra)
 
 
 def _completion_round_trip(proto: str, c: Completion) -> None:

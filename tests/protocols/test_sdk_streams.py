@@ -59,8 +59,7 @@ def _chat_accumulate(chunks: list[Any]) -> dict[str, Any]:
             if choice.finish_reason:
                 finish = choice.finish_reason
     return {"text": text, "reasoning": reasoning, "calls": [calls[i] for i in sorted(calls)],
-            "finish": finish,
-            "usage": usage, "ids": ids}
+            "finish": finish, "usage": usage, "ids": ids}
 
 
 @pytest.mark.parametrize("mode", MODES)

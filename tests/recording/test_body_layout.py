@@ -193,8 +193,7 @@ def test_an_unchanged_tail_walks_only_the_new_items(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(layout_mod, "_items", items)
     tail = {"system": [{"type": "text", "text": "You are Claude Code. ✓ " * 2000}],
-            "tools": [{"name": "Bash"}] * 50,
-            "max_tokens": 32000}
+            "tools": [{"name": "Bash"}] * 50, "max_tokens": 32000}
     msgs: list[Any] = [{"role": "user", "content": "fix it"}]
     for write in WRITERS.values():
         raw = write({"model": "m", "messages": msgs, **tail})

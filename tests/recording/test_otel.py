@@ -291,8 +291,7 @@ async def test_a_run_configured_by_the_environment_sends_episode_and_call_spans(
         monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
         task = load_dataset("examples").tasks[0]
         source = RolloutSource([task], harness="tiny-agent", policy=TokenOracle(), sandbox="local",
-                               attempts=1,
-                               out=tmp_path / "run")
+                               attempts=1, out=tmp_path / "run")
         groups = [g async for g in source.groups()]
         await source.close()  # closes the run's gateway, which flushes its spans
         assert len(groups) == 1

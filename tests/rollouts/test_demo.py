@@ -34,8 +34,7 @@ def test_demo(tmp_path: Path) -> None:
     out, boxes = tmp_path / "demo", tmp_path / "sandboxes"
     t0 = time.monotonic()
     proc = subprocess.run(cli("demo", "--out", str(out)), cwd=REPO, env=_env(boxes), capture_output=True,
-                          text=True,
-                          timeout=400, check=False)
+                          text=True, timeout=400, check=False)
     took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = proc.stdout
@@ -86,8 +85,7 @@ def test_demo_without_llama_cpp_names_the_install_command(tmp_path: Path) -> Non
     env = _env(tmp_path / "sandboxes")
     env["PYTHONPATH"] = os.pathsep.join([str(shim.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     proc = subprocess.run(cli("demo", "--out", str(tmp_path / "demo")), cwd=REPO, env=env,
-                          capture_output=True,
-                          text=True, timeout=300, check=False)
+                          capture_output=True, text=True, timeout=300, check=False)
     text = " ".join(proc.stdout.split())  # the console may wrap the long command
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mean reward: 1.000" in text

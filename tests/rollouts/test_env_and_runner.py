@@ -88,8 +88,7 @@ async def test_unbound_session_is_a_policy_error(gateway: Gateway) -> None:
                            messages=[Message(role="user", content="hi")],
                            raw={"messages": []})
     parked = ParkedRequest("r1", "unbound", WireProtocol.OPENAI_CHAT, "/v1/chat/completions", req,
-                           time.time(),
-                           asyncio.get_running_loop().create_future())
+                           time.time(), asyncio.get_running_loop().create_future())
     with pytest.raises(PolicyError, match="not bound"):
         await make_policy("oracle")(parked)
 

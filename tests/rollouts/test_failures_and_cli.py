@@ -93,8 +93,7 @@ async def test_erroring_upstream_episode_names_the_policy_error_and_turns_keep_i
     async for llm in running(FakeLLM(fail_next=[500] * 50)):
         async with UpstreamPolicy(base_url=llm.url, max_attempts=1) as policy:
             summary = await run_rollouts([GREETING], harness="tiny-agent", policy=policy, sandbox="local",
-                                         out=out,
-                                         stats="null")
+                                         out=out, stats="null")
     [e] = summary.episodes
     assert e.exit_reason == "agent_error" and e.reward == 0.0
     assert e.error is not None and "\n" not in e.error
@@ -115,8 +114,7 @@ async def test_a_raising_policy_is_named_and_recorded(tmp_path: Path, sandbox_ro
 
     out = tmp_path / "run"
     summary = await run_rollouts([GREETING], harness="tiny-agent", policy=FunctionPolicy(broken),
-                                 sandbox="local",
-                                 out=out, stats="null")
+                                 sandbox="local", out=out, stats="null")
     [e] = summary.episodes
     assert e.error is not None and "\n" not in e.error
     assert ("the policy failed on 1 of 1 request(s) (last: 502 the policy failed: RuntimeError: the "
@@ -229,8 +227,8 @@ async def test_cli_missing_docker_image_is_reported_once_at_start(tmp_path: Path
 
     require(docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
     rc, _, err, _ = await _cli("run", "examples-tiny", "--sandbox", "docker", "--image",
-                               "ares-gateway/no-such:never",
-                               "--out", str(tmp_path / "out"), env=_env(tmp_path, ARES_DOCKER_PULL=""))
+                               "ares-gateway/no-such:never", "--out", str(tmp_path / "out"),
+                               env=_env(tmp_path, ARES_DOCKER_PULL=""))
     _assert_one_clean_error(rc, err, "the Docker image ares-gateway/no-such:never is not on this engine")
 
 
@@ -333,8 +331,7 @@ async def test_cli_version_and_help(tmp_path: Path) -> None:
 async def test_cli_task_by_name_and_progress_lines_on_a_pipe(tmp_path: Path) -> None:
     out = tmp_path / "out"
     rc, stdout, err, _ = await _cli("run", "examples-tiny:write-greeting-file,fix-median-bug", "--policy",
-                                    "oracle",
-                                    "--sandbox", "local", "--out", str(out), "--stats", "null",
+                                    "oracle", "--sandbox", "local", "--out", str(out), "--stats", "null",
                                     env=_env(tmp_path), timeout=300)
     assert rc == 0, stdout[-3000:] + err[-3000:]
     doc = json.loads((out / "results.json").read_text())
@@ -357,8 +354,7 @@ async def test_an_invalid_answer_is_a_failed_call_and_the_episode_goes_on(tmp_pa
 
     out = tmp_path / "run"
     summary = await run_rollouts([GREETING], harness="tiny-agent", policy=FunctionPolicy(bogus),
-                                 sandbox="local",
-                                 out=out, stats="null")
+                                 sandbox="local", out=out, stats="null")
     [e] = summary.episodes
     assert e.exit_reason == "agent_error" and e.error is not None  # the agent got a 502 and crashed
     assert "(last: 502 the policy gave an invalid answer: " in e.error and "HTTP Error 502" in e.error

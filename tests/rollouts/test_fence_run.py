@@ -65,8 +65,7 @@ async def test_an_abort_fence_mid_run_loses_nothing_and_is_in_tensorboard(
 
         fencing = asyncio.create_task(fence())
         summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local",
-                                     concurrency=2,
-                                     out=out, gateway=gw, stats_period=0)
+                                     concurrency=2, out=out, gateway=gw, stats_period=0)
         await fencing
     assert [e.reward for e in summary.episodes] == [1.0] * len(TASKS)
     assert all(e.exit_reason == "completed" and e.turns == 2 for e in summary.episodes)
@@ -142,8 +141,7 @@ async def test_a_local_executor_carries_versions_and_the_fence_to_its_gateway(
     fencing = asyncio.create_task(fence())
     out = tmp_path / "run"
     summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local", out=out,
-                                 executor=ex,
-                                 stats="null")
+                                 executor=ex, stats="null")
     await fencing
     report = fenced["report"]
     assert report.mode == "drain" and report.in_flight >= 1 and report.aborted == 0, report

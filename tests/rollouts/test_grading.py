@@ -148,8 +148,7 @@ async def test_a_forged_archive_writes_nothing_outside_the_workdir(tmp_path: Pat
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         def add(name: str, kind: bytes = tarfile.REGTYPE, link: str = "", data: bytes = b"x",
-                mode: int = 0o644,
-                **kw: Any) -> None:
+                mode: int = 0o644, **kw: Any) -> None:
             info = tarfile.TarInfo(name)
             info.type, info.linkname, info.mode, info.size = (kind, link, mode, len(data)
                                                               if kind == tarfile.REGTYPE else 0)

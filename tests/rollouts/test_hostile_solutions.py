@@ -244,8 +244,7 @@ FIX_MEDIAN = [
             (put("stats.py", FORGE_OUTPUT + "for _ in range(64):\n    _everywhere(b'[' * (1 << 20))\n"
                                   + BUGGY_MEDIAN),), log_has=("printed more than",)),
     Hostile("never-returns", (put("stats.py", "import time\ntime.sleep(3600)\n"),),
-            log_has=("did not finish in time",),
-            slow=True),
+            log_has=("did not finish in time",), slow=True),
     Hostile("fifo", ("rm stats.py && mkfifo stats.py",), log_has=("a FIFO",)),
     Hostile("symlink-to-dev-zero", ("ln -sf /dev/zero stats.py",), log_has=("a symlink",)),
     Hostile("symlink-to-a-right-answer", (put("real.py", "import statistics\nmedian = statistics.median\n"
@@ -585,8 +584,7 @@ def _grade_as_nobody(task: Task, base: Path, commands: tuple[str, ...] | None) -
     nobody = {"user": UNTRUSTED_UID, "group": UNTRUSTED_UID, "extra_groups": []}
     script = f"sh {solution / 'solve.sh'}" if commands is None else " && ".join(commands)
     subprocess.run(["sh", "-c", script], cwd=work, check=True, capture_output=True,
-                   env={"PATH": "/usr/bin:/bin"},
-                   **nobody)  # type: ignore[call-overload]
+                   env={"PATH": "/usr/bin:/bin"}, **nobody)  # type: ignore[call-overload]
     run = subprocess.run(["sh", str(tests / "test.sh")], cwd=work, capture_output=True, text=True, timeout=60,
                          env={"PATH": "/usr/bin:/bin", "ARES_VERIFIER_DIR": str(verdicts)},
                          **nobody)  # type: ignore[call-overload]

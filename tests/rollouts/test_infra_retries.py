@@ -92,9 +92,8 @@ def faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[Faults]:
 async def _run(policy: Any = None, *, harness: str = "tiny-agent", out: Path | None = None,
                retries: int = 2, attempts: int = 1) -> RunSummary:
     return await run_rollouts([GREETING], harness=harness, policy=policy or make_policy("oracle"),
-                              sandbox="local",
-                              concurrency=1, attempts=attempts, out=out, stats="null", retries=retries,
-                              retry_backoff=0.05)
+                              sandbox="local", concurrency=1, attempts=attempts, out=out, stats="null",
+                              retries=retries, retry_backoff=0.05)
 
 
 # ----------------------------------------------------------------------------------------------

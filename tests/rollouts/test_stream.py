@@ -128,8 +128,7 @@ async def test_groups_complete_with_every_attempt_in_runs_results_directory(tmp_
                                                                             sandbox_root: Path) -> None:
     out = tmp_path / "run"
     source = RolloutSource(TASKS[:2], harness="tiny-agent", policy=TokenOracle(), sandbox="local",
-                           concurrency=3,
-                           attempts=2, out=out, stats="null")
+                           concurrency=3, attempts=2, out=out, stats="null")
     groups = [g async for g in source.groups()]
     assert sorted(g.task for g in groups) == sorted(t.name for t in TASKS[:2])
     for g in groups:
@@ -157,8 +156,7 @@ async def test_a_slow_consumer_holds_launches_back(tmp_path: Path, sandbox_root:
     bound = 1 + 1  # concurrency + max_buffered
     peak = 0
     async with RolloutSource(TASKS[:3], harness="tiny-agent", policy=TokenOracle(), sandbox="local",
-                             concurrency=1,
-                             max_buffered=1, executor=executor, stats="null") as source:
+                             concurrency=1, max_buffered=1, executor=executor, stats="null") as source:
         # Nothing is taken: the running episodes finish into the buffer and then nothing more starts.
         for _ in range(300):
             await asyncio.sleep(0.1)
@@ -184,8 +182,8 @@ async def test_a_group_larger_than_concurrency_completes_at_the_tightest_bound(s
     # the next one runs, and nothing of the next group starts before this one is taken.
     executor = CountingExecutor(concurrency=1)
     async with RolloutSource(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), sandbox="local",
-                             concurrency=1,
-                             attempts=3, max_buffered=2, epochs=2, executor=executor, stats="null") as source:
+                             concurrency=1, attempts=3, max_buffered=2, epochs=2, executor=executor,
+                             stats="null") as source:
         first = await source.next_group()
         assert first is not None and [m.attempt for m in first.members] == [0, 1, 2]
         assert executor.launched == 3  # the second epoch waited for the first group to be taken
@@ -229,8 +227,7 @@ async def test_a_fence_mid_stream_gives_two_versions_and_staleness_masks_the_old
     async with Gateway(port=0, side_call_detector=harness_side_call_detector(TinyAgentHarness)) as gw:
         gw.set_policy_version(0)
         async with RolloutSource(TASKS[:2], harness="tiny-agent", policy=policy, sandbox="local",
-                                 concurrency=2,
-                                 gateway=gw, max_staleness=0, stats="null") as source:
+                                 concurrency=2, gateway=gw, max_staleness=0, stats="null") as source:
             await asyncio.wait_for(policy.two_answered.wait(), 60)  # both first turns answered, version 0
             # Abort: a second turn in flight is sampled again after the resume, with version 1.
             async with source.weight_update(1, mode="abort", timeout=30):
@@ -293,8 +290,7 @@ def test_the_blocking_wrapper_from_plain_threads(tmp_path: Path, sandbox_root: P
 
 def test_a_blocking_take_times_out_without_losing_anything(sandbox_root: Path) -> None:
     with BlockingRolloutSource(TASKS[:1], harness="tiny-agent", policy=TokenOracle(delay=2.0),
-                               sandbox="local",
-                               stats="null") as source:
+                               sandbox="local", stats="null") as source:
         with pytest.raises(TimeoutError, match=r"within 0\.2 s"):
             source.next_episode(timeout=0.2)
         episode = source.next_episode(timeout=60)
@@ -349,8 +345,7 @@ async def test_play_episodes_masks_stale_main_samples(sandbox_root: Path) -> Non
         executor = LocalExecutor(concurrency=1, gateway=gw)
         # At the executor's own version (2) nothing is stale; the trainer at version 3 with bound 0: all is.
         (fresh,) = await play_episodes(TASKS[:1], harness="tiny-agent", policy=TokenOracle(),
-                                       executor=executor,
-                                       max_staleness=0)
+                                       executor=executor, max_staleness=0)
         (old,) = await play_episodes(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), executor=executor,
                                      max_staleness=0, policy_version=3)
     assert fresh.reward == old.reward == 1.0

@@ -185,9 +185,8 @@ async def test_hardened_local_root_is_confined_and_has_an_environment_of_its_own
     seccomp filter, HOME=/root and no caller variable that loads code from elsewhere."""
     require_hardened_local()
     planted = {"PYTHONPATH": "/workspace/evil", "PYTHONSTARTUP": "/workspace/s.py",
-               "LD_PRELOAD": "/workspace/x.so",
-               "BASH_ENV": "/workspace/rc", "HOME": "/workspace", "PATH": "/workspace/bin:/usr/bin",
-               "TASK_VAR": "kept"}
+               "LD_PRELOAD": "/workspace/x.so", "BASH_ENV": "/workspace/rc", "HOME": "/workspace",
+               "PATH": "/workspace/bin:/usr/bin", "TASK_VAR": "kept"}
     show = ("grep -E '^(CapBnd|CapEff|Seccomp):' /proc/self/status; env; "
             "python3 -c 'import site; print(\"USER_SITE\", site.ENABLE_USER_SITE)'")
     async with sandbox.LocalSandbox(_spec("local")) as sb:
@@ -200,8 +199,7 @@ async def test_hardened_local_root_is_confined_and_has_an_environment_of_its_own
         env = dict(line.split("=", 1) for line in root.stdout.splitlines() if "=" in line
                    and ":" not in line[:8])
         allowed = {"chown": 0, "dac_override": 1, "fowner": 3, "fsetid": 4, "kill": 5, "setgid": 6,
-                   "setuid": 7,
-                   "setpcap": 8, "net_bind_service": 10, "sys_chroot": 18, "audit_write": 29}
+                   "setuid": 7, "setpcap": 8, "net_bind_service": 10, "sys_chroot": 18, "audit_write": 29}
         assert set(allowed) == set(ROOT_CAPS)
         assert int(status["CapBnd"], 16) == int(status["CapEff"],
                                                 16) == sum(1 << b for b in allowed.values()), status
@@ -251,8 +249,7 @@ async def test_transfers_never_follow_an_agents_symlink_onto_the_host(tmp_path: 
     async with sandbox.LocalSandbox(_spec("local")) as sb:
         # The same path exists inside too (in the sandbox's private /tmp), so the link resolves there.
         planted = await sb.exec(f"mkdir -p {target} && chmod 777 {target} && ln -s {target} link",
-                                user="agent",
-                                timeout=30)
+                                user="agent", timeout=30)
         assert planted.ok, planted
         await sb.upload_file(payload, "link/x.txt")
         await sb.upload_dir(tmp_path / "host-dir", "link/sub")

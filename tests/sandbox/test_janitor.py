@@ -25,8 +25,7 @@ def _spawn(mode: str, backends: str, env: dict[str, str]) -> tuple[subprocess.Po
                                                                    list[dict[str, Any]]]:
     proc = subprocess.Popen(
         [sys.executable, str(CHILD), mode, backends], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-        env=env, cwd=str(REPO),
+        text=True, env=env, cwd=str(REPO),
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()

@@ -89,8 +89,7 @@ def kubeconfig(kube_fake: KubeFake, tmp_path: Path) -> str:
 def _new(kubeconfig: str, **spec: Any) -> KubernetesSandbox:
     options = {k: spec.pop(k) for k in ("tunnel_ping_interval",) if k in spec}
     return KubernetesSandbox(SandboxSpec(**spec), kubeconfig=kubeconfig, namespace=NAMESPACE,
-                             default_image=IMAGE,
-                             **options)
+                             default_image=IMAGE, **options)
 
 
 # -- the contract (tests imported from test_contract) ----------------------------------------------------
@@ -193,8 +192,7 @@ async def test_stop_removes_the_pod_and_is_idempotent(fake: KubeFake, kubeconfig
 async def test_a_pod_that_cannot_start_is_a_clear_error_and_leaves_nothing(fake: KubeFake,
                                                                            kubeconfig: str) -> None:
     sb = KubernetesSandbox(SandboxSpec(image="registry.invalid/missing:1", network="none"),
-                           kubeconfig=kubeconfig,
-                           namespace=NAMESPACE, start_timeout=20)
+                           kubeconfig=kubeconfig, namespace=NAMESPACE, start_timeout=20)
     with pytest.raises(sandbox.SandboxStartError, match="ErrImagePull"):
         await sb.start()
     assert sb.state == "stopped" and fake.pod(sb.pod_name) is None

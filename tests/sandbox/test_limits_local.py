@@ -129,8 +129,7 @@ async def test_pids_limit_refuses_forks_and_kill_processes_cleans_up(local_root:
         assert sb.limits_enforced == {"pids"}
         (sb.root / "tmp" / "bomb.py").write_text(BOMB)
         launched = await sb.exec("setsid nohup python3 /tmp/bomb.py >/dev/null 2>&1 </dev/null &",
-                                 user="agent",
-                                 timeout=30)
+                                 user="agent", timeout=30)
         assert launched.ok, launched
         out = sb.root / "tmp" / "bomb.out"
         for _ in range(600):

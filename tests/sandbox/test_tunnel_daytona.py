@@ -348,8 +348,8 @@ async def test_episodes_on_daytona_run_with_the_network_blocked_and_say_how(
                  _episode_task(tmp_path, top / "open", "open", internet=True)]
         # One at a time: the stand-in's sandboxes share the host's disk (the harness's own folders too).
         summary = await run_rollouts(tasks, harness="tiny-agent", policy=make_policy("oracle"),
-                                     sandbox="daytona",
-                                     out=tmp_path / "out", stats="null", time_limit=120, concurrency=1)
+                                     sandbox="daytona", out=tmp_path / "out", stats="null", time_limit=120,
+                                     concurrency=1)
     finally:
         shutil.rmtree(top, ignore_errors=True)
     by_task = {e.task: e for e in summary.episodes}

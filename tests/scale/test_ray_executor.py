@@ -109,8 +109,7 @@ async def test_oracle_with_mini_swe_agent_on_two_nodes_gives_a_local_runs_output
     names = _node_names()
     ex = RayExecutor(per_node=2)
     summary = await run_rollouts(TASKS, harness="mini-swe-agent", policy=make_policy("oracle"),
-                                 sandbox="local",
-                                 attempts=2, out=tmp_path / "ray", executor=ex, stats="null")
+                                 sandbox="local", attempts=2, out=tmp_path / "ray", executor=ex, stats="null")
     assert len(summary.episodes) == 8 and all(e.reward == 1.0 for e in summary.episodes), summary.episodes
     assert len({e.key for e in summary.episodes}) == 8
     nodes = {e.node for e in summary.episodes}
@@ -370,11 +369,9 @@ def test_cli_ctrl_c_on_ray_stops_the_episodes_and_removes_their_sandboxes(cluste
     out = tmp_path / "out"
     proc = subprocess.Popen(cli("run", "examples-tiny", "--policy", "scripted", "--command", "sleep 120",
                                 "--sandbox", "local", "-n", "4", "--ray", cluster.address, "--ray-per-node",
-                                "2",
-                                "--stats", "null", "--out", str(out)),
+                                "2", "--stats", "null", "--out", str(out)),
                             cwd=REPO, env=_cli_env(sandbox_root), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT,
-                            text=True)
+                            stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_sandboxes(proc, sandbox_root, 4)
         time.sleep(2)  # the agents are running their sleep
@@ -398,11 +395,9 @@ def test_gc_on_ray_removes_what_a_killed_driver_left_on_the_nodes(cluster: Any, 
                                                                   sandbox_root: Path) -> None:
     proc = subprocess.Popen(cli("run", "examples-tiny", "--policy", "scripted", "--command", "sleep 120",
                                 "--sandbox", "local", "-n", "4", "--ray", cluster.address, "--ray-per-node",
-                                "2",
-                                "--stats", "null", "--out", str(tmp_path / "out")),
+                                "2", "--stats", "null", "--out", str(tmp_path / "out")),
                             cwd=REPO, env=_cli_env(sandbox_root), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT,
-                            text=True)
+                            stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_sandboxes(proc, sandbox_root, 4)
         proc.send_signal(signal.SIGKILL)  # no chance to clean: Ray then kills the driver's actors

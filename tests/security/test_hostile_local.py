@@ -103,11 +103,9 @@ def _status(log: str, who: str, field: str) -> int:
 
 
 CAP_BITS = {"chown": 0, "dac_override": 1, "dac_read_search": 2, "fowner": 3, "fsetid": 4, "kill": 5,
-            "setgid": 6,
-            "setuid": 7, "setpcap": 8, "net_bind_service": 10, "net_raw": 13, "sys_module": 16,
-            "sys_rawio": 17,
-            "sys_chroot": 18, "sys_ptrace": 19, "sys_admin": 21, "mknod": 27, "audit_write": 29,
-            "setfcap": 31}
+            "setgid": 6, "setuid": 7, "setpcap": 8, "net_bind_service": 10, "net_raw": 13, "sys_module": 16,
+            "sys_rawio": 17, "sys_chroot": 18, "sys_ptrace": 19, "sys_admin": 21, "mknod": 27,
+            "audit_write": 29, "setfcap": 31}
 
 
 async def test_hostile_agent_cannot_reach_root_the_host_or_the_next_episode(

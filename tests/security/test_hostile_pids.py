@@ -59,8 +59,7 @@ async def host_socket(tmp_path: Path) -> AsyncIterator[str]:
 async def _relay(sb: DockerSandbox) -> tuple[int, str]:
     """The relay's pid (from its pid file) and its command line, read as root."""
     r = await sb.exec(f"p=$(cat /.ares/relay-{PORT}.pid); echo $p; tr '\\0' ' ' </proc/$p/cmdline",
-                      user="root",
-                      cwd="/", timeout=30)
+                      user="root", cwd="/", timeout=30)
     pid, _, cmdline = r.stdout.partition("\n")
     return int(pid), cmdline
 
@@ -124,8 +123,7 @@ async def test_docker_a_relay_record_naming_another_process_spares_nothing(how: 
         assert forged.ok, forged
         await sb.kill_processes(timeout=20)
         left = await sb.exec(f"[ -d /proc/{agent_pid} ] && cat /proc/{agent_pid}/cmdline || echo gone",
-                             user="root",
-                             cwd="/", timeout=30)
+                             user="root", cwd="/", timeout=30)
         assert left.stdout.strip() == "gone", left
 
 
@@ -138,8 +136,7 @@ async def test_docker_root_steps_and_records_are_out_of_the_agents_reach() -> No
         assert "Permission denied" in r.stdout and r.stdout.strip().endswith("1000"), r
         # The agent's own environment reaches its command, never root's steps before the switch.
         r = await sb.exec('printf "%s|%s|%s" "$(id -u)" "$FOO" "$HOME"', user="agent",
-                          env={"FOO": "a 'b' \"c\""},
-                          timeout=30)
+                          env={"FOO": "a 'b' \"c\""}, timeout=30)
         assert r.stdout == "1000|a 'b' \"c\"|/home/agent", r
 
 

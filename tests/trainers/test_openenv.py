@@ -85,9 +85,9 @@ def _loop(factory: Any, tokenizer: Any) -> Any:
 
     return _HarnessRolloutLoop(
         harness_session_factory=factory, model_name="smollm2-135m",
-        dataset=Dataset.from_dict({"prompt": [TASK]}),
-        reward_funcs=[], processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id],
-        rollout_buffer=mp.Queue(), model_version_value=mp.Value("i", 0), heartbeat_value=mp.Value("d", 0.0),
+        dataset=Dataset.from_dict({"prompt": [TASK]}), reward_funcs=[], processing_class=tokenizer,
+        eos_token_ids=[tokenizer.eos_token_id], rollout_buffer=mp.Queue(),
+        model_version_value=mp.Value("i", 0), heartbeat_value=mp.Value("d", 0.0),
         failed_event=mp.Event(), exception_info_queue=mp.Queue(), metrics_queue=mp.Queue(),
         num_generations=2, max_tokens=32, temperature=1.0,
     )
@@ -114,8 +114,7 @@ def test_trl_harness_rollout_trains_the_recorded_samples_of_real_episodes(tmp_pa
 
     def factory(**kwargs: Any) -> Any:
         f = openenv.AresSessionFactory("examples", engine=engine, step_limit=3, max_tokens=32,
-                                       harness_options=MINI,
-                                       out=str(tmp_path / "episodes"), **kwargs)
+                                       harness_options=MINI, out=str(tmp_path / "episodes"), **kwargs)
         made.append((kwargs, f))
         return f
 

@@ -97,8 +97,8 @@ def _client(engine: Any, *, fail_when: Any = None) -> Any:
             sp = dict(input_batch["sampling_params"])
             r = await engine.generate(ids, Sampling(
                 max_tokens=int(sp["max_tokens"]), temperature=float(sp["temperature"]),
-                top_p=float(sp["top_p"]),
-                top_k=max(0, int(sp["top_k"])), stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+                top_p=float(sp["top_p"]), top_k=max(0, int(sp["top_k"])),
+                stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
             ))
             return {"responses": [""], "response_ids": [r.output_ids], "stop_reasons": [r.finish_reason],
                     "response_logprobs": [r.logprobs] if sp.get("logprobs") is not None else None,
@@ -170,8 +170,7 @@ def test_skyrl_training_step_takes_real_episodes_as_the_recorded_samples(tmp_pat
     n = len(gen_input["prompts"])
     assert n == 2 and uids == ["row-0", "row-0"]
     for key in ("prompt_token_ids", "response_ids", "loss_masks", "rollout_logprobs", "rewards",
-                "stop_reasons",
-                "trajectory_generation_times", "env_metrics"):
+                "stop_reasons", "trajectory_generation_times", "env_metrics"):
         assert isinstance(out[key], list) and len(out[key]) == n, key
     assert out["trajectory_ids"] == gen_input["trajectory_ids"]
     assert all(isinstance(t, TrajectoryID) for t in out["trajectory_ids"])
@@ -262,8 +261,7 @@ def test_failed_episodes_are_reward_0_entries_and_the_step_goes_on(tmp_path: Pat
     registry.register("broken-install", _BrokenInstall, replace=True)
     try:
         generator = skyrl.AresGenerator("examples", inference_engine_client=_client(engine),
-                                        harness="broken-install",
-                                        step_limit=2,
+                                        harness="broken-install", step_limit=2,
                                         harness_options={"install_root": str(tmp_path / "agents")})
         trainer = _trainer(generator, tokenizer, n=1, prompts=1)
         out = asyncio.run(trainer.generate(_input(trainer, [TASKS[1]])[0]))

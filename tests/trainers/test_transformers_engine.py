@@ -22,8 +22,7 @@ PROBE = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start
 # Code, whitespace runs, digits, non-Latin scripts, emoji, control-token text, mini-swe-agent's format.
 TEXTS = [
     "def median(xs):\n    xs = sorted(xs)\n    n = len(xs)\n    return (xs[n//2-1] + xs[n//2]) / 2 if n % 2 "
-    "== 0 else xs[n//2]\n",
-    "    \t\t  trailing spaces   \n\n\n  and 1234567890 digits 3.14159e-10 0x7fff",
+    "== 0 else xs[n//2]\n", "    \t\t  trailing spaces   \n\n\n  and 1234567890 digits 3.14159e-10 0x7fff",
     "Ünïcödé façade — naïve café; 日本語のテキスト; Привет мир; مرحبا; 🙂🚀👩‍💻",
     "THOUGHT: I need to look at the tests first.\n\n```mswea_bash_command\ncd /app && pytest -q tests/ 2>&1 "
     "| tail -n 20\n```",

@@ -111,10 +111,9 @@ def _trainer(model: Any, tokenizer: Any, rollouts: Any, tmp_path: Path, *, steps
 
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=2, num_generations=2,
-        max_steps=steps,
-        use_cpu=True, bf16=False,  # fp32: the sampler's and the trainer's logprobs agree to ~1e-5
-        learning_rate=3e-4, logging_steps=1, report_to=[], save_strategy="no", beta=0.0, seed=7,
-        gradient_accumulation_steps=1,
+        # fp32: the sampler's and the trainer's logprobs agree to ~1e-5
+        max_steps=steps, use_cpu=True, bf16=False, learning_rate=3e-4, logging_steps=1, report_to=[],
+        save_strategy="no", beta=0.0, seed=7, gradient_accumulation_steps=1,
     )
     return trl.GRPOTrainer(model=model, processing_class=tokenizer,
                            reward_funcs=list(reward_funcs or [reward_from_episode]),

@@ -33,10 +33,9 @@ def _args(tmp_path: Path, steps: int) -> Any:
     trl = _trl()
     return trl.GRPOConfig(
         output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=2, num_generations=2,
-        max_steps=steps,
-        use_cpu=True, bf16=False, learning_rate=3e-4, logging_steps=1, report_to=[], save_strategy="no",
-        beta=0.0,
-        seed=7, gradient_accumulation_steps=1, disable_dropout=True, disable_tqdm=True,
+        max_steps=steps, use_cpu=True, bf16=False, learning_rate=3e-4, logging_steps=1, report_to=[],
+        save_strategy="no", beta=0.0, seed=7, gradient_accumulation_steps=1, disable_dropout=True,
+        disable_tqdm=True,
     )
 
 

@@ -100,8 +100,8 @@ class LlamaRolloutServer:
         want_logprobs = bool(sp.pop("logprobs", False))
         r = await self.engine.generate(prompt_ids, Sampling(
             max_tokens=max_tokens, temperature=float(sp.get("temperature", 1.0)),
-            top_p=float(sp.get("top_p", 1.0)),
-            top_k=max(0, int(sp.get("top_k", -1))), stop_token_ids=tuple(sp.get("stop_token_ids", ())),
+            top_p=float(sp.get("top_p", 1.0)), top_k=max(0, int(sp.get("top_k", -1))),
+            stop_token_ids=tuple(sp.get("stop_token_ids", ())),
         ))
         return TokenOutput(token_ids=r.output_ids, log_probs=r.logprobs if want_logprobs else None,
                            stop_reason="completed", extra_fields={"global_steps": 7})

@@ -496,8 +496,7 @@ def test_masked_claim_passes_to_next_leaf() -> None:
     ep.turn([*P1, call, tool("t:2")], ast("r:two"))
     assert ep.shown() == [
         "<sys> S </sys> <usr> u </usr> <gen> | call:run({ }) </ast> <tool> t:1 </tool> <gen> [r:one] "
-        "[</ast>]",
-        "<sys> S </sys> <usr> u </usr> <gen> | [call:run({})] [</ast>] <tool> t:2 </tool> <gen> "
+        "[</ast>]", "<sys> S </sys> <usr> u </usr> <gen> | [call:run({})] [</ast>] <tool> t:2 </tool> <gen> "
         "[r:two] [</ast>]",
     ]
 

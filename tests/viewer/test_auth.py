@@ -39,10 +39,8 @@ def test_serve_ui_needs_the_admin_token(tmp_path: Path, page: Any, screenshots: 
     (tmp_path / "token").chmod(0o600)
     proc = subprocess.Popen([sys.executable, "-m", "ares_gateway.cli", "serve", "--port", "0", "--data-dir",
                              str(tmp_path / "data"), "--admin-token-file", str(tmp_path / "token"),
-                             "--access-log",
-                             "--log-level", "DEBUG"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE,
-                            text=True,
+                             "--access-log", "--log-level", "DEBUG"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
     try:
         assert proc.stdout is not None

@@ -121,8 +121,7 @@ def test_view_refuses_what_it_cannot_show(tmp_path: Path) -> None:
 
     def view(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "ares_gateway.cli", "view", *args], cwd=REPO,
-                              capture_output=True,
-                              text=True, timeout=60, check=False)
+                              capture_output=True, text=True, timeout=60, check=False)
 
     got = view()
     assert got.returncode == 2 and "name a run directory or --data-dir DIR" in got.stderr

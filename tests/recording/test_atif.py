@@ -86,13 +86,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {key: root / key for key in commands}
 
 
+@pytest.mark.slow
 def test_every_harness_exports_valid_atif(runs: dict[str, Path], tmp_path: Path) -> None:
     files: list[Path] = []
     for key, run in runs.items():
         if key == "tito":  # the command line once; the Python function for the others (no start-up each)
             proc = subprocess.run(cli("export", "--format", "atif", str(run), "--out", str(tmp_path / key)),
-                                  cwd=REPO,
-                                  capture_output=True, text=True, check=False)
+                                  cwd=REPO, capture_output=True, text=True, check=False)
             assert proc.returncode == 0, proc.stderr
             assert "wrote 1 ATIF trajectory file(s)" in proc.stdout
         else:
@@ -258,6 +258,7 @@ def _shape(doc: dict[str, Any]) -> list[Any]:
     return out
 
 
+@pytest.mark.slow
 def test_atif_reads_back_into_a_run_the_viewer_serves(runs: dict[str, Path], tmp_path: Path) -> None:
     """The reverse: ATIF files (these exports, or a Harbor job's TRIAL/agent/trajectory.json) into a run
     directory (what ``ares-gateway view`` of an ATIF directory serves); exported again, every step is
@@ -302,6 +303,7 @@ def test_atif_reads_back_into_a_run_the_viewer_serves(runs: dict[str, Path], tmp
     assert _shape(now) == _shape(was)
 
 
+@pytest.mark.slow
 def test_bad_run_dirs_report_each_episode_and_export_the_rest(runs: dict[str, Path], tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(runs["tiny"], run, ignore=shutil.ignore_patterns("gateway-data"))
@@ -318,8 +320,7 @@ def test_bad_run_dirs_report_each_episode_and_export_the_rest(runs: dict[str, Pa
     (run / "turns" / "orphan.0.jsonl").write_text(good)
 
     proc = subprocess.run(cli("export", "--format", "atif", str(run), "--out", str(tmp_path / "out")),
-                          cwd=REPO,
-                          capture_output=True, text=True, check=False)
+                          cwd=REPO, capture_output=True, text=True, check=False)
     assert proc.returncode == 1, proc.stderr
     err = proc.stderr
     assert "episodes.jsonl: line 5 is not JSON" in err
@@ -336,8 +337,7 @@ def test_bad_run_dirs_report_each_episode_and_export_the_rest(runs: dict[str, Pa
     empty = tmp_path / "empty"
     empty.mkdir()
     proc = subprocess.run(cli("export", "--format", "atif", str(empty), "--out", str(tmp_path / "none")),
-                          cwd=REPO,
-                          capture_output=True, text=True, check=False)
+                          cwd=REPO, capture_output=True, text=True, check=False)
     assert proc.returncode == 2 and "is not a run's output directory" in proc.stderr
     assert not (tmp_path / "none").exists()
     with pytest.raises(FileNotFoundError):

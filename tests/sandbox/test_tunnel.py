@@ -700,9 +700,8 @@ async def test_relay_over_a_pipe_into_a_bwrap_network_namespace(session: Session
               '2>"$OUT/client.err"; "$PY" -c "$PROBE" $HOSTPORT >"$OUT/probe.txt"; touch "$OUT/done"; } '
               '</dev/null & exec "$PY" -I "$RELAY" --listen 127.0.0.1:$PORT --tunnel binary')
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PY": sys.executable, "WAIT": _WAIT,
-           "CLIENT": CLIENT,
-           "PROBE": _PROBE, "RELAY": RELAY, "PORT": str(port), "HOSTPORT": str(host.getsockname()[1]),
-           "OUT": out}
+           "CLIENT": CLIENT, "PROBE": _PROBE, "RELAY": RELAY, "PORT": str(port),
+           "HOSTPORT": str(host.getsockname()[1]), "OUT": out}
     argv = ["bwrap", "--unshare-net", "--die-with-parent", "--dev-bind", "/", "/", "/bin/sh", "-c", script]
     tunnel = Tunnel(lambda: pipe_channel(argv, env=env), session.path)
     await tunnel.start()
@@ -787,6 +786,7 @@ async def test_docker_exec_tunnel_reaches_only_its_own_session(session: Session)
         await h.close()
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 async def test_episode_over_the_docker_exec_tunnel_gets_full_reward(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -809,8 +809,7 @@ async def test_episode_over_the_docker_exec_tunnel_gets_full_reward(tmp_path: Pa
     monkeypatch.setattr(tunnel_mod.Tunnel, "start", counting_start)
     task = next(t for t in load_dataset("examples").tasks if t.name == "write-greeting-file")
     summary = await run_rollouts([task], harness="mini-swe-agent", policy=make_policy("oracle"),
-                                 sandbox="docker",
-                                 out=tmp_path / "out", stats="null", time_limit=300)
+                                 sandbox="docker", out=tmp_path / "out", stats="null", time_limit=300)
     [episode] = summary.episodes
     assert episode.exit_reason == "completed" and episode.reward == 1.0, episode.to_dict()
     assert len(started) == 1
@@ -819,6 +818,7 @@ async def test_episode_over_the_docker_exec_tunnel_gets_full_reward(tmp_path: Pa
     assert started[0].violation is None
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 def test_cli_run_tunnel_exec(tmp_path: Path) -> None:
     """`ares-gateway run --sandbox docker --tunnel exec`: reward 1.0; --tunnel is refused for other

@@ -23,12 +23,13 @@ from tests.rollouts.test_stream import TokenOracle
 from tests.trainers.conftest import load_smollm2
 from tests.trainers.test_trl import _trainer, _trl
 
+pytestmark = pytest.mark.slow
+
 GREETING = {t.name: t for t in load_dataset("examples").tasks}["write-greeting-file"]
 CONTRACT = {"prompt_ids", "completion_ids", "logprobs", "env_mask", "reward", "task", "session_id",
-            "exit_reason",
-            "turns", "error", "other_samples", "foreign_samples", "sampled_tokens", "mean_logprob",
-            "truncated",
-            "policy_versions", "first_version", "last_version", "mixed_versions", "staleness"}
+            "exit_reason", "turns", "error", "other_samples", "foreign_samples", "sampled_tokens",
+            "mean_logprob", "truncated", "policy_versions", "first_version", "last_version", "mixed_versions",
+            "staleness"}
 
 
 @pytest.fixture(scope="module")

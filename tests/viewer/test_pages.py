@@ -56,8 +56,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | None]
                    str(base / "oracle"))
         out = {"oracle": base / "oracle", "model": None}
     proc = subprocess.run(args, cwd=REPO, env=_env(base / "boxes"), capture_output=True, text=True,
-                          timeout=400,
-                          check=False)
+                          timeout=400, check=False)
     oracle = out["oracle"]
     assert oracle is not None and (oracle / "results.json").is_file(), proc.stdout[-3000:] + proc.stderr[
         -3000:]
@@ -96,6 +95,7 @@ def _rows(page: Any) -> dict[str, list[str]]:
 # ---------------------------------------------------------------------- a real run
 
 
+@pytest.mark.slow
 def test_real_run_pages(real_run: dict[str, Path | None], browser: Any, page: Any, screenshots: Path) -> None:
     oracle = real_run["oracle"]
     assert oracle is not None
@@ -127,6 +127,7 @@ def test_real_run_pages(real_run: dict[str, Path | None], browser: Any, page: An
         view.stop()
 
 
+@pytest.mark.slow
 def test_real_model_sample(real_run: dict[str, Path | None], page: Any, screenshots: Path) -> None:
     model = real_run["model"]
     if model is None:

@@ -26,19 +26,9 @@ from ares_gateway.trainers import EpisodeSample, exclude_infra_errors, play_epis
 from harnesses import HarnessInstallError, registry
 from harnesses.tiny_agent import TinyAgentHarness
 from sandbox.local import LocalSandbox
+from tests.helpers import left_behind
 
 GREETING = {t.name: t for t in load_dataset("examples").tasks}["write-greeting-file"]
-
-
-@pytest.fixture
-def sandbox_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "sandboxes"
-    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))
-    return root
-
-
-def _left(root: Path) -> list[Path]:
-    return list(root.iterdir()) if root.exists() else []
 
 
 class Faults:
@@ -143,7 +133,7 @@ async def test_a_sandbox_that_fails_to_start_once_is_retried_on_a_fresh_one(
     assert e.retry_errors and e.retry_errors[0].startswith("sandbox_error: starting the local sandbox failed")
     assert "injected: the sandbox did not start" in e.retry_errors[0]
     assert faults.agent_sandboxes == 2  # a fresh sandbox for the retry
-    assert not _left(sandbox_root)  # the failed try's sandbox was removed too
+    assert not left_behind(sandbox_root)  # the failed try's sandbox was removed too
     doc = json.loads((out / "results.json").read_text())
     assert doc["summary"]["retries"] == 1 and doc["summary"]["infra_failures"] == 0
     assert doc["summary"]["agent_failures"] == 0 and doc["run"]["retries"] == 2
@@ -172,7 +162,7 @@ async def test_a_persistent_sandbox_failure_is_infra_error_and_never_trained(
     exclude_infra_errors(episodes, drop_group=True)
     assert all(ep.excluded and ep.reward == 0.0 and ep.sample is None for ep in episodes)
     assert all(trainer_entry(ep, eos_id=0).excluded for ep in episodes)
-    assert not _left(sandbox_root)
+    assert not left_behind(sandbox_root)
 
 
 async def test_an_infra_error_is_counted_apart_in_results_and_the_summary_line(
@@ -207,7 +197,7 @@ async def test_an_install_failure_is_retried(sandbox_root: Path, faults: Faults)
     [e] = summary.episodes
     assert (e.exit_reason, e.reward, e.retries) == ("completed", 1.0, 1), e
     assert e.retry_errors[0].startswith("install_error:") and "the download broke" in e.retry_errors[0]
-    assert faults.agent_sandboxes == 2 and not _left(sandbox_root)
+    assert faults.agent_sandboxes == 2 and not left_behind(sandbox_root)
 
 
 async def test_a_verifier_crash_is_retried(sandbox_root: Path, faults: Faults) -> None:
@@ -217,7 +207,7 @@ async def test_a_verifier_crash_is_retried(sandbox_root: Path, faults: Faults) -
     assert (e.exit_reason, e.reward, e.retries, e.verifier_crashed) == ("completed", 1.0, 1, False), e
     assert "sandbox failure while verifying" in e.retry_errors[
         0] and "could not be uploaded" in e.retry_errors[0]
-    assert faults.agent_sandboxes == 2 and faults.grading_sandboxes == 2 and not _left(sandbox_root)
+    assert faults.agent_sandboxes == 2 and faults.grading_sandboxes == 2 and not left_behind(sandbox_root)
 
 
 async def test_agent_failures_are_never_retried(sandbox_root: Path, faults: Faults) -> None:
@@ -236,7 +226,7 @@ async def test_agent_failures_are_never_retried(sandbox_root: Path, faults: Faul
     assert (e.exit_reason, e.retries) == ("agent_error", 0) and e.turns >= 1, e
     assert classify(e) == "agent" and summary.agent_failures == 1 and summary.infra_failures == 0
     assert faults.agent_sandboxes == 2  # one more: no retry
-    assert not _left(sandbox_root)
+    assert not left_behind(sandbox_root)
 
 
 def test_excluding_keeps_groups_without_infra_errors() -> None:

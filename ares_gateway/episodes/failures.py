@@ -51,6 +51,10 @@ crashed elsewhere                                   was (the fresh grading sandb
                                                     policy answered it
 ``memory_limit``, ``pids_limit``,   agent           the agent exceeded its sandbox's limits (also when
 ``disk_limit``                                      that brought the sandbox down)
+``completed``, ``time_limit``,      infrastructure  the agent ended, or ran out of time, without one LLM
+``truncated``, 0 turns                              call: the policy was never asked, so the tests say
+                                                    nothing of it (an agent that failed to start its
+                                                    loop but exited 0, an agent stuck in its start-up)
 ``completed``, ``step_limit``,      (judged)        the tests ran: the reward is the verdict, also 0.0
 ``time_limit``, ``truncated``                       (a wrong answer, a test.sh timeout, no reward file,
                                                     a workdir too large to grade)
@@ -102,6 +106,9 @@ GRADING_SANDBOX = "grading_sandbox"
 #: The values of ``failure_site`` (``""``: no such failure, or not recorded: the infrastructure's).
 FAILURE_SITES = ("", AGENT_SANDBOX, GRADING_SANDBOX)
 
+#: Exit reasons whose tests ran (their reward is the verdict) when the policy answered a call.
+_JUDGED = frozenset({"completed", "step_limit", "time_limit", "truncated"})
+
 Kind = Literal["infra", "agent"]
 
 
@@ -128,6 +135,8 @@ def classify(result: _Ended) -> Kind | None:
         # (it could have brought that sandbox down itself); before that, and anywhere else, the
         # infrastructure's.
         return "agent" if result.failure_site == AGENT_SANDBOX and result.turns > 0 else "infra"
+    if reason in _JUDGED and result.turns == 0:
+        return "infra"  # the policy was never asked: the verdict is not its own
     return None
 
 

@@ -243,8 +243,11 @@ def _r(reason: str, turns: int = 0, *, crashed: bool = False, site: str = "") ->
     (_r("agent_error", 0), "infra"), (_r("agent_error", 2), "agent"),
     (_r("memory_limit", 1), "agent"), (_r("pids_limit", 0), "agent"), (_r("disk_limit", 3), "agent"),
     # Judged by the tests, or stopped by the run.
-    (_r("completed", 3), None), (_r("completed", 0), None), (_r("step_limit", 3), None),
-    (_r("time_limit", 3), None), (_r("truncated", 3), None), (_r("cancelled", 1), None),
+    (_r("completed", 3), None), (_r("step_limit", 3), None),
+    (_r("time_limit", 3), None), (_r("truncated", 3), None), (_r("cancelled", 1), None), (_r("cancelled", 0), None),
+    # ... unless the policy was never asked: an agent that ended (exit 0) or ran out of time before its
+    # first LLM call says nothing of the policy.
+    (_r("completed", 0), "infra"), (_r("time_limit", 0), "infra"), (_r("truncated", 0), "infra"),
     (_r("completed", 3, site=AGENT_SANDBOX), None),  # a site without a crash decides nothing
 ])
 def test_classify_over_the_table(result: EpisodeResult, kind: str | None) -> None:

@@ -31,6 +31,7 @@ from bench.support.daytona_fake import API_KEY, DaytonaFake, netns_available
 from sandbox import DaytonaSandbox, SandboxSpec
 from sandbox._daytona_channels import parse_ssh_command
 from sandbox.tunnel import Channel, Tunnel
+from tests.helpers import free_port
 
 from .test_tunnel import (  # the shared transport suite runs here on Daytona's transports
     CLIENT,
@@ -39,7 +40,6 @@ from .test_tunnel import (  # the shared transport suite runs here on Daytona's 
     Harness,
     Session,
     _count_relays,
-    _free_port,
     session,
     test_hostile_relay_is_torn_down_with_bounded_memory,
     test_traffic_sse_big_body_all_bytes_and_64_concurrent_streams,
@@ -90,7 +90,7 @@ class DaytonaHarness(Harness):
 
     def __init__(self, fake: DaytonaFake | FakeProcess, tunnel: str) -> None:
         self.kind, self.tunnel, self.fake = f"daytona-{tunnel}", tunnel, fake
-        self.port = _free_port()
+        self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="ares-daytona-")
         self.sb: Any = None
         self.bare: Any = None  # a sandbox without forwards, where hostile "relays" run

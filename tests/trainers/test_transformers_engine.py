@@ -16,6 +16,9 @@ import pytest
 
 from ares_gateway.engines import EngineError, PromptTooLongError, Sampling, collect, make_engine
 
+# SmolLM2 loaded into transformers (about a minute) and sampled on CPU: a module of minutes.
+pytestmark = pytest.mark.slow
+
 PROBE = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
          "Write a shell command that counts the lines of README.md.<|im_end|>\n<|im_start|>assistant\n")
 

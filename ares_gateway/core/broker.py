@@ -322,7 +322,8 @@ class Broker:
         """Count ``nbytes`` of a body being read against the session's byte budget (released with
         :meth:`release_bytes`, or handed to the request by :meth:`park`'s ``held_bytes``).
         Raises :class:`TooManyParkedError` when the session's bodies would pass
-        ``max_parked_bytes_per_session``, or every session's together ``max_parked_bytes``."""
+        ``max_parked_bytes_per_session``, or every session's together ``max_parked_bytes``, or half of
+        it while this session holds more than an equal share of it (:meth:`_fair_share`)."""
         held = self._bytes_by_session.get(session_id, 0)
         if held + nbytes > self.max_parked_bytes_per_session:
             raise TooManyParkedError(
@@ -338,8 +339,27 @@ class Broker:
                 f"across all sessions; {nbytes} more would pass its limit of {self.max_parked_bytes} bytes "
                 "across sessions; retry after a short wait, as the policy answers"
             )
+        if total + nbytes > self.max_parked_bytes / 2 and held + nbytes > self._fair_share(session_id):
+            raise TooManyParkedError(
+                f"the gateway is over half full ({total} bytes of body held by requests waiting for the "
+                f"policy across sessions, limit {self.max_parked_bytes}) and this session holds {held}, "
+                f"{nbytes} more would pass an equal share of the limit among the sessions holding any; "
+                "retry after a short wait, as the policy answers"
+            )
         self._bytes_by_session[session_id] = held + nbytes
         self.parked_bytes = total + nbytes
+
+    def _fair_share(self, session_id: str) -> float:
+        """The bytes a session may hold once the gateway is over half full: an equal share of
+        ``max_parked_bytes`` among the sessions holding bytes (this one counted).
+
+        Why: past half the budget only sessions under their share may add, so a few sessions parking
+        large bodies cannot take the whole budget and push every other session to 429 (an episode
+        that fails that way is reward 0, and lowers its group-mates' rewards, which a policy could
+        learn). The budget itself stays a hard limit for every session.
+        """
+        holders = len(self._bytes_by_session) + (session_id not in self._bytes_by_session)
+        return self.max_parked_bytes / holders
 
     def release_bytes(self, session_id: str, nbytes: int) -> None:
         """Give back bytes :meth:`hold_bytes` counted (a body that was refused, or never parked)."""

@@ -143,3 +143,41 @@ async def test_a_body_over_the_whole_gateway_budget_is_413() -> None:
         assert err.value.status_code == 413
         assert "across sessions" in err.value.response.json()["error"]["message"]
         assert gw.broker.parked_bytes == 0
+
+
+async def test_sessions_parking_large_bodies_cannot_push_a_small_session_to_429() -> None:
+    # Budget 100 KB; one session parks four 20 KB bodies (80 KB, over half the budget). Another session's
+    # small request still goes through (it holds less than an equal share, 50 KB among two), while the
+    # large session's next body is refused: it holds more than its share once the gateway is over half full.
+    async with Gateway(port=0, data_dir=False, request_timeout=60, max_parked_bytes=100_000) as gw:
+        hog, small = await gw.create_session(), await gw.create_session()
+        parked = [asyncio.create_task(_chat(hog)) for _ in range(4)]
+        await _until(lambda: gw.broker.pending_count == 4, "four parked requests")
+        assert gw.broker.parked_bytes > 80_000
+        async with _anthropic(small) as c:
+            ask = asyncio.create_task(c.messages.create(model="m", max_tokens=16,
+                                                        messages=[{"role": "user", "content": "hello"}]))
+            await _until(lambda: gw.broker.pending_count == 5, "the small session's request")
+            assert gw.broker.held_bytes_for(small.session_id) > 0
+            with pytest.raises(openai.RateLimitError) as share:
+                async with _openai(hog) as h:
+                    await h.chat.completions.create(model="m",
+                                                    messages=[{"role": "user", "content": "x" * 1_000}])
+            message = share.value.response.json()["error"]["message"]
+            assert "equal share" in message, message
+            assert share.value.response.headers.get("retry-after") == "1"
+            for _ in range(5):
+                req = await gw.next_request(timeout=5)
+                assert req is not None
+                await gw.respond(req.id, Completion(text="ok"))
+            assert (await ask).content[0].text == "ok"
+        assert all(r.choices[0].message.content == "ok" for r in await asyncio.gather(*parked))
+        assert gw.broker.parked_bytes == 0
+        # A session alone may use the whole budget: the share among one holder is all of it.
+        solo = [asyncio.create_task(_chat(small)) for _ in range(4)]
+        await _until(lambda: gw.broker.pending_count == 4, "one session's four parked requests")
+        for _ in range(4):
+            req = await gw.next_request(timeout=5)
+            assert req is not None
+            await gw.respond(req.id, Completion(text="ok"))
+        await asyncio.gather(*solo)

@@ -1,7 +1,8 @@
-"""The ``ares-gateway`` command line: ``serve``, ``run``, ``demo``, ``view``, ``gc``, ``export``, ``prune`` (``--help`` on each).
+"""The ``ares-gateway`` command line: ``serve``, ``run``, ``demo``, ``view``, ``gc``, ``export``, ``prune``,
+``reverify`` (``--help`` on each).
 
 One module per command: :mod:`~ares_gateway.cli.serve`, :mod:`~ares_gateway.cli.run` (``run`` and
-``demo``), :mod:`~ares_gateway.cli.view`, :mod:`~ares_gateway.cli.gc`, :mod:`~ares_gateway.cli.export`, :mod:`~ares_gateway.cli.prune`; what they share in :mod:`~ares_gateway.cli._common`.
+``demo``), :mod:`~ares_gateway.cli.view`, :mod:`~ares_gateway.cli.gc`, :mod:`~ares_gateway.cli.export`, :mod:`~ares_gateway.cli.prune`, :mod:`~ares_gateway.cli.reverify`; what they share in :mod:`~ares_gateway.cli._common`.
 ``python3 -m ares_gateway.cli`` is the same as ``ares-gateway``.
 """
 
@@ -14,6 +15,7 @@ from ares_gateway.cli._common import HelpFormatter, version
 from ares_gateway.cli.export import add_export_command
 from ares_gateway.cli.gc import add_gc_command
 from ares_gateway.cli.prune import add_prune_command
+from ares_gateway.cli.reverify import add_reverify_command
 from ares_gateway.cli.run import add_demo_command, add_run_command
 from ares_gateway.cli.serve import add_serve_command
 from ares_gateway.cli.view import add_view_command
@@ -35,6 +37,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_run_command(sub)
     add_demo_command(sub)
     add_view_command(sub)
+    add_reverify_command(sub)
     return parser
 
 

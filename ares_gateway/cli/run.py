@@ -135,6 +135,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="times an episode that failed by the infrastructure (sandbox start, agent install, "
                         "verifier crash) is run again on a fresh sandbox, with backoff, before it counts as "
                         "infra_error; an agent failure is never retried")
+    p.add_argument("--no-save-workspaces", dest="save_workspaces", action="store_false",
+                   help="do not keep each episode's final workdir as DIR/workspaces/TASK.ATTEMPT.tar (default: "
+                        "off, they are kept: the archive grading makes anyway; ares-gateway reverify DIR grades "
+                        "them again)")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: runs/PRESET-TIMESTAMP)")
     p.add_argument("--step-limit", type=int, default=None,
                    help="LLM calls per episode before truncation (default: no limit)")
@@ -317,6 +321,7 @@ async def _execute(
                 stats=getattr(args, "stats", "tensorboard"), stats_period=getattr(args, "stats_period", 10.0),
                 console=console, stop=stop, gateway=gateway, executor=executor, run_info=run_info,
                 retries=getattr(args, "retries", DEFAULT_RETRIES),
+                save_workspaces=getattr(args, "save_workspaces", True),
             )
     finally:
         if entered:

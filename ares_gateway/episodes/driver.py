@@ -27,6 +27,7 @@ from ares_gateway.episodes.episode import EpisodeOutcome, EpisodeSetupError, Tas
 from ares_gateway.episodes.output import EpisodeResult
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.episodes.usage import episode_usage
+from ares_gateway.episodes.workspaces import workspace_file
 from ares_gateway.gateway import Gateway
 from ares_gateway.policies.base import EpisodeReporter, PolicyError, SessionBound, call_policy, is_external
 from ares_gateway.telemetry import EpisodeSpan
@@ -50,6 +51,9 @@ class EpisodeSpec:
     model: str = "ares-policy"
     step_limit: int | None = None
     time_limit: float | None = None
+    #: Where the agent's final workdir is saved before its tests run (``OUT/workspaces/<task>.<attempt>.tar``,
+    #: :mod:`~ares_gateway.episodes.workspaces`); ``None``: not saved.
+    workspace: str | None = None
 
     @property
     def key(self) -> str:
@@ -90,7 +94,7 @@ async def _drive(spec: EpisodeSpec, policy: Any, gateway: Gateway, span: Episode
         return await _passive_episode(gateway, spec, spec.new_harness(), t0, span)
     env = GatewayEnv.for_task(spec.task, harness=spec.new_harness(), sandbox=spec.sandbox, gateway=gateway,
                               image=spec.image, model=spec.model, step_limit=spec.step_limit,
-                              time_limit=spec.time_limit)
+                              time_limit=spec.time_limit, save_workspace=spec.workspace)
     sid = ""
     bound = isinstance(policy, SessionBound)
     failures: list[dict[str, Any]] = []
@@ -176,7 +180,8 @@ async def _passive_episode(gw: Gateway, spec: EpisodeSpec, harness: BaseHarness,
     sid = session.session_id
     if span is not None:
         span.bind(sid)
-    ep = TaskEpisode(task, harness, sandbox=spec.sandbox, image=spec.image, model=spec.model, gateway=gw)
+    ep = TaskEpisode(task, harness, sandbox=spec.sandbox, image=spec.image, model=spec.model, gateway=gw,
+                     save_workspace=spec.workspace)
     limit = time_limit if time_limit is not None else task.config.agent_timeout
     try:
         try:
@@ -247,6 +252,12 @@ def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[
         last_version=versions[-1] if versions else None,
         verifier_crashed=outcome.verifier_crashed,
         failure_site=outcome.failure_site,
+        task_dir=str(task.path),
+        workspace=workspace_file(task.name, attempt) if outcome.saved_workspace is not None else None,
+        workspace_bytes=outcome.saved_workspace_bytes,
+        workspace_truncated=outcome.workspace_truncated,
+        workspace_error=outcome.workspace_error,
+        workspace_uid=outcome.workspace_uid,
     )
 
 

@@ -189,11 +189,15 @@ class GatewayEnv:
         step_limit: int | None = None,
         time_limit: float | None = None,
         request_timeout: float | None = None,
+        save_workspace: str | os.PathLike[str] | None = None,
     ) -> GatewayEnv:
         """Each :meth:`reset` runs ``harness`` on ``task`` in a fresh ``sandbox``; LAST carries the
-        task's reward. Without ``gateway`` the env runs its own."""
+        task's reward. Without ``gateway`` the env runs its own. ``save_workspace``: a file path where
+        each episode's final workdir is saved as a tar before its tests run
+        (:mod:`~ares_gateway.episodes.workspaces`; each episode overwrites it)."""
         return cls(gateway, task=task, harness=harness, sandbox=sandbox, image=image, model=model,
-                   step_limit=step_limit, time_limit=time_limit, request_timeout=request_timeout)
+                   step_limit=step_limit, time_limit=time_limit, request_timeout=request_timeout,
+                   save_workspace=save_workspace)
 
     def __init__(
         self,
@@ -210,8 +214,10 @@ class GatewayEnv:
         sandbox: str = "auto",
         image: str | None = None,
         model: str = "ares-policy",
+        save_workspace: str | os.PathLike[str] | None = None,
     ) -> None:
         self._task: Task | None = None
+        self.save_workspace = save_workspace
         self._harness: str | BaseHarness | None = harness
         if task is not None:
             from ares_gateway.episodes.tasks import Task as _Task
@@ -475,7 +481,7 @@ class GatewayEnv:
         self._done = False
         self.outcome = None
         episode = TaskEpisode(task, self._harness, sandbox=self.sandbox_backend, image=self.image, model=self.model,
-                              gateway=gw)
+                              gateway=gw, save_workspace=self.save_workspace)
         self.episode = episode
 
         async def start() -> TimeStep:

@@ -35,10 +35,12 @@ import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import sandbox as sandbox_mod
 from ares_gateway.core.sessions import SessionInfo
+from ares_gateway.episodes import workspaces
 from ares_gateway.episodes.failures import AGENT_SANDBOX, GRADING_SANDBOX
 from ares_gateway.episodes.tasks import Task, prepare_workdir
 from ares_gateway.episodes.verifier import (
@@ -145,6 +147,14 @@ class EpisodeOutcome:
     grading_setup_seconds: float = 0.0
     #: The size of the workdir's archive copied into it.
     workspace_bytes: int | None = None
+    #: The saved workspace (``TaskEpisode(save_workspace=...)``, :mod:`~ares_gateway.episodes.workspaces`):
+    #: its file, size, whether it was cut at the cap, why it could not be saved, and the uid it was
+    #: unpacked as for grading.
+    saved_workspace: str | None = None
+    saved_workspace_bytes: int | None = None
+    workspace_truncated: bool = False
+    workspace_error: str | None = None
+    workspace_uid: str | None = None
     #: Harness and verifier logs: ``stdout.log``, ``stderr.log``, the harness's artifacts, ``verifier.log``.
     logs: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -167,7 +177,11 @@ class EpisodeOutcome:
             "grading": self.grading,
             "grading_setup_seconds": round(self.grading_setup_seconds, 3),
             "workspace_bytes": self.workspace_bytes,
+            "saved_workspace": self.saved_workspace,
+            "workspace_truncated": self.workspace_truncated,
         }
+        if self.workspace_error is not None:
+            out["workspace_error"] = self.workspace_error
         if self.error is not None:
             out["error"] = self.error
         if self.verifier_error is not None:
@@ -330,8 +344,11 @@ class TaskEpisode:
         labels: Mapping[str, str] | None = None,
         sandbox_options: Mapping[str, Any] | None = None,
         gateway: Gateway | None = None,
+        save_workspace: str | os.PathLike[str] | None = None,
     ) -> None:
         self.task = task
+        #: Where the agent's final workdir is saved before the tests run (``None``: not saved).
+        self.save_workspace = Path(save_workspace) if save_workspace is not None else None
         #: The gateway whose session this episode runs; it serves the session's agent socket.
         self.gateway = gateway
         #: How the sandbox is networked, one of :data:`NETWORK_MODES` (set by :meth:`start`).
@@ -680,6 +697,10 @@ class TaskEpisode:
         if self.task.config.grading == "agent":
             # Everything here runs in the agent's sandbox, which the agent may have broken (a full disk,
             # a removed /tmp): a crash is the agent's once the policy had a say.
+            if self.save_workspace is not None and self.ctx is not None:
+                workspaces.note(out, await workspaces.save_from_sandbox(
+                    sb, self.ctx.workdir, self.save_workspace, limit=workspace_limit(self.task),
+                    episode=self.task.name))
             verdict = await run_tests(sb, self.task)
             return dataclasses.replace(verdict, failure_site=AGENT_SANDBOX) if verdict.crashed else verdict
         gsb, ctx = self.grading_sandbox, self.ctx
@@ -692,19 +713,33 @@ class TaskEpisode:
         if failed is not None:
             return dataclasses.replace(failed, failure_site=GRADING_SANDBOX)
         workdir = gsb.workdir if self.task.workdir == gsb.spec.workdir else self.task.workdir
+        # The saved workspace is the archive the copy makes anyway, written into the run, not to /tmp.
+        final, limit = self.save_workspace, workspace_limit(self.task)
+        keep, why = workspaces.prepare(final) if final is not None else (None, None)
+        if why is not None:
+            workspaces.note(out, workspaces.SavedWorkspace(error=why))
+
+        async def save(*, too_large: bool = False, error: str | None = None, whole: bool = False) -> None:
+            if keep is not None and final is not None:
+                saved = await workspaces.seal_async(keep, final, limit=limit, too_large=too_large, error=error,
+                                                    episode=self.task.name, whole=whole)
+                workspaces.note(out, saved, self._agent_uid)
+
         try:
             size = await copy_workspace(sb, gsb, src_workdir=ctx.workdir, dst_workdir=workdir, user=self._agent_uid,
-                                        limit=workspace_limit(self.task),
-                                        timeout=max(60.0, self.task.config.verifier_timeout))
+                                        limit=limit, timeout=max(60.0, self.task.config.verifier_timeout), keep=keep)
         except WorkspaceCopyError as exc:
+            await save(too_large=not exc.crashed, error=str(exc))
             if not exc.crashed:  # a verdict on what the agent left (too large to grade)
                 return VerifierResult(Reward(0.0), None, str(exc))
             site = exc.site if exc.site == AGENT_SANDBOX else await self._grading_site(gsb)
             return VerifierResult(Reward(0.0), None, str(exc), crashed=True, failure_site=site)
         except sandbox_mod.SandboxError as exc:
+            await save(error=str(exc))
             return VerifierResult(Reward(0.0), None,
                                   f"copying the workdir into the grading sandbox failed: {_describe(exc)}", crashed=True,
                                   failure_site=await self._grading_site(gsb))
+        await save(whole=True)
         if out is not None:
             out.workspace_bytes = size
         verdict = await run_tests(gsb, self.task, prepared=True)

@@ -8,6 +8,7 @@ Outputs in a run's ``out`` directory::
     trajectories/<task>.<attempt>.jsonl   training samples (token-recorded turns only)
     turns/<task>.<attempt>.jsonl          the raw turn log (request as sent, completion, timing)
     logs/<task>.<attempt>/            the agent's stdout.log / stderr.log, its own artifacts, verifier.log
+    workspaces/<task>.<attempt>.tar   the agent's final workdir, as graded (episodes.workspaces)
     tb/                               TensorBoard event files (episode reward, turns, durations, latency)
 
 Everything here runs where the run is driven (the scheduler's process), whichever executor ran the
@@ -36,6 +37,7 @@ __all__ = [
     "Progress",
     "RunOutputs",
     "RunSummary",
+    "episode_key",
     "episode_line",
     "log_episode",
     "pass_at_k",
@@ -101,6 +103,18 @@ class EpisodeResult:
     retry_errors: list[str] = field(default_factory=list)
     #: ``infra_error`` only: the exit reason of the last failed try (``sandbox_error``, ``install_error``, ...).
     infra_cause: str | None = None
+    #: The task's directory (where ``ares-gateway reverify`` finds its tests again).
+    task_dir: str | None = None
+    #: The saved workspace (:mod:`~ares_gateway.episodes.workspaces`): its path relative to the run
+    #: directory (``workspaces/<task>.<attempt>.tar``), its size, whether it was cut at the cap, and why
+    #: it could not be saved; ``None`` / ``False`` when none was saved (the tests did not run, or saving
+    #: was off).
+    workspace: str | None = None
+    workspace_bytes: int | None = None
+    workspace_truncated: bool = False
+    workspace_error: str | None = None
+    #: The uid the workspace was unpacked as for grading (the agent's; ``None``: the sandbox's default user).
+    workspace_uid: str | None = None
 
     @property
     def key(self) -> str:
@@ -210,6 +224,12 @@ def _safe(name: str) -> str:
     return _SAFE.sub("_", name)[:120] or "task"
 
 
+def episode_key(task: str, attempt: int) -> str:
+    """``<task>.<attempt>`` with the task's name made safe for a file name: how an episode's files are
+    named in the run directory (``turns/``, ``trajectories/``, ``logs/``, ``workspaces/``)."""
+    return f"{_safe(task)}.{attempt}"
+
+
 class RunOutputs:
     """Writes a run's files (see the module docstring); every write is small and synchronous."""
 
@@ -223,7 +243,7 @@ class RunOutputs:
                 logs: Mapping[str, str]) -> None:
         if self.root is None:
             return
-        key = _safe(result.task) + f".{result.attempt}"
+        key = episode_key(result.task, result.attempt)
         traj = self.root / "trajectories"
         traj.mkdir(exist_ok=True)
         with open(traj / f"{key}.jsonl", "w", encoding="utf-8") as fh:

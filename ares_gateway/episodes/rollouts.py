@@ -51,6 +51,7 @@ from ares_gateway.episodes.output import (
 from ares_gateway.episodes.scheduler import ScheduleState, schedule
 from ares_gateway.episodes.stats import StatTracker, make_tracker
 from ares_gateway.episodes.tasks import Task
+from ares_gateway.episodes.workspaces import workspace_file
 from ares_gateway.gateway import Gateway
 
 __all__ = [
@@ -92,6 +93,7 @@ async def run_rollouts(
     on_samples: Callable[[EpisodeResult, list[Any]], None] | None = None,
     retries: int = DEFAULT_RETRIES,
     retry_backoff: float = DEFAULT_RETRY_BACKOFF,
+    save_workspaces: bool = True,
 ) -> RunSummary:
     """Run ``attempts`` episodes of every task with at most ``concurrency`` at once (see the module docstring).
 
@@ -106,6 +108,9 @@ async def run_rollouts(
     without files). An episode that failed by the infrastructure (:mod:`~ares_gateway.episodes.failures`)
     is run again on a fresh sandbox, at most ``retries`` times, the first after ``retry_backoff`` seconds
     and each next one after twice as long; if every try failed it ends as ``infra_error``.
+    ``save_workspaces`` (with ``out``): each episode's final workdir, as graded, is kept as
+    ``OUT/workspaces/<task>.<attempt>.tar`` (:mod:`~ares_gateway.episodes.workspaces`; ``ares-gateway
+    reverify OUT`` grades them again).
     """
     check_retries(retries, retry_backoff)
     if concurrency < 1:
@@ -117,13 +122,16 @@ async def run_rollouts(
     executor = executor if executor is not None else LocalExecutor(concurrency=concurrency, gateway=gateway)
     stop = stop or asyncio.Event()
     options = dict(harness_options or {})
+    keep = _absolute(out) if out is not None and save_workspaces else None
     plan = [EpisodeSpec(task, attempt, harness, options, sandbox=sandbox, image=image, model=model,
-                        step_limit=step_limit, time_limit=time_limit)
+                        step_limit=step_limit, time_limit=time_limit,
+                        workspace=str(keep / workspace_file(task.name, attempt)) if keep is not None else None)
             for attempt in range(attempts) for task in tasks]
     run = {
         "harness": harness, "sandbox": sandbox, "concurrency": concurrency, "attempts": attempts,
         "step_limit": step_limit, "time_limit": time_limit, "tasks": [t.name for t in tasks],
         "policy": type(policy).__name__, "executor": executor.kind, "retries": retries,
+        "save_workspaces": keep is not None, "image": image,
         **dict(run_info or {}),
     }
     writer = RunWriter(executor, run, out=out, planned=len(plan), attempts=attempts,
@@ -142,6 +150,10 @@ async def run_rollouts(
         writer.finish(state)
         await executor.close()
     return writer.summary
+
+
+def _absolute(path: str | os.PathLike[str]) -> Path:
+    return Path(os.path.abspath(path))
 
 
 class RunWriter:

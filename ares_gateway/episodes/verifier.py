@@ -382,6 +382,7 @@ async def copy_workspace(
     user: str | None,
     limit: int = MAX_WORKSPACE_BYTES,
     timeout: float = 600.0,
+    keep: str | os.PathLike[str] | None = None,
 ) -> int:
     """Replace ``dst_workdir`` of the grading sandbox ``dst`` with a copy of ``src_workdir`` of the
     agent's sandbox ``src``; returns the archive's size in bytes.
@@ -393,6 +394,9 @@ async def copy_workspace(
     files end up its own, and nothing in the archive can land where that user could not write;
     ``None``: the sandbox's default user), before anything of the task's is put there. An archive over
     ``limit`` bytes, or one that cannot be made or unpacked, raises :class:`WorkspaceCopyError`.
+    ``keep``: write the archive to this file, and leave it there (also when the copy fails: what was
+    archived so far), instead of a temporary one: the run's saved workspace
+    (:mod:`~ares_gateway.episodes.workspaces`).
     """
     base, root = _scratch(dst)
     qw = shlex.quote(dst_workdir)
@@ -403,7 +407,7 @@ async def copy_workspace(
         f'chmod 0755 "$d" && printf "%s\\n" "$d"\n'
     )
     with tempfile.TemporaryDirectory(prefix="ares-grade-") as tmp:
-        local = Path(tmp) / "ws.tar"
+        local = Path(keep) if keep is not None else Path(tmp) / "ws.tar"
         # The archive first, then the grading side's room: where the two sandboxes' workdirs are one
         # directory (a volume both mount; a stand-in on one disk), emptying it first would lose the work.
         try:

@@ -28,11 +28,11 @@ pytestmark = [pytest.mark.slow]
 # 1.5 GiB touched page by page in a sandbox of 256 MiB.
 EAT_MEMORY = ("python3 -c \"b = bytearray(1536 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
               "print('survived')\"")
-# A bounded fork bomb: 1,500 sleepers against the default 1,024 pids (Python's fork fails at once;
-# bash would retry each refused fork with a back-off).
+# A bounded fork bomb: 1,500 sleepers (20 s each: the agent's command waits for them) against the
+# default 1,024 pids (Python's fork fails at once; bash would retry each refused fork with a back-off).
 FORK_MANY = ("python3 -c 'import os, time\nfor i in range(1500):\n    try:\n        pid = os.fork()\n"
              "    except OSError:\n        print(\"refused at\", i); break\n    if pid == 0:\n"
-             "        time.sleep(60); os._exit(0)'")
+             "        time.sleep(20); os._exit(0)'")
 # 5 GB into a sandbox of 100 MB.
 FILL_DISK = "dd if=/dev/zero of=big.bin bs=1M count=5000 2>&1 | tail -n 2; true"
 

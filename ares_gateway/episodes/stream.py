@@ -60,6 +60,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from ares_gateway.core.fence import PauseReport
@@ -70,6 +71,7 @@ from ares_gateway.episodes.output import EpisodeResult, RunSummary
 from ares_gateway.episodes.rollouts import RunWriter
 from ares_gateway.episodes.scheduler import ScheduleState, schedule
 from ares_gateway.episodes.tasks import Task
+from ares_gateway.episodes.workspaces import workspace_file
 from ares_gateway.gateway import Gateway
 from trajectory import Sample, check_max_staleness, mask_stale
 
@@ -205,6 +207,8 @@ class RolloutSource:
         max_staleness: trained responses more than this many versions behind the source's policy version
             when handed out are masked (``None``: no bound).
         out: the OUT directory (the same layout as ``run``); ``None``: no files.
+        save_workspaces: with ``out``, keep each episode's graded workdir as
+            ``OUT/workspaces/<task>.<attempt>.tar`` (:mod:`~ares_gateway.episodes.workspaces`).
     """
 
     def __init__(
@@ -234,6 +238,7 @@ class RolloutSource:
         success_threshold: float = 1.0,
         retries: int = DEFAULT_RETRIES,
         retry_backoff: float = DEFAULT_RETRY_BACKOFF,
+        save_workspaces: bool = True,
     ) -> None:
         check_retries(retries, retry_backoff)
         self.retries, self.retry_backoff = retries, retry_backoff
@@ -269,15 +274,18 @@ class RolloutSource:
         self.executor: Executor = executor if executor is not None else LocalExecutor(concurrency=concurrency,
                                                                                        gateway=gateway)
         options = dict(harness_options or {})
+        keep = Path(os.path.abspath(out)) if out is not None and save_workspaces else None
         self._spec: Callable[[Task, int], EpisodeSpec] = lambda task, attempt: EpisodeSpec(
             task, attempt, harness, options, sandbox=sandbox, image=image, model=model, step_limit=step_limit,
-            time_limit=time_limit)
+            time_limit=time_limit,
+            workspace=str(keep / workspace_file(task.name, attempt)) if keep is not None else None)
         run = {
             "harness": harness, "sandbox": sandbox, "concurrency": concurrency, "attempts": attempts,
             "step_limit": step_limit, "time_limit": time_limit, "tasks": names,
             "policy": type(policy).__name__, "executor": self.executor.kind, "source": "stream",
             "epochs": epochs, "retries": retries, "max_buffered": self.max_buffered,
-            "max_staleness": self.max_staleness, **dict(run_info or {}),
+            "max_staleness": self.max_staleness, "save_workspaces": keep is not None, "image": image,
+            **dict(run_info or {}),
         }
         planned = len(self.tasks) * attempts * epochs if epochs is not None else 0
         # The OUT directory, the stats writer and the clock start with the source, not before.

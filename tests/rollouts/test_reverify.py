@@ -321,3 +321,25 @@ def test_docker_oracle_run_reproduces(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "reverify.json").read_text())
     assert report["sandbox"] == "docker" and report["summary"]["agree"] == 2
+
+
+async def test_the_streaming_source_saves_workspaces_too(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    _need_local()
+    from ares_gateway import RolloutSource
+    from ares_gateway.episodes.tasks import load_dataset
+
+    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
+    out = tmp_path / "run"
+    task = load_dataset("examples").task("write-greeting-file")
+    source = RolloutSource([task], harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
+                           attempts=2, out=out, stats="null")
+    try:
+        groups = [g async for g in source.groups()]
+    finally:
+        await source.close()
+    assert [g.rewards for g in groups] == [[1.0, 1.0]]
+    assert sorted(p.name for p in (out / "workspaces").iterdir()) == [
+        "write-greeting-file.0.tar", "write-greeting-file.1.tar"]
+    report = await reverify_run(out, sandbox="local")
+    assert [c.status for c in report.episodes] == ["agree", "agree"], [c.note for c in report.episodes]

@@ -1,5 +1,6 @@
-"""A learning curve from real agent episodes on CPU: GRPO (TRL's GRPOTrainer) trains SmolLM2-135M-Instruct,
-which samples every turn of mini-swe-agent (text mode) in local sandboxes through the gateway, token-in/token-out.
+"""A learning curve from real agent episodes on CPU: GRPO (TRL's GRPOTrainer) trains
+SmolLM2-135M-Instruct, which samples every turn of mini-swe-agent (text mode) in local sandboxes through
+the gateway, token-in/token-out.
 
     python3 bench/bench_learning_curve.py --seeds 0,1,2 --steps 14          # the curve, ~55 min
     python3 bench/bench_learning_curve.py --seeds 0,1,2 --steps 14 --ablation  # env_mask 1 on tool output too
@@ -58,11 +59,12 @@ class CurveRollouts:
         scores = [format_score(e, self.rule, decode=self.decode) for e in self.inner.last_episodes]
         out["format_reward"] = [s.reward for s in scores]
         if self.ablation:
-            out["env_mask"] = [[1] * len(m) if n else m for m, n in zip(out["env_mask"], out["sampled_tokens"],
-                                                                        strict=True)]
+            out["env_mask"] = [[1] * len(m) if n else m
+                               for m, n in zip(out["env_mask"], out["sampled_tokens"], strict=True)]
         task = [float(r) for r in out["reward"]]
         self.steps.append({
-            "step": len(self.steps), "task": statistics.fmean(task), "format": statistics.fmean(out["format_reward"]),
+            "step": len(self.steps), "task": statistics.fmean(task),
+            "format": statistics.fmean(out["format_reward"]),
             "parsed": sum(s.parsed for s in scores), "calls": sum(s.calls for s in scores),
             "episodes": len(task), "failed": sum(1 for e in self.inner.last_episodes if e.error),
             "rollout_s": time.monotonic() - started,
@@ -88,8 +90,9 @@ def run_seed(args: argparse.Namespace, seed: int, out: str) -> dict[str, Any]:
 
     set_seed(seed)
     model, tokenizer, source = load(args.model)
-    inner = rollout_func(args.dataset, harness="mini-swe-agent", sandbox=args.sandbox, step_limit=args.step_limit,
-                         time_limit=args.time_limit, max_tokens=args.max_tokens, concurrency=args.concurrency,
+    inner = rollout_func(args.dataset, harness="mini-swe-agent", sandbox=args.sandbox,
+                         step_limit=args.step_limit, time_limit=args.time_limit, max_tokens=args.max_tokens,
+                         concurrency=args.concurrency,
                          tokenizer=source,
                          harness_options={"action_format": "text", "action_regex": args.action_regex},
                          out=os.path.join(out, "episodes"))
@@ -97,13 +100,15 @@ def run_seed(args: argparse.Namespace, seed: int, out: str) -> dict[str, Any]:
                              ablation=args.ablation)
     tasks = [t for t in args.tasks.split(",") if t]
     config = GRPOConfig(
-        output_dir=out, per_device_train_batch_size=args.num_generations, num_generations=args.num_generations,
+        output_dir=out, per_device_train_batch_size=args.num_generations,
+        num_generations=args.num_generations,
         max_steps=args.steps, learning_rate=args.lr, logging_steps=1, report_to=[], save_strategy="no",
         use_cpu=True, bf16=False, beta=0.0, disable_dropout=True, seed=seed,
     )
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[reward_from_episode,
-                                                                              from_column("format_reward")],
-                          train_dataset=Dataset.from_dict({"prompt": tasks}), args=config, rollout_func=rollouts)
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer,
+                          reward_funcs=[reward_from_episode, from_column("format_reward")],
+                          train_dataset=Dataset.from_dict({"prompt": tasks}), args=config,
+                          rollout_func=rollouts)
     started = time.monotonic()
     try:
         trainer.train()
@@ -183,8 +188,8 @@ def plot(path: str, summary: dict[str, Any], title: str) -> str:
     for k, (m, s) in series.items():
         c = tuple(v / 255 for v in colors[k])
         ax.plot(xs, m, label=f"{k} reward", color=c)
-        ax.fill_between(xs, [a - b for a, b in zip(m, s, strict=True)], [a + b for a, b in zip(m, s, strict=True)],
-                        color=c, alpha=0.2)
+        ax.fill_between(xs, [a - b for a, b in zip(m, s, strict=True)],
+                        [a + b for a, b in zip(m, s, strict=True)], color=c, alpha=0.2)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("mean reward (+- std across seeds)")
     ax.set_ylim(-0.05, 1.05)
@@ -196,8 +201,8 @@ def plot(path: str, summary: dict[str, Any], title: str) -> str:
     return "matplotlib"
 
 
-def _plot_pillow(path: str, series: dict[str, tuple[list[float], list[float]]], colors: dict[str, tuple[int, ...]],
-                 title: str) -> str:
+def _plot_pillow(path: str, series: dict[str, tuple[list[float], list[float]]],
+                 colors: dict[str, tuple[int, ...]], title: str) -> str:
     from PIL import Image, ImageDraw
 
     width, height, pad = 700, 400, 50
@@ -235,11 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one GRPO run each")
     ap.add_argument("--steps", type=int, default=14, help="GRPO steps per seed")
-    ap.add_argument("--model", default=None, help="a Hugging Face folder or .gguf file (default: embedded SmolLM2)")
-    ap.add_argument("--dataset", default=DEFAULT_DATASET, help="a registered task dataset or a folder of tasks")
+    ap.add_argument("--model", default=None,
+                    help="a Hugging Face folder or .gguf file (default: embedded SmolLM2)")
+    ap.add_argument("--dataset", default=DEFAULT_DATASET,
+                    help="a registered task dataset or a folder of tasks")
     ap.add_argument("--tasks", default="create-done-file", help="comma-separated task names")
     ap.add_argument("--sandbox", default="local", choices=("local", "docker", "daytona", "auto"))
-    ap.add_argument("--num-generations", type=int, default=4, help="episodes per GRPO group (one group a step)")
+    ap.add_argument("--num-generations", type=int, default=4,
+                    help="episodes per GRPO group (one group a step)")
     ap.add_argument("--step-limit", type=int, default=2, help="LLM calls per episode")
     ap.add_argument("--max-tokens", type=int, default=48, help="tokens per answer")
     ap.add_argument("--concurrency", type=int, default=2, help="episodes at once")
@@ -262,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         run = run_seed(args, seed, os.path.join(args.out, f"seed-{seed}"))
         runs.append(run)
         for s in run["steps"]:
-            print(f"seed {seed} step {s['step']}: format {s['format']:.2f} ({s['parsed']}/{s['calls']} answers parsed), "
-                  f"task {s['task']:.2f}, rollout {s['rollout_s']:.1f} s", flush=True)
+            print(f"seed {seed} step {s['step']}: format {s['format']:.2f} ({s['parsed']}/{s['calls']} "
+                  f"answers parsed), task {s['task']:.2f}, rollout {s['rollout_s']:.1f} s", flush=True)
     wall = time.monotonic() - started
     summary = summarize(runs)
     title = "learning curve" + (" (ablation: env_mask 1 on tool output)" if args.ablation else "")
@@ -273,13 +281,15 @@ def main(argv: list[str] | None = None) -> int:
     report = {"args": vars(args), "seeds": seeds, "wall_s": wall, "runs": runs, **summary, "plot": plotted,
               "step_s_mean": statistics.fmean(step_times) if step_times else None}
     with open(os.path.join(args.out, "curve.json"), "w") as f:
-        json.dump(report, f, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+        json.dump(report, f, indent=1,
+                  default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
     g = summary["goal"]
     print(f"wall time {wall:.0f} s for {len(seeds)} seed(s) x {args.steps} step(s); plot: {plotted}")
     for key in ("format", "task"):
         (fm, fs), (lm, ls) = g[key]["first"], g[key]["last"]
         print(f"{key} reward: first fifth {fm:.3f} +- {fs:.3f}, last fifth {lm:.3f} +- {ls:.3f}")
-    rose = "not checkable with one seed" if g["format_rose"] is None else ("yes" if g["format_rose"] else "no")
+    rose = ("not checkable with one seed" if g["format_rose"] is None
+            else ("yes" if g["format_rose"] else "no"))
     print(f"goal: format rose beyond the seeds' spread: {rose}; task not lower: "
           f"{'yes' if g['task_not_lower'] else 'no'}; met: {'yes' if g['met'] else 'no'}")
     return 0

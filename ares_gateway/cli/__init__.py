@@ -2,7 +2,9 @@
 ``reverify`` (``--help`` on each).
 
 One module per command: :mod:`~ares_gateway.cli.serve`, :mod:`~ares_gateway.cli.run` (``run`` and
-``demo``), :mod:`~ares_gateway.cli.view`, :mod:`~ares_gateway.cli.gc`, :mod:`~ares_gateway.cli.export`, :mod:`~ares_gateway.cli.prune`, :mod:`~ares_gateway.cli.reverify`; what they share in :mod:`~ares_gateway.cli._common`.
+``demo``), :mod:`~ares_gateway.cli.view`, :mod:`~ares_gateway.cli.gc`, :mod:`~ares_gateway.cli.export`,
+:mod:`~ares_gateway.cli.prune`, :mod:`~ares_gateway.cli.reverify`; what they share in
+:mod:`~ares_gateway.cli._common`.
 ``python3 -m ares_gateway.cli`` is the same as ``ares-gateway``.
 """
 
@@ -27,7 +29,9 @@ _DESCRIPTION = (
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ares-gateway", description=_DESCRIPTION, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="ares-gateway", description=_DESCRIPTION, formatter_class=HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"ares-gateway {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_command(sub)

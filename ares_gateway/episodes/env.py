@@ -92,12 +92,18 @@ def transition(
 
 def termination(reward: float, info: dict[str, Any] | None = None) -> TimeStep:
     """LAST with discount 0: the episode ended by itself (the agent finished, or failed)."""
-    return TimeStep(StepType.LAST, reward, 0.0, None, {**(info or {}), "truncated": False, "truncation": None})
+    return TimeStep(
+        StepType.LAST, reward, 0.0, None, {**(info or {}), "truncated": False, "truncation": None}
+    )
 
 
-def truncation(reward: float, reason: str, info: dict[str, Any] | None = None, discount: float = 1.0) -> TimeStep:
+def truncation(
+    reward: float, reason: str, info: dict[str, Any] | None = None, discount: float = 1.0
+) -> TimeStep:
     """LAST with discount 1: a limit (``reason``: ``"step_limit"`` or ``"time_limit"``) cut the episode."""
-    return TimeStep(StepType.LAST, reward, discount, None, {**(info or {}), "truncated": True, "truncation": reason})
+    return TimeStep(
+        StepType.LAST, reward, discount, None, {**(info or {}), "truncated": True, "truncation": reason}
+    )
 
 
 def _last_step(reward: float, truncated_by: str | None, info: dict[str, Any]) -> TimeStep:
@@ -226,7 +232,9 @@ class GatewayEnv:
             if harness is None:
                 raise ValueError("GatewayEnv(task=...) needs harness= (e.g. 'mini-swe-agent')")
             if launch is not None or session_id is not None:
-                raise ValueError("GatewayEnv(task=...) launches the agent itself: pass no launch= or session_id=")
+                raise ValueError(
+                    "GatewayEnv(task=...) launches the agent itself: pass no launch= or session_id="
+                )
             if time_limit is None:
                 time_limit = self._task.config.agent_timeout
         elif harness is not None:
@@ -372,7 +380,10 @@ class GatewayEnv:
 
     def _wait_limit(self) -> tuple[float | None, bool]:
         """How long the next wait may last (None: no limit), and whether the time limit is what ends it."""
-        time_left = None if self.time_limit is None else max(0.0, self.time_limit - (time.monotonic() - self._started))
+        time_left = (
+            None if self.time_limit is None
+            else max(0.0, self.time_limit - (time.monotonic() - self._started))
+        )
         if self.request_timeout is None or (time_left is not None and time_left <= self.request_timeout):
             return time_left, time_left is not None
         return self.request_timeout, False
@@ -415,7 +426,9 @@ class GatewayEnv:
         assert self.session is not None
         session = self.gateway.sessions.find(self.session.session_id)
         if session is not None and not session.ended:
-            self.gateway.end_session_nowait(session.id, reward=None, truncated=True, reason=reason, truncation=kind)
+            self.gateway.end_session_nowait(
+                session.id, reward=None, truncated=True, reason=reason, truncation=kind
+            )
 
     def _last(self) -> TimeStep:
         assert self.session is not None
@@ -480,8 +493,8 @@ class GatewayEnv:
         self._steps = 0
         self._done = False
         self.outcome = None
-        episode = TaskEpisode(task, self._harness, sandbox=self.sandbox_backend, image=self.image, model=self.model,
-                              gateway=gw, save_workspace=self.save_workspace)
+        episode = TaskEpisode(task, self._harness, sandbox=self.sandbox_backend, image=self.image,
+                              model=self.model, gateway=gw, save_workspace=self.save_workspace)
         self.episode = episode
 
         async def start() -> TimeStep:

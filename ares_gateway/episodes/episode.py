@@ -79,7 +79,8 @@ EXIT_REASONS = (
     "completed",  # the agent exited by itself (exit 0); the tests gave the reward
     "step_limit",  # truncated: the step limit was hit, the agent stopped; the tests still ran
     "time_limit",  # truncated: the wall-clock limit was hit, the agent stopped; the tests still ran
-    "truncated",  # truncated: the session was ended with truncated=true (POST /sessions/{id}/end); the tests ran
+    # truncated: the session was ended with truncated=true (POST /sessions/{id}/end); the tests ran
+    "truncated",
     "agent_error",  # the agent crashed (non-zero exit) or could not be launched: reward 0.0
     "install_error",  # the agent CLI could not be installed: reward 0.0
     "sandbox_error",  # the sandbox could not be created, started or used: reward 0.0
@@ -397,10 +398,12 @@ class TaskEpisode:
     async def _start(self, session: SessionInfo, time_budget: float) -> None:
         task, harness = self.task, self.harness
         if self.backend == "local" and task.needs_image:
-            log.warning("task %s defines its own image; the local sandbox runs it on this host's tools", task.name)
+            log.warning("task %s defines its own image; the local sandbox runs it on this host's tools",
+                        task.name)
         spec = task.sandbox_spec(
             default_image=self.image,
-            labels={"ares-gateway.session": session.session_id, "ares-gateway.harness": harness.name, **self.labels},
+            labels={"ares-gateway.session": session.session_id, "ares-gateway.harness": harness.name,
+                    **self.labels},
         )
         spec = dataclasses.replace(spec, resources=with_default_resources(spec.resources, self.backend))
         plain = spec
@@ -422,14 +425,18 @@ class TaskEpisode:
         except HarnessError as exc:
             raise EpisodeSetupError("agent_error", _describe(exc)) from exc
         except sandbox_mod.SandboxError as exc:
-            raise EpisodeSetupError("sandbox_error", f"preparing the workdir failed: {_describe(exc)}") from exc
+            raise EpisodeSetupError(
+                "sandbox_error", f"preparing the workdir failed: {_describe(exc)}"
+            ) from exc
         try:
             info = await harness.install(sb)
             self._install_reused = info.reused
         except HarnessInstallError as exc:
             raise EpisodeSetupError("install_error", _describe(exc)) from exc
         except sandbox_mod.SandboxError as exc:
-            raise EpisodeSetupError("install_error", f"harness {harness.name!r}: install failed: {exc}") from exc
+            raise EpisodeSetupError(
+                "install_error", f"harness {harness.name!r}: install failed: {exc}"
+            ) from exc
         try:
             await harness.write_config(sb, ctx)
         except (HarnessError, sandbox_mod.SandboxError) as exc:
@@ -439,11 +446,13 @@ class TaskEpisode:
             uid = await sb.exec("id -u", user=self.prep.user, cwd="/", timeout=30)
             self._agent_uid = uid.stdout.strip() if uid.ok and uid.stdout.strip().isdigit() else None
             if self._agent_uid is None:
-                raise EpisodeSetupError("sandbox_error", f"cannot read the uid of the agent's user {self.prep.user!r}: "
-                                                         f"{(uid.stderr or uid.stdout).strip()[-300:]}")
+                raise EpisodeSetupError("sandbox_error",
+                                        f"cannot read the uid of the agent's user {self.prep.user!r}: "
+                                        f"{(uid.stderr or uid.stdout).strip()[-300:]}")
         self._launched_at = time.monotonic()
         self.agent = asyncio.create_task(
-            harness.launch_and_wait(sb, ctx, task.instruction, time_budget), name=f"ares-agent-{session.session_id}"
+            harness.launch_and_wait(sb, ctx, task.instruction, time_budget),
+            name=f"ares-agent-{session.session_id}",
         )
         if task.config.grading == "fresh":
             # The grading sandbox: the agent's spec (its image, resources and network mode) without the
@@ -465,13 +474,16 @@ class TaskEpisode:
         ``[environment] allow_internet = true`` gets the host's network (a remote sandbox: the
         internet). A remote sandbox (Daytona, Kubernetes, Modal) has no socket to mount: its backend
         carries the forward over the provider's exec channel (``sandbox/tunnel.py``), so it too runs
-        with its network blocked, and reaches its session that way even with open egress. A local backend without bubblewrap and root keeps the TCP URL and says so.
+        with its network blocked, and reaches its session that way even with open egress. A local
+        backend without bubblewrap and root keeps the TCP URL and says so.
         """
         task = self.task
         hardened = self.backend == "local" and _local_can_harden()
         readonly = tuple(spec.readonly_paths)
         root = getattr(self.harness, "install_root", None)
-        if hardened and root and not any(root == p or root.startswith(p + "/") for p in HARDENED_SYSTEM_PATHS):
+        if hardened and root and not any(
+            root == p or root.startswith(p + "/") for p in HARDENED_SYSTEM_PATHS
+        ):
             readonly = (*readonly, root)  # the install provisioned on this host, read-only inside
         gw = self.gateway
         remote = sandbox_mod.backend_class(self.backend).remote
@@ -486,8 +498,9 @@ class TaskEpisode:
                 sock = await gw.agent_socket(session.session_id)
                 return dataclasses.replace(spec, forwards={AGENT_PORT: sock}), \
                     f"http://127.0.0.1:{AGENT_PORT}/s/{session.session_id}"
-            log.warning("task %s sets [environment] allow_internet = true: its sandbox shares the host's network "
-                        "(the agent can reach the host's loopback services and the internet)", task.name)
+            log.warning("task %s sets [environment] allow_internet = true: its sandbox shares the host's "
+                        "network (the agent can reach the host's loopback services and the internet)",
+                        task.name)
             return spec, session.base_url
         reason = None
         if gw is None:
@@ -563,7 +576,9 @@ class TaskEpisode:
                 out.exit_reason, out.error = "agent_error", _describe(exc)
             except sandbox_mod.SandboxError as exc:
                 # The agent could have brought its own sandbox down: the agent's once the policy had a say.
-                out.exit_reason, out.error = "sandbox_error", f"the sandbox failed while the agent ran: {_describe(exc)}"
+                out.exit_reason, out.error = (
+                    "sandbox_error", f"the sandbox failed while the agent ran: {_describe(exc)}"
+                )
                 out.failure_site = AGENT_SANDBOX
             except Exception as exc:
                 out.exit_reason, out.error = "agent_error", f"{type(exc).__name__}: {exc}"
@@ -578,8 +593,10 @@ class TaskEpisode:
                 how = (f"exited with code {result.exit_code}" if result.exit_code is not None
                        else "stopped without reporting an exit code (killed?)")
                 # The cause is at the end of what it printed (a traceback's last line, an error message).
-                out.error = (f"the agent {how}: "
-                             f"{last_lines(result.stderr_tail) or last_lines(result.stdout_tail) or '(no output)'}")
+                out.error = (
+                    f"the agent {how}: "
+                    f"{last_lines(result.stderr_tail) or last_lines(result.stdout_tail) or '(no output)'}"
+                )
         out.agent_seconds = self._agent_seconds
         await self._note_limits(out)
         out.error = one_line(out.error)
@@ -590,7 +607,9 @@ class TaskEpisode:
             if out.grading == "fresh":
                 # Nothing the agent started runs while its workdir is archived (the tests run elsewhere);
                 # the grading sandbox, started while the agent ran, is usually up by now.
-                grader_error, quiet_error = await asyncio.gather(self._grader_ready(), self.kill_agent_processes())
+                grader_error, quiet_error = await asyncio.gather(
+                    self._grader_ready(), self.kill_agent_processes()
+                )
                 out.grading_setup_seconds = self._grader_seconds
                 if grader_error is not None:
                     out.exit_reason, out.error = "sandbox_error", one_line(grader_error)
@@ -633,7 +652,10 @@ class TaskEpisode:
         name = next(n for n in ("memory", "pids", "disk") if n in reached)
         res = sb.spec.resources
         amount = {"memory": res.memory, "pids": res.pids, "disk": res.disk}[name]
-        was = f" (before: {out.exit_reason}{': ' + out.error if out.error else ''})" if out.exit_reason != "completed" else ""
+        was = (
+            f" (before: {out.exit_reason}{': ' + out.error if out.error else ''})"
+            if out.exit_reason != "completed" else ""
+        )
         out.exit_reason, out.truncated = f"{name}_limit", False
         out.error = f"the sandbox hit its {name} limit ({amount}){was}"
 
@@ -649,11 +671,12 @@ class TaskEpisode:
         try:
             killed = await sb.kill_processes(timeout=30.0)
         except sandbox_mod.NotSupportedError:
-            log.warning("the %s backend cannot kill every process: only the agent's process group and session "
-                        "were killed before the tests", sb.backend)
+            log.warning("the %s backend cannot kill every process: only the agent's process group and "
+                        "session were killed before the tests", sb.backend)
             return None
         except sandbox_mod.SandboxError as exc:
-            return f"processes the agent left survived being killed, so the tests were not run: {_describe(exc)}"
+            return ("processes the agent left survived being killed, so the tests were not run: "
+                    f"{_describe(exc)}")
         if killed:
             log.info("killed %d process(es) left in sandbox %s before the tests", killed, sb.id)
         return None
@@ -690,10 +713,12 @@ class TaskEpisode:
             return VerifierResult(Reward(0.0), None, "the sandbox is not running", crashed=True,
                                   failure_site=AGENT_SANDBOX)
         verifier_user = self.task.config.verifier_user
-        if verifier_user is not None and self.prep is not None and verifier_user in {self.prep.user, self._agent_uid}:
+        if (verifier_user is not None and self.prep is not None
+                and verifier_user in {self.prep.user, self._agent_uid}):
             return VerifierResult(Reward(0.0), None, (
-                f"task {self.task.name}: [verifier] user = {verifier_user!r} is the agent's user; the tests never run "
-                "as the user whose work they judge: drop that line of task.toml (root runs them) or name another user"))
+                f"task {self.task.name}: [verifier] user = {verifier_user!r} is the agent's user; the tests "
+                "never run as the user whose work they judge: drop that line of task.toml (root runs them) "
+                "or name another user"))
         if self.task.config.grading == "agent":
             # Everything here runs in the agent's sandbox, which the agent may have broken (a full disk,
             # a removed /tmp): a crash is the agent's once the policy had a say.
@@ -721,13 +746,14 @@ class TaskEpisode:
 
         async def save(*, too_large: bool = False, error: str | None = None, whole: bool = False) -> None:
             if keep is not None and final is not None:
-                saved = await workspaces.seal_async(keep, final, limit=limit, too_large=too_large, error=error,
-                                                    episode=self.task.name, whole=whole)
+                saved = await workspaces.seal_async(keep, final, limit=limit, too_large=too_large,
+                                                    error=error, episode=self.task.name, whole=whole)
                 workspaces.note(out, saved, self._agent_uid)
 
         try:
-            size = await copy_workspace(sb, gsb, src_workdir=ctx.workdir, dst_workdir=workdir, user=self._agent_uid,
-                                        limit=limit, timeout=max(60.0, self.task.config.verifier_timeout), keep=keep)
+            size = await copy_workspace(sb, gsb, src_workdir=ctx.workdir, dst_workdir=workdir,
+                                        user=self._agent_uid, limit=limit,
+                                        timeout=max(60.0, self.task.config.verifier_timeout), keep=keep)
         except WorkspaceCopyError as exc:
             await save(too_large=not exc.crashed, error=str(exc))
             if not exc.crashed:  # a verdict on what the agent left (too large to grade)
@@ -737,13 +763,17 @@ class TaskEpisode:
         except sandbox_mod.SandboxError as exc:
             await save(error=str(exc))
             return VerifierResult(Reward(0.0), None,
-                                  f"copying the workdir into the grading sandbox failed: {_describe(exc)}", crashed=True,
+                                  f"copying the workdir into the grading sandbox failed: {_describe(exc)}",
+                                  crashed=True,
                                   failure_site=await self._grading_site(gsb))
         await save(whole=True)
         if out is not None:
             out.workspace_bytes = size
         verdict = await run_tests(gsb, self.task, prepared=True)
-        return dataclasses.replace(verdict, failure_site=await self._grading_site(gsb)) if verdict.crashed else verdict
+        return (
+            dataclasses.replace(verdict, failure_site=await self._grading_site(gsb))
+            if verdict.crashed else verdict
+        )
 
     @staticmethod
     async def _grading_site(gsb: sandbox_mod.BaseSandbox) -> str:
@@ -798,4 +828,6 @@ class TaskEpisode:
                 if grader is not None:
                     await asyncio.gather(grader, return_exceptions=True)
             finally:
-                await asyncio.gather(*(_remove(s) for s in (self.sandbox, self.grading_sandbox) if s is not None))
+                await asyncio.gather(
+                    *(_remove(s) for s in (self.sandbox, self.grading_sandbox) if s is not None)
+                )

@@ -12,7 +12,8 @@ Outputs in a run's ``out`` directory::
     tb/                               TensorBoard event files (episode reward, turns, durations, latency)
 
 Everything here runs where the run is driven (the scheduler's process), whichever executor ran the
-episodes: an episode comes back as an :class:`~ares_gateway.episodes.driver.EpisodeRecord` and is written here.
+episodes: an episode comes back as an :class:`~ares_gateway.episodes.driver.EpisodeRecord` and is
+written here.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ class EpisodeResult:
     #: Infrastructure failures retried before this result (each on a fresh sandbox), and their errors.
     retries: int = 0
     retry_errors: list[str] = field(default_factory=list)
-    #: ``infra_error`` only: the exit reason of the last failed try (``sandbox_error``, ``install_error``, ...).
+    #: ``infra_error`` only: the exit reason of the last failed try (``sandbox_error``,
+    #: ``install_error``, ...).
     infra_cause: str | None = None
     #: The task's directory (where ``ares-gateway reverify`` finds its tests again).
     task_dir: str | None = None
@@ -152,7 +154,8 @@ class RunSummary:
 
     @property
     def pass_at_k(self) -> dict[str, float]:
-        """``pass@k`` for k = 1..attempts over tasks whose every attempt finished (reward >= threshold passes)."""
+        """``pass@k`` for k = 1..attempts over tasks whose every attempt finished (reward >= threshold
+        passes)."""
         by_task: dict[str, list[EpisodeResult]] = {}
         for e in self.episodes:
             by_task.setdefault(e.task, []).append(e)
@@ -213,7 +216,9 @@ class RunSummary:
             "networks": self.networks,
             "usage": run_usage(e.usage for e in self.episodes),
             "duration_seconds": round(self.duration, 3),
-            "episodes_per_minute": round(len(self.episodes) / self.duration * 60, 3) if self.duration > 0 else None,
+            "episodes_per_minute": (
+                round(len(self.episodes) / self.duration * 60, 3) if self.duration > 0 else None
+            ),
         }
 
 
@@ -324,8 +329,9 @@ class Progress:
             if state != self._last_state or now - self._last_at >= self.heartbeat:
                 self._last_state, self._last_at = state, now
                 elapsed = int(now - self._started)
-                self.line(f"{self.title}: {done}/{self.total} done · running {running} · failed {failed} · "
-                          f"mean reward {'-' if mean is None else f'{mean:.3f}'} · {turns_per_s:.1f} turns/s · "
+                self.line(f"{self.title}: {done}/{self.total} done · running {running} · failed {failed} "
+                          f"· mean reward {'-' if mean is None else f'{mean:.3f}'} · {turns_per_s:.1f} "
+                          "turns/s · "
                           f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}")
             return
         if self._bar is None:
@@ -347,7 +353,9 @@ def write_failed_run(out: str | os.PathLike[str], run: Mapping[str, Any], *, pla
                      error: str) -> None:
     """``results.json`` (and an empty ``episodes.jsonl``) of a run that stopped before any episode, with
     its one-line ``error``; what ``ares-gateway run`` writes when a start-up check fails."""
-    RunOutputs(Path(out)).results(run, RunSummary(episodes=[], planned=planned, attempts=attempts), error=error)
+    RunOutputs(Path(out)).results(
+        run, RunSummary(episodes=[], planned=planned, attempts=attempts), error=error
+    )
 
 
 def results_table(summary: RunSummary) -> Any:
@@ -380,10 +388,12 @@ def summary_lines(summary: RunSummary) -> list[str]:
         lines.append(", ".join(f"{k}: {v:.3f}" for k, v in pk.items())
                      + f" (reward >= {summary.success_threshold:g} passes)")
     if summary.infra_failures or summary.retries:
-        lines.append(f"infrastructure failures: {summary.infra_failures} episode(s) failed every try (not trained "
-                     f"on), {summary.retries} retried")
+        lines.append(f"infrastructure failures: {summary.infra_failures} episode(s) failed every try (not "
+                     f"trained on), {summary.retries} retried")
     if summary.exit_reasons:
-        lines.append("exit reasons: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.exit_reasons.items())))
+        lines.append(
+            "exit reasons: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.exit_reasons.items()))
+        )
     if any(n != "relay" for n in summary.networks):  # say so when a sandbox could reach more than its session
         lines.append("networks: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.networks.items())))
     return lines
@@ -410,9 +420,12 @@ def episode_line(e: EpisodeResult) -> str:
     """The progress line of one finished episode (rich markup)."""
     from rich.markup import escape
 
-    mark = "[green]✓[/]" if e.reward >= 1.0 else ("[red]✗[/]" if e.exit_reason in FAILED_REASONS else "[yellow]·[/]")
-    text = (f"{mark} {escape(e.task)} #{e.attempt}: reward {e.reward:.3f}, {e.turns} turns, {e.duration:.1f}s, "
-            f"{e.exit_reason}")
+    mark = (
+        "[green]✓[/]" if e.reward >= 1.0
+        else ("[red]✗[/]" if e.exit_reason in FAILED_REASONS else "[yellow]·[/]")
+    )
+    text = (f"{mark} {escape(e.task)} #{e.attempt}: reward {e.reward:.3f}, {e.turns} turns, "
+            f"{e.duration:.1f}s, {e.exit_reason}")
     if e.error:
         text += f" ({escape(e.error[:300])})"
     return text

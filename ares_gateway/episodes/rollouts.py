@@ -95,7 +95,8 @@ async def run_rollouts(
     retry_backoff: float = DEFAULT_RETRY_BACKOFF,
     save_workspaces: bool = True,
 ) -> RunSummary:
-    """Run ``attempts`` episodes of every task with at most ``concurrency`` at once (see the module docstring).
+    """Run ``attempts`` episodes of every task with at most ``concurrency`` at once (see the module
+    docstring).
 
     ``policy`` answers every request in process (``scripted`` / ``oracle`` policies are bound to each
     episode's session, agent and task); an external one (``http``) leaves them for ``/poll``.
@@ -125,7 +126,8 @@ async def run_rollouts(
     keep = _absolute(out) if out is not None and save_workspaces else None
     plan = [EpisodeSpec(task, attempt, harness, options, sandbox=sandbox, image=image, model=model,
                         step_limit=step_limit, time_limit=time_limit,
-                        workspace=str(keep / workspace_file(task.name, attempt)) if keep is not None else None)
+                        workspace=(str(keep / workspace_file(task.name, attempt))
+                                   if keep is not None else None))
             for attempt in range(attempts) for task in tasks]
     run = {
         "harness": harness, "sandbox": sandbox, "concurrency": concurrency, "attempts": attempts,
@@ -140,8 +142,8 @@ async def run_rollouts(
                        on_samples=on_samples)
     state = ScheduleState()
     try:
-        await executor.start(harness=harness, tasks=tasks, policy=policy, time_limit=time_limit, sandbox=sandbox,
-                             image=image)
+        await executor.start(harness=harness, tasks=tasks, policy=policy, time_limit=time_limit,
+                             sandbox=sandbox, image=image)
         writer.started()
         await schedule(plan, executor, concurrency=concurrency, stop=stop, on_record=writer.record,
                        on_tick=writer.refresh, tick=0.5 if console is not None else None, state=state,
@@ -175,7 +177,8 @@ class RunWriter:
         self.outputs = RunOutputs(root)
         self.tracker: StatTracker = make_tracker("null")
         if stats != "null" and not (stats == "tensorboard" and root is None):
-            self.tracker = make_tracker(stats, logdir=root / "tb" if root is not None else None, period=stats_period)
+            self.tracker = make_tracker(stats, logdir=root / "tb" if root is not None else None,
+                                        period=stats_period)
         self.summary = RunSummary(episodes=[], planned=planned, attempts=attempts,
                                   success_threshold=success_threshold, out=root)
         self.progress = Progress(console, planned, title)

@@ -92,11 +92,13 @@ def _parse_reward(reward_json: str | bytes | None, reward_txt: str | bytes | Non
             data = json.loads(text)
         except ValueError as exc:
             raise RewardError(
-                f"reward.json is not JSON ({exc}): make tests/test.sh write an object such as {{\"tests\": 1.0}}"
+                f"reward.json is not JSON ({exc}): make tests/test.sh write an object such as "
+                "{\"tests\": 1.0}"
             ) from None
         if isinstance(data, dict):
             if not data:
-                raise RewardError("reward.json is an empty object: give at least one named number, e.g. {\"tests\": 1.0}")
+                raise RewardError("reward.json is an empty object: give at least one named number, e.g. "
+                                  "{\"tests\": 1.0}")
             parts = {str(k): _finite(v, f"reward.json[{k!r}]") for k, v in data.items()}
             return Reward(sum(parts.values()) / len(parts), MappingProxyType(parts), "reward.json")
         return Reward(_finite(data, "reward.json"), _EMPTY, "reward.json")
@@ -106,7 +108,8 @@ def _parse_reward(reward_json: str | bytes | None, reward_txt: str | bytes | Non
             value = float(text.strip())
         except ValueError:
             raise RewardError(
-                f"reward.txt must hold one number, got {text.strip()[:80]!r}: make tests/test.sh write e.g. 1 or 0.5"
+                f"reward.txt must hold one number, got {text.strip()[:80]!r}: make tests/test.sh write e.g. "
+                "1 or 0.5"
             ) from None
         return Reward(_finite(value, "reward.txt"), _EMPTY, "reward.txt")
     raise RewardError(
@@ -138,7 +141,8 @@ async def read_reward(
     result = await sb.exec(cmd, cwd="/", user=user, timeout=timeout)
     if not result.ok:
         raise RewardError(
-            f"could not read the reward in {verifier_dir} (exit {result.exit_code}, timed out: {result.timed_out}): "
+            f"could not read the reward in {verifier_dir} (exit {result.exit_code}, timed out: "
+            f"{result.timed_out}): "
             f"{result.stderr.strip()[-300:]}"
         )
     kind, _, body = result.stdout.partition(f"{_READ_MARK}\n")
@@ -206,7 +210,8 @@ class VerifierResult:
     crashed: bool = False
     #: Where a crash's cause lies (set by the episode, which knows the sandboxes):
     #: :data:`~ares_gateway.episodes.failures.AGENT_SANDBOX` (the agent's own sandbox, or the copy of
-    #: its workdir: the agent's once the policy answered a call), :data:`~ares_gateway.episodes.failures.GRADING_SANDBOX`
+    #: its workdir: the agent's once the policy answered a call),
+    #: :data:`~ares_gateway.episodes.failures.GRADING_SANDBOX`
     #: (the fresh grading sandbox before anything of the agent's was in it: the infrastructure's), or
     #: ``""`` (no crash).
     failure_site: str = ""
@@ -230,7 +235,8 @@ def _run_script_cmd(script: str) -> str:
 
 
 async def run_solution(
-    sb: Sandbox, task: Task, *, paths: TaskPaths | None = None, timeout: float | None = None, user: str | None = None
+    sb: Sandbox, task: Task, *, paths: TaskPaths | None = None, timeout: float | None = None,
+    user: str | None = None,
 ) -> ScriptResult:
     """Upload ``solution/`` and run ``solve.sh`` in the workdir (the oracle, without an agent)."""
     if task.solution_dir is None:
@@ -254,7 +260,9 @@ def _fresh_dirs_cmd(paths: TaskPaths, verifier_user: str | None) -> str:
     """Remove and re-create the tests and verifier directories, 0755 and root's (the verifier's own
     directory its user's when ``[verifier] user`` is another), their parents not writable by others."""
     t, v = shlex.quote(paths.tests_dir), shlex.quote(paths.verifier_dir)
-    parents = sorted({posixpath.dirname(p.rstrip("/")) for p in (paths.tests_dir, paths.verifier_dir)} - {"/", "/tmp"})
+    parents = sorted(
+        {posixpath.dirname(p.rstrip("/")) for p in (paths.tests_dir, paths.verifier_dir)} - {"/", "/tmp"}
+    )
     qp = " ".join(shlex.quote(p) for p in parents)
     cmd = (f"rm -rf {t} {v} && mkdir -p {t} {v} && chown 0:0 {t} {v} {qp} 2>/dev/null; "
            f"chmod 0755 {t} {v} && {{ [ -z {shlex.quote(qp)} ] || chmod go-w {qp}; }}")
@@ -274,15 +282,19 @@ async def prepare_tests(sb: Sandbox, task: Task, *, paths: TaskPaths | None = No
         # Fresh, root-owned directories made after the agent's processes are gone (the episode kills
         # them first; a fresh grading sandbox never had any): a reward file or a test.sh the agent
         # left is removed, and no one but root (and the verifier's own user) can write what is read back.
-        prep = await sb.exec(_fresh_dirs_cmd(paths, task.config.verifier_user), cwd="/", user=root, timeout=60)
+        prep = await sb.exec(_fresh_dirs_cmd(paths, task.config.verifier_user), cwd="/", user=root,
+                             timeout=60)
         if not prep.ok:
-            return VerifierResult(zero, None, f"cannot create {paths.verifier_dir}: {prep.stderr.strip()[-300:]}",
+            return VerifierResult(zero, None,
+                                  f"cannot create {paths.verifier_dir}: {prep.stderr.strip()[-300:]}",
                                   crashed=True)
         await sb.upload_dir(task.tests_dir, paths.tests_dir)
         sealed = await sb.exec(f"chown -R 0:0 {shlex.quote(paths.tests_dir)} 2>/dev/null; "
-                               f"chmod -R go-w {shlex.quote(paths.tests_dir)}", cwd="/", user=root, timeout=60)
+                               f"chmod -R go-w {shlex.quote(paths.tests_dir)}", cwd="/", user=root,
+                               timeout=60)
         if not sealed.ok:
-            return VerifierResult(zero, None, f"cannot protect {paths.tests_dir}: {sealed.stderr.strip()[-300:]}",
+            return VerifierResult(zero, None,
+                                  f"cannot protect {paths.tests_dir}: {sealed.stderr.strip()[-300:]}",
                                   crashed=True)
     except SandboxError as exc:
         return VerifierResult(zero, None, f"sandbox failure while verifying: {exc}", crashed=True)
@@ -325,7 +337,8 @@ async def run_tests(
         if r.timed_out:
             return VerifierResult(zero, script, f"tests/test.sh timed out after {r.duration:.0f}s")
         try:
-            reward = await read_reward(sb, paths.verifier_dir, user=root, reward_range=task.config.reward_range)
+            reward = await read_reward(sb, paths.verifier_dir, user=root,
+                                       reward_range=task.config.reward_range)
         except RewardError as exc:
             return VerifierResult(zero, script, f"{exc} (test.sh exit code {r.exit_code})")
         return VerifierResult(reward, script)
@@ -342,9 +355,10 @@ class WorkspaceCopyError(Exception):
     """The agent's workdir could not be copied into the grading sandbox; the message says why.
 
     ``site`` says where the cause lies (:data:`~ares_gateway.episodes.failures.AGENT_SANDBOX`: the
-    agent's sandbox or what came out of it, its archive; :data:`~ares_gateway.episodes.failures.GRADING_SANDBOX`:
-    the grading sandbox's own preparation); ``crashed`` that the copy's machinery failed (a workdir
-    over the bound did not: that is a verdict on what the agent left, reward 0.0).
+    agent's sandbox or what came out of it, its archive;
+    :data:`~ares_gateway.episodes.failures.GRADING_SANDBOX`: the grading sandbox's own preparation);
+    ``crashed`` that the copy's machinery failed (a workdir over the bound did not: that is a verdict on
+    what the agent left, reward 0.0).
     """
 
     def __init__(self, message: str, *, site: str = AGENT_SANDBOX, crashed: bool = True) -> None:
@@ -414,14 +428,15 @@ async def copy_workspace(
             packed = await src.archive_dir(src_workdir, local, limit=limit)
         except ArchiveTooLargeError:
             raise WorkspaceCopyError(
-                f"the workdir {src_workdir} is too large to grade: its archive passes {limit} bytes (the task's "
-                f"storage_mb, else {MAX_WORKSPACE_BYTES} bytes); the agent left too much in it", crashed=False) from None
+                f"the workdir {src_workdir} is too large to grade: its archive passes {limit} bytes (the "
+                f"task's storage_mb, else {MAX_WORKSPACE_BYTES} bytes); the agent left too much in it",
+                crashed=False) from None
         except SandboxError as exc:
             raise WorkspaceCopyError(f"archiving the workdir {src_workdir} failed: {exc}") from exc
         room = await dst.exec(make_room, cwd="/", user=root, timeout=timeout)
         if not room.ok:
-            raise WorkspaceCopyError(f"preparing {dst_workdir} in the grading sandbox failed: {_tail(room.stderr)}",
-                                     site=GRADING_SANDBOX)
+            raise WorkspaceCopyError(f"preparing {dst_workdir} in the grading sandbox failed: "
+                                     f"{_tail(room.stderr)}", site=GRADING_SANDBOX)
         dst_dir = room.stdout.strip()
         os.chmod(local, 0o644)  # the unpacking user reads it; the directory it lands in is its own
         await dst.upload_file(local, posixpath.join(dst_dir, "ws.tar"))
@@ -436,7 +451,8 @@ async def copy_workspace(
         # tar's own failure (exit 2: a member it could not write, no room) or its timeout comes from what
         # the archive holds, which is the agent's; anything else (no workdir) from the grading sandbox.
         site = AGENT_SANDBOX if unpacked.timed_out or unpacked.exit_code == 2 else GRADING_SANDBOX
-        raise WorkspaceCopyError(f"unpacking the workdir in the grading sandbox failed (exit {unpacked.exit_code}, "
-                                 f"timed out: {unpacked.timed_out}): {_tail(unpacked.stderr or unpacked.stdout)}",
+        raise WorkspaceCopyError(f"unpacking the workdir in the grading sandbox failed (exit "
+                                 f"{unpacked.exit_code}, timed out: {unpacked.timed_out}): "
+                                 f"{_tail(unpacked.stderr or unpacked.stdout)}",
                                  site=site)
     return int(packed)

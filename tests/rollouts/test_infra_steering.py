@@ -90,8 +90,8 @@ HOG = (f"printf %s {base64.b64encode(PID_HOG.encode()).decode()} | base64 -d > /
 def _need(backend: str) -> None:
     if backend == "docker":
         require(docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
-        require(image_present(AGENTS_IMAGE), f"the image {AGENTS_IMAGE} is missing: run bash .ci/provision-agents.sh",
-                docker=True)
+        require(image_present(AGENTS_IMAGE),
+                f"the image {AGENTS_IMAGE} is missing: run bash .ci/provision-agents.sh", docker=True)
     else:
         from ares_gateway.episodes.episode import _local_can_harden
 
@@ -104,7 +104,7 @@ def _task(root: Path, *, agent_grading: bool = False) -> Task:
                               toml_extra='sandbox = "agent"\n' if agent_grading else ""))
 
 
-# ---------------------------------------------------------------------------------------------- seams
+# --------------------------------------------------------------------------- seams
 
 Hook = Callable[[Any], Awaitable[None]]
 
@@ -164,8 +164,8 @@ async def _run(task: Task, backend: str, policy: Any = None, *, retries: int = 1
                time_limit: float = 90) -> EpisodeResult:
     summary: RunSummary = await run_rollouts(
         [task], harness="steered-tiny-agent", policy=policy or make_policy("scripted", commands=[SOLVE]),
-        sandbox=backend, concurrency=1, stats="null", retries=retries, retry_backoff=0.05, time_limit=time_limit,
-        out=out)
+        sandbox=backend, concurrency=1, stats="null", retries=retries, retry_backoff=0.05,
+        time_limit=time_limit, out=out)
     [e] = summary.episodes
     return e
 
@@ -208,12 +208,14 @@ async def _kill_keeper(sb: Any) -> None:
 async def _fail_archive(sb: Any) -> None:
     """The archive of the workdir fails (a tar that fails or runs out of time inside the sandbox)."""
     async def archive_dir(remote_dir: str, local_path: Any, *, limit: int) -> int:
-        raise FileTransferError(f"tar of {remote_dir} in sandbox {sb.id} failed (exit 2): injected: timed out")
+        raise FileTransferError(
+            f"tar of {remote_dir} in sandbox {sb.id} failed (exit 2): injected: timed out"
+        )
 
     sb.archive_dir = archive_dir
 
 
-# ---------------------------------------------------------------------------------------------- classify
+# --------------------------------------------------------------------------- classify
 
 
 def _r(reason: str, turns: int = 0, *, crashed: bool = False, site: str = "") -> EpisodeResult:
@@ -244,7 +246,8 @@ def _r(reason: str, turns: int = 0, *, crashed: bool = False, site: str = "") ->
     (_r("memory_limit", 1), "agent"), (_r("pids_limit", 0), "agent"), (_r("disk_limit", 3), "agent"),
     # Judged by the tests, or stopped by the run.
     (_r("completed", 3), None), (_r("step_limit", 3), None),
-    (_r("time_limit", 3), None), (_r("truncated", 3), None), (_r("cancelled", 1), None), (_r("cancelled", 0), None),
+    (_r("time_limit", 3), None), (_r("truncated", 3), None),
+    (_r("cancelled", 1), None), (_r("cancelled", 0), None),
     # ... unless the policy was never asked: an agent that ended (exit 0) or ran out of time before its
     # first LLM call says nothing of the policy.
     (_r("completed", 0), "infra"), (_r("time_limit", 0), "infra"), (_r("truncated", 0), "infra"),
@@ -254,7 +257,7 @@ def test_classify_over_the_table(result: EpisodeResult, kind: str | None) -> Non
     assert classify(result) == kind
 
 
-# ---------------------------------------------------------------------------------------------- the agent's sandbox down
+# --------------------------------------------------------------------------- the agent's sandbox down
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -320,7 +323,7 @@ async def test_the_sandbox_lost_before_any_llm_call_is_still_retried(
     assert _left(tmp_path / "sandboxes") == []
 
 
-# ---------------------------------------------------------------------------------------------- the copy out of it
+# --------------------------------------------------------------------------- the copy out of it
 
 
 async def test_a_workdir_copy_that_fails_after_the_agents_turns_is_the_agents_failure(
@@ -345,7 +348,7 @@ async def test_a_workdir_copy_that_fails_before_any_llm_call_is_retried(
     assert _left(tmp_path / "sandboxes") == []
 
 
-# ---------------------------------------------------------------------------------------------- grading in the agent's sandbox
+# --------------------------------------------------------------------------- grading in the agent's sandbox
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -372,7 +375,7 @@ async def test_the_same_setup_failure_before_any_llm_call_is_retried(
     assert _left(tmp_path / "sandboxes") == []
 
 
-# ---------------------------------------------------------------------------------------------- the grading sandbox's own faults
+# --------------------------------------------------------------------------- the grading sandbox's own faults
 
 
 class _GradingFaults:

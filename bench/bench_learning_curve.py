@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATASET = os.path.join(HERE, "..", "examples", "curve-tasks")
-#: mini-swe-agent's action regex here: any fenced block (```bash, ```sh, ```python, bare ```). Untrained
-#: SmolLM2 writes exactly one in ~1 of 8 first answers at 48 tokens (mini's own tag: 0 of 32, the
-#: ```bash/```sh LENIENT_ACTION_REGEX: 1 of 32): a format reward with variance in most groups.
-FENCED_BLOCK_REGEX = r"```[A-Za-z]*[ \t]*\n(.*?)\n```"
+# mini-swe-agent's action regex here, as in the example: any fenced block. Untrained SmolLM2 writes
+# exactly one in ~1 of 8 first answers at 48 tokens (mini's own tag: 0 of 32, the ```bash/```sh
+# LENIENT_ACTION_REGEX: 1 of 32): a format reward with variance in most groups.
+from train_trl import FENCED_BLOCK_REGEX  # noqa: E402 (examples/ is on the path only from here)
 
 
 class CurveRollouts:

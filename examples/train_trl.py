@@ -7,9 +7,12 @@ agent CLI in a sandbox, sampled token-in/token-out from the model being trained,
 
 ``--model`` is a Hugging Face folder (or a ``.gguf`` file, dequantized); the gateway renders prompts with
 the same model's tokenizer (checked against the trainer's on the first step). The default is the
-embedded SmolLM2-135M-Instruct, which solves none of the bundled tasks: every verifier reward is 0 and
-GRPO learns nothing from it; ``--shaping`` adds the completion's mean sampled logprob as a second reward
-so the demo's steps have something to follow. See docs/training.md.
+embedded SmolLM2-135M-Instruct, which solves none of these tasks: every verifier reward is 0 and GRPO
+learns nothing from it alone. ``--format-reward`` (on by default) adds a second reward read from what
+the gateway recorded: the share of the episode's answers mini-swe-agent could parse into an action
+(``ares_gateway.trainers.rewards``; here any fenced block is an action, which the untrained model writes
+in about one answer of eight), so the demo's steps have a real signal to follow. No reward reads the
+model's logprobs. See docs/training.md ("Learning curve" for a longer run of the same recipe).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import sys
 from typing import Any
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+#: mini-swe-agent's action regex here: any fenced block (```bash, ```sh, ```python, bare ```).
+FENCED_BLOCK_REGEX = r"```[A-Za-z]*[ \t]*\n(.*?)\n```"
 
 
 def load(model: str | None) -> tuple[Any, Any, str | None]:
@@ -56,11 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=2, help="episodes at once")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--out", default="runs/train-trl", help="trainer output and each step's episodes")
-    ap.add_argument("--shaping", action=argparse.BooleanOptionalAction, default=True,
-                    help="add the mean sampled logprob as a second reward (see the docstring)")
-    ap.add_argument("--any-answer-is-a-command", action=argparse.BooleanOptionalAction, default=True,
-                    help="mini-swe-agent takes the whole answer as its command (a small model rarely writes "
-                         "mini's fenced block, and mini drops answers without one from its history)")
+    ap.add_argument("--format-reward", action=argparse.BooleanOptionalAction, default=True,
+                    help="add the share of answers mini-swe-agent parsed into an action as a second reward "
+                         "(mini-swe-agent only; see the docstring)")
+    ap.add_argument("--action-regex", default=FENCED_BLOCK_REGEX,
+                    help="mini-swe-agent's action regex (default: any fenced block; mini's own wants "
+                         "```mswea_bash_command, which a small model rarely writes)")
     ap.add_argument("--overlap", action="store_true",
                     help="run the next step's episodes while the trainer trains (docs/training.md, Overlap)")
     args = ap.parse_args(argv)
@@ -68,21 +75,30 @@ def main(argv: list[str] | None = None) -> int:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    from ares_gateway.trainers.rewards import FormatRule, format_rewards_column, from_column
     from ares_gateway.trainers.trl import reward_from_episode, rollout_func
 
     model, tokenizer, source = load(args.model)
-    options = ({"action_regex": r"\A(.+)\Z"} if args.any_answer_is_a_command
-               and args.harness == "mini-swe-agent" else {})
+    mini = args.harness == "mini-swe-agent"
+    options = {"action_format": "text", "action_regex": args.action_regex} if mini else {}
     rollouts = rollout_func(args.dataset, harness=args.harness, sandbox=args.sandbox,
                             step_limit=args.step_limit, max_tokens=args.max_tokens,
                             concurrency=args.concurrency, tokenizer=source,
                             harness_options=options, out=os.path.join(args.out, "episodes"),
                             overlap=args.overlap)
     rewards: list[Any] = [reward_from_episode]
-    if args.shaping:
-        def mean_logprob(completions: list[Any], mean_logprob: list[float], **_: Any) -> list[float]:
-            return [float(x) for x in mean_logprob]
-        rewards.append(mean_logprob)
+    rollout: Any = rollouts
+    if args.format_reward and mini:
+        rule = FormatRule.mini_swe_agent_text(args.action_regex)
+
+        def rollout(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+            # The batch plus a column TRL hands the reward function below: each episode's format reward.
+            batch = rollouts(prompts, trainer)
+            batch["format_reward"] = format_rewards_column(rollouts.last_episodes, rule,
+                                                           decode=tokenizer.decode)
+            return batch
+
+        rewards.append(from_column("format_reward"))
     config = GRPOConfig(
         output_dir=args.out, per_device_train_batch_size=args.num_generations,
         num_generations=args.num_generations, max_steps=args.steps, learning_rate=args.lr, logging_steps=1,
@@ -93,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks = [t for t in args.tasks.split(",") if t]
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=rewards,
                           train_dataset=Dataset.from_dict({"prompt": tasks}), args=config,
-                          rollout_func=rollouts)
+                          rollout_func=rollout)
     try:
         trainer.train()
     finally:

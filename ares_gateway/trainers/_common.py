@@ -335,6 +335,7 @@ async def play_episodes(
     policy_version: int | None = None,
     retries: int = DEFAULT_RETRIES,
     drop_group_on_infra_error: bool = False,
+    save_workspaces: bool = False,
 ) -> list[EpisodeSample]:
     """One episode per entry of ``tasks`` (repeats allowed), at most ``concurrency`` at once; the
     results in the order of ``tasks``. A failed episode is an entry with reward 0 and its error.
@@ -349,7 +350,10 @@ async def play_episodes(
     it is started and closed once per wave of :func:`~ares_gateway.episodes.rollouts.run_rollouts`.
     ``max_staleness``: the main-line sample's responses sampled more than this many versions behind
     ``policy_version`` (default: the executor's version once the episodes are done) are masked
-    (:func:`trajectory.mask_stale`; :attr:`EpisodeSample.stale_tokens`)."""
+    (:func:`trajectory.mask_stale`; :attr:`EpisodeSample.stale_tokens`). ``save_workspaces``: keep each
+    episode's graded workdir under ``out`` (:mod:`~ares_gateway.episodes.workspaces`); off by default
+    here, unlike ``run``: a training run plays many episodes, each archive may be as large as the
+    grading cap, and the trainers' calls may share one ``out``."""
     check_max_staleness(max_staleness)
     by_session: dict[str, list[Any]] = {}
 
@@ -373,7 +377,7 @@ async def play_episodes(
         summary = await run_rollouts(
             group, harness=harness, policy=policy, sandbox=sandbox, concurrency=concurrency, attempts=count,
             step_limit=step_limit, time_limit=time_limit, harness_options=harness_options, stats="null",
-            on_samples=keep, out=out, executor=executor, retries=retries,
+            on_samples=keep, out=out, executor=executor, retries=retries, save_workspaces=save_workspaces,
         )
         for e in summary.episodes:
             idx = plan[e.task][e.attempt]

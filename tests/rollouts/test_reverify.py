@@ -31,7 +31,7 @@ import pytest
 
 from ares_gateway.episodes.reverify import RunDirError, reverify_run
 from ares_gateway.episodes.rollouts import run_rollouts
-from ares_gateway.episodes.tasks import Task
+from ares_gateway.episodes.tasks import Task, load_dataset
 from ares_gateway.episodes.workspaces import check_archive, cut_archive
 from ares_gateway.policies import make_policy
 from tests.prereq import docker_ok, image_present, require
@@ -203,6 +203,23 @@ async def test_no_save_workspaces_saves_none(tmp_path: Path, monkeypatch: pytest
     [c] = report.episodes
     assert c.status == "error" and c.note == "no saved workspace: the run ran with --no-save-workspaces", c
     assert report.exit_code == 1
+
+
+async def test_trainers_play_episodes_saves_workspaces_only_when_asked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ares_gateway.trainers import play_episodes
+
+    _need_local()
+    monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
+    greeting = {t.name: t for t in load_dataset("examples").tasks}["write-greeting-file"]
+    for save, out in ((False, tmp_path / "default"), (True, tmp_path / "asked")):
+        kwargs = {"save_workspaces": True} if save else {}
+        [e] = await play_episodes([greeting], harness="tiny-agent", policy=make_policy("oracle"),
+                                  sandbox="local", out=str(out), **kwargs)
+        assert e.reward == 1.0, e.error
+        folder = out / "workspaces"
+        saved = sorted(p.name for p in folder.glob("*")) if folder.exists() else []
+        assert saved == (["write-greeting-file.0.tar"] if save else []), saved
 
 
 def test_bad_input_is_one_line_per_episode_and_the_rest_still_reverified(oracle_run: Path,

@@ -74,6 +74,18 @@ from ares_gateway.http.open_files import connection_cap
 
 log = logging.getLogger(__name__)
 
+#: The private names of aiohttp this module relies on, by the class (or module) that holds them: the
+#: connection's request queue, its counters and waiter (the head deadline and the 431), its parse-error
+#: record, the server's connection set and the keyword arguments it hands each connection. Nowhere else in
+#: the project touches aiohttp's private names; tests/gateway/test_aiohttp_internals.py fails when an
+#: aiohttp release drops or renames one, or when this module starts using one not listed here.
+AIOHTTP_INTERNALS: dict[str, tuple[str, ...]] = {
+    "aiohttp.web_protocol.RequestHandler": ("_current_request", "_loop", "_messages", "_request_count",
+                                            "_waiter"),
+    "aiohttp.web_protocol": ("_ErrInfo",),
+    "aiohttp.web_server.Server": ("_connections", "_kwargs", "_loop"),
+}
+
 #: Answers a status and a message for a path, in the shape of the API the path belongs to.
 ErrorFactory = Callable[[str, int, str], Response]
 Handler = Callable[[BaseRequest], Awaitable[StreamResponse]]

@@ -10,9 +10,9 @@ This package depends on no other package of the project.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
+from . import registry
 from .errors import (
     ArchiveTooLargeError,
     BackendUnavailableError,
@@ -28,27 +28,15 @@ from .errors import (
 from .gc import GcReport, collect_garbage
 from .local import LocalSandbox
 from .protocol import LIMIT_NAMES, BaseSandbox, ExecResult, Sandbox
+from .registry import BACKENDS
 from .spec import Resources, SandboxSpec
-
-BACKENDS = ("local", "docker", "daytona", "kubernetes", "modal")
-# Each backend's module and class, imported when first used: the container and cloud backends bring
-# their SDKs, so `import sandbox` stays cheap.
-_CLASSES = {
-    "local": ("local", "LocalSandbox"),
-    "docker": ("docker", "DockerSandbox"),
-    "daytona": ("daytona", "DaytonaSandbox"),
-    "kubernetes": ("kubernetes", "KubernetesSandbox"),
-    "modal": ("modal", "ModalSandbox"),
-}
 
 
 def backend_class(backend: str) -> type[BaseSandbox]:
     """The sandbox class of ``backend`` (one of :data:`BACKENDS`), e.g. to read its ``remote`` flag."""
-    if backend not in _CLASSES:
+    if backend not in registry.REGISTRY:
         raise ValueError(f"unknown sandbox backend {backend!r}: use one of auto, {', '.join(BACKENDS)}")
-    module, name = _CLASSES[backend]
-    cls: type[BaseSandbox] = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    return cls
+    return registry.REGISTRY[backend].sandbox_class()
 
 
 def create(spec: SandboxSpec | None = None, backend: str = "auto", **options: Any) -> BaseSandbox:
@@ -66,9 +54,10 @@ def create(spec: SandboxSpec | None = None, backend: str = "auto", **options: An
 
 
 def __getattr__(name: str) -> Any:
-    for backend, (_, cls) in _CLASSES.items():
-        if cls == name:
-            return backend_class(backend)
+    # The backends' classes, imported when first named (their modules bring their SDKs).
+    for entry in registry.REGISTRY.values():
+        if entry.class_name == name:
+            return entry.sandbox_class()
     raise AttributeError(name)
 
 

@@ -34,7 +34,8 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _mounted(path: Path) -> bool:
+def is_mounted(path: str | Path) -> bool:
+    """Whether ``path`` is a mount point (in this process's mount namespace)."""
     target = str(path)
     try:
         lines = Path("/proc/self/mountinfo").read_text().splitlines()
@@ -73,7 +74,7 @@ class LoopDisk:
 
     def full(self) -> bool:
         """Whether the filesystem is (or once was, when looked at) full. Sticky."""
-        if not self._full and _mounted(self.mountpoint):
+        if not self._full and is_mounted(self.mountpoint):
             with contextlib.suppress(OSError):
                 st = os.statvfs(self.mountpoint)
                 free = st.f_bavail * st.f_frsize
@@ -94,14 +95,14 @@ class LoopDisk:
 def remove(image: Path, mountpoint: Path, timeout: float = 10.0) -> None:
     """Unmount ``mountpoint`` if mounted (lazily once ``timeout`` is spent) and delete ``image``."""
     deadline = time.monotonic() + timeout
-    while _mounted(mountpoint):
+    while is_mounted(mountpoint):
         lazy = time.monotonic() > deadline
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             subprocess.run(["umount", *(["-l"] if lazy else []), str(mountpoint)], capture_output=True,
                            check=False, timeout=30)
         if lazy:
             break
-        if _mounted(mountpoint):
+        if is_mounted(mountpoint):
             time.sleep(0.05)
     # The loop device was set up with autoclear: it goes when the last mount does.
     with contextlib.suppress(OSError):

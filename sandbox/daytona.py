@@ -39,6 +39,7 @@ from ._daytona_channels import MAX_WS_MESSAGE, daytona_pty_channel, parse_ssh_co
 from ._procid import EXEC_DIR_SH, KILL_TOKEN, RECORD_AND_EXEC, RELAY_RECORD, USER_NAME_SH
 from .errors import BackendUnavailableError, ExecError, FileTransferError, ForwardError, SandboxStartError
 from .protocol import BaseSandbox, ExecResult, extract_tar, tar_directory
+from .registry import import_sdk
 from .spec import SandboxSpec
 from .tunnel import Channel, Tunnel
 
@@ -93,13 +94,7 @@ _TUNNELS = ("ssh", "pty")
 
 
 def _sdk() -> Any:
-    try:
-        import daytona
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise BackendUnavailableError(
-            "the Daytona backend needs the daytona package: pip install 'ares-gateway[daytona]'"
-        ) from exc
-    return daytona
+    return import_sdk("daytona", backend="Daytona", extra="daytona")
 
 
 def _transient(exc: BaseException) -> bool:

@@ -31,6 +31,7 @@ import requests.exceptions
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from . import janitor
+from ._disk import is_mounted
 from ._procid import EXEC_DIR, KEEP_RECORDED, KILL_RECORDED, RECORD_AND_EXEC, RELAY_RECORD, START_FN
 from .errors import (
     BackendUnavailableError,
@@ -51,7 +52,7 @@ from .protocol import (
     tar_directory,
     tar_single_file,
 )
-from .spec import SandboxSpec, parse_size
+from .spec import SandboxSpec, format_size, parse_size
 from .tunnel import Tunnel, TunnelError, docker_exec_channel
 
 # The SDK is imported by name at run time: the repository's own docker/ directory (Dockerfiles)
@@ -435,16 +436,16 @@ class DockerSandbox(BaseSandbox):
     def description(self) -> str:
         target = self.image or self.spec.image or self.spec.dockerfile
         limits = [
-            f"memory {_size(self.memory_limit)} (no swap)" if self.memory_limit else "memory unlimited",
+            f"memory {format_size(self.memory_limit)} (no swap)" if self.memory_limit else "memory unlimited",
             f"pids {self.pids_limit}" if self.pids_limit else "pids unlimited",
         ]
         if self.disk_limit is None:
             limits.append("disk unlimited")
         elif self.disk_mode == "storage-opt":
-            limits.append(f"disk {_size(self.disk_limit)} (the engine's quota on the writable layer)")
+            limits.append(f"disk {format_size(self.disk_limit)} (the engine's quota on the writable layer)")
         else:
-            limits.append(f"disk {_size(self.disk_limit)} (the whole writable layer on a loop-mounted ext4; "
-                          "bind mounts and /dev/shm not counted)")
+            limits.append(f"disk {format_size(self.disk_limit)} (the whole writable layer on a loop-mounted "
+                          "ext4; bind mounts and /dev/shm not counted)")
         return (f"docker sandbox {self.id} (container {self._container_name}, image {target}, "
                 f"network={self.spec.network}"
                 + ("; forwards over an exec tunnel" if self.tunnel == "exec" else "")
@@ -511,7 +512,7 @@ class DockerSandbox(BaseSandbox):
                     container = create({"storage_opt": {"size": str(self.disk_limit)}})
                 except docker.errors.APIError as exc:
                     raise SandboxStartError(
-                        f"cannot limit the disk of sandbox {self.id} to {_size(self.disk_limit)}: "
+                        f"cannot limit the disk of sandbox {self.id} to {format_size(self.disk_limit)}: "
                         "the writable layer can be put on a loop-mounted file system only with a local "
                         "overlay2 engine and "
                         "root on its host, and this engine refuses a storage quota "
@@ -851,12 +852,6 @@ class DockerSandbox(BaseSandbox):
         return await asyncio.to_thread(fetch)
 
 
-def _size(n: int) -> str:
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= factor and n % (factor // 16 or 1) == 0:
-            return f"{n / factor:g} {unit}"
-    return f"{n} bytes"
-
 
 @_retry
 def _image_config(image: str) -> tuple[str, list[str]]:
@@ -918,11 +913,6 @@ def _host_cgroup_counters(container_id: str) -> str | None:
     return "\n".join(out) + "\n" if files else None
 
 
-def _mounted(path: str) -> bool:
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-        return any(line.split()[4] == path for line in f if len(line.split()) > 4)
-
-
 def _loop_layer(api: Any, container_id: str, size: int, image_dir: str | None) -> str | None:
     """Put a created (not yet started) container's writable layer on an ext4 file system of ``size``
     bytes of its own: a sparse file, loop-mounted over the overlay2 layer directory (its ``diff`` and
@@ -938,7 +928,7 @@ def _loop_layer(api: Any, container_id: str, size: int, image_dir: str | None) -
     layer = os.path.dirname(upper)
     if not os.path.isdir(upper) or not os.path.isfile(os.path.join(layer, "lower")):
         return None
-    if _mounted(layer):  # adopted from an earlier attempt that got this far
+    if is_mounted(layer):  # adopted from an earlier attempt that got this far
         return layer
     mkfs, mount = str(tools[0]), str(tools[1])
     fd, img = tempfile.mkstemp(prefix="ares-disk-", suffix=".img", dir=image_dir)
@@ -953,7 +943,7 @@ def _loop_layer(api: Any, container_id: str, size: int, image_dir: str | None) -
             done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
             if done.returncode != 0:
                 raise SandboxStartError(
-                    f"limiting the disk to {_size(size)} failed: {' '.join(argv[:1])} says "
+                    f"limiting the disk to {format_size(size)} failed: {' '.join(argv[:1])} says "
                     f"{(done.stderr or done.stdout).strip()[-400:]} (set ARES_DOCKER_DISK_DIR to a directory "
                     "on a file system with room for the sparse image, or drop Resources.disk)"
                 )

@@ -1,8 +1,8 @@
 """Garbage collection: remove the sandboxes of every backend whose owner process is gone.
 
-It asks each backend for its sandboxes (``gc_candidates``/``gc_remove``) and :mod:`sandbox.janitor`
-whose owner is alive, so it sits above both: the backends register with the janitor, and the
-janitor knows no backend.
+It asks each backend for its sandboxes (its entry in :mod:`sandbox.registry`: ``gc_candidates``,
+``gc_remove``) and :mod:`sandbox.janitor` whose owner is alive, so it sits above both: the backends
+register with the janitor, and the janitor knows no backend.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from . import daytona, docker, kubernetes, local, modal
+from . import registry
 from .janitor import DEFAULT_STALE_AFTER, OWNER_LABEL, SESSION_LABEL, owner_status, state_dir
 
 
@@ -22,8 +22,6 @@ class GcReport:
     unknown: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
-
-_BACKENDS = {"docker": docker, "local": local, "daytona": daytona, "kubernetes": kubernetes, "modal": modal}
 
 
 def collect_garbage(
@@ -39,9 +37,7 @@ def collect_garbage(
     """
     report = GcReport()
     for backend in backends:
-        mod = _BACKENDS.get(backend)
-        if mod is None:
-            raise ValueError(f"unknown backend {backend!r}: use docker, local or daytona")
+        mod = registry.get(backend)  # ValueError naming the backends there are
         try:
             candidates = mod.gc_candidates()
         except Exception as exc:

@@ -76,6 +76,7 @@ from .protocol import (
     tar_directory,
     tar_single_file,
 )
+from .registry import import_sdk
 from .spec import SandboxSpec
 from .tunnel import Channel, Tunnel, TunnelError
 
@@ -169,17 +170,8 @@ _KEEPER_RECORD = START_FN + (
 
 
 def _sdk() -> Any:
-    try:
-        import kubernetes_asyncio
-        import kubernetes_asyncio.client
-        import kubernetes_asyncio.config
-        import kubernetes_asyncio.stream
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise BackendUnavailableError(
-            "the Kubernetes backend needs the kubernetes_asyncio package: pip install "
-            "'ares-gateway[kubernetes]'"
-        ) from exc
-    return kubernetes_asyncio
+    return import_sdk("kubernetes_asyncio", backend="Kubernetes", extra="kubernetes",
+                      submodules=("client", "config", "stream"))
 
 
 def _status_of(exc: BaseException) -> int | None:

@@ -56,7 +56,7 @@ from .protocol import (
     tar_directory,
     tar_single_file,
 )
-from .spec import SandboxSpec
+from .spec import SandboxSpec, format_size
 
 log = logging.getLogger(__name__)
 #: Whether this process has said that a keeper could not be spared from the OOM killer.
@@ -380,7 +380,7 @@ class LocalSandbox(BaseSandbox):
                 continue
             hier = None if layout is None else (layout.memory if name == "memory" else layout.pids)
             if hier is not None:
-                self._enforced[name] = f"{_size(value) if name == 'memory' else value} ({hier.label})"
+                self._enforced[name] = f"{format_size(value) if name == 'memory' else value} ({hier.label})"
             elif not self.isolated:
                 self._unenforced[name] = "needs bubblewrap"
             elif os.geteuid() != 0:
@@ -403,8 +403,8 @@ class LocalSandbox(BaseSandbox):
                 (self.root / _CGROUP_FILE).write_text(self._cgroup.record())
         except OSError as exc:
             raise SandboxStartError(
-                f"cannot make the {_size(disk)} disk of sandbox {self.id}: {exc}") from exc
-        self._enforced["disk"] = f"{_size(disk)} (own ext4 filesystem, loop-mounted)"
+                f"cannot make the {format_size(disk)} disk of sandbox {self.id}: {exc}") from exc
+        self._enforced["disk"] = f"{format_size(disk)} (own ext4 filesystem, loop-mounted)"
 
     def _cgroup_prefix(self, part: str = "cmds") -> list[str]:
         """What goes at the very front of a command's argv: it joins the sandbox's ``cmds`` cgroups (or
@@ -1135,10 +1135,3 @@ def gc_remove(ref: str) -> None:
 def _disk_image(sandbox_id: str) -> Path:
     # Beside the sandbox's directory (its mount point), not in a shared folder left behind.
     return local_root() / f".{sandbox_id}.disk.img"
-
-
-def _size(n: int) -> str:
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= factor:
-            return f"{n / factor:g} {unit}"
-    return f"{n} B"

@@ -48,6 +48,7 @@ from .protocol import (
     tar_directory,
     tar_single_file,
 )
+from .registry import import_sdk
 from .spec import SandboxSpec
 from .tunnel import Channel, Tunnel, TunnelError
 
@@ -125,12 +126,7 @@ done
 
 
 def _sdk() -> Any:
-    try:
-        import modal
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise BackendUnavailableError(
-            "the Modal backend needs the modal package: pip install 'ares-gateway[modal]'") from exc
-    return modal
+    return import_sdk("modal", backend="Modal", extra="modal")
 
 
 def _check_credentials() -> None:

@@ -26,6 +26,15 @@ def parse_size(value: int | str | None) -> int | None:
     return int(float(number) * _UNITS[unit.lower()])
 
 
+def format_size(n: int) -> str:
+    """``n`` bytes as people write it: ``256 MiB``, ``1.5 GiB``, ``1000 bytes`` (a unit only where it is
+    exact to a sixteenth, so a limit reads back as it was set)."""
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor and n % (factor // 16 or 1) == 0:
+            return f"{n / factor:g} {unit}"
+    return f"{n} bytes"
+
+
 # The kernel's limit on a unix socket path (sun_path is 108 bytes, NUL included).
 _MAX_SOCKET_PATH = 107
 

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from ares_gateway.cli._common import HelpFormatter
-from sandbox import collect_garbage
+from sandbox import BACKENDS, collect_garbage
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -82,7 +82,7 @@ def add_gc_command(sub: Any) -> None:
                                    "live process).",
                        formatter_class=HelpFormatter)
     p.add_argument(
-        "--backend", action="append", choices=["docker", "local", "daytona", "kubernetes", "modal"],
+        "--backend", action="append", choices=list(BACKENDS),
         help="backend to clean (repeatable) (default: docker and local)",
     )
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ares_gateway.cli._common import HelpFormatter, refuse_secret_flag, run_on_uvloop, tune_gc
+from sandbox import BACKENDS as SANDBOX_BACKENDS
 
 POLICIES = ("oracle", "scripted", "upstream", "tito", "http")
 ENGINES = ("llama-cpp", "sglang", "vllm")
@@ -117,7 +118,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="upstream: the environment variable holding the API key (never pass the key itself)")
     p.add_argument("--command", action="append", default=[], metavar="CMD",
                    help="scripted: a shell command the agent runs before finishing (repeatable)")
-    p.add_argument("--sandbox", choices=("auto", "local", "docker", "daytona", "kubernetes", "modal"),
+    p.add_argument("--sandbox", choices=("auto", *SANDBOX_BACKENDS),
                    default="auto",
                    help="sandbox backend; auto is Docker when an engine answers, else local")
     p.add_argument("--tunnel", choices=sorted({c for _, cs in _TUNNELS.values() for c in cs}), default=None,

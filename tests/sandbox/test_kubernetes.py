@@ -319,7 +319,6 @@ async def test_gc_removes_a_dead_owners_pod_and_keeps_a_live_ones(fake: KubeFake
     try:
         monkeypatch.setenv("KUBECONFIG", kubeconfig)
         monkeypatch.setenv("ARES_K8S_NAMESPACE", NAMESPACE)
-        monkeypatch.setitem(gc._BACKENDS, "kubernetes", kube)  # the registry line the lead adds
         report = await asyncio.to_thread(gc.collect_garbage, ["kubernetes"])
         assert f"kubernetes:{NAMESPACE}/{orphan.pod_name}" in report.removed, report
         assert f"kubernetes:{NAMESPACE}/{lonely.pod_name}" in report.removed, report

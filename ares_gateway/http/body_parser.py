@@ -35,9 +35,8 @@ from ares_gateway.core._body_layout import BodyLayout, LayoutHint, common_prefix
 from ares_gateway.core.broker import UNENCODABLE_REQUEST, CanonicalEncoder, _canonical_json
 from ares_gateway.core.canonical import CanonicalRequest, Message, Tool, WireProtocol
 from ares_gateway.core.record_codec import LIST_KEYS
-from ares_gateway.core.wire import nests_deeper
+from ares_gateway.core.wire import Reuse, nests_deeper
 from ares_gateway.protocols import RequestError, get_adapter
-from ares_gateway.protocols.base import Reuse
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ class ParseMemo:
     (``1 == True`` in Python). When nothing outside the list changed, only the bytes of the new items
     are decoded, and the new body is the previous one with those items added (the same objects:
     neither is ever mutated); the messages of the shared items and the tools are taken over as well
-    (:class:`~ares_gateway.protocols.base.Reuse`). A long session's turn then costs what its new
+    (:class:`~ares_gateway.core.wire.Reuse`). A long session's turn then costs what its new
     messages cost, where decoding, converting and freeing the whole body cost what the history costs.
     Two lines are kept, the most recently used first, because an agent's side calls (titles,
     summaries: other bodies) come between its main turns.

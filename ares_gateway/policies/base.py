@@ -39,7 +39,7 @@ PolicyRequest: TypeAlias = ParkedRequest | CanonicalRequest
 PolicyAnswer: TypeAlias = Completion | ErrorAnswer | AsyncIterator[CompletionDelta | Completion]
 
 
-class ServedGateway(Protocol):
+class PolicyGateway(Protocol):
     """What :class:`PolicyServer` needs of the gateway it serves (:class:`~ares_gateway.Gateway` is one)."""
 
     async def next_request(
@@ -157,7 +157,7 @@ class PolicyServer:
     """
 
     def __init__(
-        self, gateway: ServedGateway, policy: Policy, *, concurrency: int = 8, session: str | None = None,
+        self, gateway: PolicyGateway, policy: Policy, *, concurrency: int = 8, session: str | None = None,
         poll_interval: float = 1.0
     ) -> None:
         if concurrency < 1:
@@ -267,7 +267,7 @@ class PolicyServer:
             self._slots.release()
 
 
-async def serve(gateway: ServedGateway, policy: Policy, *, concurrency: int = 8,
+async def serve(gateway: PolicyGateway, policy: Policy, *, concurrency: int = 8,
                 session: str | None = None) -> None:
     """Serve ``gateway`` with ``policy`` until cancelled or the gateway closes (see :class:`PolicyServer`)."""
     server = PolicyServer(gateway, policy, concurrency=concurrency, session=session)

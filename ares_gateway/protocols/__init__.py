@@ -39,9 +39,8 @@ Conventions shared by the three modules:
 from __future__ import annotations
 
 from ares_gateway.core.canonical import WireProtocol
-from ares_gateway.core.wire import adapter_for, register_adapter
+from ares_gateway.core.wire import ProtocolAdapter, RequestError, StreamEncoder, adapter_for, register_adapter
 from ares_gateway.protocols.anthropic_messages import ADAPTER as ANTHROPIC_MESSAGES
-from ares_gateway.protocols.base import ProtocolAdapter, RequestError, StreamEncoder
 from ares_gateway.protocols.openai_chat import ADAPTER as OPENAI_CHAT
 from ares_gateway.protocols.openai_responses import ADAPTER as OPENAI_RESPONSES
 

@@ -27,7 +27,7 @@ from ares_gateway.core.canonical import (
     WireProtocol,
 )
 from ares_gateway.core.token_ids import logprob_array, token_array
-from ares_gateway.protocols.base import RequestError
+from ares_gateway.core.wire import RequestError
 
 dumps = orjson.dumps
 

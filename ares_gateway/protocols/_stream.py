@@ -26,7 +26,7 @@ _Tool = TypeVar("_Tool")
 
 
 class StreamEncoderBase(Generic[_Tool]):
-    """Implements the ``StreamEncoder`` protocol of :mod:`ares_gateway.protocols.base` from the
+    """Implements the ``StreamEncoder`` protocol of :mod:`ares_gateway.core.wire` from the
     hooks below; subclasses call ``super().__init__()`` and keep ``self.tools`` (tool index ->
     whatever they track per tool call)."""
 

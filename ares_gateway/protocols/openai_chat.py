@@ -30,6 +30,7 @@ from ares_gateway.core.canonical import (
     Usage,
     WireProtocol,
 )
+from ares_gateway.core.wire import ProtocolAdapter, Reuse
 from ares_gateway.protocols._common import (
     MARKERS,
     MAX_TOKENS_LIMIT,
@@ -63,7 +64,6 @@ from ares_gateway.protocols._common import (
     usage,
 )
 from ares_gateway.protocols._stream import StreamEncoderBase
-from ares_gateway.protocols.base import ProtocolAdapter, Reuse
 
 PROTOCOL = WireProtocol.OPENAI_CHAT
 

@@ -42,6 +42,7 @@ from ares_gateway.core.canonical import (
     Usage,
     WireProtocol,
 )
+from ares_gateway.core.wire import ProtocolAdapter, Reuse
 from ares_gateway.protocols._common import (
     MARKERS,
     MAX_TOKENS_LIMIT,
@@ -71,7 +72,6 @@ from ares_gateway.protocols._common import (
     usage,
 )
 from ares_gateway.protocols._stream import StreamEncoderBase
-from ares_gateway.protocols.base import ProtocolAdapter, Reuse
 
 PROTOCOL = WireProtocol.OPENAI_RESPONSES
 

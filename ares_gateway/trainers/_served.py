@@ -2,7 +2,7 @@
 
 An executor that runs episodes elsewhere (:class:`~ares_gateway.episodes.ray.RayExecutor`) sends the
 policy to each worker by value. The trainer's model cannot travel (it is being trained, here), so the
-adapter serves its in-process engine with :class:`~ares_gateway.engines.server.EngineServer` and hands
+adapter serves its in-process engine with :class:`~ares_gateway.engines.engine_server.EngineServer` and hands
 the executor a :class:`RemoteTitoPolicy`: the same tokenizer, renderer and sampling as the local
 policy, over :class:`~ares_gateway.engines.sglang.SGLangEngine` at the server's URL. Every worker's
 turns are then sampled by the trainer's live weights, in this process, and the logprobs are the
@@ -15,7 +15,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from ares_gateway.engines.server import MAX_NEW_TOKENS_CAP, EngineServer
+from ares_gateway.engines.engine_server import MAX_NEW_TOKENS_CAP, EngineServer
 from ares_gateway.engines.sglang import SGLangEngine
 from ares_gateway.policies.tito import TitoPolicy
 from ares_gateway.trainers._common import TrainerError

@@ -40,9 +40,9 @@ extend the session's first request) ``foreign_samples``.
 
 **On a Ray cluster** (``rollout_func(..., executor=RayExecutor(per_node=4))``): the episodes run on the
 cluster's nodes, their turns are still sampled here, by ``trainer.model``: the engine is served over
-HTTP (:class:`~ares_gateway.engines.server.EngineServer`, SGLang's ``/generate``, on ``engine_host``) and
-each node's gateway gets a :class:`~ares_gateway.trainers._served.RemoteTitoPolicy` over it (same
-tokenizer, renderer and sampling). The batch is the local path's, entry for entry.
+HTTP (:class:`~ares_gateway.engines.engine_server.EngineServer`, SGLang's ``/generate``, on
+``engine_host``) and each node's gateway gets a :class:`~ares_gateway.trainers._served.RemoteTitoPolicy`
+over it (same tokenizer, renderer and sampling). The batch is the local path's, entry for entry.
 
 **Policy versions.** Without an executor every call's episodes run on one gateway of the rollout
 function's, which stamps each turn with the version of the weights that sampled it: the trainer's
@@ -780,7 +780,8 @@ def rollout_func(
             caps the episodes at once (give it nodes x ``per_node``).
         engine_host / engine_port: where the engine is served for such an executor (default: 127.0.0.1, a
             free port). On a real cluster give the trainer machine's address that the nodes reach.
-        engine_server_options: more :class:`~ares_gateway.engines.server.EngineServer` options (its limits).
+        engine_server_options: more :class:`~ares_gateway.engines.engine_server.EngineServer` options (its
+            limits).
         overlap: run the next training call's episodes while the trainer trains on this call's (see the
             module docstring): each optimizer step is fenced (no turn sampled while the weights change) and
             entries sampled before an update have ``staleness`` 1. Needs the model without dropout

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ares_gateway.core.canonical import CanonicalRequest, Completion, CompletionDelta, ToolCall, Usage
+from ares_gateway.core.wire import StreamEncoder
 from ares_gateway.protocols import get_adapter
-from ares_gateway.protocols.base import StreamEncoder
 
 
 def pieces(s: str, n: int) -> list[str]:

@@ -24,7 +24,7 @@ from ares_gateway.engines import (
     Sampling,
     TokenChunk,
 )
-from ares_gateway.engines.server import EngineServer
+from ares_gateway.engines.engine_server import EngineServer
 from ares_gateway.engines.sglang import SGLangEngine
 
 TOKEN = "test-token-1"

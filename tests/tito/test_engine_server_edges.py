@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from ares_gateway.core.wire import MAX_JSON_DEPTH
-from ares_gateway.engines.server import MAX_NEW_TOKENS_CAP, MAX_TEMPERATURE, EngineServer
+from ares_gateway.engines.engine_server import MAX_NEW_TOKENS_CAP, MAX_TEMPERATURE, EngineServer
 
 TOKEN = "edges-engine-token-0123456789"
 

@@ -293,12 +293,21 @@ def with_default_resources(res: sandbox_mod.Resources, backend: str = "local") -
     )
 
 
-def _local_can_harden() -> bool:
+def local_can_harden() -> bool:
     """Whether the local backend can run a hardened sandbox with a relay here."""
     from sandbox.local import bwrap_available
 
     return (bwrap_available() and os.geteuid() == 0 and shutil.which("nsenter") is not None
             and shutil.which("setpriv") is not None)
+
+
+def unrelayed_isolation(task: Task, backend: str) -> tuple[str, bool]:
+    """The network mode and hardening of a sandbox of ``task`` on ``backend`` that has no relay (a
+    grading sandbox): ``"none"``, hardened where the local backend can; the host's network where the task
+    opts into the internet or the local backend cannot isolate."""
+    hardened = backend == "local" and local_can_harden()
+    network = "host" if task.config.allow_internet or (backend == "local" and not hardened) else "none"
+    return network, hardened
 
 
 def _refused(error: str) -> VerifierResult:
@@ -311,7 +320,7 @@ def _refused(error: str) -> VerifierResult:
 GRADER_START_WAIT = 120.0
 
 
-async def _remove(sb: sandbox_mod.BaseSandbox) -> None:
+async def remove_sandbox(sb: sandbox_mod.BaseSandbox) -> None:
     """Stop and remove a sandbox; never raises (a failure falls back to the synchronous removal)."""
     try:
         await sb.stop()
@@ -478,7 +487,7 @@ class TaskEpisode:
         backend without bubblewrap and root keeps the TCP URL and says so.
         """
         task = self.task
-        hardened = self.backend == "local" and _local_can_harden()
+        hardened = self.backend == "local" and local_can_harden()
         readonly = tuple(spec.readonly_paths)
         root = getattr(self.harness, "install_root", None)
         if hardened and root and not any(
@@ -829,5 +838,5 @@ class TaskEpisode:
                     await asyncio.gather(grader, return_exceptions=True)
             finally:
                 await asyncio.gather(
-                    *(_remove(s) for s in (self.sandbox, self.grading_sandbox) if s is not None)
+                    *(remove_sandbox(s) for s in (self.sandbox, self.grading_sandbox) if s is not None)
                 )

@@ -39,11 +39,11 @@ from typing import Any
 import sandbox as sandbox_mod
 from ares_gateway.episodes.episode import (
     DEFAULT_IMAGE,
-    _local_can_harden,
-    _remove,
     last_lines,
     one_line,
+    remove_sandbox,
     resolve_backend,
+    unrelayed_isolation,
     with_default_resources,
 )
 from ares_gateway.episodes.output import episode_key
@@ -268,8 +268,7 @@ def _spec(task: Task, backend: str, image: str | None) -> sandbox_mod.SandboxSpe
     host's where the local backend cannot isolate, or the task opts into it), no relay."""
     spec = task.sandbox_spec(default_image=image, labels={ROLE_LABEL: "reverify"})
     spec = dataclasses.replace(spec, resources=with_default_resources(spec.resources, backend))
-    hardened = backend == "local" and _local_can_harden()
-    network = "host" if task.config.allow_internet or (backend == "local" and not hardened) else "none"
+    network, hardened = unrelayed_isolation(task, backend)
     return dataclasses.replace(spec, network=network, hardened=hardened)
 
 
@@ -291,7 +290,7 @@ async def _grade(task: Task, archive: Path, backend: str, image: str | None,
                              limit=workspace_limit(task), timeout=max(60.0, task.config.verifier_timeout))
         return await run_tests(sb, task, prepared=True)
     finally:
-        await _remove(sb)
+        await remove_sandbox(sb)
 
 
 def _number(value: Any) -> float | None:

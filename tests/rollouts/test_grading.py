@@ -53,9 +53,9 @@ def _need(backend: str) -> None:
                 f"the image {AGENTS_IMAGE} is missing: run bash .ci/provision-agents.sh",
                 docker=True)
     else:
-        from ares_gateway.episodes.episode import _local_can_harden
+        from ares_gateway.episodes.episode import local_can_harden
 
-        require(_local_can_harden(), "the hardened local sandbox needs root, bubblewrap, nsenter and setpriv")
+        require(local_can_harden(), "the hardened local sandbox needs root, bubblewrap, nsenter and setpriv")
 
 
 def _spec() -> sandbox_mod.SandboxSpec:

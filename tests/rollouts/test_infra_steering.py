@@ -93,9 +93,9 @@ def _need(backend: str) -> None:
         require(image_present(AGENTS_IMAGE),
                 f"the image {AGENTS_IMAGE} is missing: run bash .ci/provision-agents.sh", docker=True)
     else:
-        from ares_gateway.episodes.episode import _local_can_harden
+        from ares_gateway.episodes.episode import local_can_harden
 
-        require(_local_can_harden(), "the hardened local sandbox needs root, bubblewrap, nsenter and setpriv")
+        require(local_can_harden(), "the hardened local sandbox needs root, bubblewrap, nsenter and setpriv")
 
 
 def _task(root: Path, *, agent_grading: bool = False) -> Task:

@@ -52,9 +52,9 @@ def _env(tmp: Path) -> dict[str, str]:
 
 
 def _need_local() -> None:
-    from ares_gateway.episodes.episode import _local_can_harden
+    from ares_gateway.episodes.episode import local_can_harden
 
-    require(_local_can_harden(), "the hardened local sandbox needs root, bubblewrap, nsenter and setpriv")
+    require(local_can_harden(), "the hardened local sandbox needs root, bubblewrap, nsenter and setpriv")
 
 
 def _no_traceback(proc: subprocess.CompletedProcess[str]) -> None:

@@ -297,11 +297,7 @@ class Gateway:
                 s.id, token=s.token, created_at=s.created_at, metadata=s.metadata, turns=s.turns
             )
             if s.ended:
-                session.ended = True
-                session.reward = s.reward
-                session.truncated = s.truncated
-                session.end_info = dict(s.end_info)
-                session.ended_event.set()
+                session.end(reward=s.reward, truncated=s.truncated, info=s.end_info)
         self.recorder.known({s.id for s in stored if s.turns})
         self.recorder.store = self.store = store
         self.metrics.turns_lost = lambda: store.lost_turns
@@ -410,12 +406,7 @@ class Gateway:
         """:meth:`end_session` for code that cannot await (a task's done callback, a sync helper);
         the same effect, at once."""
         session = self.sessions.get(session_id)
-        session.ended = True
-        session.parse_memo = None  # no request of an ended session is parsed again
-        session.reward = reward
-        session.truncated = truncated
-        session.end_info = dict(info)
-        session.ended_event.set()
+        session.end(reward=reward, truncated=truncated, info=info)
         if self.store is not None:
             self.store.end_session(session_id, reward=reward, truncated=truncated, end_info=session.end_info,
                                    ended_at=time.time())
@@ -424,9 +415,8 @@ class Gateway:
         """Forget a session: its pending requests fail (the agent sees 503) and its records go.
         Returns how many requests were pending."""
         session = self.sessions.remove(session_id)
-        session.ended = True
-        session.parse_memo = None
-        session.ended_event.set()
+        if not session.ended:
+            session.end()
         self.recorder.drop(session_id)
         if self.store is not None:
             self.store.delete_session(session_id)

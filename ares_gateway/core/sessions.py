@@ -56,6 +56,17 @@ class Session:
     #: what is new (``ares_gateway.http.body_parser.ParseMemo``; opaque here, dropped when the session ends).
     parse_memo: Any = field(default=None, repr=False)
 
+    def end(self, *, reward: float | None = None, truncated: bool = False,
+            info: Mapping[str, Any] | None = None) -> None:
+        """Mark the episode over, with its reward, and wake whoever waits for the next request or the end;
+        the one place a session's end state is set (ended, restored as ended, or deleted)."""
+        self.ended = True
+        self.parse_memo = None  # no request of an ended session is parsed again
+        self.reward = reward
+        self.truncated = truncated
+        self.end_info = dict(info or {})
+        self.ended_event.set()
+
     def summary(self) -> dict[str, Any]:
         """A JSON-able view without the token."""
         return {

@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--num-generations", type=int, default=2)
     ap.add_argument("--step-limit", type=int, default=4, help="LLM calls per episode")
+    # A model in training writes servers and waits too (`python -m http.server`): cut each command.
+    ap.add_argument("--command-timeout", type=float, default=30.0, help="seconds one agent command may run")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens per answer")
     ap.add_argument("--concurrency", type=int, default=2, help="episodes at once")
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -80,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer, source = load(args.model)
     mini = args.harness == "mini-swe-agent"
-    options = {"action_format": "text", "action_regex": args.action_regex} if mini else {}
+    options: dict[str, Any] = {"command_timeout": args.command_timeout}
+    if mini:
+        options |= {"action_format": "text", "action_regex": args.action_regex}
     rollouts = rollout_func(args.dataset, harness=args.harness, sandbox=args.sandbox,
                             step_limit=args.step_limit, max_tokens=args.max_tokens,
                             concurrency=args.concurrency, tokenizer=source,

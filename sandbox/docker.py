@@ -852,7 +852,6 @@ class DockerSandbox(BaseSandbox):
         return await asyncio.to_thread(fetch)
 
 
-
 @_retry
 def _image_config(image: str) -> tuple[str, list[str]]:
     """The image's default user and the names of its environment variables."""

@@ -23,7 +23,6 @@ class GcReport:
     errors: list[str] = field(default_factory=list)
 
 
-
 def collect_garbage(
     backends: Iterable[str] = ("docker", "local"),
     *,

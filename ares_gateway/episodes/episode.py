@@ -606,6 +606,14 @@ class TaskEpisode:
                     f"the agent {how}: "
                     f"{last_lines(result.stderr_tail) or last_lines(result.stdout_tail) or '(no output)'}"
                 )
+        sb = self.sandbox
+        if out.exit_reason == "agent_error" and sb is not None and sb.state != "running":
+            # Its sandbox was stopped under it, so the agent died with it (whether the harness saw the
+            # sandbox go or its process killed first is a race): the verdict of a sandbox error raised
+            # while it ran, not of an agent CLI that failed by itself.
+            out.exit_reason = "sandbox_error"
+            out.error = f"the sandbox failed while the agent ran: it is {sb.state}; {out.error}"
+            out.failure_site = AGENT_SANDBOX
         out.agent_seconds = self._agent_seconds
         await self._note_limits(out)
         out.error = one_line(out.error)

@@ -60,9 +60,14 @@ class FakeStreamWriter:
 
     async def _drain(self) -> None:
         data, self._buffer = bytes(self._buffer), bytearray()
+        if self._pipe.is_closing():
+            return  # the process has exited and reads no more input: drop it
         if data:
             self._pipe.write(data)
-            await self._pipe.drain()
+            try:
+                await self._pipe.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                return
         if self._eof and self._pipe.can_write_eof() and not self._pipe.is_closing():
             self._pipe.close()
 

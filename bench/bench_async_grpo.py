@@ -58,6 +58,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.support.render_clock import RenderClock
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
@@ -186,7 +188,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer, packing
 
     from ares_gateway.engines import TransformersEngine
-    from ares_gateway.tokens import streams as streams_mod
     from ares_gateway.tokens.tokenizer import default_model_path
     from ares_gateway.trainers.openenv import AresSessionFactory
 
@@ -209,19 +210,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     sampler.module.save_pretrained(hf)
     tokenizer.save_pretrained(hf)
 
-    render = {"s": 0.0}
-    lock = threading.Lock()
-    real_prepare = streams_mod.TokenStreams.prepare
-
-    def timed_prepare(self: Any, *a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return real_prepare(self, *a, **k)
-        finally:
-            with lock:
-                render["s"] += time.perf_counter() - t0
-
-    streams_mod.TokenStreams.prepare = timed_prepare  # type: ignore[method-assign]
+    render = RenderClock()  # the tito policy's prompt rendering, in worker threads
     out = tempfile.mkdtemp(prefix="bench-async-grpo-")
     factories: list[AresSessionFactory] = []
 
@@ -268,7 +257,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     class Marks(TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, *a: Any, **k: Any) -> None:
             marks.append({"t": time.perf_counter(), "busy": sampler.busy_s, "loop_cpu": loop_cpu(),
-                          "render": render["s"], "calls": float(sampler.calls)})
+                          "render": render.seconds, "calls": float(sampler.calls)})
             print(f"  step {len(marks)} at {marks[-1]['t'] - started:.0f} s", file=sys.stderr, flush=True)
 
     trainer = AsyncGRPOTrainer(model=hf, args=cfg, train_dataset=Dataset.from_dict({"prompt": TASKS}),
@@ -280,7 +269,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for f in factories:
             f.close()
-        streams_mod.TokenStreams.prepare = real_prepare  # type: ignore[method-assign]
+        render.close()
     wall = time.perf_counter() - started
     logs = [h for h in trainer.state.log_history if "perf/fwd_bwd_s" in h]
     rows = []

@@ -34,12 +34,13 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.support.render_clock import RenderClock
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 EVERY_ANSWER_IS_A_COMMAND = r"\A(.+)\Z"
@@ -83,7 +84,6 @@ def measure(args: argparse.Namespace, *, overlap: bool) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from ares_gateway.tokens import streams as streams_mod
     from ares_gateway.tokens.tokenizer import default_model_path
     from ares_gateway.trainers.trl import reward_from_episode, rollout_func
 
@@ -93,20 +93,7 @@ def measure(args: argparse.Namespace, *, overlap: bool) -> dict[str, Any]:
     model.hf_quantizer = None
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
-    # Rendering time of the tito policy (it runs TokenStreams.prepare in worker threads).
-    render = {"s": 0.0}
-    lock = threading.Lock()
-    real_prepare = streams_mod.TokenStreams.prepare
-
-    def timed_prepare(self: Any, *a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return real_prepare(self, *a, **k)
-        finally:
-            with lock:
-                render["s"] += time.perf_counter() - t0
-
-    streams_mod.TokenStreams.prepare = timed_prepare  # type: ignore[method-assign]
+    render = RenderClock()  # the tito policy's prompt rendering, in worker threads
 
     out = tempfile.mkdtemp(prefix="bench-training-")
     rollouts = rollout_func("examples", step_limit=args.step_limit, max_tokens=args.max_tokens,
@@ -119,7 +106,7 @@ def measure(args: argparse.Namespace, *, overlap: bool) -> dict[str, Any]:
 
     def observed(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         cpu0 = rollouts._loop.run(loop_cpu()) if rollouts._loop is not None else None
-        r0 = render["s"]
+        r0 = render.seconds
         t0 = time.perf_counter()
         batch = rollouts(prompts, trainer)
         wall = time.perf_counter() - t0
@@ -128,7 +115,7 @@ def measure(args: argparse.Namespace, *, overlap: bool) -> dict[str, Any]:
         per_call.append({"rollout_s": wall, "generation_s": rollouts.calls[-1]["generation_s"],
                          "overlap_s": rollouts.calls[-1].get("overlap_s", 0.0),
                          "loop_cpu_s": cpu1 - cpu0 if cpu0 is not None else float("nan"),
-                         "render_s": render["s"] - r0, "episodes": len(batch["session_id"]),
+                         "render_s": render.seconds - r0, "episodes": len(batch["session_id"]),
                          "sampled_tokens": sum(batch["sampled_tokens"]),
                          "turns": sum(batch["turns"])})
         return batch
@@ -157,7 +144,7 @@ def measure(args: argparse.Namespace, *, overlap: bool) -> dict[str, Any]:
         trainer.train()
     finally:
         rollouts.close()
-        streams_mod.TokenStreams.prepare = real_prepare  # type: ignore[method-assign]
+        render.close()
     # The first call starts the loop and warms the engine: the figures are of the steps after it.
     rows = []
     for step_s, c in list(zip(steps, per_call, strict=False))[1:]:

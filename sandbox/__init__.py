@@ -30,6 +30,7 @@ from .local import LocalSandbox
 from .protocol import LIMIT_NAMES, BaseSandbox, ExecResult, Sandbox
 from .registry import BACKENDS
 from .spec import Resources, SandboxSpec
+from .start_rate import limit_start_rate
 
 
 def backend_class(backend: str) -> type[BaseSandbox]:
@@ -88,4 +89,5 @@ __all__ = [
     "backend_class",
     "collect_garbage",
     "create",
+    "limit_start_rate",
 ]

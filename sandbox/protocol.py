@@ -58,6 +58,7 @@ from .errors import (
     SandboxStateError,
 )
 from .spec import SandboxSpec, check_forward
+from .start_rate import wait_to_start
 
 #: What :meth:`BaseSandbox.limits_reached` can report.
 LIMIT_NAMES = frozenset({"memory", "pids", "disk"})
@@ -346,6 +347,7 @@ class BaseSandbox(abc.ABC):
             )
         if self.spec.forwards and type(self)._forward is BaseSandbox._forward:
             await self._forward(0, "")  # raises NotSupportedError before anything is created
+        await wait_to_start(self.backend)  # a provider's creation rate (sandbox.start_rate)
         janitor.register(self)
         try:
             await self._start()

@@ -145,6 +145,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="times an episode that failed by the infrastructure (sandbox start, agent install, "
                         "verifier crash) is run again on a fresh sandbox, with backoff, before it counts as "
                         "infra_error; an agent failure is never retried")
+    p.add_argument("--start-rate", type=float, default=None, metavar="R",
+                   help="start at most R sandboxes a second (per process: each Ray node's too), for "
+                        "providers that rate-limit creation (default: no limit, or env "
+                        "ARES_SANDBOX_START_RATE)")
     p.add_argument("--no-save-workspaces", dest="save_workspaces", action="store_false",
                    help="do not keep each episode's final workdir as DIR/workspaces/TASK.ATTEMPT.tar "
                         "(default: off, they are kept: the archive grading makes anyway; ares-gateway "
@@ -466,6 +470,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail("-n and --attempts must be at least 1")
     if args.retries < 0:
         return _fail("--retries must be at least 0")
+    if args.start_rate is not None:
+        import sandbox
+        from sandbox.start_rate import ENV_VAR
+
+        try:
+            sandbox.limit_start_rate(args.start_rate)
+        except ValueError as exc:
+            return _fail(f"--start-rate: {exc}")
+        os.environ[ENV_VAR] = repr(args.start_rate)  # for the processes it starts (Ray's local workers)
     if args.ray_per_node is not None and args.ray_per_node < 1:
         return _fail("--ray-per-node must be at least 1")
     if args.ray_per_node is not None and not args.ray:

@@ -60,6 +60,8 @@ from ares_gateway.episodes.episode import episode_gateway, one_line
 from ares_gateway.episodes.executor import fenced_update
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.extras import require_extra
+from sandbox.start_rate import ENV_VAR as START_RATE_ENV
+from sandbox.start_rate import start_rates
 
 log = logging.getLogger(__name__)
 
@@ -377,6 +379,11 @@ class RayExecutor:
         from ares_gateway.policies.base import is_external
 
         actor_env = dict(self.runtime_env)
+        every_backend = start_rates().get(None)
+        if every_backend is not None:  # this process's cap on sandbox starts holds on each node too
+            env_vars = dict(actor_env.get("env_vars") or {})
+            env_vars.setdefault(START_RATE_ENV, repr(every_backend[0]))
+            actor_env["env_vars"] = env_vars
         tasks_root = self._tasks_root()
         if tasks_root is not None:
             # Ray uploads a local working_dir only for a whole job (ray.init), not per actor.

@@ -277,7 +277,9 @@ class Broker:
         #: ``None`` here; the gateway sets its ``GatewayConfig.max_parked_per_session``.
         self.max_parked_per_session = (max_parked_per_session if max_parked_per_session is not None
                                        else math.inf)
-        self._parked_by_session: dict[str, int] = {}
+        # Each session's parked requests: its count for the cap, and what close_session ends without
+        # a scan over every session's (thousands at once on a remote-sandbox run).
+        self._parked_by_session: dict[str, dict[str, ParkedRequest]] = {}
         #: Body bytes one session may hold at once: its parked requests' and those being read or
         #: parsed (:meth:`hold_bytes`); more get :class:`TooManyParkedError` (429). The gateway sets
         #: its ``GatewayConfig.max_parked_bytes_per_session``.
@@ -401,7 +403,8 @@ class Broker:
         ``layout``: where the body's list lies in ``raw_body``, as its parse found."""
         if self._closed:
             raise GatewayClosedError("the gateway is shutting down")
-        count = self._parked_by_session.get(session_id, 0)
+        mine = self._parked_by_session.get(session_id)
+        count = len(mine) if mine is not None else 0
         if count >= self.max_parked_per_session:
             raise TooManyParkedError(
                 f"this session already has {count} requests waiting for the policy "
@@ -429,7 +432,9 @@ class Broker:
             parked._canonical = canonical_json
         parked._encoder = encoder
         self._pending[rid] = parked
-        self._parked_by_session[session_id] = count + 1
+        if mine is None:
+            mine = self._parked_by_session[session_id] = {}
+        mine[rid] = parked
         if self.request_timeout > 0:
             parked._expires = expires = loop.time() + self.request_timeout
             if expires < self._timer_at:
@@ -469,7 +474,7 @@ class Broker:
 
     def close_session(self, session_id: str, reason: str = "session closed") -> int:
         """End every pending request of a session; their agents get an error. Returns how many."""
-        victims = [p for p in self._pending.values() if p.session_id == session_id]
+        victims = list(self._parked_by_session.get(session_id, {}).values())
         for p in victims:
             self._finish(p, _State.GONE)
             _fail(p, RequestClosed("session closed", 503, reason))
@@ -477,7 +482,7 @@ class Broker:
 
     def pending_for(self, session_id: str) -> int:
         """How many requests of this session are parked."""
-        return self._parked_by_session.get(session_id, 0)
+        return len(self._parked_by_session.get(session_id, ()))
 
     # ------------------------------------------------------------------ policy side
 
@@ -695,10 +700,9 @@ class Broker:
         del self._pending[parked.id]
         if self._taken.pop(parked.id, None) is not None:
             self._given_back(parked)
-        left = self._parked_by_session[parked.session_id] - 1
-        if left:
-            self._parked_by_session[parked.session_id] = left
-        else:
+        mine = self._parked_by_session[parked.session_id]
+        del mine[parked.id]
+        if not mine:
             del self._parked_by_session[parked.session_id]
         held, parked.held_bytes = parked.held_bytes, 0
         self.release_bytes(parked.session_id, held)

@@ -15,6 +15,7 @@ Every method that changes state (``create_session``, ``end_session``, ``delete_s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -57,13 +58,17 @@ from trajectory import Sample
 
 log = logging.getLogger(__name__)
 
-_HTTP = HttpLimits()  # the one place the HTTP limits' defaults are written
+def _flag(help_text: str, name: str | None = None) -> dict[str, str]:
+    """Field metadata: the field is an ``ares-gateway serve`` flag (``--NAME``, by default the field's
+    name) with this help; its default is the field's."""
+    return {"help": help_text, **({"flag": name} if name else {})}
 
 
 @dataclass(slots=True)
 class GatewayConfig:
-    """Settings of one gateway (``Gateway(**fields)`` overrides any of them); the ``serve`` flags
-    are listed in docs/gateway.md. Every limit has a safe default."""
+    """Settings of one gateway (``Gateway(**fields)`` overrides any of them, the fields of
+    :class:`HttpLimits` too); a field with a ``help`` in its metadata is an ``ares-gateway serve`` flag
+    (docs/gateway.md lists them). Every limit has a safe default."""
 
     host: str = "127.0.0.1"
     port: int = 8080
@@ -71,43 +76,41 @@ class GatewayConfig:
     #: one (read it as ``Gateway.admin_token``), so no gateway serves an open control API.
     admin_token: str | None = None
     #: Seconds a parked request waits for its answer before the agent gets a 504.
-    request_timeout: float = 900.0
+    request_timeout: float = field(default=900.0, metadata=_flag("seconds a request waits for its answer"))
     #: Seconds a polled request stays leased to its poller before it is delivered again.
-    lease_seconds: float = 120.0
-    max_body_bytes: int = _HTTP.max_body_bytes
+    lease_seconds: float = field(default=120.0, metadata=_flag(
+        "seconds before an unanswered polled request is redelivered", "lease"))
     #: Requests one session may have waiting for the policy at once; more get a 429 in the agent's shape.
-    max_parked_per_session: int = 256
+    max_parked_per_session: int = field(default=256, metadata=_flag(
+        "requests one session may have waiting for the policy at once (more: 429)"))
     #: Body bytes one session's requests may hold at once, parked or still being read and parsed;
     #: more get a 429 in the agent's shape (a single body over it: 413). The gateway holds about
     #: five times a body's bytes while it is parked (its parsed JSON and canonical form).
-    max_parked_bytes_per_session: int = 64 * 1024 * 1024
+    max_parked_bytes_per_session: int = field(default=64 * 1024 * 1024, metadata=_flag(
+        "body bytes one session's waiting requests may hold (more: 429; one body over it: 413)"))
     #: Body bytes every session's requests together may hold at once (the same count, summed); more
     #: get a 429 in the agent's shape (a single body over it: 413). About five times this is resident.
-    max_parked_bytes: int = 1024 * 1024 * 1024
+    max_parked_bytes: int = field(default=1024 * 1024 * 1024, metadata=_flag(
+        "body bytes every session's waiting requests together may hold (more: 429; one body over it: 413)"))
     #: Bodies of at least this many bytes are parsed off the event loop (a worker process decodes
     #: and checks them, a thread rebuilds them), so one agent's 30 MB body does not stall the others.
-    parse_offload_bytes: int = 1024 * 1024
+    parse_offload_bytes: int = field(default=1024 * 1024, metadata=_flag(
+        "bodies of at least this many bytes are parsed off the event loop"))
     #: Convert only what each request adds to its session's previous one (found by comparing raw
     #: bytes): a long session's turn then costs what its new messages cost. Keeps each session's
     #: latest canonical messages and tools between turns (about the size of one parsed body).
     parse_reuse: bool = True
     #: Seconds a policy's stream (``respond`` with an async iterable) may send nothing before the
     #: agent's stream is ended with an error event (a non-streaming agent gets a 504).
-    stream_idle_timeout: float = 300.0
+    stream_idle_timeout: float = field(default=300.0, metadata=_flag(
+        "seconds a policy's stream may send nothing before the agent's stream is ended"))
     #: Seconds between the SSE keep-alives (``: keep-alive`` comment lines) a parked streaming request
     #: gets while sampling is paused for a weight update, so its client's read timeout does not fire.
-    pause_keepalive_seconds: float = 10.0
-    #: The HTTP limits (:class:`HttpLimits` documents each; its defaults are these defaults).
-    max_line_bytes: int = _HTTP.max_line_bytes
-    max_field_bytes: int = _HTTP.max_field_bytes
-    max_headers: int = _HTTP.max_headers
-    header_timeout: float = _HTTP.header_timeout
-    body_timeout: float = _HTTP.body_timeout
-    body_total_timeout: float = _HTTP.body_total_timeout
-    keepalive_timeout: float = _HTTP.keepalive_timeout
-    max_head_bytes: int = _HTTP.max_head_bytes
-    #: ``None``: follow the open-file limit, which :meth:`Gateway.start` raises to its hard limit.
-    max_connections: int | None = _HTTP.max_connections
+    pause_keepalive_seconds: float = field(default=10.0, metadata=_flag(
+        "seconds between the keep-alives a parked streaming request gets while sampling is paused"))
+    #: What one HTTP connection may send, and how slowly (:class:`HttpLimits` documents each field;
+    #: ``config.max_headers`` and the like read and set them here).
+    http: HttpLimits = field(default_factory=HttpLimits)
     #: Create a session on first use of an unknown session id or token (local experiments only).
     auto_sessions: bool = False
     #: Model ids listed by GET /v1/models.
@@ -132,6 +135,25 @@ class GatewayConfig:
     wait_durable: bool = True
     #: Directory for the per-session agent sockets (default: a fresh 0700 temporary directory).
     runtime_dir: str | None = None
+
+
+#: The names of :class:`HttpLimits`' fields, which ``Gateway(...)`` and a :class:`GatewayConfig` also
+#: take and give as their own (each reads and sets ``config.http``).
+HTTP_LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(HttpLimits))
+
+
+def _http_limit(name: str) -> property:
+    def get(self: GatewayConfig) -> Any:
+        return getattr(self.http, name)
+
+    def set_(self: GatewayConfig, value: Any) -> None:
+        self.http = dataclasses.replace(self.http, **{name: value})  # checked by HttpLimits
+
+    return property(get, set_, doc=f"``http.{name}`` (:class:`HttpLimits`).")
+
+
+for _name in HTTP_LIMIT_NAMES:
+    setattr(GatewayConfig, _name, _http_limit(_name))
 
 
 class Gateway:
@@ -194,18 +216,7 @@ class Gateway:
         if not cfg.stream_idle_timeout > 0:
             raise ValueError("stream_idle_timeout must be a positive number of seconds")
         #: What one HTTP connection may send, and how slowly (from the config).
-        self.limits = HttpLimits(
-            max_body_bytes=cfg.max_body_bytes,
-            max_line_bytes=cfg.max_line_bytes,
-            max_field_bytes=cfg.max_field_bytes,
-            max_headers=cfg.max_headers,
-            header_timeout=cfg.header_timeout,
-            body_timeout=cfg.body_timeout,
-            body_total_timeout=cfg.body_total_timeout,
-            keepalive_timeout=cfg.keepalive_timeout,
-            max_head_bytes=cfg.max_head_bytes,
-            max_connections=cfg.max_connections,
-        )
+        self.limits = cfg.http
         self._http: HttpServer | None = None
         self._port: int | None = None
         #: Applications served under a path prefix (:meth:`mount`).
@@ -242,8 +253,8 @@ class Gateway:
             self._open_store()
         # Each connection is a descriptor: a soft limit of 1024 would cap the gateway far below its load.
         raise_open_file_limit()
-        if self.config.max_connections is not None:
-            warning = check_connections(self.config.max_connections)
+        if self.config.http.max_connections is not None:
+            warning = check_connections(self.config.http.max_connections)
             if warning:
                 log.warning("%s", warning)
         http = build_server(self, self.limits, self.mounts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -23,33 +24,22 @@ from ares_gateway.cli.run import add_tito_arguments
 from ares_gateway.core.errors import DataDirError
 from ares_gateway.core.store import prepare_data_dir
 from ares_gateway.gateway import Gateway, GatewayConfig
+from ares_gateway.http.server import HttpLimits
 from ares_gateway.telemetry import Telemetry, TelemetryUnavailableError
 from ares_gateway.viewer import mount_viewer
 
 log = logging.getLogger("ares_gateway")
 
-#: The limit flags: (GatewayConfig field, help); each flag's default is the field's default.
-_LIMIT_FLAGS = (
-    ("max_parked_per_session", "requests one session may have waiting for the policy at once (more: 429)"),
-    ("stream_idle_timeout", "seconds a policy's stream may send nothing before the agent's stream is ended"),
-    ("pause_keepalive_seconds",
-     "seconds between the keep-alives a parked streaming request gets while sampling is paused"),
-    ("max_line_bytes", "longest request line, in bytes (longer: 431, closed)"),
-    ("max_field_bytes", "longest header line, in bytes (longer: 431, closed)"),
-    ("max_headers", "most header lines in one request (more: 431, closed)"),
-    ("header_timeout", "seconds from a request's first byte to the end of its headers (slower: closed)"),
-    ("body_timeout", "longest pause between two pieces of a request body, in seconds (408, closed)"),
-    ("body_total_timeout", "seconds a whole request body may take to arrive (408, closed)"),
-    ("keepalive_timeout", "seconds an idle keep-alive connection stays open"),
-    ("max_parked_bytes_per_session",
-     "body bytes one session's waiting requests may hold (more: 429; one body over it: 413)"),
-    ("max_parked_bytes",
-     "body bytes every session's waiting requests together may hold (more: 429; one body over it: 413)"),
-    ("max_head_bytes", "most bytes of one request head, line and headers together (more: 431, closed)"),
-    ("max_connections", "most client connections open at once (a new one past it: 503, closed); "
-                        "default: the open-file limit (raised to its hard limit at start) less a reserve"),
-    ("parse_offload_bytes", "bodies of at least this many bytes are parsed off the event loop"),
-)
+def setting_flags() -> list[tuple[str, str, dataclasses.Field[Any]]]:
+    """The settings that are ``serve`` flags, from the fields' own metadata: (flag, where, field) with
+    ``where`` ``"config"`` (a :class:`GatewayConfig` field) or ``"http"`` (one of its :class:`HttpLimits`),
+    in declaration order. A field's ``help`` is its flag's help, its default the flag's."""
+    out = []
+    for where, cls in (("config", GatewayConfig), ("http", HttpLimits)):
+        for f in dataclasses.fields(cls):
+            if "help" in f.metadata:
+                out.append(("--" + f.metadata.get("flag", f.name).replace("_", "-"), where, f))
+    return out
 
 
 async def _serve(cfg: GatewayConfig, token_file: str | None = None, policy: Any = None,
@@ -152,20 +142,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"({exc.strerror or exc}); pass a writable --data-dir or --admin-token-file", file=sys.stderr,
               flush=True)
         return 2
+    flags = setting_flags()
     cfg = GatewayConfig(
         host=args.host,
         port=args.port,
         admin_token=admin,
-        request_timeout=args.request_timeout,
-        lease_seconds=args.lease,
-        max_body_bytes=args.max_body_mb * 1024 * 1024,
         auto_sessions=args.auto_sessions,
         models=args.model or ["ares-gateway"],
         public_url=args.public_url,
         access_log=args.access_log,
         data_dir=False if data_dir is None else data_dir,
         retention_seconds=None if args.retention_days is None else args.retention_days * 86400.0,
-        **{name: getattr(args, name) for name, _ in _LIMIT_FLAGS},
+        http=HttpLimits(max_body_bytes=args.max_body_mb * 1024 * 1024,
+                        **{f.name: getattr(args, f.name) for _, where, f in flags if where == "http"}),
+        **{f.name: getattr(args, f.name) for _, where, f in flags if where == "config"},
     )
     policy = None
     if args.policy == "tito":
@@ -207,11 +197,13 @@ def add_serve_command(sub: Any) -> None:
     refuse_secret_flag(p, "--admin-token",
                        f"put the token in a file and pass --admin-token-file PATH, or set "
                                            f"${ADMIN_TOKEN_ENV}")
-    p.add_argument("--request-timeout", type=float, default=900.0,
-                   help="seconds a request waits for its answer")
-    p.add_argument("--lease", type=float, default=120.0,
-                   help="seconds before an unanswered polled request is redelivered")
-    p.add_argument("--max-body-mb", type=int, default=32, help="largest request body accepted, in MiB")
+    for flag, where, f in setting_flags():
+        default = getattr(GatewayConfig() if where == "config" else HttpLimits(), f.name)
+        kind = int if default is None else type(default)  # None: derived at start (the connection cap)
+        p.add_argument(flag, dest=f.name, metavar=flag[2:].replace("-", "_").upper(), type=kind,
+                       default=default, help=f.metadata["help"])
+    p.add_argument("--max-body-mb", type=int, default=HttpLimits().max_body_bytes // (1024 * 1024),
+                   help="largest request body accepted, in MiB")
     p.add_argument(
         "--auto-sessions",
         action="store_true",
@@ -241,11 +233,6 @@ def add_serve_command(sub: Any) -> None:
                         "served model name (serve's --model names the ids listed by /v1/models)")
     p.add_argument("--policy-concurrency", type=int, default=1,
                    help="tito: requests in the policy at once (an in-process engine samples one at a time)")
-    defaults = GatewayConfig()
-    for name, text in _LIMIT_FLAGS:
-        default = getattr(defaults, name)
-        kind = int if default is None else type(default)  # None: derived at start (the connection cap)
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
     p.add_argument("--otel", action="store_true",
                    help="send OpenTelemetry spans per LLM call (the otel extra), configured by the OTEL_* "
                         "environment (its endpoint by default http://localhost:4318; docs/recording.md) "

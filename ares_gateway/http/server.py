@@ -58,7 +58,7 @@ import os
 import stat
 import zlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -91,37 +91,53 @@ ErrorFactory = Callable[[str, int, str], Response]
 Handler = Callable[[BaseRequest], Awaitable[StreamResponse]]
 
 
+def _flag(help_text: str) -> dict[str, str]:
+    """Field metadata: the field is an ``ares-gateway serve`` flag of its own name with this help."""
+    return {"help": help_text}
+
+
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
-    """What one connection may send, and how slowly. Every field is a ``Gateway`` / ``serve`` setting."""
+    """What one connection may send, and how slowly: ``GatewayConfig.http``. Each field is a ``Gateway``
+    keyword of its own name, and one with a ``help`` in its metadata an ``ares-gateway serve`` flag."""
 
-    #: Largest request body; bigger ones get a 413 in the API's error shape.
+    #: Largest request body; bigger ones get a 413 in the API's error shape (``serve --max-body-mb``).
     max_body_bytes: int = 32 * 1024 * 1024
     #: Longest request line (method, target, version).
-    max_line_bytes: int = 8190
+    max_line_bytes: int = field(default=8190,
+                                metadata=_flag("longest request line, in bytes (longer: 431, closed)"))
     #: Longest header line (name and value).
-    max_field_bytes: int = 8190
+    max_field_bytes: int = field(default=8190,
+                                 metadata=_flag("longest header line, in bytes (longer: 431, closed)"))
     #: Most header lines in one request.
-    max_headers: int = 128
+    max_headers: int = field(default=128,
+                             metadata=_flag("most header lines in one request (more: 431, closed)"))
     #: Seconds from a request's first byte to the end of its headers.
-    header_timeout: float = 10.0
+    header_timeout: float = field(default=10.0, metadata=_flag(
+        "seconds from a request's first byte to the end of its headers (slower: closed)"))
     #: Longest pause, in seconds, between two pieces of a request body.
-    body_timeout: float = 10.0
+    body_timeout: float = field(default=10.0, metadata=_flag(
+        "longest pause between two pieces of a request body, in seconds (408, closed)"))
     #: Seconds a whole request body may take to arrive.
-    body_total_timeout: float = 120.0
+    body_total_timeout: float = field(default=120.0, metadata=_flag(
+        "seconds a whole request body may take to arrive (408, closed)"))
     #: Seconds an idle keep-alive connection stays open.
-    keepalive_timeout: float = 75.0
+    keepalive_timeout: float = field(default=75.0,
+                                     metadata=_flag("seconds an idle keep-alive connection stays open"))
     #: Seconds spent discarding a body nobody read (after a 413, say) before closing instead.
     lingering_time: float = 5.0
     #: Bytes of a request body buffered before the connection stops reading.
     read_bufsize: int = 64 * 1024
     #: Most bytes of one request head (request line and every header line together); more: 431, closed.
-    max_head_bytes: int = 64 * 1024
+    max_head_bytes: int = field(default=64 * 1024, metadata=_flag(
+        "most bytes of one request head, line and headers together (more: 431, closed)"))
     #: Most client connections open at once; a new one past it gets a 503 and is closed. ``None``:
     #: follow the open-file limit when the server starts
     #: (:func:`~ares_gateway.http.open_files.connection_cap`:
     #: the soft limit less a reserve of up to 1,024 descriptors for everything else).
-    max_connections: int | None = None
+    max_connections: int | None = field(default=None, metadata=_flag(
+        "most client connections open at once (a new one past it: 503, closed); default: the open-file "
+        "limit (raised to its hard limit at start) less a reserve"))
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_line_bytes", "max_field_bytes", "max_headers", "read_bufsize",

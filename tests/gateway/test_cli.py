@@ -144,3 +144,47 @@ def test_serve_limit_flags_reach_the_server() -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_every_setting_flag_is_declared_once_on_its_field() -> None:
+    """serve's limit flags come from the fields' metadata: each with the field's default and help, each
+    reaching the field it names; the HTTP limits live in GatewayConfig.http, and the gateway's
+    keywords and the config's attributes of the same names read and set them there."""
+    import argparse
+    import dataclasses
+
+    import pytest
+
+    from ares_gateway import Gateway
+    from ares_gateway.cli.serve import add_serve_command, setting_flags
+    from ares_gateway.gateway import HTTP_LIMIT_NAMES, GatewayConfig
+    from ares_gateway.http.server import HttpLimits
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    add_serve_command(sub)
+    serve_help = " ".join(sub.choices["serve"].format_help().split())
+    flags = setting_flags()
+    names = {f.name for _, _, f in flags}
+    assert {"request_timeout", "lease_seconds", "max_headers", "max_connections", "max_parked_bytes",
+            "parse_offload_bytes"} <= names
+    assert not {"max_body_bytes", "lingering_time", "read_bufsize"} & names  # --max-body-mb; not flags
+    defaults = parser.parse_args(["serve"])
+    for flag, where, f in flags:
+        owner = GatewayConfig() if where == "config" else HttpLimits()
+        assert getattr(defaults, f.name) == getattr(owner, f.name), flag
+        assert f.metadata["help"] in serve_help, flag
+    assert parser.parse_args(["serve", "--lease", "7"]).lease_seconds == 7.0
+    assert "http" not in {f.name for f in dataclasses.fields(HttpLimits)}
+    assert set(HTTP_LIMIT_NAMES) == {f.name for f in dataclasses.fields(HttpLimits)}
+
+    cfg = GatewayConfig()
+    cfg.max_headers = 16
+    assert cfg.http.max_headers == 16 and cfg.max_headers == 16
+    with pytest.raises(ValueError, match="max_headers must be at least 1"):
+        cfg.max_headers = 0
+    gw = Gateway(max_headers=12, header_timeout=2.5, request_timeout=30.0)
+    assert gw.limits is gw.config.http
+    assert (gw.limits.max_headers, gw.limits.header_timeout, gw.config.request_timeout) == (12, 2.5, 30.0)
+    with pytest.raises(TypeError, match="unknown setting 'max_header'"):
+        Gateway(max_header=12)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -40,12 +39,28 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from functools import cache
 from pathlib import Path
 
 from . import _cgroup as cgroups
 from . import _disk as loopdisk
 from . import janitor
+from ._hardening import (
+    CONFINE_SCRIPT,
+    DROP_PRIVS,
+    FILTER_FILE,
+    HARDENED_SYSTEM_PATHS,
+    ROOT_CAPS,
+    ROOT_ENV_DROP,
+    ROOT_ENV_DROP_PREFIXES,
+    ROOT_PRIVS,
+    SECCOMP_DENIED,
+    SECCOMP_NOSYS,
+    bwrap_available,
+    host_etc_secrets,
+    root_binds,
+    seccomp_filter,
+)
+from ._local_process import LocalProcess, group_alive, start_time
 from .errors import ExecError, FileTransferError, ForwardError, SandboxStartError
 from .protocol import (
     BaseSandbox,
@@ -78,94 +93,10 @@ _LIMITS_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_
 
 AGENT_USER = "agent"
 AGENT_UID = 1000
-# What a hardened sandbox sees of the host (read-only), when it exists.
-HARDENED_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc",
-                         "/opt/ares-agents")
-# A non-root user in a hardened sandbox: no capabilities now or ever (setuid binaries included).
-_DROP_PRIVS = ["--clear-groups", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs"]
-# Root in a hardened sandbox (installs, the verifier, file transfers): Docker's default capabilities
-# less MKNOD, NET_RAW and SETFCAP; CAP_DAC_READ_SEARCH (open_by_handle_at), CAP_SYS_ADMIN,
-# CAP_SYS_PTRACE, CAP_SYS_MODULE, CAP_SYS_RAWIO... are out of the bounding set, so no program it
-# runs, setuid or not, gets them back.
-ROOT_CAPS = ("chown", "dac_override", "fowner", "fsetid", "kill", "setgid", "setuid", "setpcap",
-             "net_bind_service", "sys_chroot", "audit_write")
-_ROOT_PRIVS = [f"--bounding-set=-all,{','.join('+' + c for c in ROOT_CAPS)}", "--inh-caps=-all",
-               "--ambient-caps=-all", "--no-new-privs"]
-# The environment a root command of a hardened sandbox never takes from its caller: what makes a
-# program load code from elsewhere (an agent-writable directory).  HOME and PATH are set anew.
-_ROOT_ENV_DROP_PREFIXES = ("PYTHON", "LD_")
-_ROOT_ENV_DROP = frozenset({"BASH_ENV", "ENV", "PERL5LIB", "PERL5OPT", "PERLLIB", "RUBYLIB", "RUBYOPT",
-                            "NODE_OPTIONS", "NODE_PATH", "GCONV_PATH", "HOSTALIASES", "LOCALDOMAIN"})
-_CONFINE_SCRIPT = Path(__file__).with_name("_confine.py")
-_FILTER_FILE = "seccomp.bpf"
-# System calls every command of a hardened sandbox (agent and root) is refused, with EPERM: new
-# mounts and filesystem handles (open_by_handle_at read the host's filesystem through a bind mount),
-# the kernel keyring (shared by every sandbox of one uid), tracing other processes, modules, kexec,
-# BPF, perf, swap, reboot, userfaultfd.  Docker's default profile refuses the same.
-SECCOMP_DENIED = (
-    "mount", "umount2", "pivot_root", "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree",
-    "mount_setattr", "name_to_handle_at", "open_by_handle_at",
-    "add_key", "request_key", "keyctl",
-    "ptrace", "process_vm_readv", "process_vm_writev",
-    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
-    "bpf", "perf_event_open", "userfaultfd", "swapon", "swapoff", "reboot", "acct", "quotactl",
-    "lookup_dcookie", "iopl", "ioperm",
-)
-# Refused with ENOSYS, so that libraries fall back: clone3 (its flags sit in a struct the filter
-# cannot read; glibc then uses clone, whose flags it can) and io_uring (whose operations bypass
-# seccomp; libuv/node fall back to threads).
-SECCOMP_NOSYS = ("clone3", "io_uring_setup", "io_uring_enter", "io_uring_register")
-_CLONE_NEWUSER = 0x10000000
 
 
 def local_root() -> Path:
     return Path(os.environ.get("ARES_SANDBOX_LOCAL_ROOT") or "/tmp/ares-sandboxes")
-
-
-@cache
-def bwrap_available() -> bool:
-    """Whether bubblewrap is installed *and* can create the namespaces it needs here."""
-    exe = shutil.which("bwrap")
-    if not exe:
-        return False
-    try:
-        probe = subprocess.run(
-            [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid",
-             "--die-with-parent", "true"],
-            capture_output=True,
-            timeout=20,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return probe.returncode == 0
-
-
-@cache
-def seccomp_filter() -> bytes:
-    """The classic-BPF seccomp program of hardened local commands (built once per process with
-    libseccomp through ``pyseccomp``): :data:`SECCOMP_DENIED` and new user namespaces (``unshare`` or
-    ``clone`` with ``CLONE_NEWUSER``) get EPERM, :data:`SECCOMP_NOSYS` ENOSYS, a foreign ABI (32-bit
-    ``int 0x80``) kills the process; everything else is allowed."""
-    try:
-        import pyseccomp as sc
-    except (ImportError, OSError) as exc:
-        raise SandboxStartError(
-            "SandboxSpec(hardened=True) needs libseccomp and its binding: pip install pyseccomp, "
-            "apt-get install "
-            f"libseccomp2 ({exc})"
-        ) from exc
-    filt = sc.SyscallFilter(sc.ALLOW)
-    for name in SECCOMP_DENIED:
-        filt.add_rule(sc.ERRNO(errno.EPERM), name)
-    for name in SECCOMP_NOSYS:
-        filt.add_rule(sc.ERRNO(errno.ENOSYS), name)
-    for name in ("unshare", "clone"):  # the flags are the first argument on x86-64 and arm64
-        filt.add_rule(sc.ERRNO(errno.EPERM), name, sc.Arg(0, sc.MASKED_EQ, _CLONE_NEWUSER, _CLONE_NEWUSER))
-    with tempfile.TemporaryFile() as fh:
-        filt.export_bpf(fh)
-        fh.seek(0)
-        return fh.read()
 
 
 def _kill_tagged_processes(sandbox_id: str, var: str = _ID_VAR) -> int:
@@ -341,7 +272,7 @@ class LocalSandbox(BaseSandbox):
             self._write_user_db()
             # The sandbox's own copy of the filter, outside every bind (the agent never sees it); built
             # here so that a missing libseccomp fails start(), saying what to install.
-            (self.root / _FILTER_FILE).write_bytes(seccomp_filter())
+            (self.root / FILTER_FILE).write_bytes(seccomp_filter())
         if self.isolated and os.geteuid() == 0 and shutil.which("nsenter"):
             # Spawned from the loop's own thread: bwrap --die-with-parent ties the namespace to it.
             # in the sandbox's "keeper" cgroup: kill_processes() spares it, stop() does not
@@ -460,7 +391,7 @@ class LocalSandbox(BaseSandbox):
                         self._ns_init = int(pids[0])
                         self._ns_pid = int(grandchildren[0])
                         for pid in (self._keeper.pid, self._ns_init, self._ns_pid):
-                            start = _start_time(pid)
+                            start = start_time(pid)
                             if start is not None:
                                 self._keeper_ids[pid] = start
                         return
@@ -506,11 +437,11 @@ class LocalSandbox(BaseSandbox):
         if user is not None:
             info = self._lookup_user(user)
             if self.hardened and info.pw_uid != 0:
-                switch = ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", *_DROP_PRIVS]
+                switch = ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", *DROP_PRIVS]
             elif not self.hardened:
                 switch = ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", "--init-groups"]
         if self.hardened and not switch:
-            switch = ["setpriv", *_ROOT_PRIVS]
+            switch = ["setpriv", *ROOT_PRIVS]
         if self._ns_pid is not None:
             # Join the sandbox's namespaces; cd inside (nsenter's --wd resolves outside the new root).
             return [
@@ -525,7 +456,7 @@ class LocalSandbox(BaseSandbox):
         a root process inside; the host's own ``setpriv`` when not isolated."""
         info = self._lookup_user(user)
         if self.hardened and info.pw_uid != 0:
-            return ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", *_DROP_PRIVS, "--"]
+            return ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", *DROP_PRIVS, "--"]
         return ["setpriv", f"--reuid={info.pw_uid}", f"--regid={info.pw_gid}", "--init-groups", "--"]
 
     def _nsenter(self) -> list[str]:
@@ -538,13 +469,13 @@ class LocalSandbox(BaseSandbox):
         starts, the namespaces' root included) under :func:`seccomp_filter`."""
         if not self.hardened:
             return []
-        return [sys.executable, "-I", "-S", str(_CONFINE_SCRIPT), str(self.root / _FILTER_FILE), "--"]
+        return [sys.executable, "-I", "-S", str(CONFINE_SCRIPT), str(self.root / FILTER_FILE), "--"]
 
     def _bwrap_prefix(self) -> list[str]:
         if self.hardened:
             return self._hardened_bwrap_prefix()
         argv = [
-            "bwrap", *_root_binds(self.spec.workdir), "--dev", "/dev", "--proc", "/proc",
+            "bwrap", *root_binds(self.spec.workdir), "--dev", "/dev", "--proc", "/proc",
             "--bind", str(self.root / "tmp"), "/tmp",
             "--bind", str(self.root / "work"), self.spec.workdir,
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session",
@@ -569,7 +500,7 @@ class LocalSandbox(BaseSandbox):
         argv += ["--ro-bind", str(self.root / "passwd"), "/etc/passwd", "--ro-bind", str(self.root / "group"),
                  "/etc/group"]
         # Root inside reads every file of the host's /etc (CAP_DAC_OVERRIDE): its secrets read as empty.
-        for secret in _host_etc_secrets():
+        for secret in host_etc_secrets():
             argv += (["--perms", "0700", "--tmpfs", secret] if os.path.isdir(secret)
                      else ["--ro-bind", str(self.root / "empty"), secret])
         for path in self.spec.readonly_paths:
@@ -604,7 +535,7 @@ class LocalSandbox(BaseSandbox):
         (``PYTHONNOUSERSITE``), so that nothing the agent wrote is loaded as root's code."""
         if self.hardened and (user is None or self._lookup_user(user).pw_uid == 0):
             kept = {k: v for k, v in env.items()
-                    if not k.startswith(_ROOT_ENV_DROP_PREFIXES) and k not in _ROOT_ENV_DROP}
+                    if not k.startswith(ROOT_ENV_DROP_PREFIXES) and k not in ROOT_ENV_DROP}
             return {**kept, "HOME": "/root", "PATH": DEFAULT_PATH, "PYTHONNOUSERSITE": "1", _ID_VAR: self.id}
         home = self.workdir
         if self.hardened and user is not None and self._lookup_user(user).pw_name == AGENT_USER:
@@ -635,8 +566,8 @@ class LocalSandbox(BaseSandbox):
             # Not asyncio.create_subprocess_exec: under uvloop the child inherits the parent's fds and
             # uvloop's own copies of its stdio pipes (no close_fds), so a process the command leaves in the
             # background (a detached agent) holds the exec's stdout open and the exec never returns.
-            proc = _Process(argv, cwd=str(host_cwd) if not self.isolated else str(self.root), env=full_env,
-                            popen_kwargs=kwargs)
+            proc = LocalProcess(argv, cwd=str(host_cwd) if not self.isolated else str(self.root),
+                                env=full_env, popen_kwargs=kwargs)
         except OSError as exc:
             raise ExecError(f"cannot start {argv[0]}: {exc}") from exc
         self._pgids.add(proc.pid)
@@ -656,7 +587,7 @@ class LocalSandbox(BaseSandbox):
             raise
         finally:
             # The shell may have left background jobs in its group; they live until stop().
-            if proc.returncode is not None and not _group_alive(proc.pid):
+            if proc.returncode is not None and not group_alive(proc.pid):
                 self._pgids.discard(proc.pid)
         code = proc.returncode if proc.returncode is not None else -9
         if code == _CWD_MISSING and err.startswith(_CWD_MARK.encode()):
@@ -700,7 +631,7 @@ class LocalSandbox(BaseSandbox):
                 start_new_session=True, cwd=str(self.root), env={"PATH": DEFAULT_PATH, _RELAY_VAR: self.id},
             )
 
-    def _kill_group(self, proc: _Process) -> None:
+    def _kill_group(self, proc: LocalProcess) -> None:
         """Kill a command's process group: by its id while its leader is not reaped (the id is then
         still its own); else only the sandbox's processes in a group of that id (the id may be reused)."""
         if proc.returncode is None:
@@ -721,7 +652,7 @@ class LocalSandbox(BaseSandbox):
         # The keeper's processes are spared only while /proc shows the very processes started (a pid
         # the keeper had may be another's by now); with the keeper gone (OOM-killed) its namespace is
         # gone too, and the sandbox's processes are found by cgroup and by tag.
-        keep = {os.getpid(), *(pid for pid, start in self._keeper_ids.items() if _start_time(pid) == start)}
+        keep = {os.getpid(), *(pid for pid, start in self._keeper_ids.items() if start_time(pid) == start)}
         ns: str | None = None
         if self._ns_pid is not None and self._ns_pid in keep:
             with contextlib.suppress(OSError):
@@ -786,7 +717,7 @@ class LocalSandbox(BaseSandbox):
     def _tar_inside(self, args: list[str], *, stdin: object = None, stdout: object = None) -> None:
         """Run ``tar`` as root inside the sandbox's namespaces (hardened transfers)."""
         proc = subprocess.run(
-            [*self._nsenter(), "setpriv", *_ROOT_PRIVS, "tar", *args], stdin=stdin, stdout=stdout,
+            [*self._nsenter(), "setpriv", *ROOT_PRIVS, "tar", *args], stdin=stdin, stdout=stdout,
             stderr=subprocess.PIPE,  # type: ignore[call-overload]
             cwd=str(self.root), env={"PATH": DEFAULT_PATH}, check=False, close_fds=True,
         )
@@ -819,7 +750,7 @@ class LocalSandbox(BaseSandbox):
                 extract_tar(out, local)
 
     def _mkdir_inside(self, path: str) -> None:
-        proc = subprocess.run([*self._nsenter(), "setpriv", *_ROOT_PRIVS, "mkdir", "-p", "--", path],
+        proc = subprocess.run([*self._nsenter(), "setpriv", *ROOT_PRIVS, "mkdir", "-p", "--", path],
                               capture_output=True, check=False, cwd=str(self.root),
                               env={"PATH": DEFAULT_PATH})
         if proc.returncode != 0:
@@ -884,7 +815,7 @@ class LocalSandbox(BaseSandbox):
 
     async def _archive_dir(self, remote_dir: str, local_path: Path, limit: int) -> int:
         if self.hardened:  # tar as root inside: paths and links resolve in the sandbox's view only
-            argv = [*self._nsenter(), "setpriv", *_ROOT_PRIVS, "tar", "-c", "-f", "-", "-C", remote_dir, "."]
+            argv = [*self._nsenter(), "setpriv", *ROOT_PRIVS, "tar", "-c", "-f", "-", "-C", remote_dir, "."]
         else:  # the host's view is the sandbox's (read-only bubblewrap binds, or no isolation)
             argv = ["tar", "-c", "-f", "-", "-C", str(self._host_path(remote_dir)), "."]
 
@@ -922,173 +853,6 @@ class LocalSandbox(BaseSandbox):
             await asyncio.to_thread(fn)
         except OSError as exc:
             raise FileTransferError(f"file transfer for {what} in sandbox {self.id} failed: {exc}") from exc
-
-
-def _host_etc_secrets() -> list[str]:
-    """The host's password hashes and private keys under /etc, hidden from a hardened sandbox."""
-    found = [p for p in ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/ssl/private")
-             if os.path.exists(p) and not os.path.islink(p)]
-    with contextlib.suppress(OSError):
-        found += sorted(os.path.join("/etc/ssh", n) for n in os.listdir("/etc/ssh")
-                        if n.startswith("ssh_host_") and n.endswith("_key"))
-    return found
-
-
-def _root_binds(workdir: str) -> list[str]:
-    """Read-only binds of the host's top-level directories onto bwrap's fresh root (a tmpfs), so
-    that the workdir can be created as a new mount point there."""
-    top = workdir.strip("/").split("/", 1)[0]
-    args: list[str] = []
-    for name in sorted(os.listdir("/")):
-        if name in ("proc", "dev", "tmp", top):
-            continue
-        path = "/" + name
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-    return args
-
-
-class _Process:
-    """A child in its own session and process group, run the same way on every event loop.
-
-    ``subprocess.Popen`` closes every inherited fd in the child (``close_fds``), which uvloop's spawn
-    does not; the pipes are read and the exit is awaited through the running loop (a pidfd), so no
-    thread is held per command however long it runs.
-
-    The pipes are plain fds this object owns, read with ``add_reader`` and closed exactly once, not
-    ``connect_read_pipe`` transports: uvloop closes a pipe transport's fd twice (libuv, then the file
-    object), and with other threads opening fds meanwhile (``asyncio.to_thread`` file transfers,
-    ``subprocess.run``) the second close hits one of theirs: a command then gets another command's
-    output, none at all, or fails to start with EBADF.
-    """
-
-    def __init__(self, argv: list[str], *, cwd: str, env: dict[str, str],
-                 popen_kwargs: dict[str, object]) -> None:
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            self._popen = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, cwd=cwd, env=env,
-                start_new_session=True, close_fds=True, **popen_kwargs,  # type: ignore[call-overload]
-            )
-        except BaseException:
-            os.close(out_r)
-            os.close(err_r)
-            raise
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        self.pid = self._popen.pid
-        loop = asyncio.get_running_loop()
-        self._out = _PipeReader(loop, out_r)
-        self._err = _PipeReader(loop, err_r)
-        self._exited: asyncio.Future[int] = loop.create_future()
-        self._pidfd: int | None = None
-        try:
-            self._pidfd = os.pidfd_open(self.pid)
-        except OSError:  # no pidfd (old kernel): poll for the exit instead
-            self._poller = asyncio.ensure_future(self._poll_exit())
-        else:
-            loop.add_reader(self._pidfd, self._reap)
-
-    @property
-    def returncode(self) -> int | None:
-        return self._popen.returncode
-
-    def _reap(self) -> None:
-        code = self._popen.poll()
-        if code is None:
-            return
-        self._close_pidfd()
-        if not self._exited.done():
-            self._exited.set_result(code)
-
-    async def _poll_exit(self) -> None:
-        while (code := self._popen.poll()) is None:  # noqa: ASYNC110 (no event to wait on without a pidfd)
-            await asyncio.sleep(0.05)
-        if not self._exited.done():
-            self._exited.set_result(code)
-
-    def _close_pidfd(self) -> None:
-        if self._pidfd is not None:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
-
-    async def communicate(self, timeout: float | None) -> tuple[bytes, bytes]:
-        """Wait for the exit and the end of both pipes: ``(stdout, stderr)``; TimeoutError after
-        ``timeout``."""
-        async with asyncio.timeout(timeout):
-            await asyncio.gather(asyncio.shield(self._exited), asyncio.shield(self._out.closed),
-                                 asyncio.shield(self._err.closed))
-        return bytes(self._out.data), bytes(self._err.data)
-
-    def kill_group(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-
-    def abandon(self) -> tuple[bytes, bytes]:
-        """Stop reading (something outside the group holds the pipes); reap the child if it has exited."""
-        self._out.close()
-        self._err.close()
-        if self._popen.poll() is not None:
-            self._close_pidfd()
-        return b"", b""
-
-
-class _PipeReader:
-    """Collects what one pipe carries, read through the running loop; ``closed`` resolves at its end
-    (or when :meth:`close` stops reading). Owns the fd and closes it once."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
-        self.data = bytearray()
-        self.closed: asyncio.Future[None] = loop.create_future()
-        self._loop = loop
-        self._fd = fd
-        os.set_blocking(fd, False)
-        loop.add_reader(fd, self._read)
-
-    def _read(self) -> None:
-        try:
-            chunk = os.read(self._fd, 1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            chunk = b""
-        if chunk:
-            self.data += chunk
-        else:
-            self.close()
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            self._loop.remove_reader(self._fd)
-            os.close(self._fd)
-            self._fd = -1
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-
-def _start_time(pid: int) -> int | None:
-    """A process's start time (clock ticks since boot, field 22 of /proc/PID/stat); None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return int(fh.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # -- garbage collection hooks (see janitor.collect_garbage) -----------------------------------------
@@ -1135,3 +899,9 @@ def gc_remove(ref: str) -> None:
 def _disk_image(sandbox_id: str) -> Path:
     # Beside the sandbox's directory (its mount point), not in a shared folder left behind.
     return local_root() / f".{sandbox_id}.disk.img"
+
+
+# The isolation's parts live in sandbox._hardening; these names are imported from here too.
+__all__ = ["AGENT_UID", "AGENT_USER", "DEFAULT_PATH", "HARDENED_SYSTEM_PATHS", "ROOT_CAPS", "SECCOMP_DENIED",
+           "SECCOMP_NOSYS", "LocalSandbox", "bwrap_available", "gc_candidates", "gc_remove", "local_root",
+           "seccomp_filter"]

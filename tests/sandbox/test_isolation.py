@@ -23,7 +23,8 @@ from aiohttp import web
 
 import sandbox
 from sandbox import ForwardError, SandboxSpec
-from sandbox.local import _CONFINE_SCRIPT, DEFAULT_PATH, ROOT_CAPS, seccomp_filter
+from sandbox._hardening import CONFINE_SCRIPT
+from sandbox.local import DEFAULT_PATH, ROOT_CAPS, seccomp_filter
 from tests.prereq import require_hardened_local
 
 from .conftest import AGENT_IMAGE, docker_required
@@ -227,13 +228,13 @@ def test_the_confine_launcher_never_runs_a_command_unconfined(tmp_path: Path) ->
     marker = tmp_path / "ran"
     for filt in (bad, tmp_path / "missing.bpf"):
         r = subprocess.run(
-            [sys.executable, "-I", "-S", str(_CONFINE_SCRIPT), str(filt), "--", "touch", str(marker)],
+            [sys.executable, "-I", "-S", str(CONFINE_SCRIPT), str(filt), "--", "touch", str(marker)],
             capture_output=True, text=True, timeout=30)
         assert r.returncode == 126 and "ares-confine" in r.stderr, r
         assert not marker.exists()
     good = tmp_path / "good.bpf"
     good.write_bytes(seccomp_filter())
-    r = subprocess.run([sys.executable, "-I", "-S", str(_CONFINE_SCRIPT), str(good), "--", "sh", "-c",
+    r = subprocess.run([sys.executable, "-I", "-S", str(CONFINE_SCRIPT), str(good), "--", "sh", "-c",
                         "grep Seccomp: /proc/self/status; unshare -U true && echo USERNS"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 1 and r.stdout.split() == ["Seccomp:", "2"], r

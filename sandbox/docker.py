@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import requests.exceptions
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
@@ -46,11 +46,7 @@ from .protocol import (
     ExecResult,
     IterStream,
     command_to_shell,
-    extract_single_file,
-    extract_tar,
     filter_tar,
-    tar_directory,
-    tar_single_file,
 )
 from .spec import SandboxSpec, format_size, parse_size
 from .tunnel import Tunnel, TunnelError, docker_exec_channel
@@ -798,21 +794,10 @@ class DockerSandbox(BaseSandbox):
         if not ok:
             raise FileTransferError(f"docker refused the copy into {remote_dir} in sandbox {self.id}")
 
-    async def _chown_for_default_user(self, remote: str) -> None:
+    async def _uploaded(self, remote: str) -> None:
         if self.spec.user:
             await self._run_root(["chown", "-R", self.spec.user, remote],
                                  f"giving {remote} to {self.spec.user}")
-
-    async def _upload_file(self, local_path: Path, remote_path: str) -> None:
-        parent, name = posixpath.split(remote_path)
-        tar_stream = await asyncio.to_thread(tar_single_file, local_path, name)
-        await self._put_tar(parent or "/", tar_stream)
-        await self._chown_for_default_user(remote_path)
-
-    async def _upload_dir(self, local_dir: Path, remote_dir: str) -> None:
-        tar_stream = await asyncio.to_thread(tar_directory, local_dir)
-        await self._put_tar(remote_dir, tar_stream)
-        await self._chown_for_default_user(remote_dir)
 
     def _get_archive(self, remote: str) -> Iterator[bytes]:
         try:
@@ -823,18 +808,10 @@ class DockerSandbox(BaseSandbox):
             raise FileTransferError(f"copying {remote} out of sandbox {self.id} failed: {exc}") from exc
         return stream  # type: ignore[no-any-return]
 
-    async def _download_file(self, remote_path: str, local_path: Path) -> None:
-        def fetch() -> None:
-            extract_single_file(IterStream(self._get_archive(remote_path)), local_path)  # type: ignore[arg-type]
-
-        await asyncio.to_thread(fetch)
-
-    async def _download_dir(self, remote_dir: str, local_dir: Path) -> None:
-        def fetch() -> None:
-            archive = IterStream(self._get_archive(remote_dir.rstrip("/") or "/"))
-            extract_tar(archive, local_dir, strip_top=True)  # type: ignore[arg-type]
-
-        await asyncio.to_thread(fetch)
+    async def _get_tar(self, directory: str, name: str) -> IO[bytes]:
+        # The engine's archive of the path: a directory under its own name (stripped by the caller).
+        path = directory if name == "." else posixpath.join(directory, name)
+        return IterStream(await asyncio.to_thread(self._get_archive, path))  # type: ignore[return-value]
 
     async def _archive_dir(self, remote_dir: str, local_path: Path, limit: int) -> int:
         # The engine's own archive of the directory (made outside every process of the container,

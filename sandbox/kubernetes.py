@@ -71,9 +71,6 @@ from .protocol import (
     BaseSandbox,
     ExecResult,
     command_to_shell,
-    extract_single_file,
-    extract_tar,
-    tar_directory,
     tar_single_file,
 )
 from .registry import import_sdk
@@ -828,23 +825,12 @@ class KubernetesSandbox(BaseSandbox):
             raise FileTransferError(f"copying into {remote_dir} in sandbox {self.id} failed: "
                                     f"{(out + err).decode(errors='replace').strip()[-500:]}")
 
-    async def _chown_for_default_user(self, remote: str) -> None:
+    async def _uploaded(self, remote: str) -> None:
         if self.spec.user:
             code, _, err = await self._root(["chown", "-R", self.spec.user, remote])
             if code != 0:
                 raise FileTransferError(
                     f"giving {remote} to {self.spec.user} failed: {err.decode(errors='replace')}")
-
-    async def _upload_file(self, local_path: Path, remote_path: str) -> None:
-        parent, name = posixpath.split(remote_path)
-        tar_stream = await asyncio.to_thread(tar_single_file, local_path, name)
-        await self._put_tar(parent or "/", tar_stream)
-        await self._chown_for_default_user(remote_path)
-
-    async def _upload_dir(self, local_dir: Path, remote_dir: str) -> None:
-        tar_stream = await asyncio.to_thread(tar_directory, local_dir)
-        await self._put_tar(remote_dir, tar_stream)
-        await self._chown_for_default_user(remote_dir)
 
     async def _get_tar(self, directory: str, name: str) -> IO[bytes]:
         """``tar -c`` of ``name`` in ``directory``, spooled here (to disk when large)."""
@@ -868,21 +854,6 @@ class KubernetesSandbox(BaseSandbox):
                 f"{bytes(stream.stderr).decode(errors='replace').strip()[-500:]}")
         spool.seek(0)
         return spool  # type: ignore[return-value]
-
-    async def _download_file(self, remote_path: str, local_path: Path) -> None:
-        parent, name = posixpath.split(remote_path)
-        spool = await self._get_tar(parent or "/", name)
-        try:
-            await asyncio.to_thread(extract_single_file, spool, local_path)
-        finally:
-            spool.close()
-
-    async def _download_dir(self, remote_dir: str, local_dir: Path) -> None:
-        spool = await self._get_tar(remote_dir.rstrip("/") or "/", ".")
-        try:
-            await asyncio.to_thread(extract_tar, spool, local_dir, strip_top=True)
-        finally:
-            spool.close()
 
     # -- forwarding and killing --------------------------------------------------------------------
     async def open_exec_channel(self, argv: list[str]) -> Channel:

@@ -43,10 +43,6 @@ from .errors import BackendUnavailableError, ExecError, FileTransferError, Forwa
 from .protocol import (
     BaseSandbox,
     ExecResult,
-    extract_single_file,
-    extract_tar,
-    tar_directory,
-    tar_single_file,
 )
 from .registry import import_sdk
 from .spec import SandboxSpec
@@ -562,29 +558,32 @@ class ModalSandbox(BaseSandbox):
         return int(out)
 
     # -- files (tar over the exec's stdin/stdout) ------------------------------------------------------
-    async def _untar(self, remote_dir: str, tar_stream: IO[bytes], what: str) -> None:
+    async def _put_tar(self, remote_dir: str, tar_stream: IO[bytes]) -> None:
         q = shlex.quote(remote_dir)
-        own = f" && chown -R {shlex.quote(self.spec.user)} {q}" if self.spec.user else ""
         try:
             code, out, err = await self._raw(
-                ["/bin/sh", "-c", f"mkdir -p {q} && tar -xf - -C {q} --no-same-owner{own}"],
+                ["/bin/sh", "-c", f"mkdir -p {q} && tar -xf - -C {q} --no-same-owner"],
                 timeout=3600, stdin=tar_stream)
         finally:
             tar_stream.close()
         if code != 0:
-            raise FileTransferError(
-                f"{what} in sandbox {self.id} failed: {(out + err).decode(errors='replace').strip()[-500:]}")
+            raise FileTransferError(f"copying into {remote_dir} in sandbox {self.id} failed: "
+                                    f"{(out + err).decode(errors='replace').strip()[-500:]}")
 
-    async def _upload_file(self, local_path: Path, remote_path: str) -> None:
-        parent, name = posixpath.split(remote_path)
-        tar_stream = await asyncio.to_thread(tar_single_file, local_path, name)
-        await self._untar(parent or "/", tar_stream, f"uploading {local_path} to {remote_path}")
+    async def _uploaded(self, remote: str) -> None:
+        if self.spec.user:
+            code, _, err = await self._raw(["chown", "-R", self.spec.user, remote], timeout=600)
+            if code != 0:
+                raise FileTransferError(
+                    f"giving {remote} to {self.spec.user} failed: {err.decode(errors='replace')}")
 
-    async def _upload_dir(self, local_dir: Path, remote_dir: str) -> None:
-        tar_stream = await asyncio.to_thread(tar_directory, local_dir)
-        await self._untar(remote_dir, tar_stream, f"uploading {local_dir} to {remote_dir}")
-
-    async def _tar_out(self, script: str, what: str) -> IO[bytes]:
+    async def _get_tar(self, directory: str, name: str) -> IO[bytes]:
+        d, n = shlex.quote(directory), shlex.quote(name)
+        if name == ".":
+            script = f"[ -d {d} ] || {{ echo 'no such directory: '{d} >&2; exit 2; }}; tar -cf - -C {d} ."
+        else:
+            p = shlex.quote(posixpath.join(directory, name))
+            script = f"[ -f {p} ] || {{ echo 'no such file: '{p} >&2; exit 2; }}; tar -cf - -C {d} -- {n}"
         spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=32 * _MIB)  # type: ignore[assignment]
         try:
             def sink(chunk: bytes) -> None:
@@ -592,30 +591,13 @@ class ModalSandbox(BaseSandbox):
 
             code, _, err = await self._raw(["/bin/sh", "-c", script], timeout=3600, stdout=sink)
             if code != 0:
-                raise FileTransferError(
-                    f"{what} from sandbox {self.id} failed: {err.decode(errors='replace').strip()[-500:]}")
+                raise FileTransferError(f"copying {posixpath.join(directory, name)} out of sandbox {self.id} "
+                                        f"failed: {err.decode(errors='replace').strip()[-500:]}")
         except BaseException:
             spool.close()
             raise
         spool.seek(0)
         return spool
-
-    async def _download_file(self, remote_path: str, local_path: Path) -> None:
-        parent, name = posixpath.split(remote_path)
-        p, d, n = shlex.quote(remote_path), shlex.quote(parent or "/"), shlex.quote(name)
-        spool = await self._tar_out(
-            f"[ -f {p} ] || {{ echo 'no such file: '{p} >&2; exit 2; }}; tar -cf - -C {d} -- {n}",
-            f"downloading {remote_path}")
-        with spool:
-            await asyncio.to_thread(extract_single_file, spool, local_path)
-
-    async def _download_dir(self, remote_dir: str, local_dir: Path) -> None:
-        q = shlex.quote(remote_dir)
-        spool = await self._tar_out(
-            f"[ -d {q} ] || {{ echo 'no such directory: '{q} >&2; exit 2; }}; tar -cf - -C {q} .",
-            f"downloading {remote_dir}")
-        with spool:
-            await asyncio.to_thread(extract_tar, spool, local_dir)
 
     # -- forwarding (the exec tunnel) -------------------------------------------------------------------
     async def _upload_relay(self) -> None:

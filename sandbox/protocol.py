@@ -33,6 +33,7 @@ Two calls exist for the gateway's isolation of agents; both are on every backend
 from __future__ import annotations
 
 import abc
+import asyncio
 import io
 import os
 import posixpath
@@ -537,17 +538,48 @@ class BaseSandbox(abc.ABC):
         self, command: str, *, cwd: str, env: dict[str, str], user: str | None, timeout: float | None
     ) -> ExecResult: ...
 
-    @abc.abstractmethod
-    async def _upload_file(self, local_path: Path, remote_path: str) -> None: ...
+    # File transfer is built once, here, from two tar primitives a backend implements: _put_tar and
+    # _get_tar (Docker's archive API, Kubernetes' and Modal's exec streams). A backend with a transfer
+    # of its own overrides the four methods instead (local: tar run inside a hardened sandbox;
+    # Daytona: its upload endpoint and a tar unpacked by exec).
+    async def _put_tar(self, remote_dir: str, tar_stream: IO[bytes]) -> None:
+        """Unpack ``tar_stream`` into ``remote_dir`` inside the sandbox (created if missing); raise
+        :class:`FileTransferError` when that fails."""
+        raise NotImplementedError(f"the {self.backend} backend implements its own file transfer")
 
-    @abc.abstractmethod
-    async def _upload_dir(self, local_dir: Path, remote_dir: str) -> None: ...
+    async def _get_tar(self, directory: str, name: str) -> IO[bytes]:
+        """A tar stream of ``name`` in ``directory`` as made inside the sandbox (``name="."``: the
+        directory's contents; the stream may hold it under its own name, which is stripped); raise
+        :class:`FileTransferError` when ``directory/name`` is missing or cannot be read."""
+        raise NotImplementedError(f"the {self.backend} backend implements its own file transfer")
 
-    @abc.abstractmethod
-    async def _download_file(self, remote_path: str, local_path: Path) -> None: ...
+    async def _uploaded(self, remote: str) -> None:  # noqa: B027 (a hook: most backends need nothing)
+        """Called once an upload landed at ``remote`` (Docker, Kubernetes and Modal give it to
+        ``spec.user``)."""
 
-    @abc.abstractmethod
-    async def _download_dir(self, remote_dir: str, local_dir: Path) -> None: ...
+    async def _upload_file(self, local_path: Path, remote_path: str) -> None:
+        parent, name = posixpath.split(remote_path)
+        await self._put_tar(parent or "/", await asyncio.to_thread(tar_single_file, local_path, name))
+        await self._uploaded(remote_path)
+
+    async def _upload_dir(self, local_dir: Path, remote_dir: str) -> None:
+        await self._put_tar(remote_dir, await asyncio.to_thread(tar_directory, local_dir))
+        await self._uploaded(remote_dir)
+
+    async def _download_file(self, remote_path: str, local_path: Path) -> None:
+        parent, name = posixpath.split(remote_path)
+        stream = await self._get_tar(parent or "/", name)
+        try:
+            await asyncio.to_thread(extract_single_file, stream, local_path)
+        finally:
+            stream.close()
+
+    async def _download_dir(self, remote_dir: str, local_dir: Path) -> None:
+        stream = await self._get_tar(remote_dir.rstrip("/") or "/", ".")
+        try:
+            await asyncio.to_thread(extract_tar, stream, local_dir, strip_top=True)
+        finally:
+            stream.close()
 
     async def _archive_dir(self, remote_dir: str, local_path: Path, limit: int) -> int:
         """Any backend: ``tar`` into a temporary directory of root's inside (it takes the sandbox's

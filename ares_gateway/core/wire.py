@@ -101,26 +101,46 @@ class StreamEncoder(Protocol):
         ...
 
 
+class ParseRequest(Protocol):
+    """Native request body (parsed JSON) -> canonical; raises :class:`RequestError`. ``reuse``: what it
+    may take over from the session's previous request (:class:`Reuse`); ``ends``: a list it fills as
+    :attr:`Reuse.ends` describes, for the next request's reuse."""
+
+    def __call__(self, body: Any, /, *, reuse: Reuse | None = None,
+                 ends: list[int] | None = None) -> CanonicalRequest: ...
+
+
+class ParseResponse(Protocol):
+    """Native non-stream response body -> canonical (``request``: the request it answers, when known);
+    raises :class:`RequestError`."""
+
+    def __call__(self, body: Any, request: CanonicalRequest | None = None, /) -> Completion: ...
+
+
+class ErrorBody(Protocol):
+    """An error body in the protocol's own shape."""
+
+    def __call__(self, status: int, message: str, /, *, param: str | None = None) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ProtocolAdapter:
     """What each protocol module exposes as ``ADAPTER``: its pure functions, by role."""
 
     protocol: WireProtocol
-    #: Native request body (parsed JSON) -> canonical. Raises :class:`RequestError`. Also takes
-    #: ``reuse=`` (a :class:`Reuse`: what it may take over from the session's previous request) and
-    #: ``ends=`` (a list it fills as :attr:`Reuse.ends` describes, for the next request's reuse).
-    parse_request: Callable[..., CanonicalRequest]
+    #: Native request body (parsed JSON) -> canonical (:class:`ParseRequest`).
+    parse_request: ParseRequest
     #: Canonical -> native request body (to forward upstream, and for round trips).
     render_request: Callable[[CanonicalRequest], dict[str, Any]]
-    #: ``parse_response(body, request=None)``: native non-stream response body -> canonical.
-    #: Raises :class:`RequestError`.
-    parse_response: Callable[..., Completion]
+    #: ``parse_response(body, request=None)``: native non-stream response body -> canonical
+    #: (:class:`ParseResponse`).
+    parse_response: ParseResponse
     #: ``render_response(completion, request, response_id)`` -> native non-stream response body.
     render_response: Callable[[Completion, CanonicalRequest, str], dict[str, Any]]
     #: ``stream_encoder(request, response_id)``: a fresh encoder for one streamed response.
     stream_encoder: Callable[[CanonicalRequest, str], StreamEncoder]
     #: ``error_body(status, message, *, param=None)``: an error body in the protocol's own shape.
-    error_body: Callable[..., dict[str, Any]]
+    error_body: ErrorBody
 
 
 _ADAPTERS: dict[WireProtocol, ProtocolAdapter] = {}

@@ -29,7 +29,14 @@ from ares_gateway.episodes.tasks import Task
 from ares_gateway.episodes.usage import episode_usage
 from ares_gateway.episodes.workspaces import workspace_file
 from ares_gateway.gateway import Gateway
-from ares_gateway.policies.base import EpisodeReporter, PolicyError, SessionBound, call_policy, is_external
+from ares_gateway.policies.base import (
+    EpisodeReporter,
+    Policy,
+    PolicyError,
+    SessionBound,
+    call_policy,
+    is_external,
+)
 from ares_gateway.telemetry import EpisodeSpan
 from harnesses import BaseHarness, registry
 
@@ -74,7 +81,7 @@ class EpisodeRecord:
     logs: dict[str, str] = field(default_factory=dict)
 
 
-async def drive_episode(spec: EpisodeSpec, *, policy: Any, gateway: Gateway) -> EpisodeRecord:
+async def drive_episode(spec: EpisodeSpec, *, policy: Policy, gateway: Gateway) -> EpisodeRecord:
     """Run one episode of ``spec`` against the started ``gateway``, answered by ``policy`` (see the module
     docstring). The sandbox is removed whatever happens, cancellation included. With the gateway's
     OpenTelemetry on, the episode is a span and its LLM calls its children (:mod:`ares_gateway.telemetry`)."""
@@ -88,7 +95,8 @@ async def drive_episode(spec: EpisodeSpec, *, policy: Any, gateway: Gateway) -> 
         return record
 
 
-async def _drive(spec: EpisodeSpec, policy: Any, gateway: Gateway, span: EpisodeSpan | None) -> EpisodeRecord:
+async def _drive(spec: EpisodeSpec, policy: Policy, gateway: Gateway,
+                 span: EpisodeSpan | None) -> EpisodeRecord:
     t0 = time.monotonic()
     if is_external(policy):
         return await _passive_episode(gateway, spec, spec.new_harness(), t0, span)
@@ -96,7 +104,7 @@ async def _drive(spec: EpisodeSpec, policy: Any, gateway: Gateway, span: Episode
                               image=spec.image, model=spec.model, step_limit=spec.step_limit,
                               time_limit=spec.time_limit, save_workspace=spec.workspace)
     sid = ""
-    bound = isinstance(policy, SessionBound)
+    binder = policy if isinstance(policy, SessionBound) else None
     failures: list[dict[str, Any]] = []
     try:
         ts = await env.reset()
@@ -104,10 +112,10 @@ async def _drive(spec: EpisodeSpec, policy: Any, gateway: Gateway, span: Episode
         sid = env.session.session_id
         if span is not None:
             span.bind(sid)
-        if bound and not ts.last():
+        if binder is not None and not ts.last():
             h: Any = env.episode.harness if env.episode is not None else registry.get_class(spec.harness)
             # A harness may speak another agent's action format (tiny-agent: mini-swe-agent's).
-            policy.bind(sid, agent=h.scripted_format or h.name, task=spec.task)
+            binder.bind(sid, agent=h.scripted_format or h.name, task=spec.task)
         while not ts.last():
             assert ts.observation is not None
             request = ts.observation
@@ -134,12 +142,13 @@ async def _drive(spec: EpisodeSpec, policy: Any, gateway: Gateway, span: Episode
             result.fidelity = policy.episode_report(sid, samples)
         return EpisodeRecord(result, samples, turns, dict(outcome.logs))
     finally:
-        if bound and sid:
-            policy.unbind(sid)
+        if binder is not None and sid:
+            binder.unbind(sid)
         await env.close()
 
 
-async def _answer(policy: Any, request: ParkedRequest, failures: list[dict[str, Any]] | None = None) -> Any:
+async def _answer(policy: Policy, request: ParkedRequest,
+                  failures: list[dict[str, Any]] | None = None) -> Any:
     """The policy's answer; a failing policy gives the agent an error answer, as PolicyServer does, and
     the failure is appended to ``failures`` as a turn-log entry (see :func:`_failed_turn`)."""
     started = time.monotonic()

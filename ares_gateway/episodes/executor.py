@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ares_gateway.core.canonical import next_policy_version
 from ares_gateway.core.errors import SamplingNotPausedError
@@ -29,7 +29,7 @@ from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec, drive_episo
 from ares_gateway.episodes.episode import episode_gateway
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.gateway import Gateway
-from ares_gateway.policies.base import ExternalPolicy, is_external
+from ares_gateway.policies.base import ExternalPolicy, Policy, is_external
 
 __all__ = ["Executor", "LocalExecutor", "fenced_update"]
 
@@ -47,7 +47,7 @@ class Executor(Protocol):
         """How many episodes it runs at once."""
         ...
 
-    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Any, time_limit: float | None,
+    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Policy, time_limit: float | None,
                     sandbox: str = "auto", image: str | None = None) -> None:
         """Get ready to run episodes of ``tasks`` with ``harness`` in ``sandbox`` sandboxes, answered by
         ``policy``; a place that cannot run them fails here, before any episode starts."""
@@ -132,7 +132,7 @@ class LocalExecutor:
         self.concurrency = concurrency
         self.gateway: Gateway | None = gateway
         self._owns_gateway = gateway is None
-        self._policy: Any = None
+        self._policy: Policy | None = None
         # The version for the gateway start() builds (set before it, or kept from the last one closed).
         self._version: int | None = None
 
@@ -140,7 +140,7 @@ class LocalExecutor:
     def slots(self) -> int:
         return self.concurrency
 
-    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Any, time_limit: float | None,
+    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Policy, time_limit: float | None,
                     sandbox: str = "auto", image: str | None = None) -> None:
         # This host's checks (Docker engine, harness install) are the caller's preflight.
         self._policy = policy
@@ -152,7 +152,7 @@ class LocalExecutor:
                 self.gateway.set_policy_version(self._version)
 
     async def run(self, spec: EpisodeSpec) -> EpisodeRecord:
-        if self.gateway is None:
+        if self.gateway is None or self._policy is None:
             raise RuntimeError("LocalExecutor.run before start()")
         return await drive_episode(spec, policy=self._policy, gateway=self.gateway)
 

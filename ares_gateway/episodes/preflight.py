@@ -21,6 +21,7 @@ from typing import Any
 
 from ares_gateway.episodes.episode import DEFAULT_IMAGE, one_line
 from ares_gateway.episodes.tasks import Task
+from ares_gateway.policies.base import Policy
 
 #: Seconds each check may take before it counts as failed.
 CHECK_TIMEOUT = 10.0
@@ -116,7 +117,7 @@ async def check_harness(harness: str, backend: str, *, quiet: bool = False) -> t
 
 
 async def preflight(
-    *, policy: Any, backend: str, harness: str, tasks: Sequence[Task], image: str | None = None,
+    *, policy: Policy | None, backend: str, harness: str, tasks: Sequence[Task], image: str | None = None,
     timeout: float = CHECK_TIMEOUT, quiet: bool = False, host_checks: bool = True,
 ) -> PreflightReport:
     """Every check for a run (see the module docstring), in order; the first failure raises

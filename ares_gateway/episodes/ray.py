@@ -60,6 +60,7 @@ from ares_gateway.episodes.episode import episode_gateway, one_line
 from ares_gateway.episodes.executor import fenced_update
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.extras import require_extra
+from ares_gateway.policies.base import Policy
 from sandbox.start_rate import ENV_VAR as START_RATE_ENV
 from sandbox.start_rate import start_rates
 
@@ -177,13 +178,13 @@ class _NodeGateway:
 
     def __init__(self) -> None:
         self.gateway: Any = None
-        self.policy: Any = None
+        self.policy: Policy | None = None
         self.node = ""
         self.options: dict[str, Any] = {}
         self.running: set[asyncio.Task[Any]] = set()
         self.tasks_moved: tuple[str, str] | None = None
 
-    async def start(self, harness: str, time_limit: float, policy: Any, sandbox: str, image: str | None,
+    async def start(self, harness: str, time_limit: float, policy: Policy, sandbox: str, image: str | None,
                     tasks: list[Task], host: str, admin_token: str | None,
                     tasks_root: str | None = None, policy_version: int | None = None) -> dict[str, Any]:
         """Check this node can run the episodes, then start its gateway; ``{"node", "ok", "why", "url"}``.
@@ -216,6 +217,7 @@ class _NodeGateway:
                 spec = dataclasses.replace(spec, harness_options={**spec.harness_options, **self.options})
             if self.tasks_moved:  # this node's copy of the task folders
                 spec = dataclasses.replace(spec, task=spec.task.moved(*self.tasks_moved))
+            assert self.policy is not None and self.gateway is not None, "run() before start()"
             record = await drive_episode(spec, policy=self.policy, gateway=self.gateway)
             record.result.node = self.node
             return record
@@ -371,7 +373,7 @@ class RayExecutor:
         """The node ids with a live gateway actor."""
         return list(self._actors)
 
-    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Any, time_limit: float | None,
+    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Policy, time_limit: float | None,
                     sandbox: str = "auto", image: str | None = None) -> None:
         ray = _ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -53,6 +53,7 @@ from ares_gateway.episodes.stats import StatTracker, make_tracker
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.episodes.workspaces import workspace_file
 from ares_gateway.gateway import Gateway
+from ares_gateway.policies.base import Policy
 
 __all__ = [
     "FAILED_REASONS",
@@ -71,7 +72,7 @@ async def run_rollouts(
     tasks: Sequence[Task],
     *,
     harness: str,
-    policy: Any,
+    policy: Policy,
     sandbox: str = "auto",
     concurrency: int = 4,
     attempts: int = 1,

@@ -73,6 +73,7 @@ from ares_gateway.episodes.scheduler import ScheduleState, schedule
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.episodes.workspaces import workspace_file
 from ares_gateway.gateway import Gateway
+from ares_gateway.policies.base import Policy
 from trajectory import Sample, check_max_staleness, mask_stale
 
 __all__ = [
@@ -216,7 +217,7 @@ class RolloutSource:
         tasks: Iterable[Task],
         *,
         harness: str,
-        policy: Any,
+        policy: Policy,
         sandbox: str = "auto",
         concurrency: int = 4,
         attempts: int = 1,

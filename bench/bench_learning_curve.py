@@ -126,6 +126,47 @@ def run_seed(args: argparse.Namespace, seed: int, out: str) -> dict[str, Any]:
     return {"seed": seed, "wall_s": wall, "steps": rollouts.steps}
 
 
+def base_rate(run_dir: str, budgets: list[int], samples: int, model_path: str | None,
+              regex: str) -> list[dict[str, Any]]:
+    """How often the untrained model's first answer parses, per answer budget: the first recorded
+    prompt of a run's first step (mini's text-mode prompt as the gateway rendered it, token ids)
+    sampled ``samples`` times at temperature 1 for each budget (tokens), each answer checked by the
+    format reward's rule. What chooses ``--max-tokens``: GRPO learns from groups whose rewards differ."""
+    import glob
+
+    import torch
+    from train_trl import load
+
+    from ares_gateway.trainers.rewards import FormatRule
+
+    found = sorted(glob.glob(os.path.join(run_dir, "seed-*", "episodes", "step-0", "turns", "*.jsonl")))
+    if not found:
+        raise SystemExit(f"no recorded turns under {run_dir}/seed-*/episodes/step-0/turns: "
+                         "run the curve first")
+    with open(found[0]) as f:
+        prompt = json.loads(f.readline())["completion"]["tokens"]["prompt_ids"]
+    rule = FormatRule.mini_swe_agent_text(regex)
+    model, tokenizer, _ = load(model_path)
+    model.eval()
+    torch.manual_seed(0)
+    ids = torch.tensor([prompt])
+    rows = []
+    for budget in budgets:
+        parsed, t0 = 0, time.monotonic()
+        with torch.no_grad():
+            for start in range(0, samples, 8):
+                n = min(8, samples - start)
+                out = model.generate(ids.repeat(n, 1), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                     max_new_tokens=budget, pad_token_id=tokenizer.eos_token_id)
+                parsed += sum(rule.parses(tokenizer.decode(row[len(prompt):], skip_special_tokens=True))
+                              for row in out)
+        rows.append({"max_tokens": budget, "parsed": parsed, "samples": samples,
+                     "share": parsed / samples, "seconds": time.monotonic() - t0})
+        print(f"max_tokens {budget}: {parsed}/{samples} first answers parse ({parsed / samples:.2f})",
+              flush=True)
+    return rows
+
+
 def _fifth(values: list[float], last: bool) -> float:
     k = max(1, len(values) // 5)
     return statistics.fmean(values[-k:] if last else values[:k])
@@ -271,7 +312,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ablation", action="store_true",
                     help="train on every completion token: env_mask forced to 1 on tool output too")
     ap.add_argument("--out", default="runs/learning-curve")
+    ap.add_argument("--base-rate", metavar="RUN_DIR", default=None,
+                    help="instead of training: how often the untrained model's first answer parses at each "
+                         "--budgets, sampled from the first prompt a run in RUN_DIR recorded")
+    ap.add_argument("--budgets", default="80,128,160,192", help="--base-rate: answer budgets, in tokens")
+    ap.add_argument("--samples", type=int, default=32, help="--base-rate: answers per budget")
     args = ap.parse_args(argv)
+    if args.base_rate:
+        base_rate(args.base_rate, [int(b) for b in args.budgets.split(",") if b.strip()], args.samples,
+                  args.model, args.action_regex)
+        return 0
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if not seeds or args.steps < 1:
         ap.error("give at least one seed and one step")

@@ -283,6 +283,19 @@ def _collect_garbage(backends: tuple[str, ...], dry_run: bool) -> Any:
     return collect_garbage(backends, dry_run=dry_run)
 
 
+def with_start_rate(runtime_env: Mapping[str, Any]) -> dict[str, Any]:
+    """``runtime_env`` for a node's actor, with this process's cap on sandbox starts (every backend's,
+    :func:`sandbox.limit_start_rate`) in its ``env_vars`` when one is set and the caller set none, so
+    each node's sandboxes start no faster than this process's would."""
+    env = dict(runtime_env)
+    every_backend = start_rates().get(None)
+    if every_backend is not None:
+        env_vars = dict(env.get("env_vars") or {})
+        env_vars.setdefault(START_RATE_ENV, repr(every_backend[0]))
+        env["env_vars"] = env_vars
+    return env
+
+
 async def collect_on_nodes(nodes: Sequence[str] | None = None, *,
                            backends: Sequence[str] = ("local", "docker"),
                            dry_run: bool = False, timeout: float = 120.0) -> dict[str, Any]:
@@ -380,12 +393,7 @@ class RayExecutor:
 
         from ares_gateway.policies.base import is_external
 
-        actor_env = dict(self.runtime_env)
-        every_backend = start_rates().get(None)
-        if every_backend is not None:  # this process's cap on sandbox starts holds on each node too
-            env_vars = dict(actor_env.get("env_vars") or {})
-            env_vars.setdefault(START_RATE_ENV, repr(every_backend[0]))
-            actor_env["env_vars"] = env_vars
+        actor_env = with_start_rate(self.runtime_env)
         tasks_root = self._tasks_root()
         if tasks_root is not None:
             # Ray uploads a local working_dir only for a whole job (ray.init), not per actor.

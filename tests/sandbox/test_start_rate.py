@@ -102,3 +102,17 @@ def test_the_run_command_refuses_a_bad_rate() -> None:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "--start-rate" in r.stderr and "positive number of sandboxes a second" in r.stderr
+
+
+def test_the_ray_executor_gives_each_node_the_rate() -> None:
+    from ares_gateway.episodes.ray import with_start_rate
+
+    assert with_start_rate({"working_dir": "x"}) == {"working_dir": "x"}  # no limit: nothing added
+    sandbox.limit_start_rate(2.5)
+    got = with_start_rate({"working_dir": "x", "env_vars": {"A": "1"}})
+    assert got == {"working_dir": "x", "env_vars": {"A": "1", start_rate.ENV_VAR: "2.5"}}
+    mine = with_start_rate({"env_vars": {start_rate.ENV_VAR: "1"}})  # the caller's own value wins
+    assert mine["env_vars"][start_rate.ENV_VAR] == "1"
+    sandbox.limit_start_rate(None)
+    sandbox.limit_start_rate(1.0, backend="modal")  # a backend's own limit stays in this process
+    assert "env_vars" not in with_start_rate({})

@@ -42,6 +42,17 @@ def setting_flags() -> list[tuple[str, str, dataclasses.Field[Any]]]:
     return out
 
 
+def flag_error(exc: ValueError) -> str:
+    """A setting's error with the ``serve`` flag that sets it named (the message names the field)."""
+    message = str(exc)
+    for flag, _, f in setting_flags():
+        if message.startswith(f.name + " "):
+            return f"{flag}: {message}"
+    if message.startswith("max_body_bytes "):
+        return f"--max-body-mb: {message}"
+    return message
+
+
 async def _serve(cfg: GatewayConfig, token_file: str | None = None, policy: Any = None,
                  concurrency: int = 1, telemetry: Telemetry | None = None) -> None:
     stop = asyncio.Event()
@@ -50,6 +61,10 @@ async def _serve(cfg: GatewayConfig, token_file: str | None = None, policy: Any 
         loop.add_signal_handler(sig, stop.set)
     try:
         gw = Gateway(cfg, telemetry=False if telemetry is None else telemetry)
+    except ValueError as exc:  # a setting out of its range
+        print(f"ares-gateway: error: {flag_error(exc)}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    try:
         mount_viewer(gw)  # the trajectory viewer at /ui/, behind the admin token
         await gw.start()
     except DataDirError as exc:
@@ -143,6 +158,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
               flush=True)
         return 2
     flags = setting_flags()
+    try:
+        http = HttpLimits(max_body_bytes=args.max_body_mb * 1024 * 1024,
+                          **{f.name: getattr(args, f.name) for _, where, f in flags if where == "http"})
+    except ValueError as exc:
+        print(f"ares-gateway: error: {flag_error(exc)}", file=sys.stderr, flush=True)
+        return 2
     cfg = GatewayConfig(
         host=args.host,
         port=args.port,
@@ -153,8 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         data_dir=False if data_dir is None else data_dir,
         retention_seconds=None if args.retention_days is None else args.retention_days * 86400.0,
-        http=HttpLimits(max_body_bytes=args.max_body_mb * 1024 * 1024,
-                        **{f.name: getattr(args, f.name) for _, where, f in flags if where == "http"}),
+        http=http,
         **{f.name: getattr(args, f.name) for _, where, f in flags if where == "config"},
     )
     policy = None

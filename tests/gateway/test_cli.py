@@ -188,3 +188,14 @@ def test_every_setting_flag_is_declared_once_on_its_field() -> None:
     assert (gw.limits.max_headers, gw.limits.header_timeout, gw.config.request_timeout) == (12, 2.5, 30.0)
     with pytest.raises(TypeError, match="unknown setting 'max_header'"):
         Gateway(max_header=12)
+
+
+def test_a_limit_flag_out_of_range_is_one_line_naming_the_flag() -> None:
+    for flag, value, says in (("--max-headers", "0", "max_headers must be at least 1"),
+                              ("--stream-idle-timeout", "0", "must be a positive number of seconds"),
+                              ("--max-body-mb", "0", "max_body_bytes must be at least 1")):
+        r = subprocess.run([sys.executable, "-m", "ares_gateway.cli", "serve", "--port", "0", "--in-memory",
+                            flag, value], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (flag, r.stdout, r.stderr)
+        assert f"ares-gateway: error: {flag}: " in r.stderr and says in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr

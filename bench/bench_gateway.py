@@ -30,7 +30,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,15 +39,12 @@ from typing import Any
 
 import orjson
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.support.polling import answer_polls, free_port, rss_kib
+
 ADMIN = "bench-admin-token-0123456789"
 #: Microseconds of CPU the bare loops spend on each agent request (``--burn-us``), in their children.
 _BURN_ENV = "ARES_BENCH_BURN_US"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -63,14 +59,6 @@ def _idle_jiffies() -> tuple[int, int]:
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     return fields[3] + fields[4], sum(fields)
-
-
-def _rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 # ---------------------------------------------------------------- child processes
@@ -185,28 +173,6 @@ def _bare_main(port: int, mode: str, lowlevel: bool = False) -> None:
         await web.TCPSite(runner, "127.0.0.1", port).start()
         print("ready", flush=True)
         await park.serve(mode)
-
-    uvloop.run(main())
-
-
-def _responder_main(url: str, canonical: str = "1", max_items: int = 1024) -> None:
-    import aiohttp
-    import uvloop
-
-    async def main() -> None:
-        async with aiohttp.ClientSession(headers={"authorization": f"Bearer {ADMIN}"}) as s:
-            print("ready", flush=True)
-            while True:
-                async with s.get(f"{url}/poll",
-                                 params={"wait": "30", "max": str(max_items), "canonical": canonical}) as r:
-                    items = orjson.loads(await r.read())
-                if not items:  # only the Go proxy's non-blocking /poll comes back empty: back off a little
-                    await asyncio.sleep(0.001)
-                    continue
-                payload = [{"id": it["id"], "completion": {"text": "ok"}} for it in items]
-                async with s.post(f"{url}/respond", data=orjson.dumps(payload),
-                                  headers={"content-type": "application/json"}) as r:
-                    await r.read()
 
     uvloop.run(main())
 
@@ -363,7 +329,7 @@ async def _parked_memory(url: str, pid: int, count: int, body_kind: str) -> floa
                 pass
 
         # Warm the allocator with one round first, then measure a second, larger one.
-        before = _rss_kib(pid)
+        before = rss_kib(pid)
         tasks = [asyncio.create_task(agent(i)) for i in range(count)]
         async with aiohttp.ClientSession(headers={"authorization": f"Bearer {ADMIN}"}) as admin:
             for _ in range(600):
@@ -371,7 +337,7 @@ async def _parked_memory(url: str, pid: int, count: int, body_kind: str) -> floa
                     if (await r.json())["parked"] >= count:
                         break
                 await asyncio.sleep(0.05)
-        after = _rss_kib(pid)
+        after = rss_kib(pid)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -408,7 +374,7 @@ def run_case(
 
     results = []
     for _ in range(repeat):
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         gw = _spawn([f"_{impl}", str(port), mode])
         responder = _spawn(["_responder", url, "1" if canonical else "0"]) if mode == "http" else None
@@ -439,7 +405,7 @@ def run_case(
 def memory_case(count: int, body: str) -> float:
     import uvloop
 
-    port = _free_port()
+    port = free_port()
     gw = _spawn(["_gateway", str(port), "http"])  # nobody answers: everything stays parked
     try:
         return uvloop.run(_parked_memory(f"http://127.0.0.1:{port}", gw.pid, count, body))
@@ -459,7 +425,7 @@ def instructions_case(mode: str, impl: str, body: str, turns: tuple[int, int] = 
 
     totals = []
     for n in turns:
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         child = f"_{impl}"
         proc = subprocess.Popen(
@@ -501,7 +467,7 @@ def main() -> None:
         _bare_main(int(sys.argv[2]), sys.argv[3], lowlevel=sys.argv[1] == "_bare-ll")
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_responder":
-        _responder_main(sys.argv[2], sys.argv[3])
+        answer_polls(sys.argv[2], ADMIN, canonical=sys.argv[3])
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", type=int, action="append", help="concurrent agents (default 1, 64, 512)")

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,16 +42,13 @@ from typing import Any
 
 import orjson
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.support.polling import answer_polls, free_port, rss_kib
+
 ADMIN = "bench-sessions-admin-token-0123456789"
 #: Bodies an agent sends: a small chat call, and one of about 20 KB (a short system prompt, a task
 #: and tool results: early in a real session).
 BODIES = ("small", "20k")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _proc_stat(pid: int) -> list[str]:
@@ -74,14 +70,6 @@ def _tree_cpu_seconds(pid: int) -> float:
         if int(entry) == pid or int(fields[1]) == pid:  # fields[1]: the parent's pid
             total += (int(fields[11]) + int(fields[12])) / tick
     return total
-
-
-def _rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 def body_bytes(kind: str) -> bytes:
@@ -109,34 +97,11 @@ def body_bytes(kind: str) -> bytes:
 # ---------------------------------------------------------------- child processes
 
 
-def _poller_main(url: str) -> None:
-    """Answer every request: ``GET /poll`` (long-poll, up to 1,024 at once), one ``POST /respond``."""
-    import aiohttp
-    import uvloop
-
-    async def main() -> None:
-        headers = {"authorization": f"Bearer {ADMIN}"}
-        timeout = aiohttp.ClientTimeout(total=None)
-        async with aiohttp.ClientSession(headers=headers, timeout=timeout) as s:
-            print("ready", flush=True)
-            while True:
-                async with s.get(f"{url}/poll", params={"wait": "30", "max": "1024", "canonical": "0"}) as r:
-                    items = orjson.loads(await r.read())
-                if not items:
-                    continue
-                payload = [{"id": it["id"], "completion": {"text": "ok"}} for it in items]
-                async with s.post(f"{url}/respond", data=orjson.dumps(payload),
-                                  headers={"content-type": "application/json"}) as r:
-                    await r.read()
-
-    uvloop.run(main())
-
-
 class Gateway:
     """``ares-gateway serve`` in a child process with a fresh data dir, until :meth:`stop`."""
 
     def __init__(self, data_dir: str, *extra: str, soft_nofile: int | None = None) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(os.path.join(data_dir, "gateway.log"), "wb")  # closed in stop()
         env = {**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": ADMIN}
@@ -215,7 +180,7 @@ async def _play(url: str, sessions: int, kind: str, measured: int, rate: float,
     out: dict[str, Any] = {"sessions": sessions, "body": kind, "body_bytes": len(body)}
     errors: list[str] = []
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as s:
-        rss0 = _rss_kib(gw_pid)
+        rss0 = rss_kib(gw_pid)
         sem = asyncio.Semaphore(64)
 
         async def create(i: int) -> tuple[str, str]:
@@ -228,7 +193,7 @@ async def _play(url: str, sessions: int, kind: str, measured: int, rate: float,
         t0 = time.perf_counter()
         made = await asyncio.gather(*(create(i) for i in range(sessions)))
         out["create_s"] = time.perf_counter() - t0
-        out["idle_session_kib"] = (_rss_kib(gw_pid) - rss0) / sessions
+        out["idle_session_kib"] = (rss_kib(gw_pid) - rss0) / sessions
         taken = dict.fromkeys((sid for sid, _ in made), 0)
 
         async def turn(sid: str, token: str) -> float:
@@ -275,7 +240,7 @@ async def _play(url: str, sessions: int, kind: str, measured: int, rate: float,
             "p50_ms": latencies[n // 2] * 1000 if n else float("nan"),
             "p99_ms": latencies[min(n - 1, int(n * 0.99))] * 1000 if n else float("nan"),
         })
-        out["rss_session_kib"] = (_rss_kib(gw_pid) - rss0) / sessions
+        out["rss_session_kib"] = (rss_kib(gw_pid) - rss0) / sessions
 
         # Check: every turn answered and recorded.
         async with s.get(f"{url}/sessions", headers=admin) as r:
@@ -321,7 +286,7 @@ def run_case(sessions: int, kind: str = "small", *, measured: int = 32768, rate:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "_poller":
-        _poller_main(sys.argv[2])
+        answer_polls(sys.argv[2], ADMIN, canonical="0")
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, action="append", help="sessions (default 1024, 4096, 16384)")

@@ -38,18 +38,14 @@ import time
 from typing import Any
 
 import orjson
-from bench_gateway import ADMIN, _gateway_main, _responder_main  # the same gateway and poller children
+from bench_gateway import ADMIN, _gateway_main  # the same gateway child
+
+from bench.support.polling import answer_polls, free_port  # the same poller
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MiB = 1024 * 1024
 SMALL = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rss_mib(pid: int) -> float:
@@ -158,7 +154,7 @@ async def _victim_turns(url: str, token: str, seconds: float) -> list[float]:
 
 
 def victim(args: argparse.Namespace) -> dict[str, float]:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     gw = _spawn(args.src, ["--_gateway", str(port), args.mode])
     responder = sender = None
@@ -248,7 +244,7 @@ async def _heads(port: int, conns: int, pid: int) -> dict[str, float]:
 
 
 def heads(args: argparse.Namespace) -> dict[str, float]:
-    port = _free_port()
+    port = free_port()
     gw = _spawn(args.src, ["--_gateway", str(port), "http"])
     try:
         return asyncio.run(_heads(port, args.conns, gw.pid))
@@ -294,7 +290,7 @@ async def _park(url: str, count: int, pid: int, body: bytes) -> dict[str, float]
 
 
 def park(args: argparse.Namespace) -> dict[str, float]:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     gw = _spawn(args.src, ["--_gateway", str(port), "http"])
     try:
@@ -310,7 +306,7 @@ def main() -> None:
         if role == "--_gateway":
             _gateway_main(int(rest[0]), rest[1], max_items=64, **orjson.loads(rest[2]))
         elif role == "--_responder":
-            _responder_main(rest[0], max_items=64)
+            answer_polls(rest[0], ADMIN, max_items=64)
         elif role == "--_sender":
             _big_sender_main(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4] == "1")
         return

@@ -356,12 +356,20 @@ async def test_breaking_the_verifiers_setup_in_its_own_sandbox_is_the_agents_fai
         backend: str, tmp_path: Path, steered: type[Steered]) -> None:
     """``[verifier] sandbox = "agent"``: the agent solves the task and leaves a process that takes every
     pid once the verifier starts, so the verifier's setup cannot run (a crash that, as the
-    infrastructure's, would have been retried into ``infra_error``): reward 0.0, the agent's."""
+    infrastructure's, would have been retried into ``infra_error``): reward 0.0, the agent's.
+
+    On a loaded machine the verifier's setup may win the race with the hog's last threads; test.sh then
+    starts in a sandbox with no pid left and the verdict is its own (0.0, judged, one try): either way the
+    agent's reward is 0.0 and never ``infra_error``."""
     _need(backend)
     e = await _run(_task(tmp_path / "tasks", agent_grading=True), backend,
                    make_policy("scripted", commands=[SOLVE, HOG]))
-    _agents_fault(e, len(steered.sandboxes))
-    assert e.exit_reason == "completed" and e.verifier_crashed and e.grading == "agent", e
+    assert e.exit_reason == "completed" and e.grading == "agent", e
+    if e.verifier_crashed:
+        _agents_fault(e, len(steered.sandboxes))
+    else:  # the tests ran, and could not do their work: judged 0.0 by them
+        assert (e.reward, e.retries, e.failure_site, classify(e)) == (0.0, 0, "", None), e
+        assert len(steered.sandboxes) == 1 and e.turns >= 1, e
     assert _left(tmp_path / "sandboxes") == []
 
 

@@ -27,11 +27,15 @@ import pytest
 
 from ares_gateway.episodes.tasks import Dataset as TaskDataset
 from ares_gateway.episodes.tasks import DatasetError
+from ares_gateway.gateway import GatewayConfig
 from ares_gateway.trainers import TrainerError, UnknownTaskError
 from harnesses import registry
 from harnesses.tiny_agent import TinyAgentHarness
 from tests.prereq import require
 from tests.trainers.conftest import load_smollm2, require_mini_install
+
+#: Answers shorter than the gateway's ``fork_threshold_tokens`` may be replaced in place (REPLACE link).
+REPLACE_THRESHOLD = GatewayConfig().fork_threshold_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("quiet_trl")]
 
@@ -86,6 +90,12 @@ def check_completion(batch: dict[str, list[Any]], i: int, recomputed: list[float
             # The agent rewrote its history after this turn (mini-swe-agent drops an empty answer,
             # the model's EOS at once, and sends only its format-error message): the next prompt does
             # not continue this turn, so it is another sample of the episode, not in the main one.
+            continue
+        if (got != want and nxt is not None and full[:len(nxt)] == nxt and nxt[:at] == want[:at]
+                and len(tok["output_ids"]) < REPLACE_THRESHOLD):
+            # The next prompt drifts only inside this turn's short answer (the model sampled a special
+            # token the answer's text drops, e.g. SmolLM2's ``<filename>``): the sample carries the next
+            # prompt's tokens in its place and this answer is not trained (mask 0).
             continue
         if got != want:  # say where, and what the turn was, so a rare failure can be read from CI's log
             d = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),

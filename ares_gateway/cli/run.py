@@ -149,6 +149,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="start at most R sandboxes a second (per process: each Ray node's too), for "
                         "providers that rate-limit creation (default: no limit, or env "
                         "ARES_SANDBOX_START_RATE)")
+    p.add_argument("--warm", type=int, default=0, metavar="N",
+                   help="set up the next N episodes ahead (sandbox started, workdir ready, agent installed) "
+                        "while earlier ones run; each warm sandbox serves one episode (with --ray: N per "
+                        "node; default: 0, each episode sets up its own)")
     p.add_argument("--no-save-workspaces", dest="save_workspaces", action="store_false",
                    help="do not keep each episode's final workdir as DIR/workspaces/TASK.ATTEMPT.tar "
                         "(default: off, they are kept: the archive grading makes anyway; ares-gateway "
@@ -350,6 +354,7 @@ async def _execute(
                 console=console, stop=stop, gateway=gateway, executor=executor, run_info=run_info,
                 retries=getattr(args, "retries", DEFAULT_RETRIES),
                 save_workspaces=getattr(args, "save_workspaces", True),
+                warm=getattr(args, "warm", 0) if executor is None else 0,
             )
     finally:
         if entered:
@@ -373,7 +378,8 @@ def _ray_executor(args: argparse.Namespace, admin: str) -> Any:
     env = _TUNNELS.get(resolve_backend(args.sandbox), ("", ()))[0]
     runtime_env = {"env_vars": {env: tunnel}} if tunnel and env else None
     return RayExecutor(address, per_node=per_node, host=getattr(args, "host", "127.0.0.1"), admin_token=admin,
-                       runtime_env=runtime_env, connect_timeout=_ray_connect_timeout(args))
+                       runtime_env=runtime_env, connect_timeout=_ray_connect_timeout(args),
+                       warm=getattr(args, "warm", 0))
 
 
 def _ray_connect_timeout(args: argparse.Namespace) -> float:
@@ -470,6 +476,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail("-n and --attempts must be at least 1")
     if args.retries < 0:
         return _fail("--retries must be at least 0")
+    if args.warm < 0:
+        return _fail("--warm must be 0 or more sandboxes")
     if args.start_rate is not None:
         import sandbox
         from sandbox.start_rate import ENV_VAR

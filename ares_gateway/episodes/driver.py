@@ -27,6 +27,7 @@ from ares_gateway.episodes.episode import EpisodeOutcome, EpisodeSetupError, Tas
 from ares_gateway.episodes.output import EpisodeResult
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.episodes.usage import episode_usage
+from ares_gateway.episodes.warm import Warmed, WarmPool
 from ares_gateway.episodes.workspaces import workspace_file
 from ares_gateway.gateway import Gateway
 from ares_gateway.policies.base import (
@@ -81,28 +82,39 @@ class EpisodeRecord:
     logs: dict[str, str] = field(default_factory=dict)
 
 
-async def drive_episode(spec: EpisodeSpec, *, policy: Policy, gateway: Gateway) -> EpisodeRecord:
+async def drive_episode(spec: EpisodeSpec, *, policy: Policy, gateway: Gateway,
+                        warm: WarmPool | None = None) -> EpisodeRecord:
     """Run one episode of ``spec`` against the started ``gateway``, answered by ``policy`` (see the module
-    docstring). The sandbox is removed whatever happens, cancellation included. With the gateway's
-    OpenTelemetry on, the episode is a span and its LLM calls its children (:mod:`ares_gateway.telemetry`)."""
+    docstring). The sandbox is removed whatever happens, cancellation included. With ``warm``, the
+    episode takes the sandbox the pool set up for it, if any (:mod:`~ares_gateway.episodes.warm`). With
+    the gateway's OpenTelemetry on, the episode is a span and its LLM calls its children
+    (:mod:`ares_gateway.telemetry`)."""
     telemetry = gateway.telemetry
     if telemetry is None:
-        return await _drive(spec, policy, gateway, None)
+        return await _drive(spec, policy, gateway, None, warm)
     with telemetry.episode(task=spec.task.name, attempt=spec.attempt, harness=spec.harness) as span:
-        record = await _drive(spec, policy, gateway, span)
+        record = await _drive(spec, policy, gateway, span, warm)
         r = record.result
         span.finish(reward=r.reward, exit_reason=r.exit_reason, turns=r.turns, error=r.error)
         return record
 
 
 async def _drive(spec: EpisodeSpec, policy: Policy, gateway: Gateway,
-                 span: EpisodeSpan | None) -> EpisodeRecord:
+                 span: EpisodeSpan | None, warm: WarmPool | None) -> EpisodeRecord:
     t0 = time.monotonic()
+    warmed = await warm.take(spec) if warm is not None else None
     if is_external(policy):
-        return await _passive_episode(gateway, spec, spec.new_harness(), t0, span)
-    env = GatewayEnv.for_task(spec.task, harness=spec.new_harness(), sandbox=spec.sandbox, gateway=gateway,
-                              image=spec.image, model=spec.model, step_limit=spec.step_limit,
-                              time_limit=spec.time_limit, save_workspace=spec.workspace)
+        return await _passive_episode(gateway, spec, spec.new_harness(), t0, span, warmed)
+    if warmed is not None:
+        env = GatewayEnv.for_task(spec.task, harness=warmed.episode.harness, sandbox=spec.sandbox,
+                                  gateway=gateway, image=spec.image, model=spec.model,
+                                  step_limit=spec.step_limit, time_limit=spec.time_limit,
+                                  save_workspace=spec.workspace, prepared=warmed)
+    else:
+        env = GatewayEnv.for_task(spec.task, harness=spec.new_harness(), sandbox=spec.sandbox,
+                                  gateway=gateway, image=spec.image, model=spec.model,
+                                  step_limit=spec.step_limit, time_limit=spec.time_limit,
+                                  save_workspace=spec.workspace)
     sid = ""
     binder = policy if isinstance(policy, SessionBound) else None
     failures: list[dict[str, Any]] = []
@@ -186,17 +198,20 @@ def _failed_turn(request: ParkedRequest, answer: ErrorAnswer, latency: float) ->
 
 
 async def _passive_episode(gw: Gateway, spec: EpisodeSpec, harness: BaseHarness, t0: float,
-                           span: EpisodeSpan | None = None) -> EpisodeRecord:
+                           span: EpisodeSpan | None = None, warmed: Warmed | None = None) -> EpisodeRecord:
     """An episode whose requests an external policy answers: start the agent, wait for it or a limit."""
     task, attempt, step_limit, time_limit = spec.task, spec.attempt, spec.step_limit, spec.time_limit
-    session = await gw.create_session(
-        metadata={"task": task.name, "harness": harness.name, "attempt": attempt}
-    )
+    if warmed is not None:
+        session, ep = warmed.session, warmed.episode
+    else:
+        session = await gw.create_session(
+            metadata={"task": task.name, "harness": harness.name, "attempt": attempt}
+        )
+        ep = TaskEpisode(task, harness, sandbox=spec.sandbox, image=spec.image, model=spec.model,
+                         gateway=gw, save_workspace=spec.workspace)
     sid = session.session_id
     if span is not None:
         span.bind(sid)
-    ep = TaskEpisode(task, harness, sandbox=spec.sandbox, image=spec.image, model=spec.model, gateway=gw,
-                     save_workspace=spec.workspace)
     limit = time_limit if time_limit is not None else task.config.agent_timeout
     try:
         try:
@@ -256,6 +271,7 @@ def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[
         samples=len(samples),
         session_id=sid,
         setup_seconds=outcome.setup_seconds,
+        warm=outcome.warm,
         agent_seconds=outcome.agent_seconds,
         verify_seconds=outcome.verify_seconds,
         answer_latency=sum(latencies) / len(latencies) if latencies else None,

@@ -22,6 +22,7 @@ the episode, not the agent). Every LAST step's ``info`` says ``truncated`` (a bo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -43,6 +44,7 @@ from ares_gateway.gateway import Gateway
 if TYPE_CHECKING:
     from ares_gateway.episodes.episode import EpisodeOutcome, TaskEpisode
     from ares_gateway.episodes.tasks import Task
+    from ares_gateway.episodes.warm import Warmed
     from harnesses import BaseHarness
 
 
@@ -196,14 +198,17 @@ class GatewayEnv:
         time_limit: float | None = None,
         request_timeout: float | None = None,
         save_workspace: str | os.PathLike[str] | None = None,
+        prepared: Warmed | None = None,
     ) -> GatewayEnv:
         """Each :meth:`reset` runs ``harness`` on ``task`` in a fresh ``sandbox``; LAST carries the
         task's reward. Without ``gateway`` the env runs its own. ``save_workspace``: a file path where
         each episode's final workdir is saved as a tar before its tests run
-        (:mod:`~ares_gateway.episodes.workspaces`; each episode overwrites it)."""
+        (:mod:`~ares_gateway.episodes.workspaces`; each episode overwrites it). ``prepared``: an episode
+        a warm pool set up on ``gateway`` (:mod:`~ares_gateway.episodes.warm`), which the first
+        :meth:`reset` launches instead of setting one up; :meth:`close` removes it if no reset did."""
         return cls(gateway, task=task, harness=harness, sandbox=sandbox, image=image, model=model,
                    step_limit=step_limit, time_limit=time_limit, request_timeout=request_timeout,
-                   save_workspace=save_workspace)
+                   save_workspace=save_workspace, prepared=prepared)
 
     def __init__(
         self,
@@ -221,8 +226,12 @@ class GatewayEnv:
         image: str | None = None,
         model: str = "ares-policy",
         save_workspace: str | os.PathLike[str] | None = None,
+        prepared: Warmed | None = None,
     ) -> None:
         self._task: Task | None = None
+        self._prepared = prepared
+        if prepared is not None and (task is None or gateway is None):
+            raise ValueError("GatewayEnv(prepared=...) needs task= and the gateway the episode was set up on")
         self.save_workspace = save_workspace
         self._harness: str | BaseHarness | None = harness
         if task is not None:
@@ -348,6 +357,13 @@ class GatewayEnv:
         gateway closes it.
         """
         await self._end_episode()
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:  # set up ahead, never launched
+            try:
+                await prepared.episode.close()
+            finally:
+                with contextlib.suppress(Exception):
+                    await self.gateway.delete_session(prepared.session.session_id)
         if self._owns_gateway:
             await self.gateway.close()
 
@@ -487,14 +503,18 @@ class GatewayEnv:
         if self._owns_gateway:
             await gw.start()
         task = self._task
-        harness_name = self._harness if isinstance(self._harness, str) else self._harness.name
-        self.session = await gw.create_session(metadata={"task": task.name, "harness": harness_name})
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            self.session, episode = prepared.session, prepared.episode
+        else:
+            harness_name = self._harness if isinstance(self._harness, str) else self._harness.name
+            self.session = await gw.create_session(metadata={"task": task.name, "harness": harness_name})
+            episode = TaskEpisode(task, self._harness, sandbox=self.sandbox_backend, image=self.image,
+                                  model=self.model, gateway=gw, save_workspace=self.save_workspace)
         sid = self.session.session_id
         self._steps = 0
         self._done = False
         self.outcome = None
-        episode = TaskEpisode(task, self._harness, sandbox=self.sandbox_backend, image=self.image,
-                              model=self.model, gateway=gw, save_workspace=self.save_workspace)
         self.episode = episode
 
         async def start() -> TimeStep:

@@ -134,10 +134,13 @@ class EpisodeOutcome:
     #: (neither happened, or the sandbox failed before the agent ran: the infrastructure's).
     failure_site: str = ""
     agent_exit_code: int | None = None
+    #: Set-up time: the sandbox's start, the workdir, the install (ahead of the episode when ``warm``).
     setup_seconds: float = 0.0
     agent_seconds: float = 0.0
     verify_seconds: float = 0.0
     install_reused: bool | None = None
+    #: The sandbox came from a warm pool, set up ahead of the episode.
+    warm: bool = False
     sandbox: str = ""
     #: One of :data:`NETWORK_MODES`.
     network: str = ""
@@ -173,6 +176,7 @@ class EpisodeOutcome:
             "agent_seconds": round(self.agent_seconds, 3),
             "verify_seconds": round(self.verify_seconds, 3),
             "install_reused": self.install_reused,
+            "warm": self.warm,
             "sandbox": self.sandbox,
             "network": self.network,
             "grading": self.grading,
@@ -386,15 +390,40 @@ class TaskEpisode:
         self._agent_seconds = 0.0
         self._install_reused: bool | None = None
         self._closed = False
+        #: The session :meth:`prepare` set this episode up for (``None``: not prepared yet).
+        self.session: SessionInfo | None = None
+        #: Prepared ahead by a warm pool rather than when the episode began.
+        self.warm = False
+        self._agent_spec: sandbox_mod.SandboxSpec | None = None
+        self._plain_spec: sandbox_mod.SandboxSpec | None = None
 
     # ------------------------------------------------------------------ start
 
     async def start(self, session: SessionInfo, *, time_budget: float) -> None:
         """Start the sandbox, prepare the workdir, install and launch the agent; raises
-        :class:`EpisodeSetupError` (the caller still calls :meth:`finish` / :meth:`close`)."""
+        :class:`EpisodeSetupError` (the caller still calls :meth:`finish` / :meth:`close`). An episode
+        :meth:`prepare` already set up (a warm one) only launches its agent, or raises the error its
+        set-up ended with."""
+        if self.session is None:
+            await self.prepare(session)
+        elif self.session.session_id != session.session_id:
+            raise ValueError(f"this episode was prepared for session {self.session.session_id}, "
+                             f"not {session.session_id}")
+        if self.setup_error is not None:
+            raise self.setup_error
+        self._launch(session, time_budget)
+
+    async def prepare(self, session: SessionInfo) -> None:
+        """Everything before the agent's launch, for ``session``: the sandbox started, the workdir
+        prepared, the harness installed and configured. Ahead of the episode in a warm pool
+        (:class:`~ares_gateway.episodes.warm.WarmPool`); :meth:`start` then launches the agent. Raises
+        :class:`EpisodeSetupError`, which :meth:`start` raises again."""
+        if self.session is not None:
+            raise RuntimeError("this episode is already prepared")
+        self.session = session
         started = time.monotonic()
         try:
-            await self._start(session, time_budget)
+            await self._prepare(session)
         except EpisodeSetupError as exc:
             self.setup_error = exc
             raise
@@ -404,7 +433,7 @@ class TaskEpisode:
         finally:
             self.setup_seconds = time.monotonic() - started
 
-    async def _start(self, session: SessionInfo, time_budget: float) -> None:
+    async def _prepare(self, session: SessionInfo) -> None:
         task, harness = self.task, self.harness
         if self.backend == "local" and task.needs_image:
             log.warning("task %s defines its own image; the local sandbox runs it on this host's tools",
@@ -458,6 +487,13 @@ class TaskEpisode:
                 raise EpisodeSetupError("sandbox_error",
                                         f"cannot read the uid of the agent's user {self.prep.user!r}: "
                                         f"{(uid.stderr or uid.stdout).strip()[-300:]}")
+        self._agent_spec, self._plain_spec = spec, plain
+
+    def _launch(self, session: SessionInfo, time_budget: float) -> None:
+        """Launch the agent (and, for ``[verifier] sandbox = "fresh"``, start the grading sandbox)."""
+        task, harness, sb, ctx = self.task, self.harness, self.sandbox, self.ctx
+        spec, plain = self._agent_spec, self._plain_spec
+        assert sb is not None and ctx is not None and spec is not None and plain is not None
         self._launched_at = time.monotonic()
         self.agent = asyncio.create_task(
             harness.launch_and_wait(sb, ctx, task.instruction, time_budget),
@@ -562,6 +598,7 @@ class TaskEpisode:
         """
         out = EpisodeOutcome(task=self.task.name, harness=self.harness.name, sandbox=self.backend,
                              setup_seconds=self.setup_seconds, install_reused=self._install_reused,
+                             warm=self.warm,
                              network=self.network)
         if self.setup_error is not None:
             out.exit_reason, out.error = self.setup_error.reason, one_line(self.setup_error.message)

@@ -28,6 +28,7 @@ from ares_gateway.core.fence import PauseReport
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec, drive_episode
 from ares_gateway.episodes.episode import episode_gateway
 from ares_gateway.episodes.tasks import Task
+from ares_gateway.episodes.warm import WarmPool, check_warm
 from ares_gateway.gateway import Gateway
 from ares_gateway.policies.base import ExternalPolicy, Policy, is_external
 
@@ -37,7 +38,10 @@ __all__ = ["Executor", "LocalExecutor", "fenced_update"]
 @runtime_checkable
 class Executor(Protocol):
     """Runs episodes somewhere (see the module docstring). Used as: ``start``, ``run`` per episode
-    (concurrently, up to ``slots``), ``close`` (always, also after a failed or interrupted run)."""
+    (concurrently, up to ``slots``), ``close`` (always, also after a failed or interrupted run).
+
+    An executor may also have ``expect(specs)``: the episodes ``run`` will be asked for, in the order
+    they run, given once after ``start`` (a warm pool sets them up ahead)."""
 
     #: Recorded in ``results.json``'s run settings (``"local"``, ``"ray"``).
     kind: str
@@ -122,14 +126,20 @@ class LocalExecutor:
         concurrency: episodes at once.
         gateway: a started gateway to use; by default one is built at :meth:`start`
             (:func:`~ares_gateway.episodes.episode.episode_gateway`) and closed at :meth:`close`.
+        warm: how many of the planned episodes (:meth:`expect`) are set up ahead, their sandboxes
+            started and their agents installed while earlier episodes run
+            (:class:`~ares_gateway.episodes.warm.WarmPool`); 0: each episode sets up its own.
     """
 
     kind = "local"
 
-    def __init__(self, *, concurrency: int = 4, gateway: Gateway | None = None) -> None:
+    def __init__(self, *, concurrency: int = 4, gateway: Gateway | None = None, warm: int = 0) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         self.concurrency = concurrency
+        self.warm = check_warm(warm)
+        #: The warm pool of the current start (``None``: ``warm`` is 0, or not started).
+        self.pool: WarmPool | None = None
         self.gateway: Gateway | None = gateway
         self._owns_gateway = gateway is None
         self._policy: Policy | None = None
@@ -150,11 +160,18 @@ class LocalExecutor:
             await self.gateway.start()
             if self._version is not None:
                 self.gateway.set_policy_version(self._version)
+        if self.warm:
+            self.pool = WarmPool(self.gateway, self.warm)
+
+    def expect(self, specs: Sequence[EpisodeSpec]) -> None:
+        """The episodes :meth:`run` will be asked for, in order: the warm pool sets them up ahead."""
+        if self.pool is not None:
+            self.pool.expect(specs)
 
     async def run(self, spec: EpisodeSpec) -> EpisodeRecord:
         if self.gateway is None or self._policy is None:
             raise RuntimeError("LocalExecutor.run before start()")
-        return await drive_episode(spec, policy=self._policy, gateway=self.gateway)
+        return await drive_episode(spec, policy=self._policy, gateway=self.gateway, warm=self.pool)
 
     def turns_answered(self) -> int:
         return self.gateway.metrics.answered_total if self.gateway is not None else 0
@@ -168,6 +185,9 @@ class LocalExecutor:
         return [f"requests wait on {gw.url}/poll"]
 
     async def close(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:  # before the gateway: its sessions are deleted there
+            await pool.close()
         if self._owns_gateway and self.gateway is not None:
             self._version = self.gateway.policy_version  # the next start's gateway goes on from it
             await self.gateway.close()

@@ -67,9 +67,12 @@ class EpisodeResult:
     reward_parts: dict[str, float] = field(default_factory=dict)
     samples: int = 0
     session_id: str = ""
+    #: Seconds its sandbox took to set up (start, workdir, install): ahead of the episode when ``warm``.
     setup_seconds: float = 0.0
     agent_seconds: float = 0.0
     verify_seconds: float = 0.0
+    #: Its sandbox came from the warm pool (``run --warm N``), set up while earlier episodes ran.
+    warm: bool = False
     answer_latency: float | None = None  # mean seconds a request of this episode waited for its answer
     #: Where it ran: the Ray node id under a ``RayExecutor``; ``None`` in this process.
     node: str | None = None

@@ -48,6 +48,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -59,6 +60,7 @@ from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec, drive_episo
 from ares_gateway.episodes.episode import episode_gateway, one_line
 from ares_gateway.episodes.executor import fenced_update
 from ares_gateway.episodes.tasks import Task
+from ares_gateway.episodes.warm import WarmPool, check_warm
 from ares_gateway.extras import require_extra
 from ares_gateway.policies.base import Policy
 from sandbox.start_rate import ENV_VAR as START_RATE_ENV
@@ -183,13 +185,15 @@ class _NodeGateway:
         self.options: dict[str, Any] = {}
         self.running: set[asyncio.Task[Any]] = set()
         self.tasks_moved: tuple[str, str] | None = None
+        self.pool: WarmPool | None = None
 
     async def start(self, harness: str, time_limit: float, policy: Policy, sandbox: str, image: str | None,
                     tasks: list[Task], host: str, admin_token: str | None,
-                    tasks_root: str | None = None, policy_version: int | None = None) -> dict[str, Any]:
+                    tasks_root: str | None = None, policy_version: int | None = None,
+                    warm: int = 0) -> dict[str, Any]:
         """Check this node can run the episodes, then start its gateway; ``{"node", "ok", "why", "url"}``.
         ``tasks_root``: the driver's ``working_dir``, which Ray unpacked here as this actor's cwd;
-        ``policy_version``: the run's version so far."""
+        ``policy_version``: the run's version so far; ``warm``: this node's warm pool size."""
         import ray
 
         self.node = ray.get_runtime_context().get_node_id()
@@ -206,19 +210,31 @@ class _NodeGateway:
         await self.gateway.start()
         if policy_version is not None:
             self.gateway.set_policy_version(policy_version)
+        if warm:
+            self.pool = WarmPool(self.gateway, warm)
         return {"node": self.node, "ok": True, "why": "", "url": self.gateway.url}
+
+    def _here(self, spec: EpisodeSpec) -> EpisodeSpec:
+        """``spec`` as this node runs it."""
+        if self.options:  # this node's install root, not the driver's
+            spec = dataclasses.replace(spec, harness_options={**spec.harness_options, **self.options})
+        if self.tasks_moved:  # this node's copy of the task folders
+            spec = dataclasses.replace(spec, task=spec.task.moved(*self.tasks_moved))
+        return spec
+
+    async def expect(self, specs: list[EpisodeSpec]) -> None:
+        """Episodes the driver will run here next: this node's warm pool sets them up ahead."""
+        if self.pool is not None:
+            self.pool.expect([self._here(s) for s in specs])
 
     async def run(self, spec: EpisodeSpec) -> EpisodeRecord:
         task = asyncio.current_task()
         assert task is not None
         self.running.add(task)
         try:
-            if self.options:  # this node's install root, not the driver's
-                spec = dataclasses.replace(spec, harness_options={**spec.harness_options, **self.options})
-            if self.tasks_moved:  # this node's copy of the task folders
-                spec = dataclasses.replace(spec, task=spec.task.moved(*self.tasks_moved))
+            spec = self._here(spec)
             assert self.policy is not None and self.gateway is not None, "run() before start()"
-            record = await drive_episode(spec, policy=self.policy, gateway=self.gateway)
+            record = await drive_episode(spec, policy=self.policy, gateway=self.gateway, warm=self.pool)
             record.result.node = self.node
             return record
         finally:
@@ -255,6 +271,9 @@ class _NodeGateway:
                 t.cancel()
         if cancelled:
             await asyncio.wait(cancelled, timeout=CLOSE_TIMEOUT)
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            await pool.close()
         if self.gateway is not None:
             await self.gateway.close()
             self.gateway = None
@@ -335,6 +354,9 @@ class RayExecutor:
             from another machine needs the node's own address).
         admin_token: the actors' gateways' admin token (an external policy's ``/poll``); by default each
             gateway generates its own.
+        warm: each node's warm pool (:class:`~ares_gateway.episodes.warm.WarmPool`): the driver hands
+            each node up to this many of the planned episodes ahead (:meth:`expect`), which it sets up
+            while earlier ones run, and runs each of them on the node that set it up.
     """
 
     kind = "ray"
@@ -342,7 +364,7 @@ class RayExecutor:
     def __init__(self, address: str | None = None, *, per_node: int = 4,
                  runtime_env: Mapping[str, Any] | None = None, init_options: Mapping[str, Any] | None = None,
                  host: str = "127.0.0.1", admin_token: str | None = None,
-                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT, warm: int = 0) -> None:
         if per_node < 1:
             raise ValueError(f"per_node must be at least 1, got {per_node}")
         if not connect_timeout > 0:
@@ -376,6 +398,10 @@ class RayExecutor:
         self._version: int | None = None
         self._fence = "sampling"  # the nodes' fence as the driver drives it: "sampling", "draining", "paused"
         self._fence_mode: str | None = None
+        self.warm = check_warm(warm)
+        self._upcoming: deque[EpisodeSpec] = deque()
+        self._warm_on: dict[str, str] = {}  # planned episode key -> the node set to warm it
+        self._ran: set[str] = set()
 
     @property
     def slots(self) -> int:
@@ -423,7 +449,9 @@ class RayExecutor:
                 "(ray start --address ...) first")
         self._external = is_external(policy)
         longest = max([time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
-        actor_cls = ray.remote(num_cpus=0, max_concurrency=self.per_node + 4, max_restarts=0)(_NodeGateway)
+        # A node may run up to ``warm`` more than per_node: the episodes it warmed run where they were set up.
+        actor_cls = ray.remote(num_cpus=0, max_concurrency=self.per_node + 4 + self.warm,
+                               max_restarts=0)(_NodeGateway)
         started = []
         sent = self._version  # the version each actor starts with
         for n in nodes:
@@ -433,7 +461,8 @@ class RayExecutor:
                 opts["runtime_env"] = actor_env
             actor = actor_cls.options(**opts).remote()
             ref = actor.start.remote(harness, longest, policy, sandbox, image, list(tasks), self.host,
-                                     self._admin_token, tasks_root, policy_version=self._version)
+                                     self._admin_token, tasks_root, policy_version=self._version,
+                                     warm=self.warm)
             started.append((n["NodeID"], actor, ref))
         urls: dict[str, str] = {}
         for node_id, actor, ref in started:
@@ -462,12 +491,40 @@ class RayExecutor:
             return os.path.realpath(wd)
         return None
 
+    def expect(self, specs: Sequence[EpisodeSpec]) -> None:
+        """The episodes :meth:`run` will be asked for, in order: with ``warm``, each node is handed up to
+        that many of them ahead, to set up while it runs others."""
+        if self.warm:
+            self._upcoming.extend(specs)
+            self._hand_out()
+
+    def _hand_out(self) -> None:
+        """Give each live node planned episodes to warm until each has ``warm`` of them."""
+        ahead: dict[str, int] = dict.fromkeys(self._actors, 0)
+        for node in self._warm_on.values():
+            if node in ahead:
+                ahead[node] += 1
+        while self._upcoming and ahead:
+            node = min(ahead, key=lambda k: ahead[k])
+            if ahead[node] >= self.warm:
+                return
+            spec = self._upcoming.popleft()
+            if spec.key in self._ran:
+                continue
+            self._warm_on[spec.key] = node
+            ahead[node] += 1
+            self._actors[node].expect.remote([spec])
+
     async def run(self, spec: EpisodeSpec) -> EpisodeRecord:
         ray = _ray()
+        warmed_on = self._warm_on.pop(spec.key, None)
+        self._ran.add(spec.key)  # it runs now: no node need warm it
+        self._hand_out()
         while True:
             if not self._actors:
                 raise NoNodesError(f"no node is left to run {spec.key} on: every gateway actor died")
-            node = min(self._actors, key=lambda k: self._load[k])
+            node = warmed_on if warmed_on in self._actors else min(self._actors, key=lambda k: self._load[k])
+            warmed_on = None  # a rerun after the node died goes wherever there is room
             actor = self._actors[node]
             self._load[node] += 1
             ref = actor.run.remote(spec)

@@ -95,6 +95,7 @@ async def run_rollouts(
     retries: int = DEFAULT_RETRIES,
     retry_backoff: float = DEFAULT_RETRY_BACKOFF,
     save_workspaces: bool = True,
+    warm: int = 0,
 ) -> RunSummary:
     """Run ``attempts`` episodes of every task with at most ``concurrency`` at once (see the module
     docstring).
@@ -112,7 +113,9 @@ async def run_rollouts(
     and each next one after twice as long; if every try failed it ends as ``infra_error``.
     ``save_workspaces`` (with ``out``): each episode's final workdir, as graded, is kept as
     ``OUT/workspaces/<task>.<attempt>.tar`` (:mod:`~ares_gateway.episodes.workspaces`; ``ares-gateway
-    reverify OUT`` grades them again).
+    reverify OUT`` grades them again). ``warm``: how many of the next episodes are set up ahead (their
+    sandboxes started, the agent installed) while earlier ones run (:mod:`~ares_gateway.episodes.warm`;
+    an executor passed in takes its own ``warm``).
     """
     check_retries(retries, retry_backoff)
     if concurrency < 1:
@@ -121,7 +124,11 @@ async def run_rollouts(
         raise ValueError(f"attempts must be at least 1, got {attempts}")
     if executor is not None and gateway is not None:
         raise ValueError("pass gateway= or executor=, not both (an executor brings its own gateways)")
-    executor = executor if executor is not None else LocalExecutor(concurrency=concurrency, gateway=gateway)
+    if executor is not None and warm:
+        raise ValueError("pass warm= to the executor (LocalExecutor(warm=...), RayExecutor(warm=...)), "
+                         "not to run_rollouts with executor=")
+    executor = executor if executor is not None else LocalExecutor(concurrency=concurrency, gateway=gateway,
+                                                                   warm=warm)
     stop = stop or asyncio.Event()
     options = dict(harness_options or {})
     keep = _absolute(out) if out is not None and save_workspaces else None
@@ -134,7 +141,7 @@ async def run_rollouts(
         "harness": harness, "sandbox": sandbox, "concurrency": concurrency, "attempts": attempts,
         "step_limit": step_limit, "time_limit": time_limit, "tasks": [t.name for t in tasks],
         "policy": type(policy).__name__, "executor": executor.kind, "retries": retries,
-        "save_workspaces": keep is not None, "image": image,
+        "save_workspaces": keep is not None, "image": image, "warm": getattr(executor, "warm", 0),
         **dict(run_info or {}),
     }
     writer = RunWriter(executor, run, out=out, planned=len(plan), attempts=attempts,
@@ -145,6 +152,9 @@ async def run_rollouts(
     try:
         await executor.start(harness=harness, tasks=tasks, policy=policy, time_limit=time_limit,
                              sandbox=sandbox, image=image)
+        expect = getattr(executor, "expect", None)
+        if expect is not None:
+            expect(plan)
         writer.started()
         await schedule(plan, executor, concurrency=concurrency, stop=stop, on_record=writer.record,
                        on_tick=writer.refresh, tick=0.5 if console is not None else None, state=state,

@@ -336,6 +336,7 @@ async def play_episodes(
     retries: int = DEFAULT_RETRIES,
     drop_group_on_infra_error: bool = False,
     save_workspaces: bool = False,
+    warm: int = 0,
 ) -> list[EpisodeSample]:
     """One episode per entry of ``tasks`` (repeats allowed), at most ``concurrency`` at once; the
     results in the order of ``tasks``. A failed episode is an entry with reward 0 and its error.
@@ -353,7 +354,9 @@ async def play_episodes(
     (:func:`trajectory.mask_stale`; :attr:`EpisodeSample.stale_tokens`). ``save_workspaces``: keep each
     episode's graded workdir under ``out`` (:mod:`~ares_gateway.episodes.workspaces`); off by default
     here, unlike ``run``: a training run plays many episodes, each archive may be as large as the
-    grading cap, and the trainers' calls may share one ``out``."""
+    grading cap, and the trainers' calls may share one ``out``. ``warm``: how many episodes are set up
+    ahead while earlier ones run (:mod:`~ares_gateway.episodes.warm`; without ``executor`` only: an
+    executor takes its own)."""
     check_max_staleness(max_staleness)
     by_session: dict[str, list[Any]] = {}
 
@@ -378,6 +381,7 @@ async def play_episodes(
             group, harness=harness, policy=policy, sandbox=sandbox, concurrency=concurrency, attempts=count,
             step_limit=step_limit, time_limit=time_limit, harness_options=harness_options, stats="null",
             on_samples=keep, out=out, executor=executor, retries=retries, save_workspaces=save_workspaces,
+            warm=warm,
         )
         for e in summary.episodes:
             idx = plan[e.task][e.attempt]

@@ -46,6 +46,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ares_gateway.episodes.warm import check_warm
 from ares_gateway.trainers._common import (
     EpisodeSample,
     TokenizerMismatchError,
@@ -130,6 +131,8 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         executor: where the episodes run (default: this process).
         trainer_tokenizer: the tokenizer SkyRL trains with (``get_generator``'s ``tokenizer``): checked once
             against the one the gateway renders with; different ids are a ``TokenizerMismatchError``.
+        warm: how many of a call's episodes are set up ahead while its earlier ones run
+            (:mod:`~ares_gateway.episodes.warm`); with an ``executor``, give it its own ``warm``.
 
     Attributes:
         last_episodes: the latest call's :class:`~ares_gateway.trainers.EpisodeSample` list, in prompt order.
@@ -156,6 +159,7 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         out: str | None = None,
         executor: Executor | None = None,
         trainer_tokenizer: Any = None,
+        warm: int = 0,
     ) -> None:
         if (inference_engine_client is None) == (engine is None):
             raise TrainerError(
@@ -183,6 +187,10 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         self.harness_options = dict(harness_options or {})
         self.out = out
         self.executor = executor
+        if check_warm(warm) and executor is not None:
+            raise ValueError("warm sets up the generator's own episodes ahead: with an executor, pass warm= "
+                             "to it (RayExecutor(warm=...)) instead")
+        self.warm = warm
         self.last_episodes: list[EpisodeSample] = []
         self.calls: list[dict[str, Any]] = []
         self.trainer_tokenizer = trainer_tokenizer
@@ -254,7 +262,7 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
             episodes = await play_episodes(
                 tasks, harness=self.harness, policy=policy, sandbox=self.sandbox,
                 concurrency=self.concurrency, step_limit=self.step_limit, time_limit=self.time_limit,
-                harness_options=options, out=out, executor=self.executor,
+                harness_options=options, out=out, executor=self.executor, warm=self.warm,
             )
         finally:
             if isinstance(engine, SkyRLEngine):

@@ -87,6 +87,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ares_gateway.episodes.failures import DEFAULT_RETRIES, check_retries
+from ares_gateway.episodes.warm import check_warm
 from ares_gateway.trainers._common import (
     EpisodeSample,
     TokenizerMismatchError,
@@ -279,7 +280,8 @@ class AresRollouts:
                  executor: Executor | None = None, engine_host: str = "127.0.0.1", engine_port: int = 0,
                  engine_server_options: Mapping[str, Any] | None = None, overlap: bool = False,
                  fence_timeout: float | None = 600.0, max_staleness: int | None = None,
-                 drop_group_on_infra_error: bool = False, retries: int = DEFAULT_RETRIES) -> None:
+                 drop_group_on_infra_error: bool = False, retries: int = DEFAULT_RETRIES,
+                 warm: int = 0) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         if max_completion_tokens is not None and max_completion_tokens < 1:
@@ -299,6 +301,10 @@ class AresRollouts:
                 "max_staleness judges each turn by the version the rollouts' own gateway stamps on it, "
                 "and episodes on an executor carry none: leave executor unset, or max_staleness None")
         check_retries(retries)
+        if check_warm(warm) and executor is not None:
+            raise ValueError("warm sets up the rollouts' own episodes ahead: with an executor, pass warm= to "
+                             "it (RayExecutor(warm=...)) instead")
+        self.warm = warm
         self.max_staleness = max_staleness
         self.drop_group_on_infra_error = drop_group_on_infra_error
         self.retries = retries
@@ -598,7 +604,7 @@ class AresRollouts:
         if executor is None:
             from ares_gateway.episodes.executor import LocalExecutor
 
-            executor = LocalExecutor(concurrency=self.concurrency, gateway=self.gateway)
+            executor = LocalExecutor(concurrency=self.concurrency, gateway=self.gateway, warm=self.warm)
         elif version is not None and hasattr(executor, "set_policy_version"):
             # The executor's gateways (each node's, on Ray) stamp the turns with the trainer's step too.
             current = executor.policy_version
@@ -754,6 +760,7 @@ def rollout_func(
     max_staleness: int | None = None,
     drop_group_on_infra_error: bool = False,
     retries: int = DEFAULT_RETRIES,
+    warm: int = 0,
 ) -> AresRollouts:
     """A ``rollout_func`` for TRL's ``GRPOTrainer`` (see the module docstring).
 
@@ -798,6 +805,9 @@ def rollout_func(
             with its group's mean judged reward.
         retries: how many times an episode the infrastructure failed is run again on a fresh sandbox before
             it is ``infra_error`` (see :mod:`ares_gateway.episodes.failures`).
+        warm: how many of a call's episodes are set up ahead (sandbox started, agent installed) while its
+            earlier ones run (:mod:`~ares_gateway.episodes.warm`; worth it when a call plays more episodes
+            than ``concurrency``); with an ``executor``, give it its own ``warm``.
     """
     require("torch", "trl")
     require("transformers", "trl")
@@ -811,7 +821,7 @@ def rollout_func(
         engine_port=engine_port, engine_server_options=engine_server_options, overlap=overlap,
         fence_timeout=fence_timeout, max_staleness=max_staleness,
         drop_group_on_infra_error=drop_group_on_infra_error,
-        retries=retries,
+        retries=retries, warm=warm,
     )
 
 

@@ -6,6 +6,7 @@ Each node carries a custom resource of its own name, so where episodes ran can b
 
 * the oracle with the real mini-swe-agent on the 4 bundled tasks x 2 attempts: every node ran
   episodes, every reward 1.0, the same OUT files and sample shapes as a :class:`LocalExecutor` run;
+* warm pools: each node runs the episodes it set up ahead;
 * faults: a node's actor killed, and a whole node removed, mid-run: every planned episode finishes
   exactly once and no sandbox is left; a cluster where no node can run the sandboxes: an error before
   any episode;
@@ -128,6 +129,23 @@ async def test_oracle_with_mini_swe_agent_on_two_nodes_gives_a_local_runs_output
         ours = (tmp_path / "ray" / "trajectories" / f"{key}.jsonl").read_text().splitlines()
         theirs = (tmp_path / "local" / "trajectories" / f"{key}.jsonl").read_text().splitlines()
         assert [_sample_shape(x) for x in ours] == [_sample_shape(x) for x in theirs]
+    assert left_behind(sandbox_root) == []
+
+
+async def test_warm_pools_on_each_node_set_up_the_episodes_they_run(
+        cluster: Any, tmp_path: Path, sandbox_root: Path) -> None:
+    """``RayExecutor(warm=2)``: the driver hands each node the next planned episodes, the node sets them
+    up while it runs others and runs them itself: every episode warm, every reward 1.0, nothing left."""
+    from ares_gateway.episodes.ray import RayExecutor
+
+    names = _node_names()
+    ex = RayExecutor(per_node=1, warm=2)
+    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
+                                 attempts=2, executor=ex, stats="null", out=tmp_path / "ray")
+    assert sorted(e.key for e in summary.episodes) == sorted(f"{t.name}.{a}" for t in TASKS for a in (0, 1))
+    assert all(e.reward == 1.0 and e.warm for e in summary.episodes), summary.episodes
+    assert {names[e.node] for e in summary.episodes if e.node} == {"node-a", "node-b"}
+    assert json.loads((tmp_path / "ray" / "results.json").read_text())["run"]["warm"] == 2
     assert left_behind(sandbox_root) == []
 
 

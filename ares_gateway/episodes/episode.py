@@ -8,8 +8,10 @@ sandbox, the install or the agent did:
    write its config, and launch it detached, as an asyncio task that ends when the agent exits.
    A failure raises :class:`EpisodeSetupError` with an exit reason (``sandbox_error``,
    ``install_error``, ``agent_error``).
-   While the agent runs, a second sandbox for grading starts from the same spec (no relay, nothing
-   of the agent's in it), unless the task sets ``[verifier] sandbox = "agent"``.
+   Once the agent is set up (before its launch), a second sandbox for grading starts in the
+   background from the same spec (no relay, nothing of the agent's in it), unless the task sets
+   ``[verifier] sandbox = "agent"``. :meth:`~TaskEpisode.prepare` does all of this but the launch,
+   ahead of the episode in a warm pool (:mod:`~ares_gateway.episodes.warm`).
 2. :meth:`~TaskEpisode.finish`: stop the agent when it is still running (a limit was hit), read its
    logs, run the task's tests with their own timeout and read the reward (not after a setup failure
    or an agent crash: reward 0.0 with the error), and return an :class:`EpisodeOutcome`. By default
@@ -374,8 +376,8 @@ class TaskEpisode:
         self.labels = dict(labels or {})
         self.sandbox_options = dict(sandbox_options or {})
         self.sandbox: sandbox_mod.BaseSandbox | None = None
-        #: The sandbox the tests run in by default (``[verifier] sandbox = "fresh"``): started while
-        #: the agent runs, from the agent's spec without its relay; ``None`` until then.
+        #: The sandbox the tests run in by default (``[verifier] sandbox = "fresh"``): started in the
+        #: background once the agent is set up, from the agent's spec without its relay; ``None`` until then.
         self.grading_sandbox: sandbox_mod.BaseSandbox | None = None
         self._grader: asyncio.Task[None] | None = None
         self._grader_seconds = 0.0
@@ -394,8 +396,6 @@ class TaskEpisode:
         self.session: SessionInfo | None = None
         #: Prepared ahead by a warm pool rather than when the episode began.
         self.warm = False
-        self._agent_spec: sandbox_mod.SandboxSpec | None = None
-        self._plain_spec: sandbox_mod.SandboxSpec | None = None
 
     # ------------------------------------------------------------------ start
 
@@ -487,26 +487,25 @@ class TaskEpisode:
                 raise EpisodeSetupError("sandbox_error",
                                         f"cannot read the uid of the agent's user {self.prep.user!r}: "
                                         f"{(uid.stderr or uid.stdout).strip()[-300:]}")
-        self._agent_spec, self._plain_spec = spec, plain
-
-    def _launch(self, session: SessionInfo, time_budget: float) -> None:
-        """Launch the agent (and, for ``[verifier] sandbox = "fresh"``, start the grading sandbox)."""
-        task, harness, sb, ctx = self.task, self.harness, self.sandbox, self.ctx
-        spec, plain = self._agent_spec, self._plain_spec
-        assert sb is not None and ctx is not None and spec is not None and plain is not None
-        self._launched_at = time.monotonic()
-        self.agent = asyncio.create_task(
-            harness.launch_and_wait(sb, ctx, task.instruction, time_budget),
-            name=f"ares-agent-{session.session_id}",
-        )
         if task.config.grading == "fresh":
             # The grading sandbox: the agent's spec (its image, resources and network mode) without the
-            # relay to the session and without the agent's install mounted; it starts while the agent runs.
+            # relay to the session and without the agent's install mounted; it starts now, in the
+            # background, and is ready by the time the agent is done (a warm episode's with it).
             grading_spec = dataclasses.replace(
                 spec, forwards={}, readonly_paths=plain.readonly_paths,
                 labels={**spec.labels, GRADING_LABEL: "grading"})
             self._grader = asyncio.create_task(self._start_grader(grading_spec),
                                                name=f"ares-grader-{session.session_id}")
+
+    def _launch(self, session: SessionInfo, time_budget: float) -> None:
+        """Launch the agent."""
+        task, harness, sb, ctx = self.task, self.harness, self.sandbox, self.ctx
+        assert sb is not None and ctx is not None
+        self._launched_at = time.monotonic()
+        self.agent = asyncio.create_task(
+            harness.launch_and_wait(sb, ctx, task.instruction, time_budget),
+            name=f"ares-agent-{session.session_id}",
+        )
 
     async def _isolate(
         self, spec: sandbox_mod.SandboxSpec, session: SessionInfo

@@ -83,7 +83,7 @@ class EpisodeResult:
     #: Where its tests ran: ``fresh`` (a new sandbox holding a copy of the agent's workdir), ``agent``
     #: (the agent's own sandbox, ``[verifier] sandbox = "agent"``), or "" if they did not run.
     grading: str = ""
-    #: Seconds the fresh grading sandbox took to start (it starts while the agent runs).
+    #: Seconds the fresh grading sandbox took to start (it starts beside the agent's, in the background).
     grading_setup_seconds: float = 0.0
     #: The policy's per-episode report, where it has one (``tito``: turns, trained tokens, fresh renders,
     #: main-line drift; :meth:`~ares_gateway.policies.tito.TitoPolicy.episode_report`).

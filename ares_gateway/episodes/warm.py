@@ -28,21 +28,40 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ares_gateway.core.sessions import SessionInfo
 from ares_gateway.episodes.episode import EpisodeSetupError, TaskEpisode
+from ares_gateway.episodes.tasks import Task
 from ares_gateway.gateway import Gateway
-
-if TYPE_CHECKING:
-    from ares_gateway.episodes.driver import EpisodeSpec
+from harnesses import BaseHarness
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WARM_LABEL", "WarmPool", "WarmPoolStats", "Warmed", "check_warm"]
+__all__ = ["WARM_LABEL", "PlannedEpisode", "WarmPool", "WarmPoolStats", "Warmed", "check_warm"]
 
 #: The label every warm sandbox carries (besides the usual session and harness labels).
 WARM_LABEL = "ares-gateway.warm"
+
+
+class PlannedEpisode(Protocol):
+    """What the pool reads of a planned episode (an :class:`ares_gateway.episodes.driver.EpisodeSpec`)."""
+
+    @property
+    def task(self) -> Task: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def sandbox(self) -> str: ...
+    @property
+    def image(self) -> str | None: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def workspace(self) -> str | None: ...
+    @property
+    def key(self) -> str: ...
+    def new_harness(self) -> BaseHarness: ...
 
 
 def check_warm(size: int) -> int:
@@ -82,8 +101,8 @@ class WarmPool:
     def __init__(self, gateway: Gateway, size: int) -> None:
         self.gateway = gateway
         self.size = check_warm(size)
-        self._upcoming: deque[EpisodeSpec] = deque()
-        self._ready: dict[str, tuple[EpisodeSpec, asyncio.Task[Warmed]]] = {}
+        self._upcoming: deque[PlannedEpisode] = deque()
+        self._ready: dict[str, tuple[PlannedEpisode, asyncio.Task[Warmed]]] = {}
         self._taken_keys: set[str] = set()
         self._closed = False
         self._started = self._taken = self._missed = self._discarded = 0
@@ -92,12 +111,12 @@ class WarmPool:
     def stats(self) -> WarmPoolStats:
         return WarmPoolStats(self._started, self._taken, self._missed, self._discarded)
 
-    def expect(self, specs: Iterable[EpisodeSpec]) -> None:
+    def expect(self, specs: Iterable[PlannedEpisode]) -> None:
         """The episodes :meth:`take` will be asked for, in the order they run; set-ups begin at once."""
         self._upcoming.extend(specs)
         self._fill()
 
-    async def take(self, spec: EpisodeSpec) -> Warmed | None:
+    async def take(self, spec: PlannedEpisode) -> Warmed | None:
         """The episode set up for ``spec`` (waiting for its set-up if that is under way), or ``None``
         (nothing was set up for it: set it up cold). Each planned episode is handed out at most once;
         the pool then begins the next set-up of the plan."""
@@ -143,7 +162,7 @@ class WarmPool:
             task = asyncio.create_task(self._warm(spec), name=f"ares-warm-{spec.key}")
             self._ready[spec.key] = (spec, task)
 
-    async def _warm(self, spec: EpisodeSpec) -> Warmed:
+    async def _warm(self, spec: PlannedEpisode) -> Warmed:
         gw = self.gateway
         harness = spec.new_harness()
         session = await gw.create_session(

@@ -8,7 +8,8 @@ Docker containers; answered by the oracle or the scripted policy.
 * what an agent plants in its sandbox (a file in /tmp, a detached process) is not there for the next
   episode: each warm sandbox serves one episode;
 * a set-up that fails ahead is the episode's infrastructure failure, retried on a fresh (cold) sandbox;
-* Ctrl-C during a run leaves no sandbox of the pool, set up or being set up;
+* Ctrl-C during a run leaves no sandbox of the pool, set up or being set up; after SIGKILL,
+  `ares-gateway gc` removes them;
 * bad sizes are refused by name.
 """
 
@@ -237,3 +238,38 @@ async def test_a_trainers_batch_plays_from_the_pool(boxes: Path) -> None:
     assert [p.task for p in played] == [t.name for t in tasks]
     assert all(p.reward == 1.0 and p.result is not None and p.result.warm for p in played), played
     assert left_behind(boxes) == []
+
+
+@pytest.mark.docker
+def test_gc_reaps_the_warm_containers_of_a_sigkilled_run(tmp_path: Path) -> None:
+    """SIGKILL gives the pool no chance to close; ``ares-gateway gc`` removes its containers with the rest."""
+    _need("docker")
+    env = {**os.environ, "ARES_SANDBOX_LOCAL_ROOT": str(tmp_path / "sandboxes"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cli("run", "examples-tiny", "--policy", "http", "--sandbox", "docker", "-n", "1",
+                                "--warm", "2", "--out", str(tmp_path / "out")),
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def warm_of_run() -> list[str]:
+        out = subprocess.run(["docker", "ps", "-a", "--filter", f"label={WARM_LABEL}", "--format",
+                              '{{.ID}} {{.Label "ares-gateway.owner"}}'],
+                             capture_output=True, text=True, check=True).stdout
+        return [line.split()[0] for line in out.splitlines() if f":{proc.pid}:" in line]
+
+    try:
+        deadline = time.monotonic() + 180
+        while len(warm_of_run()) < 3:  # the running episode's (agent, grading) and the next one's, at least
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the pool's sandboxes did not come up"
+            time.sleep(0.3)
+        time.sleep(1.0)  # let set-ups under way create their containers too
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert len(warm_of_run()) >= 3  # nothing cleaned up after SIGKILL
+    gc = subprocess.run(cli("gc"), cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+                        check=False)
+    assert gc.returncode == 0, gc.stdout + gc.stderr
+    assert warm_of_run() == [] and owned_containers(proc.pid) == [], gc.stdout

@@ -103,18 +103,12 @@ async def _drive(spec: EpisodeSpec, policy: Policy, gateway: Gateway,
                  span: EpisodeSpan | None, warm: WarmPool | None) -> EpisodeRecord:
     t0 = time.monotonic()
     warmed = await warm.take(spec) if warm is not None else None
+    harness = warmed.episode.harness if warmed is not None else spec.new_harness()
     if is_external(policy):
-        return await _passive_episode(gateway, spec, spec.new_harness(), t0, span, warmed)
-    if warmed is not None:
-        env = GatewayEnv.for_task(spec.task, harness=warmed.episode.harness, sandbox=spec.sandbox,
-                                  gateway=gateway, image=spec.image, model=spec.model,
-                                  step_limit=spec.step_limit, time_limit=spec.time_limit,
-                                  save_workspace=spec.workspace, prepared=warmed)
-    else:
-        env = GatewayEnv.for_task(spec.task, harness=spec.new_harness(), sandbox=spec.sandbox,
-                                  gateway=gateway, image=spec.image, model=spec.model,
-                                  step_limit=spec.step_limit, time_limit=spec.time_limit,
-                                  save_workspace=spec.workspace)
+        return await _passive_episode(gateway, spec, harness, t0, span, warmed)
+    env = GatewayEnv.for_task(spec.task, harness=harness, sandbox=spec.sandbox, gateway=gateway,
+                              image=spec.image, model=spec.model, step_limit=spec.step_limit,
+                              time_limit=spec.time_limit, save_workspace=spec.workspace, prepared=warmed)
     sid = ""
     binder = policy if isinstance(policy, SessionBound) else None
     failures: list[dict[str, Any]] = []

@@ -420,6 +420,10 @@ class RayExecutor:
         from ares_gateway.policies.base import is_external
 
         actor_env = with_start_rate(self.runtime_env)
+        # A new plan comes with this start (run_rollouts' waves reuse episode keys).
+        self._upcoming.clear()
+        self._warm_on.clear()
+        self._ran.clear()
         tasks_root = self._tasks_root()
         if tasks_root is not None:
             # Ray uploads a local working_dir only for a whole job (ray.init), not per actor.

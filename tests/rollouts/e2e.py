@@ -32,6 +32,24 @@ def require_mini(backend: str = "local") -> None:
                                                         "run bash .ci/provision-agents.sh")
 
 
+def require_hardened_local() -> None:
+    """The hardened local sandbox: root, bubblewrap, nsenter and setpriv."""
+    from ares_gateway.episodes.episode import local_can_harden
+
+    require(local_can_harden(), "the hardened local sandbox needs root, bubblewrap, nsenter and setpriv")
+
+
+def require_backend(backend: str) -> None:
+    """What episodes of the tiny agent need on ``backend``: the hardened local sandbox, or a Docker
+    engine and the image :data:`AGENTS_IMAGE`."""
+    if backend != "docker":
+        require_hardened_local()
+        return
+    require(docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
+    require(image_present(AGENTS_IMAGE),
+            f"the image {AGENTS_IMAGE} is missing: run bash .ci/provision-agents.sh", docker=True)
+
+
 def require_agent_base() -> None:
     """A Docker engine and the image :data:`AGENT_BASE_IMAGE`."""
     require(docker_ok(), f"no Docker engine answers: run {PROVISION}", docker=True)

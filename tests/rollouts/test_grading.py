@@ -38,24 +38,11 @@ from ares_gateway.episodes.verifier import WorkspaceCopyError, copy_workspace, r
 from ares_gateway.policies import call_policy, make_policy
 from harnesses.tiny_agent import TinyAgentHarness
 from tests.helpers import left_behind
-from tests.prereq import docker_ok, image_present, require
-from tests.rollouts.e2e import AGENTS_IMAGE, require_mini
+from tests.rollouts.e2e import AGENTS_IMAGE, require_backend, require_mini
 from tests.security.test_exploits import task_dir
 
 HERE = Path(__file__).resolve().parent
 BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
-
-
-def _need(backend: str) -> None:
-    if backend == "docker":
-        require(docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
-        require(image_present(AGENTS_IMAGE),
-                f"the image {AGENTS_IMAGE} is missing: run bash .ci/provision-agents.sh",
-                docker=True)
-    else:
-        from ares_gateway.episodes.episode import local_can_harden
-
-        require(local_can_harden(), "the hardened local sandbox needs root, bubblewrap, nsenter and setpriv")
 
 
 def _spec() -> sandbox_mod.SandboxSpec:
@@ -103,7 +90,7 @@ echo outside > /tmp/agent-left-this
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_copy_keeps_the_tree_and_drops_what_could_leak_or_hang(
         backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _need(backend)
+    require_backend(backend)
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     secret = "host-secret-" + secrets.token_hex(8)
     host_file = tmp_path / "secret.txt"
@@ -144,7 +131,7 @@ async def test_copy_keeps_the_tree_and_drops_what_could_leak_or_hang(
 async def test_a_forged_archive_writes_nothing_outside_the_workdir(tmp_path: Path) -> None:
     """The agent as root in its own container replaced ``tar``: what it emits is unpacked as the
     agent's uid in the grading sandbox, which keeps nothing outside the workdir."""
-    _need("docker")
+    require_backend("docker")
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         def add(name: str, kind: bytes = tarfile.REGTYPE, link: str = "", data: bytes = b"x",
@@ -187,7 +174,7 @@ async def test_a_forged_archive_writes_nothing_outside_the_workdir(tmp_path: Pat
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_a_workdir_over_the_bound_is_a_clear_error(
         backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _need(backend)
+    require_backend(backend)
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     async with _pair(backend) as (src, dst):
         await _root(src, "truncate -s 50G /workspace/sparse && chown 1000 /workspace/sparse")
@@ -307,7 +294,7 @@ async def test_fresh_grading_in_the_outcome_and_a_service_only_with_the_opt_out(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``[verifier] sandbox = "agent"`` keeps the agent's service running for its tests (1.0); by
     default the tests run in the fresh sandbox, where no service is (0.0), and the outcome says which."""
-    _need("local")
+    require_backend("local")
     root = tmp_path / "sandboxes"
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))
     fresh = _task(tmp_path / "tasks", "fresh-service", SERVICE_TEST_SH)
@@ -330,7 +317,7 @@ async def test_fresh_grading_in_the_outcome_and_a_service_only_with_the_opt_out(
 
 async def test_a_huge_sparse_workdir_is_a_verifier_error(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    _need("local")
+    require_backend("local")
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     task = _task(tmp_path / "tasks", "huge", "#!/bin/sh\necho 1 > $ARES_VERIFIER_DIR/reward.txt\n",
                  toml_extra="[environment]\nstorage_mb = 64\n")
@@ -352,7 +339,7 @@ class _Crashing(TinyAgentHarness):
 
 async def test_the_grading_sandbox_goes_after_success_failure_and_cancellation(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _need("local")
+    require_backend("local")
     root = tmp_path / "sandboxes"
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))
     task = _task(tmp_path / "tasks", "answer", ANSWER_TEST_SH)
@@ -391,7 +378,7 @@ async def test_a_grading_sandbox_that_cannot_start_is_a_sandbox_error_and_nothin
     """The backend refuses the grading sandbox (as a cloud quota or a full disk would): the episode ends
     as ``sandbox_error`` with reward 0.0 and the backend's reason, never as a reward, and the agent's
     sandbox is removed."""
-    _need("local")
+    require_backend("local")
     root = tmp_path / "sandboxes"
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))
     real_start = sandbox_mod.LocalSandbox._start

@@ -43,8 +43,7 @@ from ares_gateway.policies.scripted import SessionScriptedPolicy
 from harnesses import registry
 from harnesses.tiny_agent import TinyAgentHarness
 from sandbox.errors import FileTransferError
-from tests.prereq import docker_ok, image_present, require
-from tests.rollouts.e2e import AGENTS_IMAGE
+from tests.rollouts.e2e import require_backend
 from tests.security.test_exploits import task_dir
 
 BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
@@ -85,17 +84,6 @@ while time.time() < end:
 """
 HOG = (f"printf %s {base64.b64encode(PID_HOG.encode()).decode()} | base64 -d > /tmp/hog.py && "
        "{ setsid nohup python3 /tmp/hog.py >/dev/null 2>&1 < /dev/null & } && echo hog started")
-
-
-def _need(backend: str) -> None:
-    if backend == "docker":
-        require(docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
-        require(image_present(AGENTS_IMAGE),
-                f"the image {AGENTS_IMAGE} is missing: run bash .ci/provision-agents.sh", docker=True)
-    else:
-        from ares_gateway.episodes.episode import local_can_harden
-
-        require(local_can_harden(), "the hardened local sandbox needs root, bubblewrap, nsenter and setpriv")
 
 
 def _task(root: Path, *, agent_grading: bool = False) -> Task:
@@ -266,7 +254,7 @@ async def test_a_sandbox_removed_after_the_agents_turns_is_the_agents_failure(
         backend: str, grading: str, tmp_path: Path, steered: type[Steered]) -> None:
     """The agent solved it (1.0 if graded), then its sandbox was lost before the tests: reward 0.0, the
     agent's, one try (the tests could not have run; a retry would have given it the group's mean)."""
-    _need(backend)
+    require_backend(backend)
     steered.after = _remove
     e = await _run(_task(tmp_path / "tasks", agent_grading=grading == "agent"), backend)
     _agents_fault(e, len(steered.sandboxes))
@@ -280,7 +268,7 @@ async def test_a_sandbox_whose_keeper_died_after_the_agents_turns_is_the_agents_
         grading: str, tmp_path: Path, steered: type[Steered]) -> None:
     """Its keeper killed (the OOM killer's pick where the keeper is not spared): nothing runs in it any
     more, so the copy of the workdir out of it (fresh) or the verifier's setup in it (agent) fails."""
-    _need("local")
+    require_backend("local")
     steered.after = _kill_keeper
     e = await _run(_task(tmp_path / "tasks", agent_grading=grading == "agent"), "local")
     _agents_fault(e, len(steered.sandboxes))
@@ -294,7 +282,7 @@ async def test_a_sandbox_whose_keeper_died_after_the_agents_turns_is_the_agents_
 async def test_a_sandbox_lost_while_the_agent_ran_after_a_turn_is_the_agents_failure(
         backend: str, tmp_path: Path, steered: type[Steered]) -> None:
     """``sandbox_error`` "the sandbox failed while the agent ran", after the policy answered a call."""
-    _need(backend)
+    require_backend(backend)
 
     async def lose() -> None:
         await steered.sandboxes[-1].stop()
@@ -312,7 +300,7 @@ async def test_the_sandbox_lost_before_any_llm_call_is_still_retried(
         when: str, cause: str, tmp_path: Path, steered: type[Steered]) -> None:
     """The same loss when the agent never called its LLM (the policy had no say): the
     infrastructure's, retried on a fresh sandbox, ``infra_error`` when it persists."""
-    _need("local")
+    require_backend("local")
     steered.quiet = "true" if when == "after" else "sleep 60"
     if when == "after":
         steered.after = _remove
@@ -328,7 +316,7 @@ async def test_the_sandbox_lost_before_any_llm_call_is_still_retried(
 
 async def test_a_workdir_copy_that_fails_after_the_agents_turns_is_the_agents_failure(
         tmp_path: Path, steered: type[Steered]) -> None:
-    _need("local")
+    require_backend("local")
     steered.after = _fail_archive
     out = tmp_path / "out"
     e = await _run(_task(tmp_path / "tasks"), "local", out=out)
@@ -340,7 +328,7 @@ async def test_a_workdir_copy_that_fails_after_the_agents_turns_is_the_agents_fa
 
 async def test_a_workdir_copy_that_fails_before_any_llm_call_is_retried(
         tmp_path: Path, steered: type[Steered]) -> None:
-    _need("local")
+    require_backend("local")
     steered.quiet, steered.after = "echo 42 > answer.txt", _fail_archive
     e = await _run(_task(tmp_path / "tasks"), "local")
     _infras_fault(e, len(steered.sandboxes), "completed")
@@ -361,7 +349,7 @@ async def test_breaking_the_verifiers_setup_in_its_own_sandbox_is_the_agents_fai
     On a loaded machine the verifier's setup may win the race with the hog's last threads; test.sh then
     starts in a sandbox with no pid left and the verdict is its own (0.0, judged, one try): either way the
     agent's reward is 0.0 and never ``infra_error``."""
-    _need(backend)
+    require_backend(backend)
     e = await _run(_task(tmp_path / "tasks", agent_grading=True), backend,
                    make_policy("scripted", commands=[SOLVE, HOG]))
     assert e.exit_reason == "completed" and e.grading == "agent", e
@@ -376,7 +364,7 @@ async def test_breaking_the_verifiers_setup_in_its_own_sandbox_is_the_agents_fai
 async def test_the_same_setup_failure_before_any_llm_call_is_retried(
         tmp_path: Path, steered: type[Steered]) -> None:
     """The agent CLI itself (no LLM call) left the process: the policy had no say, so it is retried."""
-    _need("local")
+    require_backend("local")
     steered.quiet = f"{SOLVE} && {HOG} && sleep 0.5"
     e = await _run(_task(tmp_path / "tasks", agent_grading=True), "local")
     _infras_fault(e, len(steered.sandboxes), "completed")
@@ -423,7 +411,7 @@ async def test_the_grading_sandboxs_own_faults_stay_infrastructure_after_turns(
     """The grading sandbox did not start, or the tests could not be uploaded into it before anything
     of the agent's was there: the infrastructure's however many turns the policy took (retried; a
     fresh try solves it)."""
-    _need("local")
+    require_backend("local")
     setattr(grading_faults, fault, 1)
     e = await _run(_task(tmp_path / "tasks"), "local",
                    make_policy("scripted", commands=["echo 41 > answer.txt", SOLVE]))
@@ -439,7 +427,7 @@ async def test_the_outcome_says_where_the_failure_lay(tmp_path: Path, steered: t
     """results.json carries ``failure_site``; the summary counts the episode as the agent's."""
     import json
 
-    _need("local")
+    require_backend("local")
     steered.after = _remove
     out = tmp_path / "out"
     e = await _run(_task(tmp_path / "tasks"), "local", out=out)

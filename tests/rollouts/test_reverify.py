@@ -35,7 +35,7 @@ from ares_gateway.episodes.tasks import Task, load_dataset
 from ares_gateway.episodes.workspaces import check_archive, cut_archive
 from ares_gateway.policies import make_policy
 from tests.prereq import docker_ok, image_present, require
-from tests.rollouts.e2e import AGENTS_IMAGE, REPO
+from tests.rollouts.e2e import AGENTS_IMAGE, REPO, require_hardened_local
 from tests.security.test_exploits import task_dir
 
 EXAMPLES = ("fix-median-bug", "make-slug-tests-pass", "summarize-sales-csv", "write-greeting-file")
@@ -51,12 +51,6 @@ def _env(tmp: Path) -> dict[str, str]:
             "COLUMNS": "250"}
 
 
-def _need_local() -> None:
-    from ares_gateway.episodes.episode import local_can_harden
-
-    require(local_can_harden(), "the hardened local sandbox needs root, bubblewrap, nsenter and setpriv")
-
-
 def _no_traceback(proc: subprocess.CompletedProcess[str]) -> None:
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -64,7 +58,7 @@ def _no_traceback(proc: subprocess.CompletedProcess[str]) -> None:
 @pytest.fixture(scope="module")
 def oracle_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One ``ares-gateway run examples-tiny --policy oracle`` on the local backend (the 4 bundled tasks)."""
-    _need_local()
+    require_hardened_local()
     tmp = tmp_path_factory.mktemp("oracle")
     out = tmp / "run"
     proc = _cli("run", "examples-tiny", "--policy", "oracle", "--sandbox", "local", "-n", "4",
@@ -143,7 +137,7 @@ async def _scripted(task: Task, commands: list[str], out: Path, **kw: Any) -> An
 
 async def test_a_reward_that_needed_the_agents_running_service_does_not_reproduce(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _need_local()
+    require_hardened_local()
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     task = Task.load(task_dir(tmp_path / "tasks", "agent-service", test_sh=SERVICE_TEST_SH, workspace=True,
                               toml_extra='sandbox = "agent"\n'))
@@ -166,7 +160,7 @@ async def test_a_reward_that_needed_the_agents_running_service_does_not_reproduc
 
 async def test_a_workspace_over_the_cap_is_cut_and_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    _need_local()
+    require_hardened_local()
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     task = Task.load(task_dir(tmp_path / "tasks", "huge", test_sh=ANSWER_TEST_SH, workspace=True,
                               toml_extra="[environment]\nstorage_mb = 64\n"))
@@ -192,7 +186,7 @@ async def test_a_workspace_over_the_cap_is_cut_and_says_so(
 
 
 async def test_no_save_workspaces_saves_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _need_local()
+    require_hardened_local()
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     task = Task.load(task_dir(tmp_path / "tasks", "answer", test_sh=ANSWER_TEST_SH, workspace=True))
     out = tmp_path / "run"
@@ -209,7 +203,7 @@ async def test_trainers_play_episodes_saves_workspaces_only_when_asked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ares_gateway.trainers import play_episodes
 
-    _need_local()
+    require_hardened_local()
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     greeting = {t.name: t for t in load_dataset("examples").tasks}["write-greeting-file"]
     for save, out in ((False, tmp_path / "default"), (True, tmp_path / "asked")):
@@ -342,7 +336,7 @@ def test_docker_oracle_run_reproduces(tmp_path: Path) -> None:
 
 async def test_the_streaming_source_saves_workspaces_too(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    _need_local()
+    require_hardened_local()
     from ares_gateway import RolloutSource
     from ares_gateway.episodes.tasks import load_dataset
 

@@ -20,14 +20,14 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import sandbox as sandbox_mod
-from ares_gateway.episodes.episode import EpisodeSetupError, TaskEpisode, local_can_harden
+from ares_gateway.episodes.episode import EpisodeSetupError, TaskEpisode
 from ares_gateway.episodes.executor import LocalExecutor
 from ares_gateway.episodes.output import RunSummary
 from ares_gateway.episodes.rollouts import run_rollouts
@@ -36,8 +36,7 @@ from ares_gateway.episodes.warm import WARM_LABEL, WarmPool
 from ares_gateway.gateway import Gateway
 from ares_gateway.policies import make_policy
 from tests.helpers import cli, left_behind
-from tests.prereq import docker_ok, image_present, require
-from tests.rollouts.e2e import AGENTS_IMAGE, REPO, owned_containers
+from tests.rollouts.e2e import REPO, owned_containers, require_backend
 from tests.security.test_exploits import task_dir
 
 BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
@@ -56,15 +55,6 @@ SAW_NOTHING_SH = ("#!/bin/sh\nif [ -e seen.txt ] && [ ! -s seen.txt ]; then echo
                   "> $ARES_VERIFIER_DIR/reward.txt\n")
 
 
-def _need(backend: str) -> None:
-    if backend == "docker":
-        require(docker_ok(), "no Docker engine answers: run bash .ci/provision-docker.sh", docker=True)
-        require(image_present(AGENTS_IMAGE),
-                f"the image {AGENTS_IMAGE} is missing: run bash .ci/provision-agents.sh", docker=True)
-    else:
-        require(local_can_harden(), "the hardened local sandbox needs root, bubblewrap, nsenter and setpriv")
-
-
 @pytest.fixture
 def boxes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     root = tmp_path / "sandboxes"
@@ -80,13 +70,13 @@ def _warm_containers() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if f":{os.getpid()}:" in line]
 
 
-async def _run(tasks: list[Task], backend: str, policy: Any, **kw: Any) -> RunSummary:
+async def _run(tasks: Sequence[Task], backend: str, policy: Any, **kw: Any) -> RunSummary:
     return await run_rollouts(tasks, harness="tiny-agent", policy=policy, sandbox=backend, stats="null", **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_warm_episodes_score_as_cold_ones(backend: str, boxes: Path) -> None:
-    _need(backend)
+    require_backend(backend)
     cold = await _run(TASKS, backend, make_policy("oracle"), concurrency=2, attempts=2)
     warm = await _run(TASKS, backend, make_policy("oracle"), concurrency=2, attempts=2, warm=3)
     scores = {r.key: (r.reward, r.exit_reason) for r in cold.episodes}
@@ -103,7 +93,7 @@ async def test_warm_episodes_score_as_cold_ones(backend: str, boxes: Path) -> No
 async def test_a_warm_sandbox_serves_one_episode(backend: str, tmp_path: Path, boxes: Path) -> None:
     """One episode at a time, the pool two ahead: each agent plants a file and a process, and the next
     episode's agent (in a sandbox set up while the planting one ran) finds neither."""
-    _need(backend)
+    require_backend(backend)
     task = Task.load(task_dir(tmp_path / "tasks", "plant", test_sh=SAW_NOTHING_SH, workspace=True))
     summary = await _run([task], backend, make_policy("scripted", commands=[PROBE_AND_PLANT]), concurrency=1,
                          attempts=4, warm=2)
@@ -114,7 +104,7 @@ async def test_a_warm_sandbox_serves_one_episode(backend: str, tmp_path: Path, b
 
 async def test_the_probe_sees_what_a_sandbox_kept(tmp_path: Path, boxes: Path) -> None:
     """The probe above can fail: in one sandbox, after the planting command, it reports both."""
-    _need("local")
+    require_backend("local")
     sb = sandbox_mod.create(sandbox_mod.SandboxSpec(hardened=True, network="none"), backend="local")
     await sb.start()
     try:
@@ -131,7 +121,7 @@ async def test_a_failed_warm_set_up_is_retried_on_a_cold_sandbox(
         boxes: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first warm set-up's sandbox does not start: that episode fails as the infrastructure's and
     its retry sets up cold; the others come warm."""
-    _need("local")
+    require_backend("local")
     real = TaskEpisode.prepare
     failed: list[str] = []
 
@@ -156,7 +146,7 @@ async def test_a_failed_warm_set_up_is_retried_on_a_cold_sandbox(
 
 
 async def test_closing_the_pool_removes_what_it_set_up_and_what_it_is_setting_up(boxes: Path) -> None:
-    _need("local")
+    require_backend("local")
     from ares_gateway.episodes.driver import EpisodeSpec
 
     async with Gateway() as gw:
@@ -182,7 +172,7 @@ async def _sleep(s: float) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigint_leaves_no_warm_sandbox(backend: str, tmp_path: Path) -> None:
     """Ctrl-C while one episode waits for a trainer that never comes and three more are set up ahead."""
-    _need(backend)
+    require_backend(backend)
     out, boxes = tmp_path / "out", tmp_path / "sandboxes"
     env = {**os.environ, "ARES_SANDBOX_LOCAL_ROOT": str(boxes), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cli("run", "examples-tiny", "--attempts", "2", "--policy", "http", "--sandbox",
@@ -229,7 +219,7 @@ async def test_warm_goes_to_the_executor_not_to_run_rollouts() -> None:
 async def test_a_trainers_batch_plays_from_the_pool(boxes: Path) -> None:
     """``play_episodes(warm=...)`` (what the TRL and SkyRL adapters call per batch): a group of two per
     task, one at a time, each entry's episode set up ahead."""
-    _need("local")
+    require_backend("local")
     from ares_gateway.trainers._common import play_episodes
 
     tasks = [t for t in TASKS[:2] for _ in range(2)]
@@ -243,7 +233,7 @@ async def test_a_trainers_batch_plays_from_the_pool(boxes: Path) -> None:
 @pytest.mark.docker
 def test_gc_reaps_the_warm_containers_of_a_sigkilled_run(tmp_path: Path) -> None:
     """SIGKILL gives the pool no chance to close; ``ares-gateway gc`` removes its containers with the rest."""
-    _need("docker")
+    require_backend("docker")
     env = {**os.environ, "ARES_SANDBOX_LOCAL_ROOT": str(tmp_path / "sandboxes"), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cli("run", "examples-tiny", "--policy", "http", "--sandbox", "docker", "-n", "1",
                                 "--warm", "2", "--out", str(tmp_path / "out")),

@@ -9,7 +9,8 @@ the pool then sets up the next one of the plan in the background.
 * **Used once.** Each warm sandbox is made for one planned episode and removed with it: nothing an
   agent leaves (a file, a process) reaches another episode. An episode with nothing warm (the pool is
   behind, or a retry, which always gets a fresh sandbox) sets up cold, as without a pool.
-* **Bounded.** At most ``size`` episodes are set up or being set up ahead at once.
+* **Bounded.** At most ``size`` set-ups, done or under way, wait ahead of their episodes at once (one
+  an episode has taken and waits for no longer counts).
 * **Cleaned.** :meth:`WarmPool.close` (the executor's close, which a cancelled run reaches too)
   removes every sandbox not taken and deletes its session; a set-up cut short by the close removes
   what it had started. A process killed outright leaves them to ``ares-gateway gc``, like any sandbox:
@@ -95,7 +96,7 @@ class WarmPool:
 
     Args:
         gateway: the started gateway whose sessions the episodes run.
-        size: how many episodes at most are set up (or being set up) ahead at once; 0 is no pool.
+        size: how many set-ups at most, done or under way, wait ahead of their episodes; 0 is no pool.
     """
 
     def __init__(self, gateway: Gateway, size: int) -> None:

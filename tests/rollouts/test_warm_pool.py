@@ -77,10 +77,10 @@ async def _run(tasks: Sequence[Task], backend: str, policy: Any, **kw: Any) -> R
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_warm_episodes_score_as_cold_ones(backend: str, boxes: Path) -> None:
     require_backend(backend)
-    cold = await _run(TASKS, backend, make_policy("oracle"), concurrency=2, attempts=2)
-    warm = await _run(TASKS, backend, make_policy("oracle"), concurrency=2, attempts=2, warm=3)
+    cold = await _run(TASKS, backend, make_policy("oracle"), concurrency=2)
+    warm = await _run(TASKS, backend, make_policy("oracle"), concurrency=2, warm=3)
     scores = {r.key: (r.reward, r.exit_reason) for r in cold.episodes}
-    assert len(scores) == 2 * len(TASKS) and set(scores.values()) == {(1.0, "completed")}, cold.episodes
+    assert len(scores) == len(TASKS) and set(scores.values()) == {(1.0, "completed")}, cold.episodes
     assert {r.key: (r.reward, r.exit_reason) for r in warm.episodes} == scores
     assert not any(r.warm for r in cold.episodes)
     assert all(r.warm and r.setup_seconds > 0 and r.retries == 0 for r in warm.episodes), warm.episodes

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from ares_gateway.episodes.executor import LocalExecutor
 from ares_gateway.episodes.tasks import Dataset as TaskDataset
 from ares_gateway.episodes.tasks import DatasetError
 from ares_gateway.gateway import GatewayConfig
@@ -305,6 +306,10 @@ def test_bad_prompts_and_datasets_are_clear_errors(tmp_path: Path) -> None:
         reward_from_episode(["x"])
     with pytest.raises(ValueError, match="concurrency"):
         rollout_func("examples", concurrency=0)
+    with pytest.raises(ValueError, match="warm must be a whole number"):
+        rollout_func("examples", warm=-1)
+    with pytest.raises(ValueError, match=r"pass warm= to it \(RayExecutor"):
+        rollout_func("examples", warm=2, executor=LocalExecutor())
     rollouts.close()
 
 

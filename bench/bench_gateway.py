@@ -70,7 +70,7 @@ def _gateway_main(port: int, mode: str, max_items: int = 1024, **settings: Any) 
     import uvloop
 
     from ares_gateway import Completion, Gateway
-    from ares_gateway.cli._common import tune_gc
+    from ares_gateway.cli._support import tune_gc
 
     tune_gc()  # as `ares-gateway serve` does
 

@@ -260,7 +260,7 @@ def _throughput_main(agents: int, turns: int, durable: bool, record: bool = True
     import uvloop
 
     from ares_gateway import Gateway
-    from ares_gateway.cli._common import tune_gc
+    from ares_gateway.cli._support import tune_gc
 
     tune_gc()  # as ``serve`` and ``run`` do
     out: dict[str, Any] = {}
@@ -373,7 +373,7 @@ def _sessions_main(sessions: int, turns: int, durable: bool = True) -> dict[str,
     import uvloop
 
     from ares_gateway import Gateway
-    from ares_gateway.cli._common import tune_gc
+    from ares_gateway.cli._support import tune_gc
 
     tune_gc()  # as ``serve`` and ``run`` do
 

@@ -271,7 +271,7 @@ def run_case(sessions: int, kind: str = "small", *, measured: int = 32768, rate:
     would; it must raise its own."""
     import uvloop
 
-    from ares_gateway.cli._common import tune_gc
+    from ares_gateway.cli._support import tune_gc
 
     raise_own_open_files(sessions + 512)
     # The load generator holds a connection, a task and a client response per session: with the

@@ -4,7 +4,7 @@
 One module per command: :mod:`~ares_gateway.cli.serve`, :mod:`~ares_gateway.cli.run` (``run`` and
 ``demo``), :mod:`~ares_gateway.cli.view`, :mod:`~ares_gateway.cli.gc`, :mod:`~ares_gateway.cli.export`,
 :mod:`~ares_gateway.cli.prune`, :mod:`~ares_gateway.cli.reverify`; what they share in
-:mod:`~ares_gateway.cli._common`.
+:mod:`~ares_gateway.cli._support`.
 ``python3 -m ares_gateway.cli`` is the same as ``ares-gateway``.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ares_gateway.cli._common import HelpFormatter, version
+from ares_gateway.cli._support import HelpFormatter, version
 from ares_gateway.cli.export import add_export_command
 from ares_gateway.cli.gc import add_gc_command
 from ares_gateway.cli.prune import add_prune_command

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ares_gateway.cli._common import HelpFormatter
+from ares_gateway.cli._support import HelpFormatter
 from ares_gateway.core.errors import DataDirError
 from ares_gateway.core.session_recorder import SessionRecorder
 from ares_gateway.core.store import DB_NAME, StoreReader

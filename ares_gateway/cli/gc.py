@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from ares_gateway.cli._common import HelpFormatter
+from ares_gateway.cli._support import HelpFormatter
 from sandbox import BACKENDS, collect_garbage
 
 

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from ares_gateway.cli._common import HelpFormatter
+from ares_gateway.cli._support import HelpFormatter
 from ares_gateway.core.errors import DataDirError
 from ares_gateway.core.store import TurnStore
 

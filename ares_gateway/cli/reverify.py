@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any
 
-from ares_gateway.cli._common import HelpFormatter, run_on_uvloop
+from ares_gateway.cli._support import HelpFormatter, run_on_uvloop
 
 
 def cmd_reverify(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ares_gateway.cli._common import HelpFormatter, refuse_secret_flag, run_on_uvloop, tune_gc
+from ares_gateway.cli._support import HelpFormatter, refuse_secret_flag, run_on_uvloop, tune_gc
 from sandbox import BACKENDS as SANDBOX_BACKENDS
 
 POLICIES = ("oracle", "scripted", "upstream", "tito", "http")
@@ -310,7 +310,7 @@ async def _execute(
     admin = os.environ.get(args.admin_token_env) if getattr(args, "admin_token_env", None) else None
     if not admin:
         # The control API is never open: a generated token, in a 0600 file of the run's directory.
-        from ares_gateway.cli._common import write_admin_token
+        from ares_gateway.cli._support import write_admin_token
 
         admin, token_path = write_admin_token(out)
         console.print(f"control API: admin token in {token_path}", highlight=False, soft_wrap=True,

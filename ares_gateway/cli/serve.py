@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ares_gateway.cli._common import (
+from ares_gateway.cli._support import (
     HelpFormatter,
     refuse_secret_flag,
     run_on_uvloop,

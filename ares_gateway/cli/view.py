@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ares_gateway.cli._common import HelpFormatter
+from ares_gateway.cli._support import HelpFormatter
 from ares_gateway.core.store import DB_NAME
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Generic, TypeVar
 
 from ares_gateway.core.canonical import Completion, CompletionDelta, ToolCall
-from ares_gateway.protocols._common import new_id, remainder
+from ares_gateway.protocols._shared import new_id, remainder
 
 _Tool = TypeVar("_Tool")
 

@@ -43,7 +43,7 @@ from ares_gateway.core.canonical import (
     WireProtocol,
 )
 from ares_gateway.core.wire import ProtocolAdapter, Reuse
-from ares_gateway.protocols._common import (
+from ares_gateway.protocols._shared import (
     MARKERS,
     MAX_TOKENS_LIMIT,
     NO_USAGE,

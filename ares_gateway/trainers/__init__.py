@@ -11,11 +11,11 @@
 Each imports its trainer's package only when used: the base install needs no torch, trl or verl, and
 a missing one is a :class:`MissingExtraError` naming the extra. What they share (tasks named by
 prompts, episodes played, the main-line sample of each: the harness CLI's own conversation) is in
-:mod:`ares_gateway.trainers._common`;
+:mod:`ares_gateway.trainers.episodes`;
 see docs/training.md.
 """
 
-from ares_gateway.trainers._common import (
+from ares_gateway.trainers.episodes import (
     EpisodeSample,
     MissingExtraError,
     TrainerEntry,

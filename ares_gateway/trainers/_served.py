@@ -18,7 +18,7 @@ from typing import Any
 from ares_gateway.engines.engine_server import MAX_NEW_TOKENS_CAP, EngineServer
 from ares_gateway.engines.sglang import SGLangEngine
 from ares_gateway.policies.tito import TitoPolicy
-from ares_gateway.trainers._common import TrainerError
+from ares_gateway.trainers.episodes import TrainerError
 
 __all__ = ["RemoteTitoPolicy", "ServedEngine"]
 

@@ -45,7 +45,7 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ares_gateway.trainers._common import (
+from ares_gateway.trainers.episodes import (
     EpisodeSample,
     TrainerError,
     describe_failure,

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ares_gateway.trainers._common import EpisodeSample, sample_turns
+from ares_gateway.trainers.episodes import EpisodeSample, sample_turns
 
 __all__ = ["FormatRule", "FormatScore", "format_reward", "format_rewards_column", "format_score",
            "from_column"]

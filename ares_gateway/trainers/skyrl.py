@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ares_gateway.episodes.warm import check_warm
-from ares_gateway.trainers._common import (
+from ares_gateway.trainers.episodes import (
     EpisodeSample,
     TokenizerMismatchError,
     TrainerError,

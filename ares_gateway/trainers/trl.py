@@ -88,7 +88,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ares_gateway.episodes.failures import DEFAULT_RETRIES, check_retries
 from ares_gateway.episodes.warm import check_warm
-from ares_gateway.trainers._common import (
+from ares_gateway.trainers.episodes import (
     EpisodeSample,
     TokenizerMismatchError,
     TrainerError,

@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from ares_gateway.trainers._common import (
+from ares_gateway.trainers.episodes import (
     EpisodeSample,
     TokenizerMismatchError,
     describe_failure,

@@ -472,7 +472,7 @@ def test_responses_stream_reassembles(case: tuple[Completion, list[Any]]) -> Non
 def test_cross_protocol_rendering_is_accepted() -> None:
     """Any protocol's canonical request renders into a body every other protocol parses (forwarding
     upstream)."""
-    from ares_gateway.protocols._common import MARKERS
+    from ares_gateway.protocols._shared import MARKERS
 
     from .test_anthropic_messages import claude_code_body
     from .test_openai_chat import mini_swe_agent_body

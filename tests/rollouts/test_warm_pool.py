@@ -220,7 +220,7 @@ async def test_a_trainers_batch_plays_from_the_pool(boxes: Path) -> None:
     """``play_episodes(warm=...)`` (what the TRL and SkyRL adapters call per batch): a group of two per
     task, one at a time, each entry's episode set up ahead."""
     require_backend("local")
-    from ares_gateway.trainers._common import play_episodes
+    from ares_gateway.trainers.episodes import play_episodes
 
     tasks = [t for t in TASKS[:2] for _ in range(2)]
     played = await play_episodes(tasks, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",

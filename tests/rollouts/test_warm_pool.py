@@ -62,12 +62,12 @@ def boxes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     yield root
 
 
-def _warm_containers() -> list[str]:
-    """Containers of this process that carry the warm label (any state)."""
+def _warm_containers(pid: int) -> list[str]:
+    """Containers (any state) that carry the warm label and whose owner label names process ``pid``."""
     out = subprocess.run(["docker", "ps", "-a", "--filter", f"label={WARM_LABEL}", "--format",
                           '{{.ID}} {{.Label "ares-gateway.owner"}}'],
                          capture_output=True, text=True, check=True).stdout
-    return [line.split()[0] for line in out.splitlines() if f":{os.getpid()}:" in line]
+    return [line.split()[0] for line in out.splitlines() if f":{pid}:" in line]
 
 
 async def _run(tasks: Sequence[Task], backend: str, policy: Any, **kw: Any) -> RunSummary:
@@ -86,7 +86,7 @@ async def test_warm_episodes_score_as_cold_ones(backend: str, boxes: Path) -> No
     assert all(r.warm and r.setup_seconds > 0 and r.retries == 0 for r in warm.episodes), warm.episodes
     assert left_behind(boxes) == []
     if backend == "docker":
-        assert _warm_containers() == []
+        assert _warm_containers(os.getpid()) == []
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -239,15 +239,10 @@ def test_gc_reaps_the_warm_containers_of_a_sigkilled_run(tmp_path: Path) -> None
                                 "--warm", "2", "--out", str(tmp_path / "out")),
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    def warm_of_run() -> list[str]:
-        out = subprocess.run(["docker", "ps", "-a", "--filter", f"label={WARM_LABEL}", "--format",
-                              '{{.ID}} {{.Label "ares-gateway.owner"}}'],
-                             capture_output=True, text=True, check=True).stdout
-        return [line.split()[0] for line in out.splitlines() if f":{proc.pid}:" in line]
-
     try:
         deadline = time.monotonic() + 180
-        while len(warm_of_run()) < 3:  # the running episode's (agent, grading) and the next one's, at least
+        # The running episode's containers (agent, grading) and the next one's, at least.
+        while len(_warm_containers(proc.pid)) < 3:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             assert time.monotonic() < deadline, "the pool's sandboxes did not come up"
             time.sleep(0.3)
@@ -258,8 +253,8 @@ def test_gc_reaps_the_warm_containers_of_a_sigkilled_run(tmp_path: Path) -> None
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert len(warm_of_run()) >= 3  # nothing cleaned up after SIGKILL
+    assert len(_warm_containers(proc.pid)) >= 3  # nothing cleaned up after SIGKILL
     gc = subprocess.run(cli("gc"), cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
                         check=False)
     assert gc.returncode == 0, gc.stdout + gc.stderr
-    assert warm_of_run() == [] and owned_containers(proc.pid) == [], gc.stdout
+    assert _warm_containers(proc.pid) == [] and owned_containers(proc.pid) == [], gc.stdout

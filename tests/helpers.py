@@ -1,10 +1,13 @@
 """Helpers shared by test modules of several suites: loopback ports, the CLI's command line, what
-local sandboxes leave behind, and token records."""
+local sandboxes leave behind, waiting on a CLI process, and token records."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ares_gateway.core.canonical import TokenRecord
@@ -25,6 +28,17 @@ def cli(*args: str) -> list[str]:
 def left_behind(root: Path) -> list[str]:
     """The names of the entries under a local sandbox root (``[]`` when it was never created)."""
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def wait_while_running(proc: subprocess.Popen[str], ready: Callable[[], object], *, timeout: float,
+                       what: str, every: float = 0.3) -> None:
+    """Wait until ``ready()`` is true while ``proc`` still runs: fails with its output if it exits first,
+    and with ``what`` (what did not happen) after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert time.monotonic() < deadline, what
+        time.sleep(every)
 
 
 def token_record(prompt: list[int], output: list[int]) -> TokenRecord:

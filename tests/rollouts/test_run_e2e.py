@@ -21,7 +21,7 @@ import pytest
 from ares_gateway import GatewayEnv
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
-from tests.helpers import cli
+from tests.helpers import cli, wait_while_running
 
 from .e2e import REPO, owned_containers, require_mini
 from .test_env_and_runner import left_behind, play
@@ -96,15 +96,13 @@ def test_sigint_removes_every_sandbox_and_writes_what_finished(backend: str, tmp
             "--out", str(out)),
         cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while True:  # one episode finished and the next one's sandbox is up
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "no episode finished in time"
+        def finished_one_and_next_is_up() -> bool:
             done = (out / "episodes.jsonl").exists() and (out / "episodes.jsonl").read_text().strip()
             live = owned_containers(proc.pid) if backend == "docker" else left_behind(boxes)
-            if done and live:
-                break
-            time.sleep(0.5)
+            return bool(done and live)
+
+        wait_while_running(proc, finished_one_and_next_is_up, timeout=240, what="no episode finished in time",
+                           every=0.5)
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=90)
     finally:
@@ -134,11 +132,8 @@ def test_gc_reaps_the_containers_of_a_sigkilled_run(tmp_path: Path) -> None:
                                 "--out", str(tmp_path / "out")),
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while len(owned_containers(proc.pid)) < 2:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "the run's sandboxes did not come up"
-            time.sleep(0.5)
+        wait_while_running(proc, lambda: len(owned_containers(proc.pid)) >= 2, timeout=180,
+                           what="the run's sandboxes did not come up", every=0.5)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:

@@ -35,7 +35,7 @@ from ares_gateway.episodes.tasks import Task, load_dataset
 from ares_gateway.episodes.warm import WARM_LABEL, WarmPool
 from ares_gateway.gateway import Gateway
 from ares_gateway.policies import make_policy
-from tests.helpers import cli, left_behind
+from tests.helpers import cli, left_behind, wait_while_running
 from tests.rollouts.e2e import REPO, owned_containers, require_backend
 from tests.security.test_exploits import task_dir
 
@@ -179,14 +179,10 @@ def test_sigint_leaves_no_warm_sandbox(backend: str, tmp_path: Path) -> None:
                                 backend, "-n", "1", "--warm", "3", "--out", str(out)),
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:  # the running episode's sandbox and the pool's
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "the pool did not fill in time"
-            live = owned_containers(proc.pid) if backend == "docker" else left_behind(boxes)
-            if len(live) >= 4:
-                break
-            time.sleep(0.2)
+        # The running episode's sandbox and the pool's.
+        wait_while_running(proc, lambda: len(owned_containers(proc.pid) if backend == "docker"
+                                             else left_behind(boxes)) >= 4,
+                           timeout=120, what="the pool did not fill in time", every=0.2)
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=90)
     finally:
@@ -240,12 +236,9 @@ def test_gc_reaps_the_warm_containers_of_a_sigkilled_run(tmp_path: Path) -> None
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     try:
-        deadline = time.monotonic() + 180
         # The running episode's containers (agent, grading) and the next one's, at least.
-        while len(_warm_containers(proc.pid)) < 3:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "the pool's sandboxes did not come up"
-            time.sleep(0.3)
+        wait_while_running(proc, lambda: len(_warm_containers(proc.pid)) >= 3, timeout=180,
+                           what="the pool's sandboxes did not come up")
         time.sleep(1.0)  # let set-ups under way create their containers too
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)

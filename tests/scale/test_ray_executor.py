@@ -31,7 +31,7 @@ import pytest
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
-from tests.helpers import cli, left_behind
+from tests.helpers import cli, left_behind, wait_while_running
 from tests.prereq import require
 from tests.rollouts.e2e import REPO, require_mini
 
@@ -375,11 +375,8 @@ def test_cli_run_on_ray(cluster: Any, tmp_path: Path, sandbox_root: Path) -> Non
 
 
 def _wait_for_sandboxes(proc: subprocess.Popen[str], root: Path, n: int, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while len(left_behind(root)) < n:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        assert time.monotonic() < deadline, "the run's sandboxes did not come up"
-        time.sleep(0.3)
+    wait_while_running(proc, lambda: len(left_behind(root)) >= n, timeout=timeout,
+                       what="the run's sandboxes did not come up")
 
 
 def test_cli_ctrl_c_on_ray_stops_the_episodes_and_removes_their_sandboxes(cluster: Any, tmp_path: Path,

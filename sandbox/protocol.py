@@ -365,17 +365,24 @@ class BaseSandbox(abc.ABC):
         self._state = "running"
 
     async def stop(self) -> None:
-        """Stop and remove the sandbox. Safe to call twice."""
+        """Stop and remove the sandbox. Safe to call twice.
+
+        Cancelled or failed midway, the sandbox counts as running again, so that
+        :meth:`stop_and_remove`, a later ``stop()`` or the janitor at exit still removes it (a
+        removal queued for a worker thread and cancelled there never ran)."""
         with self._lock:
             if self._state == "stopped":
                 return
             was_started = self._state == "running"
             self._state = "stopped"
-        try:
-            if was_started:
+        if was_started:
+            try:
                 await self._stop()
-        finally:
-            janitor.unregister(self)
+            except BaseException:
+                with self._lock:
+                    self._state = "running"
+                raise
+        janitor.unregister(self)
 
     def stop_and_remove(self) -> None:
         """Synchronous, idempotent removal; safe from atexit and signal handlers."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,34 @@ async def test_stop_double_stop_and_use_after_stop(
         await sb.upload_file(tmp_path, "x")
     with pytest.raises(SandboxStateError, match="cannot be started again"):
         await sb.start()
+
+
+async def test_a_stop_cancelled_before_its_removal_ran_leaves_it_to_stop_and_remove(
+    make_sandbox: SandboxFactory, backend: str, request: pytest.FixtureRequest
+) -> None:
+    fake = request.getfixturevalue("daytona_fake") if backend == "daytona" else None
+    sb = await make_sandbox()
+    loop = asyncio.get_running_loop()
+    # One worker thread, held busy: the stop's removal waits in the executor's queue, and cancelling the
+    # stop takes it off the queue before it ran (as on a loaded machine with every worker busy).
+    busy, gate = concurrent.futures.ThreadPoolExecutor(max_workers=1), threading.Event()
+    loop.set_default_executor(busy)
+    try:
+        held = loop.run_in_executor(None, gate.wait)
+        stopping = asyncio.ensure_future(sb.stop())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        stopping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopping
+        assert sb.state == "running" and backend_holds(sb, fake)  # not removed, and it says so
+        sb.stop_and_remove()  # what the episode's fallback and the janitor at exit call
+        assert sb.state == "stopped" and not backend_holds(sb, fake)
+    finally:
+        gate.set()
+        await held
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor())
+        busy.shutdown(wait=False)
 
 
 async def test_use_before_start(make_sandbox: SandboxFactory) -> None:

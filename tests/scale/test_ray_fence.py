@@ -41,6 +41,20 @@ pytestmark = pytest.mark.slow
 TASKS = load_dataset("examples").tasks
 
 
+async def _until_dead(actor: Any, timeout: float = 30.0) -> None:
+    """Wait until calls on a killed ``actor`` fail (``ray.kill`` returns before the actor is gone)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await actor.sampling.remote()
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, "the killed actor still answers"
+        await asyncio.sleep(0.1)
+
+
 class SlowOracle:
     """The oracle policy, each answer ``delay`` seconds late (it travels to the nodes by value)."""
 
@@ -199,6 +213,7 @@ async def test_a_node_whose_pause_fails_leaves_the_others_resumed(cluster: tuple
         assert ex.policy_version == 6
 
         ray.kill(ex._actors[b], no_restart=True)  # a node's actor dies: the fence goes on without it
+        await _until_dead(ex._actors[b])  # ray.kill only asks: a call right after it may still be served
         report = await ex.pause_sampling()
         assert set(ex.pause_reports) == {a} and ex.lost == [b] and ex.nodes == [a] and report.in_flight == 0
         await ex.resume_sampling(7)

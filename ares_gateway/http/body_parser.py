@@ -194,9 +194,31 @@ class ParseMemo:
         if kept + len(new) != len(layout.ends):
             return None
         _check_depth(new, depth=2)  # the list's level in the body; the rest was checked when it came
+        # Items the previous body had at the same places but in other bytes (Claude Code moves its
+        # cache mark off the last message each turn) keep the previous decoding's strings: the message
+        # tree already holds those, and a long tool result would otherwise be held twice.
+        for i in range(min(len(new), len(line.items) - kept)):
+            new[i] = _with_strings_of(new[i], line.items[kept + i])
         body = dict(line.body)
         body[key] = line.items[:kept] + new
         return body
+
+
+def _with_strings_of(new: Any, old: Any, depth: int = 0) -> Any:
+    """``new`` (freshly decoded, so ours to change) with each string equal to the one at the same
+    place in ``old`` replaced by ``old``'s object. Only strings are taken over: values are never
+    compared as values (``1 == True``), and the structure stays ``new``'s."""
+    if type(new) is str:
+        return old if type(old) is str and old == new else new
+    if depth < 8:
+        if type(new) is dict and type(old) is dict:
+            for k, v in new.items():
+                if k in old:
+                    new[k] = _with_strings_of(v, old[k], depth + 1)
+        elif type(new) is list and type(old) is list:
+            for i in range(min(len(new), len(old))):
+                new[i] = _with_strings_of(new[i], old[i], depth + 1)
+    return new
 
 
 def parse_inline(raw: bytes, protocol: WireProtocol | None, memo: ParseMemo | None = None) -> ParsedBody:

@@ -212,10 +212,20 @@ _set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
 _set_private = BaseModel.__dict__["__pydantic_private__"].__set__
 
 
+# One fields-set per class, shared by every instance built with all its fields (as ``_build``'s callers
+# do): a set of 5-8 names takes 728 bytes, more than the instance's values, and a 200-turn session holds
+# thousands of these. Sharing is safe: pydantic only ever adds a field's name to it (on assignment),
+# which is already there, and copies it in ``model_copy``.
+_ALL_FIELDS: dict[type, set[str]] = {}
+
+
 def _build(cls: Any, values: dict[str, Any]) -> Any:
     m = _new(cls)
     _setattr(m, "__dict__", values)
-    _set_fields_set(m, set(values))
+    every = _ALL_FIELDS.get(cls)
+    if every is None:
+        every = _ALL_FIELDS[cls] = set(cls.model_fields)
+    _set_fields_set(m, every if len(values) == len(every) else set(values))
     _set_extra(m, None)
     _set_private(m, None)
     return m

@@ -347,3 +347,45 @@ def test_the_canonical_form_of_a_growing_line_reuses_the_encoding_of_what_it_sha
         *second.request.messages, Message(role="user", content="x", extra={"big": 2**70})]})
     assert second.encoder.encode(big) == big.model_dump_json(exclude={"raw"}).encode()
     assert second.encoder._pieces is now
+
+
+def test_converted_messages_share_one_fields_set_and_stay_independent() -> None:
+    body = {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+        {"role": "user", "content": [{"type": "text", "text": "three"}]}]}
+    msgs = _fresh(A, json.dumps(body).encode()).messages
+    assert len(msgs) == 3
+    every = set(Message.model_fields)
+    # One set for all (a set of eight names is 728 bytes: a long session holds thousands of messages).
+    assert all(m.model_fields_set == every for m in msgs)
+    assert msgs[0].__pydantic_fields_set__ is msgs[2].__pydantic_fields_set__
+    # What pydantic does with it leaves the others as they were.
+    msgs[0].content = "changed"
+    copied = msgs[1].model_copy(update={"content": "copied"})
+    assert copied.content == "copied" and msgs[1].content == "two" and msgs[2].model_fields_set == every
+    assert copied.__pydantic_fields_set__ is not msgs[1].__pydantic_fields_set__
+    assert msgs[1].model_dump(exclude_unset=True) == msgs[1].model_dump()
+
+
+def test_an_item_sent_again_in_other_bytes_keeps_the_previous_strings_not_its_values() -> None:
+    # Claude Code marks its last message for caching and moves the mark on the next turn: that message
+    # comes again in other bytes. Its strings are the previous decoding's (the tree holds those), its
+    # values and structure the new bytes' (1 is not true).
+    memo = ParseMemo()
+    first = _anthropic(2, messages_first=True)
+    big = "file.txt\n" * 500
+    first["messages"][-1]["content"] = [
+        {"type": "tool_result", "tool_use_id": "t1", "content": big, "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "n", "flag": 1}]
+    before = _through(memo, A, first)
+    second = json.loads(json.dumps(first))
+    del second["messages"][-1]["content"][0]["cache_control"]
+    second["messages"][-1]["content"][1]["flag"] = True
+    second["messages"].append({"role": "assistant", "content": "done"})
+    after = _through(memo, A, second)
+    old_block, new_block = before.raw["messages"][4]["content"], after.raw["messages"][4]["content"]
+    assert new_block is not old_block and "cache_control" not in new_block[0]
+    assert new_block[0]["content"] is old_block[0]["content"]  # one copy of the long string
+    assert new_block[1]["flag"] is True and old_block[1]["flag"] == 1 and old_block[1]["flag"] is not True
+    tool = next(m for m in after.messages if m.role == "tool" and m.tool_call_id == "t1")
+    assert tool.content == big and tool.content is old_block[0]["content"]  # the canonical form's too

@@ -36,20 +36,16 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.support.polling import free_port
+
 ADMIN = "bench-admin-token-0123456789"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------------- the gateway process
@@ -146,7 +142,7 @@ def _start(args: argparse.Namespace, sessions: int, path: str, fences: int = 0,
            package: str | None = None) -> tuple[subprocess.Popen[str], int, list[list[str]]]:
     """The gateway process; ``package``: a checkout whose ``ares_gateway`` it imports instead of this
     one's."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     if package is not None:
         env["PYTHONPATH"] = os.pathsep.join([package, *filter(None, [env.get("PYTHONPATH")])])

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_relay import _wait_for, pct  # noqa: E402  (the same percentile and readiness wait)
 
+from bench.support.polling import free_port  # noqa: E402
 from sandbox.tunnel import Tunnel, pipe_channel, pty_channel  # noqa: E402
 
 RELAY = str(ROOT / "sandbox" / "_relay.py")
@@ -121,14 +121,6 @@ response(s)
 up = size / (time.perf_counter() - t0) / 1e6
 print(json.dumps({"times": times, "down": down, "up": up}))
 """  # noqa: E501 (an embedded script, kept as it runs)
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = int(s.getsockname()[1])
-    s.close()
-    return port
 
 
 async def host_client(target: str, args: argparse.Namespace) -> dict[str, Any]:

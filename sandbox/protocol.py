@@ -314,6 +314,8 @@ class BaseSandbox(abc.ABC):
         self.id = uuid.uuid4().hex[:12]
         self._state = "created"
         self._lock = threading.Lock()
+        #: Set once a start under way has settled (started or failed); ``None`` before any start.
+        self._starting: asyncio.Event | None = None
         self.created_at = time.time()
         self._forwards: dict[int, str] = {}
 
@@ -348,7 +350,16 @@ class BaseSandbox(abc.ABC):
             )
         if self.spec.forwards and type(self)._forward is BaseSandbox._forward:
             await self._forward(0, "")  # raises NotSupportedError before anything is created
+        self._starting = settled = asyncio.Event()
+        try:
+            await self._start_settled()
+        finally:
+            settled.set()
+
+    async def _start_settled(self) -> None:
         await wait_to_start(self.backend)  # a provider's creation rate (sandbox.start_rate)
+        if self._state == "stopped":
+            raise SandboxStateError(f"sandbox {self.id} was stopped before it started")
         janitor.register(self)
         try:
             await self._start()
@@ -362,14 +373,27 @@ class BaseSandbox(abc.ABC):
                 janitor.unregister(self)
                 self._state = "stopped"
             raise
-        self._state = "running"
+        with self._lock:
+            removed = self._state == "stopped"
+            if not removed:
+                self._state = "running"
+        if removed:  # stop_and_remove() ran while it started: what the start made goes too
+            try:
+                self._remove_sync()
+            finally:
+                janitor.unregister(self)
+            raise SandboxStateError(f"sandbox {self.id} was stopped while it started")
 
     async def stop(self) -> None:
         """Stop and remove the sandbox. Safe to call twice.
 
         Cancelled or failed midway, the sandbox counts as running again, so that
         :meth:`stop_and_remove`, a later ``stop()`` or the janitor at exit still removes it (a
-        removal queued for a worker thread and cancelled there never ran)."""
+        removal queued for a worker thread and cancelled there never ran). A start under way is let
+        settle first, then what it made is removed."""
+        starting = self._starting
+        if starting is not None and not starting.is_set():
+            await starting.wait()
         with self._lock:
             if self._state == "stopped":
                 return

@@ -172,6 +172,50 @@ async def test_a_stop_cancelled_before_its_removal_ran_leaves_it_to_stop_and_rem
         busy.shutdown(wait=False)
 
 
+def _held_start(sb: sandbox.Sandbox) -> asyncio.Event:
+    """Hold ``sb``'s start before the backend creates anything, until the returned event is set."""
+    gate, start = asyncio.Event(), sb._start  # type: ignore[attr-defined]
+
+    async def held() -> None:
+        await gate.wait()
+        await start()
+
+    sb._start = held  # type: ignore[attr-defined]
+    return gate
+
+
+async def test_stop_during_start_lets_the_start_settle_then_removes_it(
+    make_sandbox: SandboxFactory, backend: str, request: pytest.FixtureRequest
+) -> None:
+    fake = request.getfixturevalue("daytona_fake") if backend == "daytona" else None
+    sb = await make_sandbox(start=False)
+    gate = _held_start(sb)
+    starting = asyncio.ensure_future(sb.start())
+    await asyncio.sleep(0.05)
+    stopping = asyncio.ensure_future(sb.stop())
+    await asyncio.sleep(0.05)
+    assert not stopping.done() and sb.state == "created"  # it waits for the start, not past it
+    gate.set()
+    await asyncio.wait_for(stopping, 60)
+    await starting  # the start itself went through; the stop then removed what it made
+    assert sb.state == "stopped" and not backend_holds(sb, fake)
+
+
+async def test_stop_and_remove_during_start_removes_what_the_start_then_made(
+    make_sandbox: SandboxFactory, backend: str, request: pytest.FixtureRequest
+) -> None:
+    fake = request.getfixturevalue("daytona_fake") if backend == "daytona" else None
+    sb = await make_sandbox(start=False)
+    gate = _held_start(sb)
+    starting = asyncio.ensure_future(sb.start())
+    await asyncio.sleep(0.05)
+    sb.stop_and_remove()  # the janitor at exit, or an episode's synchronous fallback
+    gate.set()
+    with pytest.raises(SandboxStateError, match="stopped while it started"):
+        await asyncio.wait_for(starting, 60)
+    assert sb.state == "stopped" and not backend_holds(sb, fake)
+
+
 async def test_use_before_start(make_sandbox: SandboxFactory) -> None:
     sb = await make_sandbox(start=False)
     with pytest.raises(SandboxStateError, match="not started"):

@@ -1,5 +1,6 @@
 """Helpers shared by test modules of several suites: loopback ports, the CLI's command line, what
-local sandboxes leave behind, waiting on a CLI process, and token records."""
+local sandboxes leave behind, waiting on a CLI process, token records, and harnesses that fail on
+purpose."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ares_gateway.core.canonical import TokenRecord
+from harnesses.tiny_agent import TinyAgentHarness
 
 
 def free_port() -> int:
@@ -44,3 +46,20 @@ def wait_while_running(proc: subprocess.Popen[str], ready: Callable[[], object],
 def token_record(prompt: list[int], output: list[int]) -> TokenRecord:
     """A generation's tokens, every output token at logprob -0.5."""
     return TokenRecord(prompt_ids=prompt, output_ids=output, output_logprobs=[-0.5] * len(output))
+
+
+class BrokenInstallHarness(TinyAgentHarness):
+    """tiny-agent whose install fails (as a registry refusing the download would): an infrastructure
+    failure before the agent's first LLM call."""
+
+    name = "broken-install"
+
+    def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
+        return [("download the agent", "echo 'registry says no' >&2; exit 4")]
+
+
+class CrashingHarness(TinyAgentHarness):
+    """tiny-agent whose agent exits 7 at once, saying so on stderr: the agent's own failure."""
+
+    def agent_command(self, ctx, prep, prompt):  # type: ignore[no-untyped-def]
+        return "sh -c \"echo 'agent blew up' >&2; exit 7\""

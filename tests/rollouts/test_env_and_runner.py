@@ -25,7 +25,7 @@ from ares_gateway.episodes.verifier import run_tests
 from ares_gateway.policies import HttpPolicy, PolicyError, call_policy, make_policy
 from ares_gateway.policies.scripted import SessionScriptedPolicy
 from harnesses.tiny_agent import TinyAgentHarness
-from tests.helpers import left_behind
+from tests.helpers import CrashingHarness, left_behind
 from tests.prereq import docker_ok, require
 
 TASKS = load_dataset("examples").tasks
@@ -137,16 +137,11 @@ class _BrokenInstall(TinyAgentHarness):
         return [("download the agent", "echo 'registry says no' >&2; exit 4")]
 
 
-class _Crashing(TinyAgentHarness):
-    def agent_command(self, ctx, prep, prompt):  # type: ignore[no-untyped-def]
-        return "sh -c \"echo 'agent blew up' >&2; exit 7\""
-
-
 async def test_env_install_failure_and_crash_end_with_zero(sandbox_root: Path, tmp_path: Path) -> None:
     task = BY_NAME["write-greeting-file"]
     broken = GatewayEnv(task=task, harness=_BrokenInstall(install_root=str(tmp_path / "agents")),
                         sandbox="local")
-    crash = GatewayEnv(task=task, harness=_Crashing(), sandbox="local")
+    crash = GatewayEnv(task=task, harness=CrashingHarness(), sandbox="local")
     try:
         ts1, ts2 = await asyncio.gather(broken.reset(), crash.reset())
         assert ts1.last() and ts1.reward == 0.0 and ts1.discount == 0.0

@@ -37,7 +37,7 @@ from ares_gateway.episodes.tasks import Task, TaskConfigError, parse_task_config
 from ares_gateway.episodes.verifier import WorkspaceCopyError, copy_workspace, run_tests
 from ares_gateway.policies import call_policy, make_policy
 from harnesses.tiny_agent import TinyAgentHarness
-from tests.helpers import left_behind
+from tests.helpers import CrashingHarness, left_behind
 from tests.rollouts.e2e import AGENTS_IMAGE, require_backend, require_mini
 from tests.security.test_exploits import task_dir
 
@@ -332,11 +332,6 @@ async def test_a_huge_sparse_workdir_is_a_verifier_error(tmp_path: Path,
     assert left_behind(tmp_path / "sandboxes") == []
 
 
-class _Crashing(TinyAgentHarness):
-    def agent_command(self, ctx, prep, prompt):  # type: ignore[no-untyped-def]
-        return "sh -c \"echo 'agent blew up' >&2; exit 7\""
-
-
 async def test_the_grading_sandbox_goes_after_success_failure_and_cancellation(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     require_backend("local")
@@ -344,7 +339,7 @@ async def test_the_grading_sandbox_goes_after_success_failure_and_cancellation(
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(root))
     task = _task(tmp_path / "tasks", "answer", ANSWER_TEST_SH)
     ok = GatewayEnv(task=task, harness=TinyAgentHarness(), sandbox="local")
-    crash = GatewayEnv(task=task, harness=_Crashing(), sandbox="local")
+    crash = GatewayEnv(task=task, harness=CrashingHarness(), sandbox="local")
     stuck = GatewayEnv(task=task, harness=TinyAgentHarness(), sandbox="local")
     seen: list[Any] = []
     try:

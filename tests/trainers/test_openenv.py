@@ -25,7 +25,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,8 +33,8 @@ import pytest
 
 from ares_gateway.trainers import UnknownTaskError
 from harnesses import registry
-from harnesses.tiny_agent import TinyAgentHarness
 from sandbox import janitor
+from tests.helpers import BrokenInstallHarness
 from tests.prereq import require
 from tests.trainers.conftest import recorded_main_line, require_mini_install
 
@@ -165,13 +164,6 @@ def test_trl_harness_rollout_trains_the_recorded_samples_of_real_episodes(tmp_pa
     assert trained >= 1  # tool output between the model's turns, context only
 
 
-class _BrokenInstall(TinyAgentHarness):
-    name = "broken-install"
-
-    def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
-        return [("download the agent", "echo 'registry says no' >&2; exit 4")]
-
-
 def test_failed_and_unknown_sessions(tmp_path: Path, tokenizer: Any) -> None:
     openenv, _ = _openenv()
     from accelerate import PartialState
@@ -180,7 +172,7 @@ def test_failed_and_unknown_sessions(tmp_path: Path, tokenizer: Any) -> None:
 
     PartialState()  # TRL's loop logs through accelerate's logger, as in its worker process
     engine = LlamaCppEngine()
-    registry.register("broken-install", _BrokenInstall, replace=True)
+    registry.register("broken-install", BrokenInstallHarness, replace=True)
     fac = openenv.AresSessionFactory("examples", engine=engine, harness="broken-install", step_limit=2,
                                      harness_options={"install_root": str(tmp_path / "agents")})
     try:

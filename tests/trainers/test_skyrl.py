@@ -33,7 +33,7 @@ import pytest
 from ares_gateway.engines.base import Sampling
 from ares_gateway.trainers import TrainerError, UnknownTaskError
 from harnesses import registry
-from harnesses.tiny_agent import TinyAgentHarness
+from tests.helpers import BrokenInstallHarness
 from tests.prereq import require
 from tests.trainers.conftest import recorded_main_line, require_mini_install
 
@@ -244,13 +244,6 @@ def test_skyrl_training_step_takes_real_episodes_as_the_recorded_samples(tmp_pat
         assert int(batch["response_mask"][i].sum()) == length
 
 
-class _BrokenInstall(TinyAgentHarness):
-    name = "broken-install"
-
-    def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
-        return [("download the agent", "echo 'registry says no' >&2; exit 4")]
-
-
 def test_failed_episodes_are_reward_0_entries_and_the_step_goes_on(tmp_path: Path, tokenizer: Any) -> None:
     skyrl = _skyrl()
     require_mini_install()
@@ -258,7 +251,7 @@ def test_failed_episodes_are_reward_0_entries_and_the_step_goes_on(tmp_path: Pat
 
     engine = LlamaCppEngine()
     # A harness that cannot be installed: no LLM call, a masked one-token response, reward 0, its error.
-    registry.register("broken-install", _BrokenInstall, replace=True)
+    registry.register("broken-install", BrokenInstallHarness, replace=True)
     try:
         generator = skyrl.AresGenerator("examples", inference_engine_client=_client(engine),
                                         harness="broken-install", step_limit=2,

@@ -31,7 +31,7 @@ from ares_gateway.episodes.tasks import DatasetError
 from ares_gateway.gateway import GatewayConfig
 from ares_gateway.trainers import TrainerError, UnknownTaskError
 from harnesses import registry
-from harnesses.tiny_agent import TinyAgentHarness
+from tests.helpers import BrokenInstallHarness
 from tests.prereq import require
 from tests.trainers.conftest import load_smollm2, require_mini_install
 
@@ -214,13 +214,6 @@ def test_grpo_trains_two_steps_on_real_agent_episodes(tmp_path: Path) -> None:
     assert rollouts.calls[1]["generation_s"] > 0 and len(rollouts.calls) == 2
 
 
-class _BrokenInstall(TinyAgentHarness):
-    name = "broken-install"
-
-    def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
-        return [("download the agent", "echo 'registry says no' >&2; exit 4")]
-
-
 def test_a_failed_install_and_an_engine_failure_are_reward_0_episodes_and_training_goes_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ares_gateway.engines.transformers import TransformersEngine
@@ -230,7 +223,7 @@ def test_a_failed_install_and_an_engine_failure_are_reward_0_episodes_and_traini
     require_mini_install()
     model, tokenizer = load_smollm2()
     # An agent that cannot be installed: each episode ends before any LLM call.
-    registry.register("broken-install", _BrokenInstall, replace=True)
+    registry.register("broken-install", BrokenInstallHarness, replace=True)
     try:
         broken = rollout_func("examples", harness="broken-install", step_limit=2, max_tokens=8,
                               harness_options={"install_root": str(tmp_path / "agents")})

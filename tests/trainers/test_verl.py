@@ -26,7 +26,7 @@ import pytest
 from ares_gateway.engines.base import Sampling
 from ares_gateway.trainers import UnknownTaskError
 from harnesses import registry
-from harnesses.tiny_agent import TinyAgentHarness
+from tests.helpers import BrokenInstallHarness
 from tests.prereq import require
 from tests.trainers.conftest import require_mini_install
 
@@ -248,19 +248,12 @@ def test_verl_agent_loop_worker_runs_real_episodes_and_returns_the_recorded_samp
         assert sp["max_tokens"] == 32 and sp["stop_token_ids"]
 
 
-class _BrokenInstall(TinyAgentHarness):
-    name = "broken-install"
-
-    def install_steps(self, prefix: str) -> Sequence[tuple[str, str]]:
-        return [("download the agent", "echo 'registry says no' >&2; exit 4")]
-
-
 def test_failed_episodes_are_reward_0_outputs_and_the_batch_completes(tmp_path: Path, model_dir: str) -> None:
     require_mini_install()
     from ares_gateway.engines.llama_cpp import LlamaCppEngine
 
     # A harness that cannot be installed: no LLM call, a masked one-token response, reward 0, its error.
-    registry.register("broken-install", _BrokenInstall, replace=True)
+    registry.register("broken-install", BrokenInstallHarness, replace=True)
     engine = LlamaCppEngine()
     try:
         loops = _loops_file(tmp_path, harness="broken-install", step_limit=2,

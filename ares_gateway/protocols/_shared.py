@@ -225,7 +225,7 @@ def _build(cls: Any, values: dict[str, Any]) -> Any:
     every = _ALL_FIELDS.get(cls)
     if every is None:
         every = _ALL_FIELDS[cls] = set(cls.model_fields)
-    _set_fields_set(m, every if len(values) == len(every) else set(values))
+    _set_fields_set(m, every if values.keys() == every else set(values))
     _set_extra(m, None)
     _set_private(m, None)
     return m

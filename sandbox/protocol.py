@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import io
 import os
 import posixpath
@@ -308,6 +309,9 @@ class BaseSandbox(abc.ABC):
     #: network, so its forwards (over the exec tunnel) work with an open network too; on this host
     #: they need ``network="none"`` (with the host's network the relay would listen on the host).
     remote: bool = False
+    #: How long :meth:`stop` waits for a start under way to settle before it returns; a start that
+    #: settles later removes what it made itself.
+    stop_waits_for_start: float = 60.0
 
     def __init__(self, spec: SandboxSpec | None = None) -> None:
         self.spec = spec or SandboxSpec()
@@ -377,7 +381,7 @@ class BaseSandbox(abc.ABC):
             removed = self._state == "stopped"
             if not removed:
                 self._state = "running"
-        if removed:  # stop_and_remove() ran while it started: what the start made goes too
+        if removed:  # stopped while it started (stop_and_remove, a stop that waited no longer): remove it
             try:
                 self._remove_sync()
             finally:
@@ -390,10 +394,12 @@ class BaseSandbox(abc.ABC):
         Cancelled or failed midway, the sandbox counts as running again, so that
         :meth:`stop_and_remove`, a later ``stop()`` or the janitor at exit still removes it (a
         removal queued for a worker thread and cancelled there never ran). A start under way is let
-        settle first, then what it made is removed."""
+        settle first (up to :attr:`stop_waits_for_start` seconds), then what it made is removed; one
+        still going after that removes what it made once it is done, and raises."""
         starting = self._starting
         if starting is not None and not starting.is_set():
-            await starting.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(starting.wait(), self.stop_waits_for_start)
         with self._lock:
             if self._state == "stopped":
                 return

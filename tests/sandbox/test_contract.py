@@ -216,6 +216,23 @@ async def test_stop_and_remove_during_start_removes_what_the_start_then_made(
     assert sb.state == "stopped" and not backend_holds(sb, fake)
 
 
+async def test_a_start_that_outlasts_the_stops_wait_removes_itself_when_done(
+    make_sandbox: SandboxFactory, backend: str, request: pytest.FixtureRequest
+) -> None:
+    fake = request.getfixturevalue("daytona_fake") if backend == "daytona" else None
+    sb = await make_sandbox(start=False)
+    sb.stop_waits_for_start = 0.2  # type: ignore[attr-defined]
+    gate = _held_start(sb)
+    starting = asyncio.ensure_future(sb.start())
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(sb.stop(), 30)  # returns after its wait, the start still held
+    assert sb.state == "stopped" and not starting.done()
+    gate.set()
+    with pytest.raises(SandboxStateError, match="stopped while it started"):
+        await asyncio.wait_for(starting, 60)
+    assert sb.state == "stopped" and not backend_holds(sb, fake)
+
+
 async def test_use_before_start(make_sandbox: SandboxFactory) -> None:
     sb = await make_sandbox(start=False)
     with pytest.raises(SandboxStateError, match="not started"):

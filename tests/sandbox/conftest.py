@@ -135,15 +135,20 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
+def backend_fake(backend: str, request: pytest.FixtureRequest) -> DaytonaFake | None:
+    """The Daytona stand-in for the daytona backend (what ``backend_holds`` looks in), else ``None``."""
+    return request.getfixturevalue("daytona_fake") if backend == "daytona" else None
+
+
+@pytest.fixture
 async def make_sandbox(
-    backend: str, tmp_path: Path, local_root: Path, request: pytest.FixtureRequest
+    backend: str, tmp_path: Path, local_root: Path, backend_fake: DaytonaFake | None
 ) -> AsyncIterator[SandboxFactory]:
     """``await make_sandbox(**spec_kwargs)`` -> a started sandbox of the current backend, removed after."""
-    fake = request.getfixturevalue("daytona_fake") if backend == "daytona" else None
     made: list[sandbox.BaseSandbox] = []
 
     async def factory(start: bool = True, **kwargs: Any) -> sandbox.BaseSandbox:
-        sb = new_sandbox(backend, spec_for(backend, tmp_path, **kwargs), fake)
+        sb = new_sandbox(backend, spec_for(backend, tmp_path, **kwargs), backend_fake)
         made.append(sb)
         if start:
             await sb.start()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import sandbox
+from bench.support.daytona_fake import DaytonaFake
 from sandbox import ExecError, FileTransferError, SandboxStateError
 
 from .conftest import SandboxFactory, backend_holds, user_for
@@ -124,15 +125,14 @@ async def test_missing_remote_file_is_a_clear_error(make_sandbox: SandboxFactory
 
 
 async def test_stop_double_stop_and_use_after_stop(
-    make_sandbox: SandboxFactory, tmp_path: Path, backend: str, request: pytest.FixtureRequest
+    make_sandbox: SandboxFactory, tmp_path: Path, backend_fake: DaytonaFake | None
 ) -> None:
-    fake = request.getfixturevalue("daytona_fake") if backend == "daytona" else None
     sb = await make_sandbox()
     assert isinstance(sb, sandbox.Sandbox)
     assert sb.state == "running" and sb.description
-    assert backend_holds(sb, fake)
+    assert backend_holds(sb, backend_fake)
     await sb.stop()
-    assert not backend_holds(sb, fake)
+    assert not backend_holds(sb, backend_fake)
     await sb.stop()
     sb.stop_and_remove()
     assert sb.state == "stopped"
@@ -145,9 +145,8 @@ async def test_stop_double_stop_and_use_after_stop(
 
 
 async def test_a_stop_cancelled_before_its_removal_ran_leaves_it_to_stop_and_remove(
-    make_sandbox: SandboxFactory, backend: str, request: pytest.FixtureRequest
+    make_sandbox: SandboxFactory, backend_fake: DaytonaFake | None
 ) -> None:
-    fake = request.getfixturevalue("daytona_fake") if backend == "daytona" else None
     sb = await make_sandbox()
     loop = asyncio.get_running_loop()
     # One worker thread, held busy: the stop's removal waits in the executor's queue, and cancelling the
@@ -162,9 +161,9 @@ async def test_a_stop_cancelled_before_its_removal_ran_leaves_it_to_stop_and_rem
         stopping.cancel()
         with pytest.raises(asyncio.CancelledError):
             await stopping
-        assert sb.state == "running" and backend_holds(sb, fake)  # not removed, and it says so
+        assert sb.state == "running" and backend_holds(sb, backend_fake)  # not removed, and it says so
         sb.stop_and_remove()  # what the episode's fallback and the janitor at exit call
-        assert sb.state == "stopped" and not backend_holds(sb, fake)
+        assert sb.state == "stopped" and not backend_holds(sb, backend_fake)
     finally:
         gate.set()
         await held
@@ -172,8 +171,9 @@ async def test_a_stop_cancelled_before_its_removal_ran_leaves_it_to_stop_and_rem
         busy.shutdown(wait=False)
 
 
-def _held_start(sb: sandbox.Sandbox) -> asyncio.Event:
-    """Hold ``sb``'s start before the backend creates anything, until the returned event is set."""
+async def _held_start(sb: sandbox.Sandbox) -> tuple[asyncio.Event, asyncio.Future[None]]:
+    """``sb.start()`` under way, held before the backend creates anything until the returned event is
+    set; and the start's task."""
     gate, start = asyncio.Event(), sb._start  # type: ignore[attr-defined]
 
     async def held() -> None:
@@ -181,56 +181,49 @@ def _held_start(sb: sandbox.Sandbox) -> asyncio.Event:
         await start()
 
     sb._start = held  # type: ignore[attr-defined]
-    return gate
+    starting = asyncio.ensure_future(sb.start())
+    await asyncio.sleep(0.05)
+    return gate, starting
 
 
 async def test_stop_during_start_lets_the_start_settle_then_removes_it(
-    make_sandbox: SandboxFactory, backend: str, request: pytest.FixtureRequest
+    make_sandbox: SandboxFactory, backend_fake: DaytonaFake | None
 ) -> None:
-    fake = request.getfixturevalue("daytona_fake") if backend == "daytona" else None
     sb = await make_sandbox(start=False)
-    gate = _held_start(sb)
-    starting = asyncio.ensure_future(sb.start())
-    await asyncio.sleep(0.05)
+    gate, starting = await _held_start(sb)
     stopping = asyncio.ensure_future(sb.stop())
     await asyncio.sleep(0.05)
     assert not stopping.done() and sb.state == "created"  # it waits for the start, not past it
     gate.set()
     await asyncio.wait_for(stopping, 60)
     await starting  # the start itself went through; the stop then removed what it made
-    assert sb.state == "stopped" and not backend_holds(sb, fake)
+    assert sb.state == "stopped" and not backend_holds(sb, backend_fake)
 
 
 async def test_stop_and_remove_during_start_removes_what_the_start_then_made(
-    make_sandbox: SandboxFactory, backend: str, request: pytest.FixtureRequest
+    make_sandbox: SandboxFactory, backend_fake: DaytonaFake | None
 ) -> None:
-    fake = request.getfixturevalue("daytona_fake") if backend == "daytona" else None
     sb = await make_sandbox(start=False)
-    gate = _held_start(sb)
-    starting = asyncio.ensure_future(sb.start())
-    await asyncio.sleep(0.05)
+    gate, starting = await _held_start(sb)
     sb.stop_and_remove()  # the janitor at exit, or an episode's synchronous fallback
     gate.set()
     with pytest.raises(SandboxStateError, match="stopped while it started"):
         await asyncio.wait_for(starting, 60)
-    assert sb.state == "stopped" and not backend_holds(sb, fake)
+    assert sb.state == "stopped" and not backend_holds(sb, backend_fake)
 
 
 async def test_a_start_that_outlasts_the_stops_wait_removes_itself_when_done(
-    make_sandbox: SandboxFactory, backend: str, request: pytest.FixtureRequest
+    make_sandbox: SandboxFactory, backend_fake: DaytonaFake | None
 ) -> None:
-    fake = request.getfixturevalue("daytona_fake") if backend == "daytona" else None
     sb = await make_sandbox(start=False)
     sb.stop_waits_for_start = 0.2  # type: ignore[attr-defined]
-    gate = _held_start(sb)
-    starting = asyncio.ensure_future(sb.start())
-    await asyncio.sleep(0.05)
+    gate, starting = await _held_start(sb)
     await asyncio.wait_for(sb.stop(), 30)  # returns after its wait, the start still held
     assert sb.state == "stopped" and not starting.done()
     gate.set()
     with pytest.raises(SandboxStateError, match="stopped while it started"):
         await asyncio.wait_for(starting, 60)
-    assert sb.state == "stopped" and not backend_holds(sb, fake)
+    assert sb.state == "stopped" and not backend_holds(sb, backend_fake)
 
 
 async def test_use_before_start(make_sandbox: SandboxFactory) -> None:

@@ -2,7 +2,8 @@
 
 The public API: :class:`Gateway` (HTTP server + in-process policy API),
 :class:`GatewayEnv` (dm_env-style, one step per LLM call) and its TimeStep helpers, :class:`RolloutSource`
-(episodes streamed to a trainer as they finish) and its blocking wrapper, the canonical
+(episodes streamed to a trainer as they finish) and its blocking wrapper, :class:`EpisodeConfig` and
+:class:`RunConfig` (what each episode runs, and how a run runs them), the canonical
 request / completion models, the answer types, and the error classes. Where each lives:
 docs/architecture.md.
 """
@@ -44,6 +45,7 @@ from ares_gateway.core.fence import PauseReport, SamplingFence
 from ares_gateway.core.recorder import RecordedTurn
 from ares_gateway.core.sessions import SessionInfo
 from ares_gateway.episodes.atif import AtifExport, export_atif, import_atif
+from ares_gateway.episodes.config import EpisodeConfig, RunConfig
 from ares_gateway.episodes.env import (
     GatewayEnv,
     LaunchTimeoutError,
@@ -76,6 +78,7 @@ __all__ = [
     "CompletionDelta",
     "ContentPart",
     "DrainTimeoutError",
+    "EpisodeConfig",
     "ErrorAnswer",
     "FenceError",
     "FencedAnswerError",
@@ -100,6 +103,7 @@ __all__ = [
     "RolloutGroup",
     "RolloutSource",
     "RolloutSourceError",
+    "RunConfig",
     "SamplingFence",
     "SamplingNotPausedError",
     "SamplingParams",

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ares_gateway import EpisodeConfig, RunConfig
 from bench.support.render_clock import RenderClock
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -215,9 +216,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     factories: list[AresSessionFactory] = []
 
     def factory(**kwargs: Any) -> AresSessionFactory:
-        f = AresSessionFactory("examples", engine=sampler, step_limit=args.step_limit,
-                               max_tokens=args.max_tokens, harness_options=MINI,
-                               out=os.path.join(out, "episodes"), **kwargs)
+        f = AresSessionFactory(
+            "examples", engine=sampler, max_tokens=args.max_tokens,
+            episode=EpisodeConfig("mini-swe-agent", harness_options=MINI, sandbox="local",
+                                  step_limit=args.step_limit),
+            run=RunConfig(out=os.path.join(out, "episodes")), **kwargs,
+        )
         factories.append(f)
         return f
 

@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ares_gateway import Gateway
+from ares_gateway import EpisodeConfig, Gateway, RunConfig
 from ares_gateway.episodes.episode import harness_side_call_detector, resolve_backend
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import Task, load_dataset
@@ -46,8 +46,10 @@ def graded(task: Task, mode: str) -> Task:
 
 async def one(gw: Gateway, task: Task, backend: str, harness: str, out: Path) -> dict[str, Any]:
     started = time.monotonic()
-    summary = await run_rollouts([task], harness=harness, policy=make_policy("oracle"), sandbox=backend,
-                                 gateway=gw, out=out, stats="null", time_limit=300)
+    summary = await run_rollouts(
+        [task], policy=make_policy("oracle"), gateway=gw,
+        episode=EpisodeConfig(harness, sandbox=backend, time_limit=300), run=RunConfig(out=out, stats="null"),
+    )
     wall = time.monotonic() - started
     [e] = summary.episodes
     if e.exit_reason != "completed" or e.reward != 1.0:

@@ -38,6 +38,8 @@ DEFAULT_DATASET = os.path.join(HERE, "..", "examples", "curve-tasks")
 # LENIENT_ACTION_REGEX: 1 of 32): a format reward with variance in most groups.
 from train_trl import FENCED_BLOCK_REGEX  # noqa: E402 (examples/ is on the path only from here)
 
+from ares_gateway import EpisodeConfig, RunConfig  # noqa: E402
+
 
 class CurveRollouts:
     """TRL's rollout function with the format reward as an extra column (``format_reward``), each call's
@@ -93,13 +95,15 @@ def run_seed(args: argparse.Namespace, seed: int, out: str) -> dict[str, Any]:
 
     set_seed(seed)
     model, tokenizer, source = load(args.model)
-    inner = rollout_func(args.dataset, harness="mini-swe-agent", sandbox=args.sandbox,
-                         step_limit=args.step_limit, time_limit=args.time_limit, max_tokens=args.max_tokens,
-                         concurrency=args.concurrency,
-                         tokenizer=source,
-                         harness_options={"action_format": "text", "action_regex": args.action_regex,
+    inner = rollout_func(
+        args.dataset, max_tokens=args.max_tokens, tokenizer=source,
+        episode=EpisodeConfig(
+            "mini-swe-agent", sandbox=args.sandbox, step_limit=args.step_limit, time_limit=args.time_limit,
+            harness_options={"action_format": "text", "action_regex": args.action_regex,
                                           "command_timeout": args.command_timeout},
-                         out=os.path.join(out, "episodes"))
+        ),
+        run=RunConfig(concurrency=args.concurrency, out=os.path.join(out, "episodes")),
+    )
     rollouts = CurveRollouts(inner, FormatRule.mini_swe_agent_text(args.action_regex), tokenizer.decode,
                              ablation=args.ablation)
     tasks = [t for t in args.tasks.split(",") if t]

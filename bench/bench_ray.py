@@ -32,6 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported: loopback only
 
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.episodes.executor import LocalExecutor
 from ares_gateway.episodes.ray import RayExecutor
 from ares_gateway.episodes.rollouts import run_rollouts
@@ -77,9 +78,10 @@ async def one(kind: str, tasks: list[Any], args: argparse.Namespace, out: Path) 
     inner: Any = LocalExecutor(concurrency=args.n) if kind == "local" else RayExecutor(per_node=args.n)
     ex = _Timed(inner)
     t0 = time.perf_counter()
-    summary = await run_rollouts(tasks, harness=args.harness, policy=make_policy("oracle"), sandbox="local",
-                                 concurrency=args.n, attempts=args.attempts, out=out, executor=ex,
-                                 stats="null")
+    summary = await run_rollouts(
+        tasks, policy=make_policy("oracle"), episode=EpisodeConfig(args.harness, sandbox="local"),
+        run=RunConfig(concurrency=args.n, attempts=args.attempts, out=out, executor=ex, stats="null"),
+    )
     wall = time.perf_counter() - t0
     bad = [e.key for e in summary.episodes if e.reward != 1.0]
     if bad or len(summary.episodes) != len(tasks) * args.attempts:

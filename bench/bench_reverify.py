@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.episodes.reverify import reverify_run
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import load_dataset
@@ -26,8 +27,10 @@ from ares_gateway.policies import make_policy
 
 
 async def _one(tasks: Any, backend: str, out: Path, save: bool) -> list[Any]:
-    summary = await run_rollouts(tasks, harness="tiny-agent", policy=make_policy("oracle"), sandbox=backend,
-                                 concurrency=1, out=out, stats="null", save_workspaces=save)
+    summary = await run_rollouts(
+        tasks, policy=make_policy("oracle"), episode=EpisodeConfig("tiny-agent", sandbox=backend),
+        run=RunConfig(concurrency=1, out=out, stats="null", save_workspaces=save),
+    )
     assert all(e.reward == 1.0 for e in summary.episodes), [(e.task, e.error) for e in summary.episodes]
     return summary.episodes
 

@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ares_gateway import RolloutSource
+from ares_gateway import EpisodeConfig, RolloutSource, RunConfig
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
@@ -37,12 +37,16 @@ async def one(kind: str, concurrency: int, attempts: int, out: Path) -> dict[str
     policy = make_policy("scripted", commands=["true"])
     started = time.monotonic()
     if kind == "run_rollouts":
-        summary = await run_rollouts(tasks, harness="tiny-agent", policy=policy, sandbox="local",
-                                     concurrency=concurrency, attempts=attempts, out=out, stats="null")
+        summary = await run_rollouts(
+            tasks, policy=policy, episode=EpisodeConfig("tiny-agent", sandbox="local"),
+            run=RunConfig(concurrency=concurrency, attempts=attempts, out=out, stats="null"),
+        )
         episodes = summary.episodes
     else:
-        source = RolloutSource(tasks, harness="tiny-agent", policy=policy, sandbox="local",
-                               concurrency=concurrency, attempts=attempts, out=out, stats="null")
+        source = RolloutSource(
+            tasks, policy=policy, episode=EpisodeConfig("tiny-agent", sandbox="local"),
+            run=RunConfig(concurrency=concurrency, attempts=attempts, out=out, stats="null"),
+        )
         async with source:
             if kind == "source-episodes":
                 async for _ in source.episodes():

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aiohttp
 
-from ares_gateway import Completion, Gateway
+from ares_gateway import Completion, EpisodeConfig, Gateway, RunConfig
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
@@ -44,10 +44,11 @@ async def level(concurrency: int, episodes: int, out: Path, grading: str = "fres
              for t in load_dataset("examples").tasks]
     attempts = -(-episodes // len(tasks))
     started = time.monotonic()
-    summary = await run_rollouts(tasks, harness="tiny-agent",
-                                 policy=make_policy("scripted", commands=["true"]),
-                                 sandbox="local", concurrency=concurrency, attempts=attempts, out=out,
-                                 stats="null")
+    summary = await run_rollouts(
+        tasks, policy=make_policy("scripted", commands=["true"]),
+        episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(concurrency=concurrency, attempts=attempts, out=out, stats="null"),
+    )
     wall = time.monotonic() - started
     eps = summary.episodes
     assert all(e.exit_reason == "completed" for e in eps), [e.error for e in eps if e.error]

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ares_gateway import EpisodeConfig, RunConfig
 from bench.support.render_clock import RenderClock
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -96,9 +97,14 @@ def measure(args: argparse.Namespace, *, overlap: bool) -> dict[str, Any]:
     render = RenderClock()  # the tito policy's prompt rendering, in worker threads
 
     out = tempfile.mkdtemp(prefix="bench-training-")
-    rollouts = rollout_func("examples", step_limit=args.step_limit, max_tokens=args.max_tokens,
-                            concurrency=args.concurrency, out=out, overlap=overlap,
-                            harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND})
+    rollouts = rollout_func(
+        "examples", max_tokens=args.max_tokens, overlap=overlap,
+        episode=EpisodeConfig(
+            "mini-swe-agent", step_limit=args.step_limit,
+            harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND}, sandbox="local",
+        ),
+        run=RunConfig(concurrency=args.concurrency, out=out),
+    )
     per_call: list[dict[str, float]] = []
 
     async def loop_cpu() -> float:

@@ -37,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sandbox as sandbox_mod
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
@@ -59,9 +60,10 @@ async def _one(backend: str, harness: str, concurrency: int, episodes: int, warm
     attempts = -(-episodes // len(tasks))
     with TemporaryDirectory() as out:
         t0 = time.perf_counter()
-        summary = await run_rollouts(tasks, harness=harness, policy=make_policy("oracle"), sandbox=backend,
-                                     concurrency=concurrency, attempts=attempts, warm=warm, stats="null",
-                                     out=out)
+        summary = await run_rollouts(
+            tasks, policy=make_policy("oracle"), episode=EpisodeConfig(harness, sandbox=backend),
+            run=RunConfig(concurrency=concurrency, attempts=attempts, warm=warm, stats="null", out=out),
+        )
         wall = time.perf_counter() - t0
     eps = summary.episodes
     ok = sum(1 for e in eps if e.reward == 1.0)

@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Any
 
+from ares_gateway import EpisodeConfig, RunConfig
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 #: mini-swe-agent's action regex here: any fenced block (```bash, ```sh, ```python, bare ```).
@@ -85,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     options: dict[str, Any] = {"command_timeout": args.command_timeout}
     if mini:
         options |= {"action_format": "text", "action_regex": args.action_regex}
-    rollouts = rollout_func(args.dataset, harness=args.harness, sandbox=args.sandbox,
-                            step_limit=args.step_limit, max_tokens=args.max_tokens,
-                            concurrency=args.concurrency, tokenizer=source,
-                            harness_options=options, out=os.path.join(args.out, "episodes"),
-                            overlap=args.overlap)
+    rollouts = rollout_func(
+        args.dataset, max_tokens=args.max_tokens, tokenizer=source, overlap=args.overlap,
+        episode=EpisodeConfig(args.harness, options, sandbox=args.sandbox, step_limit=args.step_limit),
+        run=RunConfig(concurrency=args.concurrency, out=os.path.join(args.out, "episodes")),
+    )
     rewards: list[Any] = [reward_from_episode]
     rollout: Any = rollouts
     if args.format_reward and mini:

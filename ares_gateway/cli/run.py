@@ -343,19 +343,21 @@ async def _execute(
                 await stack.enter_async_context(gateway)
                 console.print(f"trajectory viewer: {gateway.url}/ui/", highlight=False, soft_wrap=True,
                               markup=False)
+            from ares_gateway.episodes.config import EpisodeConfig, RunConfig
             from ares_gateway.episodes.failures import DEFAULT_RETRIES
 
-            return await run_rollouts(
-                tasks, harness=harness, policy=policy, sandbox=backend, concurrency=args.concurrency,
-                attempts=getattr(args, "attempts", 1), out=out, step_limit=getattr(args, "step_limit", None),
-                time_limit=args.time_limit, image=getattr(args, "image", None),
-                harness_options=harness_options,
-                stats=getattr(args, "stats", "tensorboard"), stats_period=getattr(args, "stats_period", 10.0),
-                console=console, stop=stop, gateway=gateway, executor=executor, run_info=run_info,
+            episode = EpisodeConfig(harness, harness_options, sandbox=backend,
+                                    image=getattr(args, "image", None),
+                                    step_limit=getattr(args, "step_limit", None), time_limit=args.time_limit)
+            run = RunConfig(
+                concurrency=args.concurrency, attempts=getattr(args, "attempts", 1), out=out,
+                executor=executor,
+                warm=getattr(args, "warm", 0) if executor is None else 0,
                 retries=getattr(args, "retries", DEFAULT_RETRIES),
                 save_workspaces=getattr(args, "save_workspaces", True),
-                warm=getattr(args, "warm", 0) if executor is None else 0,
-            )
+                stats=getattr(args, "stats", "tensorboard"), stats_period=getattr(args, "stats_period", 10.0))
+            return await run_rollouts(tasks, policy=policy, episode=episode, run=run, console=console,
+                                      stop=stop, gateway=gateway, run_info=run_info)
     finally:
         if entered:
             await policy.__aexit__(None, None, None)

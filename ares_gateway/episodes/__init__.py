@@ -1,5 +1,8 @@
 """Episodes: tasks run by a real agent harness in a sandbox, every LLM call answered by a policy.
 
+* :mod:`~ares_gateway.episodes.config`: :class:`EpisodeConfig` (what each episode runs: harness, sandbox,
+  limits) and :class:`RunConfig` (how a run runs them: concurrency, attempts, output, executor), taken by
+  every entry point that plays episodes;
 * :mod:`~ares_gateway.episodes.tasks`: a task (``task.toml``, ``instruction.md``) and datasets of them;
 * :mod:`~ares_gateway.episodes.selectors`: presets (``DATASET-HARNESS``) and task selectors;
 * :mod:`~ares_gateway.episodes.verifier`: running a task's tests and reading the reward they write;
@@ -21,6 +24,7 @@
 * :mod:`~ares_gateway.episodes.preflight`: the start-up checks of a run.
 """
 
+from ares_gateway.episodes.config import EpisodeConfig, RunConfig
 from ares_gateway.episodes.stream import (
     BlockingRolloutSource,
     NoFenceError,
@@ -33,10 +37,12 @@ from ares_gateway.episodes.stream import (
 
 __all__ = [
     "BlockingRolloutSource",
+    "EpisodeConfig",
     "NoFenceError",
     "RolloutEpisode",
     "RolloutGroup",
     "RolloutSource",
     "RolloutSourceError",
+    "RunConfig",
     "SourceClosedError",
 ]

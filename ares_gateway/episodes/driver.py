@@ -22,6 +22,7 @@ from typing import Any
 from ares_gateway.core.answers import ErrorAnswer
 from ares_gateway.core.broker import ParkedRequest
 from ares_gateway.core.errors import InvalidAnswerError
+from ares_gateway.episodes.config import EpisodeConfig
 from ares_gateway.episodes.env import GatewayEnv
 from ares_gateway.episodes.episode import EpisodeOutcome, EpisodeSetupError, TaskEpisode, one_line
 from ares_gateway.episodes.output import EpisodeResult
@@ -48,17 +49,11 @@ __all__ = ["EpisodeRecord", "EpisodeSpec", "drive_episode"]
 
 @dataclass(frozen=True)
 class EpisodeSpec:
-    """One planned episode: which task, which attempt, and how it runs."""
+    """One planned episode: which task, which attempt, and what it runs (:class:`EpisodeConfig`)."""
 
     task: Task
     attempt: int
-    harness: str
-    harness_options: Mapping[str, Any] = field(default_factory=dict)
-    sandbox: str = "auto"
-    image: str | None = None
-    model: str = "ares-policy"
-    step_limit: int | None = None
-    time_limit: float | None = None
+    episode: EpisodeConfig
     #: Where the agent's final workdir is saved before its tests run (``OUT/workspaces/<task>.<attempt>.tar``,
     #: :mod:`~ares_gateway.episodes.workspaces`); ``None``: not saved.
     workspace: str | None = None
@@ -69,7 +64,7 @@ class EpisodeSpec:
         return f"{self.task.name}.{self.attempt}"
 
     def new_harness(self) -> BaseHarness:
-        return registry.create(self.harness, **dict(self.harness_options))
+        return registry.create(self.episode.harness, **dict(self.episode.harness_options))
 
 
 @dataclass
@@ -92,7 +87,7 @@ async def drive_episode(spec: EpisodeSpec, *, policy: Policy, gateway: Gateway,
     telemetry = gateway.telemetry
     if telemetry is None:
         return await _drive(spec, policy, gateway, None, warm)
-    with telemetry.episode(task=spec.task.name, attempt=spec.attempt, harness=spec.harness) as span:
+    with telemetry.episode(task=spec.task.name, attempt=spec.attempt, harness=spec.episode.harness) as span:
         record = await _drive(spec, policy, gateway, span, warm)
         r = record.result
         span.finish(reward=r.reward, exit_reason=r.exit_reason, turns=r.turns, error=r.error)
@@ -106,9 +101,10 @@ async def _drive(spec: EpisodeSpec, policy: Policy, gateway: Gateway,
     harness = warmed.episode.harness if warmed is not None else spec.new_harness()
     if is_external(policy):
         return await _passive_episode(gateway, spec, harness, t0, span, warmed)
-    env = GatewayEnv.for_task(spec.task, harness=harness, sandbox=spec.sandbox, gateway=gateway,
-                              image=spec.image, model=spec.model, step_limit=spec.step_limit,
-                              time_limit=spec.time_limit, save_workspace=spec.workspace, prepared=warmed)
+    config = spec.episode
+    env = GatewayEnv.for_task(spec.task, harness=harness, sandbox=config.sandbox, gateway=gateway,
+                              image=config.image, model=config.model, step_limit=config.step_limit,
+                              time_limit=config.time_limit, save_workspace=spec.workspace, prepared=warmed)
     sid = ""
     binder = policy if isinstance(policy, SessionBound) else None
     failures: list[dict[str, Any]] = []
@@ -119,7 +115,7 @@ async def _drive(spec: EpisodeSpec, policy: Policy, gateway: Gateway,
         if span is not None:
             span.bind(sid)
         if binder is not None and not ts.last():
-            h: Any = env.episode.harness if env.episode is not None else registry.get_class(spec.harness)
+            h: Any = env.episode.harness if env.episode is not None else registry.get_class(config.harness)
             # A harness may speak another agent's action format (tiny-agent: mini-swe-agent's).
             binder.bind(sid, agent=h.scripted_format or h.name, task=spec.task)
         while not ts.last():
@@ -194,14 +190,15 @@ def _failed_turn(request: ParkedRequest, answer: ErrorAnswer, latency: float) ->
 async def _passive_episode(gw: Gateway, spec: EpisodeSpec, harness: BaseHarness, t0: float,
                            span: EpisodeSpan | None = None, warmed: Warmed | None = None) -> EpisodeRecord:
     """An episode whose requests an external policy answers: start the agent, wait for it or a limit."""
-    task, attempt, step_limit, time_limit = spec.task, spec.attempt, spec.step_limit, spec.time_limit
+    task, attempt, config = spec.task, spec.attempt, spec.episode
+    step_limit, time_limit = config.step_limit, config.time_limit
     if warmed is not None:
         session, ep = warmed.session, warmed.episode
     else:
         session = await gw.create_session(
             metadata={"task": task.name, "harness": harness.name, "attempt": attempt}
         )
-        ep = TaskEpisode(task, harness, sandbox=spec.sandbox, image=spec.image, model=spec.model,
+        ep = TaskEpisode(task, harness, sandbox=config.sandbox, image=config.image, model=config.model,
                          gateway=gw, save_workspace=spec.workspace)
     sid = session.session_id
     if span is not None:

@@ -217,7 +217,8 @@ class _NodeGateway:
     def _here(self, spec: EpisodeSpec) -> EpisodeSpec:
         """``spec`` as this node runs it."""
         if self.options:  # this node's install root, not the driver's
-            spec = dataclasses.replace(spec, harness_options={**spec.harness_options, **self.options})
+            spec = dataclasses.replace(spec, episode=dataclasses.replace(
+                spec.episode, harness_options={**spec.episode.harness_options, **self.options}))
         if self.tasks_moved:  # this node's copy of the task folders
             spec = dataclasses.replace(spec, task=spec.task.moved(*self.tasks_moved))
         return spec

@@ -2,8 +2,9 @@
 
 :func:`run_rollouts` is what ``ares-gateway run`` and ``ares-gateway demo`` call::
 
-    summary = await run_rollouts(tasks, harness="mini-swe-agent", policy=make_policy("oracle"),
-                                 sandbox="local", concurrency=4, attempts=2, out="runs/x")
+    summary = await run_rollouts(tasks, policy=make_policy("oracle"),
+                                 episode=EpisodeConfig("mini-swe-agent", sandbox="local"),
+                                 run=RunConfig(concurrency=4, attempts=2, out="runs/x"))
     summary.mean_reward, summary.pass_at_k
 
 It composes three parts, each in its own module:
@@ -31,9 +32,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ares_gateway.episodes.config import EpisodeConfig, RunConfig, configs_from
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec
 from ares_gateway.episodes.executor import Executor, LocalExecutor
-from ares_gateway.episodes.failures import DEFAULT_RETRIES, DEFAULT_RETRY_BACKOFF, check_retries
 from ares_gateway.episodes.installs import ensure_local_install
 from ares_gateway.episodes.output import (
     FAILED_REASONS,
@@ -57,7 +58,9 @@ from ares_gateway.policies.base import Policy
 
 __all__ = [
     "FAILED_REASONS",
+    "EpisodeConfig",
     "EpisodeResult",
+    "RunConfig",
     "RunSummary",
     "RunWriter",
     "ensure_local_install",
@@ -71,94 +74,69 @@ __all__ = [
 async def run_rollouts(
     tasks: Sequence[Task],
     *,
-    harness: str,
     policy: Policy,
-    sandbox: str = "auto",
-    concurrency: int = 4,
-    attempts: int = 1,
-    out: str | os.PathLike[str] | None = None,
-    step_limit: int | None = None,
-    time_limit: float | None = None,
-    image: str | None = None,
-    model: str = "ares-policy",
-    harness_options: Mapping[str, Any] | None = None,
-    stats: str = "tensorboard",
-    stats_period: float = 10.0,
+    episode: EpisodeConfig | None = None,
+    run: RunConfig | None = None,
     console: Any = None,
     stop: asyncio.Event | None = None,
     gateway: Gateway | None = None,
-    executor: Executor | None = None,
     run_info: Mapping[str, Any] | None = None,
-    success_threshold: float = 1.0,
     on_episode: Callable[[EpisodeResult], None] | None = None,
     on_samples: Callable[[EpisodeResult, list[Any]], None] | None = None,
-    retries: int = DEFAULT_RETRIES,
-    retry_backoff: float = DEFAULT_RETRY_BACKOFF,
-    save_workspaces: bool = True,
-    warm: int = 0,
+    **settings: Any,
 ) -> RunSummary:
-    """Run ``attempts`` episodes of every task with at most ``concurrency`` at once (see the module
-    docstring).
+    """Run ``run.attempts`` episodes of every task, each as ``episode`` says, at most ``run.concurrency``
+    at once (see the module docstring and :mod:`~ares_gateway.episodes.config`).
 
     ``policy`` answers every request in process (``scripted`` / ``oracle`` policies are bound to each
     episode's session, agent and task); an external one (``http``) leaves them for ``/poll``.
-    ``executor`` runs the episodes (default: a :class:`LocalExecutor` of ``concurrency`` slots on
+    ``run.executor`` runs the episodes (default: a :class:`LocalExecutor` of ``run.concurrency`` slots on
     ``gateway``, a started gateway, or by default its own on 127.0.0.1 with the harness's side-call
     detector). ``console`` (a ``rich.console.Console``) shows the live progress bar and a line per
     finished episode. Setting ``stop`` stops launching, cancels what runs (each episode removes its
     sandbox) and returns what finished. ``on_samples(result, samples)`` is called with each episode's
     :class:`trajectory.Sample` list as it finishes (the trainer adapters take their samples here,
     without files). An episode that failed by the infrastructure (:mod:`~ares_gateway.episodes.failures`)
-    is run again on a fresh sandbox, at most ``retries`` times, the first after ``retry_backoff`` seconds
-    and each next one after twice as long; if every try failed it ends as ``infra_error``.
-    ``save_workspaces`` (with ``out``): each episode's final workdir, as graded, is kept as
-    ``OUT/workspaces/<task>.<attempt>.tar`` (:mod:`~ares_gateway.episodes.workspaces`; ``ares-gateway
-    reverify OUT`` grades them again). ``warm``: how many of the next episodes are set up ahead (their
-    sandboxes started, the agent installed) while earlier ones run (:mod:`~ares_gateway.episodes.warm`;
-    an executor passed in takes its own ``warm``).
+    is run again on a fresh sandbox, at most ``run.retries`` times; if every try failed it ends as
+    ``infra_error``. ``run_info``: more keys for ``results.json``'s run settings.
+
+    ``settings``: the fields of :class:`EpisodeConfig` and :class:`RunConfig` as keyword arguments
+    (``harness=``, ``concurrency=``, ...), deprecated.
     """
-    check_retries(retries, retry_backoff)
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-    if attempts < 1:
-        raise ValueError(f"attempts must be at least 1, got {attempts}")
-    if executor is not None and gateway is not None:
+    episode, run = configs_from("run_rollouts", episode, run, settings)
+    run = run.resolved(save_workspaces=True, stats="tensorboard")
+    if run.executor is not None and gateway is not None:
         raise ValueError("pass gateway= or executor=, not both (an executor brings its own gateways)")
-    if executor is not None and warm:
-        raise ValueError("pass warm= to the executor (LocalExecutor(warm=...), RayExecutor(warm=...)), "
-                         "not to run_rollouts with executor=")
-    executor = executor if executor is not None else LocalExecutor(concurrency=concurrency, gateway=gateway,
-                                                                   warm=warm)
+    executor = run.executor if run.executor is not None else LocalExecutor(
+        concurrency=run.concurrency, gateway=gateway, warm=run.warm)
     stop = stop or asyncio.Event()
-    options = dict(harness_options or {})
-    keep = _absolute(out) if out is not None and save_workspaces else None
-    plan = [EpisodeSpec(task, attempt, harness, options, sandbox=sandbox, image=image, model=model,
-                        step_limit=step_limit, time_limit=time_limit,
-                        workspace=(str(keep / workspace_file(task.name, attempt))
-                                   if keep is not None else None))
-            for attempt in range(attempts) for task in tasks]
-    run = {
-        "harness": harness, "sandbox": sandbox, "concurrency": concurrency, "attempts": attempts,
-        "step_limit": step_limit, "time_limit": time_limit, "tasks": [t.name for t in tasks],
-        "policy": type(policy).__name__, "executor": executor.kind, "retries": retries,
-        "save_workspaces": keep is not None, "image": image, "warm": getattr(executor, "warm", 0),
-        **dict(run_info or {}),
+    keep = _absolute(run.out) if run.out is not None and run.save_workspaces else None
+    plan = [EpisodeSpec(task, attempt, episode, workspace=(
+                str(keep / workspace_file(task.name, attempt)) if keep is not None else None))
+            for attempt in range(run.attempts) for task in tasks]
+    settings_row = {
+        "harness": episode.harness, "sandbox": episode.sandbox, "concurrency": run.concurrency,
+        "attempts": run.attempts, "step_limit": episode.step_limit, "time_limit": episode.time_limit,
+        "tasks": [t.name for t in tasks], "policy": type(policy).__name__, "executor": executor.kind,
+        "retries": run.retries, "save_workspaces": keep is not None, "image": episode.image,
+        "warm": getattr(executor, "warm", 0), **dict(run_info or {}),
     }
-    writer = RunWriter(executor, run, out=out, planned=len(plan), attempts=attempts,
-                       success_threshold=success_threshold, stats=stats, stats_period=stats_period,
-                       console=console, title=f"{harness}: {len(tasks)} task(s)", on_episode=on_episode,
+    writer = RunWriter(executor, settings_row, out=run.out, planned=len(plan), attempts=run.attempts,
+                       success_threshold=run.success_threshold, stats=run.stats or "null",
+                       stats_period=run.stats_period, console=console,
+                       title=f"{episode.harness}: {len(tasks)} task(s)", on_episode=on_episode,
                        on_samples=on_samples)
     state = ScheduleState()
     try:
-        await executor.start(harness=harness, tasks=tasks, policy=policy, time_limit=time_limit,
-                             sandbox=sandbox, image=image)
+        await executor.start(harness=episode.harness, tasks=tasks, policy=policy,
+                             time_limit=episode.time_limit, sandbox=episode.sandbox, image=episode.image)
         expect = getattr(executor, "expect", None)
         if expect is not None:
             expect(plan)
         writer.started()
-        await schedule(plan, executor, concurrency=concurrency, stop=stop, on_record=writer.record,
+        await schedule(plan, executor, concurrency=run.concurrency, stop=stop, on_record=writer.record,
                        on_tick=writer.refresh, tick=0.5 if console is not None else None, state=state,
-                       retries=retries, retry_backoff=retry_backoff)
+                       retries=run.retries, retry_backoff=run.retry_backoff)
     finally:
         writer.finish(state)
         await executor.close()

@@ -5,8 +5,9 @@ same scheduler, executors, driver and OUT directory, written by the same
 :class:`~ares_gateway.episodes.rollouts.RunWriter`) but hands each finished one to the consumer while
 the others go on, so a trainer trains on the first episodes while the next ones run::
 
-    async with RolloutSource(tasks, harness="mini-swe-agent", policy=policy, sandbox="local",
-                             concurrency=8, attempts=4, epochs=None, max_staleness=2, out="runs/x") as source:
+    async with RolloutSource(tasks, policy=policy, episode=EpisodeConfig("mini-swe-agent", sandbox="local"),
+                             run=RunConfig(concurrency=8, attempts=4, out="runs/x"),
+                             epochs=None, max_staleness=2) as source:
         async for group in source.groups():            # all 4 attempts of one task, as soon as they are done
             loss = train_on(group)                       # group.members[i].samples, .reward, versions
             async with source.weight_update(step):       # no turn is sampled while the weights change
@@ -64,9 +65,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ares_gateway.core.fence import PauseReport
+from ares_gateway.episodes.config import EpisodeConfig, RunConfig, configs_from
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec
 from ares_gateway.episodes.executor import Executor, LocalExecutor
-from ares_gateway.episodes.failures import DEFAULT_RETRIES, DEFAULT_RETRY_BACKOFF, check_retries
 from ares_gateway.episodes.output import EpisodeResult, RunSummary
 from ares_gateway.episodes.rollouts import RunWriter
 from ares_gateway.episodes.scheduler import ScheduleState, schedule
@@ -195,54 +196,44 @@ class RolloutSource:
     """Episodes of ``tasks`` streamed to the consumer as they finish (see the module docstring).
 
     Args:
-        tasks: the tasks (a finite list; task names must differ: repeat one with ``attempts`` or ``epochs``).
-        harness, policy, sandbox, step_limit, time_limit, image, model, harness_options, stats,
-        stats_period, console, gateway, executor, run_info, success_threshold, retries, retry_backoff: as
-            :func:`~ares_gateway.episodes.rollouts.run_rollouts` (an ``infra_error`` episode is in its group;
-            the trainer excludes it).
-        concurrency: episodes running at once.
-        attempts: episodes of each task per epoch (a group).
+        tasks: the tasks (a finite list; task names must differ: repeat one with ``run.attempts`` or
+            ``epochs``).
+        policy, episode, run, console, gateway, run_info: as :func:`~ares_gateway.episodes.rollouts.
+            run_rollouts` (an ``infra_error`` episode is in its group; the trainer excludes it).
+            ``run.attempts`` is the episodes of each task per epoch (a group); ``run.warm`` is not
+            supported (a stream's episodes are not planned ahead).
         epochs: passes over ``tasks``; ``None``: until :meth:`close`.
         max_buffered: finished episodes that may wait for the consumer beyond those running (default:
-            the larger of ``concurrency`` and ``attempts``); ``concurrency + max_buffered`` must hold a group.
+            the larger of ``run.concurrency`` and ``run.attempts``); ``run.concurrency + max_buffered``
+            must hold a group.
         max_staleness: trained responses more than this many versions behind the source's policy version
             when handed out are masked (``None``: no bound).
-        out: the OUT directory (the same layout as ``run``); ``None``: no files.
-        save_workspaces: with ``out``, keep each episode's graded workdir as
-            ``OUT/workspaces/<task>.<attempt>.tar`` (:mod:`~ares_gateway.episodes.workspaces`).
+        settings: the fields of :class:`~ares_gateway.episodes.config.EpisodeConfig` and
+            :class:`~ares_gateway.episodes.config.RunConfig` as keyword arguments, deprecated.
     """
 
     def __init__(
         self,
         tasks: Iterable[Task],
         *,
-        harness: str,
         policy: Policy,
-        sandbox: str = "auto",
-        concurrency: int = 4,
-        attempts: int = 1,
+        episode: EpisodeConfig | None = None,
+        run: RunConfig | None = None,
         epochs: int | None = 1,
         max_buffered: int | None = None,
         max_staleness: int | None = None,
-        out: str | os.PathLike[str] | None = None,
-        step_limit: int | None = None,
-        time_limit: float | None = None,
-        image: str | None = None,
-        model: str = "ares-policy",
-        harness_options: Mapping[str, Any] | None = None,
-        stats: str = "tensorboard",
-        stats_period: float = 10.0,
         console: Any = None,
         gateway: Gateway | None = None,
-        executor: Executor | None = None,
         run_info: Mapping[str, Any] | None = None,
-        success_threshold: float = 1.0,
-        retries: int = DEFAULT_RETRIES,
-        retry_backoff: float = DEFAULT_RETRY_BACKOFF,
-        save_workspaces: bool = True,
+        **settings: Any,
     ) -> None:
-        check_retries(retries, retry_backoff)
-        self.retries, self.retry_backoff = retries, retry_backoff
+        episode, run = configs_from("RolloutSource", episode, run, settings)
+        run = run.resolved(save_workspaces=True, stats="tensorboard")
+        if run.warm:
+            raise ValueError("RolloutSource does not set episodes up ahead (its episodes are not planned): "
+                             "leave RunConfig's warm 0")
+        concurrency, attempts = run.concurrency, run.attempts
+        self.retries, self.retry_backoff = run.retries, run.retry_backoff
         self.tasks = list(tasks)
         if not self.tasks:
             raise ValueError("tasks is empty: give the source at least one task")
@@ -251,8 +242,6 @@ class RolloutSource:
         if twice:
             raise ValueError(f"task(s) {', '.join(twice)} given more than once: run a task more often with "
                              "attempts= (a group) or epochs=, so each episode keeps its own attempt number")
-        _positive("concurrency", concurrency)
-        _positive("attempts", attempts)
         _positive("epochs", epochs, allow_none=True)
         _positive("max_buffered", max_buffered, allow_none=True, minimum=0)
         self.max_staleness = check_max_staleness(max_staleness)
@@ -262,41 +251,37 @@ class RolloutSource:
                 f"concurrency ({concurrency}) + max_buffered ({self.max_buffered}) must be at least "
                 f"attempts ({attempts}): fewer episodes in hand than a group holds could never "
                 "complete a group")
-        if executor is not None and gateway is not None:
+        if run.executor is not None and gateway is not None:
             raise ValueError("pass gateway= or executor=, not both (an executor brings its own gateways)")
-        self.harness = harness
+        self.episode = episode
         self.policy = policy
-        self.sandbox = sandbox
         self.concurrency = concurrency
         self.attempts = attempts
         self.epochs = epochs
-        self.time_limit = time_limit
-        self.image = image
-        self.executor: Executor = executor if executor is not None else LocalExecutor(concurrency=concurrency,
-                                                                                       gateway=gateway)
-        options = dict(harness_options or {})
-        keep = Path(os.path.abspath(out)) if out is not None and save_workspaces else None
+        self.executor: Executor = (run.executor if run.executor is not None
+                                   else LocalExecutor(concurrency=concurrency, gateway=gateway))
+        keep = Path(os.path.abspath(run.out)) if run.out is not None and run.save_workspaces else None
         self._spec: Callable[[Task, int], EpisodeSpec] = lambda task, attempt: EpisodeSpec(
-            task, attempt, harness, options, sandbox=sandbox, image=image, model=model, step_limit=step_limit,
-            time_limit=time_limit,
+            task, attempt, episode,
             workspace=str(keep / workspace_file(task.name, attempt)) if keep is not None else None)
-        run = {
-            "harness": harness, "sandbox": sandbox, "concurrency": concurrency, "attempts": attempts,
-            "step_limit": step_limit, "time_limit": time_limit, "tasks": names,
-            "policy": type(policy).__name__, "executor": self.executor.kind, "source": "stream",
-            "epochs": epochs, "retries": retries, "max_buffered": self.max_buffered,
-            "max_staleness": self.max_staleness, "save_workspaces": keep is not None, "image": image,
+        settings_row = {
+            "harness": episode.harness, "sandbox": episode.sandbox, "concurrency": concurrency,
+            "attempts": attempts, "step_limit": episode.step_limit, "time_limit": episode.time_limit,
+            "tasks": names, "policy": type(policy).__name__, "executor": self.executor.kind,
+            "source": "stream",
+            "epochs": epochs, "retries": run.retries, "max_buffered": self.max_buffered,
+            "max_staleness": self.max_staleness, "save_workspaces": keep is not None, "image": episode.image,
             **dict(run_info or {}),
         }
         planned = len(self.tasks) * attempts * epochs if epochs is not None else 0
         # The OUT directory, the stats writer and the clock start with the source, not before.
         self._new_writer: Callable[[], RunWriter] = lambda: RunWriter(
-            self.executor, run, out=out, planned=planned, attempts=attempts,
-            success_threshold=success_threshold, stats=stats, stats_period=stats_period, console=console,
-            title=f"{harness}: {len(self.tasks)} task(s), streamed")
+            self.executor, settings_row, out=run.out, planned=planned, attempts=attempts,
+            success_threshold=run.success_threshold, stats=run.stats or "null", stats_period=run.stats_period,
+            console=console, title=f"{episode.harness}: {len(self.tasks)} task(s), streamed")
         self._writer: RunWriter | None = None
         self._empty = RunSummary(episodes=[], planned=planned, attempts=attempts,
-                                 success_threshold=success_threshold)
+                                 success_threshold=run.success_threshold)
         self._tick = 0.5 if console is not None else None
         self._state = ScheduleState()
         self._stop = asyncio.Event()
@@ -325,8 +310,9 @@ class RolloutSource:
             return
         self._writer = writer = self._new_writer()
         try:
-            await self.executor.start(harness=self.harness, tasks=self.tasks, policy=self.policy,
-                                      time_limit=self.time_limit, sandbox=self.sandbox, image=self.image)
+            ep = self.episode
+            await self.executor.start(harness=ep.harness, tasks=self.tasks, policy=self.policy,
+                                      time_limit=ep.time_limit, sandbox=ep.sandbox, image=ep.image)
         except BaseException:
             self._closing = self._done = True
             writer.finish(self._state)

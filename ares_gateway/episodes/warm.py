@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ares_gateway.core.sessions import SessionInfo
+from ares_gateway.episodes.config import EpisodeConfig, check_warm
 from ares_gateway.episodes.episode import EpisodeSetupError, TaskEpisode
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.gateway import Gateway
@@ -53,23 +54,12 @@ class PlannedEpisode(Protocol):
     @property
     def attempt(self) -> int: ...
     @property
-    def sandbox(self) -> str: ...
-    @property
-    def image(self) -> str | None: ...
-    @property
-    def model(self) -> str: ...
+    def episode(self) -> EpisodeConfig: ...
     @property
     def workspace(self) -> str | None: ...
     @property
     def key(self) -> str: ...
     def new_harness(self) -> BaseHarness: ...
-
-
-def check_warm(size: int) -> int:
-    """``size`` if it is a usable pool size (0: no pool), else a ``ValueError`` that says so."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ValueError(f"warm must be a whole number of sandboxes, 0 or more, got {size!r}")
-    return size
 
 
 @dataclass(frozen=True)
@@ -168,8 +158,10 @@ class WarmPool:
         harness = spec.new_harness()
         session = await gw.create_session(
             metadata={"task": spec.task.name, "harness": harness.name, "attempt": spec.attempt, "warm": True})
-        episode = TaskEpisode(spec.task, harness, sandbox=spec.sandbox, image=spec.image, model=spec.model,
-                              gateway=gw, save_workspace=spec.workspace, labels={WARM_LABEL: "1"})
+        config = spec.episode
+        episode = TaskEpisode(spec.task, harness, sandbox=config.sandbox, image=config.image,
+                              model=config.model, gateway=gw, save_workspace=spec.workspace,
+                              labels={WARM_LABEL: "1"})
         episode.warm = True
         started = time.monotonic()
         try:

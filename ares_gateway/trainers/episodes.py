@@ -11,14 +11,15 @@ and the others are counted in :attr:`EpisodeSample.other_samples` (the foreign o
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ares_gateway.episodes.config import EpisodeConfig, RunConfig, configs_from
 from ares_gateway.episodes.episode import one_line
-from ares_gateway.episodes.executor import Executor
-from ares_gateway.episodes.failures import DEFAULT_RETRIES, INFRA_ERROR
+from ares_gateway.episodes.failures import INFRA_ERROR
 from ares_gateway.episodes.rollouts import EpisodeResult, run_rollouts
 from ares_gateway.episodes.tasks import Dataset, Task, load_dataset
 from ares_gateway.extras import MissingExtraError as _MissingExtra
@@ -322,41 +323,37 @@ def sample_turns(sample: Any) -> list[SampledTurn]:
 async def play_episodes(
     tasks: Sequence[Task],
     *,
-    harness: str,
     policy: Any,
-    sandbox: str = "local",
-    concurrency: int = 4,
-    step_limit: int | None = None,
-    time_limit: float | None = None,
-    harness_options: Mapping[str, Any] | None = None,
-    out: str | None = None,
-    executor: Executor | None = None,
+    episode: EpisodeConfig | None = None,
+    run: RunConfig | None = None,
     max_staleness: int | None = None,
     policy_version: int | None = None,
-    retries: int = DEFAULT_RETRIES,
     drop_group_on_infra_error: bool = False,
-    save_workspaces: bool = False,
-    warm: int = 0,
+    **settings: Any,
 ) -> list[EpisodeSample]:
-    """One episode per entry of ``tasks`` (repeats allowed), at most ``concurrency`` at once; the
-    results in the order of ``tasks``. A failed episode is an entry with reward 0 and its error.
+    """One episode per entry of ``tasks`` (repeats allowed), each as ``episode`` says, at most
+    ``run.concurrency`` at once; the results in the order of ``tasks``. A failed episode is an entry
+    with reward 0 and its error. A task's repeats are its attempts (``run.attempts`` must be 1).
 
-    An episode that failed by the infrastructure is run again on a fresh sandbox, at most ``retries``
+    An episode that failed by the infrastructure is run again on a fresh sandbox, at most ``run.retries``
     times (:mod:`ares_gateway.episodes.failures`); one that failed every try (``infra_error``) is
     excluded from training, and with ``drop_group_on_infra_error`` so is every episode of its task in
     this call (its GRPO group): :func:`exclude_infra_errors`.
 
-    ``executor`` runs the episodes (default: this process,
+    ``run.executor`` runs the episodes (default: this process,
     :class:`~ares_gateway.episodes.executor.LocalExecutor`);
     it is started and closed once per wave of :func:`~ares_gateway.episodes.rollouts.run_rollouts`.
     ``max_staleness``: the main-line sample's responses sampled more than this many versions behind
     ``policy_version`` (default: the executor's version once the episodes are done) are masked
-    (:func:`trajectory.mask_stale`; :attr:`EpisodeSample.stale_tokens`). ``save_workspaces``: keep each
-    episode's graded workdir under ``out`` (:mod:`~ares_gateway.episodes.workspaces`); off by default
-    here, unlike ``run``: a training run plays many episodes, each archive may be as large as the
-    grading cap, and the trainers' calls may share one ``out``. ``warm``: how many episodes are set up
-    ahead while earlier ones run (:mod:`~ares_gateway.episodes.warm`; without ``executor`` only: an
-    executor takes its own)."""
+    (:func:`trajectory.mask_stale`; :attr:`EpisodeSample.stale_tokens`). ``run.save_workspaces`` and
+    ``run.stats`` default to off here (:class:`~ares_gateway.episodes.config.RunConfig`).
+    ``settings``: the configs' fields as keyword arguments, deprecated (``sandbox`` defaults to
+    ``local`` there)."""
+    episode, run = configs_from("play_episodes", episode, run, settings, episode_default={"sandbox": "local"})
+    if run.attempts != 1:
+        raise ValueError(f"play_episodes plays each entry of tasks once (got attempts={run.attempts}): "
+                         "repeat a task in tasks for more episodes of it")
+    run = run.resolved(save_workspaces=False, stats="null")
     check_max_staleness(max_staleness)
     by_session: dict[str, list[Any]] = {}
 
@@ -377,12 +374,8 @@ async def play_episodes(
     for name, idxs in plan.items():
         by_count.setdefault(len(idxs), []).append(unique[name])
     for count, group in sorted(by_count.items()):
-        summary = await run_rollouts(
-            group, harness=harness, policy=policy, sandbox=sandbox, concurrency=concurrency, attempts=count,
-            step_limit=step_limit, time_limit=time_limit, harness_options=harness_options, stats="null",
-            on_samples=keep, out=out, executor=executor, retries=retries, save_workspaces=save_workspaces,
-            warm=warm,
-        )
+        summary = await run_rollouts(group, policy=policy, episode=episode,
+                                     run=dataclasses.replace(run, attempts=count), on_samples=keep)
         for e in summary.episodes:
             idx = plan[e.task][e.attempt]
             samples = by_session.get(e.session_id, [])
@@ -393,7 +386,8 @@ async def play_episodes(
                 foreign_samples=foreign_count(samples), result=e,
             )
     if max_staleness is not None:
-        current = policy_version if policy_version is not None else getattr(executor, "policy_version", None)
+        current = (policy_version if policy_version is not None
+                   else getattr(run.executor, "policy_version", None))
         for o in out_list:
             if o is not None and o.sample is not None:
                 o.sample = mask_stale(o.sample, current, max_staleness)

@@ -9,11 +9,12 @@ the worker calls the factory with ``sampling=`` (its training policy), then per 
 the reward, and ``session.close()``::
 
     import functools
+    from ares_gateway import EpisodeConfig
     from ares_gateway.engines.vllm import VLLMEngine
     from ares_gateway.trainers.openenv import AresSessionFactory
 
     factory = functools.partial(AresSessionFactory, "examples", engine=VLLMEngine(url=vllm_server_url),
-                                harness="mini-swe-agent", sandbox="docker", step_limit=20)
+                                episode=EpisodeConfig("mini-swe-agent", sandbox="docker", step_limit=20))
     worker = HarnessRolloutWorker(..., harness_session_factory=factory)
 
 **A session** is one episode of the task its prompt names (a task name, or chat messages whose last
@@ -39,12 +40,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ares_gateway.episodes.config import EpisodeConfig, RunConfig, configs_from
 from ares_gateway.trainers.episodes import (
     EpisodeSample,
     TrainerError,
@@ -229,12 +232,12 @@ class AresSessionFactory(ResourceSessionFactory):  # type: ignore[misc]  # opene
         tokenizer: what the gateway renders with (the trained model's ``.gguf`` file or Hugging Face folder;
             default: the embedded SmolLM2 GGUF).
         renderer: a ``renderers`` name (default: by model name, else the model's chat template).
-        harness / sandbox: the agent CLI and the sandbox backend of every episode.
-        step_limit / time_limit: per-episode bounds (LLM calls; seconds, default: the task's).
+        episode: what each episode runs (:class:`~ares_gateway.episodes.config.EpisodeConfig`; default:
+            ``mini-swe-agent`` in a ``local`` sandbox, 20 LLM calls). mini-swe-agent gets
+            ``action_format="text"`` by itself for a model without a tool-call format.
+        run: how each session's episode runs (:class:`~ares_gateway.episodes.config.RunConfig`): ``out``
+            (each episode's run files go to ``out/<task>-<id>/``), ``retries``; one episode per session.
         max_tokens: the most tokens one answer may have.
-        harness_options: more harness options (mini-swe-agent gets ``action_format="text"`` by itself for a
-            model without a tool-call format).
-        out: a folder for each episode's run files (``out/<task>-<id>/``).
         sampling: the training policy TRL's worker passes (``temperature`` and the no-op ``top_p`` /
             ``top_k`` / ``min_p`` / ``repetition_penalty`` OpenEnv's ``training_sampling`` allows).
     """
@@ -246,14 +249,11 @@ class AresSessionFactory(ResourceSessionFactory):  # type: ignore[misc]  # opene
         engine: Any,
         tokenizer: str | None = None,
         renderer: str | None = None,
-        harness: str = "mini-swe-agent",
-        sandbox: str = "local",
-        step_limit: int | None = 20,
-        time_limit: float | None = None,
+        episode: EpisodeConfig | None = None,
+        run: RunConfig | None = None,
         max_tokens: int = 512,
-        harness_options: Mapping[str, Any] | None = None,
-        out: str | None = None,
         sampling: Mapping[str, Any] | None = None,
+        **settings: Any,
     ) -> None:
         if engine is None:
             raise TrainerError("AresSessionFactory needs engine=: the gateway engine that samples every turn "
@@ -264,13 +264,10 @@ class AresSessionFactory(ResourceSessionFactory):  # type: ignore[misc]  # opene
         self.engine = engine
         self.tokenizer = tokenizer
         self.renderer_name = renderer
-        self.harness = harness
-        self.sandbox = sandbox
-        self.step_limit = step_limit
-        self.time_limit = time_limit
+        self.episode, self.run = configs_from(
+            "AresSessionFactory", episode, run, settings,
+            episode_default={"harness": "mini-swe-agent", "sandbox": "local", "step_limit": 20})
         self.max_tokens = max_tokens
-        self.harness_options = dict(harness_options or {})
-        self.out = out
         sp = dict(sampling or {})
         top_k = int(sp.get("top_k") or 0)
         self.temperature = float(sp.get("temperature", 1.0))
@@ -307,12 +304,11 @@ class AresSessionFactory(ResourceSessionFactory):  # type: ignore[misc]  # opene
 
     async def _play(self, task: Task) -> EpisodeSample:
         policy = self.policy()
-        options = {**policy.harness_options(self.harness), **self.harness_options}
-        out = f"{self.out}/{task.name}-{uuid.uuid4().hex[:8]}" if self.out else None
+        options = {**policy.harness_options(self.episode.harness), **self.episode.harness_options}
+        out = f"{self.run.out}/{task.name}-{uuid.uuid4().hex[:8]}" if self.run.out else None
         (episode,) = await play_episodes(
-            [task], harness=self.harness, policy=policy, sandbox=self.sandbox, concurrency=1,
-            step_limit=self.step_limit, time_limit=self.time_limit, harness_options=options, out=out,
-        )
+            [task], policy=policy, episode=dataclasses.replace(self.episode, harness_options=options),
+            run=dataclasses.replace(self.run, concurrency=1, attempts=1, out=out))
         return episode
 
     def close(self) -> None:

@@ -4,11 +4,12 @@
 SkyRL's trainer calls ``await generator.generate(GeneratorInput)`` once per step and trains on the
 ``GeneratorOutput`` it returns::
 
+    from ares_gateway import EpisodeConfig
     from ares_gateway.trainers.skyrl import AresGenerator
 
     generator = AresGenerator("examples", inference_engine_client=client,
-    tokenizer=cfg.trainer.policy.model.path,
-                              harness="mini-swe-agent", sandbox="docker", step_limit=20)
+                              tokenizer=cfg.trainer.policy.model.path,
+                              episode=EpisodeConfig("mini-swe-agent", sandbox="docker", step_limit=20))
     trainer = RayPPOTrainer(cfg, tracker, tokenizer, train_dataset, client, generator, ...)
 
 **A prompt** names its task by ``env_extras[i]["task"]``, else by its chat messages' last content
@@ -39,14 +40,15 @@ supported: one entry per episode.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ares_gateway.episodes.warm import check_warm
+from ares_gateway.episodes.config import EpisodeConfig, RunConfig, configs_from
 from ares_gateway.trainers.episodes import (
     EpisodeSample,
     TokenizerMismatchError,
@@ -60,9 +62,6 @@ from ares_gateway.trainers.episodes import (
     tokenizer_mismatch,
     trainer_entry,
 )
-
-if TYPE_CHECKING:
-    from ares_gateway.episodes.executor import Executor
 
 log = logging.getLogger(__name__)
 
@@ -117,18 +116,16 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         tokenizer: what the gateway renders with (a ``.gguf`` file or Hugging Face folder: the trained
             model's, ``trainer.policy.model.path``; default: the embedded SmolLM2 GGUF).
         renderer: a ``renderers`` name (default: by model name, else the model's chat template).
-        harness / sandbox: the agent CLI and the sandbox backend of every episode.
-        step_limit / time_limit: per-episode bounds (LLM calls; seconds, default: the task's).
-        concurrency: episodes at once.
+        episode: what each episode runs (:class:`~ares_gateway.episodes.config.EpisodeConfig`; default:
+            ``mini-swe-agent`` in a ``local`` sandbox, 20 LLM calls). mini-swe-agent gets
+            ``action_format="text"`` by itself for a model without a tool-call format.
+        run: how the episodes run (:class:`~ares_gateway.episodes.config.RunConfig`): ``concurrency``,
+            ``out`` (each call's run files go to ``out/step-N/``), ``executor`` (default: this process),
+            ``warm``, ``retries``; ``attempts`` stays 1 (SkyRL repeats each prompt itself).
         max_tokens: the most tokens one answer may have (default: the batch's
-        ``sampling_params["max_tokens"]``,
-            else 512).
+            ``sampling_params["max_tokens"]``, else 512).
         max_response_tokens: cut each response (ids, mask, logprobs) to this many tokens, its stop reason
             ``"length"`` (``None``: whole episodes; SkyRL does not cut what a generator returns).
-        harness_options: more harness options (mini-swe-agent gets ``action_format="text"`` by itself for a
-            model without a tool-call format).
-        out: a folder for each call's run files (``out/step-N/``: results.json, trajectories, logs).
-        executor: where the episodes run (default: this process).
         trainer_tokenizer: the tokenizer SkyRL trains with (``get_generator``'s ``tokenizer``): checked once
             against the one the gateway renders with; different ids are a ``TokenizerMismatchError``.
         warm: how many of a call's episodes are set up ahead while its earlier ones run
@@ -148,25 +145,23 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         engine: Any = None,
         tokenizer: str | None = None,
         renderer: str | None = None,
-        harness: str = "mini-swe-agent",
-        sandbox: str = "local",
-        step_limit: int | None = 20,
-        time_limit: float | None = None,
-        concurrency: int = 4,
+        episode: EpisodeConfig | None = None,
+        run: RunConfig | None = None,
         max_tokens: int | None = None,
         max_response_tokens: int | None = None,
-        harness_options: Mapping[str, Any] | None = None,
-        out: str | None = None,
-        executor: Executor | None = None,
         trainer_tokenizer: Any = None,
-        warm: int = 0,
+        **settings: Any,
     ) -> None:
         if (inference_engine_client is None) == (engine is None):
             raise TrainerError(
                 "AresGenerator samples through exactly one of inference_engine_client= (SkyRL's) "
                 "and engine= (a gateway engine): give one")
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        self.episode, self.run = configs_from(
+            "AresGenerator", episode, run, settings,
+            episode_default={"harness": "mini-swe-agent", "sandbox": "local", "step_limit": 20})
+        if self.run.attempts != 1:
+            raise ValueError(f"a generator plays one episode per prompt (got attempts={self.run.attempts}): "
+                             "SkyRL repeats each prompt n_samples_per_prompt times")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1 (or None: the batch's), got {max_tokens}")
         if max_response_tokens is not None and max_response_tokens < 1:
@@ -177,20 +172,8 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
         self.engine = engine
         self.tokenizer = tokenizer
         self.renderer_name = renderer
-        self.harness = harness
-        self.sandbox = sandbox
-        self.step_limit = step_limit
-        self.time_limit = time_limit
-        self.concurrency = concurrency
         self.max_tokens = max_tokens
         self.max_response_tokens = max_response_tokens
-        self.harness_options = dict(harness_options or {})
-        self.out = out
-        self.executor = executor
-        if check_warm(warm) and executor is not None:
-            raise ValueError("warm sets up the generator's own episodes ahead: with an executor, pass warm= "
-                             "to it (RayExecutor(warm=...)) instead")
-        self.warm = warm
         self.last_episodes: list[EpisodeSample] = []
         self.calls: list[dict[str, Any]] = []
         self.trainer_tokenizer = trainer_tokenizer
@@ -250,20 +233,18 @@ class AresGenerator(GeneratorInterface):  # type: ignore[misc]  # SkyRL ships no
             top_k=max(0, int(top_k if top_k is not None else 0)),
             seed=sp.get("seed"),
         )
-        options = {**policy.harness_options(self.harness), **self.harness_options}
+        options = {**policy.harness_options(self.episode.harness), **self.episode.harness_options}
         meta = input_batch.get("batch_metadata")
         step = getattr(meta, "global_step", None)
         phase = getattr(meta, "training_phase", None)
         out = None
-        if self.out:
-            out = (f"{self.out}/{phase or 'step'}-{step}" if step is not None
-                   else f"{self.out}/{uuid.uuid4().hex[:8]}")
+        if self.run.out:
+            out = (f"{self.run.out}/{phase or 'step'}-{step}" if step is not None
+                   else f"{self.run.out}/{uuid.uuid4().hex[:8]}")
         try:
             episodes = await play_episodes(
-                tasks, harness=self.harness, policy=policy, sandbox=self.sandbox,
-                concurrency=self.concurrency, step_limit=self.step_limit, time_limit=self.time_limit,
-                harness_options=options, out=out, executor=self.executor, warm=self.warm,
-            )
+                tasks, policy=policy, episode=dataclasses.replace(self.episode, harness_options=options),
+                run=dataclasses.replace(self.run, out=out))
         finally:
             if isinstance(engine, SkyRLEngine):
                 await engine.finish_sessions()  # every episode is over: SkyRL's router may release them

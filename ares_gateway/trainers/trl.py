@@ -4,9 +4,11 @@
 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
+    from ares_gateway import EpisodeConfig
     from ares_gateway.trainers.trl import reward_from_episode, rollout_func
 
-    rollouts = rollout_func("examples", harness="mini-swe-agent", sandbox="local", step_limit=8)
+    rollouts = rollout_func("examples",
+                            episode=EpisodeConfig("mini-swe-agent", sandbox="local", step_limit=8))
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[reward_from_episode],
                           train_dataset=Dataset.from_dict({"prompt": ["fix-median-bug", ...]}),
                           args=GRPOConfig(num_generations=2, ...), rollout_func=rollouts)
@@ -38,11 +40,12 @@ TRL gets the main line, the harness CLI's own conversation (:func:`~ares_gateway
 the count of the others is ``other_samples``, of them the foreign ones (conversations that do not
 extend the session's first request) ``foreign_samples``.
 
-**On a Ray cluster** (``rollout_func(..., executor=RayExecutor(per_node=4))``): the episodes run on the
-cluster's nodes, their turns are still sampled here, by ``trainer.model``: the engine is served over
-HTTP (:class:`~ares_gateway.engines.engine_server.EngineServer`, SGLang's ``/generate``, on
-``engine_host``) and each node's gateway gets a :class:`~ares_gateway.trainers._served.RemoteTitoPolicy`
-over it (same tokenizer, renderer and sampling). The batch is the local path's, entry for entry.
+**On a Ray cluster** (``rollout_func(..., run=RunConfig(executor=RayExecutor(per_node=4)))``): the
+episodes run on the cluster's nodes, their turns are still sampled here, by ``trainer.model``: the
+engine is served over HTTP (:class:`~ares_gateway.engines.engine_server.EngineServer`, SGLang's
+``/generate``, on ``engine_host``) and each node's gateway gets a
+:class:`~ares_gateway.trainers._served.RemoteTitoPolicy` over it (same tokenizer, renderer and sampling).
+The batch is the local path's, entry for entry.
 
 **Policy versions.** Without an executor every call's episodes run on one gateway of the rollout
 function's, which stamps each turn with the version of the weights that sampled it: the trainer's
@@ -80,14 +83,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ares_gateway.episodes.failures import DEFAULT_RETRIES, check_retries
-from ares_gateway.episodes.warm import check_warm
+from ares_gateway.episodes.config import EpisodeConfig, RunConfig, configs_from
 from ares_gateway.trainers.episodes import (
     EpisodeSample,
     TokenizerMismatchError,
@@ -106,7 +109,6 @@ from trajectory import check_max_staleness
 
 if TYPE_CHECKING:
     from ares_gateway.core.fence import PauseReport
-    from ares_gateway.episodes.executor import Executor
     from ares_gateway.episodes.tasks import Task
     from ares_gateway.gateway import Gateway
     from ares_gateway.trainers._served import ServedEngine
@@ -273,17 +275,14 @@ class AresRollouts:
             step (added to the trainer at the first call by itself).
     """
 
-    def __init__(self, dataset: Any, *, harness: str, sandbox: str, step_limit: int | None,
-                 time_limit: float | None, concurrency: int, tokenizer: str | None, renderer: str | None,
-                 sampling: Mapping[str, Any], harness_options: Mapping[str, Any] | None, out: str | None,
-                 check_tokenizer: bool, max_completion_tokens: int | None = None,
-                 executor: Executor | None = None, engine_host: str = "127.0.0.1", engine_port: int = 0,
+    def __init__(self, dataset: Any, *, episode: EpisodeConfig, run: RunConfig, tokenizer: str | None = None,
+                 renderer: str | None = None, sampling: Mapping[str, Any] | None = None,
+                 check_tokenizer: bool = True, max_completion_tokens: int | None = None,
+                 engine_host: str = "127.0.0.1", engine_port: int = 0,
                  engine_server_options: Mapping[str, Any] | None = None, overlap: bool = False,
                  fence_timeout: float | None = 600.0, max_staleness: int | None = None,
-                 drop_group_on_infra_error: bool = False, retries: int = DEFAULT_RETRIES,
-                 warm: int = 0) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+                 drop_group_on_infra_error: bool = False) -> None:
+        executor = run.executor
         if max_completion_tokens is not None and max_completion_tokens < 1:
             raise ValueError(
                 f"max_completion_tokens must be at least 1 (or None: no cap), got {max_completion_tokens}")
@@ -300,28 +299,19 @@ class AresRollouts:
             raise ValueError(
                 "max_staleness judges each turn by the version the rollouts' own gateway stamps on it, "
                 "and episodes on an executor carry none: leave executor unset, or max_staleness None")
-        check_retries(retries)
-        if check_warm(warm) and executor is not None:
-            raise ValueError("warm sets up the rollouts' own episodes ahead: with an executor, pass warm= to "
-                             "it (RayExecutor(warm=...)) instead")
-        self.warm = warm
+        if run.attempts != 1:
+            raise ValueError(f"a rollout function plays one episode per prompt (got attempts="
+                             f"{run.attempts}): TRL repeats each prompt num_generations times")
+        self.episode = episode
+        self.run = run
         self.max_staleness = max_staleness
         self.drop_group_on_infra_error = drop_group_on_infra_error
-        self.retries = retries
         self.max_completion_tokens = max_completion_tokens
         self.dataset = resolve_dataset(dataset)
-        self.harness = harness
-        self.sandbox = sandbox
-        self.step_limit = step_limit
-        self.time_limit = time_limit
-        self.concurrency = concurrency
         self.tokenizer = tokenizer
         self.renderer_name = renderer
-        self.sampling = dict(sampling)
-        self.harness_options = dict(harness_options or {})
-        self.out = out
+        self.sampling = dict(sampling or {})
         self.check_tokenizer = check_tokenizer
-        self.executor = executor
         self.overlap = overlap
         self.fence_timeout = fence_timeout
         # Episodes in other processes reach the engine over HTTP (served at the first call).
@@ -376,9 +366,9 @@ class AresRollouts:
                 # drops them at each optimizer step, when no turn is sampled.)
                 self.engine.reset()
             busy0 = self.engine.busy_s
-            if self.executor is None:
+            if self.run.executor is None:
                 self._loop.run(self._open_gateway(version))
-            options = {**policy.harness_options(self.harness), **self.harness_options}
+            options = {**policy.harness_options(self.episode.harness), **self.episode.harness_options}
             episode_policy: Any = policy
             if self.served is not None:
                 source = self.tokenizer or _default_tokenizer()
@@ -588,8 +578,8 @@ class AresRollouts:
         if self.gateway is None:
             from ares_gateway.episodes.episode import episode_gateway
 
-            longest = max([self.time_limit or 0.0, *(t.config.agent_timeout for t in self.dataset)])
-            gw = episode_gateway(self.harness, time_limit=longest)
+            longest = max([self.episode.time_limit or 0.0, *(t.config.agent_timeout for t in self.dataset)])
+            gw = episode_gateway(self.episode.harness, time_limit=longest)
             await gw.start()
             self.gateway = gw
         current = self.gateway.policy_version
@@ -600,25 +590,27 @@ class AresRollouts:
                     out: str | None, version: int | None = None) -> list[EpisodeSample]:
         """The episodes of ``tasks``; ``version``: the trainer's step at the call that trains on them, the
         current version their stale responses are judged against (``max_staleness``)."""
-        executor = self.executor
+        executor = self.run.executor
         if executor is None:
             from ares_gateway.episodes.executor import LocalExecutor
 
-            executor = LocalExecutor(concurrency=self.concurrency, gateway=self.gateway, warm=self.warm)
+            executor = LocalExecutor(concurrency=self.run.concurrency, gateway=self.gateway,
+                                     warm=self.run.warm)
         elif version is not None and hasattr(executor, "set_policy_version"):
             # The executor's gateways (each node's, on Ray) stamp the turns with the trainer's step too.
             current = executor.policy_version
             if current is None or version > current:
                 await executor.set_policy_version(version)
         return await play_episodes(
-            tasks, harness=self.harness, policy=policy, sandbox=self.sandbox, concurrency=self.concurrency,
-            step_limit=self.step_limit, time_limit=self.time_limit, harness_options=options, out=out,
-            executor=executor, max_staleness=self.max_staleness, policy_version=version, retries=self.retries,
+            tasks, policy=policy, episode=dataclasses.replace(self.episode, harness_options=options),
+            run=dataclasses.replace(self.run, out=out, executor=executor, warm=0),
+            max_staleness=self.max_staleness, policy_version=version,
             drop_group_on_infra_error=self.drop_group_on_infra_error,
         )
 
     def _out(self, step: int | None) -> str | None:
-        return f"{self.out}/step-{step}" if self.out and step is not None else self.out
+        out = self.run.out
+        return f"{out}/step-{step}" if out and step is not None else (str(out) if out is not None else None)
 
     # ----------------------------------------------------------- internals
     def _policy_for(self, trainer: Any) -> Any:
@@ -735,11 +727,8 @@ def _default_tokenizer() -> str:
 def rollout_func(
     dataset: Any,
     *,
-    harness: str = "mini-swe-agent",
-    sandbox: str = "local",
-    step_limit: int | None = 20,
-    time_limit: float | None = None,
-    concurrency: int = 4,
+    episode: EpisodeConfig | None = None,
+    run: RunConfig | None = None,
     tokenizer: str | None = None,
     renderer: str | None = None,
     max_tokens: int = 512,
@@ -747,11 +736,8 @@ def rollout_func(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int | None = None,
-    harness_options: Mapping[str, Any] | None = None,
-    out: str | None = None,
     check_tokenizer: bool = True,
     max_completion_tokens: int | None = None,
-    executor: Executor | None = None,
     engine_host: str = "127.0.0.1",
     engine_port: int = 0,
     engine_server_options: Mapping[str, Any] | None = None,
@@ -759,32 +745,31 @@ def rollout_func(
     fence_timeout: float | None = 600.0,
     max_staleness: int | None = None,
     drop_group_on_infra_error: bool = False,
-    retries: int = DEFAULT_RETRIES,
-    warm: int = 0,
+    **settings: Any,
 ) -> AresRollouts:
     """A ``rollout_func`` for TRL's ``GRPOTrainer`` (see the module docstring).
 
     Args:
         dataset: the task dataset the prompts name (a registered name such as ``"examples"``, a folder, or
             a :class:`~ares_gateway.episodes.tasks.Dataset`); an empty one is an error.
-        harness / sandbox: the agent CLI and the sandbox backend of every episode.
-        step_limit / time_limit: per-episode bounds (LLM calls; seconds, default: the task's).
-        concurrency: episodes at once.
+        episode: what each episode runs (:class:`~ares_gateway.episodes.config.EpisodeConfig`; default:
+            ``mini-swe-agent`` in a ``local`` sandbox, 20 LLM calls). mini-swe-agent gets
+            ``action_format="text"`` by itself for a model without a tool-call format.
+        run: how the episodes run (:class:`~ares_gateway.episodes.config.RunConfig`): ``concurrency``,
+            ``out`` (each call's run files go to ``out/step-N/``), ``executor``, ``warm``, ``retries``;
+            ``attempts`` stays 1 (TRL repeats each prompt ``num_generations`` times). An ``executor``
+            whose ``kind`` is not ``"local"`` (:class:`~ares_gateway.episodes.ray.RayExecutor`) runs the
+            episodes elsewhere: the engine is then served over HTTP and the executor's workers sample
+            ``trainer.model`` through it; ``concurrency`` still caps the episodes at once (give it nodes x
+            ``per_node``). With an ``executor``, give it its own ``warm``.
         tokenizer: the model's ``.gguf`` file or Hugging Face folder the gateway renders with (default:
             the embedded SmolLM2 GGUF); checked against ``trainer.processing_class`` on the first call.
         renderer: a ``renderers`` name (default: by model name, else the model's chat template).
         max_tokens / temperature / top_p / top_k / seed: sampling of each turn. Keep ``temperature=1.0``
             and no top-k/top-p for the logprobs to be the model's own (what GRPO's ratio assumes).
-        harness_options: more harness options (mini-swe-agent gets ``action_format="text"`` by itself for
-            a model without a tool-call format).
-        out: a folder to write each call's run files to (``out/step-N/``: results.json, trajectories, logs).
         check_tokenizer: refuse a trainer whose tokenizer gives other ids than the gateway's.
         max_completion_tokens: cut each completion (ids, logprobs, mask) to this many tokens (``None``: whole
             episodes; TRL does not cut what a rollout function returns). A cut entry has ``truncated`` True.
-        executor: where the episodes run (default: this process). One whose ``kind`` is not ``"local"``
-            (:class:`~ares_gateway.episodes.ray.RayExecutor`) runs them elsewhere: the engine is then served
-            over HTTP and the executor's workers sample ``trainer.model`` through it. ``concurrency`` still
-            caps the episodes at once (give it nodes x ``per_node``).
         engine_host / engine_port: where the engine is served for such an executor (default: 127.0.0.1, a
             free port). On a real cluster give the trainer machine's address that the nodes reach.
         engine_server_options: more :class:`~ares_gateway.engines.engine_server.EngineServer` options (its
@@ -803,25 +788,20 @@ def rollout_func(
         drop_group_on_infra_error: exclude every episode of a group (the call's episodes of one task) that
             holds an ``infra_error`` one: all masked, reward 0 (no advantage); default: only that episode,
             with its group's mean judged reward.
-        retries: how many times an episode the infrastructure failed is run again on a fresh sandbox before
-            it is ``infra_error`` (see :mod:`ares_gateway.episodes.failures`).
-        warm: how many of a call's episodes are set up ahead (sandbox started, agent installed) while its
-            earlier ones run (:mod:`~ares_gateway.episodes.warm`; worth it when a call plays more episodes
-            than ``concurrency``); with an ``executor``, give it its own ``warm``.
     """
     require("torch", "trl")
     require("transformers", "trl")
+    episode, run = configs_from(
+        "rollout_func", episode, run, settings,
+        episode_default={"harness": "mini-swe-agent", "sandbox": "local", "step_limit": 20})
     return AresRollouts(
-        dataset, harness=harness, sandbox=sandbox, step_limit=step_limit, time_limit=time_limit,
-        concurrency=concurrency, tokenizer=tokenizer, renderer=renderer,
+        dataset, episode=episode, run=run, tokenizer=tokenizer, renderer=renderer,
         sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                   "seed": seed},
-        harness_options=harness_options, out=out, check_tokenizer=check_tokenizer,
-        max_completion_tokens=max_completion_tokens, executor=executor, engine_host=engine_host,
-        engine_port=engine_port, engine_server_options=engine_server_options, overlap=overlap,
-        fence_timeout=fence_timeout, max_staleness=max_staleness,
+        check_tokenizer=check_tokenizer, max_completion_tokens=max_completion_tokens,
+        engine_host=engine_host, engine_port=engine_port, engine_server_options=engine_server_options,
+        overlap=overlap, fence_timeout=fence_timeout, max_staleness=max_staleness,
         drop_group_on_infra_error=drop_group_on_infra_error,
-        retries=retries, warm=warm,
     )
 
 

@@ -35,6 +35,7 @@ one-token masked response with reward 0 and its error: the step goes on. A row t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -42,6 +43,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from ares_gateway.episodes.config import EpisodeConfig, RunConfig
 from ares_gateway.trainers.episodes import (
     EpisodeSample,
     TokenizerMismatchError,
@@ -103,15 +105,14 @@ class AresAgentLoop(AgentLoopBase):
 
     Args (from the agent-loop config file; verl's own arguments pass through to ``AgentLoopBase``):
         dataset: the task dataset the rows name (a registered name such as ``"examples"`` or a folder).
-        harness / sandbox: the agent CLI and the sandbox backend of every episode.
-        step_limit / time_limit: per-episode bounds (LLM calls; seconds, default: the task's).
+        harness / sandbox / step_limit / time_limit / harness_options: what each episode runs, the fields
+            of :class:`~ares_gateway.episodes.config.EpisodeConfig` (``mini-swe-agent`` in a ``local``
+            sandbox, 20 LLM calls by default).
         tokenizer_path: what the gateway renders with (a ``.gguf`` file or Hugging Face folder; default:
             verl's ``actor_rollout_ref.model.path``, the tokenizer verl trains with); checked against
             verl's tokenizer once per worker. (``tokenizer`` is verl's own argument: its tokenizer object.)
         renderer: a ``renderers`` name (default: by model name, else the model's chat template).
         max_tokens: the most tokens one answer may have (default: ``rollout.response_length``).
-        harness_options: more harness options (mini-swe-agent gets ``action_format="text"`` by itself for
-            a model without a tool-call format).
         out: a folder for each episode's run files (``out/<task>-<id>/``: results.json, trajectories, logs).
     """
 
@@ -136,15 +137,13 @@ class AresAgentLoop(AgentLoopBase):
             if key not in _datasets:
                 _datasets[key] = resolve_dataset(dataset)
             self.dataset = _datasets[key]
-        self.harness = harness
-        self.sandbox = sandbox
-        self.step_limit = step_limit
-        self.time_limit = time_limit
+        # The config file's keys, as the one value every entry point takes.
+        self.episode = EpisodeConfig(harness, dict(_plain(harness_options) or {}), sandbox=sandbox,
+                                     step_limit=step_limit, time_limit=time_limit)
         self.model_path = str(self.config.actor_rollout_ref.model.path)
         self.tokenizer_source = tokenizer_path or self.model_path
         self.renderer_name = renderer
         self.max_tokens = int(max_tokens or self.rollout_config.response_length)
-        self.harness_options = dict(_plain(harness_options) or {})
         self.out = out
 
     def task_of(self, row: Mapping[str, Any]) -> str:
@@ -169,13 +168,12 @@ class AresAgentLoop(AgentLoopBase):
             top_p=float(sampling_params.get("top_p", 1.0)),
             top_k=max(0, int(sampling_params.get("top_k", -1) or 0)),
         )
-        options = {**policy.harness_options(self.harness), **self.harness_options}
+        options = {**policy.harness_options(self.episode.harness), **self.episode.harness_options}
         out = f"{self.out}/{task.name}-{uuid.uuid4().hex[:8]}" if self.out else None
         t0 = time.perf_counter()
         (episode,) = await play_episodes(
-            [task], harness=self.harness, policy=policy, sandbox=self.sandbox, concurrency=1,
-            step_limit=self.step_limit, time_limit=self.time_limit, harness_options=options, out=out,
-        )
+            [task], policy=policy, episode=dataclasses.replace(self.episode, harness_options=options),
+            run=RunConfig(concurrency=1, out=out))
         wall = time.perf_counter() - t0
         if episode.sample is None or episode.sample.response_length == 0:
             log.warning("episode without a sample (reward 0): %s", describe_failure(episode))

@@ -21,7 +21,7 @@ import aiohttp
 import openai
 import pytest
 
-from ares_gateway import Completion, CompletionDelta, Gateway
+from ares_gateway import Completion, CompletionDelta, EpisodeConfig, Gateway, RunConfig
 from ares_gateway.core.broker import ParkedRequest
 from ares_gateway.core.errors import InvalidPolicyVersionError, PolicyVersionBackwardsError
 from tests.helpers import token_record
@@ -326,8 +326,10 @@ async def test_results_carry_each_episodes_first_and_last_version(tmp_path: Path
         bumping = Bumping.__new__(Bumping)
         bumping.__dict__.update(oracle.__dict__)
         out = tmp_path / "run"
-        summary = await run_rollouts([task], harness="tiny-agent", policy=bumping, sandbox="local",
-                                     concurrency=1, out=out, gateway=gw, stats_period=0)
+        summary = await run_rollouts(
+            [task], policy=bumping, gateway=gw, episode=EpisodeConfig("tiny-agent", sandbox="local"),
+            run=RunConfig(concurrency=1, out=out, stats_period=0),
+        )
     (episode,) = summary.episodes
     assert episode.reward == 1.0 and episode.turns == 2
     assert (episode.first_version, episode.last_version) == (1, 2)

@@ -37,7 +37,16 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from ares_gateway import Completion, Gateway, RolloutSource, Telemetry, TelemetryUnavailableError, Usage
+from ares_gateway import (
+    Completion,
+    Gateway,
+    RolloutSource,
+    RunConfig,
+    Telemetry,
+    TelemetryUnavailableError,
+    Usage,
+)
+from ares_gateway.episodes.config import EpisodeConfig
 from ares_gateway.episodes.driver import EpisodeSpec, drive_episode
 from ares_gateway.episodes.tasks import load_dataset
 from tests.rollouts.test_stream import TokenOracle
@@ -118,7 +127,7 @@ async def test_an_episode_span_parents_its_llm_calls(tmp_path: Path, monkeypatch
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     task = load_dataset("examples").tasks[0]
     telemetry, exporter = _memory()
-    spec = EpisodeSpec(task=task, attempt=0, harness="tiny-agent", sandbox="local")
+    spec = EpisodeSpec(task=task, attempt=0, episode=EpisodeConfig("tiny-agent", sandbox="local"))
     async with Gateway(port=0, data_dir=False, telemetry=telemetry) as gw:
         record = await asyncio.wait_for(drive_episode(spec, policy=TokenOracle(), gateway=gw), 50)
     spans = exporter.get_finished_spans()
@@ -290,8 +299,10 @@ async def test_a_run_configured_by_the_environment_sends_episode_and_call_spans(
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{otlp}")
         monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
         task = load_dataset("examples").tasks[0]
-        source = RolloutSource([task], harness="tiny-agent", policy=TokenOracle(), sandbox="local",
-                               attempts=1, out=tmp_path / "run")
+        source = RolloutSource(
+            [task], policy=TokenOracle(), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+            run=RunConfig(attempts=1, out=tmp_path / "run"),
+        )
         groups = [g async for g in source.groups()]
         await source.close()  # closes the run's gateway, which flushes its spans
         assert len(groups) == 1

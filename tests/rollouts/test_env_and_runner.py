@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 import sandbox
-from ares_gateway import Gateway, GatewayEnv
+from ares_gateway import EpisodeConfig, Gateway, GatewayEnv, RunConfig
 from ares_gateway.cli import main as cli_main
 from ares_gateway.episodes.episode import harness_side_call_detector
 from ares_gateway.episodes.rollouts import pass_at_k, run_rollouts
@@ -204,8 +204,10 @@ async def test_env_reset_mid_episode_cleans_the_old_one(sandbox_root: Path) -> N
 
 async def test_runner_outputs(tmp_path: Path, sandbox_root: Path) -> None:
     out = tmp_path / "run"
-    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
-                                 concurrency=4, attempts=2, out=out, stats_period=0)
+    summary = await run_rollouts(
+        TASKS, policy=make_policy("oracle"), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(concurrency=4, attempts=2, out=out, stats_period=0),
+    )
     assert len(summary.episodes) == 2 * len(TASKS) and not summary.interrupted
     assert all(e.reward == 1.0 and e.exit_reason == "completed" and e.turns == 2 for e in summary.episodes)
     assert summary.pass_at_k == {"pass@1": 1.0, "pass@2": 1.0}
@@ -294,8 +296,10 @@ async def test_runner_runs_on_any_executor_and_records_a_failed_call(tmp_path: P
     ex = _CountingExecutor(fail_key=f"{TASKS[1].name}.0")
     assert isinstance(ex, Executor)
     out = tmp_path / "run"
-    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
-                                 concurrency=8, out=out, executor=ex, retries=1, retry_backoff=0.0)
+    summary = await run_rollouts(
+        TASKS, policy=make_policy("oracle"), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(concurrency=8, out=out, executor=ex, retries=1, retry_backoff=0.0),
+    )
     # Every planned episode went through the executor once, in plan order up to its 3 slots; the one
     # whose call raised (an infrastructure failure) twice: its retry.
     expected = [f"{t.name}.0" for t in TASKS] + [f"{TASKS[1].name}.0"]
@@ -309,8 +313,10 @@ async def test_runner_runs_on_any_executor_and_records_a_failed_call(tmp_path: P
     assert doc["run"]["executor"] == "counting" and len(doc["episodes"]) == len(TASKS)
     assert left_behind(sandbox_root) == []
     with pytest.raises(ValueError, match="not both"):
-        await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"), gateway=object(),  # type: ignore[arg-type]
-                           executor=ex)
+        await run_rollouts(
+            TASKS, policy=make_policy("oracle"), gateway=object(), episode=EpisodeConfig("tiny-agent"),
+            run=RunConfig(executor=ex),
+        )
 
 
 async def test_runner_stop_cancels_and_keeps_what_finished(tmp_path: Path, sandbox_root: Path) -> None:
@@ -322,8 +328,11 @@ async def test_runner_stop_cancels_and_keeps_what_finished(tmp_path: Path, sandb
         stop.set()  # as Ctrl-C would, once the first episode is in
 
     policy = make_policy("scripted", commands=["sleep 1"])
-    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local", concurrency=2,
-                                 attempts=2, out=tmp_path / "run", stop=stop, on_episode=on_episode)
+    summary = await run_rollouts(
+        TASKS, policy=policy, stop=stop, on_episode=on_episode,
+        episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(concurrency=2, attempts=2, out=tmp_path / "run"),
+    )
     assert summary.interrupted and len(summary.episodes) >= 1
     assert len(summary.episodes) + len(summary.cancelled) == summary.planned
     doc = json.loads((tmp_path / "run" / "results.json").read_text())
@@ -355,8 +364,11 @@ async def test_http_policy_leaves_requests_to_an_external_poller(tmp_path: Path,
     async with Gateway(port=0) as gw:
         poller = asyncio.create_task(trainer(gw.url, gw.admin_token))
         try:
-            summary = await run_rollouts([task], harness="tiny-agent", policy=HttpPolicy(), sandbox="local",
-                                         gateway=gw, out=tmp_path / "run", time_limit=60)
+            summary = await run_rollouts(
+                [task], policy=HttpPolicy(), gateway=gw,
+                episode=EpisodeConfig("tiny-agent", sandbox="local", time_limit=60),
+                run=RunConfig(out=tmp_path / "run"),
+            )
         finally:
             poller.cancel()
             await asyncio.gather(poller, return_exceptions=True)
@@ -402,7 +414,10 @@ async def test_runner_with_upstream_policy_writes_token_faithful_samples(llm: ob
     task = BY_NAME["write-greeting-file"]
     out = tmp_path / "run"
     async with UpstreamPolicy(base_url=llm.url) as policy:  # type: ignore[attr-defined]
-        summary = await run_rollouts([task], harness="tiny-agent", policy=policy, sandbox="local", out=out)
+        summary = await run_rollouts(
+            [task], policy=policy, episode=EpisodeConfig("tiny-agent", sandbox="local"),
+            run=RunConfig(out=out),
+        )
     [episode] = summary.episodes
     assert episode.exit_reason == "completed" and episode.reward == 0.0 and episode.samples == 1
     [turn] = llm.turns  # type: ignore[attr-defined]

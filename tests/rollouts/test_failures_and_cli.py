@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from ares_gateway import Gateway, GatewayEnv
+from ares_gateway import EpisodeConfig, Gateway, GatewayEnv, RunConfig
 from ares_gateway.episodes.env import LaunchTimeoutError
 from ares_gateway.episodes.episode import last_lines, one_line
 from ares_gateway.episodes.rollouts import run_rollouts
@@ -92,8 +92,10 @@ async def test_erroring_upstream_episode_names_the_policy_error_and_turns_keep_i
     out = tmp_path / "run"
     async for llm in running(FakeLLM(fail_next=[500] * 50)):
         async with UpstreamPolicy(base_url=llm.url, max_attempts=1) as policy:
-            summary = await run_rollouts([GREETING], harness="tiny-agent", policy=policy, sandbox="local",
-                                         out=out, stats="null")
+            summary = await run_rollouts(
+                [GREETING], policy=policy, episode=EpisodeConfig("tiny-agent", sandbox="local"),
+                run=RunConfig(out=out, stats="null"),
+            )
     [e] = summary.episodes
     assert e.exit_reason == "agent_error" and e.reward == 0.0
     assert e.error is not None and "\n" not in e.error
@@ -113,8 +115,10 @@ async def test_a_raising_policy_is_named_and_recorded(tmp_path: Path, sandbox_ro
         raise RuntimeError("the policy's own bug\nsecond line")
 
     out = tmp_path / "run"
-    summary = await run_rollouts([GREETING], harness="tiny-agent", policy=FunctionPolicy(broken),
-                                 sandbox="local", out=out, stats="null")
+    summary = await run_rollouts(
+        [GREETING], policy=FunctionPolicy(broken), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(out=out, stats="null"),
+    )
     [e] = summary.episodes
     assert e.error is not None and "\n" not in e.error
     assert ("the policy failed on 1 of 1 request(s) (last: 502 the policy failed: RuntimeError: the "
@@ -353,8 +357,10 @@ async def test_an_invalid_answer_is_a_failed_call_and_the_episode_goes_on(tmp_pa
         return {"not": "a chat completion"}
 
     out = tmp_path / "run"
-    summary = await run_rollouts([GREETING], harness="tiny-agent", policy=FunctionPolicy(bogus),
-                                 sandbox="local", out=out, stats="null")
+    summary = await run_rollouts(
+        [GREETING], policy=FunctionPolicy(bogus), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(out=out, stats="null"),
+    )
     [e] = summary.episodes
     assert e.exit_reason == "agent_error" and e.error is not None  # the agent got a 502 and crashed
     assert "(last: 502 the policy gave an invalid answer: " in e.error and "HTTP Error 502" in e.error

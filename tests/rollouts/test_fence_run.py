@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ares_gateway import Gateway
+from ares_gateway import EpisodeConfig, Gateway, RunConfig
 from ares_gateway.episodes.episode import harness_side_call_detector
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import load_dataset
@@ -64,8 +64,10 @@ async def test_an_abort_fence_mid_run_loses_nothing_and_is_in_tensorboard(
                 await asyncio.sleep(0.5)  # "mutating the weights"
 
         fencing = asyncio.create_task(fence())
-        summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local",
-                                     concurrency=2, out=out, gateway=gw, stats_period=0)
+        summary = await run_rollouts(
+            TASKS, policy=policy, gateway=gw, episode=EpisodeConfig("tiny-agent", sandbox="local"),
+            run=RunConfig(concurrency=2, out=out, stats_period=0),
+        )
         await fencing
     assert [e.reward for e in summary.episodes] == [1.0] * len(TASKS)
     assert all(e.exit_reason == "completed" and e.turns == 2 for e in summary.episodes)
@@ -140,8 +142,10 @@ async def test_a_local_executor_carries_versions_and_the_fence_to_its_gateway(
 
     fencing = asyncio.create_task(fence())
     out = tmp_path / "run"
-    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local", out=out,
-                                 executor=ex, stats="null")
+    summary = await run_rollouts(
+        TASKS, policy=policy, episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(out=out, executor=ex, stats="null"),
+    )
     await fencing
     report = fenced["report"]
     assert report.mode == "drain" and report.in_flight >= 1 and report.aborted == 0, report

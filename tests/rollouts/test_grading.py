@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 import sandbox as sandbox_mod
-from ares_gateway import Gateway, GatewayEnv
+from ares_gateway import EpisodeConfig, Gateway, GatewayEnv, RunConfig
 from ares_gateway.episodes.episode import harness_side_call_detector
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import Task, TaskConfigError, parse_task_config
@@ -234,9 +234,11 @@ def _task(root: Path, name: str, test_sh: str, *, toml_extra: str = "",
 async def _mini(task: Task, commands: list[str], backend: str, out: Path) -> Any:
     async with Gateway(port=0, request_timeout=300,
                        side_call_detector=harness_side_call_detector("mini-swe-agent")) as gw:
-        summary = await run_rollouts([task], harness="mini-swe-agent", sandbox=backend, gateway=gw, out=out,
-                                     policy=make_policy("scripted", commands=commands), stats="null",
-                                     time_limit=150)
+        summary = await run_rollouts(
+            [task], gateway=gw, policy=make_policy("scripted", commands=commands),
+            episode=EpisodeConfig("mini-swe-agent", sandbox=backend, time_limit=150),
+            run=RunConfig(out=out, stats="null"),
+        )
     [episode] = summary.episodes
     return episode
 

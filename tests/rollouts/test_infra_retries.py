@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import sandbox as sandbox_mod
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.episodes.episode import GRADING_LABEL
 from ares_gateway.episodes.failures import INFRA_ERROR, classify
 from ares_gateway.episodes.output import EpisodeResult, RunSummary, summary_lines
@@ -81,9 +82,12 @@ def faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[Faults]:
 
 async def _run(policy: Any = None, *, harness: str = "tiny-agent", out: Path | None = None,
                retries: int = 2, attempts: int = 1) -> RunSummary:
-    return await run_rollouts([GREETING], harness=harness, policy=policy or make_policy("oracle"),
-                              sandbox="local", concurrency=1, attempts=attempts, out=out, stats="null",
-                              retries=retries, retry_backoff=0.05)
+    return await run_rollouts(
+        [GREETING], policy=policy or make_policy("oracle"), episode=EpisodeConfig(harness, sandbox="local"),
+        run=RunConfig(
+            concurrency=1, attempts=attempts, out=out, stats="null", retries=retries, retry_backoff=0.05,
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,8 +114,10 @@ def test_each_exit_reason_has_one_kind() -> None:
 
 async def test_retry_parameters_are_checked() -> None:
     with pytest.raises(ValueError, match="retries must be 0 or more"):
-        await run_rollouts([GREETING], harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
-                           retries=-1, stats="null")
+        await run_rollouts(
+            [GREETING], policy=make_policy("oracle"), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+            run=RunConfig(retries=-1, stats="null"),
+        )
 
     async def never(spec: Any) -> Any:
         raise AssertionError("not reached")
@@ -144,8 +150,10 @@ async def test_a_persistent_sandbox_failure_is_infra_error_and_never_trained(
         sandbox_root: Path, faults: Faults) -> None:
     # Attempt 0 runs; every agent sandbox after it fails to start: attempt 1 fails its 2 tries.
     faults.ok_starts, faults.fail_starts = 1, 100
-    episodes = await play_episodes([GREETING, GREETING], harness="tiny-agent", policy=make_policy("oracle"),
-                                   sandbox="local", concurrency=1, retries=1)
+    episodes = await play_episodes(
+        [GREETING, GREETING], policy=make_policy("oracle"),
+        episode=EpisodeConfig("tiny-agent", sandbox="local"), run=RunConfig(concurrency=1, retries=1),
+    )
     judged, failed = episodes
     assert (judged.exit_reason, judged.reward, judged.excluded) == ("completed", 1.0, False)
     assert failed.exit_reason == INFRA_ERROR and failed.infra_error and failed.excluded

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import pytest
 
 import sandbox as sandbox_mod
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.episodes.failures import AGENT_SANDBOX, GRADING_SANDBOX, INFRA_ERROR, classify
 from ares_gateway.episodes.output import EpisodeResult, RunSummary
 from ares_gateway.episodes.rollouts import run_rollouts
@@ -151,9 +152,10 @@ def steered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[type[St
 async def _run(task: Task, backend: str, policy: Any = None, *, retries: int = 1, out: Path | None = None,
                time_limit: float = 90) -> EpisodeResult:
     summary: RunSummary = await run_rollouts(
-        [task], harness="steered-tiny-agent", policy=policy or make_policy("scripted", commands=[SOLVE]),
-        sandbox=backend, concurrency=1, stats="null", retries=retries, retry_backoff=0.05,
-        time_limit=time_limit, out=out)
+        [task], policy=policy or make_policy("scripted", commands=[SOLVE]),
+        episode=EpisodeConfig("steered-tiny-agent", sandbox=backend, time_limit=time_limit),
+        run=RunConfig(concurrency=1, stats="null", retries=retries, retry_backoff=0.05, out=out),
+    )
     [e] = summary.episodes
     return e
 

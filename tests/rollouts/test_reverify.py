@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.episodes.reverify import RunDirError, reverify_run
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import Task, load_dataset
@@ -131,8 +132,11 @@ SERVICE_TEST_SH = (
 
 
 async def _scripted(task: Task, commands: list[str], out: Path, **kw: Any) -> Any:
-    return await run_rollouts([task], harness="tiny-agent", sandbox="local", out=out, stats="null",
-                              policy=make_policy("scripted", commands=commands), time_limit=120, **kw)
+    return await run_rollouts(
+        [task], policy=make_policy("scripted", commands=commands),
+        episode=EpisodeConfig("tiny-agent", sandbox="local", time_limit=120),
+        run=RunConfig(out=out, stats="null", **kw),
+    )
 
 
 async def test_a_reward_that_needed_the_agents_running_service_does_not_reproduce(
@@ -208,8 +212,10 @@ async def test_trainers_play_episodes_saves_workspaces_only_when_asked(
     greeting = {t.name: t for t in load_dataset("examples").tasks}["write-greeting-file"]
     for save, out in ((False, tmp_path / "default"), (True, tmp_path / "asked")):
         kwargs = {"save_workspaces": True} if save else {}
-        [e] = await play_episodes([greeting], harness="tiny-agent", policy=make_policy("oracle"),
-                                  sandbox="local", out=str(out), **kwargs)
+        [e] = await play_episodes(
+            [greeting], policy=make_policy("oracle"), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+            run=RunConfig(out=str(out), **kwargs),
+        )
         assert e.reward == 1.0, e.error
         folder = out / "workspaces"
         saved = sorted(p.name for p in folder.glob("*")) if folder.exists() else []
@@ -343,8 +349,10 @@ async def test_the_streaming_source_saves_workspaces_too(tmp_path: Path,
     monkeypatch.setenv("ARES_SANDBOX_LOCAL_ROOT", str(tmp_path / "sandboxes"))
     out = tmp_path / "run"
     task = load_dataset("examples").task("write-greeting-file")
-    source = RolloutSource([task], harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
-                           attempts=2, out=out, stats="null")
+    source = RolloutSource(
+        [task], policy=make_policy("oracle"), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(attempts=2, out=out, stats="null"),
+    )
     try:
         groups = [g async for g in source.groups()]
     finally:

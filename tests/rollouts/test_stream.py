@@ -18,10 +18,12 @@ import pytest
 
 from ares_gateway import (
     BlockingRolloutSource,
+    EpisodeConfig,
     Gateway,
     NoFenceError,
     RolloutSource,
     RolloutSourceError,
+    RunConfig,
     SourceClosedError,
 )
 from ares_gateway.core.canonical import TokenRecord
@@ -127,8 +129,10 @@ def _processes_under(root: Path) -> list[str]:
 async def test_groups_complete_with_every_attempt_in_runs_results_directory(tmp_path: Path,
                                                                             sandbox_root: Path) -> None:
     out = tmp_path / "run"
-    source = RolloutSource(TASKS[:2], harness="tiny-agent", policy=TokenOracle(), sandbox="local",
-                           concurrency=3, attempts=2, out=out, stats="null")
+    source = RolloutSource(
+        TASKS[:2], policy=TokenOracle(), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(concurrency=3, attempts=2, out=out, stats="null"),
+    )
     groups = [g async for g in source.groups()]
     assert sorted(g.task for g in groups) == sorted(t.name for t in TASKS[:2])
     for g in groups:
@@ -155,8 +159,10 @@ async def test_a_slow_consumer_holds_launches_back(tmp_path: Path, sandbox_root:
     executor = CountingExecutor(concurrency=1)
     bound = 1 + 1  # concurrency + max_buffered
     peak = 0
-    async with RolloutSource(TASKS[:3], harness="tiny-agent", policy=TokenOracle(), sandbox="local",
-                             concurrency=1, max_buffered=1, executor=executor, stats="null") as source:
+    async with RolloutSource(
+        TASKS[:3], policy=TokenOracle(), max_buffered=1, episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(concurrency=1, executor=executor, stats="null"),
+    ) as source:
         # Nothing is taken: the running episodes finish into the buffer and then nothing more starts.
         for _ in range(300):
             await asyncio.sleep(0.1)
@@ -181,9 +187,11 @@ async def test_a_group_larger_than_concurrency_completes_at_the_tightest_bound(s
     # concurrency 1 + max_buffered 2 holds exactly one group of 3: its members wait in the buffer while
     # the next one runs, and nothing of the next group starts before this one is taken.
     executor = CountingExecutor(concurrency=1)
-    async with RolloutSource(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), sandbox="local",
-                             concurrency=1, attempts=3, max_buffered=2, epochs=2, executor=executor,
-                             stats="null") as source:
+    async with RolloutSource(
+        TASKS[:1], policy=TokenOracle(), max_buffered=2, epochs=2,
+        episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(concurrency=1, attempts=3, executor=executor, stats="null"),
+    ) as source:
         first = await source.next_group()
         assert first is not None and [m.attempt for m in first.members] == [0, 1, 2]
         assert executor.launched == 3  # the second epoch waited for the first group to be taken
@@ -196,8 +204,11 @@ async def test_a_group_larger_than_concurrency_completes_at_the_tightest_bound(s
 @pytest.mark.asyncio
 async def test_close_mid_run_cancels_cleans_up_and_writes_results(tmp_path: Path, sandbox_root: Path) -> None:
     out = tmp_path / "run"
-    source = RolloutSource(TASKS, harness="tiny-agent", policy=TokenOracle(delay=0.3), sandbox="local",
-                           concurrency=2, epochs=None, out=out, stats="null")
+    source = RolloutSource(
+        TASKS, policy=TokenOracle(delay=0.3), epochs=None,
+        episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(concurrency=2, out=out, stats="null"),
+    )
     first = await source.next_episode()
     assert first is not None and first.reward == 1.0
     await asyncio.sleep(0.2)
@@ -226,8 +237,10 @@ async def test_a_fence_mid_stream_gives_two_versions_and_staleness_masks_the_old
     policy = TokenOracle(delay=0.5)
     async with Gateway(port=0, side_call_detector=harness_side_call_detector(TinyAgentHarness)) as gw:
         gw.set_policy_version(0)
-        async with RolloutSource(TASKS[:2], harness="tiny-agent", policy=policy, sandbox="local",
-                                 concurrency=2, gateway=gw, max_staleness=0, stats="null") as source:
+        async with RolloutSource(
+            TASKS[:2], policy=policy, gateway=gw, max_staleness=0,
+            episode=EpisodeConfig("tiny-agent", sandbox="local"), run=RunConfig(concurrency=2, stats="null"),
+        ) as source:
             await asyncio.wait_for(policy.two_answered.wait(), 60)  # both first turns answered, version 0
             # Abort: a second turn in flight is sampled again after the resume, with version 1.
             async with source.weight_update(1, mode="abort", timeout=30):
@@ -257,8 +270,10 @@ def test_the_blocking_wrapper_from_plain_threads(tmp_path: Path, sandbox_root: P
     out = tmp_path / "run"
     got: list[Any] = []
     errors: list[BaseException] = []
-    source = BlockingRolloutSource(TASKS[:2], harness="tiny-agent", policy=TokenOracle(), sandbox="local",
-                                   concurrency=2, attempts=2, out=out, stats="null")
+    source = BlockingRolloutSource(
+        TASKS[:2], policy=TokenOracle(), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(concurrency=2, attempts=2, out=out, stats="null"),
+    )
 
     def trainer() -> None:
         try:
@@ -289,8 +304,10 @@ def test_the_blocking_wrapper_from_plain_threads(tmp_path: Path, sandbox_root: P
 
 
 def test_a_blocking_take_times_out_without_losing_anything(sandbox_root: Path) -> None:
-    with BlockingRolloutSource(TASKS[:1], harness="tiny-agent", policy=TokenOracle(delay=2.0),
-                               sandbox="local", stats="null") as source:
+    with BlockingRolloutSource(
+        TASKS[:1], policy=TokenOracle(delay=2.0), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(stats="null"),
+    ) as source:
         with pytest.raises(TimeoutError, match=r"within 0\.2 s"):
             source.next_episode(timeout=0.2)
         episode = source.next_episode(timeout=60)
@@ -311,22 +328,27 @@ def test_a_blocking_take_times_out_without_losing_anything(sandbox_root: Path) -
     ({"executor": LocalExecutor(), "gateway": object()}, "not both"),
 ])
 def test_bad_parameters_are_clear_errors(options: dict[str, Any], match: str) -> None:
+    options = dict(options)
+    run = {k: options.pop(k) for k in ("concurrency", "attempts", "executor") if k in options}
     with pytest.raises(ValueError, match=match):
-        RolloutSource(TASKS, harness="tiny-agent", policy=TokenOracle(), **options)
+        RolloutSource(TASKS, policy=TokenOracle(), episode=EpisodeConfig("tiny-agent"), run=RunConfig(**run),
+                      **options)
 
 
 def test_no_tasks_or_a_task_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="tasks is empty"):
-        RolloutSource([], harness="tiny-agent", policy=TokenOracle())
+        RolloutSource([], policy=TokenOracle(), episode=EpisodeConfig("tiny-agent"))
     with pytest.raises(ValueError, match="given more than once"):
-        RolloutSource([TASKS[0], TASKS[0]], harness="tiny-agent", policy=TokenOracle())
+        RolloutSource([TASKS[0], TASKS[0]], policy=TokenOracle(), episode=EpisodeConfig("tiny-agent"))
 
 
 @pytest.mark.asyncio
 async def test_an_executor_without_a_fence_says_so_and_an_unstarted_source_writes_nothing(
     tmp_path: Path) -> None:
-    source = RolloutSource(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), executor=NoFenceExecutor(),  # type: ignore[arg-type]
-                           out=tmp_path / "never")
+    source = RolloutSource(
+        TASKS[:1], policy=TokenOracle(), episode=EpisodeConfig("tiny-agent"),
+        run=RunConfig(executor=NoFenceExecutor(), out=tmp_path / "never"),
+    )
     with pytest.raises(NoFenceError, match="bare executor has no weight-update fence"):
         await source.pause_sampling()
     assert source.summary.episodes == [] and source.summary.planned == 1
@@ -344,14 +366,21 @@ async def test_play_episodes_masks_stale_main_samples(sandbox_root: Path) -> Non
         gw.set_policy_version(2)
         executor = LocalExecutor(concurrency=1, gateway=gw)
         # At the executor's own version (2) nothing is stale; the trainer at version 3 with bound 0: all is.
-        (fresh,) = await play_episodes(TASKS[:1], harness="tiny-agent", policy=TokenOracle(),
-                                       executor=executor, max_staleness=0)
-        (old,) = await play_episodes(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), executor=executor,
-                                     max_staleness=0, policy_version=3)
+        (fresh,) = await play_episodes(
+            TASKS[:1], policy=TokenOracle(), max_staleness=0,
+            episode=EpisodeConfig("tiny-agent", sandbox="local"), run=RunConfig(executor=executor),
+        )
+        (old,) = await play_episodes(
+            TASKS[:1], policy=TokenOracle(), max_staleness=0, policy_version=3,
+            episode=EpisodeConfig("tiny-agent", sandbox="local"), run=RunConfig(executor=executor),
+        )
     assert fresh.reward == old.reward == 1.0
     assert fresh.stale_tokens == 0 and int(fresh.sample.loss_mask.sum()) == 6
     assert old.stale_tokens == 6 and int(old.sample.loss_mask.sum()) == 0
     assert old.sample.metadata["stale_spans"] == [[2, 5, 2], [7, 10, 2]]
     with pytest.raises(ValueError, match="max_staleness must be a non-negative integer"):
-        await play_episodes(TASKS[:1], harness="tiny-agent", policy=TokenOracle(), max_staleness=-1)
+        await play_episodes(
+            TASKS[:1], policy=TokenOracle(), max_staleness=-1,
+            episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        )
     assert left_behind(sandbox_root) == []

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from ares_gateway import RolloutSource
+from ares_gateway import EpisodeConfig, RolloutSource, RunConfig
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.episodes.usage import USAGE_FIELDS
 from ares_gateway.viewer.source import RunSource
@@ -46,8 +46,10 @@ def _from_records(turns: list[dict[str, Any]]) -> tuple[int, int, int]:
 @pytest.mark.asyncio
 async def test_episode_and_run_usage_equal_the_token_records(tmp_path: Path, sandbox_root: Path) -> None:
     out = tmp_path / "run"
-    source = RolloutSource(TASKS[:2], harness="tiny-agent", policy=TokenOracle(delay=0.05), sandbox="local",
-                           concurrency=2, attempts=1, out=out, stats="tensorboard", stats_period=0)
+    source = RolloutSource(
+        TASKS[:2], policy=TokenOracle(delay=0.05), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(concurrency=2, attempts=1, out=out, stats="tensorboard", stats_period=0),
+    )
     groups = [g async for g in source.groups()]
     assert len(groups) == 2
     await source.close()

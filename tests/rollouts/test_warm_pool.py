@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 import sandbox as sandbox_mod
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.episodes.episode import EpisodeSetupError, TaskEpisode
 from ares_gateway.episodes.executor import LocalExecutor
 from ares_gateway.episodes.output import RunSummary
@@ -71,7 +72,10 @@ def _warm_containers(pid: int) -> list[str]:
 
 
 async def _run(tasks: Sequence[Task], backend: str, policy: Any, **kw: Any) -> RunSummary:
-    return await run_rollouts(tasks, harness="tiny-agent", policy=policy, sandbox=backend, stats="null", **kw)
+    return await run_rollouts(
+        tasks, policy=policy, episode=EpisodeConfig("tiny-agent", sandbox=backend),
+        run=RunConfig(stats="null", **kw),
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -151,7 +155,7 @@ async def test_closing_the_pool_removes_what_it_set_up_and_what_it_is_setting_up
 
     async with Gateway() as gw:
         pool = WarmPool(gw, 3)
-        pool.expect([EpisodeSpec(t, 0, "tiny-agent", sandbox="local") for t in TASKS])
+        pool.expect([EpisodeSpec(t, 0, EpisodeConfig("tiny-agent", sandbox="local")) for t in TASKS])
         deadline = time.monotonic() + 60
         while len(left_behind(boxes)) < 3:  # three sandboxes set up or being set up
             assert time.monotonic() < deadline, left_behind(boxes)
@@ -160,7 +164,7 @@ async def test_closing_the_pool_removes_what_it_set_up_and_what_it_is_setting_up
         await pool.close()
         assert left_behind(boxes) == [] and len(gw.sessions) == 0
         assert pool.stats.started == 3 and pool.stats.discarded == 3
-        assert await pool.take(EpisodeSpec(TASKS[3], 0, "tiny-agent", sandbox="local")) is None
+        assert await pool.take(EpisodeSpec(TASKS[3], 0, EpisodeConfig("tiny-agent", sandbox="local"))) is None
 
 
 async def _sleep(s: float) -> None:
@@ -208,8 +212,10 @@ def test_bad_pool_sizes_are_refused_by_name(tmp_path: Path) -> None:
 
 async def test_warm_goes_to_the_executor_not_to_run_rollouts() -> None:
     with pytest.raises(ValueError, match=r"pass warm= to the executor"):
-        await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"),
-                           executor=LocalExecutor(), warm=2, stats="null")
+        await run_rollouts(
+            TASKS, policy=make_policy("oracle"), episode=EpisodeConfig("tiny-agent"),
+            run=RunConfig(executor=LocalExecutor(), warm=2, stats="null"),
+        )
 
 
 async def test_a_trainers_batch_plays_from_the_pool(boxes: Path) -> None:
@@ -219,8 +225,10 @@ async def test_a_trainers_batch_plays_from_the_pool(boxes: Path) -> None:
     from ares_gateway.trainers.episodes import play_episodes
 
     tasks = [t for t in TASKS[:2] for _ in range(2)]
-    played = await play_episodes(tasks, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
-                                 concurrency=1, warm=2)
+    played = await play_episodes(
+        tasks, policy=make_policy("oracle"), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(concurrency=1, warm=2),
+    )
     assert [p.task for p in played] == [t.name for t in tasks]
     assert all(p.reward == 1.0 and p.result is not None and p.result.warm for p in played), played
     assert left_behind(boxes) == []

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 import sandbox
+from ares_gateway import EpisodeConfig, RunConfig
 from bench.support.kube_fake import PROTOCOLS, TOKEN, KubeFake, unavailable
 from sandbox import SandboxSpec, janitor
 from sandbox import kubernetes as kube
@@ -540,9 +541,11 @@ async def test_an_episode_runs_in_a_pod_behind_its_egress_deny_policy_over_the_t
         'if grep -q hello /workspace/greeting.txt; then echo 1 > "$v/reward.txt"; '
         'else echo 0 > "$v/reward.txt"; fi\n')
     pods_before = len(fake.created_pods)
-    summary = await run_rollouts([Task.load(d)], harness="tiny-agent", policy=make_policy("oracle"),
-                                 sandbox="kubernetes", image=IMAGE, out=tmp_path / "out", stats="null",
-                                 time_limit=120)
+    summary = await run_rollouts(
+        [Task.load(d)], policy=make_policy("oracle"),
+        episode=EpisodeConfig("tiny-agent", sandbox="kubernetes", image=IMAGE, time_limit=120),
+        run=RunConfig(out=tmp_path / "out", stats="null"),
+    )
     [e] = summary.episodes
     assert e.exit_reason == "completed" and e.reward == 1.0, e
     assert e.network == "relay" and e.turns >= 2

@@ -33,6 +33,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from ares_gateway import EpisodeConfig, RunConfig
 from sandbox import _relay
 from sandbox._relay import (
     DATA,
@@ -808,8 +809,11 @@ async def test_episode_over_the_docker_exec_tunnel_gets_full_reward(tmp_path: Pa
 
     monkeypatch.setattr(tunnel_mod.Tunnel, "start", counting_start)
     task = next(t for t in load_dataset("examples").tasks if t.name == "write-greeting-file")
-    summary = await run_rollouts([task], harness="mini-swe-agent", policy=make_policy("oracle"),
-                                 sandbox="docker", out=tmp_path / "out", stats="null", time_limit=300)
+    summary = await run_rollouts(
+        [task], policy=make_policy("oracle"),
+        episode=EpisodeConfig("mini-swe-agent", sandbox="docker", time_limit=300),
+        run=RunConfig(out=tmp_path / "out", stats="null"),
+    )
     [episode] = summary.episodes
     assert episode.exit_reason == "completed" and episode.reward == 1.0, episode.to_dict()
     assert len(started) == 1

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from ares_gateway import EpisodeConfig, RunConfig
 from bench.support.daytona_fake import API_KEY, DaytonaFake, netns_available
 from sandbox import DaytonaSandbox, SandboxSpec
 from sandbox._daytona_channels import parse_ssh_command
@@ -347,9 +348,11 @@ async def test_episodes_on_daytona_run_with_the_network_blocked_and_say_how(
         tasks = [_episode_task(tmp_path, top / "closed", "closed", internet=False),
                  _episode_task(tmp_path, top / "open", "open", internet=True)]
         # One at a time: the stand-in's sandboxes share the host's disk (the harness's own folders too).
-        summary = await run_rollouts(tasks, harness="tiny-agent", policy=make_policy("oracle"),
-                                     sandbox="daytona", out=tmp_path / "out", stats="null", time_limit=120,
-                                     concurrency=1)
+        summary = await run_rollouts(
+            tasks, policy=make_policy("oracle"),
+            episode=EpisodeConfig("tiny-agent", sandbox="daytona", time_limit=120),
+            run=RunConfig(out=tmp_path / "out", stats="null", concurrency=1),
+        )
     finally:
         shutil.rmtree(top, ignore_errors=True)
     by_task = {e.task: e for e in summary.episodes}

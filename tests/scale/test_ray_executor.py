@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
@@ -109,8 +110,10 @@ async def test_oracle_with_mini_swe_agent_on_two_nodes_gives_a_local_runs_output
     require_mini()
     names = _node_names()
     ex = RayExecutor(per_node=2)
-    summary = await run_rollouts(TASKS, harness="mini-swe-agent", policy=make_policy("oracle"),
-                                 sandbox="local", attempts=2, out=tmp_path / "ray", executor=ex, stats="null")
+    summary = await run_rollouts(
+        TASKS, policy=make_policy("oracle"), episode=EpisodeConfig("mini-swe-agent", sandbox="local"),
+        run=RunConfig(attempts=2, out=tmp_path / "ray", executor=ex, stats="null"),
+    )
     assert len(summary.episodes) == 8 and all(e.reward == 1.0 for e in summary.episodes), summary.episodes
     assert len({e.key for e in summary.episodes}) == 8
     nodes = {e.node for e in summary.episodes}
@@ -120,8 +123,10 @@ async def test_oracle_with_mini_swe_agent_on_two_nodes_gives_a_local_runs_output
     lines = [json.loads(x) for x in (tmp_path / "ray" / "episodes.jsonl").read_text().splitlines()]
     assert {x["node"] for x in lines} == nodes
 
-    local = await run_rollouts(TASKS, harness="mini-swe-agent", policy=make_policy("oracle"), sandbox="local",
-                               attempts=2, out=tmp_path / "local", concurrency=4, stats="null")
+    local = await run_rollouts(
+        TASKS, policy=make_policy("oracle"), episode=EpisodeConfig("mini-swe-agent", sandbox="local"),
+        run=RunConfig(attempts=2, out=tmp_path / "local", concurrency=4, stats="null"),
+    )
     assert all(e.reward == 1.0 for e in local.episodes)
     assert _files(tmp_path / "ray") == _files(tmp_path / "local")
     for e in local.episodes:
@@ -140,8 +145,10 @@ async def test_warm_pools_on_each_node_set_up_the_episodes_they_run(
 
     names = _node_names()
     ex = RayExecutor(per_node=1, warm=2)
-    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
-                                 attempts=2, executor=ex, stats="null", out=tmp_path / "ray")
+    summary = await run_rollouts(
+        TASKS, policy=make_policy("oracle"), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(attempts=2, executor=ex, stats="null", out=tmp_path / "ray"),
+    )
     assert sorted(e.key for e in summary.episodes) == sorted(f"{t.name}.{a}" for t in TASKS for a in (0, 1))
     assert all(e.reward == 1.0 and e.warm for e in summary.episodes), summary.episodes
     assert {names[e.node] for e in summary.episodes if e.node} == {"node-a", "node-b"}
@@ -165,8 +172,10 @@ async def test_a_dead_node_actor_reruns_its_episodes_elsewhere_once(cluster: Any
             ray.kill(ex._actors[victim], no_restart=True)
 
     policy = make_policy("scripted", commands=["sleep 2"])
-    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local", attempts=2,
-                                 out=tmp_path / "run", executor=ex, stats="null", on_episode=on_episode)
+    summary = await run_rollouts(
+        TASKS, policy=policy, on_episode=on_episode, episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(attempts=2, out=tmp_path / "run", executor=ex, stats="null"),
+    )
     keys = [e.key for e in summary.episodes]
     assert sorted(keys) == sorted(f"{t.name}.{a}" for t in TASKS for a in (0, 1))  # each exactly once
     assert not summary.cancelled and all(e.exit_reason == "completed" for e in summary.episodes)
@@ -198,8 +207,10 @@ async def test_a_removed_node_reruns_its_episodes_elsewhere_once(cluster: Any, t
             cluster.remove_node(worker, allow_graceful=False)
 
     policy = make_policy("scripted", commands=["sleep 3"])
-    summary = await run_rollouts(TASKS, harness="tiny-agent", policy=policy, sandbox="local", attempts=2,
-                                 out=tmp_path / "run", executor=ex, stats="null", on_episode=on_episode)
+    summary = await run_rollouts(
+        TASKS, policy=policy, on_episode=on_episode, episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(attempts=2, out=tmp_path / "run", executor=ex, stats="null"),
+    )
     assert removed, "node-b was never removed mid-run"
     keys = sorted(e.key for e in summary.episodes)
     assert keys == sorted(f"{t.name}.{a}" for t in TASKS for a in (0, 1))  # each exactly once
@@ -219,9 +230,11 @@ async def test_no_node_able_to_run_the_sandboxes_is_an_error_before_any_episode(
     ex = RayExecutor(per_node=1)
     started: list[Any] = []
     with pytest.raises(NoNodesError) as err:
-        await run_rollouts(TASKS, harness="tiny-agent", policy=make_policy("oracle"), sandbox="docker",
-                           image="ares-gateway/no-such-image:none", out=tmp_path / "run", executor=ex,
-                           stats="null", on_episode=started.append)
+        await run_rollouts(
+            TASKS, policy=make_policy("oracle"), on_episode=started.append,
+            episode=EpisodeConfig("tiny-agent", sandbox="docker", image="ares-gateway/no-such-image:none"),
+            run=RunConfig(out=tmp_path / "run", executor=ex, stats="null"),
+        )
     message = str(err.value)
     assert "no node of the Ray cluster can run docker sandboxes" in message
     assert message.count("node ") >= 2 and ("no-such-image" in message or "Docker engine" in message), message
@@ -249,8 +262,10 @@ async def test_task_folders_shipped_with_rays_working_dir(cluster: Any, tmp_path
 
     ray.shutdown()  # Ray ships a local working_dir with a job: the executor connects with it
     ex = _Gone(cluster.address, per_node=2, runtime_env={"working_dir": str(src)})
-    summary = await run_rollouts(tasks, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
-                                 out=tmp_path / "run", executor=ex, stats="null")
+    summary = await run_rollouts(
+        tasks, policy=make_policy("oracle"), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+        run=RunConfig(out=tmp_path / "run", executor=ex, stats="null"),
+    )
     assert not src.exists()
     assert [e.reward for e in summary.episodes] == [1.0] * len(tasks), [(e.key, e.error)
                                                                         for e in summary.episodes]
@@ -301,8 +316,10 @@ async def test_an_external_policy_polls_each_nodes_gateway(cluster: Any, tmp_pat
 
     poller = asyncio.create_task(trainer())
     try:
-        summary = await run_rollouts(TASKS, harness="tiny-agent", policy=HttpPolicy(), sandbox="local",
-                                     executor=ex, out=tmp_path / "run", time_limit=120, stats="null")
+        summary = await run_rollouts(
+            TASKS, policy=HttpPolicy(), episode=EpisodeConfig("tiny-agent", sandbox="local", time_limit=120),
+            run=RunConfig(executor=ex, out=tmp_path / "run", stats="null"),
+        )
     finally:
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)
@@ -329,9 +346,12 @@ async def test_tito_on_in_process_llama_cpp_loads_one_model_per_node(cluster: An
     ex = RayExecutor(per_node=1)
     tasks = TASKS[:2]
     summary = await run_rollouts(
-        tasks, harness="mini-swe-agent", policy=policy, sandbox="local", attempts=1, out=tmp_path / "run",
-        executor=ex, step_limit=2, stats="null",
-        harness_options={"action_format": "text", "action_regex": r"\A(.+)\Z"},  # every answer a command
+        tasks, policy=policy,
+        episode=EpisodeConfig(
+            "mini-swe-agent", sandbox="local", step_limit=2,
+            harness_options={"action_format": "text", "action_regex": r"\A(.+)\Z"},
+        ),
+        run=RunConfig(attempts=1, out=tmp_path / "run", executor=ex, stats="null"),
     )
     names = _node_names()
     assert [e.exit_reason for e in summary.episodes] == ["step_limit"] * 2, [(e.key, e.error)

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.core.errors import (
     InvalidFenceError,
     InvalidPolicyVersionError,
@@ -143,8 +144,10 @@ async def test_a_version_and_a_weight_update_reach_every_nodes_turns(cluster: tu
     fencing = asyncio.create_task(fence())
     out = tmp_path / "run"
     try:
-        summary = await run_rollouts(TASKS, harness="tiny-agent", policy=SlowOracle(1.5), sandbox="local",
-                                     out=out, executor=ex, stats="null")
+        summary = await run_rollouts(
+            TASKS, policy=SlowOracle(1.5), episode=EpisodeConfig("tiny-agent", sandbox="local"),
+            run=RunConfig(out=out, executor=ex, stats="null"),
+        )
     finally:
         if not fencing.done():
             fencing.cancel()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ares_gateway import RolloutSource
+from ares_gateway import EpisodeConfig, RolloutSource, RunConfig
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
 from tests.helpers import left_behind
@@ -35,9 +35,11 @@ async def test_groups_stream_from_a_ray_cluster_with_fenced_versions(tmp_path: P
         out = tmp_path / "run"
         # One epoch in hand at most (concurrency 2 + 2 buffered): the second epoch launches only as the
         # first one's groups are taken, so after the fence below.
-        source = RolloutSource(TASKS, harness="tiny-agent", policy=make_policy("oracle"), sandbox="local",
-                               concurrency=2, attempts=2, epochs=2, max_buffered=2, out=out, stats="null",
-                               executor=RayExecutor(per_node=1))
+        source = RolloutSource(
+            TASKS, policy=make_policy("oracle"), epochs=2, max_buffered=2,
+            episode=EpisodeConfig("tiny-agent", sandbox="local"),
+            run=RunConfig(concurrency=2, attempts=2, out=out, stats="null", executor=RayExecutor(per_node=1)),
+        )
         await source.set_policy_version(3)
         groups = []
         async with source:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ares_gateway import EpisodeConfig, RunConfig
 from tests.rollouts.e2e import require_mini
 from tests.tito.conftest import need_llama
 from tests.tito.test_llama_real import TOL, Recording
@@ -42,11 +43,12 @@ async def test_mini_swe_agent_on_the_real_model(tmp_path: Path, smol_renderer) -
     tasks = resolve(f"examples-mswea:{TASK}").tasks
     try:
         summary = await run_rollouts(
-            tasks, harness="mini-swe-agent", policy=policy, sandbox="local", concurrency=1, out=out,
-            step_limit=STEPS, stats="null", run_info=policy.run_info(),
-            # The whole answer is the command: greedy SmolLM2 under llama-cpp-python 0.3.36 writes no block
-            # that even LENIENT_ACTION_REGEX takes, and mini drops unparsed answers (nothing would extend).
-            harness_options={"action_format": "text", "action_regex": EVERY_ANSWER_IS_A_COMMAND},
+            tasks, policy=policy, run_info=policy.run_info(),
+            episode=EpisodeConfig(
+                "mini-swe-agent", sandbox="local", step_limit=STEPS,
+                harness_options={"action_format": "text", "action_regex": EVERY_ANSWER_IS_A_COMMAND},
+            ),
+            run=RunConfig(concurrency=1, out=out, stats="null"),
         )
     finally:
         await policy.aclose()

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.engines import Sampling
 from tests.rollouts.e2e import require_mini
 
@@ -138,10 +139,13 @@ async def _run_and_check(model: Any, weights: dict[int, Any], tmp_path: Path,
         updating = asyncio.create_task(update_weights())
         try:
             summary = await run_rollouts(
-                tasks, harness="mini-swe-agent", policy=policy, sandbox="local", concurrency=2, out=out,
-                step_limit=STEPS, time_limit=240, stats="null", gateway=gw,
-                harness_options={"action_format": "text", "action_regex": EVERY_ANSWER_IS_A_COMMAND,
+                tasks, policy=policy, gateway=gw,
+                episode=EpisodeConfig(
+                    "mini-swe-agent", sandbox="local", step_limit=STEPS, time_limit=240,
+                    harness_options={"action_format": "text", "action_regex": EVERY_ANSWER_IS_A_COMMAND,
                                  "command_timeout": 10},
+                ),
+                run=RunConfig(concurrency=2, out=out, stats="null"),
             )
             await asyncio.wait_for(updating, 5)
         finally:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.engines.base import GenerateResult, Sampling, TokenChunk
 from tests.prereq import require
 from tests.tito.conftest import need_model_files
@@ -117,8 +118,11 @@ def test_a_conversation_a_tool_command_sends_is_tagged_and_not_trained(tmp_path:
     task = dataset.task("write-greeting-file")
     options = {**policy.harness_options("mini-swe-agent"), "action_regex": EVERY_ANSWER_IS_A_COMMAND}
     out = tmp_path / "episodes"
-    (ep,) = asyncio.run(play_episodes([task], harness="mini-swe-agent", policy=policy, sandbox="local",
-                                      concurrency=1, step_limit=6, harness_options=options, out=str(out)))
+    (ep,) = asyncio.run(play_episodes(
+        [task], policy=policy,
+        episode=EpisodeConfig("mini-swe-agent", sandbox="local", step_limit=6, harness_options=options),
+        run=RunConfig(concurrency=1, out=str(out)),
+    ))
     assert ep.error is None, ep.error
     # The injection reached the policy through the session's endpoint, from the agent's command.
     assert engine.injected_calls == 1, "the agent's curl did not get an answer"
@@ -145,9 +149,11 @@ def test_a_conversation_a_tool_command_sends_is_tagged_and_not_trained(tmp_path:
     assert sum(foreign[0]["loss_mask"]) > int(s.loss_mask.sum())  # the larger one, all the same
 
     # The TRL adapter's batch entry is that sample, and logs the foreign count.
-    rollouts = AresRollouts(dataset, harness="mini-swe-agent", sandbox="local", step_limit=6, time_limit=None,
-                            concurrency=1, tokenizer=None, renderer=None, sampling={}, harness_options=None,
-                            out=None, check_tokenizer=False)
+    rollouts = AresRollouts(
+        dataset, tokenizer=None, renderer=None, sampling={}, check_tokenizer=False,
+        episode=EpisodeConfig("mini-swe-agent", sandbox="local", step_limit=6),
+        run=RunConfig(concurrency=1, out=None),
+    )
     rollouts.policy = policy
     batch = rollouts._batch([ep], [task.name], trainer=None)
     assert batch["prompt_ids"][0] == engine.first_prompt

@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.trainers import UnknownTaskError
 from harnesses import registry
 from sandbox import janitor
@@ -112,8 +113,11 @@ def test_trl_harness_rollout_trains_the_recorded_samples_of_real_episodes(tmp_pa
     made: list[tuple[dict[str, Any], Any]] = []
 
     def factory(**kwargs: Any) -> Any:
-        f = openenv.AresSessionFactory("examples", engine=engine, step_limit=3, max_tokens=32,
-                                       harness_options=MINI, out=str(tmp_path / "episodes"), **kwargs)
+        f = openenv.AresSessionFactory(
+            "examples", engine=engine, max_tokens=32,
+            episode=EpisodeConfig("mini-swe-agent", step_limit=3, harness_options=MINI, sandbox="local"),
+            run=RunConfig(out=str(tmp_path / "episodes")), **kwargs,
+        )
         made.append((kwargs, f))
         return f
 
@@ -173,8 +177,13 @@ def test_failed_and_unknown_sessions(tmp_path: Path, tokenizer: Any) -> None:
     PartialState()  # TRL's loop logs through accelerate's logger, as in its worker process
     engine = LlamaCppEngine()
     registry.register("broken-install", BrokenInstallHarness, replace=True)
-    fac = openenv.AresSessionFactory("examples", engine=engine, harness="broken-install", step_limit=2,
-                                     harness_options={"install_root": str(tmp_path / "agents")})
+    fac = openenv.AresSessionFactory(
+        "examples", engine=engine,
+        episode=EpisodeConfig(
+            "broken-install", step_limit=2, harness_options={"install_root": str(tmp_path / "agents")},
+            sandbox="local",
+        ),
+    )
     try:
         # The session of a failed episode: an empty trace and reward 0 with its error (TRL trains nothing).
         session = fac.create(TASK)

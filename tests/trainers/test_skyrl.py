@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.engines.base import Sampling
 from ares_gateway.trainers import TrainerError, UnknownTaskError
 from harnesses import registry
@@ -156,9 +157,11 @@ def test_skyrl_training_step_takes_real_episodes_as_the_recorded_samples(tmp_pat
 
     engine = LlamaCppEngine()
     client = _client(engine)
-    generator = skyrl.AresGenerator("examples", inference_engine_client=client, harness="mini-swe-agent",
-                                    sandbox="local", step_limit=3, out=str(tmp_path / "episodes"),
-                                    harness_options=MINI, trainer_tokenizer=tokenizer)
+    generator = skyrl.AresGenerator(
+        "examples", inference_engine_client=client, trainer_tokenizer=tokenizer,
+        episode=EpisodeConfig("mini-swe-agent", sandbox="local", step_limit=3, harness_options=MINI),
+        run=RunConfig(out=str(tmp_path / "episodes")),
+    )
     assert isinstance(generator, GeneratorInterface)
     trainer = _trainer(generator, tokenizer, n=2, prompts=1)
     gen_input, uids = _input(trainer, [TASKS[0]])
@@ -253,9 +256,13 @@ def test_failed_episodes_are_reward_0_entries_and_the_step_goes_on(tmp_path: Pat
     # A harness that cannot be installed: no LLM call, a masked one-token response, reward 0, its error.
     registry.register("broken-install", BrokenInstallHarness, replace=True)
     try:
-        generator = skyrl.AresGenerator("examples", inference_engine_client=_client(engine),
-                                        harness="broken-install", step_limit=2,
-                                        harness_options={"install_root": str(tmp_path / "agents")})
+        generator = skyrl.AresGenerator(
+            "examples", inference_engine_client=_client(engine),
+            episode=EpisodeConfig(
+                "broken-install", step_limit=2, harness_options={"install_root": str(tmp_path / "agents")},
+                sandbox="local",
+            ),
+        )
         trainer = _trainer(generator, tokenizer, n=1, prompts=1)
         out = asyncio.run(trainer.generate(_input(trainer, [TASKS[1]])[0]))
     finally:
@@ -270,8 +277,10 @@ def test_failed_episodes_are_reward_0_entries_and_the_step_goes_on(tmp_path: Pat
     # The inference engine dies on every call of one episode (its prompts hold its task's file): that
     # episode's agent gets error answers and ends with reward 0; the other episode is untouched.
     client = _client(engine, fail_when=lambda ids: "stats.py" in tokenizer.decode(ids))
-    generator = skyrl.AresGenerator("examples", inference_engine_client=client, step_limit=2,
-                                    harness_options=MINI)
+    generator = skyrl.AresGenerator(
+        "examples", inference_engine_client=client,
+        episode=EpisodeConfig("mini-swe-agent", step_limit=2, harness_options=MINI, sandbox="local"),
+    )
     trainer = _trainer(generator, tokenizer, n=1, prompts=2)
     try:
         out = asyncio.run(trainer.generate(_input(trainer, TASKS)[0]))

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.episodes.executor import LocalExecutor
 from ares_gateway.episodes.tasks import Dataset as TaskDataset
 from ares_gateway.episodes.tasks import DatasetError
@@ -157,8 +158,14 @@ def test_grpo_trains_two_steps_on_real_agent_episodes(tmp_path: Path) -> None:
     model, tokenizer = load_smollm2()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     out = tmp_path / "episodes"
-    rollouts = rollout_func("examples", step_limit=3, max_tokens=64, concurrency=2, out=str(out),
-                            harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND})
+    rollouts = rollout_func(
+        "examples", max_tokens=64,
+        episode=EpisodeConfig(
+            "mini-swe-agent", step_limit=3, harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND},
+            sandbox="local",
+        ),
+        run=RunConfig(concurrency=2, out=str(out)),
+    )
     probe = tokenizer.encode(
         "<|im_start|>user\nls -la<|im_end|>\n<|im_start|>assistant\n```bash\nls -la\n```",
         add_special_tokens=False)
@@ -225,8 +232,13 @@ def test_a_failed_install_and_an_engine_failure_are_reward_0_episodes_and_traini
     # An agent that cannot be installed: each episode ends before any LLM call.
     registry.register("broken-install", BrokenInstallHarness, replace=True)
     try:
-        broken = rollout_func("examples", harness="broken-install", step_limit=2, max_tokens=8,
-                              harness_options={"install_root": str(tmp_path / "agents")})
+        broken = rollout_func(
+            "examples", max_tokens=8,
+            episode=EpisodeConfig(
+                "broken-install", step_limit=2, harness_options={"install_root": str(tmp_path / "agents")},
+                sandbox="local",
+            ),
+        )
         trainer = _trainer(model, tokenizer, broken, tmp_path, steps=1)
         batch = broken(["write-greeting-file", "write-greeting-file"], trainer)
         broken.close()
@@ -250,8 +262,14 @@ def test_a_failed_install_and_an_engine_failure_are_reward_0_episodes_and_traini
 
     monkeypatch.setattr(TransformersEngine, "_generate_sync", failing)
     # With completions capped at 40 tokens (what TRL trains on, whole, otherwise).
-    rollouts = rollout_func("examples", step_limit=3, max_tokens=24, concurrency=1, max_completion_tokens=40,
-                            harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND})
+    rollouts = rollout_func(
+        "examples", max_tokens=24, max_completion_tokens=40,
+        episode=EpisodeConfig(
+            "mini-swe-agent", step_limit=3, harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND},
+            sandbox="local",
+        ),
+        run=RunConfig(concurrency=1),
+    )
     batches: list[dict[str, list[Any]]] = []
     real_batch = rollouts._batch
     monkeypatch.setattr(rollouts, "_batch", lambda *a: batches.append(real_batch(*a)) or batches[-1])
@@ -298,11 +316,11 @@ def test_bad_prompts_and_datasets_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(TrainerError, match="rollout's 'reward' column"):
         reward_from_episode(["x"])
     with pytest.raises(ValueError, match="concurrency"):
-        rollout_func("examples", concurrency=0)
+        rollout_func("examples", run=RunConfig(concurrency=0))
     with pytest.raises(ValueError, match="warm must be a whole number"):
-        rollout_func("examples", warm=-1)
+        rollout_func("examples", run=RunConfig(warm=-1))
     with pytest.raises(ValueError, match=r"pass warm= to it \(RayExecutor"):
-        rollout_func("examples", warm=2, executor=LocalExecutor())
+        rollout_func("examples", run=RunConfig(warm=2, executor=LocalExecutor()))
     rollouts.close()
 
 

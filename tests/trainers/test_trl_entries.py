@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import sandbox as sandbox_mod
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.episodes.failures import INFRA_ERROR
 from ares_gateway.episodes.tasks import load_dataset
 from tests.rollouts.test_infra_retries import Faults, _faulty_class
@@ -60,10 +61,15 @@ def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Faults:
 
 
 def _rollouts(trainer: Any, **options: Any) -> Any:
-    """A rollout function of tiny-agent episodes, its policy built for ``trainer`` and its gateway open."""
+    """A rollout function of tiny-agent episodes, its policy built for ``trainer`` and its gateway open
+    (``options``: ``rollout_func``'s, and ``retries``)."""
     from ares_gateway.trainers.trl import _Loop, rollout_func
 
-    rollouts = rollout_func("examples", harness="tiny-agent", sandbox="local", concurrency=1, **options)
+    run = {k: options.pop(k) for k in ("retries",) if k in options}
+    rollouts = rollout_func(
+        "examples", episode=EpisodeConfig("tiny-agent", sandbox="local", step_limit=20),
+        run=RunConfig(concurrency=1, **run), **options,
+    )
     rollouts._policy_for(trainer)
     rollouts._loop = _Loop()
     return rollouts
@@ -163,9 +169,9 @@ def test_max_staleness_is_checked(smollm2_trainer: tuple[Any, Any]) -> None:
     with pytest.raises(ValueError, match="max_staleness must be a non-negative integer"):
         rollout_func("examples", max_staleness=-1)
     with pytest.raises(ValueError, match="leave executor unset, or max_staleness None"):
-        rollout_func("examples", max_staleness=1, executor=LocalExecutor())
+        rollout_func("examples", max_staleness=1, run=RunConfig(executor=LocalExecutor()))
     with pytest.raises(ValueError, match="retries must be 0 or more"):
-        rollout_func("examples", retries=-1)
+        rollout_func("examples", run=RunConfig(retries=-1))
 
 
 def test_the_fence_labels_the_engines_weights(smollm2_trainer: tuple[Any, Any], faults: Faults) -> None:

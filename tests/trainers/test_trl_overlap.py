@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.trainers import TrainerError
 from tests.trainers.conftest import load_smollm2, require_mini_install
 from tests.trainers.test_trl import EVERY_ANSWER_IS_A_COMMAND, TASKS, _spread, _trl
@@ -75,9 +76,14 @@ def test_overlapped_rollouts_run_while_the_trainer_trains_and_never_across_a_wei
     pre = register_optimizer_step_pre_hook(lambda *_: steps.append([time.monotonic()]))
     post = register_optimizer_step_post_hook(lambda *_: steps[-1].append(time.monotonic()))
 
-    rollouts = rollout_func("examples", step_limit=2, max_tokens=24, concurrency=2, overlap=True,
-                            out=str(tmp_path / "episodes"),
-                            harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND})
+    rollouts = rollout_func(
+        "examples", max_tokens=24, overlap=True,
+        episode=EpisodeConfig(
+            "mini-swe-agent", step_limit=2, harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND},
+            sandbox="local",
+        ),
+        run=RunConfig(concurrency=2, out=str(tmp_path / "episodes")),
+    )
     calls: list[dict[str, Any]] = []
 
     def observed(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
@@ -177,7 +183,7 @@ def test_overlap_refuses_dropout_and_an_executor(tmp_path: Path) -> None:
     from datasets import Dataset
 
     with pytest.raises(ValueError, match="overlap runs the episodes in this process"):
-        rollout_func("examples", overlap=True, executor=LocalExecutor())
+        rollout_func("examples", overlap=True, run=RunConfig(executor=LocalExecutor()))
     with pytest.raises(ValueError, match="fence_timeout"):
         rollout_func("examples", overlap=True, fence_timeout=0)
     model, tokenizer = load_smollm2()

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from ares_gateway import EpisodeConfig, RunConfig
 from tests.helpers import left_behind
 from tests.prereq import require
 from tests.trainers.conftest import load_smollm2, require_mini_install
@@ -94,8 +95,14 @@ def test_grpo_step_with_episodes_on_two_ray_nodes(cluster: Any, tmp_path: Path, 
     model, tokenizer = load_smollm2()
     out = tmp_path / "episodes"
     executor = RayExecutor(per_node=1)
-    rollouts = rollout_func("examples", step_limit=2, max_tokens=32, concurrency=2, out=str(out),
-                            harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND}, executor=executor)
+    rollouts = rollout_func(
+        "examples", max_tokens=32,
+        episode=EpisodeConfig(
+            "mini-swe-agent", step_limit=2, harness_options={"action_regex": EVERY_ANSWER_IS_A_COMMAND},
+            sandbox="local",
+        ),
+        run=RunConfig(concurrency=2, out=str(out), executor=executor),
+    )
     seen: list[dict[str, Any]] = []
 
     def observed(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
@@ -191,6 +198,6 @@ async def test_the_served_engine_is_one_server_per_engine_and_a_bad_address_is_a
         await taken.aclose()
     assert served.server is None and served.policy is None
     with pytest.raises(ValueError, match="engine_port"):
-        rollout_func("examples", executor=RayExecutor(), engine_port=70000)
+        rollout_func("examples", engine_port=70000, run=RunConfig(executor=RayExecutor()))
     with pytest.raises(ValueError, match="engine_host"):
-        rollout_func("examples", executor=RayExecutor(), engine_host="")
+        rollout_func("examples", engine_host="", run=RunConfig(executor=RayExecutor()))

@@ -18,13 +18,16 @@ executor, since one whose gateways live elsewhere must reach them. A version set
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ares_gateway.core.canonical import next_policy_version
 from ares_gateway.core.errors import SamplingNotPausedError
 from ares_gateway.core.fence import PauseReport
+from ares_gateway.episodes.config import EpisodeConfig
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec, drive_episode
 from ares_gateway.episodes.episode import episode_gateway
 from ares_gateway.episodes.tasks import Task
@@ -32,7 +35,7 @@ from ares_gateway.episodes.warm import WarmPool, check_warm
 from ares_gateway.gateway import Gateway
 from ares_gateway.policies.base import ExternalPolicy, Policy, is_external
 
-__all__ = ["Executor", "LocalExecutor", "fenced_update"]
+__all__ = ["Executor", "LocalExecutor", "fenced_update", "start_executor"]
 
 
 @runtime_checkable
@@ -51,10 +54,9 @@ class Executor(Protocol):
         """How many episodes it runs at once."""
         ...
 
-    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Policy, time_limit: float | None,
-                    sandbox: str = "auto", image: str | None = None) -> None:
-        """Get ready to run episodes of ``tasks`` with ``harness`` in ``sandbox`` sandboxes, answered by
-        ``policy``; a place that cannot run them fails here, before any episode starts."""
+    async def start(self, *, tasks: Sequence[Task], policy: Policy, episode: EpisodeConfig) -> None:
+        """Get ready to run episodes of ``tasks`` as ``episode`` says (its harness, in its sandboxes),
+        answered by ``policy``; a place that cannot run them fails here, before any episode starts."""
         ...
 
     async def run(self, spec: EpisodeSpec) -> EpisodeRecord:
@@ -104,6 +106,23 @@ class Executor(Protocol):
         ...
 
 
+async def start_executor(executor: Executor, *, tasks: Sequence[Task], policy: Policy,
+                         episode: EpisodeConfig) -> None:
+    """``executor.start(tasks=, policy=, episode=)``; an executor whose ``start`` still takes the
+    settings one by one (``harness=``, ``time_limit=``, ``sandbox=``, ``image=``: deprecated) gets
+    them so, with a ``DeprecationWarning``."""
+    params = inspect.signature(executor.start).parameters
+    if "episode" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        await executor.start(tasks=tasks, policy=policy, episode=episode)
+        return
+    warnings.warn(f"{type(executor).__name__}.start(harness=, time_limit=, sandbox=, image=) is deprecated: "
+                  "take episode=EpisodeConfig (Executor.start(*, tasks, policy, episode))",
+                  DeprecationWarning, stacklevel=2)
+    old_start: Any = executor.start
+    await old_start(harness=episode.harness, tasks=tasks, policy=policy, time_limit=episode.time_limit,
+                    sandbox=episode.sandbox, image=episode.image)
+
+
 @asynccontextmanager
 async def fenced_update(pause: Callable[[], Awaitable[PauseReport]],
                         resume: Callable[[int | None], Awaitable[float]],
@@ -150,13 +169,12 @@ class LocalExecutor:
     def slots(self) -> int:
         return self.concurrency
 
-    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Policy, time_limit: float | None,
-                    sandbox: str = "auto", image: str | None = None) -> None:
+    async def start(self, *, tasks: Sequence[Task], policy: Policy, episode: EpisodeConfig) -> None:
         # This host's checks (Docker engine, harness install) are the caller's preflight.
         self._policy = policy
         if self.gateway is None:
-            longest = max([time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
-            self.gateway = episode_gateway(harness, time_limit=longest)
+            longest = max([episode.time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
+            self.gateway = episode_gateway(episode.harness, time_limit=longest)
             await self.gateway.start()
             if self._version is not None:
                 self.gateway.set_policy_version(self._version)

@@ -56,6 +56,7 @@ from typing import Any
 from ares_gateway.core.canonical import next_policy_version
 from ares_gateway.core.errors import SamplingNotPausedError, SamplingPausedError, StatusError
 from ares_gateway.core.fence import PauseReport, check_pause
+from ares_gateway.episodes.config import EpisodeConfig
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec, drive_episode
 from ares_gateway.episodes.episode import episode_gateway, one_line
 from ares_gateway.episodes.executor import fenced_update
@@ -413,8 +414,8 @@ class RayExecutor:
         """The node ids with a live gateway actor."""
         return list(self._actors)
 
-    async def start(self, *, harness: str, tasks: Sequence[Task], policy: Policy, time_limit: float | None,
-                    sandbox: str = "auto", image: str | None = None) -> None:
+    async def start(self, *, tasks: Sequence[Task], policy: Policy, episode: EpisodeConfig) -> None:
+        harness, sandbox, image = episode.harness, episode.sandbox, episode.image
         ray = _ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -453,7 +454,7 @@ class RayExecutor:
                 "the Ray cluster has no alive node with a CPU to run episodes on: start workers "
                 "(ray start --address ...) first")
         self._external = is_external(policy)
-        longest = max([time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
+        longest = max([episode.time_limit or 0.0, *(t.config.agent_timeout for t in tasks)])
         # A node may run up to ``warm`` more than per_node: the episodes it warmed run where they were set up.
         actor_cls = ray.remote(num_cpus=0, max_concurrency=self.per_node + 4 + self.warm,
                                max_restarts=0)(_NodeGateway)

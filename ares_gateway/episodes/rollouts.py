@@ -34,7 +34,7 @@ from typing import Any
 
 from ares_gateway.episodes.config import EpisodeConfig, RunConfig, configs_from
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec
-from ares_gateway.episodes.executor import Executor, LocalExecutor
+from ares_gateway.episodes.executor import Executor, LocalExecutor, start_executor
 from ares_gateway.episodes.installs import ensure_local_install
 from ares_gateway.episodes.output import (
     FAILED_REASONS,
@@ -128,8 +128,7 @@ async def run_rollouts(
                        on_samples=on_samples)
     state = ScheduleState()
     try:
-        await executor.start(harness=episode.harness, tasks=tasks, policy=policy,
-                             time_limit=episode.time_limit, sandbox=episode.sandbox, image=episode.image)
+        await start_executor(executor, tasks=tasks, policy=policy, episode=episode)
         expect = getattr(executor, "expect", None)
         if expect is not None:
             expect(plan)

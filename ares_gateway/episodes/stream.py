@@ -67,7 +67,7 @@ from typing import Any, TypeVar
 from ares_gateway.core.fence import PauseReport
 from ares_gateway.episodes.config import EpisodeConfig, RunConfig, configs_from
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec
-from ares_gateway.episodes.executor import Executor, LocalExecutor
+from ares_gateway.episodes.executor import Executor, LocalExecutor, start_executor
 from ares_gateway.episodes.output import EpisodeResult, RunSummary
 from ares_gateway.episodes.rollouts import RunWriter
 from ares_gateway.episodes.scheduler import ScheduleState, schedule
@@ -310,9 +310,7 @@ class RolloutSource:
             return
         self._writer = writer = self._new_writer()
         try:
-            ep = self.episode
-            await self.executor.start(harness=ep.harness, tasks=self.tasks, policy=self.policy,
-                                      time_limit=ep.time_limit, sandbox=ep.sandbox, image=ep.image)
+            await start_executor(self.executor, tasks=self.tasks, policy=self.policy, episode=self.episode)
         except BaseException:
             self._closing = self._done = True
             writer.finish(self._state)

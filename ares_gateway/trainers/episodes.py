@@ -23,6 +23,7 @@ from ares_gateway.episodes.failures import INFRA_ERROR
 from ares_gateway.episodes.rollouts import EpisodeResult, run_rollouts
 from ares_gateway.episodes.tasks import Dataset, Task, load_dataset
 from ares_gateway.extras import MissingExtraError as _MissingExtra
+from ares_gateway.policies.base import Policy
 from trajectory import check_max_staleness, mask_stale
 
 __all__ = [
@@ -323,7 +324,7 @@ def sample_turns(sample: Any) -> list[SampledTurn]:
 async def play_episodes(
     tasks: Sequence[Task],
     *,
-    policy: Any,
+    policy: Policy,
     episode: EpisodeConfig | None = None,
     run: RunConfig | None = None,
     max_staleness: int | None = None,

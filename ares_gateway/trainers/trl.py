@@ -111,6 +111,7 @@ if TYPE_CHECKING:
     from ares_gateway.core.fence import PauseReport
     from ares_gateway.episodes.tasks import Task
     from ares_gateway.gateway import Gateway
+    from ares_gateway.policies.base import Policy
     from ares_gateway.trainers._served import ServedEngine
 
 log = logging.getLogger(__name__)
@@ -369,7 +370,7 @@ class AresRollouts:
             if self.run.executor is None:
                 self._loop.run(self._open_gateway(version))
             options = {**policy.harness_options(self.episode.harness), **self.episode.harness_options}
-            episode_policy: Any = policy
+            episode_policy: Policy = policy
             if self.served is not None:
                 source = self.tokenizer or _default_tokenizer()
                 episode_policy = self._loop.run(self.served.policy_for(
@@ -424,8 +425,8 @@ class AresRollouts:
             self._loop = None
 
     # ------------------------------------------------------------ overlap
-    def _overlapped(self, tasks: list[Task], prompts: list[Any], trainer: Any, step: int | None, policy: Any,
-                    options: Mapping[str, Any], version: int | None = None,
+    def _overlapped(self, tasks: list[Task], prompts: list[Any], trainer: Any, step: int | None,
+                    policy: Policy, options: Mapping[str, Any], version: int | None = None,
                     ) -> tuple[list[EpisodeSample], dict[str, Any]]:
         """This call's episodes: those started at the last call for it (matched by task: episodes of one
         task are alike), the rest run now; then the next call's episodes are started."""
@@ -490,7 +491,7 @@ class AresRollouts:
         upcoming = self._schedule.next()
         self._predicted = [task_name_of(p) for p in upcoming] if upcoming is not None else None
 
-    def _launch_next(self, trainer: Any, policy: Any, options: Mapping[str, Any]) -> None:
+    def _launch_next(self, trainer: Any, policy: Policy, options: Mapping[str, Any]) -> None:
         assert self._loop is not None
         if self._schedule is None or self._predicted is None:
             return
@@ -510,7 +511,7 @@ class AresRollouts:
         bg.task = self._loop.run(self._spawn(bg, policy, options))
         self._next = bg
 
-    async def _spawn(self, bg: _Background, policy: Any,
+    async def _spawn(self, bg: _Background, policy: Policy,
                      options: Mapping[str, Any]) -> asyncio.Task[list[EpisodeSample]]:
         # Judged against the trainer's step at the call that takes them (bg.step), not at this one.
         task = asyncio.ensure_future(self._play(bg.tasks, policy, options, self._out(bg.step), bg.step))
@@ -586,7 +587,7 @@ class AresRollouts:
         if version is not None and (current is None or version > current):
             self.gateway.set_policy_version(version)
 
-    async def _play(self, tasks: Sequence[Task], policy: Any, options: Mapping[str, Any],
+    async def _play(self, tasks: Sequence[Task], policy: Policy, options: Mapping[str, Any],
                     out: str | None, version: int | None = None) -> list[EpisodeSample]:
         """The episodes of ``tasks``; ``version``: the trainer's step at the call that trains on them, the
         current version their stale responses are judged against (``max_staleness``)."""

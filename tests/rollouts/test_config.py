@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from ares_gateway import EpisodeConfig, RolloutSource, RunConfig
 from ares_gateway.episodes.config import configs_from
-from ares_gateway.episodes.executor import LocalExecutor
+from ares_gateway.episodes.executor import LocalExecutor, start_executor
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
@@ -100,3 +101,26 @@ def test_a_rollout_source_refuses_a_warm_pool() -> None:
     with pytest.raises(ValueError, match="RolloutSource does not set episodes up ahead"):
         RolloutSource(TASKS, policy=make_policy("oracle"), episode=EpisodeConfig("tiny-agent"),
                       run=RunConfig(warm=2))
+
+
+async def test_an_executor_whose_start_takes_the_settings_one_by_one_still_starts_with_a_warning() -> None:
+    calls: list[Any] = []
+
+    class OldStart:
+        async def start(self, *, harness: str, tasks: Any, policy: Any, time_limit: float | None,
+                        sandbox: str = "auto", image: str | None = None) -> None:
+            calls.append((harness, time_limit, sandbox, image))
+
+    class NewStart:
+        async def start(self, *, tasks: Any, policy: Any, episode: EpisodeConfig) -> None:
+            calls.append(episode)
+
+    ep = EpisodeConfig("tiny-agent", sandbox="local", time_limit=30)
+    with pytest.warns(DeprecationWarning, match=r"OldStart.start\(harness=.*\) is deprecated"):
+        await start_executor(OldStart(), tasks=TASKS, policy=make_policy("oracle"),  # type: ignore[arg-type]
+                             episode=ep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        await start_executor(NewStart(), tasks=TASKS, policy=make_policy("oracle"),  # type: ignore[arg-type]
+                             episode=ep)
+    assert calls == [("tiny-agent", 30, "local", None), ep]

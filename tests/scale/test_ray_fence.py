@@ -190,8 +190,8 @@ async def test_a_node_whose_pause_fails_leaves_the_others_resumed(cluster: tuple
     from ares_gateway.episodes.ray import RayExecutor
 
     ex = RayExecutor(per_node=1)
-    await ex.start(harness="tiny-agent", tasks=TASKS, policy=make_policy("oracle"), time_limit=None,
-                   sandbox="local")
+    await ex.start(tasks=TASKS, policy=make_policy("oracle"),
+                   episode=EpisodeConfig("tiny-agent", sandbox="local"))
     try:
         await ex.set_policy_version(5)
         assert {s["policy_version"] for s in (await _states(ex)).values()} == {5}

@@ -480,6 +480,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail("--retries must be at least 0")
     if args.warm < 0:
         return _fail("--warm must be 0 or more sandboxes")
+    if args.step_limit is not None and args.step_limit < 1:
+        return _fail("--step-limit must be at least 1 (LLM calls per episode)")
+    if args.time_limit is not None and not 0 < args.time_limit < float("inf"):
+        return _fail("--time-limit must be a positive number of seconds")
     if args.start_rate is not None:
         import sandbox
         from sandbox.start_rate import ENV_VAR

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ from ares_gateway.episodes.executor import LocalExecutor, start_executor
 from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import load_dataset
 from ares_gateway.policies import make_policy
-from tests.helpers import left_behind
+from tests.helpers import cli, left_behind
+from tests.rollouts.e2e import REPO
 
 TASKS = load_dataset("examples").tasks
 
@@ -124,3 +126,20 @@ async def test_an_executor_whose_start_takes_the_settings_one_by_one_still_start
         await start_executor(NewStart(), tasks=TASKS, policy=make_policy("oracle"),  # type: ignore[arg-type]
                              episode=ep)
     assert calls == [("tiny-agent", 30, "local", None), ep]
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (("-n", "0"), "-n and --attempts must be at least 1"),
+    (("--attempts", "0"), "-n and --attempts must be at least 1"),
+    (("--step-limit", "0"), "--step-limit must be at least 1"),
+    (("--time-limit", "-5"), "--time-limit must be a positive number of seconds"),
+    (("--time-limit", "nan"), "--time-limit must be a positive number of seconds"),
+    (("--retries", "-1"), "--retries must be at least 0"),
+])
+def test_run_refuses_a_bad_setting_by_its_flag_before_anything_starts(flags: tuple[str, ...], says: str,
+                                                                       tmp_path: Path) -> None:
+    bad = subprocess.run(cli("run", "examples-tiny", "--policy", "oracle", "--sandbox", "local", *flags,
+                             "--out", str(tmp_path / "o")),
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and says in bad.stderr, (bad.returncode, bad.stderr[-500:])
+    assert not (tmp_path / "o").exists()  # refused before the run wrote anything

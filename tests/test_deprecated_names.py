@@ -33,3 +33,15 @@ def test_the_project_itself_imports_no_deprecated_module() -> None:
     out = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code], capture_output=True,
                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
+
+
+@pytest.mark.parametrize("module", ["ares_gateway", "ares_gateway.episodes", "ares_gateway.episodes.stream"])
+def test_rollout_episode_warns_and_is_the_episode_record(module: str) -> None:
+    from ares_gateway.episodes.driver import EpisodeRecord
+
+    mod = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match="RolloutEpisode is EpisodeRecord now"):
+        old = mod.RolloutEpisode
+    assert old is EpisodeRecord
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchName'"):
+        mod.NoSuchName  # noqa: B018

@@ -1,8 +1,9 @@
 """Episodes: tasks run by a real agent harness in a sandbox, every LLM call answered by a policy.
 
 * :mod:`~ares_gateway.episodes.config`: :class:`EpisodeConfig` (what each episode runs: harness, sandbox,
-  limits) and :class:`RunConfig` (how a run runs them: concurrency, attempts, output, executor), taken by
-  every entry point that plays episodes;
+  limits; :mod:`~ares_gateway.episodes.episode_spec`) and :class:`RunConfig` (how a run runs them:
+  concurrency, attempts, output, executor), taken by every entry point that plays episodes;
+  :class:`EpisodeRecord` (:mod:`~ares_gateway.episodes.driver`) is one finished episode wherever it goes;
 * :mod:`~ares_gateway.episodes.tasks`: a task (``task.toml``, ``instruction.md``) and datasets of them;
 * :mod:`~ares_gateway.episodes.selectors`: presets (``DATASET-HARNESS``) and task selectors;
 * :mod:`~ares_gateway.episodes.verifier`: running a task's tests and reading the reward they write;
@@ -24,11 +25,13 @@
 * :mod:`~ares_gateway.episodes.preflight`: the start-up checks of a run.
 """
 
+from typing import Any
+
 from ares_gateway.episodes.config import EpisodeConfig, RunConfig
+from ares_gateway.episodes.driver import EpisodeRecord
 from ares_gateway.episodes.stream import (
     BlockingRolloutSource,
     NoFenceError,
-    RolloutEpisode,
     RolloutGroup,
     RolloutSource,
     RolloutSourceError,
@@ -38,11 +41,24 @@ from ares_gateway.episodes.stream import (
 __all__ = [
     "BlockingRolloutSource",
     "EpisodeConfig",
+    "EpisodeRecord",
     "NoFenceError",
-    "RolloutEpisode",
     "RolloutGroup",
     "RolloutSource",
     "RolloutSourceError",
     "RunConfig",
     "SourceClosedError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Renamed for one release: a streamed episode is the EpisodeRecord every executor returns.
+    if name == "RolloutEpisode":
+        import warnings
+
+        warnings.warn("RolloutEpisode is EpisodeRecord now: import ares_gateway.EpisodeRecord",
+                      DeprecationWarning, stacklevel=2)
+        from ares_gateway.episodes.driver import EpisodeRecord
+
+        return EpisodeRecord
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

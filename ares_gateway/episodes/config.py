@@ -9,8 +9,10 @@ verl's, SkyRL's and OpenEnv's) and ``ares-gateway run``, which builds them from 
     run = RunConfig(concurrency=8, attempts=4, out="runs/x")
     summary = await run_rollouts(tasks, policy=policy, episode=episode, run=run)
 
-Each setting is declared and checked here once; a bad value is a ``ValueError`` when the config is made,
-before any sandbox starts. Both are frozen: derive a variant with :func:`dataclasses.replace`.
+Each setting is declared and checked once (:class:`EpisodeConfig` in
+:mod:`~ares_gateway.episodes.episode_spec`, beside the planned episode that holds it; re-exported here);
+a bad value is a ``ValueError`` when the config is made, before any sandbox starts. Both are frozen:
+derive a variant with :func:`dataclasses.replace`.
 
 The entry points still take the settings as flat keyword arguments (``harness=``, ``concurrency=``, ...)
 for one release, with a ``DeprecationWarning`` (:func:`configs_from`).
@@ -22,61 +24,17 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from ares_gateway.episodes.episode_spec import EpisodeConfig
 from ares_gateway.episodes.failures import DEFAULT_RETRIES, DEFAULT_RETRY_BACKOFF, check_retries
+from ares_gateway.episodes.warm import check_warm
 
 if TYPE_CHECKING:
     from ares_gateway.episodes.executor import Executor
 
-__all__ = ["EpisodeConfig", "RunConfig", "check_warm", "configs_from"]
-
-
-def check_warm(size: int) -> int:
-    """``size`` if it is a usable pool size (0: no pool), else a ``ValueError`` that says so."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ValueError(f"warm must be a whole number of sandboxes, 0 or more, got {size!r}")
-    return size
-
-@dataclass(frozen=True)
-class EpisodeConfig:
-    """What each episode runs, besides its task: the agent, its sandbox and its limits.
-
-    Args:
-        harness: the agent CLI (a :mod:`harnesses` registry name: ``mini-swe-agent``, ``claude-code``, ...).
-        harness_options: more options for the harness (its constructor's keyword arguments).
-        sandbox: the sandbox backend (``auto``: Docker where its engine answers, else ``local``).
-        image: the image every episode's sandbox starts from (default: the task's own).
-        model: the model name the agent is told to use (the policy answers whatever it asks).
-        step_limit: LLM calls per episode (``None``: no limit).
-        time_limit: seconds per episode (``None``: the task's own).
-    """
-
-    harness: str
-    harness_options: Mapping[str, Any] = field(default_factory=dict)
-    sandbox: str = "auto"
-    image: str | None = None
-    model: str = "ares-policy"
-    step_limit: int | None = None
-    time_limit: float | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.harness, str) or not self.harness:
-            raise ValueError(
-                f"harness must be a harness name such as 'mini-swe-agent', got {self.harness!r}")
-        if not isinstance(self.sandbox, str) or not self.sandbox:
-            raise ValueError(
-                f"sandbox must be a backend name such as 'local' or 'docker', got {self.sandbox!r}")
-        if self.step_limit is not None and (isinstance(self.step_limit, bool) or not isinstance(
-                self.step_limit, int) or self.step_limit < 1):
-            raise ValueError(f"step_limit must be a whole number of LLM calls, at least 1 (or None), "
-                             f"got {self.step_limit!r}")
-        if self.time_limit is not None and not self.time_limit > 0:
-            raise ValueError(
-                f"time_limit must be positive seconds (or None: the task's own), got {self.time_limit!r}")
-        # A private copy: the caller's mapping may change after, and a frozen config must not.
-        object.__setattr__(self, "harness_options", dict(self.harness_options or {}))
+__all__ = ["EpisodeConfig", "RunConfig", "configs_from"]
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from typing import Any
 from ares_gateway.core.answers import ErrorAnswer
 from ares_gateway.core.broker import ParkedRequest
 from ares_gateway.core.errors import InvalidAnswerError
-from ares_gateway.episodes.config import EpisodeConfig
 from ares_gateway.episodes.env import GatewayEnv
 from ares_gateway.episodes.episode import EpisodeOutcome, EpisodeSetupError, TaskEpisode, one_line
+from ares_gateway.episodes.episode_spec import EpisodeSpec
 from ares_gateway.episodes.output import EpisodeResult
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.episodes.usage import episode_usage
@@ -47,34 +47,66 @@ log = logging.getLogger(__name__)
 __all__ = ["EpisodeRecord", "EpisodeSpec", "drive_episode"]
 
 
-@dataclass(frozen=True)
-class EpisodeSpec:
-    """One planned episode: which task, which attempt, and what it runs (:class:`EpisodeConfig`)."""
-
-    task: Task
-    attempt: int
-    episode: EpisodeConfig
-    #: Where the agent's final workdir is saved before its tests run (``OUT/workspaces/<task>.<attempt>.tar``,
-    #: :mod:`~ares_gateway.episodes.workspaces`); ``None``: not saved.
-    workspace: str | None = None
-
-    @property
-    def key(self) -> str:
-        """``<task>.<attempt>``: the episode's name in the run's outputs."""
-        return f"{self.task.name}.{self.attempt}"
-
-    def new_harness(self) -> BaseHarness:
-        return registry.create(self.episode.harness, **dict(self.episode.harness_options))
-
-
 @dataclass
 class EpisodeRecord:
-    """A finished episode: its result row, training samples, turn log and the agent's logs."""
+    """One finished episode: its row of ``results.json`` (:class:`EpisodeResult`: reward, exit reason,
+    turns, error, versions, timings) and what it produced, where it was kept: its training samples, its
+    turn log and the agent's logs. What every executor returns, what the run writes, what a rollout
+    source hands out (with ``policy_version``, ``stale_tokens`` and ``all_stale`` set, and the turn log
+    and logs left in OUT)."""
 
     result: EpisodeResult
+    #: Its :class:`trajectory.Sample` list (main line, side calls, segments); from a rollout source with
+    #: ``max_staleness``, stale responses masked.
     samples: list[Any] = field(default_factory=list)
     turns: list[dict[str, Any]] = field(default_factory=list)
     logs: dict[str, str] = field(default_factory=dict)
+    #: The rollout source's policy version when it handed the episode out (what staleness was judged
+    #: against); ``None`` elsewhere.
+    policy_version: int | None = None
+    #: Trained tokens masked as stale (0 without ``max_staleness``).
+    stale_tokens: int = 0
+    #: It had trained tokens and every one was stale: nothing of it is left to train.
+    all_stale: bool = False
+
+    @property
+    def task(self) -> str:
+        return self.result.task
+
+    @property
+    def attempt(self) -> int:
+        return self.result.attempt
+
+    @property
+    def reward(self) -> float:
+        return self.result.reward
+
+    @property
+    def exit_reason(self) -> str:
+        return self.result.exit_reason
+
+    @property
+    def infra_error(self) -> bool:
+        """It failed by the infrastructure on every try (``infra_error``): it has no samples, and its
+        reward (0.0) is no verdict on the policy; leave it out of its group's baseline."""
+        return self.result.exit_reason == "infra_error"
+
+    @property
+    def first_version(self) -> int | None:
+        return self.result.first_version
+
+    @property
+    def last_version(self) -> int | None:
+        return self.result.last_version
+
+    @property
+    def mixed_versions(self) -> bool:
+        """A sample's trained tokens carry more than one version (the episode spanned a weight update)."""
+        return any(s.metadata.get("mixed_versions") for s in self.samples)
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(int(s.loss_mask.sum()) for s in self.samples)
 
 
 async def drive_episode(spec: EpisodeSpec, *, policy: Policy, gateway: Gateway,

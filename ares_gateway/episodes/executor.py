@@ -27,9 +27,9 @@ from typing import Any, Protocol, runtime_checkable
 from ares_gateway.core.canonical import next_policy_version
 from ares_gateway.core.errors import SamplingNotPausedError
 from ares_gateway.core.fence import PauseReport
-from ares_gateway.episodes.config import EpisodeConfig
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec, drive_episode
 from ares_gateway.episodes.episode import episode_gateway
+from ares_gateway.episodes.episode_spec import EpisodeConfig
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.episodes.warm import WarmPool, check_warm
 from ares_gateway.gateway import Gateway

@@ -56,9 +56,9 @@ from typing import Any
 from ares_gateway.core.canonical import next_policy_version
 from ares_gateway.core.errors import SamplingNotPausedError, SamplingPausedError, StatusError
 from ares_gateway.core.fence import PauseReport, check_pause
-from ares_gateway.episodes.config import EpisodeConfig
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec, drive_episode
 from ares_gateway.episodes.episode import episode_gateway, one_line
+from ares_gateway.episodes.episode_spec import EpisodeConfig
 from ares_gateway.episodes.executor import fenced_update
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.episodes.warm import WarmPool, check_warm

@@ -19,10 +19,11 @@ Attempt numbers go on across epochs (epoch ``e``'s are ``e * attempts`` to ``e *
 so every episode has its own files in OUT.
 
 **Items.** :meth:`RolloutSource.episodes` (also ``async for episode in source``) gives each finished
-episode, a :class:`RolloutEpisode`, in the order they finish; :meth:`RolloutSource.groups` gives each
-complete group (all ``attempts`` of one task in one epoch), a :class:`RolloutGroup`, in the order they
-complete. A source gives one kind or the other. An episode that failed (the policy raised, the sandbox
-did not start) is an item too, with reward 0 and its error, as in ``run``'s results.
+episode, an :class:`~ares_gateway.episodes.driver.EpisodeRecord`, in the order they finish;
+:meth:`RolloutSource.groups` gives each complete group (all ``attempts`` of one task in one epoch), a
+:class:`RolloutGroup`, in the order they complete. A source gives one kind or the other. An episode
+that failed (the policy raised, the sandbox did not start) is an item too, with reward 0 and its error,
+as in ``run``'s results.
 
 **Back-pressure.** At most ``concurrency`` episodes run at once, and at most ``concurrency +
 max_buffered`` are launched and not yet handed to the consumer (a group's members count until the group
@@ -60,7 +61,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -68,7 +69,7 @@ from ares_gateway.core.fence import PauseReport
 from ares_gateway.episodes.config import EpisodeConfig, RunConfig, configs_from
 from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec
 from ares_gateway.episodes.executor import Executor, LocalExecutor, start_executor
-from ares_gateway.episodes.output import EpisodeResult, RunSummary
+from ares_gateway.episodes.output import RunSummary
 from ares_gateway.episodes.rollouts import RunWriter
 from ares_gateway.episodes.scheduler import ScheduleState, schedule
 from ares_gateway.episodes.tasks import Task
@@ -80,7 +81,6 @@ from trajectory import Sample, check_max_staleness, mask_stale
 __all__ = [
     "BlockingRolloutSource",
     "NoFenceError",
-    "RolloutEpisode",
     "RolloutGroup",
     "RolloutSource",
     "RolloutSourceError",
@@ -88,6 +88,19 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+def __getattr__(name: str) -> Any:
+    # Renamed for one release: a streamed episode is the EpisodeRecord every executor returns.
+    if name == "RolloutEpisode":
+        import warnings
+
+        warnings.warn("RolloutEpisode is EpisodeRecord now: import ares_gateway.EpisodeRecord",
+                      DeprecationWarning, stacklevel=2)
+        from ares_gateway.episodes.driver import EpisodeRecord
+
+        return EpisodeRecord
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class RolloutSourceError(Exception):
@@ -103,67 +116,12 @@ class NoFenceError(RolloutSourceError, RuntimeError):
 
 
 @dataclass
-class RolloutEpisode:
-    """One finished episode as the source hands it out."""
-
-    #: Its row of ``results.json``: reward, exit reason, turns, error, ``first_version`` / ``last_version``.
-    result: EpisodeResult
-    #: Its :class:`trajectory.Sample` list (main line, side calls, segments), stale responses masked.
-    samples: list[Sample] = field(default_factory=list)
-    #: The source's policy version when it was handed out (what staleness was judged against).
-    policy_version: int | None = None
-    #: Trained tokens masked as stale (0 without ``max_staleness``).
-    stale_tokens: int = 0
-    #: It had trained tokens and every one was stale: nothing of it is left to train.
-    all_stale: bool = False
-
-    @property
-    def task(self) -> str:
-        return self.result.task
-
-    @property
-    def attempt(self) -> int:
-        return self.result.attempt
-
-    @property
-    def reward(self) -> float:
-        return self.result.reward
-
-    @property
-    def exit_reason(self) -> str:
-        return self.result.exit_reason
-
-    @property
-    def infra_error(self) -> bool:
-        """It failed by the infrastructure on every try (``infra_error``): it has no samples, and its
-        reward (0.0) is no verdict on the policy; leave it out of its group's baseline."""
-        return self.result.exit_reason == "infra_error"
-
-    @property
-    def first_version(self) -> int | None:
-        return self.result.first_version
-
-    @property
-    def last_version(self) -> int | None:
-        return self.result.last_version
-
-    @property
-    def mixed_versions(self) -> bool:
-        """A sample's trained tokens carry more than one version (the episode spanned a weight update)."""
-        return any(s.metadata.get("mixed_versions") for s in self.samples)
-
-    @property
-    def trained_tokens(self) -> int:
-        return sum(int(s.loss_mask.sum()) for s in self.samples)
-
-
-@dataclass
 class RolloutGroup:
     """All ``attempts`` episodes of one task in one epoch (a GRPO group), ordered by attempt."""
 
     task: str
     epoch: int
-    members: list[RolloutEpisode]
+    members: list[EpisodeRecord]
 
     @property
     def rewards(self) -> list[float]:
@@ -175,7 +133,7 @@ class RolloutGroup:
 
     @property
     def infra_errors(self) -> int:
-        """Members that failed by the infrastructure on every try (:attr:`RolloutEpisode.infra_error`)."""
+        """Members that failed by the infrastructure on every try (``EpisodeRecord.infra_error``)."""
         return sum(1 for m in self.members if m.infra_error)
 
     @property
@@ -409,17 +367,18 @@ class RolloutSource:
 
     # ------------------------------------------------------------------ taking
 
-    def _hand(self, rec: EpisodeRecord, current: int | None) -> RolloutEpisode:
+    def _hand(self, rec: EpisodeRecord, current: int | None) -> EpisodeRecord:
         samples: list[Sample] = list(rec.samples)
         before = sum(int(s.loss_mask.sum()) for s in samples)
         stale = 0
         if self.max_staleness is not None:
             samples = [mask_stale(s, current, self.max_staleness) for s in samples]
             stale = sum(int(s.metadata["stale_tokens"]) for s in samples)
-        return RolloutEpisode(rec.result, samples, policy_version=current, stale_tokens=stale,
-                              all_stale=before > 0 and stale == before)
+        # The turn log and the agent's logs are in OUT already: the consumer may hold what it takes.
+        return EpisodeRecord(rec.result, samples, policy_version=current, stale_tokens=stale,
+                             all_stale=before > 0 and stale == before)
 
-    def _pop(self, mode: str) -> RolloutEpisode | RolloutGroup | None:
+    def _pop(self, mode: str) -> EpisodeRecord | RolloutGroup | None:
         if not self._ready:
             return None
         current = self.policy_version
@@ -462,10 +421,10 @@ class RolloutSource:
             self._changed.clear()
             await self._changed.wait()
 
-    async def next_episode(self) -> RolloutEpisode | None:
+    async def next_episode(self) -> EpisodeRecord | None:
         """The next finished episode; ``None`` once the source has ended (a finite one ran out, or it was
         closed while waiting). Raises :class:`SourceClosedError` after :meth:`close`."""
-        item: RolloutEpisode | None = await self._take("episodes")
+        item: EpisodeRecord | None = await self._take("episodes")
         return item
 
     async def next_group(self) -> RolloutGroup | None:
@@ -473,7 +432,7 @@ class RolloutSource:
         item: RolloutGroup | None = await self._take("groups")
         return item
 
-    async def episodes(self) -> AsyncIterator[RolloutEpisode]:
+    async def episodes(self) -> AsyncIterator[EpisodeRecord]:
         """Each finished episode, in the order they finish."""
         while (item := await self.next_episode()) is not None:
             yield item
@@ -483,7 +442,7 @@ class RolloutSource:
         while (item := await self.next_group()) is not None:
             yield item
 
-    def __aiter__(self) -> AsyncIterator[RolloutEpisode]:
+    def __aiter__(self) -> AsyncIterator[EpisodeRecord]:
         return self.episodes()
 
     # ------------------------------------------------------------------ weight updates
@@ -607,7 +566,7 @@ class BlockingRolloutSource:
             self._thread.join()
             self._loop.close()
 
-    def next_episode(self, timeout: float | None = None) -> RolloutEpisode | None:
+    def next_episode(self, timeout: float | None = None) -> EpisodeRecord | None:
         """The next finished episode, ``None`` once the source has ended
         (:meth:`RolloutSource.next_episode`)."""
         return self._call(_within(self.source.next_episode, timeout))
@@ -616,11 +575,11 @@ class BlockingRolloutSource:
         """The next complete group, ``None`` once the source has ended (:meth:`RolloutSource.next_group`)."""
         return self._call(_within(self.source.next_group, timeout))
 
-    def __iter__(self) -> Iterator[RolloutEpisode]:
+    def __iter__(self) -> Iterator[EpisodeRecord]:
         while (item := self.next_episode()) is not None:
             yield item
 
-    def episodes(self) -> Iterator[RolloutEpisode]:
+    def episodes(self) -> Iterator[EpisodeRecord]:
         return iter(self)
 
     def groups(self) -> Iterator[RolloutGroup]:

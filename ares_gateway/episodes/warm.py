@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ares_gateway.core.sessions import SessionInfo
-from ares_gateway.episodes.config import EpisodeConfig, check_warm
 from ares_gateway.episodes.episode import EpisodeSetupError, TaskEpisode
+from ares_gateway.episodes.episode_spec import EpisodeConfig
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.gateway import Gateway
 from harnesses import BaseHarness
@@ -60,6 +60,13 @@ class PlannedEpisode(Protocol):
     @property
     def key(self) -> str: ...
     def new_harness(self) -> BaseHarness: ...
+
+
+def check_warm(size: int) -> int:
+    """``size`` if it is a usable pool size (0: no pool), else a ``ValueError`` that says so."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"warm must be a whole number of sandboxes, 0 or more, got {size!r}")
+    return size
 
 
 @dataclass(frozen=True)

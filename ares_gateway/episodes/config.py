@@ -92,7 +92,6 @@ class RunConfig:
             raise ValueError(f"stats_period must be 0 or more seconds (0: every scalar at once), "
                              f"got {self.stats_period!r}")
 
-
     def resolved(self, *, save_workspaces: bool, stats: str) -> RunConfig:
         """This config with the entry point's defaults for what it left ``None``."""
         return dataclasses.replace(
@@ -105,11 +104,11 @@ _RUN_FIELDS = frozenset(f.name for f in fields(RunConfig))
 
 
 def configs_from(where: str, episode: EpisodeConfig | None, run: RunConfig | None,
-                 settings: Mapping[str, Any], *, run_default: RunConfig | None = None,
+                 settings: Mapping[str, Any], *,
                  episode_default: Mapping[str, Any] | None = None) -> tuple[EpisodeConfig, RunConfig]:
-    """``episode`` and ``run`` with the flat keyword arguments ``settings`` of the entry point ``where``
-    applied over them (each such argument warns: it is deprecated), and ``run_default`` /
-    ``episode_default`` (the entry point's own defaults) where neither is given.
+    """``episode`` and ``run`` (default: ``RunConfig()``) with the flat keyword arguments ``settings`` of
+    the entry point ``where`` applied over them (each such argument warns: it is deprecated), and
+    ``episode_default`` (the entry point's own defaults) where no ``episode`` is given.
 
     Raises ``TypeError`` for a name that is neither config's field, and for no harness at all."""
     unknown = sorted(set(settings) - _EPISODE_FIELDS - _RUN_FIELDS)
@@ -129,7 +128,7 @@ def configs_from(where: str, episode: EpisodeConfig | None, run: RunConfig | Non
         episode = EpisodeConfig(**merged)
     elif ep_settings:
         episode = dataclasses.replace(episode, **ep_settings)
-    base = run if run is not None else (run_default if run_default is not None else RunConfig())
+    base = run if run is not None else RunConfig()
     if run_settings:
         base = dataclasses.replace(base, **run_settings)
     return episode, base

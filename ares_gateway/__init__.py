@@ -8,8 +8,6 @@ request / completion models, the answer types, and the error classes. Where each
 docs/architecture.md.
 """
 
-from typing import Any
-
 from ares_gateway.core.answers import ErrorAnswer, NativeAnswer, StreamAnswer
 from ares_gateway.core.broker import ParkedRequest
 from ares_gateway.core.canonical import (
@@ -48,7 +46,7 @@ from ares_gateway.core.recorder import RecordedTurn
 from ares_gateway.core.sessions import SessionInfo
 from ares_gateway.episodes.atif import AtifExport, export_atif, import_atif
 from ares_gateway.episodes.config import EpisodeConfig, RunConfig
-from ares_gateway.episodes.driver import EpisodeRecord
+from ares_gateway.episodes.driver import EpisodeRecord, renamed_names
 from ares_gateway.episodes.env import (
     GatewayEnv,
     LaunchTimeoutError,
@@ -135,14 +133,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # Renamed for one release: a streamed episode is the EpisodeRecord every executor returns.
-    if name == "RolloutEpisode":
-        import warnings
-
-        warnings.warn("RolloutEpisode is EpisodeRecord now: import ares_gateway.EpisodeRecord",
-                      DeprecationWarning, stacklevel=2)
-        from ares_gateway.episodes.driver import EpisodeRecord
-
-        return EpisodeRecord
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed_names(__name__)

@@ -25,10 +25,8 @@
 * :mod:`~ares_gateway.episodes.preflight`: the start-up checks of a run.
 """
 
-from typing import Any
-
 from ares_gateway.episodes.config import EpisodeConfig, RunConfig
-from ares_gateway.episodes.driver import EpisodeRecord
+from ares_gateway.episodes.driver import EpisodeRecord, renamed_names
 from ares_gateway.episodes.stream import (
     BlockingRolloutSource,
     NoFenceError,
@@ -51,14 +49,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # Renamed for one release: a streamed episode is the EpisodeRecord every executor returns.
-    if name == "RolloutEpisode":
-        import warnings
-
-        warnings.warn("RolloutEpisode is EpisodeRecord now: import ares_gateway.EpisodeRecord",
-                      DeprecationWarning, stacklevel=2)
-        from ares_gateway.episodes.driver import EpisodeRecord
-
-        return EpisodeRecord
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed_names(__name__)

@@ -34,7 +34,17 @@ from ares_gateway.episodes.warm import check_warm
 if TYPE_CHECKING:
     from ares_gateway.episodes.executor import Executor
 
-__all__ = ["EpisodeConfig", "RunConfig", "configs_from"]
+__all__ = ["EpisodeConfig", "RunConfig", "check_count", "configs_from"]
+
+
+def check_count(name: str, value: Any, *, allow_none: bool = False, minimum: int = 1) -> None:
+    """A ``ValueError`` naming ``name`` unless ``value`` is an integer (not a bool) of at least ``minimum``
+    (or ``None``, with ``allow_none``)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer of at least {minimum}"
+                         + (" or None" if allow_none else "") + f", got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -78,10 +88,8 @@ class RunConfig:
     success_threshold: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("concurrency", "attempts"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
+        check_count("concurrency", self.concurrency)
+        check_count("attempts", self.attempts)
         check_retries(self.retries, self.retry_backoff)
         if check_warm(self.warm) and self.executor is not None:
             raise ValueError(

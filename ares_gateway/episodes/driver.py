@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -25,6 +26,7 @@ from ares_gateway.core.errors import InvalidAnswerError
 from ares_gateway.episodes.env import GatewayEnv
 from ares_gateway.episodes.episode import EpisodeOutcome, EpisodeSetupError, TaskEpisode, one_line
 from ares_gateway.episodes.episode_spec import EpisodeSpec
+from ares_gateway.episodes.failures import INFRA_ERROR
 from ares_gateway.episodes.output import EpisodeResult
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.episodes.usage import episode_usage
@@ -89,7 +91,7 @@ class EpisodeRecord:
     def infra_error(self) -> bool:
         """It failed by the infrastructure on every try (``infra_error``): it has no samples, and its
         reward (0.0) is no verdict on the policy; leave it out of its group's baseline."""
-        return self.result.exit_reason == "infra_error"
+        return self.result.exit_reason == INFRA_ERROR
 
     @property
     def first_version(self) -> int | None:
@@ -107,6 +109,21 @@ class EpisodeRecord:
     @property
     def trained_tokens(self) -> int:
         return sum(int(s.loss_mask.sum()) for s in self.samples)
+
+
+def renamed_names(module: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``module``, which exported ``RolloutEpisode``: the name, renamed for one
+    release (a streamed episode is the :class:`EpisodeRecord` every executor returns), gives
+    :class:`EpisodeRecord` with a ``DeprecationWarning``; any other is the usual ``AttributeError``."""
+
+    def __getattr__(name: str) -> Any:
+        if name == "RolloutEpisode":
+            warnings.warn("RolloutEpisode is EpisodeRecord now: import ares_gateway.EpisodeRecord",
+                          DeprecationWarning, stacklevel=2)
+            return EpisodeRecord
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 async def drive_episode(spec: EpisodeSpec, *, policy: Policy, gateway: Gateway,

@@ -66,8 +66,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ares_gateway.core.fence import PauseReport
-from ares_gateway.episodes.config import EpisodeConfig, RunConfig, configs_from
-from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec
+from ares_gateway.episodes.config import EpisodeConfig, RunConfig, check_count, configs_from
+from ares_gateway.episodes.driver import EpisodeRecord, EpisodeSpec, renamed_names
 from ares_gateway.episodes.executor import Executor, LocalExecutor, start_executor
 from ares_gateway.episodes.output import RunSummary
 from ares_gateway.episodes.rollouts import RunWriter
@@ -90,17 +90,7 @@ __all__ = [
 T = TypeVar("T")
 
 
-def __getattr__(name: str) -> Any:
-    # Renamed for one release: a streamed episode is the EpisodeRecord every executor returns.
-    if name == "RolloutEpisode":
-        import warnings
-
-        warnings.warn("RolloutEpisode is EpisodeRecord now: import ares_gateway.EpisodeRecord",
-                      DeprecationWarning, stacklevel=2)
-        from ares_gateway.episodes.driver import EpisodeRecord
-
-        return EpisodeRecord
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed_names(__name__)
 
 
 class RolloutSourceError(Exception):
@@ -140,14 +130,6 @@ class RolloutGroup:
     def all_stale(self) -> bool:
         """Its members had trained tokens and every one was stale."""
         return self.stale_tokens > 0 and all(m.trained_tokens == 0 for m in self.members)
-
-
-def _positive(name: str, value: Any, *, allow_none: bool = False, minimum: int = 1) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer of at least {minimum}"
-                         + (" or None" if allow_none else "") + f", got {value!r}")
 
 
 class RolloutSource:
@@ -200,8 +182,8 @@ class RolloutSource:
         if twice:
             raise ValueError(f"task(s) {', '.join(twice)} given more than once: run a task more often with "
                              "attempts= (a group) or epochs=, so each episode keeps its own attempt number")
-        _positive("epochs", epochs, allow_none=True)
-        _positive("max_buffered", max_buffered, allow_none=True, minimum=0)
+        check_count("epochs", epochs, allow_none=True)
+        check_count("max_buffered", max_buffered, allow_none=True, minimum=0)
         self.max_staleness = check_max_staleness(max_staleness)
         self.max_buffered = max(concurrency, attempts) if max_buffered is None else max_buffered
         if concurrency + self.max_buffered < attempts:

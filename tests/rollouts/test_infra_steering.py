@@ -348,17 +348,19 @@ async def test_breaking_the_verifiers_setup_in_its_own_sandbox_is_the_agents_fai
     pid once the verifier starts, so the verifier's setup cannot run (a crash that, as the
     infrastructure's, would have been retried into ``infra_error``): reward 0.0, the agent's.
 
-    On a loaded machine the verifier's setup may win the race with the hog's last threads; test.sh then
-    starts in a sandbox with no pid left and the verdict is its own (0.0, judged, one try): either way the
-    agent's reward is 0.0 and never ``infra_error``."""
+    On a loaded machine the verifier may win the race with the hog's last threads: test.sh then starts in
+    a sandbox with no pid left and judges 0.0 itself, or (the hog not scheduled before the tests ended)
+    runs whole and judges the solved task 1.0. Whichever way the race goes, the verdict is the tests' or
+    the agent's own, one try, and never ``infra_error``."""
     require_backend(backend)
     e = await _run(_task(tmp_path / "tasks", agent_grading=True), backend,
                    make_policy("scripted", commands=[SOLVE, HOG]))
     assert e.exit_reason == "completed" and e.grading == "agent", e
     if e.verifier_crashed:
         _agents_fault(e, len(steered.sandboxes))
-    else:  # the tests ran, and could not do their work: judged 0.0 by them
-        assert (e.reward, e.retries, e.failure_site, classify(e)) == (0.0, 0, "", None), e
+    else:  # the tests ran: judged by them (0.0 when the hog left them no pid, 1.0 when it came too late)
+        assert e.reward in (0.0, 1.0), e
+        assert (e.retries, e.failure_site, classify(e)) == (0, "", None), e
         assert len(steered.sandboxes) == 1 and e.turns >= 1, e
     assert _left(tmp_path / "sandboxes") == []
 

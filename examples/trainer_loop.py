@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from ares_gateway import Completion, Gateway, GatewayEnv, ParkedRequest, TokenRecord
+from ares_gateway import Completion, EpisodeConfig, Gateway, GatewayEnv, ParkedRequest, TokenRecord
 from ares_gateway.episodes.episode import harness_side_call_detector
 from ares_gateway.episodes.tasks import Task, load_dataset
 from ares_gateway.policies import call_policy, make_policy
@@ -57,8 +57,8 @@ class ToyModel:
 
 
 async def run_episode(gw: Gateway, model: ToyModel, task: Task, args: argparse.Namespace) -> dict[str, Any]:
-    env = GatewayEnv.for_task(task, harness=args.harness, sandbox=args.sandbox, gateway=gw,
-                              step_limit=args.step_limit)
+    config = EpisodeConfig(args.harness, sandbox=args.sandbox, step_limit=args.step_limit)
+    env = GatewayEnv.for_task(task, config, gateway=gw)
     started = time.monotonic()
     try:
         ts = await env.reset()

@@ -151,9 +151,8 @@ async def _drive(spec: EpisodeSpec, policy: Policy, gateway: Gateway,
     if is_external(policy):
         return await _passive_episode(gateway, spec, harness, t0, span, warmed)
     config = spec.episode
-    env = GatewayEnv.for_task(spec.task, harness=harness, sandbox=config.sandbox, gateway=gateway,
-                              image=config.image, model=config.model, step_limit=config.step_limit,
-                              time_limit=config.time_limit, save_workspace=spec.workspace, prepared=warmed)
+    env = GatewayEnv.for_task(spec.task, config, harness=harness, gateway=gateway,
+                              save_workspace=spec.workspace, prepared=warmed)
     sid = ""
     binder = policy if isinstance(policy, SessionBound) else None
     failures: list[dict[str, Any]] = []

@@ -43,6 +43,7 @@ from ares_gateway.gateway import Gateway
 
 if TYPE_CHECKING:
     from ares_gateway.episodes.episode import EpisodeOutcome, TaskEpisode
+    from ares_gateway.episodes.episode_spec import EpisodeConfig
     from ares_gateway.episodes.tasks import Task
     from ares_gateway.episodes.warm import Warmed
     from harnesses import BaseHarness
@@ -188,8 +189,9 @@ class GatewayEnv:
     def for_task(
         cls,
         task: Task | str | os.PathLike[str],
+        episode: EpisodeConfig | None = None,
         *,
-        harness: str | BaseHarness,
+        harness: str | BaseHarness | None = None,
         sandbox: str = "auto",
         gateway: Gateway | None = None,
         image: str | None = None,
@@ -200,15 +202,20 @@ class GatewayEnv:
         save_workspace: str | os.PathLike[str] | None = None,
         prepared: Warmed | None = None,
     ) -> GatewayEnv:
-        """Each :meth:`reset` runs ``harness`` on ``task`` in a fresh ``sandbox``; LAST carries the
-        task's reward. Without ``gateway`` the env runs its own. ``save_workspace``: a file path where
+        """Each :meth:`reset` runs the episode's harness on ``task`` in a fresh sandbox; LAST carries the
+        task's reward. ``episode``: what each episode runs (:class:`~ares_gateway.EpisodeConfig`: the
+        harness and its options, the sandbox, image, model, step and time limits), the same config
+        :func:`~ares_gateway.run_rollouts` takes; or those settings as keywords (``harness=``,
+        ``sandbox=``, ...). ``harness=`` may also be a harness object (a configured or custom harness,
+        which a config, naming a registered harness, cannot hold): it runs in place of the config's
+        harness. Without ``gateway`` the env runs its own. ``save_workspace``: a file path where
         each episode's final workdir is saved as a tar before its tests run
         (:mod:`~ares_gateway.episodes.workspaces`; each episode overwrites it). ``prepared``: an episode
         a warm pool set up on ``gateway`` (:mod:`~ares_gateway.episodes.warm`), which the first
         :meth:`reset` launches instead of setting one up; :meth:`close` removes it if no reset did."""
-        return cls(gateway, task=task, harness=harness, sandbox=sandbox, image=image, model=model,
-                   step_limit=step_limit, time_limit=time_limit, request_timeout=request_timeout,
-                   save_workspace=save_workspace, prepared=prepared)
+        return cls(gateway, task=task, episode=episode, harness=harness, sandbox=sandbox, image=image,
+                   model=model, step_limit=step_limit, time_limit=time_limit,
+                   request_timeout=request_timeout, save_workspace=save_workspace, prepared=prepared)
 
     def __init__(
         self,
@@ -221,6 +228,7 @@ class GatewayEnv:
         time_limit: float | None = None,
         request_timeout: float | None = None,
         task: Task | str | os.PathLike[str] | None = None,
+        episode: EpisodeConfig | None = None,
         harness: str | BaseHarness | None = None,
         sandbox: str = "auto",
         image: str | None = None,
@@ -233,21 +241,27 @@ class GatewayEnv:
         if prepared is not None and (task is None or gateway is None):
             raise ValueError("GatewayEnv(prepared=...) needs task= and the gateway the episode was set up on")
         self.save_workspace = save_workspace
-        self._harness: str | BaseHarness | None = harness
+        #: What each episode runs (task mode): the ``episode`` given, or the one the keywords made.
+        self.config: EpisodeConfig | None = None
         if task is not None:
             from ares_gateway.episodes.tasks import Task as _Task
 
             self._task = task if isinstance(task, _Task) else _Task.load(task)
-            if harness is None:
-                raise ValueError("GatewayEnv(task=...) needs harness= (e.g. 'mini-swe-agent')")
             if launch is not None or session_id is not None:
                 raise ValueError(
                     "GatewayEnv(task=...) launches the agent itself: pass no launch= or session_id="
                 )
+            self.config = _episode_config(episode, harness, sandbox=sandbox, image=image, model=model,
+                                          step_limit=step_limit, time_limit=time_limit)
+            sandbox, image, model = self.config.sandbox, self.config.image, self.config.model
+            step_limit, time_limit = self.config.step_limit, self.config.time_limit
             if time_limit is None:
                 time_limit = self._task.config.agent_timeout
-        elif harness is not None:
-            raise ValueError("GatewayEnv(harness=...) needs task=")
+            if harness is None or isinstance(harness, str):
+                harness = self.config.harness
+        elif harness is not None or episode is not None:
+            raise ValueError(f"GatewayEnv({'harness' if episode is None else 'episode'}=...) needs task=")
+        self._harness: str | BaseHarness | None = harness
         self._owns_gateway = gateway is None
         if gateway is None:
             if self._task is None:
@@ -509,7 +523,12 @@ class GatewayEnv:
         else:
             harness_name = self._harness if isinstance(self._harness, str) else self._harness.name
             self.session = await gw.create_session(metadata={"task": task.name, "harness": harness_name})
-            episode = TaskEpisode(task, self._harness, sandbox=self.sandbox_backend, image=self.image,
+            harness: str | BaseHarness = self._harness
+            if isinstance(harness, str) and self.config is not None and self.config.harness_options:
+                from harnesses import registry
+
+                harness = registry.create(harness, **dict(self.config.harness_options))
+            episode = TaskEpisode(task, harness, sandbox=self.sandbox_backend, image=self.image,
                                   model=self.model, gateway=gw, save_workspace=self.save_workspace)
         sid = self.session.session_id
         self._steps = 0
@@ -576,3 +595,29 @@ def _truncation_of(truncated: bool, end_info: dict[str, Any]) -> str | None:
         return None
     kind = end_info.get("truncation")
     return kind if isinstance(kind, str) and kind else "truncated"
+
+
+def _episode_config(episode: EpisodeConfig | None, harness: str | BaseHarness | None, *, sandbox: str,
+                    image: str | None, model: str, step_limit: int | None,
+                    time_limit: float | None) -> EpisodeConfig:
+    """The task mode's :class:`EpisodeConfig`: ``episode`` itself (nothing of it given again as a
+    keyword, a harness object aside), or the one the keywords make (checked as every config is)."""
+    from ares_gateway.episodes.episode_spec import EpisodeConfig
+
+    if episode is None:
+        if harness is None:
+            raise ValueError("GatewayEnv(task=...) needs the episode's harness: episode=EpisodeConfig("
+                             "harness='mini-swe-agent', ...) or harness='mini-swe-agent'")
+        name = harness if isinstance(harness, str) else harness.name
+        return EpisodeConfig(harness=name, sandbox=sandbox, image=image, model=model,
+                             step_limit=step_limit, time_limit=time_limit)
+    if not isinstance(episode, EpisodeConfig):
+        raise TypeError(f"episode must be an EpisodeConfig, got {type(episode).__name__}")
+    given = [name for name, value, default in (
+        ("harness", harness if isinstance(harness, str) else None, None), ("sandbox", sandbox, "auto"),
+        ("image", image, None), ("model", model, "ares-policy"), ("step_limit", step_limit, None),
+        ("time_limit", time_limit, None)) if value != default]
+    if given:
+        raise TypeError(f"GatewayEnv got {', '.join(given)} beside episode=: set "
+                        f"{'it' if len(given) == 1 else 'them'} in the EpisodeConfig")
+    return episode

@@ -180,6 +180,50 @@ async def test_env_limits_truncate_and_stop_the_agent(sandbox_root: Path) -> Non
         await stepped.close()
 
 
+async def test_env_takes_the_runs_episode_config(sandbox_root: Path) -> None:
+    """``GatewayEnv.for_task(task, EpisodeConfig(...))`` plays what the config says: its harness with its
+    options, its sandbox, its step limit (the same config run_rollouts takes)."""
+    task = BY_NAME["write-greeting-file"]
+    config = EpisodeConfig(harness="tiny-agent", harness_options={"command_timeout": 7.0}, sandbox="local",
+                           step_limit=1)
+    env = GatewayEnv.for_task(task, config)
+    try:
+        assert env.config is config and env.sandbox_backend == "local" and env.step_limit == 1
+        kinds, last = await play(env, make_policy("scripted", commands=["sleep 120"]), task)
+        assert kinds == ["FIRST", "LAST"], kinds
+        assert last.info["exit_reason"] == "step_limit" and last.info["truncated"] is True  # type: ignore[attr-defined]
+        assert env.episode is not None and isinstance(env.episode.harness, TinyAgentHarness)
+        assert env.episode.harness.command_timeout == 7.0  # the config's harness options reached it
+        assert last.info["sandbox"] == "local"  # type: ignore[attr-defined]
+    finally:
+        await env.close()
+    assert left_behind(sandbox_root) == []
+
+
+def test_env_config_or_keywords_not_both() -> None:
+    """The keywords make the same config (checked as every config is); beside a config they are refused
+    by name; a harness object may run in place of the config's harness."""
+    task = BY_NAME["write-greeting-file"]
+    env = GatewayEnv.for_task(task, harness="tiny-agent", sandbox="local", step_limit=3, time_limit=9)
+    assert env.config == EpisodeConfig(harness="tiny-agent", sandbox="local", step_limit=3, time_limit=9)
+    config = EpisodeConfig(harness="tiny-agent", sandbox="local")
+    with pytest.raises(TypeError, match="sandbox, step_limit beside episode=: set them in the EpisodeConfig"):
+        GatewayEnv.for_task(task, config, sandbox="docker", step_limit=2)
+    with pytest.raises(TypeError, match="harness beside episode="):
+        GatewayEnv.for_task(task, config, harness="mini-swe-agent")
+    with pytest.raises(ValueError, match="step_limit must be a whole number"):
+        GatewayEnv.for_task(task, harness="tiny-agent", step_limit=0)
+    with pytest.raises(ValueError, match="needs the episode's harness"):
+        GatewayEnv.for_task(task)
+    with pytest.raises(ValueError, match=r"GatewayEnv\(episode=...\) needs task="):
+        GatewayEnv(episode=config)
+    with pytest.raises(TypeError, match="episode must be an EpisodeConfig"):
+        GatewayEnv.for_task(task, {"harness": "tiny-agent"})  # type: ignore[arg-type]
+    custom = CrashingHarness()
+    env = GatewayEnv.for_task(task, config, harness=custom)
+    assert env.config is config and env._harness is custom
+
+
 async def test_env_reset_mid_episode_cleans_the_old_one(sandbox_root: Path) -> None:
     task = BY_NAME["fix-median-bug"]
     async with Gateway(port=0, side_call_detector=harness_side_call_detector("tiny-agent")) as gw:

@@ -11,10 +11,19 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ares_gateway.cli._support import HelpFormatter, refuse_secret_flag, run_on_uvloop, tune_gc
 from sandbox import BACKENDS as SANDBOX_BACKENDS
+
+if TYPE_CHECKING:  # the CLI imports what a command needs when it runs (start-up time)
+    from collections.abc import Sequence
+
+    from rich.console import Console
+
+    from ares_gateway.episodes.output import RunSummary
+    from ares_gateway.episodes.tasks import Task
+    from ares_gateway.policies.base import Policy
 
 POLICIES = ("oracle", "scripted", "upstream", "tito", "http")
 ENGINES = ("llama-cpp", "sglang", "vllm")
@@ -269,7 +278,7 @@ def _tito_harness_options(policy: Any, harness: str, action_regex: str | None = 
     return {}
 
 
-def _install_signals(stop: asyncio.Event, console: Any) -> None:
+def _install_signals(stop: asyncio.Event, console: Console) -> None:
     """First Ctrl-C (or SIGTERM): stop launching, cancel running episodes, write what finished.
     A second one removes every sandbox at once and exits."""
     from sandbox import janitor
@@ -296,7 +305,8 @@ def _install_signals(stop: asyncio.Event, console: Any) -> None:
 
 
 async def _execute(
-    *, tasks: Any, harness: str, policy: Any, backend: str, args: argparse.Namespace, out: Path, console: Any,
+    *, tasks: Sequence[Task], harness: str, policy: Policy, backend: str, args: argparse.Namespace, out: Path,
+    console: Console,
     run_info: dict[str, Any],
 ) -> Any:
     from ares_gateway.episodes.episode import episode_gateway
@@ -360,7 +370,7 @@ async def _execute(
                                       stop=stop, gateway=gateway, run_info=run_info)
     finally:
         if entered:
-            await policy.__aexit__(None, None, None)
+            await policy.__aexit__(None, None, None)  # type: ignore[attr-defined]  # hasattr-checked above
         janitor.cleanup_all(reason="run finished")  # a safety net: every episode removes its own sandbox
 
 
@@ -391,13 +401,13 @@ def _ray_connect_timeout(args: argparse.Namespace) -> float:
     return CONNECT_TIMEOUT if value is None else float(value)
 
 
-def _policy_run_info(policy: Any) -> dict[str, Any]:
+def _policy_run_info(policy: object) -> dict[str, Any]:
     """What ``results.json`` records of the policy per run (tito: kind, engine, model, renderer, sampling)."""
     info = getattr(policy, "run_info", None)
     return dict(info()) if callable(info) else {}
 
 
-def fidelity_lines(summary: Any) -> list[str]:
+def fidelity_lines(summary: RunSummary) -> list[str]:
     """One line per episode whose policy reported token fidelity (tito): turns, trained tokens, fresh
     renders (history rewritten) and main-line drift (expected 0)."""
     lines = []
@@ -411,7 +421,7 @@ def fidelity_lines(summary: Any) -> list[str]:
     return lines
 
 
-def _report(summary: Any, console: Any, out: Path) -> None:
+def _report(summary: RunSummary, console: Console, out: Path) -> None:
     from ares_gateway.episodes.rollouts import results_table, summary_lines
 
     console.print(results_table(summary))
@@ -435,7 +445,7 @@ class _RunFailed(Exception):
         self.rc = rc
 
 
-def _run_guarded(coro: Any, *, out: Path, run_info: dict[str, Any], tasks: Any, harness: str,
+def _run_guarded(coro: Any, *, out: Path, run_info: dict[str, Any], tasks: Sequence[Task], harness: str,
                  attempts: int) -> Any:
     """Run ``coro`` (an :func:`_execute`); a failed start-up check or install, or anything unforeseen,
     becomes one ``ares-gateway: error:`` line (the traceback only at --log-level DEBUG), and

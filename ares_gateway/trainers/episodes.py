@@ -24,7 +24,7 @@ from ares_gateway.episodes.rollouts import EpisodeResult, run_rollouts
 from ares_gateway.episodes.tasks import Dataset, Task, load_dataset
 from ares_gateway.extras import MissingExtraError as _MissingExtra
 from ares_gateway.policies.base import Policy
-from trajectory import check_max_staleness, mask_stale
+from trajectory import Sample, check_max_staleness, mask_stale
 
 __all__ = [
     "EpisodeSample",
@@ -181,7 +181,7 @@ class EpisodeSample:
     session_id: str = ""
     error: str | None = None
     #: The main-line :class:`trajectory.Sample` (``None``: the episode recorded no token-carrying turn).
-    sample: Any = None
+    sample: Sample | None = None
     #: The episode's other samples (side calls, segments and branches of a history rewrite, foreign
     #: conversations), not given to the trainer.
     other_samples: int = 0
@@ -295,7 +295,7 @@ class SampledTurn:
     policy_version: int | None = None
 
 
-def sample_turns(sample: Any) -> list[SampledTurn]:
+def sample_turns(sample: Sample) -> list[SampledTurn]:
     """The model's answers in a main-line :class:`trajectory.Sample`, in order: each maximal run of
     sampled ids (loss mask 1) after the prompt is one answer, its prompt every id before it. Joined
     back, the turns are the sample: the last turn's prompt plus its completion is the sample's ids up

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import warnings
@@ -23,11 +24,11 @@ from typing import Any
 from ares_gateway.core.answers import ErrorAnswer
 from ares_gateway.core.broker import ParkedRequest
 from ares_gateway.core.errors import InvalidAnswerError
-from ares_gateway.episodes.env import GatewayEnv
-from ares_gateway.episodes.episode import EpisodeOutcome, EpisodeSetupError, TaskEpisode, one_line
+from ares_gateway.episodes.env import GatewayEnv, step_info
+from ares_gateway.episodes.episode import EpisodeSetupError, TaskEpisode, one_line
 from ares_gateway.episodes.episode_spec import EpisodeSpec
 from ares_gateway.episodes.failures import INFRA_ERROR
-from ares_gateway.episodes.output import EpisodeResult
+from ares_gateway.episodes.result import EpisodeResult
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.episodes.usage import episode_usage
 from ares_gateway.episodes.warm import Warmed, WarmPool
@@ -190,7 +191,7 @@ async def _drive(spec: EpisodeSpec, policy: Policy, gateway: Gateway,
                          ts.info, failures=failures)
         if isinstance(policy, EpisodeReporter):
             result.fidelity = policy.episode_report(sid, samples)
-        return EpisodeRecord(result, samples, turns, dict(outcome.logs))
+        return EpisodeRecord(result, samples, turns, dict(env.logs))
     finally:
         if binder is not None and sid:
             binder.unbind(sid)
@@ -274,7 +275,7 @@ async def _passive_episode(gw: Gateway, spec: EpisodeSpec, harness: BaseHarness,
             outcome = await ep.finish(truncation=truncation)
     finally:
         await ep.close()
-    info = outcome.info()
+    info = step_info(outcome)
     await gw.end_session(sid, reward=outcome.reward, truncated=outcome.truncated,
                    **{k: v for k, v in info.items() if k != "truncated"})
     samples = gw.trajectory(sid)
@@ -282,10 +283,10 @@ async def _passive_episode(gw: Gateway, spec: EpisodeSpec, harness: BaseHarness,
     result = _result(task, attempt, outcome, turns, samples, sid, time.monotonic() - t0, info)
     with contextlib.suppress(Exception):
         await gw.delete_session(sid)
-    return EpisodeRecord(result, samples, turns, dict(outcome.logs))
+    return EpisodeRecord(result, samples, turns, dict(ep.logs))
 
 
-def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[str, Any]],
+def _result(task: Task, attempt: int, outcome: EpisodeResult, turns: list[dict[str, Any]],
             samples: list[Any], sid: str, duration: float, info: Mapping[str, Any], *,
             failures: Sequence[Mapping[str, Any]] = ()) -> EpisodeResult:
     latencies = [float(t["latency"]) for t in turns if t.get("latency") is not None]
@@ -297,37 +298,24 @@ def _result(task: Task, attempt: int, outcome: EpisodeOutcome, turns: list[dict[
         said = (f"the policy failed on {len(failures)} of {len(failures) + len(turns)} request(s) "
                 f"(last: {last['status']} {last['message']})")
         error = f"{said}; then {error}" if error else said
-    return EpisodeResult(
-        task=task.name,
+    # The episode's own result, completed with what the gateway recorded and the run's names.
+    return dataclasses.replace(
+        outcome,
         attempt=attempt,
-        reward=outcome.reward,
         turns=len(turns) + len(failures),
         duration=duration,
-        exit_reason=outcome.exit_reason,
-        truncated=outcome.truncated,
         error=one_line(error),
         reward_parts=dict(outcome.reward_parts),
+        retry_errors=list(outcome.retry_errors),
         samples=len(samples),
         session_id=sid,
-        setup_seconds=outcome.setup_seconds,
-        warm=outcome.warm,
-        agent_seconds=outcome.agent_seconds,
-        verify_seconds=outcome.verify_seconds,
         answer_latency=sum(latencies) / len(latencies) if latencies else None,
         usage=episode_usage(turns),
-        network=outcome.network,
-        grading=outcome.grading,
         grading_setup_seconds=round(outcome.grading_setup_seconds, 3),
         first_version=versions[0] if versions else None,
         last_version=versions[-1] if versions else None,
-        verifier_crashed=outcome.verifier_crashed,
-        failure_site=outcome.failure_site,
         task_dir=str(task.path),
-        workspace=workspace_file(task.name, attempt) if outcome.saved_workspace is not None else None,
-        workspace_bytes=outcome.saved_workspace_bytes,
-        workspace_truncated=outcome.workspace_truncated,
-        workspace_error=outcome.workspace_error,
-        workspace_uid=outcome.workspace_uid,
+        workspace=workspace_file(task.name, attempt) if outcome.workspace is not None else None,
     )
 
 

@@ -42,8 +42,9 @@ from ares_gateway.core.sessions import SessionInfo
 from ares_gateway.gateway import Gateway
 
 if TYPE_CHECKING:
-    from ares_gateway.episodes.episode import EpisodeOutcome, TaskEpisode
+    from ares_gateway.episodes.episode import TaskEpisode
     from ares_gateway.episodes.episode_spec import EpisodeConfig
+    from ares_gateway.episodes.result import EpisodeResult
     from ares_gateway.episodes.tasks import Task
     from ares_gateway.episodes.warm import Warmed
     from harnesses import BaseHarness
@@ -286,7 +287,10 @@ class GatewayEnv:
         self.session: SessionInfo | None = None
         #: The running task episode (task mode), and how the last one ended.
         self.episode: TaskEpisode | None = None
-        self.outcome: EpisodeOutcome | None = None
+        self.outcome: EpisodeResult | None = None
+        #: The last episode's logs (task mode): the agent's ``stdout.log`` and ``stderr.log``, the
+        #: harness's artifacts, ``verifier.log``.
+        self.logs: dict[str, str] = {}
         self._current: ParkedRequest | None = None
         self._steps = 0
         self._started = 0.0
@@ -483,14 +487,15 @@ class GatewayEnv:
             outcome = await episode.finish(truncation=truncated_by)
         finally:
             await episode.close()
-        return self._finish_task(outcome)
+        return self._finish_task(outcome, episode.logs)
 
-    def _finish_task(self, outcome: EpisodeOutcome) -> TimeStep:
+    def _finish_task(self, outcome: EpisodeResult, logs: dict[str, str]) -> TimeStep:
         assert self.session is not None
         self.outcome = outcome
         self._done = True
         self._current = None
-        info = {**outcome.info(), "steps": self._steps}
+        self.logs = logs
+        info = {**step_info(outcome), "steps": self._steps}
         sid = self.session.session_id
         if self.gateway.sessions.find(sid) is not None:
             # The final reward goes on the session, so trajectory() and GET /sessions/{id} carry it.
@@ -534,6 +539,7 @@ class GatewayEnv:
         self._steps = 0
         self._done = False
         self.outcome = None
+        self.logs = {}
         self.episode = episode
 
         async def start() -> TimeStep:
@@ -544,7 +550,7 @@ class GatewayEnv:
             except EpisodeSetupError:
                 outcome = await episode.finish()
                 await episode.close()
-                return self._finish_task(outcome)
+                return self._finish_task(outcome, episode.logs)
             self._started = time.monotonic()  # the time limit counts from the agent's launch
             assert episode.agent is not None
             episode.agent.add_done_callback(lambda _t: self._agent_exited(sid))
@@ -621,3 +627,42 @@ def _episode_config(episode: EpisodeConfig | None, harness: str | BaseHarness | 
         raise TypeError(f"GatewayEnv got {', '.join(given)} beside episode=: set "
                         f"{'it' if len(given) == 1 else 'them'} in the EpisodeConfig")
     return episode
+
+
+def step_info(result: EpisodeResult) -> dict[str, Any]:
+    """What a task episode's LAST ``TimeStep.info`` says of how it ended (JSON-able; also put on the
+    session when it ends): a :class:`TaskEpisode`'s result before the driver adds what the gateway
+    recorded. ``workspace_bytes`` here is the size of the workdir's archive copied for grading, and
+    ``saved_workspace`` the file the workspace was saved to."""
+    out: dict[str, Any] = {
+        "task": result.task,
+        "harness": result.harness,
+        "exit_reason": result.exit_reason,
+        "truncated": result.truncated,
+        "truncation": result.exit_reason if result.truncated else None,
+        "reward_parts": dict(result.reward_parts),
+        "reward_source": result.reward_source,
+        "agent_exit_code": result.agent_exit_code,
+        "setup_seconds": round(result.setup_seconds, 3),
+        "agent_seconds": round(result.agent_seconds, 3),
+        "verify_seconds": round(result.verify_seconds, 3),
+        "install_reused": result.install_reused,
+        "warm": result.warm,
+        "sandbox": result.sandbox,
+        "network": result.network,
+        "grading": result.grading,
+        "grading_setup_seconds": round(result.grading_setup_seconds, 3),
+        "workspace_bytes": result.copied_bytes,
+        "saved_workspace": result.workspace,
+        "workspace_truncated": result.workspace_truncated,
+    }
+    if result.workspace_error is not None:
+        out["workspace_error"] = result.workspace_error
+    if result.error is not None:
+        out["error"] = result.error
+    if result.verifier_error is not None:
+        out["verifier_error"] = result.verifier_error
+        out["verifier_crashed"] = result.verifier_crashed
+    if result.failure_site:
+        out["failure_site"] = result.failure_site
+    return out

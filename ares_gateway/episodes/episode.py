@@ -14,7 +14,8 @@ sandbox, the install or the agent did:
    ahead of the episode in a warm pool (:mod:`~ares_gateway.episodes.warm`).
 2. :meth:`~TaskEpisode.finish`: stop the agent when it is still running (a limit was hit), read its
    logs, run the task's tests with their own timeout and read the reward (not after a setup failure
-   or an agent crash: reward 0.0 with the error), and return an :class:`EpisodeOutcome`. By default
+   or an agent crash: reward 0.0 with the error), and return its
+   :class:`~ares_gateway.episodes.result.EpisodeResult` (the logs in :attr:`TaskEpisode.logs`). By default
    the tests run in the grading sandbox, into which only a copy of the agent's final workdir goes
    (:func:`~ares_gateway.episodes.verifier.copy_workspace`): no process, file outside the workdir,
    environment or pid the agent left is there. ``[verifier] sandbox = "agent"`` runs them in the
@@ -36,7 +37,6 @@ import shlex
 import shutil
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,7 @@ import sandbox as sandbox_mod
 from ares_gateway.core.sessions import SessionInfo
 from ares_gateway.episodes import workspaces
 from ares_gateway.episodes.failures import AGENT_SANDBOX, GRADING_SANDBOX
+from ares_gateway.episodes.result import EpisodeResult
 from ares_gateway.episodes.tasks import Task, prepare_workdir
 from ares_gateway.episodes.verifier import (
     VerifierResult,
@@ -67,7 +68,7 @@ log = logging.getLogger(__name__)
 #: the session's unix socket (``Gateway.agent_socket``). Below Linux's ephemeral range, so no
 #: outgoing connection of the agent ever holds it first.
 AGENT_PORT = 18790
-#: How an episode's sandbox is networked (``EpisodeOutcome.network``).
+#: How an episode's sandbox is networked (``EpisodeResult.network``).
 NETWORK_MODES = (
     "relay",  # network "none": the sandbox reaches only its own session's LLM endpoint (the default;
     # remote sandboxes and Docker with --tunnel exec reach it over the exec tunnel, sandbox/tunnel.py)
@@ -111,92 +112,6 @@ class EpisodeSetupError(Exception):
         super().__init__(message)
         self.reason = reason
         self.message = message
-
-
-@dataclass
-class EpisodeOutcome:
-    """How one task episode ended. :meth:`info` is the JSON-able summary put into ``TimeStep.info``."""
-
-    task: str
-    harness: str
-    reward: float = 0.0
-    reward_parts: dict[str, float] = field(default_factory=dict)
-    reward_source: str = ""
-    exit_reason: str = "completed"
-    truncated: bool = False
-    error: str | None = None
-    verifier_error: str | None = None
-    #: The verifier's own machinery failed, not its tests (``VerifierResult.crashed``).
-    verifier_crashed: bool = False
-    #: Where the cause of a ``sandbox_error`` or a verifier crash lies, which decides whose failure it
-    #: is (:func:`~ares_gateway.episodes.failures.classify`): ``agent_sandbox`` (the agent's own sandbox,
-    #: lost or failing while the agent ran or at grading, or the copy of its workdir out of it: the
-    #: agent's once the policy answered a call), ``grading_sandbox`` (the fresh grading sandbox or the
-    #: verifier's machinery in it, which the agent never touched: the infrastructure's), or ``""``
-    #: (neither happened, or the sandbox failed before the agent ran: the infrastructure's).
-    failure_site: str = ""
-    agent_exit_code: int | None = None
-    #: Set-up time: the sandbox's start, the workdir, the install (ahead of the episode when ``warm``).
-    setup_seconds: float = 0.0
-    agent_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    install_reused: bool | None = None
-    #: The sandbox came from a warm pool, set up ahead of the episode.
-    warm: bool = False
-    sandbox: str = ""
-    #: One of :data:`NETWORK_MODES`.
-    network: str = ""
-    #: Where the tests ran: ``fresh`` (a new sandbox holding a copy of the workdir), ``agent`` (the
-    #: agent's own sandbox, ``[verifier] sandbox = "agent"``), or ``""`` (they did not run).
-    grading: str = ""
-    #: How long the fresh grading sandbox took to start (while the agent ran).
-    grading_setup_seconds: float = 0.0
-    #: The size of the workdir's archive copied into it.
-    workspace_bytes: int | None = None
-    #: The saved workspace (``TaskEpisode(save_workspace=...)``, :mod:`~ares_gateway.episodes.workspaces`):
-    #: its file, size, whether it was cut at the cap, why it could not be saved, and the uid it was
-    #: unpacked as for grading.
-    saved_workspace: str | None = None
-    saved_workspace_bytes: int | None = None
-    workspace_truncated: bool = False
-    workspace_error: str | None = None
-    workspace_uid: str | None = None
-    #: Harness and verifier logs: ``stdout.log``, ``stderr.log``, the harness's artifacts, ``verifier.log``.
-    logs: dict[str, str] = field(default_factory=dict, repr=False)
-
-    def info(self) -> dict[str, Any]:
-        out = {
-            "task": self.task,
-            "harness": self.harness,
-            "exit_reason": self.exit_reason,
-            "truncated": self.truncated,
-            "truncation": self.exit_reason if self.truncated else None,
-            "reward_parts": dict(self.reward_parts),
-            "reward_source": self.reward_source,
-            "agent_exit_code": self.agent_exit_code,
-            "setup_seconds": round(self.setup_seconds, 3),
-            "agent_seconds": round(self.agent_seconds, 3),
-            "verify_seconds": round(self.verify_seconds, 3),
-            "install_reused": self.install_reused,
-            "warm": self.warm,
-            "sandbox": self.sandbox,
-            "network": self.network,
-            "grading": self.grading,
-            "grading_setup_seconds": round(self.grading_setup_seconds, 3),
-            "workspace_bytes": self.workspace_bytes,
-            "saved_workspace": self.saved_workspace,
-            "workspace_truncated": self.workspace_truncated,
-        }
-        if self.workspace_error is not None:
-            out["workspace_error"] = self.workspace_error
-        if self.error is not None:
-            out["error"] = self.error
-        if self.verifier_error is not None:
-            out["verifier_error"] = self.verifier_error
-            out["verifier_crashed"] = self.verifier_crashed
-        if self.failure_site:
-            out["failure_site"] = self.failure_site
-        return out
 
 
 def harness_side_call_detector(*harnesses: str | BaseHarness | type[BaseHarness]) -> SideCallDetector:
@@ -392,6 +307,9 @@ class TaskEpisode:
         self._agent_seconds = 0.0
         self._install_reused: bool | None = None
         self._closed = False
+        #: The agent's and the verifier's logs, read when the episode finishes: ``stdout.log``,
+        #: ``stderr.log``, the harness's artifacts, ``verifier.log``.
+        self.logs: dict[str, str] = {}
         #: The session :meth:`prepare` set this episode up for (``None``: not prepared yet).
         self.session: SessionInfo | None = None
         #: Prepared ahead by a warm pool rather than when the episode began.
@@ -589,19 +507,21 @@ class TaskEpisode:
             except Exception as exc:
                 log.warning("could not kill the agent in sandbox %s: %s", self.sandbox.id, exc)
 
-    async def finish(self, *, truncation: str | None = None) -> EpisodeOutcome:
-        """End the episode: stop the agent if it still runs, read the logs, verify, and say how it ended.
+    async def finish(self, *, truncation: str | None = None) -> EpisodeResult:
+        """End the episode: stop the agent if it still runs, read the logs (into :attr:`logs`), verify,
+        and say how it ended: its result, with ``attempt``, ``turns`` and ``duration`` left 0 (what the
+        gateway recorded is the driver's to add).
 
         ``truncation`` (``step_limit`` / ``time_limit``) says that a limit ended it. Never raises
         for what the agent, the sandbox or the tests did.
         """
-        out = EpisodeOutcome(task=self.task.name, harness=self.harness.name, sandbox=self.backend,
-                             setup_seconds=self.setup_seconds, install_reused=self._install_reused,
-                             warm=self.warm,
-                             network=self.network)
+        out = EpisodeResult(task=self.task.name, attempt=0, reward=0.0, turns=0, duration=0.0,
+                            exit_reason="completed", harness=self.harness.name, sandbox=self.backend,
+                            setup_seconds=self.setup_seconds, install_reused=self._install_reused,
+                            warm=self.warm, network=self.network)
         if self.setup_error is not None:
             out.exit_reason, out.error = self.setup_error.reason, one_line(self.setup_error.message)
-            await self._read_logs(out)
+            await self._read_logs()
             return out
         if self.agent is None:
             out.exit_reason, out.error = "sandbox_error", "the episode was never started"
@@ -653,7 +573,7 @@ class TaskEpisode:
         out.agent_seconds = self._agent_seconds
         await self._note_limits(out)
         out.error = one_line(out.error)
-        await self._read_logs(out)
+        await self._read_logs()
         if out.exit_reason in ("completed", "step_limit", "time_limit"):
             started = time.monotonic()
             out.grading = self.task.config.grading
@@ -683,17 +603,17 @@ class TaskEpisode:
             if verdict.crashed:
                 out.failure_site = verdict.failure_site
             if verdict.script is not None:
-                out.logs["verifier.log"] = (
+                self.logs["verifier.log"] = (
                     f"exit code {verdict.script.exit_code} (timed out: {verdict.script.timed_out}, "
                     f"{verdict.script.duration:.1f} s)\n--- stdout\n{verdict.script.stdout}\n"
                     f"--- stderr\n{verdict.script.stderr}\n"
                 )
             if verdict.error is not None:
-                out.logs.setdefault("verifier.log", "")
-                out.logs["verifier.log"] += f"error: {verdict.error}\n"
+                self.logs.setdefault("verifier.log", "")
+                self.logs["verifier.log"] += f"error: {verdict.error}\n"
         return out
 
-    async def _note_limits(self, out: EpisodeOutcome) -> None:
+    async def _note_limits(self, out: EpisodeResult) -> None:
         """A resource limit the sandbox hit while the agent ran ends the episode as ``<name>_limit``
         (whatever else the agent did): the tests do not run, the reward is 0.0."""
         sb = self.sandbox
@@ -748,7 +668,7 @@ class TaskEpisode:
             return f"starting the {self.backend} grading sandbox failed: {_describe(exc)}"
         return None
 
-    async def verify(self, out: EpisodeOutcome | None = None) -> VerifierResult:
+    async def verify(self, out: EpisodeResult | None = None) -> VerifierResult:
         """Run the task's tests (their own timeout) and read the reward; never raises.
 
         ``[verifier] sandbox = "fresh"`` (the default): prepare the tests in the grading sandbox, copy
@@ -821,7 +741,7 @@ class TaskEpisode:
                                   failure_site=await self._grading_site(gsb))
         await save(whole=True)
         if out is not None:
-            out.workspace_bytes = size
+            out.copied_bytes = size
         verdict = await run_tests(gsb, self.task, prepared=True)
         return (
             dataclasses.replace(verdict, failure_site=await self._grading_site(gsb))
@@ -835,7 +755,7 @@ class TaskEpisode:
         memory or the processes), else the grading sandbox's."""
         return AGENT_SANDBOX if await gsb.limits_reached() else GRADING_SANDBOX
 
-    async def _read_logs(self, out: EpisodeOutcome) -> None:
+    async def _read_logs(self) -> None:
         """The agent's stdout/stderr and the harness's artifacts, read from the sandbox (best effort)."""
         sb, prep, ctx = self.sandbox, self.prep, self.ctx
         if sb is None or prep is None or ctx is None or sb.state != "running":
@@ -856,7 +776,7 @@ class TaskEpisode:
                 log.debug("could not read %s: %s", path, exc)
                 continue
             if r.ok:
-                out.logs[name] = r.stdout
+                self.logs[name] = r.stdout
 
     # ------------------------------------------------------------------ close
 

@@ -25,7 +25,10 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ares_gateway.episodes.result import EpisodeResult
 
 log = logging.getLogger(__name__)
 
@@ -172,13 +175,13 @@ async def seal_async(part: Path, final: Path, *, limit: int, too_large: bool = F
                                    episode=episode, whole=whole)
 
 
-def note(out: Any, saved: SavedWorkspace, uid: str | None = None) -> None:
-    """Put what saving gave onto an :class:`~ares_gateway.episodes.episode.EpisodeOutcome` (``None``:
-    nothing)."""
+def note(out: EpisodeResult | None, saved: SavedWorkspace, uid: str | None = None) -> None:
+    """Put what saving gave onto an episode's :class:`~ares_gateway.episodes.result.EpisodeResult`
+    (``None``: nothing)."""
     if out is None:
         return
-    out.saved_workspace = str(saved.path) if saved.path is not None else None
-    out.saved_workspace_bytes = saved.bytes
+    out.workspace = str(saved.path) if saved.path is not None else None
+    out.workspace_bytes = saved.bytes
     out.workspace_truncated = saved.truncated
     out.workspace_error = saved.error
     out.workspace_uid = uid

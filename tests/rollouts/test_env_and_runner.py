@@ -122,8 +122,8 @@ async def test_env_oracle_and_failing_tests(sandbox_root: Path) -> None:
         assert partial.info["reward_parts"] == {"valid_json": 1.0, "regions": 0.0, "totals": 0.0}  # type: ignore[attr-defined]
         assert left_behind(sandbox_root) == []
         for env in envs:
-            assert (env.outcome is not None and "stdout.log" in env.outcome.logs
-                    and "verifier.log" in env.outcome.logs)
+            assert (env.outcome is not None and "stdout.log" in env.logs
+                    and "verifier.log" in env.logs)
             turns = env.turn_log()
             assert turns and turns[0]["request"]["tools"][0]["function"]["name"] == "bash"
             assert env.trajectory() == []  # scripted answers carry no token ids

@@ -1,15 +1,19 @@
-"""Helpers shared by test modules of several suites: loopback ports, the CLI's command line, what
-local sandboxes leave behind, waiting on a CLI process, token records, and harnesses that fail on
-purpose."""
+"""Helpers shared by test modules of several suites: loopback ports, the CLI's command line, a served
+gateway in a child process, what local sandboxes leave behind, waiting on a CLI process, token records,
+and harnesses that fail on purpose."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+import aiohttp
 
 from ares_gateway.core.canonical import TokenRecord
 from harnesses.tiny_agent import TinyAgentHarness
@@ -25,6 +29,32 @@ def free_port() -> int:
 def cli(*args: str) -> list[str]:
     """The ``ares-gateway`` command line, run with this interpreter."""
     return [sys.executable, "-m", "ares_gateway.cli", *args]
+
+
+def start_serve(*args: str, env: Mapping[str, str] | None = None,
+                merge_stderr: bool = False) -> subprocess.Popen[str]:
+    """``ares-gateway serve ARGS`` in a child process, its output piped as text (``merge_stderr``: stderr
+    into stdout); ``env``: its whole environment (default: this one's)."""
+    return subprocess.Popen(cli("serve", *args), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
+                            env=None if env is None else dict(env))
+
+
+async def wait_serving(url: str, proc: subprocess.Popen[str], *, timeout: float = 20.0) -> None:
+    """Wait until ``url``'s ``/healthz`` answers 200; fails with the server's output if it exits first, or
+    after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                out = proc.stderr or proc.stdout
+                raise AssertionError(f"serve exited: {out.read() if out else ''}")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(f"{url}/healthz") as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"serve did not come up in {timeout:.0f} s")
 
 
 def left_behind(root: Path) -> list[str]:

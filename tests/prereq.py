@@ -42,8 +42,7 @@ def image_present(tag: str) -> bool:
 
 
 def require_hardened_local() -> None:
-    """Hardened local sandboxes (bubblewrap, run as root), or the test is skipped."""
-    from sandbox.local import bwrap_available
+    """The hardened local sandbox: root, bubblewrap, nsenter and setpriv."""
+    from ares_gateway.episodes.episode import local_can_harden
 
-    if not bwrap_available() or os.geteuid() != 0:
-        pytest.skip("hardened local sandboxes need bubblewrap and root")
+    require(local_can_harden(), "the hardened local sandbox needs root, bubblewrap, nsenter and setpriv")

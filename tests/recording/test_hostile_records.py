@@ -31,7 +31,7 @@ from ares_gateway.core.recorder import RecordedTurn
 from ares_gateway.core.session_recorder import SessionRecorder
 from ares_gateway.core.store import TurnStore
 from tests.gateway.test_edges import _nested
-from tests.helpers import free_port
+from tests.helpers import free_port, start_serve, wait_serving
 
 ROOT = os.geteuid() == 0
 
@@ -354,30 +354,14 @@ def _env() -> dict[str, str]:
 
 def _serve(data_dir: Path, port: int = 0) -> subprocess.Popen[str]:
     """``serve`` as it is run by default: no token file or variable, so it writes one into the data dir."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--data-dir", str(data_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-    )
-
-
-async def _wait_up(url: str, proc: subprocess.Popen[str]) -> None:
-    async with aiohttp.ClientSession() as http:
-        for _ in range(400):
-            if proc.poll() is not None:
-                raise AssertionError(f"serve exited: {proc.stderr.read() if proc.stderr else ''}")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(f"{url}/healthz") as r:
-                    if r.status == 200:
-                        return
-            await asyncio.sleep(0.05)
-    raise AssertionError("serve did not come up")
+    return start_serve("--port", str(port), "--data-dir", str(data_dir), env=_env())
 
 
 async def _serve_and_stop(data_dir: Path, port: int) -> str:
     """``serve`` on ``data_dir`` until it answers, then stopped: what it wrote to stderr."""
     proc = _serve(data_dir, port)
     try:
-        await _wait_up(f"http://127.0.0.1:{port}", proc)
+        await wait_serving(f"http://127.0.0.1:{port}", proc)
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=20)
@@ -417,7 +401,7 @@ async def test_the_data_dir_is_0700_and_every_file_in_it_0600(tmp_path: Path) ->
     finally:
         os.umask(old)
     try:
-        await _wait_up(f"http://127.0.0.1:{port}", proc)
+        await wait_serving(f"http://127.0.0.1:{port}", proc)
         info = await _a_session_with_a_turn(f"http://127.0.0.1:{port}", data)
         assert info["token"].encode() in (data / "gateway.sqlite3-wal").read_bytes()  # what is at stake
         assert oct(stat.S_IMODE(data.stat().st_mode)) == "0o700"
@@ -433,7 +417,7 @@ async def test_the_data_dir_is_0700_and_every_file_in_it_0600(tmp_path: Path) ->
     os.chmod(data / "gateway.sqlite3", 0o644)
     proc = _serve(data, port)
     try:
-        await _wait_up(f"http://127.0.0.1:{port}", proc)
+        await wait_serving(f"http://127.0.0.1:{port}", proc)
         assert oct(stat.S_IMODE(data.stat().st_mode)) == "0o700"
         assert set(_modes(data).values()) == {"0o600"}, _modes(data)
     finally:
@@ -540,7 +524,7 @@ async def test_a_discarded_wal_is_reported(tmp_path: Path) -> None:
     port = free_port()
     proc = _serve(data, port)
     try:
-        await _wait_up(f"http://127.0.0.1:{port}", proc)
+        await wait_serving(f"http://127.0.0.1:{port}", proc)
         await _a_session_with_a_turn(f"http://127.0.0.1:{port}", data)
         proc.send_signal(signal.SIGKILL)  # the session is in the WAL only
         proc.wait(10)

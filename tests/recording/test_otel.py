@@ -12,7 +12,6 @@ wire format the SDK's exporter sends; no collector installs here).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -25,7 +24,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.helpers import free_port
+from tests.helpers import free_port, start_serve, wait_serving
 
 pytest.importorskip("opentelemetry.sdk.trace",
                     reason="the otel extra is not installed: pip install -e '.[otel]'")
@@ -224,13 +223,6 @@ def test_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Gateway(data_dir=False).telemetry is None
 
 
-def _serve(port: int, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--in-memory",
-         "--otel", "--otel-content"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=env)
-
-
 async def test_serve_otel_sends_spans_with_contents_when_asked(tmp_path: Path) -> None:
     received: list[ExportTraceServiceRequest] = []
     runner, otlp = await _receiver(received)
@@ -238,18 +230,13 @@ async def test_serve_otel_sends_spans_with_contents_when_asked(tmp_path: Path) -
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp}", "OTEL_BSP_SCHEDULE_DELAY": "100",
             "ARES_GATEWAY_ADMIN_TOKEN": "otel-admin"}
-    proc = _serve(port, env)
+    proc = start_serve("--port", str(port), "--in-memory", "--otel", "--otel-content", env=env,
+                       merge_stderr=True)
     url = f"http://127.0.0.1:{port}"
     admin = {"authorization": "Bearer otel-admin"}
     try:
+        await wait_serving(url, proc)
         async with aiohttp.ClientSession() as http:
-            for _ in range(300):
-                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with http.get(f"{url}/healthz") as r:
-                        if r.status == 200:
-                            break
-                await asyncio.sleep(0.05)
             async with http.post(f"{url}/sessions", json={"session_id": "cli"}, headers=admin) as r:
                 info = await r.json()
             client = openai.AsyncOpenAI(base_url=f"{info['base_url']}/v1", api_key=info["token"],

@@ -19,7 +19,7 @@ import pytest
 from ares_gateway import Completion, Gateway
 from ares_gateway.core.errors import DataDirError, InvalidAnswerError
 from ares_gateway.core.token_ids import encode_token_ids
-from tests.helpers import free_port
+from tests.helpers import free_port, start_serve, wait_serving
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -38,26 +38,8 @@ def _first_difference(before: list[dict], after: list[dict]) -> str:
     return f"{len(before)} turns before the restart, {len(after)} after"
 
 def _serve(data_dir: Path, port: int) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "ares_gateway.cli", "serve", "--port", str(port), "--data-dir", str(data_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": ADMIN},
-    )
-
-
-async def _wait_up(url: str, proc: subprocess.Popen[str]) -> None:
-    async with aiohttp.ClientSession() as http:
-        for _ in range(200):
-            if proc.poll() is not None:
-                raise AssertionError(f"serve exited: {proc.stderr.read() if proc.stderr else ''}")
-            try:
-                async with http.get(f"{url}/healthz") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
-    raise AssertionError("serve did not come up")
+    return start_serve("--port", str(port), "--data-dir", str(data_dir),
+                       env={**os.environ, "ARES_GATEWAY_ADMIN_TOKEN": ADMIN})
 
 
 async def _turns(url: str, info: dict[str, Any], n: int, start: int, model: bench.TokenModel) -> None:
@@ -98,7 +80,7 @@ async def test_serve_killed_with_sigkill_restarts_with_every_answered_turn(tmp_p
     url = f"http://127.0.0.1:{port}"
     proc = _serve(data, port)
     try:
-        await _wait_up(url, proc)
+        await wait_serving(url, proc)
         async with aiohttp.ClientSession() as http, http.post(
             f"{url}/sessions", json={"session_id": "cc"}, headers={"authorization": f"Bearer {ADMIN}"}
         ) as r:
@@ -118,7 +100,7 @@ async def test_serve_killed_with_sigkill_restarts_with_every_answered_turn(tmp_p
             proc.kill()
     proc = _serve(data, port)
     try:
-        await _wait_up(url, proc)
+        await wait_serving(url, proc)
         summary = await _get(url, "/sessions/cc")
         assert summary["turns"] == 12
         after_turns = await _get(url, "/sessions/cc/turns")

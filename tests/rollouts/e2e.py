@@ -9,7 +9,7 @@ from pathlib import Path
 
 from harnesses import registry
 from harnesses.base import INSTALL_ROOT
-from tests.prereq import docker_ok, image_present, require
+from tests.prereq import docker_ok, image_present, require, require_hardened_local
 
 AGENTS_IMAGE = "ares-gateway/agents:latest"
 PROVISION = "bash .ci/provision-docker.sh && bash .ci/provision-agents.sh"
@@ -30,13 +30,6 @@ def require_mini(backend: str = "local") -> None:
     require(os.path.isfile(f"{prefix}/.ares-complete"),
             f"mini-swe-agent {version} is not provisioned at {prefix}: "
                                                         "run bash .ci/provision-agents.sh")
-
-
-def require_hardened_local() -> None:
-    """The hardened local sandbox: root, bubblewrap, nsenter and setpriv."""
-    from ares_gateway.episodes.episode import local_can_harden
-
-    require(local_can_harden(), "the hardened local sandbox needs root, bubblewrap, nsenter and setpriv")
 
 
 def require_backend(backend: str) -> None:

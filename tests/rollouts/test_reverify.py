@@ -35,8 +35,8 @@ from ares_gateway.episodes.rollouts import run_rollouts
 from ares_gateway.episodes.tasks import Task, load_dataset
 from ares_gateway.episodes.workspaces import check_archive, cut_archive
 from ares_gateway.policies import make_policy
-from tests.prereq import docker_ok, image_present, require
-from tests.rollouts.e2e import AGENTS_IMAGE, REPO, require_hardened_local
+from tests.prereq import docker_ok, image_present, require, require_hardened_local
+from tests.rollouts.e2e import AGENTS_IMAGE, REPO
 from tests.security.test_exploits import task_dir
 
 EXAMPLES = ("fix-median-bug", "make-slug-tests-pass", "summarize-sales-csv", "write-greeting-file")

@@ -2,6 +2,7 @@
 
     python3 bench/bench_recording.py                 # everything, briefly
     python3 bench/bench_recording.py memory --turns 200
+    python3 bench/bench_recording.py memory --turns 200 --no-parse-reuse   # no parse memo between turns
     python3 bench/bench_recording.py sessions --sessions 64 --turns 200
     python3 bench/bench_recording.py throughput --agents 64 --throughput-turns 16 --rounds 5
 
@@ -178,7 +179,7 @@ def _timed_steps() -> dict[str, list[float]]:
 
 
 def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False,
-                 steps: bool = False) -> dict[str, Any]:
+                 steps: bool = False, parse_reuse: bool = True) -> dict[str, Any]:
     import statistics
     import tracemalloc
 
@@ -194,8 +195,8 @@ def _memory_main(turns: int, tokens: bool, durable: bool, trace: bool = False,
 
     async def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
-            async with Gateway(port=0, data_dir=tmp if durable else False, release_ended=False) as gw, \
-                    aiohttp.ClientSession() as http:
+            async with Gateway(port=0, data_dir=tmp if durable else False, release_ended=False,
+                               parse_reuse=parse_reuse) as gw, aiohttp.ClientSession() as http:
                 # Warm-up session (imports, allocator, first-use caches), then forgotten.
                 sid = await _session(gw, http, 3, tokens)
                 await gw.delete_session(sid)
@@ -427,11 +428,15 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=64)
     ap.add_argument("--throughput-turns", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-parse-reuse", dest="parse_reuse", action="store_false",
+                    help="memory: the gateway with parse_reuse=False (no parse memo kept between turns)")
     args = ap.parse_args()
     if args.case in ("all", "memory"):
         for tokens in (True, False):
-            r = _sub("_memory_main", turns=args.turns, tokens=tokens, durable=True)
-            print(f"memory  turns={args.turns} tokens={tokens} durable=True: {json.dumps(r)}", flush=True)
+            r = _sub("_memory_main", turns=args.turns, tokens=tokens, durable=True,
+                     parse_reuse=args.parse_reuse)
+            print(f"memory  turns={args.turns} tokens={tokens} durable=True parse_reuse={args.parse_reuse}: "
+                  f"{json.dumps(r)}", flush=True)
     if args.case == "steps":  # the recorder's steps timed one by one (not in "all": the timing adds to each)
         r = _sub("_memory_main", turns=args.turns, tokens=True, durable=True, steps=True)
         print(f"steps  turns={args.turns}: {json.dumps(r['step_ms'])}", flush=True)

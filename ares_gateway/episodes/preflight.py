@@ -17,11 +17,14 @@ import asyncio
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ares_gateway.episodes.episode import DEFAULT_IMAGE, one_line
 from ares_gateway.episodes.tasks import Task
 from ares_gateway.policies.base import Policy
+
+if TYPE_CHECKING:
+    from ares_gateway.policies.upstream import UpstreamPolicy
 
 #: Seconds each check may take before it counts as failed.
 CHECK_TIMEOUT = 10.0
@@ -39,7 +42,7 @@ class PreflightReport:
     harness_options: dict[str, Any] = field(default_factory=dict)
 
 
-async def check_upstream(policy: Any, *, timeout: float = CHECK_TIMEOUT) -> str:
+async def check_upstream(policy: UpstreamPolicy, *, timeout: float = CHECK_TIMEOUT) -> str:
     """Whether ``policy`` (an :class:`~ares_gateway.policies.UpstreamPolicy`) reaches its server: its
     :meth:`~ares_gateway.policies.UpstreamPolicy.check`, with the failure as a :class:`PreflightError`."""
     from ares_gateway.policies import UpstreamError

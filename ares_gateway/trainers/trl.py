@@ -109,9 +109,11 @@ from trajectory import check_max_staleness
 
 if TYPE_CHECKING:
     from ares_gateway.core.fence import PauseReport
+    from ares_gateway.engines.transformers import TransformersEngine
     from ares_gateway.episodes.tasks import Task
     from ares_gateway.gateway import Gateway
     from ares_gateway.policies.base import Policy
+    from ares_gateway.policies.tito import TitoPolicy
     from ares_gateway.trainers._served import ServedEngine
 
 log = logging.getLogger(__name__)
@@ -329,8 +331,8 @@ class AresRollouts:
         #: The gateway every call's episodes run on (without an executor): it stamps each turn with the
         #: trainer's step, and its fence pauses sampling around optimizer steps under ``overlap``.
         self.gateway: Gateway | None = None
-        self.policy: Any = None
-        self.engine: Any = None
+        self.policy: TitoPolicy | None = None
+        self.engine: TransformersEngine | None = None
         self._model_id: int | None = None
         self._loop: _Loop | None = None
         self._lock = threading.Lock()
@@ -361,12 +363,14 @@ class AresRollouts:
                 self._loop = _Loop()
             step = getattr(getattr(trainer, "state", None), "global_step", None)
             version = step if isinstance(step, int) and step >= 0 else None
+            engine = self.engine
+            assert engine is not None  # _policy_for made it
             if not self.overlap:
                 # The trainer updated the weights since the last call (a fused optimizer leaves no trace the
                 # engine could see): no KV cache of the old weights may be reused. (Under overlap the fence
                 # drops them at each optimizer step, when no turn is sampled.)
-                self.engine.reset()
-            busy0 = self.engine.busy_s
+                engine.reset()
+            busy0 = engine.busy_s
             if self.run.executor is None:
                 self._loop.run(self._open_gateway(version))
             options = {**policy.harness_options(self.episode.harness), **self.episode.harness_options}
@@ -398,7 +402,7 @@ class AresRollouts:
                                 describe_failure(e))
             self.calls.append({
                 "step": step, "version": version, "seconds": time.perf_counter() - t0,
-                "generation_s": self.engine.busy_s - busy0, "episodes": len(episodes), "failed": len(failed),
+                "generation_s": engine.busy_s - busy0, "episodes": len(episodes), "failed": len(failed),
                 "excluded": len(excluded), "stale_tokens": sum(e.stale_tokens for e in episodes),
                 "mean_reward": sum(e.reward for e in episodes) / max(1, len(episodes)), **info,
             })
@@ -639,6 +643,7 @@ class AresRollouts:
     def _check_tokenizer(self, theirs: Any, source: str) -> None:
         if theirs is None or not hasattr(theirs, "encode"):
             return
+        assert self.policy is not None  # _policy_for made it
         mismatch = tokenizer_mismatch(self.policy.renderer.tokenizer, theirs)
         if mismatch is not None:
             text, a, b = mismatch
@@ -650,6 +655,7 @@ class AresRollouts:
 
     def _batch(self, episodes: Sequence[EpisodeSample], prompts: Sequence[Any], trainer: Any,
                version: int | None = None) -> dict[str, list[Any]]:
+        assert self.policy is not None  # _policy_for made it
         tok = getattr(trainer, "processing_class", None)
         eos = getattr(tok, "eos_token_id", None)
         if eos is None:

@@ -57,6 +57,16 @@ async def wait_serving(url: str, proc: subprocess.Popen[str], *, timeout: float 
     raise AssertionError(f"serve did not come up in {timeout:.0f} s")
 
 
+async def eventually(check: Callable[[], object], what: str = "the condition", *, timeout: float = 5.0,
+                     every: float = 0.01) -> None:
+    """Wait on the running loop until ``check()`` is true; fails naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(every)
+
+
 def left_behind(root: Path) -> list[str]:
     """The names of the entries under a local sandbox root (``[]`` when it was never created)."""
     return sorted(p.name for p in root.iterdir()) if root.exists() else []

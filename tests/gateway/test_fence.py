@@ -28,6 +28,7 @@ from ares_gateway import (
 from ares_gateway.core.errors import DrainTimeoutError, InvalidFenceError
 from ares_gateway.policies import PolicyServer
 from tests.gateway.conftest import ADMIN
+from tests.helpers import eventually
 
 pytestmark = pytest.mark.asyncio
 
@@ -69,13 +70,6 @@ def ant(base_url: str, token: str, timeout: float = 30.0) -> anthropic.AsyncAnth
     return anthropic.AsyncAnthropic(base_url=base_url, api_key=token, max_retries=0, timeout=timeout)
 
 
-async def _until(cond: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
 # ---------------------------------------------------------------- in process
 
 
@@ -87,7 +81,7 @@ async def test_request_during_pause_is_answered_after_resume(gw: Gateway) -> Non
         assert report.mode == "drain" and report.in_flight == 0
         task = asyncio.create_task(
             oai(gw, info.base_url, info.token).chat.completions.create(model="m", messages=_MSG))  # type: ignore[arg-type]
-        await _until(lambda: gw.broker.pending_count == 1)
+        await eventually(lambda: gw.broker.pending_count == 1)
         await asyncio.sleep(0.5)
         assert not task.done() and policy.calls == 0  # parked, handed to nobody
         gw.resume_sampling(version=1)
@@ -188,7 +182,7 @@ async def test_non_streaming_client_with_a_short_timeout_times_out_itself(gw: Ga
     with pytest.raises(openai.APITimeoutError):
         await client.chat.completions.create(model="m", messages=_MSG)  # type: ignore[arg-type]
     # Its request is withdrawn when it hangs up: nothing is left parked for a policy to answer.
-    await _until(lambda: gw.broker.pending_count == 0)
+    await eventually(lambda: gw.broker.pending_count == 0)
     gw.resume_sampling()
 
 
@@ -343,7 +337,7 @@ async def test_control_api_bad_input_gets_its_errors_and_loses_nothing_parked(gw
     info = await gw.create_session()
     agent = asyncio.create_task(
         oai(gw, info.base_url, info.token).chat.completions.create(model="m", messages=_MSG))  # type: ignore[arg-type]
-    await _until(lambda: gw.broker.pending_count == 1)
+    await eventually(lambda: gw.broker.pending_count == 1)
     url = gw.url
     async with aiohttp.ClientSession() as anon:
         for path in ("/sampling/pause", "/sampling/resume"):

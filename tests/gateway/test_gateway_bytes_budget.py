@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from ares_gateway import Completion, Gateway, SessionInfo
+from tests.helpers import eventually
 
 TEXT = "x" * 20_000  # each request's body is a little over 20 KB
 BUDGET = 45_000  # two such bodies fit, a third does not
@@ -45,14 +46,6 @@ async def _messages(s: SessionInfo) -> Any:
         return await c.messages.create(model="m", max_tokens=16, messages=[{"role": "user", "content": TEXT}])
 
 
-async def _until(check: Any, what: str) -> None:
-    for _ in range(400):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 async def _metric(gw: Gateway, name: str) -> float:
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {gw.admin_token}"}) as http, \
             http.get(f"{gw.url}/metrics") as r:
@@ -64,7 +57,7 @@ async def test_past_the_gateway_budget_each_protocol_gets_its_429_and_the_total_
     async with Gateway(port=0, data_dir=False, request_timeout=60, max_parked_bytes=BUDGET) as gw:
         a, b, c = [await gw.create_session() for _ in range(3)]
         parked = [asyncio.create_task(_chat(a)), asyncio.create_task(_messages(b))]
-        await _until(lambda: gw.broker.pending_count == 2, "two parked requests")
+        await eventually(lambda: gw.broker.pending_count == 2, "two parked requests")
         held = gw.broker.parked_bytes
         assert 40_000 < held <= BUDGET
         assert held == gw.broker.held_bytes_for(a.session_id) + gw.broker.held_bytes_for(b.session_id)
@@ -103,11 +96,11 @@ async def test_past_the_gateway_budget_each_protocol_gets_its_429_and_the_total_
 
         # Withdrawn (the client gives up): the total comes back down as well.
         gone = asyncio.create_task(_messages(a))
-        await _until(lambda: gw.broker.parked_bytes > 0, "a parked request")
+        await eventually(lambda: gw.broker.parked_bytes > 0, "a parked request")
         gone.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await gone
-        await _until(lambda: gw.broker.pending_count == 0, "the withdrawn request to go")
+        await eventually(lambda: gw.broker.pending_count == 0, "the withdrawn request to go")
         assert gw.broker.parked_bytes == 0
         assert await _metric(gw, "ares_gateway_parked_bytes_now") == 0
 
@@ -122,13 +115,13 @@ async def test_timed_out_requests_give_their_bytes_back_and_the_session_budget_s
         assert gw.broker.parked_bytes == 0 and gw.broker.pending_count == 0
         # One session's second body passes its own (smaller) budget: 429 naming the session's limit.
         first = asyncio.create_task(_messages(a))
-        await _until(lambda: gw.broker.pending_count == 1, "a parked request")
+        await eventually(lambda: gw.broker.pending_count == 1, "a parked request")
         with pytest.raises(anthropic.RateLimitError) as own:
             await _messages(a)
         assert "per session" in own.value.response.json()["error"]["message"]
         # Another session still fits the gateway's budget.
         other = asyncio.create_task(_chat(b))
-        await _until(lambda: gw.broker.pending_count == 2, "two parked requests")
+        await eventually(lambda: gw.broker.pending_count == 2, "two parked requests")
         for task in (first, other):
             with pytest.raises(openai.APIStatusError if task is other else anthropic.APIStatusError):
                 await task
@@ -152,12 +145,12 @@ async def test_sessions_parking_large_bodies_cannot_push_a_small_session_to_429(
     async with Gateway(port=0, data_dir=False, request_timeout=60, max_parked_bytes=100_000) as gw:
         hog, small = await gw.create_session(), await gw.create_session()
         parked = [asyncio.create_task(_chat(hog)) for _ in range(4)]
-        await _until(lambda: gw.broker.pending_count == 4, "four parked requests")
+        await eventually(lambda: gw.broker.pending_count == 4, "four parked requests")
         assert gw.broker.parked_bytes > 80_000
         async with _anthropic(small) as c:
             ask = asyncio.create_task(c.messages.create(model="m", max_tokens=16,
                                                         messages=[{"role": "user", "content": "hello"}]))
-            await _until(lambda: gw.broker.pending_count == 5, "the small session's request")
+            await eventually(lambda: gw.broker.pending_count == 5, "the small session's request")
             assert gw.broker.held_bytes_for(small.session_id) > 0
             with pytest.raises(openai.RateLimitError) as share:
                 async with _openai(hog) as h:
@@ -175,7 +168,7 @@ async def test_sessions_parking_large_bodies_cannot_push_a_small_session_to_429(
         assert gw.broker.parked_bytes == 0
         # A session alone may use the whole budget: the share among one holder is all of it.
         solo = [asyncio.create_task(_chat(small)) for _ in range(4)]
-        await _until(lambda: gw.broker.pending_count == 4, "one session's four parked requests")
+        await eventually(lambda: gw.broker.pending_count == 4, "one session's four parked requests")
         for _ in range(4):
             req = await gw.next_request(timeout=5)
             assert req is not None

@@ -24,6 +24,7 @@ import pytest
 
 from ares_gateway import EpisodeConfig, RunConfig
 from ares_gateway.engines import Sampling
+from tests.helpers import eventually
 from tests.rollouts.e2e import require_mini
 
 pytestmark = pytest.mark.slow
@@ -68,14 +69,6 @@ def _scores(model: Any, tokens: list[int], start: int) -> list[float]:
     finally:
         torch.set_num_threads(threads)
     return [math.nan] * start + lp.tolist()
-
-
-async def _until(check: Any, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def test_weight_updates_mid_episode_keep_every_token_faithful_to_its_version(
@@ -124,8 +117,8 @@ async def _run_and_check(model: Any, weights: dict[int, Any], tmp_path: Path,
                 calls = engine.calls
                 # A turn of the current version is done, and the next one is being sampled: the fence
                 # meets it (drain: it finishes with the old weights; abort: it stops, and is sampled again).
-                await _until(lambda calls=calls: engine.calls > calls and bool(running),  # type: ignore[misc]
-                             f"a turn before fence {version}")
+                await eventually(lambda calls=calls: engine.calls > calls and bool(running),  # type: ignore[misc]
+                             f"a turn before fence {version}", timeout=120.0, every=0.02)
                 await asyncio.sleep(0.2)  # some tokens into it
                 async with gw.weight_update(mode=mode, timeout=300) as report:
                     # Nothing in flight, and nothing on the engine's worker (an aborted generation is off

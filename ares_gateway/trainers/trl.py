@@ -618,7 +618,7 @@ class AresRollouts:
         return f"{out}/step-{step}" if out and step is not None else (str(out) if out is not None else None)
 
     # ----------------------------------------------------------- internals
-    def _policy_for(self, trainer: Any) -> Any:
+    def _policy_for(self, trainer: Any) -> TitoPolicy:
         model = trainer.model
         accelerator = getattr(trainer, "accelerator", None)
         if accelerator is not None:

@@ -26,12 +26,15 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ares_gateway.episodes.failures import classify
 from ares_gateway.episodes.result import EpisodeResult
 from ares_gateway.episodes.stats import StatTracker
 from ares_gateway.episodes.usage import run_usage
+
+if TYPE_CHECKING:
+    from rich.table import Table  # imported where a table is made (start-up time)
 
 __all__ = [
     "FAILED_REASONS",
@@ -285,7 +288,7 @@ def write_failed_run(out: str | os.PathLike[str], run: Mapping[str, Any], *, pla
     )
 
 
-def results_table(summary: RunSummary) -> Any:
+def results_table(summary: RunSummary) -> Table:
     """A rich Table of the episodes (task, attempt, reward, turns, duration, exit reason)."""
     from rich.table import Table
 

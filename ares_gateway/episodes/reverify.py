@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sandbox as sandbox_mod
 from ares_gateway.episodes.episode import (
@@ -58,6 +58,9 @@ from ares_gateway.episodes.verifier import (
 )
 from ares_gateway.episodes.workspaces import check_archive, part_path
 from sandbox.errors import ArchiveTooLargeError, FileTransferError
+
+if TYPE_CHECKING:
+    from rich.table import Table  # imported where a table is made (start-up time)
 
 log = logging.getLogger(__name__)
 
@@ -486,7 +489,7 @@ async def reverify_run(
     return report
 
 
-def report_table(report: ReverifyReport) -> Any:
+def report_table(report: ReverifyReport) -> Table:
     """A rich Table: task, attempt, recorded reward, reward now, status and what differs."""
     from rich.table import Table
 

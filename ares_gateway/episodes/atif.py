@@ -551,7 +551,8 @@ def import_atif(atif_dir: str | Path, run_dir: str | Path) -> AtifExport:
     trajectory's ``extra.reward``, else Harbor's ``result.json`` beside it. A JSON file that is not an
     ATIF trajectory is skipped quietly; one that cannot be read is a problem line. Two trajectories of
     one task and attempt (from two runs) become that task's next attempts."""
-    from ares_gateway.episodes.output import EpisodeResult, RunOutputs, RunSummary
+    from ares_gateway.episodes.output import RunOutputs, RunSummary
+    from ares_gateway.episodes.result import EpisodeResult
 
     atif_dir, run_dir = Path(atif_dir), Path(run_dir)
     report = AtifExport()

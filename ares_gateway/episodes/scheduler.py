@@ -33,7 +33,7 @@ from ares_gateway.episodes.failures import (
     check_retries,
     classify,
 )
-from ares_gateway.episodes.output import EpisodeResult
+from ares_gateway.episodes.result import EpisodeResult
 
 log = logging.getLogger(__name__)
 

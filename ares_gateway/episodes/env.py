@@ -529,10 +529,8 @@ class GatewayEnv:
             harness_name = self._harness if isinstance(self._harness, str) else self._harness.name
             self.session = await gw.create_session(metadata={"task": task.name, "harness": harness_name})
             harness: str | BaseHarness = self._harness
-            if isinstance(harness, str) and self.config is not None and self.config.harness_options:
-                from harnesses import registry
-
-                harness = registry.create(harness, **dict(self.config.harness_options))
+            if isinstance(harness, str) and self.config is not None:
+                harness = self.config.new_harness()  # with the config's harness options
             episode = TaskEpisode(task, harness, sandbox=self.sandbox_backend, image=self.image,
                                   model=self.model, gateway=gw, save_workspace=self.save_workspace)
         sid = self.session.session_id

@@ -57,6 +57,10 @@ class EpisodeConfig:
         # A private copy: the caller's mapping may change after, and a frozen config must not.
         object.__setattr__(self, "harness_options", dict(self.harness_options or {}))
 
+    def new_harness(self) -> BaseHarness:
+        """A fresh harness for one episode: :attr:`harness` made with :attr:`harness_options`."""
+        return registry.create(self.harness, **dict(self.harness_options))
+
 
 @dataclass(frozen=True)
 class EpisodeSpec:
@@ -75,4 +79,4 @@ class EpisodeSpec:
         return f"{self.task.name}.{self.attempt}"
 
     def new_harness(self) -> BaseHarness:
-        return registry.create(self.episode.harness, **dict(self.episode.harness_options))
+        return self.episode.new_harness()

@@ -136,7 +136,8 @@ async def _session(gw: Any, http: Any, turns: int, tokens: bool, timings: list[f
         if rss_at is not None and (t + 1) in rss_at:
             del body, post, req, resp, tok  # this turn's request and answer: not what the session holds
             trim()
-            rss_at[t + 1] = rss_bytes()
+            # Less this bench's own token model (the ids it continues from), which the gateway does not hold.
+            rss_at[t + 1] = rss_bytes() - (model.full.nbytes if tokens else 0)
     return info.session_id
 
 

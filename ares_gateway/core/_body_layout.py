@@ -1,11 +1,14 @@
 """Where a request body's growing list and its items lie in the body's raw bytes.
 
-An agent re-sends its whole history every turn, as JSON it wrote the same way each time. With the
-previous turn's raw body and the byte offsets of its list's items, the items a new body shares with
-it are found by comparing the two bodies' bytes (at memory speed): the shared leading bytes cover
-whole items, and only the bytes after the last shared item are read, with the standard library's
-JSON scanner (which reports where each value ends; orjson, which parsed the body, does not). So the
-cost of finding the shared history does not grow with it.
+An agent re-sends its whole history every turn, as JSON it wrote the same way each time. With where
+the previous turn's list items lay in its raw body and a digest of its bytes up to each item's end,
+the items a new body shares with it are found by hashing the new body's bytes at the same offsets
+(BLAKE3, at about 6 GB/s here; SHA-256 from the standard library hashes at a fifth of that): only
+the bytes after the last shared item are read, with the standard library's JSON scanner (which
+reports where each value ends; orjson, which parsed the body, does not). So the cost of finding the
+shared history does not grow with it beyond hashing it, and a session keeps digests (16 bytes an
+item) where it would keep the previous body's list (half a megabyte at a Claude Code session's 200th
+turn).
 
 Only the layout of a body whose top-level object was walked (:func:`layout_of`), or one derived
 from such a layout with every byte outside the list either shared or walked again, is trusted: a
@@ -21,39 +24,79 @@ from collections.abc import Callable
 from json.scanner import make_scanner
 from typing import Any, NamedTuple
 
+from blake3 import blake3
+
 _WS = re.compile(r"[ \t\n\r]*")
 # The C scanner behind json.loads: (value, end offset) of the JSON value at an offset.
 # (typeshed types make_scanner as a class taking itself.)
 _scan: Callable[[str, int], tuple[Any, int]] = make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 _DIGITS = frozenset(b"0123456789")
 _NUMBER = frozenset(b"0123456789.eE+-")
-#: The run of bytes :func:`common_prefix` compares at a time once the whole differs.
-_RUN = 8192
+#: Bytes of BLAKE3 kept per digest: 128 bits, as the turn record's own digests. A collision would
+#: take another body's item for this one's (its decoding spliced into the body), so a fast
+#: non-cryptographic checksum, which an agent could collide on purpose, will not do.
+_MARK = 16
+#: The items before the last ``_PROBE`` are checked with one digest first (:func:`shared_items`).
+_PROBE = 3
 
 
 class BodyLayout:
-    """One body's raw bytes and where its list lies in them (byte offsets)."""
+    """Where one body's list lies in its raw bytes (byte offsets), and digests of those bytes.
 
-    __slots__ = ("close", "ends", "raw", "start")
+    The list's bytes are not kept, only a digest of the bytes from the ``[`` to each item's end
+    (``marks``, :data:`_MARK` bytes each, in one ``bytes``); with the bytes before the list
+    (``head``) and from its ``]`` on (``tail``: a Claude Code body's system prompt and tools, the
+    same object from turn to turn while they do not change), they are all that a next body is
+    compared against.
+    """
 
-    def __init__(self, raw: bytes, start: int, ends: list[int], close: int) -> None:
-        self.raw = raw
+    __slots__ = ("close", "ends", "head", "marks", "start", "tail")
+
+    def __init__(self, head: bytes, ends: list[int], close: int, tail: bytes, marks: bytes) -> None:
+        self.head = head
         #: Just after the list's ``[``.
-        self.start = start
+        self.start = len(head)
         #: Just after each item.
         self.ends = ends
         #: At the list's ``]``.
         self.close = close
+        self.marks = marks
+        self.tail = tail
 
 
 class LayoutHint(NamedTuple):
     """What the parse of a body found of its layout, handed on to the recorder so that it need not
-    compare the bodies again: the layout of ``layout.raw``, and (``continued``) what
-    :func:`continue_layout` gave against the body ``prev`` (``None``: not compared)."""
+    compare the bodies again: the layout of ``raw``, and (``continued``) what :func:`continue_layout`
+    gave against the layout ``prev`` (``None``: not compared)."""
 
     layout: BodyLayout
-    prev: bytes | None = None
+    raw: bytes
+    prev: BodyLayout | None = None
     continued: tuple[int, BodyLayout, bool] | None = None
+
+
+class Shared(NamedTuple):
+    """What :func:`shared_items` found: how many leading items are shared, and the running hash of the
+    new body's bytes from the list's ``[`` to the last of them (to go on with)."""
+
+    kept: int
+    hasher: blake3
+
+
+def _mark(hasher: blake3) -> bytes:
+    return hasher.digest(_MARK)
+
+
+def _marks(raw: bytes, pos: int, ends: list[int], hasher: blake3) -> bytes:
+    """The digests for items ending at ``ends`` in ``raw``, going on from ``hasher`` (the hash of the
+    bytes up to ``pos``); ``hasher`` is advanced past the last of them."""
+    mv = memoryview(raw)
+    out = []
+    for e in ends:
+        hasher.update(mv[pos:e])
+        out.append(_mark(hasher))  # BLAKE3's digest leaves the hasher as it was, to go on
+        pos = e
+    return b"".join(out)
 
 
 def _ws(text: str, i: int) -> int:
@@ -129,6 +172,17 @@ def _to_bytes(text: str, base: int, offsets: list[int]) -> list[int]:
     return out
 
 
+def _layout(raw: bytes, head: bytes, ends: list[int], close: int, tail: bytes, marks: bytes = b"",
+            hasher: blake3 | None = None) -> BodyLayout:
+    """The layout of ``raw``, ``marks`` the marks of its first items and ``hasher`` the hash of their
+    bytes (``None``: every mark computed here)."""
+    if hasher is None:
+        marks, hasher = b"", blake3()
+    done = len(marks) // _MARK
+    pos = ends[done - 1] if done else len(head)
+    return BodyLayout(head, ends, close, tail, marks + _marks(raw, pos, ends[done:], hasher))
+
+
 def layout_of(raw: bytes, key: str, count: int) -> BodyLayout | None:
     """The layout of ``raw``, a JSON object whose list under ``key`` has ``count`` items (``None``
     when it is not such a body: ``key`` twice or absent, or a count that does not agree)."""
@@ -143,51 +197,63 @@ def layout_of(raw: bytes, key: str, count: int) -> BodyLayout | None:
     if start is None or len(ends) != count or _ws(text, end) != len(text):
         return None
     offs = _to_bytes(text, 0, [start, *ends, close])
-    return BodyLayout(raw, offs[0], offs[1:-1], offs[-1])
+    return _layout(raw, raw[: offs[0]], offs[1:-1], offs[-1], raw[offs[-1] :])
 
 
-def common_prefix(a: bytes, b: bytes) -> int:
-    """How many leading bytes ``a`` and ``b`` share, by ``memcmp`` (``bytes.startswith`` of a
-    ``memoryview``: no copy): the whole first, then runs of ``_RUN`` bytes, then halves of the run
-    that differs."""
-    n = min(len(a), len(b))
-    mb = memoryview(b)
-    if a.startswith(mb[:n]):
-        return n
-    lo = 0
-    while lo + _RUN <= n and a.startswith(mb[lo : lo + _RUN], lo):
-        lo += _RUN
-    hi = min(n, lo + _RUN)  # they differ in [lo, hi)
-    while hi - lo > 64:
-        mid = (lo + hi) // 2
-        if a.startswith(mb[lo:mid], lo):
-            lo = mid
+def shared_items(prev: BodyLayout, raw: bytes) -> Shared | None:
+    """How many leading items of ``prev``'s list ``raw`` repeats: the same bytes at the same offsets,
+    and every byte before the list as well. ``None``: ``raw`` differs before the list.
+
+    A mark covers every byte from the list's ``[`` to its item's end, so the items shared are those
+    up to the last item whose mark ``raw`` gives. Agents append to their history, so most often every
+    item is sent again, or all but the last one or two (Claude Code moves its cache mark off the last
+    message each turn): the first item is checked, then the bytes up to :data:`_PROBE` items before
+    the last that ``raw`` can hold, in one call, then the items after one by one. When that probe
+    fails (a history edited or cut short), the last shared item is found by halving.
+    """
+    if not raw.startswith(prev.head):
+        return None
+    ends, marks = prev.ends, prev.marks
+    mv = memoryview(raw)
+    hasher = blake3()
+    kept, pos = 0, prev.start
+    hi = bisect_right(ends, len(raw))  # the items past these do not end within raw: not shared
+    probing = True
+    while kept < hi:
+        if kept and probing:
+            at = max(kept, hi - 1 - _PROBE)
+        elif kept:
+            at = (kept + hi - 1) // 2
         else:
-            hi = mid
-    while lo < hi and a[lo] == b[lo]:
-        lo += 1
-    return lo
+            at = 0
+        step = hasher.copy()
+        step.update(mv[pos : ends[at]])
+        if _mark(step) == marks[_MARK * at : _MARK * (at + 1)]:
+            hasher, kept, pos = step, at + 1, ends[at]
+        else:
+            probing, hi = False, at
+    return Shared(kept, hasher)
 
 
 def continue_layout(prev: BodyLayout, raw: bytes, key: str, count: int | None,
-                    shared: int | None = None) -> tuple[int, BodyLayout, bool] | None:
+                    shared: Shared | None = None) -> tuple[int, BodyLayout, bool] | None:
     """How many leading items the list in ``raw`` (``count`` of them; ``None``: not known, as before
     ``raw`` is decoded) shares with ``prev``'s, the layout of ``raw``, and whether every byte after
     the list is as in ``prev``. ``None``: the bodies differ before the list (or ``raw`` is not such a
-    body); walk it with :func:`layout_of`. ``shared``: :func:`common_prefix` of the two, if known."""
-    old = prev.raw
+    body); walk it with :func:`layout_of`. ``shared``: :func:`shared_items` of the two, if known."""
     if shared is None:
-        shared = common_prefix(raw, old)
-    if shared < prev.start:
-        return None
+        shared = shared_items(prev, raw)
+        if shared is None:
+            return None
+    kept = shared.kept
+    hasher: blake3 | None = shared.hasher.copy()  # advanced below; the caller's stays as it was
     # The items whose bytes are all shared are the same JSON values; but a number only if it ends
     # there in the new body too ("12" may go on as "123").
-    kept = bisect_right(prev.ends, shared)
-    if kept and prev.ends[kept - 1] == shared and old[shared - 1] in _DIGITS and raw[shared:shared + 1] \
-            and raw[shared] in _NUMBER:
-        kept -= 1
+    end = prev.ends[kept - 1] if kept else 0
+    if kept and raw[end - 1] in _DIGITS and raw[end : end + 1] and raw[end] in _NUMBER:
+        kept, hasher = kept - 1, None  # the marks computed again from the first item
     pos = prev.ends[kept - 1] if kept else prev.start
-    fast = _continue_to_same_tail(prev, raw, pos, kept, count)
+    fast = _continue_to_same_tail(prev, raw, pos, kept, count, hasher)
     if fast is not None:
         return fast
     try:
@@ -197,8 +263,11 @@ def continue_layout(prev: BodyLayout, raw: bytes, key: str, count: int | None,
             return None
         offs = _to_bytes(text, pos, [*ends, close])
         close_at = offs[-1]
-        same_after = raw[close_at:] == old[prev.close :]
-        if not same_after and (b'"%s"' % key.encode() in raw[close_at:] or b"\\u" in raw[close_at:]):
+        tail = raw[close_at:]
+        same_after = tail == prev.tail
+        if same_after:
+            tail = prev.tail
+        if not same_after and (b'"%s"' % key.encode() in tail or b"\\u" in tail):
             # The fields after the list changed and may name the list's key (as written or escaped):
             # walk them, so a second list cannot hide there.
             again, _, _, end = _members(text, close + 1, key, after_member=True)
@@ -206,11 +275,13 @@ def continue_layout(prev: BodyLayout, raw: bytes, key: str, count: int | None,
                 return None
     except (ValueError, StopIteration, RecursionError, UnicodeDecodeError):
         return None
-    return kept, BodyLayout(raw, prev.start, prev.ends[:kept] + offs[:-1], close_at), same_after
+    layout = _layout(raw, prev.head, prev.ends[:kept] + offs[:-1], close_at, tail, prev.marks[: _MARK * kept],
+                     hasher)
+    return kept, layout, same_after
 
 
-def _continue_to_same_tail(prev: BodyLayout, raw: bytes, pos: int, kept: int,
-                           count: int | None) -> tuple[int, BodyLayout, bool] | None:
+def _continue_to_same_tail(prev: BodyLayout, raw: bytes, pos: int, kept: int, count: int | None,
+                           hasher: blake3 | None) -> tuple[int, BodyLayout, bool] | None:
     """:func:`continue_layout` when ``raw`` ends with every byte ``prev`` had from its list's ``]``
     on (the fields after the list unchanged, as an agent's next turn sends them): only the bytes
     between the last shared item and that ``]`` are decoded and walked, where the whole rest of the
@@ -221,10 +292,8 @@ def _continue_to_same_tail(prev: BodyLayout, raw: bytes, pos: int, kept: int,
     would read up to that ``]``: every value there ends before it, and a number cannot run on into
     it. From the ``]`` on the bytes are ``prev``'s, after its list: the same members, already walked.
     """
-    old = prev.raw
-    tail = len(old) - prev.close
-    close_at = len(raw) - tail
-    if close_at < pos or not raw.endswith(memoryview(old)[prev.close :]):
+    close_at = len(raw) - len(prev.tail)
+    if close_at < pos or not raw.endswith(prev.tail):
         return None
     try:
         text = raw[pos : close_at + 1].decode()
@@ -234,4 +303,6 @@ def _continue_to_same_tail(prev: BodyLayout, raw: bytes, pos: int, kept: int,
     if close != len(text) - 1 or (count is not None and kept + len(ends) != count):
         return None
     offs = _to_bytes(text, pos, [*ends, close])
-    return kept, BodyLayout(raw, prev.start, prev.ends[:kept] + offs[:-1], offs[-1]), True
+    layout = _layout(raw, prev.head, prev.ends[:kept] + offs[:-1], offs[-1], prev.tail,
+                     prev.marks[: _MARK * kept], hasher)
+    return kept, layout, True

@@ -99,10 +99,11 @@ def _digest(value: Any) -> bytes:
 class Line:
     """What the next turn of one line (a session's main line, or its side calls) is encoded against.
 
-    For the body: the previous turn's raw body and where its list lies in it; the digests of its
-    items (for a body that cannot be compared as bytes); and digests of its other top-level fields. For
-    token ids, only which turn the next one's are encoded against: the message tree holds that
-    turn's ids (:meth:`~trajectory.TrajectoryManager.last_ids`), and they are compared there.
+    For the body: where the previous turn's list lay in its raw body, with digests of those bytes; the
+    digests of its items as values (for a body that cannot be compared as bytes); and digests of its
+    other top-level fields. For token ids, only which turn the next one's are encoded against: the
+    message tree holds that turn's ids (:meth:`~trajectory.TrajectoryManager.last_ids`), and they are
+    compared there.
     """
 
     __slots__ = ("chat", "chat_seq", "hashes", "kept", "layout", "seq", "since_key", "top", "tseq")
@@ -115,7 +116,7 @@ class Line:
         self.since_key = 0  # records on this line since its last keyframe (one stored whole)
         self.hashes: list[bytes] = []
         self.top: dict[str, bytes] = {}
-        #: The previous turn's raw body and where its list's items lie in it (when it came as bytes).
+        #: Where the previous turn's list items lay in its raw body (when it came as bytes).
         self.layout: BodyLayout | None = None
         #: How many leading items the last body's list shared with the one before it, every other
         #: field the same (-1: not so).
@@ -165,7 +166,7 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: Line, seq: i
                 raw: bytes | None = None, hint: LayoutHint | None = None) -> dict[str, Any]:
     """The body as a delta against the line's previous turn (``raw``: the bytes it was parsed from;
     ``hint``: what the parse found of its layout, taken when it is of these very bytes)."""
-    if hint is not None and (raw is None or hint.layout.raw is not raw):
+    if hint is not None and (raw is None or hint.raw is not raw):
         hint = None
     lk = LIST_KEYS.get(protocol)
     items = body.get(lk) if lk is not None else None
@@ -175,7 +176,7 @@ def _body_delta(protocol: WireProtocol, body: dict[str, Any], line: Line, seq: i
     # case: its cost does not grow with the history); else from the parsed body.
     shared = None
     if lk is not None and items is not None and raw is not None and line.layout is not None:
-        if hint is not None and hint.continued is not None and hint.prev is line.layout.raw:
+        if hint is not None and hint.continued is not None and hint.prev is line.layout:
             shared = hint.continued  # the parse compared these bytes with the same previous body
         else:
             shared = continue_layout(line.layout, raw, lk, len(items))

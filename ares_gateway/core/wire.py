@@ -62,7 +62,7 @@ _CONTAINERS = (dict, list, tuple)
 class Reuse:
     """What a request's parse may take over from the same session's previous request on the same line.
 
-    Found by comparing the two bodies' raw bytes (:mod:`ares_gateway.core._body_layout`), never their
+    Found from the two bodies' raw bytes (:mod:`ares_gateway.core._body_layout`), never their
     parsed values (``1``, ``1.0`` and ``true`` compare equal in Python): an agent re-sends its history
     as the same bytes every turn, so only what follows the shared history is converted again. The
     objects taken over are the previous request's own: a canonical request is read-only.

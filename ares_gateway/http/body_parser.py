@@ -31,7 +31,14 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from ares_gateway.core._body_layout import BodyLayout, LayoutHint, common_prefix, continue_layout, layout_of
+from ares_gateway.core._body_layout import (
+    BodyLayout,
+    LayoutHint,
+    Shared,
+    continue_layout,
+    layout_of,
+    shared_items,
+)
 from ares_gateway.core.broker import UNENCODABLE_REQUEST, CanonicalEncoder, _canonical_json
 from ares_gateway.core.canonical import CanonicalRequest, Message, Tool, WireProtocol
 from ares_gateway.core.record_codec import LIST_KEYS
@@ -91,21 +98,22 @@ _WS = b" \t\r\n"
 class ParseMemo:
     """One session's latest bodies, so that its next request decodes and converts only what is new.
 
-    An agent re-sends its whole history every turn, as the same bytes. With the previous body's raw
-    bytes and where its list's items lie in them (:mod:`ares_gateway.core._body_layout`), the items a
-    new body shares with it are found by comparing bytes (at memory speed), never parsed values
-    (``1 == True`` in Python). When nothing outside the list changed, only the bytes of the new items
-    are decoded, and the new body is the previous one with those items added (the same objects:
-    neither is ever mutated); the messages of the shared items and the tools are taken over as well
-    (:class:`~ares_gateway.core.wire.Reuse`). A long session's turn then costs what its new
-    messages cost, where decoding, converting and freeing the whole body cost what the history costs.
+    An agent re-sends its whole history every turn, as the same bytes. With where the previous body's
+    list items lay in its raw bytes and digests of those bytes (:mod:`ares_gateway.core._body_layout`),
+    the items a new body shares with it are found by hashing the new body's bytes at the same places,
+    never by comparing parsed values (``1 == True`` in Python). When nothing outside the list changed,
+    only the bytes of the new items are decoded, and the new body is the previous one with those items
+    added (the same objects: neither is ever mutated); the messages of the shared items and the tools
+    are taken over as well (:class:`~ares_gateway.core.wire.Reuse`). A long session's turn then costs
+    what its new messages cost, where decoding, converting and freeing the whole body cost what the
+    history costs.
     Two lines are kept, the most recently used first, because an agent's side calls (titles,
     summaries: other bodies) come between its main turns.
 
     Each line also has a :class:`~ares_gateway.core.broker.CanonicalEncoder`, which encodes its
     requests' canonical form for ``/poll`` reusing what the last one shared (the same objects).
 
-    Kept per session (``Session.parse_memo``), for each line: the previous body's bytes (the same
+    Kept per session (``Session.parse_memo``), for each line: the previous body's layout (the same
     object the recorder keeps for its own delta), its decoded list and top-level object, its
     canonical messages and tools, and their encoding once polled. Bodies the gateway parses off the
     loop never come here.
@@ -116,16 +124,16 @@ class ParseMemo:
     def __init__(self) -> None:
         self.lines: list[_Line] = []
 
-    def _best(self, protocol: WireProtocol, raw: bytes) -> tuple[_Line | None, int]:
+    def _best(self, protocol: WireProtocol, raw: bytes) -> tuple[_Line | None, Shared | None]:
         best: _Line | None = None
-        most = -1
+        most: Shared | None = None
         for line in self.lines:
-            lay = line.layout
             if line.protocol is not protocol:
                 continue
-            shared = common_prefix(raw, lay.raw)
+            shared = shared_items(line.layout, raw)
             # A body that does not share its first item's bytes is another line's (or a new one).
-            if shared >= (lay.ends[0] if lay.ends else lay.close) and shared > most:
+            if shared is not None and (shared.kept or not line.layout.ends) \
+                    and (most is None or shared.kept > most.kept):
                 best, most = line, shared
         return best, most
 
@@ -136,7 +144,7 @@ class ParseMemo:
         adapter = get_adapter(protocol)
         key = LIST_KEYS[protocol]
         line, shared = self._best(protocol, raw)
-        got = None if line is None else continue_layout(line.layout, raw, key, None, shared)
+        got = None if line is None or shared is None else continue_layout(line.layout, raw, key, None, shared)
         body: Any = None
         if line is not None and got is not None and got[2]:
             body = self._grown(line, raw, key, got[0], got[1])
@@ -160,14 +168,14 @@ class ParseMemo:
         request = adapter.parse_request(body, reuse=reuse, ends=ends)
         if layout is None:  # not a body the layout can follow (its list's key twice, say)
             return ParsedBody(body, request, None)
-        hint = LayoutHint(layout)
+        hint = LayoutHint(layout, raw)
         if reuse is None or line is None:
             line = _Line(protocol, layout)
             if len(self.lines) >= 2:
                 self.lines.pop()
         else:
             assert got is not None
-            hint = LayoutHint(layout, line.layout.raw, got)
+            hint = LayoutHint(layout, raw, line.layout, got)
             self.lines.remove(line)
         line.layout, line.body, line.items = layout, body, items
         line.messages, line.tools, line.ends = request.messages, request.tools, ends

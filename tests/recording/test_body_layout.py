@@ -34,6 +34,7 @@ from ares_gateway.protocols import get_adapter
 
 ANTH = WireProtocol.ANTHROPIC_MESSAGES
 
+
 #: How clients write JSON: compact (Node's JSON.stringify, serde_json, orjson), Python's json.dumps
 #: defaults (", " and ": ", non-ASCII escaped), indented, and raw UTF-8.
 WRITERS: dict[str, Callable[[Any], bytes]] = {
@@ -168,17 +169,42 @@ def test_a_body_it_cannot_vouch_for_gets_no_layout() -> None:
     assert continue_layout(lay, b'{"model":"n","messages":[{"a":1},{"b":2}]}', "messages", 2) is None
 
 
-def test_common_prefix_is_the_shared_leading_bytes() -> None:
-    rng = random.Random(7)
-    for n in [0, 1, 63, 64, 65, 8191, 8192, 8193, 20000, 3 * 8192 + 17]:
-        a = rng.randbytes(n)
-        for cut in sorted({0, n // 3, n - 1, n} - {-1}):
-            b = a[:cut] + bytes([(a[cut] + 1) % 256]) + a[cut + 1 :] if cut < n else a + b"more"
-            want = cut
-            assert layout_mod.common_prefix(a, b) == want, (n, cut)
-            assert layout_mod.common_prefix(b, a) == want, (n, cut)
-        assert layout_mod.common_prefix(a, a[: n // 2]) == n // 2
-        assert layout_mod.common_prefix(a, bytes(a)) == n
+def _leading_bytes(a: bytes, b: bytes) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 4, 5, 9, 40])
+def test_the_shared_items_are_those_whose_bytes_come_again_at_their_places(count: int) -> None:
+    """Every item up to the first whose bytes differ (the last ones, as Claude Code's moving mark does,
+    or one before the single check of the items before them, or the first; one byte other is enough)
+    and no further; a body that differs before the list shares nothing; each as the bytes themselves
+    compared say."""
+    rng = random.Random(count)
+    items = [{"role": "user", "content": f"m{i} " * rng.randrange(1, 40)} for i in range(count)]
+    raw = orjson.dumps({"model": "m", "messages": items, "system": "s"})
+    lay = layout_of(raw, "messages", count)
+    assert lay is not None
+    for at in sorted({0, 1, count // 2, count - 4, count - 3, count - 2, count - 1} & set(range(count))):
+        for edit in ("changed", "same length", "cut", "grown"):
+            new_items = copy.deepcopy(items)
+            if edit == "changed":
+                new_items[at]["cache_control"] = {"type": "ephemeral"}
+            elif edit == "same length":  # one byte other, every offset as before
+                new_items[at]["content"] = "M" + new_items[at]["content"][1:]
+            elif edit == "cut":
+                new_items = new_items[:at]
+            else:
+                new_items += [{"role": "user", "content": "more"}]
+            new = orjson.dumps({"model": "m", "messages": new_items, "system": "s"})
+            same = _leading_bytes(raw, new)
+            want = sum(1 for e in lay.ends if e <= same)
+            got = layout_mod.shared_items(lay, new)
+            assert got is not None and got.kept == want, (at, edit)
+            assert got.kept == _lcp(items, new_items)
+    assert layout_mod.shared_items(lay, orjson.dumps({"model": "n", "messages": items})) is None
 
 
 def test_an_unchanged_tail_walks_only_the_new_items(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -86,3 +86,41 @@ RELAY_RECORD = (
     'while [ -d "/proc/$p" ] && [ $i -lt 40 ]; do sleep 0.05; i=$((i+1)); done; fi; '
     'l=; read -r l </proc/self/stat; _ares_start "$l"; echo "$$ $t" >"$id.tmp" && mv -f "$id.tmp" "$id"; '
 )
+
+#: ``sh -c KILL_ALL NAME UID ROUNDS [KEEPER-RECORD]``, as root inside a container: kills every process
+#: (of user UID; '' = every user) but PID 1, the container's keeper when KEEPER-RECORD (``"<pid>
+#: <start>"``, the host's record taken at start) still names it, the relays (each only while it is the
+#: very process recorded: start time, uid 0) and this script with its ancestors (the exec wrapper above
+#: it), in rounds of 50 ms, ROUNDS at most. Builtins only (but sleep), so the script's own helpers never
+#: show up and no program is looked up while listing. Prints the number killed; exit 3 (and the
+#: survivors) when time runs out.
+KILL_ALL = r"""
+want=$1; rounds=$2; keeper_record=$3; self=$$; killed=0
+""" + KEEP_RECORDED + r"""
+anc=""; p=$self
+while [ -n "$p" ] && [ "$p" -gt 1 ]; do
+  anc="$anc $p"; pp=""
+  while read -r k v _; do case $k in PPid:) pp=$v; break;; esac; done <"/proc/$p/status" 2>/dev/null
+  p=$pp
+done
+keep=" 1 $keeper $relays $anc "
+n=0
+while :; do
+  list=""
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    case "$keep" in *" $p "*) continue;; esac
+    st=""; u=""
+    while read -r k v _; do
+      case $k in State:) st=$v;; Uid:) u=$v; break;; esac
+    done <"$d/status" 2>/dev/null || continue
+    case $st in Z|X|"") continue;; esac
+    [ -n "$want" ] && [ "$u" != "$want" ] && continue
+    list="$list $p"
+  done
+  [ -z "$list" ] && { echo "$killed"; exit 0; }
+  n=$((n+1)); [ $n -gt "$rounds" ] && { echo "survivors:$list"; exit 3; }
+  for p in $list; do kill -9 "$p" 2>/dev/null && killed=$((killed+1)); done
+  sleep 0.05
+done
+"""

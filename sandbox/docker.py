@@ -32,7 +32,7 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 
 from . import janitor
 from ._disk import is_mounted
-from ._procid import EXEC_DIR, KEEP_RECORDED, KILL_RECORDED, RECORD_AND_EXEC, RELAY_RECORD, START_FN
+from ._procid import EXEC_DIR, KILL_ALL, KILL_RECORDED, RECORD_AND_EXEC, RELAY_RECORD, START_FN
 from .errors import (
     BackendUnavailableError,
     ExecError,
@@ -155,42 +155,6 @@ _TUNNEL_RELAY = f'PATH={SYSTEM_PATH}; export PATH; port=$1; d=/.ares; ' + RELAY_
     'exec python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --tunnel binary '
     '--ready-file "$d/relay-$port.pid" --max-connections "$2"'
 )
-# $1 uid ('' = every user), $2 rounds of 50 ms, $3 the keeper's record ("<pid> <start>", taken by the
-# host when the container started).  Kills every process but PID 1, the container's `sleep infinity`
-# and the relays (each only while it is the very process recorded: start time, uid 0) and itself
-# (with the exec wrapper above it); builtins only (but sleep), so the script's own helpers never show
-# up and no program is looked up while listing.  Prints the number killed; exit 3 (and the survivors)
-# when time runs out.
-_KILL_ALL = r"""
-want=$1; rounds=$2; keeper_record=$3; self=$$; killed=0
-""" + KEEP_RECORDED + r"""
-anc=""; p=$self
-while [ -n "$p" ] && [ "$p" -gt 1 ]; do
-  anc="$anc $p"; pp=""
-  while read -r k v _; do case $k in PPid:) pp=$v; break;; esac; done <"/proc/$p/status" 2>/dev/null
-  p=$pp
-done
-keep=" 1 $keeper $relays $anc "
-n=0
-while :; do
-  list=""
-  for d in /proc/[0-9]*; do
-    p=${d#/proc/}
-    case "$keep" in *" $p "*) continue;; esac
-    st=""; u=""
-    while read -r k v _; do
-      case $k in State:) st=$v;; Uid:) u=$v; break;; esac
-    done <"$d/status" 2>/dev/null || continue
-    case $st in Z|X|"") continue;; esac
-    [ -n "$want" ] && [ "$u" != "$want" ] && continue
-    list="$list $p"
-  done
-  [ -z "$list" ] && { echo "$killed"; exit 0; }
-  n=$((n+1)); [ $n -gt "$rounds" ] && { echo "survivors:$list"; exit 3; }
-  for p in $list; do kill -9 "$p" 2>/dev/null && killed=$((killed+1)); done
-  sleep 0.05
-done
-"""
 
 
 # What limits_reached() reads inside the container (as root, builtins but df) where the host's view
@@ -738,7 +702,7 @@ class DockerSandbox(BaseSandbox):
                     raise ExecError(f"no user {user!r} in sandbox {self.id}: {r.stderr.strip()}")
                 uid = r.stdout.strip()
         rounds = max(1, int(timeout / 0.05))
-        r = await self._exec(command_to_shell(["sh", "-c", _KILL_ALL, "ares-kill", uid, str(rounds),
+        r = await self._exec(command_to_shell(["sh", "-c", KILL_ALL, "ares-kill", uid, str(rounds),
                                                self._keeper_record]), user="root",
                              cwd="/", env={}, timeout=timeout + 30)
         out = r.stdout.strip()

@@ -52,7 +52,7 @@ from urllib.parse import urlencode
 from . import janitor
 from ._procid import (
     EXEC_DIR_SH,
-    KEEP_RECORDED,
+    KILL_ALL,
     KILL_TOKEN,
     RECORD_AND_EXEC,
     RELAY_RECORD,
@@ -124,40 +124,6 @@ _TUNNEL_RELAY = (
     + 'exec python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --tunnel binary '
     '--ready-file "$d/relay-$port.pid" --max-connections "$2"'
 )
-# $1 uid ('' = every user), $2 rounds of 50 ms, $3 the keeper's record ("<pid> <start>", taken when the
-# pod started).  Kills every process of the pod but PID 1, the keeper's sleep and the relays (each
-# only while it is the very process recorded: start time, uid 0) and itself with its ancestors;
-# builtins only (but sleep).  Prints the number killed; exit 3 (and the survivors) when time runs out.
-_KILL_ALL = r"""
-want=$1; rounds=$2; keeper_record=$3; self=$$; killed=0
-""" + KEEP_RECORDED + r"""
-anc=""; p=$self
-while [ -n "$p" ] && [ "$p" -gt 1 ]; do
-  anc="$anc $p"; pp=""
-  while read -r k v _; do case $k in PPid:) pp=$v; break;; esac; done <"/proc/$p/status" 2>/dev/null
-  p=$pp
-done
-keep=" 1 $keeper $relays $anc "
-n=0
-while :; do
-  list=""
-  for d in /proc/[0-9]*; do
-    p=${d#/proc/}
-    case "$keep" in *" $p "*) continue;; esac
-    st=""; u=""
-    while read -r k v _; do
-      case $k in State:) st=$v;; Uid:) u=$v; break;; esac
-    done <"$d/status" 2>/dev/null || continue
-    case $st in Z|X|"") continue;; esac
-    [ -n "$want" ] && [ "$u" != "$want" ] && continue
-    list="$list $p"
-  done
-  [ -z "$list" ] && { echo "$killed"; exit 0; }
-  n=$((n+1)); [ $n -gt "$rounds" ] && { echo "survivors:$list"; exit 3; }
-  for p in $list; do kill -9 "$p" 2>/dev/null && killed=$((killed+1)); done
-  sleep 0.05
-done
-"""
 # Prints "<pid> <start time>" of the pod's keeper (the sleep of PID 1's loop), once it has one.
 _KEEPER_RECORD = START_FN + (
     'i=0; k=; while :; do read -r k </proc/1/task/1/children; [ -n "$k" ] && break; i=$((i+1)); '
@@ -929,7 +895,7 @@ class KubernetesSandbox(BaseSandbox):
         if not self._keeper_record:
             raise ExecError(
                 f"sandbox {self.id}: the pod's keeper was never recorded; kill_processes() needs it")
-        code, out, err = await self._root(["/bin/sh", "-c", _KILL_ALL, "ares-kill", uid, str(rounds),
+        code, out, err = await self._root(["/bin/sh", "-c", KILL_ALL, "ares-kill", uid, str(rounds),
                                            self._keeper_record], timeout=timeout + 30)
         text = out.decode(errors="replace").strip()
         if code != 0 or not text.isdigit():

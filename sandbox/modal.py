@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from . import janitor
-from ._procid import EXEC_DIR_SH, KEEP_RECORDED, KILL_TOKEN, RECORD_AND_EXEC, RELAY_RECORD, USER_NAME_SH
+from ._procid import EXEC_DIR_SH, KILL_ALL, KILL_TOKEN, RECORD_AND_EXEC, RELAY_RECORD, USER_NAME_SH
 from ._relay import READER_LIMIT
 from .errors import BackendUnavailableError, ExecError, FileTransferError, ForwardError, SandboxStartError
 from .protocol import (
@@ -85,40 +85,6 @@ _TUNNEL_RELAY = 'port=$1; d=/.ares; ' + RELAY_RECORD + (
     'exec python3 -I /.ares/relay.py --listen "127.0.0.1:$port" --tunnel binary '
     '--ready-file "$d/relay-$port.pid" --max-connections "$2"'
 )
-# $1 uid ('' = every user), $2 rounds of 50 ms.  Kills every process but PID 1 (the sandbox's
-# entrypoint: killing it ends the sandbox), the relays (only while each is the very process its
-# root-written record names: start time, uid 0) and this script's own ancestors; builtins only (but
-# sleep).  Prints the number killed; exit 3 (and the survivors) when time runs out.
-_KILL_ALL = r"""
-want=$1; rounds=$2; keeper_record=; self=$$; killed=0
-""" + KEEP_RECORDED + r"""
-anc=""; p=$self
-while [ -n "$p" ] && [ "$p" -gt 1 ]; do
-  anc="$anc $p"; pp=""
-  while read -r k v _; do case $k in PPid:) pp=$v; break;; esac; done <"/proc/$p/status" 2>/dev/null
-  p=$pp
-done
-keep=" 1 $relays $anc "
-n=0
-while :; do
-  list=""
-  for d in /proc/[0-9]*; do
-    p=${d#/proc/}
-    case "$keep" in *" $p "*) continue;; esac
-    st=""; u=""
-    while read -r k v _; do
-      case $k in State:) st=$v;; Uid:) u=$v; break;; esac
-    done <"$d/status" 2>/dev/null || continue
-    case $st in Z|X|"") continue;; esac
-    [ -n "$want" ] && [ "$u" != "$want" ] && continue
-    list="$list $p"
-  done
-  [ -z "$list" ] && { echo "$killed"; exit 0; }
-  n=$((n+1)); [ $n -gt "$rounds" ] && { echo "survivors:$list"; exit 3; }
-  for p in $list; do kill -9 "$p" 2>/dev/null && killed=$((killed+1)); done
-  sleep 0.05
-done
-"""
 
 
 def _sdk() -> Any:
@@ -549,7 +515,7 @@ class ModalSandbox(BaseSandbox):
                         f"no user {user!r} in sandbox {self.id}: {err_b.decode(errors='replace').strip()}")
                 uid = uid_b.decode().strip()
         rounds = max(1, int(timeout / 0.05))
-        code, out_b, err_b = await self._raw(["/bin/sh", "-c", _KILL_ALL, "ares-kill", uid, str(rounds)],
+        code, out_b, err_b = await self._raw(["/bin/sh", "-c", KILL_ALL, "ares-kill", uid, str(rounds)],
                                              timeout=timeout + 30)
         out = out_b.decode(errors="replace").strip()
         if code != 0 or not out.isdigit():

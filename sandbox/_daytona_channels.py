@@ -23,31 +23,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ._relay import READER_LIMIT
-from .tunnel import Channel
+from .tunnel import Channel, ReaderFlow
 
 #: The daemon's read limit for one inbound WebSocket message (gorilla ``SetReadLimit``).
 MAX_WS_MESSAGE = 64 * 1024
-
-
-class _Flow:
-    """What a StreamReader calls when it holds too much (``pause_reading``) and again once it was read
-    down (``resume_reading``); ``wait()`` lets the feeding side wait for the latter."""
-
-    def __init__(self, on_pause: Callable[[], None] | None = None,
-                 on_resume: Callable[[], None] | None = None) -> None:
-        self.resumed = asyncio.Event()
-        self.resumed.set()
-        self.on_pause, self.on_resume = on_pause, on_resume
-
-    def pause_reading(self) -> None:
-        self.resumed.clear()
-        if self.on_pause is not None:
-            self.on_pause()
-
-    def resume_reading(self) -> None:
-        self.resumed.set()
-        if self.on_resume is not None:
-            self.on_resume()
 
 
 class _QueuedWriter:
@@ -139,7 +118,7 @@ async def daytona_pty_channel(
     Closing it kills the session (the daemon kills the PTY's process tree) and closes the WebSocket.
     """
     reader = asyncio.StreamReader(limit=READER_LIMIT)
-    flow = _Flow()
+    flow = ReaderFlow()
     # The reader's own pause threshold (2 * limit) is far below one credit window: it waits only at
     # max_buffer.  Tracking the size ourselves keeps StreamReader's internals out of it.
     reader.set_transport(flow)  # type: ignore[arg-type]
@@ -203,7 +182,7 @@ class _SSHSession:
     def connection_made(self, chan: Any) -> None:
         self.chan = chan
         # The reader pauses the channel when it holds too much: SSH's window does the rest.
-        self.reader.set_transport(_Flow(chan.pause_reading, chan.resume_reading))  # type: ignore[arg-type]
+        self.reader.set_transport(ReaderFlow(chan.pause_reading, chan.resume_reading))  # type: ignore[arg-type]
 
     def session_started(self) -> None:
         return None

@@ -75,7 +75,7 @@ from .protocol import (
 )
 from .registry import import_sdk
 from .spec import SandboxSpec
-from .tunnel import Channel, Tunnel, TunnelError
+from .tunnel import Channel, ReaderFlow, Tunnel, TunnelError
 
 T = TypeVar("T")
 
@@ -213,21 +213,6 @@ def _ws_client_class() -> Any:
     return _ExecApiClient
 
 
-class _Resumer:
-    """Stands in as the StreamReader's transport: it pauses the WebSocket's reader while the
-    StreamReader holds too much (the same backpressure asyncio's own streams have)."""
-
-    def __init__(self) -> None:
-        self.go = asyncio.Event()
-        self.go.set()
-
-    def pause_reading(self) -> None:
-        self.go.clear()
-
-    def resume_reading(self) -> None:
-        self.go.set()
-
-
 class ExecStream:
     """One exec WebSocket: stdout into :attr:`stdout` (a StreamReader), stderr into :attr:`stderr`
     (the last ``stderr_cap`` bytes, all when ``None``), the exit status from channel 3 in
@@ -238,7 +223,7 @@ class ExecStream:
         self.ws = ws
         self.protocol: str = ws.protocol or ""
         self.stdout = asyncio.StreamReader(limit=READER_LIMIT)
-        self._resumer = _Resumer()
+        self._resumer = ReaderFlow()
         self.stdout.set_transport(self._resumer)  # type: ignore[arg-type]
         self.stderr = bytearray()
         self.stderr_cap, self.max_message, self.high_water = stderr_cap, max_message, high_water
@@ -268,7 +253,7 @@ class ExecStream:
         why: BaseException | None = None
         try:
             while True:
-                await self._resumer.go.wait()
+                await self._resumer.resumed.wait()
                 msg = await self.ws.receive()
                 if msg.type != aiohttp.WSMsgType.BINARY:
                     if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,

@@ -46,7 +46,7 @@ from .protocol import (
 )
 from .registry import import_sdk
 from .spec import SandboxSpec
-from .tunnel import Channel, Tunnel, TunnelError
+from .tunnel import Channel, ReaderFlow, Tunnel, TunnelError
 
 __all__ = ["MODAL_TAG", "ModalSandbox", "gc_candidates", "gc_remove", "modal_process_channel"]
 
@@ -112,21 +112,6 @@ def _aio(fn: Any) -> Callable[..., Awaitable[Any]]:
 
 
 # -- the exec channel ---------------------------------------------------------------------------------
-
-
-class _ProcessReading:
-    """The reader's transport: ``StreamReader`` pauses it when it holds more than twice its limit, and
-    the stdout pump waits while paused (backpressure instead of an unbounded buffer)."""
-
-    def __init__(self) -> None:
-        self.resumed = asyncio.Event()
-        self.resumed.set()
-
-    def pause_reading(self) -> None:
-        self.resumed.clear()
-
-    def resume_reading(self) -> None:
-        self.resumed.set()
 
 
 class _ProcessWriter:
@@ -219,7 +204,7 @@ class _ProcessWriter:
 
 
 async def _pump_stdout(stream: AsyncIterable[bytes], reader: asyncio.StreamReader,
-                       reading: _ProcessReading) -> None:
+                       reading: ReaderFlow) -> None:
     try:
         async for chunk in stream:
             if isinstance(chunk, str):  # text=True by mistake: the frames would be corrupted
@@ -267,7 +252,7 @@ async def modal_process_channel(
     if high_water < 1 or chunk < 1 or exit_timeout <= 0:
         raise ValueError("high_water, chunk and exit_timeout must be positive")
     reader = asyncio.StreamReader(limit=READER_LIMIT)
-    reading = _ProcessReading()
+    reading = ReaderFlow()
     reader.set_transport(reading)  # type: ignore[arg-type]
     writer = _ProcessWriter(process.stdin, high_water=high_water, chunk=chunk)
     stderr = bytearray()

@@ -230,6 +230,28 @@ async def pipe_channel(argv: list[str], *, env: dict[str, str] | None = None,
     return Channel(proc.stdout, proc.stdin, close, f"pipe to {argv[0]} (pid {proc.pid})", stderr)
 
 
+class ReaderFlow:
+    """A StreamReader's transport for a channel fed by a pump: the reader calls ``pause_reading`` when
+    it holds too much and ``resume_reading`` once it was read down; the pump waits on :attr:`resumed`
+    (backpressure instead of an unbounded buffer), and ``on_pause`` / ``on_resume`` pass the calls on."""
+
+    def __init__(self, on_pause: Callable[[], None] | None = None,
+                 on_resume: Callable[[], None] | None = None) -> None:
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.on_pause, self.on_resume = on_pause, on_resume
+
+    def pause_reading(self) -> None:
+        self.resumed.clear()
+        if self.on_pause is not None:
+            self.on_pause()
+
+    def resume_reading(self) -> None:
+        self.resumed.set()
+        if self.on_resume is not None:
+            self.on_resume()
+
+
 class _FdReading:
     """Reads a non-blocking descriptor into a StreamReader with the loop's reader callbacks; the reader
     pauses it (``pause_reading``) when it holds too much.  For a PTY master: uvloop's pipe transports

@@ -28,7 +28,7 @@ from ares_gateway.trainers import UnknownTaskError
 from harnesses import registry
 from tests.helpers import BrokenInstallHarness
 from tests.prereq import require
-from tests.trainers.conftest import require_mini_install
+from tests.trainers.conftest import recorded_main_line, require_mini_install
 
 pytestmark = pytest.mark.slow
 
@@ -172,29 +172,6 @@ def _worker(model_dir: str, loops: Path, server: LlamaRolloutServer) -> tuple[An
     return agent_loop.AgentLoopWorker(config, llm_client=client), client
 
 
-def _recorded(out: Path, session_id: str) -> dict[str, Any]:
-    """The episode's main-line sample as the gateway wrote it (trajectories/, see docs/recording.md)."""
-    from ares_gateway.trainers import main_sample
-    from trajectory import Sample
-
-    samples = []
-    for f in out.rglob("*.jsonl"):
-        if f.parent.name != "trajectories":
-            continue
-        for line in f.read_text().splitlines():
-            d = json.loads(line)
-            if d["metadata"].get("session_id") != session_id:
-                continue
-            samples.append(
-                Sample(tokens=np.array(d["tokens"], dtype=np.int32), response_length=d["response_length"],
-                       loss_mask=np.array(d["loss_mask"], dtype=np.int32),
-                       logprobs=np.array(d["logprobs"], dtype=np.float32), metadata=d["metadata"]))
-    assert samples, f"no recorded sample of {session_id} under {out}"
-    best, _ = main_sample(samples)
-    assert best is not None
-    return best.to_dict()
-
-
 def test_verl_agent_loop_worker_runs_real_episodes_and_returns_the_recorded_samples(tmp_path: Path,
                                                                                     model_dir: str) -> None:
     require_mini_install()
@@ -224,7 +201,7 @@ def test_verl_agent_loop_worker_runs_real_episodes_and_returns_the_recorded_samp
     assert set(results) == set(sessions)  # every output is a real episode the gateway ran
     multi_turn = 0
     for i, sid in enumerate(sessions):
-        rec = _recorded(tmp_path / "episodes", sid)
+        rec = recorded_main_line(tmp_path / "episodes", sid)
         n = len(rec["tokens"]) - rec["response_length"]
         length = int(b["attention_mask"][i, PROMPT_LENGTH:].sum())
         assert length == rec["response_length"]

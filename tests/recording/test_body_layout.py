@@ -34,7 +34,6 @@ from ares_gateway.protocols import get_adapter
 
 ANTH = WireProtocol.ANTHROPIC_MESSAGES
 
-
 #: How clients write JSON: compact (Node's JSON.stringify, serde_json, orjson), Python's json.dumps
 #: defaults (", " and ": ", non-ASCII escaped), indented, and raw UTF-8.
 WRITERS: dict[str, Callable[[Any], bytes]] = {
